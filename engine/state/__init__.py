@@ -1,0 +1,30 @@
+"""Values and pure transitions: no I/O, no CUDA, no KV allocation."""
+
+from engine.state.batch import MAX_TREE_NODES, Batch, DraftTrees, Mode
+from engine.state.finish import FinishReason, first_finish
+from engine.state.params import SamplingParams
+from engine.state.running import FinishRules, Running
+from engine.state.seqlens import SeqLens, frozen_array
+from engine.state.transitions import (
+    Effects,
+    Result,
+    abandon,
+    abort,
+    decode,
+    extend,
+    filter_batch,
+    finish,
+    merge,
+    retract,
+    schedule_decode,
+    schedule_extend,
+    schedule_verify,
+    verify,
+)
+
+__all__ = [
+    "MAX_TREE_NODES", "Batch", "DraftTrees", "Mode", "FinishReason", "first_finish",
+    "SamplingParams", "FinishRules", "Running", "SeqLens", "frozen_array", "Effects", "Result",
+    "abandon", "abort", "decode", "extend", "filter_batch", "finish", "merge", "retract",
+    "schedule_decode", "schedule_extend", "schedule_verify", "verify",
+]

@@ -1,0 +1,169 @@
+"""The snapshot of one forward pass: what the attention backends and the model read.
+
+A `Batch` is the `Running` state before the pass plus, per request, the tokens computed in
+this pass (`new_lens`), their inputs and the KV slots they are written to, and the draft trees
+when verifying. `seq_lens` (prefix + new) is derived, never passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from engine.state.running import Running
+from engine.state.seqlens import INDEX_DTYPE, SeqLens, frozen_array
+
+MAX_TREE_NODES = 63  # ancestor masks are int64 bit sets
+
+
+class Mode(enum.Enum):
+    IDLE = "idle"
+    EXTEND = "extend"
+    DECODE = "decode"
+    VERIFY = "verify"
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+@attrs.frozen(eq=False)
+class DraftTrees:
+    """One draft tree per request, flattened in batch order.
+
+    Node 0 of each tree is its root: the request's pending token (its KV is computed in the
+    verify pass). `parents` holds local indices (root: -1) and every parent precedes its child.
+    """
+
+    sizes: SeqLens
+    tokens: np.ndarray = attrs.field(converter=frozen_array)
+    parents: np.ndarray = attrs.field(converter=frozen_array)
+    depths: np.ndarray = attrs.field(init=False)
+    ancestor_bits: np.ndarray = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        total = self.sizes.total
+        if self.tokens.shape[0] != total or self.parents.shape[0] != total:
+            raise ValueError(f"draft trees have {self.tokens.shape[0]} tokens and "
+                             f"{self.parents.shape[0]} parents; sizes sum to {total}")
+        if len(self.sizes) and (self.sizes.lens < 1).any():
+            raise ValueError("every draft tree has at least its root")
+        if self.sizes.max > MAX_TREE_NODES:
+            raise ValueError(f"a draft tree has {self.sizes.max} nodes; at most "
+                             f"{MAX_TREE_NODES} are allowed")
+        local = self.sizes.offsets_within()
+        is_root = local == 0
+        if (self.parents[is_root] != -1).any():
+            raise ValueError("node 0 of every draft tree must be its root (parent -1)")
+        rest = ~is_root
+        if ((self.parents[rest] < 0) | (self.parents[rest] >= local[rest])).any():
+            raise ValueError("every non-root node's parent must be an earlier node of its tree")
+        depths, bits = _depths_and_ancestors(self.sizes, self.parents, local)
+        object.__setattr__(self, "depths", _readonly(depths))
+        object.__setattr__(self, "ancestor_bits", _readonly(bits))
+
+    @classmethod
+    def from_lists(cls, tokens: Sequence[Sequence[int]],
+                   parents: Sequence[Sequence[int]]) -> DraftTrees:
+        sizes = SeqLens([len(t) for t in tokens])
+        flat_tokens = np.fromiter((x for t in tokens for x in t), dtype=INDEX_DTYPE)
+        flat_parents = np.fromiter((x for p in parents for x in p), dtype=INDEX_DTYPE)
+        return cls(sizes, flat_tokens, flat_parents)
+
+    @classmethod
+    def roots_only(cls, root_tokens: np.ndarray) -> DraftTrees:
+        n = len(root_tokens)
+        return cls(SeqLens.full(n, 1), root_tokens, np.full(n, -1, dtype=INDEX_DTYPE))
+
+
+def _depths_and_ancestors(sizes: SeqLens, parents: np.ndarray,
+                          local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depth of each node and its ancestor-or-self set as bits over local node indices."""
+    total = sizes.total
+    depths = np.zeros(total, dtype=INDEX_DTYPE)
+    bits = np.left_shift(np.int64(1), local).astype(np.int64)
+    starts = np.repeat(sizes.starts(), sizes.lens)
+    # Parents precede children, so visiting nodes by local index fills every parent first.
+    for position in range(1, sizes.max):
+        nodes = np.flatnonzero(local == position)
+        parent_flat = starts[nodes] + parents[nodes]
+        depths[nodes] = depths[parent_flat] + 1
+        bits[nodes] |= bits[parent_flat]
+    return depths, bits
+
+
+@attrs.frozen(eq=False)
+class Batch:
+    """One forward pass over every request of `running`."""
+
+    running: Running
+    new_lens: SeqLens
+    input_ids: np.ndarray = attrs.field(converter=frozen_array)
+    out_slots: np.ndarray = attrs.field(converter=frozen_array)
+    trees: DraftTrees | None = None
+    seq_lens: SeqLens = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.running)
+        if len(self.new_lens) != n:
+            raise ValueError(f"new_lens has {len(self.new_lens)} entries; the batch has {n}")
+        total = self.new_lens.total
+        if self.input_ids.shape[0] != total or self.out_slots.shape[0] != total:
+            raise ValueError(f"{total} new tokens need as many input ids and slots; got "
+                             f"{self.input_ids.shape[0]} ids and {self.out_slots.shape[0]} slots")
+        if self.trees is None:
+            room = self.running.pending_lens
+            if n and (self.new_lens.lens > room).any():
+                raise ValueError(f"new tokens {self.new_lens} exceed the pending tokens "
+                                 f"{room.tolist()}")
+        else:
+            if self.trees.sizes != self.new_lens:
+                raise ValueError("a verify pass computes exactly the draft trees' nodes")
+            if n and (self.running.pending_lens != 1).any():
+                raise ValueError("verify needs every request to have exactly one pending token")
+        seq = self.running.kv_lens + self.new_lens
+        if n and seq.max > self.running.max_context:
+            raise ValueError(f"a request reaches {seq.max} tokens; max_context is "
+                             f"{self.running.max_context}")
+        object.__setattr__(self, "seq_lens", seq)
+
+    # --- derived ------------------------------------------------------------------------
+    @property
+    def prefix_lens(self) -> SeqLens:
+        return self.running.kv_lens
+
+    @property
+    def mode(self) -> Mode:
+        if self.new_lens.total == 0:
+            return Mode.IDLE
+        if self.trees is not None:
+            return Mode.VERIFY
+        if (self.new_lens.lens == 1).all() and (self.running.pending_lens == 1).all():
+            return Mode.DECODE
+        return Mode.EXTEND
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Position of each new token: prefix length plus offset (or tree depth)."""
+        within = self.trees.depths if self.trees is not None else self.new_lens.offsets_within()
+        return _readonly(np.repeat(self.prefix_lens.lens, self.new_lens.lens) + within)
+
+    @property
+    def samples(self) -> np.ndarray:
+        """Whether each request yields a next token (an extend chunk short of the end: no)."""
+        if self.trees is not None:
+            return _readonly(np.ones(len(self.running), dtype=bool))
+        return _readonly(self.seq_lens.lens == self.running.token_lens.lens)
+
+    @property
+    def logit_rows(self) -> np.ndarray:
+        """Flat index of the new token whose logits are sampled, for requests that sample
+        (the last token of the chunk); every tree node's logits are kept when verifying."""
+        if self.trees is not None:
+            return _readonly(np.arange(self.new_lens.total, dtype=INDEX_DTYPE))
+        ends = self.new_lens.indptr()[1:] - 1
+        return _readonly(ends[self.samples])

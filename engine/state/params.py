@@ -1,0 +1,59 @@
+"""Sampling parameters: one frozen, validated value per request."""
+
+from __future__ import annotations
+
+import attrs
+
+
+def _check(field: str, value: object, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} is not allowed; {field} must be {allowed}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@attrs.frozen
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature 0 is greedy. top_k -1 keeps every token. Stop strings are matched on the
+    produced text by the engine; stop token ids and EOS are checked by the state core.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    min_tokens: int = 0
+    stop: tuple[str, ...] = attrs.field(default=(), converter=lambda v: (v,) if isinstance(v, str) else tuple(v))
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        t = self.temperature
+        _check("temperature", t, isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0,
+               "a number >= 0 (0 means greedy)")
+        p = self.top_p
+        _check("top_p", p, isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1,
+               "in (0, 1]")
+        k = self.top_k
+        _check("top_k", k, _is_int(k) and (k == -1 or k >= 1), "-1 (disabled) or an integer >= 1")
+        m = self.max_tokens
+        _check("max_tokens", m, _is_int(m) and m >= 1, "an integer >= 1")
+        n = self.min_tokens
+        _check("min_tokens", n, _is_int(n) and 0 <= n <= m, f"an integer in [0, max_tokens={m}]")
+        _check("stop", self.stop, all(isinstance(s, str) and s for s in self.stop),
+               "a list of non-empty strings")
+        ids = self.stop_token_ids
+        _check("stop_token_ids", ids, all(_is_int(i) and i >= 0 for i in ids),
+               "a list of integers >= 0")
+        _check("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "a bool")
+        s = self.seed
+        _check("seed", s, s is None or (_is_int(s) and 0 <= s < 2**63), "None or an integer in [0, 2**63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

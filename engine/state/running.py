@@ -1,0 +1,153 @@
+"""The requests that hold KV, as one columnar immutable value.
+
+Per request: its id, its request-table row, `kv_lens` (tokens whose KV is committed; equal to
+the slots it owns and to the filled prefix of its table row), `token_lens` (tokens known:
+prompt plus output), and the columns the finish check reads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from engine.state.seqlens import INDEX_DTYPE, SeqLens, frozen_array
+
+DEBUG = os.environ.get("ENGINE_DEBUG", "0") not in ("", "0")
+
+
+def _stop_matrix(values: object) -> np.ndarray:
+    array = np.array(values, dtype=INDEX_DTYPE, copy=True)
+    if array.ndim == 1:
+        array = array.reshape(-1, 0) if array.size == 0 else array.reshape(-1, 1)
+    if array.ndim != 2:
+        raise ValueError(f"stop_ids must be a (batch, k) matrix; got shape {array.shape}")
+    array.flags.writeable = False
+    return array
+
+
+@attrs.frozen(eq=False)
+class FinishRules:
+    """Finish-check columns: max/min new tokens, EOS id (-1: ignored), stop ids (-1 padded)."""
+
+    max_new: np.ndarray = attrs.field(converter=frozen_array)
+    min_new: np.ndarray = attrs.field(converter=frozen_array)
+    eos: np.ndarray = attrs.field(converter=frozen_array)
+    stop_ids: np.ndarray = attrs.field(converter=_stop_matrix)
+
+    def __attrs_post_init__(self) -> None:
+        n = self.max_new.shape[0]
+        if not (self.min_new.shape[0] == self.eos.shape[0] == self.stop_ids.shape[0] == n):
+            raise ValueError("FinishRules columns must all have one entry per request")
+
+    @classmethod
+    def empty(cls) -> FinishRules:
+        return cls([], [], [], np.zeros((0, 0), dtype=INDEX_DTYPE))
+
+    def __len__(self) -> int:
+        return int(self.max_new.shape[0])
+
+    def select(self, indices: np.ndarray) -> FinishRules:
+        return FinishRules(self.max_new[indices], self.min_new[indices], self.eos[indices],
+                           self.stop_ids[indices])
+
+    def concat(self, other: FinishRules) -> FinishRules:
+        width = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
+
+        def pad(m: np.ndarray) -> np.ndarray:
+            return np.pad(m, ((0, 0), (0, width - m.shape[1])), constant_values=-1)
+
+        return FinishRules(np.concatenate([self.max_new, other.max_new]),
+                           np.concatenate([self.min_new, other.min_new]),
+                           np.concatenate([self.eos, other.eos]),
+                           np.concatenate([pad(self.stop_ids), pad(other.stop_ids)]))
+
+
+@attrs.frozen(eq=False)
+class Running:
+    """Requests holding KV, in batch order. Every column has one entry per request."""
+
+    rids: np.ndarray = attrs.field(converter=frozen_array)
+    rows: np.ndarray = attrs.field(converter=frozen_array)
+    kv_lens: SeqLens
+    token_lens: SeqLens
+    prompt_lens: np.ndarray = attrs.field(converter=frozen_array)
+    last_tokens: np.ndarray = attrs.field(converter=frozen_array)
+    rules: FinishRules
+    max_context: int
+
+    def __attrs_post_init__(self) -> None:
+        n = self.rids.shape[0]
+        sizes = (self.rows.shape[0], len(self.kv_lens), len(self.token_lens),
+                 self.prompt_lens.shape[0], self.last_tokens.shape[0], len(self.rules))
+        if any(size != n for size in sizes):
+            raise ValueError(f"Running columns disagree on the batch size: {n} vs {sizes}")
+        if n and not (self.kv_lens.lens <= self.token_lens.lens).all():
+            raise ValueError(f"kv_lens {self.kv_lens} exceed token_lens {self.token_lens}")
+        if n and self.token_lens.max > self.max_context:
+            raise ValueError(f"a request has {self.token_lens.max} tokens; "
+                             f"max_context is {self.max_context}")
+        if DEBUG and n:
+            if np.unique(self.rids).size != n or np.unique(self.rows).size != n:
+                raise ValueError("request ids and rows must be unique within a batch")
+            if (self.prompt_lens > self.token_lens.lens).any() or (self.prompt_lens < 1).any():
+                raise ValueError("each request needs 1 <= prompt_len <= token_len")
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def empty(cls, max_context: int) -> Running:
+        return cls([], [], SeqLens.empty(), SeqLens.empty(), [], [], FinishRules.empty(),
+                   max_context)
+
+    @classmethod
+    def admitted(cls, rids: Sequence[int], rows: Sequence[int], token_lens: Sequence[int],
+                 prompt_lens: Sequence[int], last_tokens: Sequence[int], rules: FinishRules,
+                 max_context: int, kv_lens: Sequence[int] | None = None) -> Running:
+        """Requests entering with no KV committed yet (kv_lens 0, or a reused prefix)."""
+        kv = SeqLens(np.zeros(len(rids), dtype=INDEX_DTYPE) if kv_lens is None else kv_lens)
+        return cls(rids, rows, kv, SeqLens(token_lens), prompt_lens, last_tokens, rules,
+                   max_context)
+
+    # --- reading ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.rids.shape[0])
+
+    @property
+    def num_output(self) -> np.ndarray:
+        return self.token_lens.lens - self.prompt_lens
+
+    @property
+    def pending_lens(self) -> np.ndarray:
+        """Known tokens whose KV is not yet computed (1 for a request ready to decode)."""
+        return self.token_lens.lens - self.kv_lens.lens
+
+    def index_of(self, rid: int) -> int:
+        hits = np.flatnonzero(self.rids == rid)
+        if hits.size != 1:
+            raise KeyError(f"request {rid} is not in this batch")
+        return int(hits[0])
+
+    # --- new values ---------------------------------------------------------------------
+    def select(self, indices: Sequence[int] | np.ndarray) -> Running:
+        """The requests at `indices` (a bool mask or integer indices), in that order."""
+        idx = np.asarray(indices)
+        if idx.dtype == bool:
+            idx = np.flatnonzero(idx)
+        return Running(self.rids[idx], self.rows[idx], self.kv_lens.select(idx),
+                       self.token_lens.select(idx), self.prompt_lens[idx],
+                       self.last_tokens[idx], self.rules.select(idx), self.max_context)
+
+    def merge(self, other: Running) -> Running:
+        """This batch followed by `other`; lengths and sums stay exact."""
+        if other.max_context != self.max_context:
+            raise ValueError("cannot merge batches with different max_context")
+        if np.intersect1d(self.rids, other.rids).size:
+            raise ValueError("cannot merge batches that share a request")
+        return Running(np.concatenate([self.rids, other.rids]),
+                       np.concatenate([self.rows, other.rows]),
+                       self.kv_lens.concat(other.kv_lens), self.token_lens.concat(other.token_lens),
+                       np.concatenate([self.prompt_lens, other.prompt_lens]),
+                       np.concatenate([self.last_tokens, other.last_tokens]),
+                       self.rules.concat(other.rules), self.max_context)
