@@ -35,6 +35,8 @@ class SlotAllocator:
         return self._num_free
 
     def alloc(self, count: int) -> np.ndarray:
+        if count < 0:
+            raise ValueError(f"asked for {count} KV slots; the count must be >= 0")
         if count > self._num_free:
             raise OutOfSlots(f"asked for {count} KV slots; {self._num_free} are free")
         slots = self._free_stack[self._num_free - count:self._num_free][::-1].copy()
@@ -83,6 +85,8 @@ class RequestTable:
         if row in self._free_rows:
             raise ValueError(f"request-table row {row} released twice")
         self.host[row] = PADDING_SLOT
+        if self.device.device.type != "cpu":
+            self.device[row] = PADDING_SLOT
         self._free_rows.append(row)
 
     def write(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:

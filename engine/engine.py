@@ -1,0 +1,320 @@
+"""The Engine: owns the mutable resources and turns transitions' effects into changes.
+
+One thread runs `step()`. Other threads only `submit` and `abort` through a thread-safe inbox.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine import scheduler, state
+from engine.config import EngineConfig
+from engine.errors import InvalidRequest
+from engine.kv import KVBook
+from engine.request import Completion, Delta, Request
+from engine.runtime import Runtime, build_runtime
+from engine.state import FinishReason, FinishRules, Running, SamplingParams
+from engine.textio import PromptInput, TextOutput, prompt_to_ids
+
+Prompt = PromptInput
+
+
+class Engine:
+    """generate / stream / submit / abort over one model; `step()` advances every request."""
+
+    def __init__(self, model: str | None = None, **overrides: Any) -> None:
+        self.config = EngineConfig(model=model).replace(**overrides)
+        self.runtime: Runtime = build_runtime(self.config)
+        rt = self.runtime
+        self.tokenizer = rt.tokenizer
+        self.max_context = rt.max_context
+        self.book = KVBook(rt.num_slots, self.config.max_running_requests, rt.max_context,
+                           rt.device)
+        self.runner = rt.make_runner(self.book)
+        self.running = Running.empty(rt.max_context)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.requests: dict[int, Request] = {}
+        self.by_request_id: dict[str, Request] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.text = TextOutput(self.tokenizer)
+        self.stats = collections.Counter()
+        self.step_times: collections.deque = collections.deque(maxlen=1024)
+        self.spec = rt.make_speculator(self.config) if self.config.speculative else None
+
+    # --- submission (any thread) ------------------------------------------------------------
+    def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None,
+               request_id: str | None = None, sink: queue.SimpleQueue | None = None) -> str:
+        """Validate and queue one request; raises InvalidRequest, allocating nothing."""
+        return self._submit(prompt, params, request_id, sink).request_id
+
+    def _submit(self, prompt: Prompt, params: SamplingParams | dict | None,
+                request_id: str | None, sink: queue.SimpleQueue | None) -> Request:
+        params = _to_params(params)
+        ids = prompt_to_ids(self.tokenizer, prompt)
+        self._validate(ids)
+        request = Request(request_id or "", ids, params, sink=sink)
+        if not request.request_id:
+            request.request_id = f"req-{request.uid}"
+        self._inbox.put(("add", request))
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request wherever it is; its slots are freed at the next step."""
+        self._inbox.put(("abort", request_id))
+
+    def _validate(self, ids: list[int]) -> None:
+        vocab = self.runtime.vocab_size
+        if not ids:
+            raise InvalidRequest("prompt", "is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest("prompt", f"token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        if len(ids) >= self.max_context:
+            raise InvalidRequest("prompt", f"prompt has {len(ids)} tokens; max_context is "
+                                 f"{self.max_context} (room for one output token is needed)")
+        if len(ids) + 1 > self.book.slots.capacity:
+            raise InvalidRequest("prompt", f"prompt has {len(ids)} tokens; the KV pool holds "
+                                 f"{self.book.slots.capacity}")
+
+    # --- the loop (one thread) ----------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(len(self.running) or self.waiting or not self._inbox.empty())
+
+    def step(self) -> None:
+        """Advance every request by one forward pass (or admit/abort only)."""
+        started = time.perf_counter()
+        self._drain_inbox()
+        self._admit()
+        if not len(self.running):
+            return
+        plan = scheduler.plan_extend(self.running, self.config.chunk_size)
+        mode = self._run_extend(plan) if plan is not None else self._run_decode()
+        self.step_times.append((mode, time.perf_counter() - started))
+
+    def _drain_inbox(self) -> None:
+        while not self._inbox.empty():
+            kind, item = self._inbox.get()
+            if kind == "add":
+                self.requests[item.uid] = item
+                self.by_request_id[item.request_id] = item
+                self.waiting.append(item)
+                self.stats["prompt_tokens"] += len(item.prompt_ids)
+            else:
+                self._abort_now(item)
+
+    def _abort_now(self, request_id: str) -> None:
+        request = self.by_request_id.get(request_id)
+        if request is None or request.done:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+            self._finish_request(request, FinishReason.ABORT)
+            return
+        index = self.running.index_of(request.uid)
+        self._commit(state.abort(self.running, [index]))
+
+    def _admit(self) -> None:
+        reserved = len(self.running) * (1 + (self.config.draft_budget if self.spec else 0))
+        count = scheduler.count_admissible(
+            [len(r.all_ids) for r in self.waiting], self.book.table.num_free_rows,
+            self.book.slots.num_free, reserved, self.config.chunk_size)
+        if count == 0:
+            return
+        entering = [self.waiting.popleft() for _ in range(count)]
+        rows = [self.book.table.alloc_row() for _ in entering]
+        rules = FinishRules(
+            [r.params.max_tokens for r in entering], [r.params.min_tokens for r in entering],
+            [-1 if r.params.ignore_eos else self.runtime.eos_id for r in entering],
+            _pad_stop_ids([r.params.stop_token_ids for r in entering]))
+        admitted = Running.admitted(
+            [r.uid for r in entering], rows, [len(r.all_ids) for r in entering],
+            [len(r.prompt_ids) for r in entering], [r.all_ids[-1] for r in entering], rules,
+            self.max_context)
+        self.running = state.merge(self.running, admitted)
+        if self.spec is not None:
+            for r in entering:
+                self.spec.add_request(r.uid, r.all_ids)
+
+    def _reserve(self, tokens_needed: Any) -> bool:
+        """Make `tokens_needed()` slots free by retracting the newest requests.
+
+        Returns False when the step's own batch changed (the caller re-plans)."""
+        while tokens_needed() > self.book.slots.num_free:
+            index = scheduler.newest(self.running.rids)
+            request = self.requests[int(self.running.rids[index])]
+            if len(self.running) == 1:
+                # Alone and still too big for the pool: it can never finish.
+                self._commit(state.finish(self.running, [index], FinishReason.LENGTH))
+            else:
+                request.num_retractions += 1
+                self.stats["retractions"] += 1
+                self._commit(state.retract(self.running, [index]))
+                self.waiting.appendleft(request)
+            return False
+        return True
+
+    def _run_extend(self, plan: scheduler.ExtendPlan) -> str:
+        if not self._reserve(lambda: plan.num_tokens):
+            return "retract"
+        sub_index = plan.indices
+        sub = self.running.select(sub_index)
+        rest = self.running.select(np.setdiff1d(np.arange(len(self.running)), sub_index))
+        input_ids = np.concatenate([
+            self.requests[int(uid)].all_ids[kv:kv + n]
+            for uid, kv, n in zip(sub.rids, sub.kv_lens.lens, plan.chunk_lens, strict=True)])
+        batch = state.schedule_extend(sub, plan.chunk_lens, input_ids,
+                                      self.book.slots.alloc(plan.num_tokens))
+        sampled = self._forward_and_sample(batch)
+        self.running = rest
+        self._commit(state.extend(batch, sampled), merge=True)
+        return "extend"
+
+    def _run_decode(self) -> str:
+        if self.spec is not None:
+            return self.spec.run_verify(self)
+        if not self._reserve(lambda: len(self.running)):
+            return "retract"
+        batch = state.schedule_decode(self.running, self.book.slots.alloc(len(self.running)))
+        sampled = self._forward_and_sample(batch)
+        self.running = Running.empty(self.max_context)
+        self._commit(state.decode(batch, sampled), merge=True)
+        return "decode"
+
+    def _forward_and_sample(self, batch: state.Batch) -> np.ndarray:
+        try:
+            logits = self.runner.forward(batch)
+            uids = batch.running.rids[batch.samples]
+            params = [self.requests[int(u)].params for u in uids]
+            steps = [len(self.requests[int(u)].output_ids) for u in uids]
+            return self.runtime.sample(logits, params, uids, steps)
+        except BaseException:
+            self.book.apply(state.abandon(batch))
+            raise
+
+    # --- effects -> resources and outputs ---------------------------------------------------------
+    def _commit(self, result: state.Result, merge: bool = False) -> None:
+        """Apply a transition: its effects to the KV book, its tokens to the requests."""
+        effects = result.effects
+        self.book.apply(effects)
+        self.running = state.merge(self.running, result.running) if merge else result.running
+        finished = effects.finished()
+        stopped: list[int] = []
+        for uid, tokens in effects.emitted().items():
+            request = self.requests[uid]
+            request.output_ids.extend(tokens)
+            self.stats["generated_tokens"] += len(tokens)
+            if self.spec is not None:
+                self.spec.extend(uid, tokens)
+            if self.text.update(request) and uid not in finished:
+                stopped.append(uid)
+        for uid, reason in finished.items():
+            self._finish_request(self.requests[uid], reason)
+        for uid in self.requests.keys() & set(effects.emitted()) - set(finished) - set(stopped):
+            self._publish(self.requests[uid])
+        if stopped:
+            indices = [self.running.index_of(uid) for uid in stopped]
+            self._commit(state.finish(self.running, indices, FinishReason.STOP))
+
+    def _finish_request(self, request: Request, reason: FinishReason) -> None:
+        request.finish_reason = reason
+        self.text.finish(request)
+        self.stats["finished"] += 1
+        if self.spec is not None:
+            self.spec.remove(request.uid)
+        self._publish(request)
+        self.requests.pop(request.uid, None)
+        self.by_request_id.pop(request.request_id, None)
+
+    def _publish(self, request: Request) -> None:
+        if request.sink is None:
+            return
+        delta = request.take_delta(self.text.streamable_chars(request))
+        if delta is not None:
+            request.sink.put(delta)
+
+    # --- convenience API (drives the loop itself) ---------------------------------------------
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | dict | list | None = None) -> list[Completion]:
+        """Results in input order; one params value or one per prompt."""
+        batch_prompts = _as_prompt_list(prompts)
+        params = (list(sampling_params) if isinstance(sampling_params, list)
+                  else [sampling_params] * len(batch_prompts))
+        if len(params) != len(batch_prompts):
+            raise InvalidRequest("sampling_params", f"{len(params)} values for "
+                                 f"{len(batch_prompts)} prompts; give one, or one per prompt")
+        # Validate everything first, so a bad prompt rejects the call before anything runs.
+        checked = [(prompt_to_ids(self.tokenizer, p), _to_params(sp))
+                   for p, sp in zip(batch_prompts, params, strict=True)]
+        for ids, _ in checked:
+            self._validate(ids)
+        requests = [self._submit(ids, sp, None, None) for ids, sp in checked]
+        while not all(r.done for r in requests):
+            self.step()
+        return [r.completion() for r in requests]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | dict | None = None) -> Iterator[Delta]:
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        self.submit(prompt, params, sink=sink)
+        while True:
+            while sink.empty():
+                self.step()
+            delta = sink.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def check(self) -> None:
+        """Slot conservation and table integrity, now (raises AssertionError)."""
+        self.book.check(self.running)
+
+    def metrics(self) -> dict[str, Any]:
+        return dict(num_running=len(self.running), num_waiting=len(self.waiting),
+                    kv_slots_total=self.book.slots.capacity,
+                    kv_slots_free=self.book.slots.num_free,
+                    kv_slots_used=self.book.slots.capacity - self.book.slots.num_free,
+                    **dict(self.stats),
+                    **(self.spec.stats_dict() if self.spec is not None else {}))
+
+
+def _to_params(params: SamplingParams | dict | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    try:
+        return SamplingParams(**params)
+    except TypeError as error:
+        raise InvalidRequest("sampling_params", str(error)) from None
+    except ValueError as error:
+        field = str(error).split("=", 1)[0]
+        raise InvalidRequest(field, str(error)) from None
+
+
+def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], dict):
+        return [prompts]
+    return list(prompts)
+
+
+def _pad_stop_ids(rows: Iterable[tuple[int, ...]]) -> np.ndarray:
+    rows = list(rows)
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+

@@ -1,0 +1,118 @@
+"""Builds what an Engine runs on from its config: device, model, tokenizer, KV pool, backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from engine.backends import KVPool, get_backend
+from engine.config import EngineConfig
+from engine.kv import KVBook
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model.loader import load_model
+from engine.model.sampling import SamplingTensors, sample
+from engine.model.tokenizer import Tokenizer, load_tokenizer
+from engine.runner import ModelRunner
+from engine.state import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_CONTEXT = 8192
+
+
+@attrs.define
+class Runtime:
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model: LlamaModel
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    max_context: int
+    num_slots: int
+    backend_name: str
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        return -1 if eos is None else int(eos)
+
+    def make_runner(self, book: KVBook) -> ModelRunner:
+        mc = self.model_config
+        pool = KVPool.allocate(mc.num_layers, self.num_slots + 1, mc.num_kv_heads, mc.head_dim,
+                               self.dtype, book.table.device)
+        return ModelRunner(self.model, get_backend(self.backend_name, pool), self.device,
+                           self.config.cuda_graph_max_batch)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], uids: np.ndarray,
+               steps: list[int]) -> np.ndarray:
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1).cpu().numpy()
+        seeded = [p if p.seed is not None else attrs.evolve(p, seed=self._seed(int(u)))
+                  for p, u in zip(params, uids, strict=True)]
+        tensors = SamplingTensors.build(seeded, steps, self.vocab_size, logits.device)
+        return sample(logits, tensors).cpu().numpy()
+
+    def _seed(self, uid: int) -> int:
+        # Requests without a seed draw from the engine seed and their own id: reproducible
+        # for one engine, different across requests.
+        return (self.config.seed * 1_000_003 + uid) % (2**63)
+
+    def make_speculator(self, config: EngineConfig) -> Any:
+        from engine.speculator import Speculator
+
+        return Speculator(self, config)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but no CUDA device is available; use 'cpu'")
+    return device
+
+
+def build_runtime(config: EngineConfig) -> Runtime:
+    device = _device(config.device)
+    dtype = (_DTYPES[config.dtype] if config.dtype != "auto"
+             else torch.bfloat16 if device.type == "cuda" else torch.float32)
+    backend = (config.attention_backend if config.attention_backend != "auto"
+               else "triton" if device.type == "cuda" else "torch")
+    tokenizer = load_tokenizer(None if config.random_weights else config.model)
+    if config.random_weights:
+        presets = {"llama3_8b": ModelConfig.llama3_8b, "tiny": ModelConfig.tiny}
+        if config.random_weights not in presets:
+            raise ValueError(f"random_weights={config.random_weights!r}; choose one of "
+                             f"{sorted(presets)}")
+        model_config = presets[config.random_weights]()
+        model = LlamaModel(model_config, dtype, device).init_random(config.seed)
+    else:
+        model, model_config = load_model(config.model, dtype, device)
+    max_context = config.max_context or min(model_config.max_position_embeddings,
+                                            DEFAULT_MAX_CONTEXT)
+    slots = config.kv_cache_slots or _slots_from_budget(config, model_config, dtype, device)
+    return Runtime(config, device, dtype, model, model_config, tokenizer, max_context, slots,
+                   backend)
+
+
+def _slots_from_budget(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
+                       device: torch.device) -> int:
+    per_slot = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.kv_cache_fraction)
+    else:
+        budget = config.kv_cache_bytes
+    slots = budget // per_slot
+    if slots < 16:
+        raise ValueError(f"the KV budget of {budget} bytes holds {slots} tokens "
+                         f"({per_slot} bytes each); raise kv_cache_bytes or kv_cache_fraction")
+    return int(slots)

@@ -1,0 +1,75 @@
+"""Text at the edges: prompts in (text, token ids or chat messages), text out (incremental
+detokenization and stop strings, matched where the text is produced)."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from engine.errors import InvalidRequest
+from engine.model.tokenizer import IncrementalDetokenizer
+from engine.request import Request
+
+PromptInput = Union[str, list[int], list[dict]]
+
+
+def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
+    """Token ids of a prompt: a string, a list of token ids, or chat messages."""
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, (list, tuple)):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if all(isinstance(m, dict) for m in prompt):
+            if not prompt:
+                raise InvalidRequest("messages", "is empty; give at least one message")
+            for i, message in enumerate(prompt):
+                if not isinstance(message.get("role"), str) or not isinstance(
+                        message.get("content"), str):
+                    raise InvalidRequest(f"messages[{i}]", "needs a string 'role' and 'content'")
+            return list(tokenizer.apply_chat_template(list(prompt)))
+    raise InvalidRequest("prompt", f"must be a string, a list of token ids or a list of chat "
+                         f"messages; got {type(prompt).__name__}")
+
+
+class TextOutput:
+    """Turns each request's output ids into text as they arrive and applies stop strings.
+
+    Text that could still be the start of a stop string is held back from streaming, so the
+    streamed text always equals the final text.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def update(self, request: Request) -> bool:
+        """Extend request.text from its new output ids; True when a stop string matched."""
+        if request.detok is None:
+            request.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+        old_len = len(request.text)
+        request.text += request.detok.add(request.output_ids[request.detok_count:])
+        request.detok_count = len(request.output_ids)
+        stops = request.params.stop
+        if not stops:
+            return False
+        search_from = max(0, old_len - max(len(s) for s in stops) + 1)
+        hits = [request.text.find(s, search_from) for s in stops]
+        hits = [h for h in hits if h >= 0]
+        if not hits:
+            return False
+        request.text = request.text[:min(hits)]
+        request.stopped_by_string = True
+        return True
+
+    def finish(self, request: Request) -> None:
+        """Flush what the detokenizer held back (unless a stop string cut the text)."""
+        if request.detok is not None and not request.stopped_by_string:
+            request.text += request.detok.flush()
+
+    @staticmethod
+    def streamable_chars(request: Request) -> int:
+        """How much of request.text may be streamed now."""
+        if request.done or not request.params.stop:
+            return len(request.text)
+        hold = max(len(s) for s in request.params.stop) - 1
+        return max(request.sent_chars, len(request.text) - hold)
+
