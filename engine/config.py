@@ -55,7 +55,7 @@ class EngineConfig:
                                        attrs.validators.ge(0))
     speculative: bool = _field(False, "n-gram speculative decoding with draft trees")
     draft_budget: int = _field(12, "draft tokens per request per verify step", _positive)
-    seed: int = _field(0, "seed for random weights and for requests without a seed")
+    random_seed: int = _field(0, "seed for random weights and for requests without a seed")
     random_weights: str | None = _field(None, "use random weights of this preset shape "
                                         "('llama3_8b', 'tiny') instead of loading a model")
 

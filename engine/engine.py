@@ -111,6 +111,15 @@ class Engine:
             else:
                 self._abort_now(item)
 
+    def abort_all(self) -> None:
+        """Abort every request, waiting or running (shutdown, or a failed step)."""
+        self._drain_inbox()
+        for request in list(self.waiting):
+            self.waiting.remove(request)
+            self._finish_request(request, FinishReason.ABORT)
+        if len(self.running):
+            self._commit(state.abort(self.running, np.arange(len(self.running))))
+
     def _abort_now(self, request_id: str) -> None:
         request = self.by_request_id.get(request_id)
         if request is None or request.done:
@@ -189,9 +198,17 @@ class Engine:
         self._commit(state.decode(batch, sampled), merge=True)
         return "decode"
 
-    def _forward_and_sample(self, batch: state.Batch) -> np.ndarray:
+    def _forward(self, batch: state.Batch) -> torch.Tensor:
+        """Logits of the pass; if it fails, the slots handed to it go back to the pool."""
         try:
-            logits = self.runner.forward(batch)
+            return self.runner.forward(batch)
+        except BaseException:
+            self.book.apply(state.abandon(batch))
+            raise
+
+    def _forward_and_sample(self, batch: state.Batch) -> np.ndarray:
+        logits = self._forward(batch)
+        try:
             uids = batch.running.rids[batch.samples]
             params = [self.requests[int(u)].params for u in uids]
             steps = [len(self.requests[int(u)].output_ids) for u in uids]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -63,7 +64,7 @@ class Runtime:
     def _seed(self, uid: int) -> int:
         # Requests without a seed draw from the engine seed and their own id: reproducible
         # for one engine, different across requests.
-        return (self.config.seed * 1_000_003 + uid) % (2**63)
+        return (self.config.random_seed * 1_000_003 + uid) % (2**63)
 
     def make_speculator(self, config: EngineConfig) -> Any:
         from engine.speculator import Speculator
@@ -93,14 +94,21 @@ def build_runtime(config: EngineConfig) -> Runtime:
             raise ValueError(f"random_weights={config.random_weights!r}; choose one of "
                              f"{sorted(presets)}")
         model_config = presets[config.random_weights]()
-        model = LlamaModel(model_config, dtype, device).init_random(config.seed)
+        model = LlamaModel(model_config, dtype, device).init_random(config.random_seed)
     else:
-        model, model_config = load_model(config.model, dtype, device)
+        model, model_config = _load_shared(config.model, dtype, str(device))
     max_context = config.max_context or min(model_config.max_position_embeddings,
                                             DEFAULT_MAX_CONTEXT)
     slots = config.kv_cache_slots or _slots_from_budget(config, model_config, dtype, device)
     return Runtime(config, device, dtype, model, model_config, tokenizer, max_context, slots,
                    backend)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_shared(path: str | None, dtype: torch.dtype, device: str) -> tuple[LlamaModel,
+                                                                              ModelConfig]:
+    """Weights are never written after loading, so engines in one process share them."""
+    return load_model(path, dtype, device)
 
 
 def _slots_from_budget(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,

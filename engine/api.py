@@ -1,0 +1,115 @@
+"""Asyncio front: the engine loop runs in one background thread; coroutines only submit,
+stream and abort."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.engine import Engine, Prompt
+from engine.request import Delta
+from engine.state import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class _AsyncSink:
+    """A sink the engine thread puts deltas into; they arrive on the event loop's queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+
+    def put(self, delta: Delta) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+
+
+class AsyncEngine:
+    """Owns the thread that calls `engine.step()`; everything else goes through the inbox."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.loop_error: BaseException | None = None
+
+    def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            if not self.engine.has_work:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as error:  # keep serving: fail the in-flight requests, go on
+                log.exception("engine step failed; aborting the running requests")
+                self.loop_error = error
+                self.engine.abort_all()
+        self.engine.abort_all()
+        while self.engine.has_work:  # deliver the aborts' final deltas
+            self.engine.step()
+
+    def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None,
+               request_id: str | None = None) -> tuple[str, _AsyncSink]:
+        """Validate and queue; raises InvalidRequest at once. Call from the event loop."""
+        if self._stopping.is_set():
+            raise RuntimeError("the engine is shutting down")
+        sink = _AsyncSink(asyncio.get_running_loop())
+        rid = self.engine.submit(prompt, params, request_id=request_id, sink=sink)
+        self._wake.set()
+        return rid, sink
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | dict | None = None,
+                     request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Deltas of one request. Closing the iterator early aborts the request."""
+        rid, sink = self.submit(prompt, params, request_id)
+        finished = False
+        try:
+            while True:
+                delta = await sink.queue.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | dict | None = None,
+                       request_id: str | None = None) -> dict[str, Any]:
+        ids: list[int] = []
+        text: list[str] = []
+        last: Delta | None = None
+        async for delta in self.stream(prompt, params, request_id):
+            ids.extend(delta.token_ids)
+            text.append(delta.text)
+            last = delta
+        assert last is not None
+        return {"request_id": last.request_id, "token_ids": ids, "text": "".join(text),
+                "finish_reason": last.finish_reason, "usage": last.usage}
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop accepting, abort what is in flight, and join the loop thread."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None

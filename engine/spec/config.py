@@ -1,0 +1,96 @@
+"""Settings of the n-gram proposer and of adaptive drafting: one frozen, validated value."""
+
+from __future__ import annotations
+
+import attrs
+
+from engine.state.batch import MAX_TREE_NODES
+
+
+def _check(field: str, value: object, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} is not allowed; {field} must be {allowed}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@attrs.frozen
+class SpecConfig:
+    """How drafts are proposed and how their size adapts.
+
+    max_trie_depth (16): length of the token windows kept in the trie; a match of length L
+        leaves at most max_trie_depth - L tokens of draft depth.
+    draft_budget (12): draft tokens per tree, not counting the root (the pending token).
+    min_breadth (1) / max_breadth (6): children kept per tree node; the breadth falls linearly
+        from max_breadth at a match of min_match tokens to min_breadth at max_match tokens.
+    capacity (65536): trie nodes kept per trie (each request's and the shared corpus'; about
+        capacity / max_trie_depth tokens of fresh text); past it, the least recently seen
+        windows are evicted down to half the capacity.
+    min_match (2) / max_match (6): suffix lengths tried, longest first.
+    adaptive (True): shrink a request's draft budget when its recent acceptance is low.
+    adapt_window (8): drafting steps averaged before a request's budget changes.
+    shrink_below (0.5): mean accepted drafts per step below which the budget halves.
+    grow_at_least (1.5): mean accepted drafts per step at or above which the budget doubles.
+    probe_interval (16): steps a request waits at budget 0 before drafting again (budget 1).
+    """
+
+    max_trie_depth: int = 16
+    draft_budget: int = 12
+    min_breadth: int = 1
+    max_breadth: int = 6
+    capacity: int = 1 << 16
+    min_match: int = 2
+    max_match: int = 6
+    adaptive: bool = True
+    adapt_window: int = 8
+    shrink_below: float = 0.5
+    grow_at_least: float = 1.5
+    probe_interval: int = 16
+
+    def __attrs_post_init__(self) -> None:
+        depth = self.max_trie_depth
+        _check("max_trie_depth", depth, _is_int(depth) and 2 <= depth <= 64,
+               "an integer in [2, 64]")
+        budget = self.draft_budget
+        _check("draft_budget", budget, _is_int(budget) and 0 <= budget < MAX_TREE_NODES,
+               f"an integer in [0, {MAX_TREE_NODES - 1}] (a tree holds at most "
+               f"{MAX_TREE_NODES} nodes with its root)")
+        low, high = self.min_breadth, self.max_breadth
+        _check("min_breadth", low, _is_int(low) and low >= 1, "an integer >= 1")
+        _check("max_breadth", high, _is_int(high) and high >= low,
+               f"an integer >= min_breadth={low}")
+        cap, floor = self.capacity, 4 * depth * depth
+        _check("capacity", cap, _is_int(cap) and cap >= floor,
+               f"an integer >= 4 * max_trie_depth**2 = {floor} (the newest windows must fit)")
+        first, last = self.min_match, self.max_match
+        _check("min_match", first, _is_int(first) and 1 <= first < depth,
+               f"an integer in [1, max_trie_depth - 1 = {depth - 1}]")
+        _check("max_match", last, _is_int(last) and first <= last < depth,
+               f"an integer in [min_match={first}, max_trie_depth - 1 = {depth - 1}]")
+        self._check_adaptive()
+
+    def _check_adaptive(self) -> None:
+        _check("adaptive", self.adaptive, isinstance(self.adaptive, bool), "a bool")
+        window = self.adapt_window
+        _check("adapt_window", window, _is_int(window) and window >= 1, "an integer >= 1")
+        shrink, grow = self.shrink_below, self.grow_at_least
+        _check("shrink_below", shrink, _is_number(shrink) and shrink >= 0, "a number >= 0")
+        _check("grow_at_least", grow, _is_number(grow) and grow > shrink,
+               f"a number > shrink_below={shrink}")
+        probe = self.probe_interval
+        _check("probe_interval", probe, _is_int(probe) and probe >= 1, "an integer >= 1")
+
+    def breadth(self, match_len: int) -> int:
+        """Children kept per node for a match of `match_len` tokens (shorter: more)."""
+        span = self.max_match - self.min_match
+        if span == 0:
+            return self.max_breadth
+        clipped = min(max(match_len, self.min_match), self.max_match)
+        fraction = (clipped - self.min_match) / span
+        return self.max_breadth - round((self.max_breadth - self.min_breadth) * fraction)

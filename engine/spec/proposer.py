@@ -1,0 +1,170 @@
+"""The n-gram proposer: per-request tries (plus a shared corpus) and draft trees from them.
+
+A draft grows best-first from the node matching the request's latest suffix: each candidate
+is scored by its path's continuation frequency, children ranked by count then recency.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from engine.spec.config import SpecConfig
+from engine.spec.tree import DraftTree, stack
+from engine.spec.trie import Trie
+from engine.state.batch import DraftTrees
+
+
+class _RequestHistory:
+    __slots__ = ("tokens", "trie")
+
+    def __init__(self, config: SpecConfig) -> None:
+        self.tokens: list[int] = []
+        self.trie = Trie(config.max_trie_depth, config.capacity)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        tokens = [int(t) for t in tokens]
+        if tokens and (min(tokens) < 0 or max(tokens) >= 1 << 32):
+            raise ValueError(f"tokens must be in [0, 2**32); got {min(tokens)}..{max(tokens)}")
+        self.trie.add(tokens)
+        self.tokens.extend(tokens)
+
+
+class NgramProposer:
+    """Draft trees for requests from the token windows they (and the corpus) have seen."""
+
+    def __init__(self, config: SpecConfig | None = None) -> None:
+        self.config = config if config is not None else SpecConfig()
+        self._requests: dict[int, _RequestHistory] = {}
+        self._corpus: Trie | None = None
+        self._documents = 0
+
+    # --- histories ----------------------------------------------------------------------
+    def add_request(self, rid: int, prompt_tokens: Sequence[int]) -> None:
+        if rid in self._requests:
+            raise KeyError(f"request {rid} is already known to the proposer")
+        history = _RequestHistory(self.config)
+        history.add(prompt_tokens)
+        self._requests[rid] = history
+
+    def extend(self, rid: int, new_tokens: Sequence[int]) -> None:
+        """Append tokens the request gained (its emitted tokens, bonus included)."""
+        self._history(rid).add(new_tokens)
+
+    def remove(self, rid: int) -> None:
+        self._history(rid)
+        del self._requests[rid]
+
+    def add_corpus(self, tokens: Sequence[int]) -> None:
+        """Add one document to the shared corpus (windows never span two documents)."""
+        if self._corpus is None:
+            self._corpus = Trie(self.config.max_trie_depth, self.config.capacity)
+        self._documents += 1
+        self._corpus.add(tokens, stream=self._documents)
+        self._corpus.close(self._documents)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._requests
+
+    def history(self, rid: int) -> list[int]:
+        return list(self._history(rid).tokens)
+
+    def trie(self, rid: int) -> Trie:
+        return self._history(rid).trie
+
+    def _history(self, rid: int) -> _RequestHistory:
+        history = self._requests.get(rid)
+        if history is None:
+            raise KeyError(f"request {rid} is not known to the proposer; add_request() first")
+        return history
+
+    # --- drafting -----------------------------------------------------------------------
+    def propose(self, rid: int, context: Sequence[int] | None = None,
+                budget: int | None = None) -> DraftTree:
+        """A draft tree rooted at the last token of `context` (default: the request's history)
+        with at most `budget` drafts (default: config.draft_budget)."""
+        history = self._history(rid)
+        tokens = history.tokens if context is None else context
+        if not tokens:
+            raise ValueError(f"request {rid} has no tokens to root a draft tree at")
+        cfg = self.config
+        if budget is None:
+            budget = cfg.draft_budget
+        elif not 0 <= budget <= cfg.draft_budget:
+            raise ValueError(f"budget={budget} is not allowed; budget must be in "
+                             f"[0, draft_budget={cfg.draft_budget}]")
+        root_token = int(tokens[-1])
+        if budget == 0:
+            return DraftTree.root_only(root_token)
+        trie, node, match_len = self._match(history.trie, tokens)
+        if trie is None:
+            return DraftTree.root_only(root_token)
+        drafts, parents = _grow(trie, node, budget, cfg.breadth(match_len))
+        return DraftTree([root_token, *drafts], [-1, *parents], match_len)
+
+    def propose_batch(self, rids: Sequence[int],
+                      budgets: Sequence[int] | None = None) -> DraftTrees:
+        """The batch form of one tree per request of `rids`, in order (each rooted at its
+        request's last known token, which must be its pending token)."""
+        if budgets is not None and len(budgets) != len(rids):
+            raise ValueError(f"{len(budgets)} budgets for {len(rids)} requests")
+        trees = [self.propose(int(rid), budget=None if budgets is None else int(budgets[i]))
+                 for i, rid in enumerate(rids)]
+        return stack(trees)
+
+    def _match(self, trie: Trie, tokens: Sequence[int]) -> tuple[Trie | None, int, int]:
+        """The trie and node of the longest suffix (max_match down to min_match) with a
+        continuation; the request's own trie first, then the corpus."""
+        cfg = self.config
+        tries = (trie,) if self._corpus is None else (trie, self._corpus)
+        for match_len in range(min(cfg.max_match, len(tokens)), cfg.min_match - 1, -1):
+            suffix = tokens[len(tokens) - match_len:]
+            for source in tries:
+                node = source.find(suffix)
+                if node >= 0 and source.first_child[node] >= 0:
+                    return source, node, match_len
+        return None, -1, 0
+
+
+def _ranked(trie: Trie, node: int, breadth: int) -> list[tuple[int, int, int]]:
+    """(count, stamp, id) of the `breadth` most frequent children (newest first among
+    equals)."""
+    count, stamp, next_sibling = trie.count, trie.stamp, trie.next_sibling
+    child = trie.first_child[node]
+    if next_sibling[child] < 0:
+        return [(count[child], stamp[child], child)]
+    ranked = []
+    while child >= 0:
+        ranked.append((count[child], stamp[child], child))
+        child = next_sibling[child]
+    if len(ranked) <= 2 * breadth:
+        ranked.sort(reverse=True)
+        return ranked[:breadth]
+    return heapq.nlargest(breadth, ranked)
+
+
+def _grow(trie: Trie, matched: int, budget: int, breadth: int) -> tuple[list[int], list[int]]:
+    """Best-first expansion below node `matched`: (draft tokens, their local parents), where
+    local 0 is the root; every parent precedes its children."""
+    drafts: list[int] = []
+    parents: list[int] = []
+    # Heap entries: (-path frequency, push order, node id, parent local id).
+    frontier: list[tuple[float, int, int, int]] = []
+    pushed = 0
+    child_total, first_child, token = trie.child_total, trie.first_child, trie.token
+
+    def push_children(node: int, local: int, path_score: float) -> None:
+        nonlocal pushed
+        scale = path_score / child_total[node]
+        for count, _, child in _ranked(trie, node, breadth):
+            heapq.heappush(frontier, (-scale * count, pushed, child, local))
+            pushed += 1
+
+    push_children(matched, 0, 1.0)
+    while frontier and len(drafts) < budget:
+        negative_score, _, node, parent_local = heapq.heappop(frontier)
+        drafts.append(token[node])
+        parents.append(parent_local)
+        if first_child[node] >= 0:
+            push_children(node, len(drafts), -negative_score)
+    return drafts, parents

@@ -1,0 +1,99 @@
+"""Draft trees: one request's tree, the batch form (`engine.state.DraftTrees`), and the verify
+inputs derived from it as pure values (links between nodes, positions, a dense ancestor mask).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from engine.state.batch import MAX_TREE_NODES, DraftTrees
+from engine.state.seqlens import INDEX_DTYPE, SeqLens
+
+
+def _check_tree(tree: DraftTree, _attribute: object, _value: object) -> None:
+    size = len(tree.tokens)
+    if size < 1 or len(tree.parents) != size:
+        raise ValueError(f"a draft tree needs a root and one parent per token; got "
+                         f"{size} tokens and {len(tree.parents)} parents")
+    if size > MAX_TREE_NODES:
+        raise ValueError(f"a draft tree has {size} nodes; at most {MAX_TREE_NODES} are allowed")
+    if tree.parents[0] != -1:
+        raise ValueError(f"node 0 is the root (parent -1); got parent {tree.parents[0]}")
+    for local, parent in enumerate(tree.parents[1:], start=1):
+        if not 0 <= parent < local:
+            raise ValueError(f"node {local} has parent {parent}; a parent must be an earlier node")
+
+
+@attrs.frozen
+class DraftTree:
+    """One request's draft: `tokens[0]` is the root (its pending token); `parents[i]` is the
+    local index of node i's parent (root: -1) and precedes i. `match_len` is the suffix length
+    the draft was found with (0: no match, a root-only tree)."""
+
+    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    parents: tuple[int, ...] = attrs.field(converter=tuple, validator=_check_tree)
+    match_len: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.tokens) - 1
+
+    @classmethod
+    def root_only(cls, root_token: int) -> DraftTree:
+        return cls((root_token,), (-1,))
+
+
+def stack(trees: Sequence[DraftTree]) -> DraftTrees:
+    """The batch form of `trees`, in order."""
+    return DraftTrees.from_lists([t.tokens for t in trees], [t.parents for t in trees])
+
+
+def unstack(trees: DraftTrees) -> list[DraftTree]:
+    """One `DraftTree` per request (for tests and inspection)."""
+    bounds = trees.sizes.indptr().tolist()
+    return [DraftTree(trees.tokens[a:b].tolist(), trees.parents[a:b].tolist())
+            for a, b in itertools.pairwise(bounds)]
+
+
+def parent_flat(trees: DraftTrees) -> np.ndarray:
+    """Flat index of each node's parent (roots: -1)."""
+    starts = np.repeat(trees.sizes.starts(), trees.sizes.lens)
+    return np.where(trees.parents >= 0, starts + trees.parents, -1)
+
+
+def child_links(trees: DraftTrees) -> tuple[np.ndarray, np.ndarray]:
+    """(first_child, next_sibling): local node ids per flat node, -1 where there is none.
+    Children are ordered by their local index (the proposer's rank order)."""
+    total = trees.sizes.total
+    first_child = np.full(total, -1, dtype=INDEX_DTYPE)
+    next_sibling = np.full(total, -1, dtype=INDEX_DTYPE)
+    parents = parent_flat(trees)
+    children = np.flatnonzero(parents >= 0)  # ascending, so siblings come in local order
+    if children.size == 0:
+        return first_child, next_sibling
+    local = trees.sizes.offsets_within()
+    order = np.argsort(parents[children], kind="stable")
+    child_sorted, parent_sorted = children[order], parents[children][order]
+    unique_parents, first_index = np.unique(parent_sorted, return_index=True)
+    first_child[unique_parents] = local[child_sorted[first_index]]
+    same_parent = parent_sorted[:-1] == parent_sorted[1:]
+    next_sibling[child_sorted[:-1][same_parent]] = local[child_sorted[1:][same_parent]]
+    return first_child, next_sibling
+
+
+def positions(trees: DraftTrees, prefix_lens: SeqLens) -> np.ndarray:
+    """Position of each node: its request's prefix length plus its depth."""
+    if len(prefix_lens) != len(trees.sizes):
+        raise ValueError(f"{len(prefix_lens)} prefix lengths for {len(trees.sizes)} trees")
+    return np.repeat(prefix_lens.lens, trees.sizes.lens) + trees.depths
+
+
+def ancestor_mask(trees: DraftTrees) -> np.ndarray:
+    """Dense [total, max_size] bool: node j (local) is an ancestor of, or is, each flat node."""
+    width = max(trees.sizes.max, 1)
+    bits = trees.ancestor_bits[:, None] >> np.arange(width, dtype=np.int64)[None, :]
+    return (bits & 1).astype(bool)

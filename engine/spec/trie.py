@@ -1,0 +1,174 @@
+"""A trie of token windows with occurrence counts and recency, bounded by a node capacity.
+
+Every position of a token stream starts a window of up to `depth` tokens; each node counts
+the windows through it and remembers the start of the newest one (its stamp, a tick). A
+parent's stamp is never older than its children's, so evicting every node older than a tick
+removes whole subtrees and keeps exactly the recent windows. Nodes live in flat int arrays
+and one int-keyed dict, so a large trie costs the garbage collector nothing.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+ROOT = 0
+_ROOT_STAMP = 1 << 62  # the root is never evicted
+_TOKEN_BITS = 32  # child key: (parent << 32) | token
+
+
+class Trie:
+    """Windows of `depth` tokens from any number of streams, at most `capacity` nodes.
+
+    Node columns (index = node id, 0 = root): `count` windows pass through it, `stamp` is the
+    start tick of the newest, `child_total` sums its children's counts; children form a
+    linked list (`first_child`, `next_sibling`, -1 ends it)."""
+
+    def __init__(self, depth: int, capacity: int) -> None:
+        if depth < 1 or capacity < 4 * depth * depth:
+            raise ValueError(f"a trie needs depth >= 1 and capacity >= 4 * depth**2; got "
+                             f"depth={depth}, capacity={capacity}")
+        self.depth = depth
+        self.capacity = capacity
+        self.tick = 0  # the tick the next token gets
+        self._children: dict[int, int] = {}
+        self.token = array("q", [-1])
+        self.count = array("q", [0])
+        self.stamp = array("q", [_ROOT_STAMP])
+        self.child_total = array("q", [0])
+        self.first_child = array("q", [-1])
+        self.next_sibling = array("q", [-1])
+        # Per stream: ids of the nodes ending its open windows, oldest window first.
+        self._open: dict[int, list[int]] = {}
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes held, not counting the root."""
+        return len(self.count) - 1
+
+    # --- insertion ----------------------------------------------------------------------
+    def add(self, tokens: Iterable[int], stream: int = 0) -> None:
+        """Append `tokens` to `stream`: each token grows every open window of the stream."""
+        opened = self._open.setdefault(stream, [])
+        for token in tokens:
+            token = int(token)
+            if not 0 <= token < 1 << _TOKEN_BITS:
+                raise ValueError(f"token {token} is not allowed; tokens must be in [0, 2**32)")
+            opened = self._push(opened, token)
+            self._open[stream] = opened
+            if len(self.count) > self.capacity + 1:
+                self.evict(self.capacity // 2)  # half: sweeps stay rare
+                opened = self._open[stream]
+
+    def close(self, stream: int) -> None:
+        """Forget `stream`'s open windows (its next token starts afresh)."""
+        self._open.pop(stream, None)
+
+    def _push(self, opened: list[int], token: int) -> list[int]:
+        tick = self.tick
+        self.tick = tick + 1
+        opened.append(ROOT)  # the window starting at this token
+        children, count, stamp, child_total = (self._children, self.count, self.stamp,
+                                               self.child_total)
+        grown = []
+        age = len(opened) - 1
+        for parent in opened:
+            key = (parent << _TOKEN_BITS) | token
+            child = children.get(key)
+            if child is None:
+                child = self._new_node(parent, token, tick - age)
+                children[key] = child
+            else:
+                stamp[child] = tick - age  # starts only increase: this window is the newest
+            count[child] += 1
+            child_total[parent] += 1
+            grown.append(child)
+            age -= 1
+        # A window of `depth` tokens is complete: it leaves the open list.
+        return grown[1:] if len(grown) >= self.depth else grown
+
+    def _new_node(self, parent: int, token: int, start: int) -> int:
+        node = len(self.count)
+        self.token.append(token)
+        self.count.append(0)
+        self.stamp.append(start)
+        self.child_total.append(0)
+        self.first_child.append(-1)
+        self.next_sibling.append(self.first_child[parent])
+        self.first_child[parent] = node
+        return node
+
+    # --- reading ------------------------------------------------------------------------
+    def find(self, tokens: Sequence[int]) -> int:
+        """The node of the n-gram `tokens`, or -1 if no kept window holds it."""
+        node = ROOT
+        children = self._children
+        for token in tokens:
+            node = children.get((node << _TOKEN_BITS) | int(token), -1)
+            if node < 0:
+                return -1
+        return node
+
+    def stamps(self) -> np.ndarray:
+        """Every node's stamp, root excluded (a copy, for tests and inspection)."""
+        return np.array(self.stamp[1:], dtype=np.int64)
+
+    def children(self, node: int) -> list[int]:
+        out = []
+        child = self.first_child[node]
+        while child >= 0:
+            out.append(child)
+            child = self.next_sibling[child]
+        return out
+
+    # --- eviction -----------------------------------------------------------------------
+    def evict(self, target_nodes: int) -> None:
+        """Drop the least recently seen windows until at most `target_nodes` nodes remain."""
+        stamps = np.frombuffer(self.stamp, dtype=np.int64)[1:]
+        if stamps.size <= target_nodes:
+            return
+        # Keep stamps above the cutoff; a tie goes as a whole. The open windows are the
+        # newest, and capacity >= 4 * depth**2 guarantees they stay.
+        rank = stamps.size - target_nodes - 1
+        cutoff = np.partition(stamps, rank)[rank]
+        self._compact(np.concatenate([[True], stamps > cutoff]))
+
+    def _compact(self, keep: np.ndarray) -> None:
+        """Keep the nodes in `keep` (closed under ancestors) and renumber them."""
+        new_id = np.cumsum(keep) - 1
+        columns = {name: np.frombuffer(getattr(self, name), dtype=np.int64)[keep]
+                   for name in ("token", "count", "stamp")}
+        old_parent = self._parents()[keep]
+        parent = np.where(old_parent >= 0, new_id[np.maximum(old_parent, 0)], -1)
+        size = int(keep.sum())
+        child_total = np.bincount(parent[1:], weights=columns["count"][1:], minlength=size)
+        first_child, next_sibling = _links(parent, size)
+        for name, values in (*columns.items(), ("child_total", child_total),
+                             ("first_child", first_child), ("next_sibling", next_sibling)):
+            setattr(self, name, array("q", values.astype(np.int64).tobytes()))
+        keys = (parent[1:] << _TOKEN_BITS) | columns["token"][1:]
+        self._children = dict(zip(keys.tolist(), range(1, size), strict=True))
+        self._open = {s: new_id[nodes].tolist() for s, nodes in self._open.items()}
+
+    def _parents(self) -> np.ndarray:
+        parent = np.full(len(self.count), -1, dtype=np.int64)
+        keys = np.fromiter(self._children.keys(), dtype=np.int64, count=len(self._children))
+        nodes = np.fromiter(self._children.values(), dtype=np.int64, count=len(self._children))
+        parent[nodes] = keys >> _TOKEN_BITS
+        return parent
+
+
+def _links(parent: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """first_child / next_sibling linked lists for nodes 1..size-1 under `parent`."""
+    first_child = np.full(size, -1, dtype=np.int64)
+    next_sibling = np.full(size, -1, dtype=np.int64)
+    nodes = np.arange(1, size)
+    order = np.argsort(parent[1:], kind="stable")
+    sorted_nodes, sorted_parents = nodes[order], parent[1:][order]
+    same = sorted_parents[:-1] == sorted_parents[1:]
+    next_sibling[sorted_nodes[:-1][same]] = sorted_nodes[1:][same]
+    heads, first = np.unique(sorted_parents, return_index=True)
+    first_child[heads] = sorted_nodes[first]
+    return first_child, next_sibling

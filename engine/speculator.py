@@ -1,0 +1,95 @@
+"""The shell's speculative step: propose draft trees, verify them in one forward pass, and
+commit the accepted paths through the state core's verify transition."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from engine import state
+from engine.config import EngineConfig
+from engine.model.sampling import SamplingTensors, probs_for_verify
+from engine.spec import NgramProposer, SpecConfig, SpecStats, request_rng, verify_greedy, \
+    verify_sampling
+from engine.state import Running
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+    from engine.runtime import Runtime
+
+
+class Speculator:
+    """Per-request proposer state, acceptance statistics and verify generators."""
+
+    def __init__(self, runtime: Runtime, config: EngineConfig) -> None:
+        self.runtime = runtime
+        self.config = SpecConfig(draft_budget=config.draft_budget)
+        self.proposer = NgramProposer(self.config)
+        self.stats = SpecStats(self.config)
+        self._rngs: dict[int, np.random.Generator] = {}
+
+    # --- request lifetime (history must end with the pending token) ---------------------------
+    def add_request(self, uid: int, all_ids: list[int]) -> None:
+        if uid in self.proposer:  # re-admitted after a retraction: history is current
+            return
+        self.proposer.add_request(uid, all_ids)
+        self.stats.add(uid)
+
+    def extend(self, uid: int, tokens: list[int]) -> None:
+        if uid in self.proposer:
+            self.proposer.extend(uid, tokens)
+
+    def remove(self, uid: int) -> None:
+        if uid in self.proposer:
+            self.proposer.remove(uid)
+            self.stats.remove(uid)
+        self._rngs.pop(uid, None)
+
+    # --- one verify step -----------------------------------------------------------------------
+    def budgets(self, running: Running) -> np.ndarray:
+        """Adaptive budget, cut so the tree fits the context and the tokens still allowed."""
+        adaptive = np.array([self.stats.budget(int(u)) for u in running.rids], dtype=np.int64)
+        room_context = running.max_context - running.kv_lens.lens - 1
+        room_output = running.rules.max_new - running.num_output - 1
+        return np.clip(np.minimum(adaptive, np.minimum(room_context, room_output)), 0, None)
+
+    def run_verify(self, engine: Engine) -> str:
+        running = engine.running
+        trees = self.proposer.propose_batch(running.rids.tolist(), self.budgets(running).tolist())
+        if not engine._reserve(lambda: trees.sizes.total):
+            return "retract"
+        batch = state.schedule_verify(running, trees, engine.book.slots.alloc(trees.sizes.total))
+        logits = engine._forward(batch)
+        outcome = self._verify(engine, batch, logits)
+        self.stats.record_batch(running.rids, trees, outcome.accepted_lens.lens)
+        engine.running = Running.empty(engine.max_context)
+        engine._commit(state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes,
+                                    outcome.bonus), merge=True)
+        return "verify"
+
+    def _verify(self, engine: Engine, batch: state.Batch, logits: torch.Tensor) -> Any:
+        trees = batch.trees
+        uids = batch.running.rids.tolist()
+        params = [engine.requests[u].params for u in uids]
+        if all(p.greedy for p in params):
+            return verify_greedy(trees, logits.argmax(dim=-1))
+        per_node = np.repeat(np.arange(len(uids)), trees.sizes.lens)
+        tensors = SamplingTensors.build([params[i] for i in per_node], [0] * len(per_node),
+                                        self.runtime.vocab_size, logits.device)
+        probs = probs_for_verify(logits, tensors.temperature, tensors.top_k, tensors.top_p)
+        rngs = [self._rng(u, p.seed) for u, p in zip(uids, params, strict=True)]
+        return verify_sampling(trees, probs, rngs)
+
+    def _rng(self, uid: int, seed: int | None) -> np.random.Generator:
+        if uid not in self._rngs:
+            self._rngs[uid] = request_rng(uid, seed)
+        return self._rngs[uid]
+
+    def stats_dict(self) -> dict[str, Any]:
+        total = self.stats.total()
+        return dict(spec_steps_total=total.steps, spec_draft_tokens_total=total.drafted,
+                    spec_accepted_tokens_total=total.accepted,
+                    spec_mean_accepted=total.mean_accepted,
+                    spec_accepted_histogram=list(total.histogram))

@@ -1,0 +1,37 @@
+"""SpecConfig: defaults are valid, every field is validated with a message naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.spec import SpecConfig
+
+
+def test_defaults_are_valid_and_documented() -> None:
+    config = SpecConfig()
+    assert config.draft_budget == 12
+    assert config.min_match <= config.max_match < config.max_trie_depth
+    for field in SpecConfig.__attrs_attrs__:
+        assert f"{field.name} (" in SpecConfig.__doc__, f"{field.name} has no documented default"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_trie_depth", 1), ("max_trie_depth", 65), ("max_trie_depth", 8.0),
+    ("draft_budget", -1), ("draft_budget", 63), ("draft_budget", True),
+    ("min_breadth", 0), ("max_breadth", 0),
+    ("capacity", 100), ("capacity", None),
+    ("min_match", 0), ("min_match", 16), ("max_match", 1), ("max_match", 16),
+    ("adaptive", 1), ("adapt_window", 0), ("shrink_below", -0.1), ("shrink_below", "0.5"),
+    ("grow_at_least", 0.5), ("probe_interval", 0),
+])
+def test_invalid_field_is_named(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}={value!r} is not allowed; {field} must be"):
+        SpecConfig(**{field: value})
+
+
+def test_breadth_is_larger_for_shorter_matches() -> None:
+    config = SpecConfig(min_match=1, max_match=5, min_breadth=2, max_breadth=10)
+    widths = [config.breadth(match_len) for match_len in range(1, 6)]
+    assert widths == [10, 8, 6, 4, 2]
+    assert config.breadth(0) == 10 and config.breadth(9) == 2
+    assert SpecConfig(min_match=3, max_match=3).breadth(3) == SpecConfig().max_breadth

@@ -1,0 +1,136 @@
+"""The n-gram proposer: exact trees for hand-made histories, and properties of every tree."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.spec import DraftTree, NgramProposer, SpecConfig
+
+
+def propose(history: list[int], budget: int | None = None, **config: int) -> DraftTree:
+    proposer = NgramProposer(SpecConfig(**config))
+    proposer.add_request(0, history)
+    return proposer.propose(0, budget=budget)
+
+
+def test_longest_match_then_recency_among_equal_counts() -> None:
+    # "1 2" is followed by 3 twice; after "1 2 3" come 4 (older) and 6 (newer), once each.
+    tree = propose([1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 1, 2], max_trie_depth=6, min_match=1,
+                   max_match=3, capacity=144)
+    assert tree == DraftTree((2, 3, 6, 4, 7, 5, 1, 1), (-1, 0, 1, 1, 2, 3, 4, 5), match_len=2)
+
+
+def test_frequency_ranks_first_and_budget_cuts_best_first() -> None:
+    # After 5: 1 twice, 2 once (newer). Windows of 4 tokens bound the depth below "5".
+    history = [5, 1, 9, 5, 1, 9, 5, 2, 9, 5]
+    config = {"max_trie_depth": 4, "min_match": 1, "max_match": 1, "capacity": 64}
+    assert propose(history, **config) == DraftTree(
+        (5, 1, 9, 5, 2, 9, 5), (-1, 0, 1, 2, 0, 4, 5), match_len=1)
+    assert propose(history, budget=3, **config) == DraftTree((5, 1, 9, 5), (-1, 0, 1, 2), 1)
+    assert propose(history, budget=4, **config).tokens == (5, 1, 9, 5, 2)
+    assert propose(history, budget=0, **config) == DraftTree.root_only(5)
+
+
+def test_a_longer_match_wins_over_a_more_frequent_short_one() -> None:
+    history = [1, 2, 3, 7, 4, 2, 3, 8, 2, 3, 8, 9, 1, 2, 3]
+    tree = propose(history, max_trie_depth=6, min_match=1, max_match=3, capacity=144)
+    assert tree == DraftTree((3, 7, 4, 2), (-1, 0, 1, 2), match_len=3)
+
+
+def test_breadth_limits_the_children_kept() -> None:
+    history = [0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0]
+    tree = propose(history, max_trie_depth=3, min_match=1, max_match=1, max_breadth=3,
+                   capacity=36)
+    assert tree == DraftTree((0, 5, 4, 3, 0, 0, 0), (-1, 0, 0, 0, 1, 2, 3), match_len=1)
+
+
+def test_no_match_gives_the_root_only() -> None:
+    assert propose([1, 2, 3], min_match=1) == DraftTree.root_only(3)
+    assert propose([4], min_match=1) == DraftTree.root_only(4)
+    assert propose([1, 2, 1], min_match=2) == DraftTree.root_only(1)
+
+
+def test_corpus_is_used_when_it_matches_longer() -> None:
+    proposer = NgramProposer(SpecConfig(max_trie_depth=6, min_match=1, max_match=3,
+                                        capacity=144))
+    proposer.add_corpus([10, 11, 12, 13, 14])
+    proposer.add_corpus([20, 21])
+    proposer.add_request(1, [12, 30, 11, 12])
+    assert proposer.propose(1) == DraftTree((12, 13, 14), (-1, 0, 1), match_len=2)
+    proposer.add_request(2, [12, 40, 12])  # its own "12 40" ties the corpus' "12 13" at 1
+    assert proposer.propose(2).tokens == (12, 40, 12)
+    proposer.add_request(3, [14, 20])  # documents do not run into each other
+    assert proposer.propose(3) == DraftTree((20, 21), (-1, 0), match_len=1)
+
+
+def test_extend_context_and_remove() -> None:
+    proposer = NgramProposer(SpecConfig(min_match=1, max_match=2, capacity=1024))
+    proposer.add_request(7, [1, 2, 3])
+    assert proposer.propose(7) == DraftTree.root_only(3)
+    proposer.extend(7, [1, 2])
+    assert proposer.propose(7).tokens == (2, 3, 1, 2)
+    assert proposer.history(7) == [1, 2, 3, 1, 2]
+    assert proposer.propose(7, context=[5, 1]).tokens == (1, 2, 3, 1, 2)
+    trees = proposer.propose_batch([7, 7], budgets=[1, 0])
+    assert trees.sizes.tolist() == [2, 1] and trees.tokens.tolist() == [2, 3, 2]
+    with pytest.raises(ValueError, match="1 budgets for 2 requests"):
+        proposer.propose_batch([7, 7], budgets=[1])
+    proposer.remove(7)
+    assert 7 not in proposer
+    with pytest.raises(KeyError, match="request 7 is not known"):
+        proposer.propose(7)
+    proposer.add_request(8, [1])
+    with pytest.raises(KeyError, match="already known"):
+        proposer.add_request(8, [1])
+    with pytest.raises(ValueError, match=r"budget=13 is not allowed"):
+        proposer.propose(8, budget=13)
+    with pytest.raises(ValueError, match=r"tokens must be in \[0, 2\*\*32\); got -1..5"):
+        proposer.extend(8, [5, -1])
+    assert proposer.history(8) == [1]
+    with pytest.raises(ValueError, match="no tokens"):
+        proposer.propose(8, context=[])
+
+
+def occurs(history: list[int], gram: list[int]) -> bool:
+    n = len(gram)
+    return any(history[i:i + n] == gram for i in range(len(history) - n + 1))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=80),
+       st.lists(st.lists(st.integers(0, 3), max_size=5), max_size=4),
+       st.integers(0, 12), st.integers(3, 6), st.integers(1, 3), st.integers(1, 4))
+def test_every_tree_respects_budget_and_is_seen(prompt: list[int], chunks: list[list[int]],
+                                                budget: int, depth: int, min_match: int,
+                                                max_breadth: int) -> None:
+    config = SpecConfig(max_trie_depth=depth, min_match=min(min_match, depth - 1),
+                        max_match=depth - 1,
+                        max_breadth=max_breadth, capacity=4 * depth * depth)
+    proposer = NgramProposer(config)
+    proposer.add_request(0, prompt)
+    history = list(prompt)
+    for chunk in [[], *chunks]:
+        proposer.extend(0, chunk)
+        history += chunk
+        tree = proposer.propose(0, budget=budget)
+        assert 1 <= len(tree.tokens) <= budget + 1
+        assert tree.tokens[0] == history[-1]
+        if len(tree.tokens) == 1:
+            continue
+        assert config.min_match <= tree.match_len <= depth - 1
+        suffix = history[len(history) - tree.match_len:]
+        for node in range(1, len(tree.tokens)):
+            path = []
+            walk = node
+            while walk > 0:
+                path.append(tree.tokens[walk])
+                walk = tree.parents[walk]
+            assert len(suffix) + len(path) <= depth
+            assert occurs(history, suffix + path[::-1]), "a draft path never occurred"
+        for node in range(len(tree.tokens)):
+            sibling_tokens = [token for token, parent in zip(tree.tokens, tree.parents, strict=True)
+                              if parent == node]
+            assert len(sibling_tokens) == len(set(sibling_tokens))
+            assert len(sibling_tokens) <= config.breadth(tree.match_len)

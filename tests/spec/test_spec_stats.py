@@ -1,0 +1,73 @@
+"""Acceptance statistics and adaptive draft budgets."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.spec import DraftTree, SpecConfig, SpecStats, stack
+
+
+def test_histogram_means_and_totals() -> None:
+    stats = SpecStats(SpecConfig(adaptive=False))
+    stats.add(1)
+    stats.add(2)
+    stats.record_batch([1, 2], stack([DraftTree((1, 2, 3), (-1, 0, 1)),
+                                      DraftTree.root_only(4)]), [2, 0])
+    stats.record(1, drafted=4, accepted=1)
+    one = stats.request(1)
+    assert (one.steps, one.drafting_steps, one.drafted, one.accepted) == (2, 2, 6, 3)
+    assert one.histogram[:3] == (0, 1, 1) and one.mean_accepted == 1.5
+    assert one.acceptance_rate == 0.5
+    stats.remove(1)
+    total = stats.total()
+    assert (total.steps, total.drafting_steps, total.accepted) == (3, 2, 3)
+    assert total.histogram[:3] == (1, 1, 1) and total.mean_accepted == 1.0
+    assert stats.request(2).acceptance_rate == 0.0 and stats.budget(2) == 12
+
+
+def test_budget_shrinks_to_root_only_probes_and_grows_back() -> None:
+    config = SpecConfig(draft_budget=8, adapt_window=4, shrink_below=0.5, grow_at_least=1.5,
+                        probe_interval=3)
+    stats = SpecStats(config)
+    stats.add(0)
+    budgets = []
+    for _ in range(4 * 4):  # nothing is ever accepted
+        stats.record(0, drafted=stats.budget(0), accepted=0)
+        budgets.append(stats.budget(0))
+    assert budgets == [8, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 1, 1, 1, 1, 0]
+    for _ in range(2):
+        stats.record(0, drafted=0, accepted=0)
+    assert stats.budget(0) == 0
+    stats.record(0, drafted=0, accepted=0)
+    assert stats.budget(0) == 1  # a probe after probe_interval idle steps
+    budgets = []
+    for _ in range(3 * 4):  # every draft is accepted again
+        budget = stats.budget(0)
+        stats.record(0, drafted=budget, accepted=budget)
+        budgets.append(stats.budget(0))
+    assert budgets == [1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8]
+
+
+def test_no_match_is_no_evidence_and_adaptive_off_keeps_budget() -> None:
+    stats = SpecStats(SpecConfig(adapt_window=2))
+    stats.add(0)
+    for _ in range(10):
+        stats.record(0, drafted=0, accepted=0)  # root-only trees: nothing to judge
+    assert stats.budget(0) == 12
+    fixed = SpecStats(SpecConfig(adaptive=False, adapt_window=1))
+    fixed.add(0)
+    fixed.record(0, drafted=12, accepted=0)
+    assert fixed.budget(0) == 12
+
+
+def test_errors() -> None:
+    stats = SpecStats()
+    with pytest.raises(KeyError, match="request 3 has no speculation statistics"):
+        stats.budget(3)
+    stats.add(3)
+    with pytest.raises(KeyError, match="already has"):
+        stats.add(3)
+    with pytest.raises(ValueError, match=r"accepted=3, drafted=2 is not allowed"):
+        stats.record(3, drafted=2, accepted=3)
+    with pytest.raises(ValueError, match="1 requests, 2 trees and 2 accepted lengths"):
+        stats.record_batch([3], stack([DraftTree.root_only(1)] * 2), [0, 0])
