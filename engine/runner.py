@@ -6,23 +6,35 @@ import numpy as np
 import torch
 
 from engine.backends import AttentionBackend
-from engine.state import Batch
+from engine.graphs import GraphRunner
+from engine.state import Batch, Mode
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
-                 device: torch.device, cuda_graph_max_batch: int = 0) -> None:
+                 device: torch.device, graph_max_batch: int = 0, max_tree_nodes: int = 0,
+                 capture: bool = True) -> None:
         self.model = model
-        self.cuda_graph_max_batch = cuda_graph_max_batch
         self.backend = backend
         self.device = device
+        self.graphs: list[GraphRunner] = []
+        if graph_max_batch and hasattr(backend, "graph_buffers"):
+            self.graphs.append(GraphRunner(model, backend, Mode.DECODE, graph_max_batch,
+                                           capture=capture))
+            if max_tree_nodes:
+                self.graphs.append(GraphRunner(model, backend, Mode.VERIFY, graph_max_batch,
+                                               max_tree_nodes, capture=capture))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        """fp32 logits [len(batch.logit_rows), vocab] for the rows `batch.logit_rows` names."""
+        """fp32 logits [len(batch.logit_rows), vocab] for the rows `batch.logit_rows` names.
+        Decode and verify passes small enough replay a captured graph; the rest run eagerly."""
+        for graph in self.graphs:
+            if graph.accepts(batch):
+                return graph.run(batch)[self._tensor(batch.logit_rows)]
         metadata = self.backend.plan(batch)
         hidden = self.model(self._tensor(batch.input_ids), self._tensor(batch.positions),
                             metadata, self.backend)

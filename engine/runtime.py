@@ -42,6 +42,8 @@ class Runtime:
 
     @property
     def eos_id(self) -> int:
+        if self.config.random_weights:
+            return self.model_config.eos_token_id or -1
         eos = self.tokenizer.eos_token_id
         return -1 if eos is None else int(eos)
 
@@ -49,8 +51,13 @@ class Runtime:
         mc = self.model_config
         pool = KVPool.allocate(mc.num_layers, self.num_slots + 1, mc.num_kv_heads, mc.head_dim,
                                self.dtype, book.table.device)
+        cfg = self.config
+        graph_max_batch = min(cfg.cuda_graph_max_batch, cfg.max_running_requests)
+        if self.device.type != "cuda":
+            graph_max_batch = 0
+        tree_nodes = cfg.draft_budget + 1 if cfg.speculative else 0
         return ModelRunner(self.model, get_backend(self.backend_name, pool), self.device,
-                           self.config.cuda_graph_max_batch)
+                           graph_max_batch, tree_nodes)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], uids: np.ndarray,
                steps: list[int]) -> np.ndarray:
