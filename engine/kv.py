@@ -94,11 +94,9 @@ class RequestTable:
             return
         self.host[rows, cols] = slots
         if self.device.device.type != "cpu":
-            index = (torch.from_numpy(rows).to(self.device.device, non_blocking=True),
-                     torch.from_numpy(cols).to(self.device.device, non_blocking=True))
-            values = torch.from_numpy(slots.astype(np.int32)).to(self.device.device,
-                                                                 non_blocking=True)
-            self.device.index_put_(index, values)
+            device = self.device.device
+            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+            self.device.index_put_(index, torch.tensor(slots, dtype=torch.int32, device=device))
 
 
 class KVBook:

@@ -26,7 +26,7 @@ class ModelRunner:
                                                max_tree_nodes, capture=capture))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return torch.tensor(array, device=self.device)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -31,7 +31,7 @@ class Runtime:
     dtype: torch.dtype
     model: LlamaModel
     model_config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     max_context: int
     num_slots: int
     backend_name: str
@@ -42,7 +42,7 @@ class Runtime:
 
     @property
     def eos_id(self) -> int:
-        if self.config.random_weights:
+        if self.tokenizer is None:
             return self.model_config.eos_token_id or -1
         eos = self.tokenizer.eos_token_id
         return -1 if eos is None else int(eos)
@@ -94,7 +94,8 @@ def build_runtime(config: EngineConfig) -> Runtime:
              else torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = (config.attention_backend if config.attention_backend != "auto"
                else "triton" if device.type == "cuda" else "torch")
-    tokenizer = load_tokenizer(None if config.random_weights else config.model)
+    # Random weights come without a tokenizer: prompts are token ids, outputs have no text.
+    tokenizer = None if config.random_weights else load_tokenizer(config.model)
     if config.random_weights:
         presets = {"llama3_8b": ModelConfig.llama3_8b, "tiny": ModelConfig.tiny}
         if config.random_weights not in presets:

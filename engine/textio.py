@@ -14,6 +14,10 @@ PromptInput = Union[str, list[int], list[dict]]
 
 def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
     """Token ids of a prompt: a string, a list of token ids, or chat messages."""
+    if tokenizer is None and not (isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        raise InvalidRequest("prompt", "this engine has no tokenizer (random weights); give "
+                             "the prompt as a list of token ids")
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, (list, tuple)):
@@ -43,6 +47,8 @@ class TextOutput:
 
     def update(self, request: Request) -> bool:
         """Extend request.text from its new output ids; True when a stop string matched."""
+        if self.tokenizer is None:
+            return False
         if request.detok is None:
             request.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
         old_len = len(request.text)

@@ -12,6 +12,10 @@ import torch
 from engine.state import Batch, Mode
 
 
+class BufferTooSmall(ValueError):
+    """An index or output buffer cannot hold what the snapshot needs; nothing was written."""
+
+
 @attrs.frozen(eq=False)
 class KVPool:
     """Per-layer K and V caches of shape [num_slots, num_kv_heads, head_dim] (slot 0 is the
@@ -62,10 +66,10 @@ def host_metadata(batch: Batch, device: torch.device) -> dict:
     seq_lens, kv_indptr = batch.seq_lens.to_device(device)
     prefix_lens, _ = batch.prefix_lens.to_device(device)
     _, qo_indptr = batch.new_lens.to_device(device)
-    out_slots = torch.from_numpy(np.ascontiguousarray(batch.out_slots)).to(device)
+    out_slots = torch.from_numpy(batch.out_slots.copy()).to(device)
     tree_bits = None
     if batch.trees is not None:
-        tree_bits = torch.from_numpy(np.ascontiguousarray(batch.trees.ancestor_bits)).to(device)
+        tree_bits = torch.from_numpy(batch.trees.ancestor_bits.copy()).to(device)
     return dict(mode=batch.mode, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
                 prefix_lens=prefix_lens, seq_lens=seq_lens, out_slots=out_slots,
                 tree_bits=tree_bits, max_new_len=batch.new_lens.max,

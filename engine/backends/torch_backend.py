@@ -36,7 +36,7 @@ class TorchBackend(AttentionBackend):
     def plan(self, batch: Batch) -> ForwardMetadata:
         device = self.pool.req_to_token.device
         meta = host_metadata(batch, device)
-        rows = torch.from_numpy(batch.running.rows).to(device)
+        rows = torch.from_numpy(batch.running.rows.copy()).to(device)
         kv_indices = build_kv_indices(self.pool.req_to_token, rows, meta["prefix_lens"],
                                       meta["kv_indptr"], meta["qo_indptr"], meta["out_slots"],
                                       batch.seq_lens.total)

@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 
 from engine.state.running import Running
-from engine.state.seqlens import INDEX_DTYPE, SeqLens, frozen_array
+from engine.state.seqlens import DEBUG, INDEX_DTYPE, SeqLens, frozen_array
 
 MAX_TREE_NODES = 63  # ancestor masks are int64 bit sets
 
@@ -69,6 +69,9 @@ class DraftTrees:
     @classmethod
     def from_lists(cls, tokens: Sequence[Sequence[int]],
                    parents: Sequence[Sequence[int]]) -> DraftTrees:
+        if [len(t) for t in tokens] != [len(p) for p in parents]:
+            raise ValueError(f"draft trees have {[len(t) for t in tokens]} tokens and "
+                             f"{[len(p) for p in parents]} parents; each tree needs one each")
         sizes = SeqLens([len(t) for t in tokens])
         flat_tokens = np.fromiter((x for t in tokens for x in t), dtype=INDEX_DTYPE)
         flat_parents = np.fromiter((x for p in parents for x in p), dtype=INDEX_DTYPE)
@@ -106,45 +109,45 @@ class Batch:
     out_slots: np.ndarray = attrs.field(converter=frozen_array)
     trees: DraftTrees | None = None
     seq_lens: SeqLens = attrs.field(init=False)
+    mode: Mode = attrs.field(init=False)  # derived from the counts here, never passed in
 
     def __attrs_post_init__(self) -> None:
-        n = len(self.running)
+        run = self.running
+        n = len(run)
         if len(self.new_lens) != n:
             raise ValueError(f"new_lens has {len(self.new_lens)} entries; the batch has {n}")
         total = self.new_lens.total
         if self.input_ids.shape[0] != total or self.out_slots.shape[0] != total:
             raise ValueError(f"{total} new tokens need as many input ids and slots; got "
                              f"{self.input_ids.shape[0]} ids and {self.out_slots.shape[0]} slots")
+        mode = Mode.IDLE if total == 0 else Mode.EXTEND
         if self.trees is None:
-            room = self.running.pending_lens
-            if n and (self.new_lens.lens > room).any():
+            room = run.pending_lens
+            if total == n and total and self.new_lens.max == 1 and (room == 1).all():
+                mode = Mode.DECODE  # n tokens, at most 1 each: exactly 1 each, all pending
+            elif n and (self.new_lens.lens > room).any():
                 raise ValueError(f"new tokens {self.new_lens} exceed the pending tokens "
                                  f"{room.tolist()}")
         else:
-            if self.trees.sizes != self.new_lens:
+            if self.trees.sizes is not self.new_lens and self.trees.sizes != self.new_lens:
                 raise ValueError("a verify pass computes exactly the draft trees' nodes")
-            if n and (self.running.pending_lens != 1).any():
+            if n and (run.pending_lens != 1).any():
                 raise ValueError("verify needs every request to have exactly one pending token")
-        seq = self.running.kv_lens + self.new_lens
-        if n and seq.max > self.running.max_context:
+            mode = Mode.VERIFY if total else Mode.IDLE
+        seq = run.kv_lens + self.new_lens
+        # Without trees, seq <= token_lens <= max_context already (new <= pending).
+        if n and (self.trees is not None or DEBUG) and seq.max > run.max_context:
             raise ValueError(f"a request reaches {seq.max} tokens; max_context is "
-                             f"{self.running.max_context}")
+                             f"{run.max_context}")
+        if DEBUG and seq.total != self.running.kv_lens.total + total:
+            raise ValueError(f"stale total: seq_lens {seq} != prefix + new {total}")
         object.__setattr__(self, "seq_lens", seq)
+        object.__setattr__(self, "mode", mode)
 
     # --- derived ------------------------------------------------------------------------
     @property
     def prefix_lens(self) -> SeqLens:
         return self.running.kv_lens
-
-    @property
-    def mode(self) -> Mode:
-        if self.new_lens.total == 0:
-            return Mode.IDLE
-        if self.trees is not None:
-            return Mode.VERIFY
-        if (self.new_lens.lens == 1).all() and (self.running.pending_lens == 1).all():
-            return Mode.DECODE
-        return Mode.EXTEND
 
     @property
     def positions(self) -> np.ndarray:
@@ -157,7 +160,8 @@ class Batch:
         """Whether each request yields a next token (an extend chunk short of the end: no)."""
         if self.trees is not None:
             return _readonly(np.ones(len(self.running), dtype=bool))
-        return _readonly(self.seq_lens.lens == self.running.token_lens.lens)
+        return _readonly((self.seq_lens.lens == self.running.token_lens.lens)
+                         & (self.new_lens.lens > 0))
 
     @property
     def logit_rows(self) -> np.ndarray:

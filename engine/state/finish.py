@@ -7,6 +7,7 @@ import enum
 import numpy as np
 
 from engine.state.running import FinishRules
+from engine.state.seqlens import SeqLens
 
 
 class FinishReason(enum.IntEnum):
@@ -25,25 +26,51 @@ class FinishReason(enum.IntEnum):
 def first_finish(tokens: np.ndarray, valid: np.ndarray, num_output_before: np.ndarray,
                  token_lens_before: np.ndarray, rules: FinishRules,
                  max_context: int) -> tuple[np.ndarray, np.ndarray]:
-    """For (batch, k) tokens appended in order, where each request stops.
+    """For (batch, k) tokens appended in order (`valid`: a prefix of each row), where each
+    request stops. Returns (kept, reason): how many tokens each request keeps (all of its
+    valid ones when it does not finish) and its FinishReason code."""
+    counts = SeqLens(valid.sum(axis=1))
+    return first_finish_flat(tokens[valid], counts, num_output_before, token_lens_before,
+                             rules, max_context)
 
-    Returns (kept, reason): how many of the k tokens each request keeps (all of its valid ones
-    when it does not finish) and its FinishReason code.
+
+def first_finish_flat(tokens: np.ndarray, counts: SeqLens, num_output_before: np.ndarray,
+                      token_lens_before: np.ndarray, rules: FinishRules, max_context: int,
+                      owner: np.ndarray | None = None,
+                      step: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The finish check over flat tokens, `counts[i]` of them for request i (CSR).
+
+    A stop token (EOS unless it is -1, or a stop id) counts once min_new outputs are reached;
+    max_new outputs or max_context tokens end a request by length; a stop wins over length
+    on the same token. `owner` / `step` (each token's request, and its 1-based position in
+    it) may be passed when the caller has them. Returns (kept, reason) per request.
     """
-    width = tokens.shape[1]
-    step = np.arange(1, width + 1, dtype=np.int64)
-    num_output = num_output_before[:, None] + step
-    token_lens = token_lens_before[:, None] + step
-    eos_hit = (tokens == rules.eos[:, None]) & (rules.eos[:, None] >= 0)
-    if rules.stop_ids.shape[1]:
-        eos_hit |= (tokens[:, :, None] == rules.stop_ids[:, None, :]).any(axis=2)
-    stop_hit = valid & eos_hit & (num_output >= rules.min_new[:, None])
-    length_hit = valid & ((num_output >= rules.max_new[:, None]) | (token_lens >= max_context))
-    hit = stop_hit | length_hit
-    finishes = hit.any(axis=1)
-    first = hit.argmax(axis=1)
-    rows = np.arange(tokens.shape[0])
-    kept = np.where(finishes, first + 1, valid.sum(axis=1))
-    reason = np.where(~finishes, FinishReason.NONE,
-                      np.where(stop_hit[rows, first], FinishReason.STOP, FinishReason.LENGTH))
-    return kept.astype(np.int64), reason.astype(np.int8)
+    one_each = counts.total == len(counts) and counts.max <= 1  # decode: no gathers needed
+    first_stop_step = rules.min_new - num_output_before
+    last_step = np.minimum(rules.max_new - num_output_before, max_context - token_lens_before)
+    eos, stop_ids = rules.eos, rules.stop_ids
+    if not one_each:
+        owner = counts.segment_ids() if owner is None else owner
+        step = counts.offsets_within() + 1 if step is None else step
+        first_stop_step, last_step = first_stop_step[owner], last_step[owner]
+        eos, stop_ids = eos[owner], stop_ids[owner]
+    else:
+        step = 1
+    is_stop = (tokens == eos) & (eos >= 0)
+    if stop_ids.shape[1] > 8:
+        is_stop |= (tokens[:, None] == stop_ids).any(axis=1)
+    else:  # a few columns: one compare each is cheaper than a 2-D compare and reduce
+        for column in range(stop_ids.shape[1]):
+            is_stop |= tokens == stop_ids[:, column]
+    stop_hit = is_stop & (step >= first_stop_step)
+    hit = stop_hit | (step >= last_step)
+    reason = np.zeros(len(counts), dtype=np.int8)
+    if not hit.any():
+        return counts.lens, reason
+    hits = np.flatnonzero(hit)
+    leaving, first = np.unique(hits if one_each else owner[hits], return_index=True)
+    first_hit = hits[first]
+    kept = counts.lens.copy()
+    kept[leaving] = 1 if one_each else step[first_hit]
+    reason[leaving] = np.where(stop_hit[first_hit], FinishReason.STOP, FinishReason.LENGTH)
+    return kept, reason

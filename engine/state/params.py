@@ -10,6 +10,16 @@ def _check(field: str, value: object, ok: bool, allowed: str) -> None:
         raise ValueError(f"{field}={value!r} is not allowed; {field} must be {allowed}")
 
 
+def _as_tuple(value: object) -> object:
+    """A string or an iterable as a tuple; anything else is kept for the validator to name."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        return value
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -27,8 +37,8 @@ class SamplingParams:
     top_k: int = -1
     max_tokens: int = 64
     min_tokens: int = 0
-    stop: tuple[str, ...] = attrs.field(default=(), converter=lambda v: (v,) if isinstance(v, str) else tuple(v))
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     ignore_eos: bool = False
     seed: int | None = None
 
@@ -45,10 +55,12 @@ class SamplingParams:
         _check("max_tokens", m, _is_int(m) and m >= 1, "an integer >= 1")
         n = self.min_tokens
         _check("min_tokens", n, _is_int(n) and 0 <= n <= m, f"an integer in [0, max_tokens={m}]")
-        _check("stop", self.stop, all(isinstance(s, str) and s for s in self.stop),
+        _check("stop", self.stop, isinstance(self.stop, tuple)
+               and all(isinstance(s, str) and s for s in self.stop),
                "a list of non-empty strings")
         ids = self.stop_token_ids
-        _check("stop_token_ids", ids, all(_is_int(i) and i >= 0 for i in ids),
+        _check("stop_token_ids", ids, isinstance(ids, tuple)
+               and all(_is_int(i) and i >= 0 for i in ids),
                "a list of integers >= 0")
         _check("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "a bool")
         s = self.seed

@@ -7,21 +7,24 @@ prompt plus output), and the columns the finish check reads.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
-from engine.state.seqlens import INDEX_DTYPE, SeqLens, frozen_array
+from engine.state.seqlens import (DEBUG, INDEX_DTYPE, SeqLens, frozen_array, index_array,
+                                   is_frozen)
 
-DEBUG = os.environ.get("ENGINE_DEBUG", "0") not in ("", "0")
+__all__ = ["DEBUG", "FinishRules", "Running"]
 
 
 def _stop_matrix(values: object) -> np.ndarray:
+    if (type(values) is np.ndarray and values.ndim == 2 and values.dtype == INDEX_DTYPE
+            and is_frozen(values)):
+        return values
     array = np.array(values, dtype=INDEX_DTYPE, copy=True)
-    if array.ndim == 1:
-        array = array.reshape(-1, 0) if array.size == 0 else array.reshape(-1, 1)
+    if array.ndim == 1:  # empty: no stop ids (widened to the batch below); else one each
+        array = array.reshape(0, 0) if array.size == 0 else array.reshape(-1, 1)
     if array.ndim != 2:
         raise ValueError(f"stop_ids must be a (batch, k) matrix; got shape {array.shape}")
     array.flags.writeable = False
@@ -39,6 +42,8 @@ class FinishRules:
 
     def __attrs_post_init__(self) -> None:
         n = self.max_new.shape[0]
+        if self.stop_ids.size == 0 and self.stop_ids.shape[0] != n:
+            object.__setattr__(self, "stop_ids", _stop_matrix(np.zeros((n, 0))))
         if not (self.min_new.shape[0] == self.eos.shape[0] == self.stop_ids.shape[0] == n):
             raise ValueError("FinishRules columns must all have one entry per request")
 
@@ -89,6 +94,10 @@ class Running:
         if n and self.token_lens.max > self.max_context:
             raise ValueError(f"a request has {self.token_lens.max} tokens; "
                              f"max_context is {self.max_context}")
+        if DEBUG:
+            for lens in (self.kv_lens, self.token_lens):
+                if lens.total != int(lens.lens.sum()):
+                    raise ValueError(f"stale total: {lens.total} != sum of {lens}")
         if DEBUG and n:
             if np.unique(self.rids).size != n or np.unique(self.rows).size != n:
                 raise ValueError("request ids and rows must be unique within a batch")
@@ -109,6 +118,26 @@ class Running:
         kv = SeqLens(np.zeros(len(rids), dtype=INDEX_DTYPE) if kv_lens is None else kv_lens)
         return cls(rids, rows, kv, SeqLens(token_lens), prompt_lens, last_tokens, rules,
                    max_context)
+
+    @classmethod
+    def _of_valid(cls, rids: np.ndarray, rows: np.ndarray, kv_lens: SeqLens,
+                  token_lens: SeqLens, prompt_lens: np.ndarray, last_tokens: np.ndarray,
+                  rules: FinishRules, max_context: int) -> Running:
+        """A transition's next Running whose invariants hold by construction (kv_lens grew by
+        computed tokens, token_lens stayed below max_context by the finish check) from
+        read-only columns: skips the re-checks, which still run under ENGINE_DEBUG."""
+        if DEBUG:
+            return cls(rids, rows, kv_lens, token_lens, prompt_lens, last_tokens, rules,
+                       max_context)
+        value = object.__new__(cls)
+        for name, column in (("rids", rids), ("rows", rows), ("prompt_lens", prompt_lens),
+                             ("last_tokens", last_tokens)):
+            object.__setattr__(value, name, frozen_array(column))
+        object.__setattr__(value, "kv_lens", kv_lens)
+        object.__setattr__(value, "token_lens", token_lens)
+        object.__setattr__(value, "rules", rules)
+        object.__setattr__(value, "max_context", max_context)
+        return value
 
     # --- reading ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -132,7 +161,7 @@ class Running:
     # --- new values ---------------------------------------------------------------------
     def select(self, indices: Sequence[int] | np.ndarray) -> Running:
         """The requests at `indices` (a bool mask or integer indices), in that order."""
-        idx = np.asarray(indices)
+        idx = index_array(indices)
         if idx.dtype == bool:
             idx = np.flatnonzero(idx)
         return Running(self.rids[idx], self.rows[idx], self.kv_lens.select(idx),

@@ -6,17 +6,39 @@ so no code path can leave it stale (the bug family this project exists to remove
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
 INDEX_DTYPE = np.int64
+# Expensive invariant checks (full scans that transitions already guarantee) run only here.
+DEBUG = os.environ.get("ENGINE_DEBUG", "0") not in ("", "0")
+
+
+def is_frozen(array: np.ndarray) -> bool:
+    """Whether nothing can write `array`: neither it nor any array whose memory it views."""
+    while array is not None:
+        if type(array) is not np.ndarray or array.flags.writeable:
+            return False
+        array = array.base
+    return True
 
 
 def frozen_array(values: object, dtype: type = INDEX_DTYPE) -> np.ndarray:
-    """A read-only 1-D copy of `values` (a snapshot never shares a writeable buffer)."""
-    array = np.array(values, dtype=dtype, copy=True).reshape(-1)
+    """A read-only 1-D array of `values`: `values` itself when it already is one that nothing
+    can write, else a read-only copy (a snapshot never shares a writeable buffer)."""
+    if (type(values) is np.ndarray and not values.flags.writeable and values.ndim == 1
+            and values.dtype == dtype and (values.base is None or is_frozen(values.base))):
+        return values
+    array = np.array(values, dtype=dtype, copy=True)
+    array.flags.writeable = False
+    return array if array.ndim == 1 else array.reshape(-1)
+
+
+def freeze(array: np.ndarray) -> np.ndarray:
+    """Make an array the caller just created (and shares with no one) read-only, in place."""
     array.flags.writeable = False
     return array
 
@@ -26,6 +48,12 @@ def _to_lens(values: object) -> np.ndarray:
     if array.size and int(array.min()) < 0:
         raise ValueError(f"lengths must be >= 0; got {array.tolist()[:16]}")
     return array
+
+
+def index_array(indices: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A bool mask or integer indices as an index array (an empty list indexes as integers)."""
+    index = np.asarray(indices)
+    return index.astype(np.intp) if index.size == 0 and index.dtype != bool else index
 
 
 @attrs.frozen(eq=False, repr=False)
@@ -45,7 +73,20 @@ class SeqLens:
 
     @classmethod
     def full(cls, size: int, value: int) -> SeqLens:
-        return cls(np.full(size, value, dtype=INDEX_DTYPE))
+        if value < 0:
+            raise ValueError(f"lengths must be >= 0; got {value}")
+        return cls._of_valid(np.full(size, value, dtype=INDEX_DTYPE))
+
+    @classmethod
+    def _of_valid(cls, lens: np.ndarray, check: bool = DEBUG) -> SeqLens:
+        """From int64 1-D lengths known to be >= 0 (sums, picks or joins of SeqLens lengths),
+        or checked here: skips the attrs conversion, never the total, computed here."""
+        if check and lens.size and int(lens.min()) < 0:
+            raise ValueError(f"lengths must be >= 0; got {lens.tolist()[:16]}")
+        value = object.__new__(cls)
+        object.__setattr__(value, "lens", frozen_array(lens))
+        object.__setattr__(value, "total", int(lens.sum()))
+        return value
 
     # --- reading ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -92,20 +133,26 @@ class SeqLens:
     # --- new values ---------------------------------------------------------------------
     def grow(self, deltas: object) -> SeqLens:
         """Each length plus its delta (a scalar or one per request)."""
-        delta_array = np.broadcast_to(np.asarray(deltas, dtype=INDEX_DTYPE), self.lens.shape)
-        return SeqLens(self.lens + delta_array)
+        delta = np.asarray(deltas, dtype=INDEX_DTYPE)
+        lens = self.lens + delta
+        if lens.shape != self.lens.shape:
+            raise ValueError(f"grow needs one delta per request ({len(self)}) or a scalar; "
+                             f"got shape {delta.shape}")
+        growing = delta.ndim == 0 and int(delta) >= 0  # lengths only grow: nothing to check
+        return SeqLens._of_valid(freeze(lens), check=DEBUG or not growing)
 
     def __add__(self, other: SeqLens) -> SeqLens:
         if len(other) != len(self):
             raise ValueError(f"cannot add SeqLens of {len(other)} requests to {len(self)}")
-        return SeqLens(self.lens + other.lens)
+        return SeqLens._of_valid(freeze(self.lens + other.lens))
 
     def select(self, indices: Sequence[int] | np.ndarray) -> SeqLens:
         """The lengths at `indices` (a bool mask or integer indices), in that order."""
-        return SeqLens(self.lens[np.asarray(indices)])
+        return SeqLens._of_valid(freeze(self.lens[index_array(indices)]))
 
     def concat(self, *others: SeqLens) -> SeqLens:
-        return SeqLens(np.concatenate([self.lens, *(other.lens for other in others)]))
+        return SeqLens._of_valid(
+            freeze(np.concatenate([self.lens, *(other.lens for other in others)])))
 
     # --- device mirrors: derived here and nowhere else ------------------------------------
     def to_device(self, device: object) -> tuple[object, object]:

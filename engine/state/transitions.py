@@ -13,11 +13,12 @@ import attrs
 import numpy as np
 
 from engine.state.batch import Batch, DraftTrees, Mode
-from engine.state.finish import FinishReason, first_finish
+from engine.state.finish import FinishReason, first_finish_flat
 from engine.state.running import Running
-from engine.state.seqlens import INDEX_DTYPE, SeqLens, frozen_array
+from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array
 
 _EMPTY = frozen_array([])
+_NO_LENS = SeqLens.empty()
 
 
 @attrs.frozen(eq=False)
@@ -36,9 +37,9 @@ class Effects:
     table_slots: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
     free_slots: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
     release_rows: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
-    release_lens: SeqLens = attrs.field(factory=SeqLens.empty)
+    release_lens: SeqLens = _NO_LENS
     emitted_rids: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
-    emitted_lens: SeqLens = attrs.field(factory=SeqLens.empty)
+    emitted_lens: SeqLens = _NO_LENS
     emitted_tokens: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
     finished_rids: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
     finished_reasons: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
@@ -56,8 +57,10 @@ class Effects:
 
     def emitted(self) -> dict[int, list[int]]:
         """rid -> tokens gained (for the shell's per-request histories)."""
-        splits = np.split(self.emitted_tokens, self.emitted_lens.indptr()[1:-1])
-        return {int(r): s.tolist() for r, s in zip(self.emitted_rids, splits, strict=True)}
+        bounds = self.emitted_lens.indptr().tolist()
+        tokens = self.emitted_tokens.tolist()
+        return {rid: tokens[bounds[i]:bounds[i + 1]]
+                for i, rid in enumerate(self.emitted_rids.tolist())}
 
     def finished(self) -> dict[int, FinishReason]:
         return {int(r): FinishReason(int(c))
@@ -93,30 +96,33 @@ def schedule_verify(running: Running, trees: DraftTrees, slots: np.ndarray) -> B
 
 
 # --- after the forward pass ----------------------------------------------------------------
+def _sampled(tokens: object, count: int, what: str) -> np.ndarray:
+    array = np.asarray(tokens, dtype=INDEX_DTYPE).reshape(-1)
+    if array.shape[0] != count:
+        raise ValueError(f"{count} requests {what} this pass; got {array.shape[0]} tokens")
+    return array
+
+
 def extend(batch: Batch, sampled: np.ndarray) -> Result:
     """Commit an extend (or decode) pass. `sampled` holds one token per sampling request."""
     if batch.trees is not None:
         raise ValueError("a verify pass is committed with verify(), not extend()")
     samples = batch.samples
-    sampled = np.asarray(sampled, dtype=INDEX_DTYPE).reshape(-1)
-    if sampled.shape[0] != int(samples.sum()):
-        raise ValueError(f"{int(samples.sum())} requests sample this pass; "
-                         f"got {sampled.shape[0]} tokens")
+    counts = SeqLens._of_valid(freeze(samples.astype(INDEX_DTYPE)))
+    sampled = freeze(_sampled(sampled, counts.total, "sample").copy())
     run = batch.running
-    rows = np.repeat(run.rows, batch.new_lens.lens)
-    kv_lens = batch.seq_lens
-    emit_counts = samples.astype(INDEX_DTYPE)
-    tokens = np.zeros((len(run), 1), dtype=INDEX_DTYPE)
-    tokens[samples, 0] = sampled
-    return _commit(batch, kv_lens, emit_counts, tokens, rows, batch.positions, batch.out_slots,
-                   _EMPTY)
+    table = (np.repeat(run.rows, batch.new_lens.lens), batch.positions, batch.out_slots)
+    return _commit(run, batch.seq_lens, sampled, counts, table, _EMPTY)
 
 
 def decode(batch: Batch, sampled: np.ndarray) -> Result:
     """Commit a decode pass: every request gains its sampled token."""
     if batch.mode not in (Mode.DECODE, Mode.IDLE):
         raise ValueError(f"decode() commits a decode pass; this pass is {batch.mode.value}")
-    return extend(batch, sampled)
+    run = batch.running
+    sampled = freeze(_sampled(sampled, len(run), "decode").copy())
+    table = (run.rows, run.kv_lens.lens, batch.out_slots)
+    return _commit(run, batch.seq_lens, sampled, batch.new_lens, table, _EMPTY)
 
 
 def verify(batch: Batch, accepted_lens: Sequence[int] | np.ndarray, accepted_nodes: np.ndarray,
@@ -134,60 +140,79 @@ def verify(batch: Batch, accepted_lens: Sequence[int] | np.ndarray, accepted_nod
         raise ValueError(f"verify needs {len(run)} accepted lengths and bonus tokens and "
                          f"accepted_lens.total nodes; got {len(accepted)}, {bonus.shape[0]}, "
                          f"{nodes.shape[0]}")
-    path_lens = accepted.grow(1)  # root + accepted drafts
+    # The path of request i: its root, then its accepted nodes (flat, CSR by path_lens).
+    path_lens = accepted.grow(1)
+    path_indptr = path_lens.indptr()
     path_owner = path_lens.segment_ids()
-    depth = path_lens.offsets_within()
+    depth = np.arange(path_lens.total, dtype=INDEX_DTYPE) - path_indptr[path_owner]
+    is_draft = depth > 0
     path_local = np.zeros(path_lens.total, dtype=INDEX_DTYPE)
-    path_local[depth > 0] = nodes
-    tree_start = trees.sizes.starts()[path_owner]
-    if (path_local >= trees.sizes.lens[path_owner]).any():
+    path_local[is_draft] = nodes
+    if ((nodes < 0) | (nodes >= trees.sizes.lens[path_owner[is_draft]])).any():
         raise ValueError("an accepted node is outside its request's draft tree")
-    path_flat = tree_start + path_local
-    parent_ok = trees.parents[path_flat[depth > 0]] == path_local[np.flatnonzero(depth > 0) - 1]
-    if not parent_ok.all():
+    path_flat = trees.sizes.starts()[path_owner] + path_local
+    draft_flat = path_flat[is_draft]
+    if (trees.parents[draft_flat] != path_local[:-1][is_draft[1:]]).any():
         raise ValueError("accepted nodes must form a path from the root, each the child of the last")
-    on_path = np.zeros(trees.sizes.total, dtype=bool)
-    on_path[path_flat] = True
-    kv_lens = run.kv_lens + path_lens
-    width = accepted.max + 1
-    tokens = np.zeros((len(run), width), dtype=INDEX_DTYPE)
-    draft_depth = depth[depth > 0]
-    tokens[path_owner[depth > 0], draft_depth - 1] = trees.tokens[path_flat[depth > 0]]
-    tokens[np.arange(len(run)), accepted.lens] = bonus
-    return _commit(batch, kv_lens, path_lens.lens, tokens, run.rows[path_owner],
-                   run.kv_lens.lens[path_owner] + depth, batch.out_slots[path_flat],
-                   batch.out_slots[~on_path])
+    rejected = np.ones(trees.sizes.total, dtype=bool)
+    rejected[path_flat] = False
+    # Emitted: each accepted draft's token, then the bonus token (one per path entry).
+    emitted = np.empty(path_lens.total, dtype=INDEX_DTYPE)
+    emitted[:-1] = trees.tokens[path_flat[1:]]
+    emitted[path_indptr[1:] - 1] = bonus
+    table = (run.rows[path_owner], run.kv_lens.lens[path_owner] + depth,
+             batch.out_slots[path_flat])
+    return _commit(run, run.kv_lens + path_lens, freeze(emitted), path_lens, table,
+                   batch.out_slots[rejected], path_owner, depth)
 
 
-def _commit(batch: Batch, kv_lens: SeqLens, emit_counts: np.ndarray, tokens: np.ndarray,
-            table_rows: np.ndarray, table_cols: np.ndarray, table_slots: np.ndarray,
-            free_slots: np.ndarray) -> Result:
-    """Append the emitted tokens, apply the finish check, and drop finished requests."""
-    run = batch.running
-    width = tokens.shape[1]
-    valid = np.arange(width)[None, :] < emit_counts[:, None]
-    kept, reason = first_finish(tokens, valid, run.num_output, run.token_lens.lens, run.rules,
-                                run.max_context)
-    token_lens = run.token_lens.grow(kept)
-    has_new = kept > 0
-    last_index = np.maximum(kept - 1, 0)
-    last_tokens = np.where(has_new, tokens[np.arange(len(run)), last_index], run.last_tokens)
-    keep_mask = np.arange(width)[None, :] < kept[:, None]
+def _commit(run: Running, kv_lens: SeqLens, tokens: np.ndarray, counts: SeqLens,
+            table: tuple[np.ndarray, np.ndarray, np.ndarray], free_slots: np.ndarray,
+            owner: np.ndarray | None = None, depth: np.ndarray | None = None) -> Result:
+    """Append the tokens each request emits (flat `tokens`, CSR by `counts`; `owner`/`depth`
+    when the caller has them), apply the finish check, and drop finished requests."""
+    kept, reason = first_finish_flat(tokens, counts, run.num_output, run.token_lens.lens,
+                                     run.rules, run.max_context, owner,
+                                     None if depth is None else depth + 1)
+    if kept is not counts.lens:  # a request stopped inside its tokens: keep its prefix only
+        owner = counts.segment_ids() if owner is None else owner
+        depth = counts.offsets_within() if depth is None else depth
+        tokens = freeze(tokens[depth < kept[owner]])
+        counts = SeqLens._of_valid(freeze(kept))
+    one_each = counts.total == len(run) and counts.max == 1
+    has_new = None if one_each else counts.lens > 0
+    everyone = one_each or bool(has_new.all())
+    if one_each:
+        last_tokens = tokens
+    else:
+        ends = counts.indptr()[1:] - 1
+        last_tokens = (tokens[ends] if everyone else
+                       np.where(has_new, tokens[np.maximum(ends, 0)] if tokens.size else 0,
+                                run.last_tokens))
+    emitted = dict(table_rows=table[0], table_cols=table[1], table_slots=table[2],
+                   free_slots=free_slots,
+                   emitted_rids=run.rids if everyone else run.rids[has_new],
+                   emitted_lens=counts if everyone else counts.select(has_new),
+                   emitted_tokens=tokens)
+    return _close(run, reason, kv_lens, run.token_lens + counts, last_tokens, emitted)
+
+
+def _close(run: Running, reason: np.ndarray, kv_lens: SeqLens, token_lens: SeqLens,
+           last_tokens: np.ndarray, emitted: dict) -> Result:
+    """The next Running (finished requests dropped) and the effects: what was emitted, and
+    the rows of finished requests released with everything committed to them."""
+    if not reason.any():  # FinishReason.NONE is 0: nobody leaves
+        after = Running._of_valid(run.rids, run.rows, kv_lens, token_lens, run.prompt_lens,
+                                  last_tokens, run.rules, run.max_context)
+        return Result(after, Effects(**emitted))
     done = reason != FinishReason.NONE
+    live = np.flatnonzero(~done)
+    after = Running(run.rids[live], run.rows[live], kv_lens.select(live),
+                    token_lens.select(live), run.prompt_lens[live], last_tokens[live],
+                    run.rules.select(live), run.max_context)
     # A finished request keeps no KV: its row is released with everything committed to it.
-    effects = Effects(
-        table_rows=table_rows, table_cols=table_cols, table_slots=table_slots,
-        free_slots=free_slots,
-        release_rows=run.rows[done], release_lens=kv_lens.select(done),
-        emitted_rids=run.rids[has_new], emitted_lens=SeqLens(kept[has_new]),
-        emitted_tokens=tokens[keep_mask],
-        finished_rids=run.rids[done], finished_reasons=reason[done],
-    )
-    live = np.flatnonzero(~done) if done.any() else slice(None)
-    after = Running(run.rids[live], run.rows[live], kv_lens.select(live) if done.any() else kv_lens,
-                    token_lens.select(live) if done.any() else token_lens,
-                    run.prompt_lens[live], last_tokens[live],
-                    run.rules.select(live) if done.any() else run.rules, run.max_context)
+    effects = Effects(release_rows=run.rows[done], release_lens=kv_lens.select(done),
+                      finished_rids=run.rids[done], finished_reasons=reason[done], **emitted)
     return Result(after, effects)
 
 

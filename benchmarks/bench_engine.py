@@ -1,0 +1,176 @@
+"""End-to-end throughput: engine vs HF transformers `generate`, side by side in one run.
+
+CPU (default model, fp32):   python benchmarks/bench_engine.py --device cpu
+GPU (random Llama-3-8B bf16): python benchmarks/bench_engine.py --device cuda
+On the GPU it also reports the decode step time against its floor: (weight bytes + KV bytes
+read per step) / the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from engine.engine import Engine
+from engine.state import SamplingParams
+
+TOPICS = ["the sea", "a mountain", "bread", "rain", "a library", "the moon", "trains",
+          "gardens"]
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    size = 2 * 2**30
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    repeats = 20
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * size * repeats / (time.perf_counter() - start)
+
+
+def run_engine(engine: Engine, prompts: list, batch: int, max_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    engine.step_times.clear()
+    started = time.perf_counter()
+    tokens = 0
+    for first in range(0, len(prompts), batch):
+        outputs = engine.generate(prompts[first:first + batch], params)
+        tokens += sum(len(o.token_ids) for o in outputs)
+    elapsed = time.perf_counter() - started
+    decode = [t for mode, t in engine.step_times if mode == "decode"]
+    return dict(tokens=tokens, seconds=elapsed,
+                decode_step=statistics.median(decode) if decode else float("nan"))
+
+
+def hf_generate(model, tokenizer_pad: int, prompts: list[list[int]], batch: int,
+                max_tokens: int, padded: bool) -> dict:
+    device = next(model.parameters()).device
+    started = time.perf_counter()
+    tokens = 0
+    groups = ([prompts[i:i + batch] for i in range(0, len(prompts), batch)] if padded
+              else [[p] for p in prompts])
+    for group in groups:
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[tokenizer_pad] * (width - len(p)) + p for p in group], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group],
+                            device=device)
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             pad_token_id=tokenizer_pad)
+        tokens += (out.shape[1] - width) * len(group)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return dict(tokens=tokens, seconds=time.perf_counter() - started)
+
+
+def cpu_main(args: argparse.Namespace) -> list[tuple]:
+    from transformers import AutoModelForCausalLM
+
+    from engine.model.loader import default_model_path
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    engine = Engine(device="cpu", dtype="float32", max_running_requests=16)
+    chats = [[{"role": "user", "content": f"Write a short story about {t}."}] for t in TOPICS]
+    ids = [engine.tokenizer.apply_chat_template(c) for c in chats]
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              torch_dtype=torch.float32).eval()
+    pad = engine.tokenizer.eos_token_id
+    rows = []
+    for batch in (1, 8):
+        prompts = ids[:args.num_prompts if batch == 1 else 8]
+        ours = run_engine(engine, prompts, batch, args.max_tokens)
+        with torch.inference_mode():
+            hf_runs = [hf_generate(hf, pad, prompts, batch, args.max_tokens, padded=False)]
+            if batch > 1:
+                hf_runs.append(hf_generate(hf, pad, prompts, batch, args.max_tokens, True))
+        best = max(hf_runs, key=lambda r: r["tokens"] / r["seconds"])
+        rows.append((batch, ours["tokens"] / ours["seconds"], best["tokens"] / best["seconds"]))
+    return rows
+
+
+def gpu_main(args: argparse.Namespace) -> list[tuple]:
+    bandwidth = copy_bandwidth("cuda")
+    engine = Engine(random_weights="llama3_8b", device="cuda", dtype="bfloat16",
+                    max_running_requests=64, cuda_graph_max_batch=64, max_context=1024,
+                    kv_cache_fraction=0.3, chunk_size=8192)
+    mc = engine.runtime.model_config
+    weight_bytes = engine.runtime.model.num_bytes()
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    generator = torch.Generator().manual_seed(0)
+    hf = _hf_twin(mc) if not args.no_hf else None
+    rows = []
+    for batch in (1, 16, 64):
+        prompts = torch.randint(3, 30000, (batch, args.prompt_len), generator=generator).tolist()
+        ours = run_engine(engine, prompts, batch, args.max_tokens)
+        mean_context = args.prompt_len + args.max_tokens / 2
+        floor = (weight_bytes + batch * mean_context * kv_per_token) / bandwidth
+        hf_rate = float("nan")
+        if hf is not None:
+            with torch.inference_mode():
+                run = hf_generate(hf, 0, prompts, batch, args.max_tokens, padded=True)
+            hf_rate = run["tokens"] / run["seconds"]
+        rows.append((batch, ours["tokens"] / ours["seconds"], hf_rate,
+                     ours["decode_step"] * 1e3, floor * 1e3, floor / ours["decode_step"],
+                     bandwidth / 1e9))
+    return rows
+
+
+def _hf_twin(mc) -> torch.nn.Module:
+    """HF LlamaForCausalLM of the same shape, random bf16 weights, on the GPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+                         intermediate_size=mc.intermediate_size,
+                         num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
+                         num_key_value_heads=mc.num_kv_heads, rms_norm_eps=mc.rms_norm_eps,
+                         rope_theta=mc.rope_theta, max_position_embeddings=8192,
+                         tie_word_embeddings=False)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--num-prompts", type=int, default=4, help="CPU batch-1 prompts")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        args.max_tokens = args.max_tokens or 64
+        rows = cpu_main(args)
+        print(f"\nCPU, default model fp32, {args.max_tokens} new tokens per prompt")
+        print("| batch | engine tok/s | HF generate tok/s | ratio |")
+        print("|---|---|---|---|")
+        for batch, ours, hf in rows:
+            print(f"| {batch} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x |")
+    else:
+        args.max_tokens = args.max_tokens or 256
+        rows = gpu_main(args)
+        print(f"\nH200, random Llama-3-8B bf16, {args.prompt_len}-token prompts, "
+              f"{args.max_tokens} new tokens")
+        print("| batch | engine tok/s | HF tok/s | ratio | decode step ms | floor ms | "
+              "floor/step | copy GB/s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for batch, ours, hf, step, floor, frac, bw in rows:
+            print(f"| {batch} | {ours:.0f} | {hf:.0f} | {ours / hf:.1f}x | {step:.2f} | "
+                  f"{floor:.2f} | {frac:.2f} | {bw:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

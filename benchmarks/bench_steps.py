@@ -1,0 +1,106 @@
+"""Verify step vs decode step on the GPU (random Llama-3-8B bf16, captured graphs), and the
+tokens/s that speculation gives as a function of the accepted length per step.
+
+    python benchmarks/bench_steps.py [--context 1024] [--accepted 0,0.5,1,2,3,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from engine.engine import Engine
+from engine.state import DraftTrees, FinishRules, Running, schedule_decode, schedule_verify
+
+
+def tree_parents(nodes: int) -> list[int]:
+    """A 12-draft tree of three branches of four, the shape the proposer makes for a
+    short match (root, then chains)."""
+    parents = [-1]
+    for node in range(1, nodes):
+        parents.append(0 if (node - 1) % 4 == 0 else node - 1)
+    return parents
+
+
+def batches(engine: Engine, batch: int, context: int, nodes: int):
+    book = engine.book
+    rows = [book.table.alloc_row() for _ in range(batch)]
+    slots = book.slots.alloc(batch * context)
+    cols = np.tile(np.arange(context), batch)
+    book.table.write(np.repeat(rows, context), cols, slots)
+    rules = FinishRules(np.full(batch, 10**6), np.zeros(batch), -np.ones(batch),
+                        np.zeros((batch, 0), dtype=np.int64))
+    last = np.arange(batch) + 5
+    running = Running.admitted(np.arange(batch) + 10**6, rows, np.full(batch, context + 1),
+                               np.full(batch, context + 1), last, rules, engine.max_context,
+                               kv_lens=np.full(batch, context))
+    decode = schedule_decode(running, book.slots.alloc(batch))
+    parents = tree_parents(nodes)
+    trees = DraftTrees.from_lists([[int(t)] + [7] * (nodes - 1) for t in last],
+                                  [parents] * batch)
+    verify = schedule_verify(running, trees, book.slots.alloc(batch * nodes))
+    return decode, verify
+
+
+def release(engine: Engine, decode, verify) -> None:
+    """Give back everything `batches` took (no transition commits these passes)."""
+    book = engine.book
+    for batch in (decode, verify):
+        book.slots.free(batch.out_slots)
+    for row, length in zip(decode.running.rows.tolist(), decode.running.kv_lens.tolist(),
+                           strict=True):
+        book.slots.free(book.table.host[row, :length])
+        book.table.release_row(row)
+
+
+def time_forward(engine: Engine, batch, repeats: int = 30) -> float:
+    for _ in range(3):
+        engine.runner.forward(batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        engine.runner.forward(batch)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--draft-budget", type=int, default=12)
+    parser.add_argument("--accepted", default="0,0.5,1,1.5,2,3,4")
+    args = parser.parse_args()
+    nodes = args.draft_budget + 1
+    rows = []
+    engine = Engine(random_weights="llama3_8b", device="cuda", dtype="bfloat16",
+                    speculative=True, draft_budget=args.draft_budget, max_running_requests=64,
+                    cuda_graph_max_batch=64, max_context=args.context + 64,
+                    kv_cache_fraction=0.3)
+    for batch in (1, 16, 64):
+        decode, verify = batches(engine, batch, args.context, nodes)
+        t_decode, t_verify = time_forward(engine, decode), time_forward(engine, verify)
+        rows.append((batch, t_decode, t_verify))
+        release(engine, decode, verify)
+        engine.check()
+    accepted = [float(a) for a in args.accepted.split(",")]
+    print(f"\nH200, random Llama-3-8B bf16, context {args.context}, {nodes}-node trees, "
+          "CUDA graphs")
+    print("| batch | decode ms | verify ms | verify/decode |")
+    print("|---|---|---|---|")
+    for batch, t_decode, t_verify in rows:
+        print(f"| {batch} | {t_decode:.2f} | {t_verify:.2f} | {t_verify / t_decode:.2f} |")
+    print("\ntokens/s with speculation at a mean accepted length a (tokens/step = 1 + a)")
+    print("| batch | no spec | " + " | ".join(f"a={a:g}" for a in accepted) + " |")
+    print("|---|---|" + "---|" * len(accepted))
+    for batch, t_decode, t_verify in rows:
+        cells = [f"{batch * (1 + a) / t_verify * 1e3:.0f}" for a in accepted]
+        print(f"| {batch} | {batch / t_decode * 1e3:.0f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The Triton attention backend: kv-index construction, split-KV decode, extend, tree verify.
+
+Eager use: `plan(batch)` sizes every buffer from the snapshot's exact totals. CUDA-graph use
+(decode and verify only): `buffers = backend.graph_buffers(max_batch, max_tokens,
+max_kv_tokens)` once, then before each capture or replay `plan(batch, buffers=buffers,
+padded_batch_size=P, padded_num_tokens=T)`, which fills the buffers in place (outside the
+graph) and returns metadata whose tensors are views at fixed addresses. Padding requests
+(P - B of them) own no keys and no tokens; the T - new_lens.total padding tokens belong to no
+request: their outputs are zeros and their K/V go to padding slot 0. The launch shape depends
+only on (P, T, buffers.max_tree_nodes), so a graph captured at (P, T) replays for any batch
+planned at (P, T). Keep q/k/v/out of a captured forward at fixed addresses as usual.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+import triton
+
+from engine.backends.base import (
+    AttentionBackend,
+    BufferTooSmall,
+    ForwardMetadata,
+    host_metadata,
+    register,
+)
+from engine.backends.triton_decode import choose_num_splits, decode_attention
+from engine.backends.triton_extend import extend_attention
+from engine.backends.triton_index import build_kv_indices_into
+from engine.kv import PADDING_SLOT
+from engine.state import MAX_TREE_NODES, Batch, Mode
+
+
+@attrs.frozen(eq=False)
+class GraphBuffers:
+    """Static device inputs of captured decode/verify passes (sizes are capacities)."""
+
+    qo_indptr: torch.Tensor  # [max_batch + 1] int32
+    kv_indptr: torch.Tensor  # [max_batch + 1] int32
+    prefix_lens: torch.Tensor  # [max_batch] int32
+    seq_lens: torch.Tensor  # [max_batch] int32
+    rows: torch.Tensor  # [max_batch] int64
+    out_slots: torch.Tensor  # [max_tokens] int64
+    tree_bits: torch.Tensor  # [max_tokens] int64
+    kv_indices: torch.Tensor  # [max_kv_tokens] int32
+    max_tree_nodes: int
+
+    @property
+    def max_batch(self) -> int:
+        return int(self.prefix_lens.shape[0])
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.out_slots.shape[0])
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter: as few programs as possible
+
+
+@register("triton")
+class TritonBackend(AttentionBackend):
+    def graph_buffers(self, max_batch: int, max_tokens: int, max_kv_tokens: int,
+                      max_tree_nodes: int = 16) -> GraphBuffers:
+        """Buffers for captured passes of up to max_batch requests, max_tokens new tokens
+        and max_kv_tokens keys in all; verify trees of at most max_tree_nodes nodes."""
+        if not 1 <= max_tree_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"max_tree_nodes={max_tree_nodes}; allowed 1..{MAX_TREE_NODES}")
+        device = self.pool.req_to_token.device
+
+        def zeros(size: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, device=device)
+
+        return GraphBuffers(zeros(max_batch + 1, torch.int32), zeros(max_batch + 1, torch.int32),
+                            zeros(max_batch, torch.int32), zeros(max_batch, torch.int32),
+                            zeros(max_batch, torch.int64), zeros(max_tokens, torch.int64),
+                            zeros(max_tokens, torch.int64), zeros(max_kv_tokens, torch.int32),
+                            max_tree_nodes)
+
+    def plan(self, batch: Batch, buffers: GraphBuffers | None = None,
+             padded_batch_size: int | None = None, padded_num_tokens: int | None = None,
+             num_splits: int | None = None) -> ForwardMetadata:
+        """Metadata for one pass; with `buffers`, filled in place for a CUDA graph.
+        `num_splits` overrides the decode/verify split count (tests, tuning)."""
+        table = self.pool.req_to_token
+        if batch.running.max_context > table.shape[1]:
+            raise ValueError(f"batch max_context {batch.running.max_context} exceeds the "
+                             f"request table width {table.shape[1]}")
+        if buffers is not None:
+            return self._plan_into(batch, buffers, padded_batch_size, padded_num_tokens,
+                                   num_splits)
+        device = table.device
+        meta = host_metadata(batch, device)
+        rows = torch.from_numpy(batch.running.rows.copy()).to(device)
+        total = batch.seq_lens.total
+        kv_indices = torch.empty(total, dtype=torch.int32, device=device)
+        build_kv_indices_into(table, rows, meta["prefix_lens"], meta["kv_indptr"],
+                              meta["qo_indptr"], meta["out_slots"], kv_indices, total,
+                              batch.seq_lens.max)
+        max_q = triton.next_power_of_2(batch.new_lens.max) if batch.mode == Mode.VERIFY else 1
+        if num_splits is None:
+            num_splits = choose_num_splits(len(batch.running), self.pool.k_cache[0].shape[1],
+                                           batch.seq_lens.max, _num_sms(device))
+        return ForwardMetadata(kv_indices=kv_indices,
+                               extra={"num_splits": num_splits, "max_q": max_q}, **meta)
+
+    def _plan_into(self, batch: Batch, buffers: GraphBuffers, padded_batch_size: int | None,
+                   padded_num_tokens: int | None, num_splits: int | None) -> ForwardMetadata:
+        mode = batch.mode
+        if mode not in (Mode.DECODE, Mode.VERIFY):
+            raise ValueError(f"graph buffers serve decode and verify passes; this one is "
+                             f"{mode.value} (extend runs eagerly)")
+        real = len(batch.running)
+        padded = real if padded_batch_size is None else padded_batch_size
+        per_request = 1 if mode == Mode.DECODE else buffers.max_tree_nodes
+        num_tokens = padded_num_tokens
+        if num_tokens is None:
+            num_tokens = batch.new_lens.total + (padded - real)
+        if not real <= padded <= buffers.max_batch:
+            raise BufferTooSmall(f"{real} requests padded to {padded}; the graph buffers hold "
+                                 f"{buffers.max_batch} requests")
+        if not batch.new_lens.total <= num_tokens <= buffers.max_tokens:
+            raise BufferTooSmall(f"{batch.new_lens.total} tokens padded to {num_tokens}; the "
+                                 f"graph buffers hold {buffers.max_tokens} tokens")
+        if batch.new_lens.max > per_request:
+            raise ValueError(f"a draft tree has {batch.new_lens.max} nodes; these graph buffers "
+                             f"allow at most {per_request}")
+        total = batch.seq_lens.total
+        if total > buffers.kv_indices.numel():
+            raise BufferTooSmall(f"kv_indices holds {buffers.kv_indices.numel()} entries; this "
+                                 f"batch needs seq_lens.total = {total}")
+        views = self._fill(buffers, batch, padded, num_tokens)
+        build_kv_indices_into(self.pool.req_to_token, views["rows"], views["prefix_lens"],
+                              views["kv_indptr"], views["qo_indptr"], views["out_slots"],
+                              buffers.kv_indices, total, batch.seq_lens.max)
+        if num_splits is None:
+            num_splits = choose_num_splits(padded, self.pool.k_cache[0].shape[1],
+                                           self.pool.req_to_token.shape[1],
+                                           _num_sms(buffers.kv_indices.device))
+        views.pop("rows")
+        tree_bits = views.pop("tree_bits")
+        return ForwardMetadata(
+            mode=mode, kv_indices=buffers.kv_indices,
+            tree_bits=tree_bits if mode == Mode.VERIFY else None,
+            max_new_len=per_request, max_seq_len=batch.seq_lens.max,
+            extra={"num_splits": num_splits, "max_q": per_request, "graph": True}, **views)
+
+    @staticmethod
+    def _fill(buffers: GraphBuffers, batch: Batch, padded: int,
+              num_tokens: int) -> dict[str, torch.Tensor]:
+        """Copy the padded host arrays into the buffers; return views of the used parts.
+        Padding requests own no keys and no tokens; padding tokens belong to no request."""
+        zeros = np.zeros(padded - len(batch.running), dtype=np.int64)
+        new_lens = np.concatenate([batch.new_lens.lens, zeros])
+        seq_lens = np.concatenate([batch.seq_lens.lens, zeros])
+        host = {
+            "qo_indptr": np.concatenate([[0], np.cumsum(new_lens)]),
+            "kv_indptr": np.concatenate([[0], np.cumsum(seq_lens)]),
+            "prefix_lens": np.concatenate([batch.prefix_lens.lens, zeros]),
+            "seq_lens": seq_lens,
+            "rows": np.concatenate([batch.running.rows, zeros]),
+            "out_slots": np.concatenate([batch.out_slots, np.full(
+                num_tokens - batch.new_lens.total, PADDING_SLOT, dtype=np.int64)]),
+        }
+        bits = batch.trees.ancestor_bits if batch.trees is not None else np.zeros(0, np.int64)
+        host["tree_bits"] = np.concatenate([bits, np.zeros(num_tokens - bits.shape[0], np.int64)])
+        views = {}
+        for name, array in host.items():
+            target = getattr(buffers, name)[:array.shape[0]]
+            target.copy_(torch.from_numpy(array.astype(np.int64)).to(target.dtype))
+            views[name] = target
+        return views
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                metadata: ForwardMetadata, scale: float | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """See AttentionBackend.forward; `out`, when given, receives the output in place."""
+        k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
+        num_tokens = metadata.out_slots.shape[0]
+        _check_shapes(q, k, v, k_cache, num_tokens)
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape[0] < num_tokens or out.shape[1:] != q.shape[1:]:
+            raise BufferTooSmall(f"out has shape {tuple(out.shape)}; this pass needs "
+                                 f"{(num_tokens, *q.shape[1:])}")
+        if num_tokens == 0:
+            return out
+        k_new, v_new = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.index_copy_(0, metadata.out_slots, k_new)
+        v_cache.index_copy_(0, metadata.out_slots, v_new)
+        q_cache = q.to(k_cache.dtype)
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        if metadata.mode == Mode.EXTEND:
+            return extend_attention(q_cache, k_new, v_new, k_cache, v_cache,
+                                    metadata.kv_indices, metadata.kv_indptr,
+                                    metadata.qo_indptr, metadata.prefix_lens, out,
+                                    metadata.max_new_len, scale)
+        return decode_attention(q_cache, k_cache, v_cache, metadata.kv_indices,
+                                metadata.kv_indptr, metadata.qo_indptr, metadata.prefix_lens,
+                                metadata.tree_bits, out, metadata.extra["num_splits"],
+                                metadata.extra["max_q"], scale)
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  num_tokens: int) -> None:
+    head_dim = k_cache.shape[2]
+    if q.shape[0] != num_tokens or k.shape[0] != num_tokens or v.shape[0] != num_tokens:
+        raise ValueError(f"q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens; the "
+                         f"plan has {num_tokens}")
+    if k.shape[1:] != k_cache.shape[1:] or v.shape[1:] != k_cache.shape[1:]:
+        raise ValueError(f"k/v must be [T, {k_cache.shape[1]}, {head_dim}]; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != head_dim or q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"q must be [T, Hq, {head_dim}] with Hq a multiple of "
+                         f"{k_cache.shape[1]} kv heads; got {tuple(q.shape)}")
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim {head_dim} is not supported; allowed 16/32/64/128/256")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("q, k and v need a contiguous last (head_dim) dimension")

@@ -1,0 +1,121 @@
+"""Triton extend attention: a cached prefix (gathered through kv_indices) plus new tokens.
+
+Each program owns BLOCK_M new tokens of one request and one q head. Stage 1 walks the prefix
+keys in the pool; stage 2 reads the new tokens' K/V straight from the contiguous k/v inputs,
+unmasked below the diagonal block and causally masked on it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Measured on an H200 (docs/benchmarks.md): best of the sweep at every extend shape.
+EXTEND_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+
+@triton.jit
+def _online_softmax_step(q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2,
+                         MASKED: tl.constexpr):
+    scores = tl.dot(q_block, tl.trans(k_block)) * sm_scale_log2
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(scores - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v_block.dtype), v_block)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(q, k, v, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens,
+                   out, out_capacity, sm_scale_log2,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_ct, stride_ch, stride_ot, stride_oh,
+                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr):
+    q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest blocks start first
+    req = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    qo_start = tl.load(qo_indptr + req)
+    num_new = tl.load(qo_indptr + req + 1) - qo_start
+    first = q_block_id * BLOCK_M
+    if first < num_new:
+        prefix = tl.load(prefix_lens + req)
+        kv_start = tl.load(kv_indptr + req)
+        dims = tl.arange(0, HEAD_DIM)
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_new
+        token = (qo_start + rows).to(tl.int64)
+        q_block = tl.load(q + token[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                          mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        cache_head = kv_head * stride_ch + dims[None, :]
+        for start in range(0, prefix, BLOCK_N):  # stage 1: cached prefix, all visible
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < prefix
+            slots = tl.load(kv_indices + kv_start + keys, mask=key_ok, other=0).to(tl.int64)
+            offs = slots[:, None] * stride_ct + cache_head
+            k_block = tl.load(k_cache + offs, mask=key_ok[:, None], other=0.0)
+            v_block = tl.load(v_cache + offs, mask=key_ok[:, None], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(q_block, k_block, v_block, key_ok[None, :],
+                                                 m_i, l_i, acc, sm_scale_log2, MASKED=True)
+        for start in range(0, first, BLOCK_N):  # stage 2a: new keys below the diagonal block
+            keys = qo_start + start + tl.arange(0, BLOCK_N)
+            k_block = tl.load(k + keys.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
+                              + dims[None, :])
+            v_block = tl.load(v + keys.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh
+                              + dims[None, :])
+            m_i, l_i, acc = _online_softmax_step(q_block, k_block, v_block, row_ok[:, None],
+                                                 m_i, l_i, acc, sm_scale_log2, MASKED=False)
+        last = tl.minimum(first + BLOCK_M, num_new)
+        for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
+            local = start + tl.arange(0, BLOCK_N)
+            key_ok = local < num_new
+            keys = (qo_start + local).to(tl.int64)
+            k_block = tl.load(k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                              mask=key_ok[:, None], other=0.0)
+            v_block = tl.load(v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                              mask=key_ok[:, None], other=0.0)
+            visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
+            m_i, l_i, acc = _online_softmax_step(q_block, k_block, v_block, visible,
+                                                 m_i, l_i, acc, sm_scale_log2, MASKED=True)
+        result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        store_ok = row_ok & (token < out_capacity)
+        out_ptrs = out + token[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+                     qo_indptr: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Tensor,
+                     max_new_len: int, sm_scale: float,
+                     config: dict | None = None) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its prefix and themselves, into out.
+    k/v are the new tokens' K/V in the cache dtype, [T, Hkv, D]."""
+    base = INTERPRETER_CONFIG if q.device.type == "cpu" else EXTEND_CONFIG
+    cfg = {**base, **(config or {})}
+    if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
+        raise ValueError(f"BLOCK_M={cfg['BLOCK_M']} must be a multiple of "
+                         f"BLOCK_N={cfg['BLOCK_N']} (stage 2a reads whole key blocks)")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_requests = qo_indptr.shape[0] - 1
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    group = num_q_heads // k_cache.shape[1]
+    grid = (triton.cdiv(max_new_len, cfg["BLOCK_M"]), num_requests, num_q_heads)
+    _extend_kernel[grid](
+        q, k, v, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens, out,
+        out.shape[0], sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        out.stride(0), out.stride(1), GROUP=group, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=head_dim, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return out

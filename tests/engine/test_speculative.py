@@ -1,0 +1,217 @@
+"""Speculative decoding in the engine: greedy with speculation equals greedy without, token for
+token (default model and a tiny random model), under retraction, with stops and max_tokens;
+seeded sampling with speculation is reproducible."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.state import SamplingParams
+
+CODE = '''class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def increment(self):
+        self.count += 1
+        return self.count
+'''
+PASSAGE = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin "
+           "encompasses seven million square kilometres, of which five and a half million are "
+           "covered by the rainforest. The majority of the forest is contained within Brazil.")
+COPY_PROMPTS = [
+    [{"role": "user", "content": "Repeat the following code, but rename the class Counter to "
+                                 "Tally:\n\n" + CODE}],
+    [{"role": "user", "content": "Summarize the following passage:\n\n" + PASSAGE}],
+]
+CHAT_PROMPT = [{"role": "user", "content": "List three colors."}]
+PROMPTS = [*COPY_PROMPTS, CHAT_PROMPT]
+GREEDY = SamplingParams(max_tokens=40)
+TINY_VOCAB = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a shared 2-core machine, spinning OpenMP threads are slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def spec_engine() -> Engine:
+    """Shares the default model's weights with the session's `default_engine`."""
+    return Engine(dtype="float32", device="cpu", max_running_requests=16, speculative=True)
+
+
+@pytest.fixture(scope="module")
+def references(default_engine) -> list[tuple[int, ...]]:
+    """Non-speculative greedy outputs of PROMPTS, each computed alone."""
+    return [default_engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+
+
+def _accepted(engine: Engine) -> int:
+    return engine.metrics().get("spec_accepted_tokens_total", 0)
+
+
+def _tiny(**overrides) -> Engine:
+    return Engine(random_weights="tiny", dtype="float32", device="cpu", **overrides)
+
+
+def _repetitive_prompts(seed: int, count: int) -> list[list[int]]:
+    """Token-id prompts within the tiny vocabulary: a random motif repeated, with noise."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(count):
+        motif = rng.integers(3, TINY_VOCAB, int(rng.integers(2, 7))).tolist()
+        noise = rng.integers(3, TINY_VOCAB, int(rng.integers(0, 5))).tolist()
+        prompts.append(noise + motif * int(rng.integers(1, 5)))
+    return prompts
+
+
+# --- (a) the default model -------------------------------------------------------------------
+def test_default_model_batch_1_equals_plain_greedy(spec_engine, references, assert_all_free):
+    before = _accepted(spec_engine)
+    for prompt, reference in zip(PROMPTS, references, strict=True):
+        assert spec_engine.generate([prompt], GREEDY)[0].token_ids == reference
+    assert _accepted(spec_engine) > before, "copy-heavy prompts should accept some drafts"
+    assert_all_free(spec_engine)
+
+
+def test_default_model_mixed_batch_equals_plain_greedy(spec_engine, references,
+                                                       assert_all_free):
+    # Different lengths in one batch, plus a sampling request: the greedy rows then verify
+    # through rejection sampling against one-hot targets, and must still match.
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
+    outputs = spec_engine.generate([*PROMPTS, "The quick brown fox"],
+                                   [GREEDY, SamplingParams(max_tokens=17), GREEDY, sampled])
+    assert outputs[0].token_ids == references[0]
+    assert outputs[1].token_ids == references[1][:17]
+    assert outputs[2].token_ids == references[2]
+    assert 0 < len(outputs[3].token_ids) <= 24
+    assert_all_free(spec_engine)
+
+
+# --- (b) a tiny random-weight model over many random prompts ---------------------------------
+def test_tiny_model_random_prompts_equal_plain_greedy():
+    plain, spec = _tiny(), _tiny(speculative=True)
+    rng = np.random.default_rng(5)
+    for seed in range(4):
+        prompts = _repetitive_prompts(seed, 10)
+        params = [SamplingParams(max_tokens=int(n), ignore_eos=True)
+                  for n in rng.integers(1, 40, len(prompts))]
+        expected = [c.token_ids for c in plain.generate(prompts, params)]
+        assert [c.token_ids for c in spec.generate(prompts, params)] == expected
+        # Each alone (batch 1) too, for a few of them.
+        for i in range(0, len(prompts), 4):
+            assert spec.generate([prompts[i]], params[i])[0].token_ids == expected[i]
+    assert _accepted(spec) > 0
+    spec.check()
+    assert spec.book.slots.num_free == spec.book.slots.capacity
+
+
+def test_tiny_model_context_limit_with_speculation():
+    prompts = _repetitive_prompts(11, 4)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    plain, spec = _tiny(max_context=48), _tiny(max_context=48, speculative=True)
+    expected = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    for prompt, want, have in zip(prompts, expected, got, strict=True):
+        assert have.token_ids == want.token_ids
+        assert len(prompt) + len(have.token_ids) == 48
+        assert have.finish_reason == "length"
+
+
+# --- (c) retraction during speculative decoding ----------------------------------------------
+def _run_checked(engine: Engine, prompts: list, params: SamplingParams) -> list[tuple[int, ...]]:
+    """generate(), stepping by hand so that slot conservation is checked after every step."""
+    uids = [engine.submit(p, params) for p in prompts]
+    engine._drain_inbox()
+    requests = [engine.by_request_id[u] for u in uids]
+    while engine.has_work:
+        engine.step()
+        engine.check()
+    assert all(r.done for r in requests)
+    return [tuple(r.output_ids) for r in requests]
+
+
+def test_tiny_pool_retraction_keeps_outputs_and_frees_every_slot(assert_all_free):
+    prompts = _repetitive_prompts(21, 6)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = [c.token_ids for c in _tiny().generate(prompts, params)]
+    longest = max(len(p) for p in prompts) + 30 + 13
+    tight = _tiny(speculative=True, kv_cache_slots=longest + 8, max_running_requests=6)
+    assert _run_checked(tight, prompts, params) == expected
+    assert tight.stats["retractions"] > 0, "the pool was meant to force retraction"
+    assert _accepted(tight) > 0
+    assert_all_free(tight)
+
+
+def test_default_model_retraction_with_speculation(references, assert_all_free):
+    # Alone, each request fits (at most ~130 + 40 tokens plus a 13-node tree); together not.
+    tight = Engine(dtype="float32", device="cpu", speculative=True, kv_cache_slots=200,
+                   max_running_requests=3)
+    assert _run_checked(tight, PROMPTS, GREEDY) == references
+    assert tight.stats["retractions"] > 0, "the pool was meant to force retraction"
+    assert_all_free(tight)
+
+
+# --- (d) sampling ----------------------------------------------------------------------------
+def test_seeded_sampling_with_speculation_is_reproducible(spec_engine):
+    params = SamplingParams(max_tokens=24, temperature=0.7, seed=1234)
+    first = spec_engine.generate([COPY_PROMPTS[0], CHAT_PROMPT], params)
+    second = spec_engine.generate([CHAT_PROMPT, COPY_PROMPTS[0]], params)
+    assert first[0].token_ids == second[1].token_ids
+    assert first[1].token_ids == second[0].token_ids
+    tiny = _tiny(speculative=True)
+    prompts = _repetitive_prompts(3, 6)
+    runs = [[c.token_ids for c in tiny.generate(prompts, SamplingParams(
+        max_tokens=20, temperature=1.0, seed=99, ignore_eos=True))] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# --- (e) stops and max_tokens ----------------------------------------------------------------
+def test_stop_token_inside_an_accepted_path_ends_the_request_there(spec_engine, references):
+    prompt, free_run = COPY_PROMPTS[0], list(references[0])
+    steps: list[list[int]] = []
+    original = spec_engine.spec.extend
+
+    def recording(uid: int, tokens: list[int]) -> None:
+        steps.append(list(tokens))
+        original(uid, tokens)
+
+    spec_engine.spec.extend = recording
+    try:
+        assert spec_engine.generate([prompt], GREEDY)[0].token_ids == tuple(free_run)
+    finally:
+        del spec_engine.spec.extend
+    # A token emitted as an accepted draft (not the bonus), at its first occurrence.
+    position, stop_id = None, None
+    emitted = len(steps[0])  # the prefill's sampled token
+    for tokens in steps[1:]:
+        for offset, token in enumerate(tokens[:-1]):
+            if position is None and free_run.index(token) == emitted + offset:
+                position, stop_id = emitted + offset, token
+        emitted += len(tokens)
+    assert stop_id is not None, "no accepted draft to stop at"
+    stopped = spec_engine.generate([prompt], SamplingParams(max_tokens=40,
+                                                            stop_token_ids=(stop_id,)))[0]
+    assert list(stopped.token_ids) == free_run[:position + 1]
+    assert stopped.finish_reason == "stop"
+    spec_engine.check()
+
+
+def test_max_tokens_is_respected_exactly(spec_engine, references, assert_all_free):
+    counts = [1, 2, 5, 13, 19]
+    assert len(references[0]) >= max(counts)
+    outputs = spec_engine.generate([COPY_PROMPTS[0]] * len(counts),
+                                   [SamplingParams(max_tokens=n, ignore_eos=True)
+                                    for n in counts])
+    for count, output in zip(counts, outputs, strict=True):
+        assert output.token_ids == references[0][:count]
+        assert output.finish_reason == "length"
+    assert_all_free(spec_engine)
