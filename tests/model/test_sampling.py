@@ -1,0 +1,123 @@
+"""Batched sampling: greedy is argmax, top-k/top-p filter exactly, seeds reproduce."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.model.sampling import SamplingTensors, probs_for_verify, sample, seeded_uniform
+from engine.state import SamplingParams
+
+VOCAB = 50
+
+
+def _logits(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _tensors(params: list[SamplingParams], steps: list[int] | None = None) -> SamplingTensors:
+    return SamplingTensors.build(params, steps or [0] * len(params), VOCAB)
+
+
+def test_all_greedy_is_argmax():
+    logits = _logits(6)
+    sampling = _tensors([SamplingParams()] * 6)
+    assert sampling.all_greedy
+    assert torch.equal(sample(logits, sampling), logits.argmax(-1))
+
+
+def test_greedy_rows_stay_argmax_in_a_mixed_batch():
+    logits = _logits(4)
+    params = [SamplingParams(), SamplingParams(temperature=1.5, seed=3), SamplingParams(),
+              SamplingParams(temperature=0.7)]
+    sampling = _tensors(params)
+    assert not sampling.all_greedy
+    tokens = sample(logits, sampling)
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_top_k_one_is_greedy():
+    logits = _logits(8, seed=1)
+    params = [SamplingParams(temperature=2.0, top_k=1, seed=i) for i in range(8)]
+    for step in range(5):
+        tokens = sample(logits, _tensors(params, [step] * 8))
+        assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_seeded_stream_is_reproducible_and_independent_of_the_batch():
+    logits = _logits(3, seed=2)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = [sample(logits[1:2], _tensors([seeded], [step])).item() for step in range(20)]
+    others = [SamplingParams(temperature=1.0, seed=9), SamplingParams(temperature=0.5)]
+    in_batch = [sample(logits, _tensors([others[0], seeded, others[1]], [7, step, 3]))[1].item()
+                for step in range(20)]
+    assert alone == in_batch
+    assert len(set(alone)) > 1  # steps advance the stream
+    other_seed = [sample(logits[1:2], _tensors([SamplingParams(temperature=1.0, seed=99)],
+                                               [step])).item() for step in range(20)]
+    assert other_seed != alone
+
+
+def _four_token_logits() -> torch.Tensor:
+    return torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1]]))
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = probs_for_verify(_four_token_logits(), torch.tensor([1.0]), torch.tensor([4]),
+                             torch.tensor([0.7]))
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    full = probs_for_verify(_four_token_logits(), torch.tensor([1.0]), torch.tensor([4]),
+                            torch.tensor([1.0]))
+    torch.testing.assert_close(full, torch.tensor([[0.5, 0.3, 0.1, 0.1]]))
+
+
+def test_top_p_samples_stay_in_the_nucleus_with_its_mass():
+    draws = 4000
+    logits = _four_token_logits().expand(draws, 4)
+    sampling = SamplingTensors.build([SamplingParams(temperature=1.0, top_p=0.7, seed=5)] * draws,
+                                     list(range(draws)), 4)
+    tokens = sample(logits, sampling)
+    assert set(tokens.tolist()) == {0, 1}
+    share = (tokens == 0).float().mean().item()
+    sigma = math.sqrt(0.625 * 0.375 / draws)
+    assert abs(share - 0.625) < 5 * sigma
+
+
+def test_temperature_one_matches_softmax_frequencies():
+    draws = 6000
+    logits = _four_token_logits().expand(draws, 4)
+    sampling = SamplingTensors.build([SamplingParams(temperature=1.0, seed=11)] * draws,
+                                     list(range(draws)), 4)
+    counts = torch.bincount(sample(logits, sampling), minlength=4).float() / draws
+    expected = torch.tensor([0.5, 0.3, 0.1, 0.1])
+    sigma = torch.sqrt(expected * (1 - expected) / draws)
+    assert ((counts - expected).abs() < 5 * sigma).all(), counts
+
+
+def test_top_k_and_temperature_in_verify_probs():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]])
+    probs = probs_for_verify(logits, torch.tensor([0.5, 0.0]), torch.tensor([2, 4]),
+                             torch.tensor([1.0, 1.0]))
+    expected = torch.softmax(torch.tensor([4.0, 2.0]), dim=0)
+    torch.testing.assert_close(probs[0, :2], expected)
+    assert probs[0, 2:].abs().sum() == 0
+    assert torch.equal(probs[1], torch.tensor([1.0, 0.0, 0.0, 0.0]))  # greedy row: one-hot
+
+
+def test_seeded_uniform_is_open_unit_interval_and_flat():
+    seeds = torch.tensor([0, 1, 2**62 + 5])
+    u = seeded_uniform(seeds, torch.tensor([0, 0, 123456]), 20000)
+    assert u.shape == (3, 20000)
+    assert (u > 0).all() and (u < 1).all()
+    assert (u.mean(dim=1) - 0.5).abs().max() < 0.01
+    assert not torch.equal(u[0], u[1])
+    assert torch.equal(u, seeded_uniform(seeds, torch.tensor([0, 0, 123456]), 20000))
+
+
+def test_build_clamps_top_k_and_checks_lengths():
+    sampling = SamplingTensors.build([SamplingParams(top_k=10**6), SamplingParams()], [0, 0], 7)
+    assert sampling.top_k.tolist() == [7, 7]
+    with pytest.raises(ValueError, match="step counters"):
+        SamplingTensors.build([SamplingParams()], [0, 1], 7)

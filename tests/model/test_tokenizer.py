@@ -1,0 +1,91 @@
+"""The default model's tokenizer (read from the GGUF) and streaming detokenization."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.model import (
+    IncrementalDetokenizer,
+    ModelNotFoundError,
+    Tokenizer,
+    default_model_path,
+    load_tokenizer,
+)
+from engine.model.tokenizer import _from_gguf, tokenizer_cache_dir
+
+TEXTS = ["Hello, world!", "  spaced   out 3 and 42", "Héllo 🚀 日本語\n\tend",
+         "<|im_start|>user\nhi<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def test_cached_per_path(tokenizer):
+    assert load_tokenizer(None) is tokenizer
+
+
+def test_encode_decode_and_ids(tokenizer):
+    ids = tokenizer.encode("Hello, world!")
+    assert ids and all(isinstance(i, int) for i in ids)
+    assert tokenizer.decode(ids) == "Hello, world!"
+    assert tokenizer.eos_token_id == 2 and tokenizer.vocab_size == 49152
+    assert tokenizer.decode([2]) == "" and tokenizer.decode([2], skip_special_tokens=False) == (
+        "<|im_end|>")
+
+
+def test_chat_template_ends_with_the_assistant_prompt(tokenizer):
+    text = tokenizer.chat_text([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("text", [
+    "Plain ASCII, with punctuation... and numbers 12345.",
+    "Accents: café, naïve, Žluťoučký kůň; CJK: 日本語のテキスト; emoji: 🙂🚀👩‍👩‍👧",
+    "  leading spaces\nand\ttabs\n\n",
+])
+def test_incremental_deltas_rebuild_the_text(tokenizer, text):
+    ids = tokenizer.encode(text)
+    for prompt in ([], tokenizer.encode("Prompt:")):
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
+        deltas = [detok.add([i]) for i in ids] + [detok.flush()]
+        assert "".join(deltas) == text == detok.text
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_a_split_multibyte_character_waits_for_its_last_byte(tokenizer):
+    ids = tokenizer.encode("🚀")
+    assert len(ids) > 1  # byte-level BPE splits this emoji
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.add([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add(ids[-1:]) == "🚀"
+
+
+def test_missing_model_path_raises(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing.gguf")
+
+
+def test_disk_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    path = default_model_path()
+    fresh = Tokenizer(_from_gguf(path))  # converts from the GGUF and saves
+    assert (tokenizer_cache_dir(path) / "tokenizer.json").is_file()
+    cached = Tokenizer(_from_gguf(path))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🚀"}]
+    assert cached.apply_chat_template(chat) == fresh.apply_chat_template(chat)
+    for text in TEXTS:
+        ids = fresh.encode(text)
+        assert cached.encode(text) == ids
+        assert cached.decode(ids, skip_special_tokens=False) == fresh.decode(
+            ids, skip_special_tokens=False)
+    assert (cached.eos_token_id, cached.bos_token_id, cached.vocab_size) == (
+        fresh.eos_token_id, fresh.bos_token_id, fresh.vocab_size)
+
+
+def test_cache_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("ENGINE_CACHE_DIR", "")
+    assert tokenizer_cache_dir(default_model_path()) is None
