@@ -43,6 +43,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.by_request_id: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sampling_uids: set[int] = set()  # requests with temperature > 0
         self.text = TextOutput(self.tokenizer)
         self.stats = collections.Counter()
         self.step_times: collections.deque = collections.deque(maxlen=1024)
@@ -105,6 +106,8 @@ class Engine:
             kind, item = self._inbox.get()
             if kind == "add":
                 self.requests[item.uid] = item
+                if not item.params.greedy:
+                    self._sampling_uids.add(item.uid)
                 self.by_request_id[item.request_id] = item
                 self.waiting.append(item)
                 self.stats["prompt_tokens"] += len(item.prompt_ids)
@@ -183,8 +186,7 @@ class Engine:
         batch = state.schedule_extend(sub, plan.chunk_lens, input_ids,
                                       self.book.slots.alloc(plan.num_tokens))
         sampled = self._forward_and_sample(batch)
-        self.running = rest
-        self._commit(state.extend(batch, sampled), merge=True)
+        self._commit(state.extend(batch, sampled), rest=rest)
         return "extend"
 
     def _run_decode(self) -> str:
@@ -194,8 +196,7 @@ class Engine:
             return "retract"
         batch = state.schedule_decode(self.running, self.book.slots.alloc(len(self.running)))
         sampled = self._forward_and_sample(batch)
-        self.running = Running.empty(self.max_context)
-        self._commit(state.decode(batch, sampled), merge=True)
+        self._commit(state.decode(batch, sampled))
         return "decode"
 
     def _forward(self, batch: state.Batch) -> torch.Tensor:
@@ -209,6 +210,8 @@ class Engine:
     def _forward_and_sample(self, batch: state.Batch) -> np.ndarray:
         logits = self._forward(batch)
         try:
+            if not self._sampling_uids:  # all greedy: no per-request work
+                return logits.argmax(dim=-1).cpu().numpy()
             uids = batch.running.rids[batch.samples]
             params = [self.requests[int(u)].params for u in uids]
             steps = [len(self.requests[int(u)].output_ids) for u in uids]
@@ -218,11 +221,13 @@ class Engine:
             raise
 
     # --- effects -> resources and outputs ---------------------------------------------------------
-    def _commit(self, result: state.Result, merge: bool = False) -> None:
-        """Apply a transition: its effects to the KV book, its tokens to the requests."""
+    def _commit(self, result: state.Result, rest: Running | None = None) -> None:
+        """Apply a transition: its effects to the KV book, its tokens to the requests.
+        `rest`: the running requests that were not part of the transition's batch."""
         effects = result.effects
         self.book.apply(effects)
-        self.running = state.merge(self.running, result.running) if merge else result.running
+        self.running = (result.running if rest is None or not len(rest)
+                        else state.merge(rest, result.running))
         finished = effects.finished()
         stopped: list[int] = []
         for uid, tokens in effects.emitted().items():
@@ -250,6 +255,7 @@ class Engine:
         self._publish(request)
         self.requests.pop(request.uid, None)
         self.by_request_id.pop(request.request_id, None)
+        self._sampling_uids.discard(request.uid)
 
     def _publish(self, request: Request) -> None:
         if request.sink is None:

@@ -29,8 +29,9 @@ class _Graph:
 
     def __init__(self, batch_size: int, num_tokens: int, device: torch.device) -> None:
         self.batch_size, self.num_tokens = batch_size, num_tokens
-        self.input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        # ids and positions in one tensor, so one host-to-device copy fills both
+        self.inputs = torch.zeros((2, num_tokens), dtype=torch.int64, device=device)
+        self.input_ids, self.positions = self.inputs[0], self.inputs[1]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -54,6 +55,8 @@ class GraphRunner:
         self.graphs = {size: _Graph(size, size * self.per_request, device)
                        for size in self.sizes}
         self.capture = capture and device.type == "cuda"
+        self._staging = torch.zeros((2, max_tokens), dtype=torch.int64,
+                                    pin_memory=device.type == "cuda")
         if self.capture:
             self._capture_all(device)
 
@@ -109,10 +112,12 @@ class GraphRunner:
         graph = self.graphs[size]
         metadata = self._plan(graph, batch)
         count = batch.new_lens.total
-        graph.input_ids.zero_()
-        graph.positions.zero_()
-        graph.input_ids[:count].copy_(torch.from_numpy(np.array(batch.input_ids)))
-        graph.positions[:count].copy_(torch.from_numpy(np.array(batch.positions)))
+        staged = self._staging[:, :graph.num_tokens]
+        host = staged.numpy()
+        host[0, :count] = batch.input_ids
+        host[1, :count] = batch.positions
+        host[:, count:] = 0
+        graph.inputs.copy_(staged, non_blocking=True)
         if self.capture:
             graph.graph.replay()
             return graph.logits[:count]

@@ -32,10 +32,12 @@ class ModelRunner:
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits [len(batch.logit_rows), vocab] for the rows `batch.logit_rows` names.
         Decode and verify passes small enough replay a captured graph; the rest run eagerly."""
+        every_row = batch.mode in (Mode.DECODE, Mode.VERIFY)  # logit_rows is all of them
         for graph in self.graphs:
             if graph.accepts(batch):
-                return graph.run(batch)[self._tensor(batch.logit_rows)]
+                logits = graph.run(batch)
+                return logits if every_row else logits[self._tensor(batch.logit_rows)]
         metadata = self.backend.plan(batch)
         hidden = self.model(self._tensor(batch.input_ids), self._tensor(batch.positions),
                             metadata, self.backend)
-        return self.model.logits(hidden[self._tensor(batch.logit_rows)])
+        return self.model.logits(hidden if every_row else hidden[self._tensor(batch.logit_rows)])

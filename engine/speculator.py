@@ -64,9 +64,8 @@ class Speculator:
         logits = engine._forward(batch)
         outcome = self._verify(engine, batch, logits)
         self.stats.record_batch(running.rids, trees, outcome.accepted_lens.lens)
-        engine.running = Running.empty(engine.max_context)
         engine._commit(state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes,
-                                    outcome.bonus), merge=True)
+                                    outcome.bonus))
         return "verify"
 
     def _verify(self, engine: Engine, batch: state.Batch, logits: torch.Tensor) -> Any:

@@ -6,10 +6,12 @@ import abc
 from collections.abc import Callable
 
 import attrs
-import numpy as np
 import torch
 
 from engine.state import Batch, Mode
+
+
+PADDING_SLOT = 0  # the pool's padding slot (engine.kv hands out 1..capacity); padded writes go here
 
 
 class BufferTooSmall(ValueError):

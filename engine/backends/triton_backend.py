@@ -19,6 +19,7 @@ import torch
 import triton
 
 from engine.backends.base import (
+    PADDING_SLOT,
     AttentionBackend,
     BufferTooSmall,
     ForwardMetadata,
@@ -28,7 +29,6 @@ from engine.backends.base import (
 from engine.backends.triton_decode import choose_num_splits, decode_attention
 from engine.backends.triton_extend import extend_attention
 from engine.backends.triton_index import build_kv_indices_into
-from engine.kv import PADDING_SLOT
 from engine.state import MAX_TREE_NODES, Batch, Mode
 
 

@@ -15,10 +15,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 TARGET_PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
-# Measured on an H200 (docs/benchmarks.md).
-# PDL: launch the merge programmatically (Hopper) so it waits on the GPU, not on a launch.
+# Measured on an H200 (docs/benchmarks.md). PDL: launch the merge programmatically (Hopper)
+# so it waits on the GPU instead of on a launch; measured no faster, so off.
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}
-VERIFY_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "PDL": False}
+# Verify (BLOCK_M 64 rows) is sensitive to how its programs fill the waves: each config with
+# the programs an H200 SM holds at once (compiler report: 148 registers and 49 KB shared -> 3;
+# 218 registers and 83 KB -> 2). The one whose last wave is fullest wins (measured).
+VERIFY_CONFIGS = (({"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "PDL": False}, 3),
+                  ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}, 2))
 INTERPRETER_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1,  # small tests, all paths
                       "PDL": False}
 
@@ -34,6 +38,14 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int,
     wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs)
     by_length = triton.cdiv(max(max_seq_len, 1), MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def choose_verify_config(programs: int, num_sms: int) -> dict:
+    """The verify config whose programs fill their waves best (ties: the first)."""
+    def wave_fill(per_sm: int) -> float:
+        waves = programs / (per_sm * num_sms)
+        return waves / max(1, -(-programs // (per_sm * num_sms)))
+    return max(VERIFY_CONFIGS, key=lambda entry: wave_fill(entry[1]))[0]
 
 
 @triton.jit
@@ -203,11 +215,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Grid: (requests, kv heads, num_splits) then (tokens, q heads): no host value beyond the
     tensor shapes, num_splits and max_q, so a fixed plan replays under a CUDA graph. Tokens
     past qo_indptr[-1] (padding no request owns) get zero outputs."""
-    base = DECODE_CONFIG if tree_bits is None else VERIFY_CONFIG
-    cfg = {**(INTERPRETER_CONFIG if q.device.type == "cpu" else base), **(config or {})}
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_requests = kv_indptr.shape[0] - 1
+    if q.device.type == "cpu":
+        base = INTERPRETER_CONFIG
+    elif tree_bits is None:
+        base = DECODE_CONFIG
+    else:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        base = choose_verify_config(num_requests * num_kv_heads * num_splits, sms)
+    cfg = {**base, **(config or {})}
     if num_tokens == 0 or num_requests == 0:
         return out
     direct = num_splits == 1
@@ -221,7 +239,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                           device=q.device)
         part_strides, lse_strides = partial.stride()[:3], lse.stride()[:2]
     group = num_q_heads // num_kv_heads
-    pdl = bool(cfg["PDL"]) and not direct
+    pdl = bool(cfg["PDL"]) and not direct and q.device.type == "cuda"
     _decode_split_kernel[(num_requests, num_kv_heads, num_splits)](
         q, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens,
         tree_bits if tree_bits is not None else kv_indptr, partial, lse, out,

@@ -2,11 +2,15 @@
 
 Tokens are flat ([T] ids, [T] positions): the batch layout lives in the backend's metadata.
 The forward has no host sync and no branch on tensor values, so CUDA graphs can capture it.
+Norms, RoPE and SiLU*mul run as `TorchOps` (CPU, the reference) or Triton kernels (CUDA).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +49,54 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 normalisation rounded to x's dtype, then scaled (HF's order of rounding)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class TorchOps:
+    """A layer's elementwise work in plain torch: what CPU runs, and the oracle for the Triton
+    kernels of `engine.model.fused`, which has the same four functions."""
+
+    rms_norm = staticmethod(rms_norm)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return rms_norm(residual, weight, eps), residual
+
+    @staticmethod
+    def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+        q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, -1)
+        return F.silu(gate) * up
+
+
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views q [T, Hq, D], k and v [T, Hkv, D] of a fused projection's output [T, width]."""
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    num_tokens = qkv.shape[0]
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+@functools.cache
+def fused_ops() -> ModuleType:
+    """The Triton kernels, imported on first use: CPU runs never load Triton."""
+    from engine.model import fused
+    return fused
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -53,9 +105,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -81,18 +131,25 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = _weight(2 * inter, hidden, dtype, device)
         self.down_proj = _weight(hidden, inter, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                metadata: ForwardMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, metadata: ForwardMetadata, backend: AttentionBackend,
+                ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added); the first layer
+        gets residual None and starts the stream from `hidden`."""
         num_tokens = hidden.shape[0]
-        qkv = F.linear(self.input_layernorm(hidden), self.qkv_proj)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        norm = self.input_layernorm
+        if residual is None:
+            normed, residual = ops.rms_norm(hidden, norm.weight, norm.eps), hidden
+        else:
+            normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        qkv = F.linear(normed, self.qkv_proj)
+        q, k, v = ops.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         attn = backend.forward(self.index, q, k, v, metadata, scale=self.head_dim ** -0.5)
-        hidden = hidden + F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
-        gate, up = F.linear(self.post_attention_layernorm(hidden), self.gate_up_proj).chunk(2, -1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        hidden = F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        norm = self.post_attention_layernorm
+        normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        gate_up = F.linear(normed, self.gate_up_proj)
+        return F.linear(ops.silu_mul(gate_up), self.down_proj), residual
 
 
 class LlamaModel(nn.Module):
@@ -100,10 +157,13 @@ class LlamaModel(nn.Module):
     `model.logits(hidden[rows])` -> fp32 logits [rows, vocab]."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", fused: bool | None = None) -> None:
         super().__init__()
         device = torch.device(device)
         self.config, self.dtype, self.device = config, dtype, device
+        # Triton kernels for the elementwise work (None: on CUDA only; the attribute may be
+        # set later, e.g. by tests that force either path on one set of weights).
+        self.fused = device.type == "cuda" if fused is None else fused
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
                                     for i in range(config.num_layers))
@@ -120,11 +180,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: ForwardMetadata, backend: AttentionBackend) -> torch.Tensor:
+        ops = fused_ops() if self.fused else TorchOps
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope(positions)
+        residual = None  # the config has at least one layer, so the loop sets it
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, metadata, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, metadata, backend, ops)
+        return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies {"error": {message, type, param, code}} and the app's error handlers."""
+"""OpenAI-style error bodies {"error": {message, type, param, code}} and the app's error
+handlers."""
 
 from __future__ import annotations
 

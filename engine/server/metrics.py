@@ -17,7 +17,7 @@ _GAUGES = {  # Engine.metrics() key -> (metric name, help)
     "num_waiting": ("engine_requests_waiting", "Requests waiting to be admitted"),
     "kv_slots_used": ("engine_kv_slots_used", "KV cache slots owned by requests"),
     "kv_slots_free": ("engine_kv_slots_free", "KV cache slots free to hand out"),
-    "kv_slots_total": ("engine_kv_slots_total", "KV cache slots in the pool (padding slot excluded)"),
+    "kv_slots_total": ("engine_kv_slots_total", "KV cache slots in the pool (no padding slot)"),
 }
 _COUNTERS = {  # Engine.metrics() key -> (metric name without _total, help)
     "generated_tokens": ("engine_generation_tokens", "Tokens generated"),
@@ -76,7 +76,8 @@ class ServerMetrics:
                                          "Requests answered with an error status", ["status"],
                                          registry=registry)
         self.http_in_flight = Gauge("engine_http_requests_in_flight",
-                                    "Generation requests the server is answering", registry=registry)
+                                    "Generation requests the server is answering",
+                                    registry=registry)
         Gauge("engine_speculative_enabled", "1 when speculative decoding is on",
               registry=registry).set(1 if speculative else 0)
         registry.register(_EngineCollector(self))

@@ -15,7 +15,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, plus top_k, ignore_eos)."""
+    """Fields of /v1/completions and /v1/chat/completions: OpenAI's, plus top_k and ignore_eos."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -111,7 +111,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
 
 def usage_body(usage: Any) -> dict[str, int]:

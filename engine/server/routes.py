@@ -36,7 +36,8 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest,
                               ignore_eos=body.ignore_eos, seed=body.seed)
     except ValueError as exc:
         field = re.match(r"^(\w+)=", str(exc))
-        raise OpenAIError(400, str(exc), field.group(1) if field else None, "invalid_value") from exc
+        param = field.group(1) if field else None
+        raise OpenAIError(400, str(exc), param, "invalid_value") from exc
 
 
 def _check_servable(state: ServerState, model: str) -> None:

@@ -85,17 +85,20 @@ class DraftTrees:
 
 def _depths_and_ancestors(sizes: SeqLens, parents: np.ndarray,
                           local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Depth of each node and its ancestor-or-self set as bits over local node indices."""
-    total = sizes.total
-    depths = np.zeros(total, dtype=INDEX_DTYPE)
+    """Depth of each node and its ancestor-or-self set as bits over local node indices.
+
+    Pointer jumping: each node holds the bits of the path from it up to (excluding) `jump`,
+    and `jump` doubles its distance every round, so log2(max depth) rounds reach the root.
+    """
+    is_root = local == 0
+    flat = np.arange(sizes.total, dtype=INDEX_DTYPE)
+    jump = np.where(is_root, flat, flat - local + parents)  # parent (a root: itself)
+    depths = (~is_root).astype(INDEX_DTYPE)
     bits = np.left_shift(np.int64(1), local).astype(np.int64)
-    starts = np.repeat(sizes.starts(), sizes.lens)
-    # Parents precede children, so visiting nodes by local index fills every parent first.
-    for position in range(1, sizes.max):
-        nodes = np.flatnonzero(local == position)
-        parent_flat = starts[nodes] + parents[nodes]
-        depths[nodes] = depths[parent_flat] + 1
-        bits[nodes] |= bits[parent_flat]
+    for _ in range(max(sizes.max - 1, 0).bit_length()):
+        depths = depths + depths[jump]
+        bits |= bits[jump]
+        jump = jump[jump]
     return depths, bits
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from engine.state.batch import Batch, DraftTrees, Mode
 from engine.state.finish import FinishReason, first_finish_flat
 from engine.state.running import Running
-from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array
+from engine.state.seqlens import DEBUG, INDEX_DTYPE, SeqLens, freeze, frozen_array
 
 _EMPTY = frozen_array([])
 _NO_LENS = SeqLens.empty()
@@ -55,6 +55,21 @@ class Effects:
         if self.finished_rids.shape != self.finished_reasons.shape:
             raise ValueError("each finished request needs a reason")
 
+    @classmethod
+    def _of_valid(cls, **columns: np.ndarray | SeqLens) -> Effects:
+        """Effects a transition assembled consistently: converts what was given (read-only
+        arrays pass through) and skips the shape checks, which still run under ENGINE_DEBUG."""
+        if DEBUG:
+            return cls(**columns)
+        value = object.__new__(cls)
+        for name, default in _EFFECT_DEFAULTS:
+            column = columns.pop(name, default)
+            is_array = column is not default and default is _EMPTY
+            object.__setattr__(value, name, frozen_array(column) if is_array else column)
+        if columns:
+            raise TypeError(f"unknown Effects fields {sorted(columns)}")
+        return value
+
     def emitted(self) -> dict[int, list[int]]:
         """rid -> tokens gained (for the shell's per-request histories)."""
         bounds = self.emitted_lens.indptr().tolist()
@@ -65,6 +80,9 @@ class Effects:
     def finished(self) -> dict[int, FinishReason]:
         return {int(r): FinishReason(int(c))
                 for r, c in zip(self.finished_rids, self.finished_reasons, strict=True)}
+
+
+_EFFECT_DEFAULTS = tuple((field.name, field.default) for field in attrs.fields(Effects))
 
 
 @attrs.frozen(eq=False)
@@ -153,7 +171,8 @@ def verify(batch: Batch, accepted_lens: Sequence[int] | np.ndarray, accepted_nod
     path_flat = trees.sizes.starts()[path_owner] + path_local
     draft_flat = path_flat[is_draft]
     if (trees.parents[draft_flat] != path_local[:-1][is_draft[1:]]).any():
-        raise ValueError("accepted nodes must form a path from the root, each the child of the last")
+        raise ValueError("accepted nodes must form a path from the root, each the child of "
+                         "the last")
     rejected = np.ones(trees.sizes.total, dtype=bool)
     rejected[path_flat] = False
     # Emitted: each accepted draft's token, then the bonus token (one per path entry).
@@ -204,15 +223,16 @@ def _close(run: Running, reason: np.ndarray, kv_lens: SeqLens, token_lens: SeqLe
     if not reason.any():  # FinishReason.NONE is 0: nobody leaves
         after = Running._of_valid(run.rids, run.rows, kv_lens, token_lens, run.prompt_lens,
                                   last_tokens, run.rules, run.max_context)
-        return Result(after, Effects(**emitted))
+        return Result(after, Effects._of_valid(**emitted))
     done = reason != FinishReason.NONE
     live = np.flatnonzero(~done)
     after = Running(run.rids[live], run.rows[live], kv_lens.select(live),
                     token_lens.select(live), run.prompt_lens[live], last_tokens[live],
                     run.rules.select(live), run.max_context)
     # A finished request keeps no KV: its row is released with everything committed to it.
-    effects = Effects(release_rows=run.rows[done], release_lens=kv_lens.select(done),
-                      finished_rids=run.rids[done], finished_reasons=reason[done], **emitted)
+    effects = Effects._of_valid(release_rows=run.rows[done], release_lens=kv_lens.select(done),
+                                finished_rids=run.rids[done], finished_reasons=reason[done],
+                                **emitted)
     return Result(after, effects)
 
 

@@ -1,0 +1,193 @@
+"""HTTP serving benchmark: time to first token, inter-token latency (p50, p99) and requests/s at
+several client concurrencies, against `engine serve` started here (or an existing --url).
+
+    .venv/bin/python benchmarks/bench_server.py --device cpu [--speculative]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+TOPICS = ["the sea", "a mountain", "bread", "rain", "a library", "the moon", "trains", "gardens"]
+PASSAGE = ("The river rises in the hills, runs past the old mill and the stone bridge, and "
+           "reaches the sea at the harbour town, where boats wait for the tide. ")
+
+
+def user_message(workload: str, index: int) -> str:
+    """'stories': free writing (few n-gram matches); 'copy': the answer repeats the prompt
+    (the case n-gram speculation is for)."""
+    topic = TOPICS[index % len(TOPICS)]
+    if workload == "stories":
+        return f"Write a short story about {topic}."
+    return f"Repeat this text exactly, twice:\n{PASSAGE.replace('river', topic)}"
+
+
+@attrs.frozen
+class RequestTiming:
+    ttft_s: float
+    gaps_s: tuple[float, ...]  # between successive chunks that carry text
+    num_tokens: int
+
+
+@attrs.frozen
+class LevelResult:
+    concurrency: int
+    num_requests: int
+    wall_s: float
+    timings: tuple[RequestTiming, ...]
+
+    def row(self) -> dict[str, float]:
+        ttft = np.array([t.ttft_s for t in self.timings])
+        gaps = np.array([g for t in self.timings for g in t.gaps_s] or [np.nan])
+        tokens = sum(t.num_tokens for t in self.timings)
+        return {"clients": self.concurrency, "requests": self.num_requests,
+                "req_per_s": self.num_requests / self.wall_s, "tok_per_s": tokens / self.wall_s,
+                "ttft_p50_ms": 1e3 * np.percentile(ttft, 50),
+                "ttft_p99_ms": 1e3 * np.percentile(ttft, 99),
+                "itl_p50_ms": 1e3 * np.nanpercentile(gaps, 50),
+                "itl_p99_ms": 1e3 * np.nanpercentile(gaps, 99)}
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
+    sent_s = time.perf_counter()
+    arrivals_s: list[float] = []
+    num_tokens = 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                arrivals_s.append(time.perf_counter())
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+    if not arrivals_s:
+        raise RuntimeError(f"request produced no text: {body}")
+    gaps = tuple(np.diff(arrivals_s).tolist())
+    return RequestTiming(arrivals_s[0] - sent_s, gaps, num_tokens)
+
+
+def request_body(model: str, workload: str, index: int, max_tokens: int) -> dict:
+    return {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": user_message(workload, index)}]}
+
+
+async def run_level(url: str, model: str, workload: str, concurrency: int, num_requests: int,
+                    max_tokens: int) -> LevelResult:
+    """`concurrency` clients share a queue of `num_requests` requests, one at a time each."""
+    pending = list(range(num_requests))
+    timings: list[RequestTiming] = []
+    limits = httpx.Limits(max_connections=concurrency)
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while pending:
+            index = pending.pop()
+            body = request_body(model, workload, index, max_tokens)
+            timings.append(await one_request(client, url, body))
+
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        started_s = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        wall_s = time.perf_counter() - started_s
+    return LevelResult(concurrency, num_requests, wall_s, tuple(timings))
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "engine", "serve", "--port", str(port), "--log-level",
+               "warning", "--device", args.device,
+               "--speculative" if args.speculative else "--no-speculative"]
+    if args.model:
+        command += ["--model", args.model]
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline_s = time.monotonic() + args.start_timeout_s
+    while time.monotonic() < deadline_s and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"engine serve did not start within {args.start_timeout_s} s")
+
+
+def spec_acceptance(url: str) -> str:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = dict(line.split(" ", 1) for line in text.splitlines()
+                  if line.startswith(("engine_spec_acceptance_rate ",
+                                      "engine_spec_accepted_tokens_total ",
+                                      "engine_spec_draft_tokens_total ")))
+    return ", ".join(f"{k}={float(v):g}" for k, v in values.items())
+
+
+def print_table(rows: list[dict[str, float]], title: str) -> None:
+    print(f"\n{title}")
+    header = ("clients", "requests", "req_per_s", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
+              "itl_p50_ms", "itl_p99_ms")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(f"{row[h]:.0f}" if h in ("clients", "requests") else
+                                f"{row[h]:.2f}" if h.endswith("per_s") else f"{row[h]:.0f}"
+                                for h in header) + " |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="benchmark a running server instead of starting one")
+    parser.add_argument("--model", help="model for the server started here; default model if unset")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--speculative", action="store_true", help="serve with n-gram speculation")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--workload", choices=["stories", "copy"], default="stories")
+    parser.add_argument("--start-timeout-s", type=float, default=600)
+    args = parser.parse_args()
+
+    process, url = (None, args.url) if args.url else start_server(args)
+    try:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        asyncio.run(run_level(url, model, args.workload, 1, 1, 4))  # warm-up
+        rows = []
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            result = asyncio.run(run_level(url, model, args.workload, concurrency,
+                                           concurrency * args.requests_per_client,
+                                           args.max_tokens))
+            rows.append(result.row())
+        mode = "on" if args.speculative else "off"
+        print_table(rows, f"{model} on {args.device} ({platform.processor() or platform.machine()}"
+                          f", {os.cpu_count()} cpus), speculation {mode}, "
+                          f"workload {args.workload}, max_tokens={args.max_tokens}, greedy, "
+                          "ignore_eos")
+        print(f"speculation: {spec_acceptance(url)}")
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

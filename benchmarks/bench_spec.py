@@ -1,0 +1,235 @@
+"""N-gram speculative decoding on the CPU (default model, fp32, batch 1): tokens/s without and
+with speculation, and HF transformers greedy / prompt lookup on the same prompts; accepted
+tokens per verify step; plots docs/spec_accepted.png and docs/spec_throughput.png.
+
+Run: .venv/bin/python benchmarks/bench_spec.py [--max-tokens 128] [--quick] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.engine import Engine
+from engine.model import default_model_path
+from engine.state import SamplingParams
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+CODE = [
+    '''def parse_config(path):
+    with open(path) as handle:
+        lines = handle.read().splitlines()
+    config = {}
+    for line in lines:
+        key, value = line.split("=", 1)
+        config[key.strip()] = value.strip()
+    return config
+''',
+    '''class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def increment(self):
+        self.count += 1
+        return self.count
+
+    def reset(self):
+        self.count = 0
+''',
+    '''def mean_and_spread(values):
+    total = 0.0
+    for value in values:
+        total += value
+    mean = total / len(values)
+    spread = max(values) - min(values)
+    return mean, spread
+''',
+]
+RENAMES = [("config", "settings"), ("Counter", "Tally"), ("total", "running_sum")]
+PASSAGES = [
+    "The Amazon rainforest covers much of the Amazon basin of South America. The basin "
+    "encompasses seven million square kilometres, of which five and a half million square "
+    "kilometres are covered by the rainforest. The region includes territory belonging to nine "
+    "nations. The majority of the forest is contained within Brazil, with 60% of the rainforest, "
+    "followed by Peru with 13%, and Colombia with 10%.",
+    "The Great Wall of China is a series of fortifications built across the historical northern "
+    "borders of ancient Chinese states to protect against nomadic groups from the Eurasian "
+    "Steppe. Several walls were built from as early as the 7th century BC, and were later joined "
+    "together and made bigger and stronger by the Qin dynasty.",
+    "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide "
+    "to make glucose and oxygen. It takes place mainly in the leaves, inside small structures "
+    "called chloroplasts, which contain the green pigment chlorophyll that absorbs light.",
+]
+CHATS = [
+    "Write a short story about a robot who learns to paint.",
+    "What are some good habits for staying healthy? Explain why each one helps.",
+    "Describe your ideal weekend in a few paragraphs.",
+    "Why do people enjoy travelling to new places?",
+]
+
+
+def workloads(quick: bool) -> dict[str, list[list[dict]]]:
+    copy = [f"Repeat the following code, but rename {old} to {new}:\n\n{code}"
+            for code, (old, new) in zip(CODE, RENAMES, strict=True)]
+    copy += [f"Summarize the following passage:\n\n{passage}" for passage in PASSAGES]
+    chats = list(CHATS)
+    if quick:
+        copy, chats = copy[:1] + copy[3:4], chats[:1]
+    as_chat = lambda texts: [[{"role": "user", "content": t}] for t in texts]  # noqa: E731
+    return {"copy-heavy": as_chat(copy), "nothing-to-copy": as_chat(chats)}
+
+
+class Ours:
+    """The engine at batch 1, with or without speculation; records accepted lengths."""
+
+    def __init__(self, speculative: bool) -> None:
+        self.engine = Engine(dtype="float32", device="cpu", speculative=speculative)
+        self.accepted: list[int] = []
+        if speculative:
+            stats = self.engine.spec.stats
+            original = stats.record_batch
+
+            def record_batch(rids, trees, accepted_lens) -> None:
+                self.accepted.extend(int(a) for a in accepted_lens)
+                original(rids, trees, accepted_lens)
+
+            stats.record_batch = record_batch
+
+    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
+        out = self.engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0]
+        return list(out.token_ids)
+
+
+class HF:
+    """HF transformers loading the same GGUF: plain greedy, or greedy with prompt lookup."""
+
+    def __init__(self, lookup: int | None, model: object) -> None:
+        self.lookup, self.model = lookup, model
+
+    @staticmethod
+    def load() -> object:
+        from transformers import AutoModelForCausalLM
+
+        path = default_model_path()
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+
+    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
+        input_ids = torch.tensor([ids])
+        extra = {} if self.lookup is None else {"prompt_lookup_num_tokens": self.lookup}
+        with torch.inference_mode():
+            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                      max_new_tokens=max_tokens, do_sample=False,
+                                      pad_token_id=self.model.config.eos_token_id, **extra)
+        return out[0, len(ids):].tolist()
+
+
+def timed(system: object, prompts: list[list[int]], max_tokens: int
+          ) -> tuple[float, int, list[list[int]]]:
+    """(seconds, generated tokens, outputs) over the prompts, one at a time."""
+    outputs, started = [], time.perf_counter()
+    for ids in prompts:
+        outputs.append(system.generate(ids, max_tokens))
+    return time.perf_counter() - started, sum(len(o) for o in outputs), outputs
+
+
+def step_profile(engine: Engine) -> str:
+    """Mean step time per mode (ms) over the steps the engine recorded."""
+    by_mode: dict[str, list[float]] = {}
+    for mode, seconds in engine.step_times:
+        by_mode.setdefault(mode, []).append(seconds * 1e3)
+    return ", ".join(f"{mode} {statistics.mean(v):.1f} ms x{len(v)}"
+                     for mode, v in sorted(by_mode.items()))
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    plain, spec = Ours(False), Ours(True)
+    tokenizer = plain.engine.tokenizer
+    hf_model = HF.load()
+    systems = {"ours": plain, "ours+spec": spec, "HF": HF(None, hf_model),
+               "HF+lookup": HF(args.lookup, hf_model)}
+    warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    for system in systems.values():
+        system.generate(warm, 8)
+    rows, accepted_per_workload = [], {}
+    for name, chats in workloads(args.quick).items():
+        prompts = [tokenizer.apply_chat_template(chat) for chat in chats]
+        spec.accepted.clear()
+        plain.engine.step_times.clear()
+        spec.engine.step_times.clear()
+        results = {key: timed(system, prompts, args.max_tokens)
+                   for key, system in systems.items()}
+        accepted_per_workload[name] = list(spec.accepted)
+        same = results["ours"][2] == results["ours+spec"][2]
+        rate = {key: tokens / seconds for key, (seconds, tokens, _) in results.items()}
+        mean_accepted = statistics.mean(spec.accepted) if spec.accepted else 0.0
+        rows.append((name, len(prompts), mean_accepted, rate, same))
+        print(f"[{name}] steps: plain {step_profile(plain.engine)}; "
+              f"spec {step_profile(spec.engine)}", flush=True)
+    print_table(rows, args)
+    plot(accepted_per_workload, rows, args)
+
+
+def print_table(rows: list, args: argparse.Namespace) -> None:
+    print(f"\nbatch 1, fp32, {args.threads} torch thread(s), max_tokens={args.max_tokens}, "
+          f"HF prompt_lookup_num_tokens={args.lookup}")
+    print("| workload | prompts | accepted/step | ours tok/s | ours+spec tok/s | HF tok/s | "
+          "HF+lookup tok/s | spec/no-spec | spec/HF-lookup | spec == no-spec |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, count, mean_accepted, rate, same in rows:
+        print(f"| {name} | {count} | {mean_accepted:.2f} | {rate['ours']:.1f} | "
+              f"{rate['ours+spec']:.1f} | {rate['HF']:.1f} | {rate['HF+lookup']:.1f} | "
+              f"{rate['ours+spec'] / rate['ours']:.2f}x | "
+              f"{rate['ours+spec'] / rate['HF+lookup']:.2f}x | {'yes' if same else 'NO'} |")
+
+
+def plot(accepted: dict[str, list[int]], rows: list, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    DOCS.mkdir(exist_ok=True)
+    figure, axes = plt.subplots(figsize=(8, 3.5))
+    for name, lens in accepted.items():
+        axes.plot(range(len(lens)), lens, marker=".", linewidth=0.6, label=f"{name} "
+                  f"(mean {statistics.mean(lens) if lens else 0:.2f})")
+    axes.set_xlabel("verify step (prompts one after another)")
+    axes.set_ylabel("accepted draft tokens")
+    axes.set_title(f"Accepted draft length per verify step (budget 12, CPU, batch 1)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(DOCS / "spec_accepted.png", dpi=110)
+    figure, axes = plt.subplots(figsize=(8, 3.5))
+    keys = ["ours", "ours+spec", "HF", "HF+lookup"]
+    width = 0.2
+    for k, key in enumerate(keys):
+        values = [rate[key] for _, _, _, rate, _ in rows]
+        xs = [i + (k - 1.5) * width for i in range(len(rows))]
+        bars = axes.bar(xs, values, width, label=key)
+        axes.bar_label(bars, fmt="%.1f", fontsize=7)
+    axes.set_xticks(range(len(rows)), [name for name, *_ in rows])
+    axes.set_ylabel("tokens/s")
+    axes.set_title(f"Batch 1 greedy, SmolLM2-135M fp32, CPU ({args.threads} thread(s))")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(DOCS / "spec_throughput.png", dpi=110)
+    print(f"wrote {DOCS / 'spec_accepted.png'} and {DOCS / 'spec_throughput.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="one or two prompts per workload")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Triton kernels for a Llama layer's elementwise work, one launch each: RMSNorm (alone or fused
+with the residual add), RoPE on q and k in place, and SiLU(gate) * up. Math is fp32; results
+are rounded to the input dtype where the torch reference rounds them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.model.llama import split_heads
+
+SILU_BLOCK = 1024
+ROPE_HEADS_PER_PROGRAM = 8
+
+
+@triton.jit
+def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_r, stride_o,
+                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < hidden
+    values = tl.load(x + token * stride_x + cols, mask=in_row, other=0.0)
+    if HAS_RESIDUAL:
+        added = values.to(tl.float32) + tl.load(residual + token * stride_r + cols,
+                                                mask=in_row, other=0.0).to(tl.float32)
+        values = added.to(values.dtype)  # the new residual, rounded as torch's add rounds it
+        tl.store(residual_out + token * stride_ro + cols, values, mask=in_row)
+    values32 = values.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(values32 * values32, axis=0) / hidden + eps)
+    normed = (values32 * inv_rms).to(values.dtype).to(tl.float32)
+    scale = tl.load(weight + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(out + token * stride_o + cols, (normed * scale).to(out.dtype.element_ty),
+             mask=in_row)
+
+
+@triton.jit
+def _rope_kernel(qkv, cos, sin, stride_t, stride_cos, stride_sin, num_rotated_heads, half,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_HALF)
+    in_half = dims < half
+    mask = (heads < num_rotated_heads)[:, None] & in_half[None, :]
+    first_ptrs = qkv + token * stride_t + heads[:, None] * (2 * half) + dims[None, :]
+    first = tl.load(first_ptrs, mask=mask, other=0.0)
+    second = tl.load(first_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    cos_half = tl.load(cos + token * stride_cos + dims, mask=in_half, other=0.0)
+    sin_half = tl.load(sin + token * stride_sin + dims, mask=in_half, other=0.0)
+    cos_half = cos_half.to(tl.float32)[None, :]
+    sin_half = sin_half.to(tl.float32)[None, :]
+    first32 = first.to(tl.float32)
+    tl.store(first_ptrs, (first32 * cos_half - second * sin_half).to(first.dtype), mask=mask)
+    tl.store(first_ptrs + half, (second * cos_half + first32 * sin_half).to(first.dtype),
+             mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, out, stride_in, stride_out, inter, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < inter
+    gate = tl.load(gate_up + token * stride_in + cols, mask=in_row, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + token * stride_in + inter + cols, mask=in_row, other=0.0)
+    product = gate * tl.sigmoid(gate) * up.to(tl.float32)
+    tl.store(out + token * stride_out + cols, product.to(out.dtype.element_ty), mask=in_row)
+
+
+def _check_rows(name: str, tensor: torch.Tensor, width: int) -> None:
+    if tensor.dim() != 2 or tensor.shape[1] != width or tensor.stride(1) != 1:
+        raise ValueError(f"{name} must be [tokens, {width}] with unit stride along the row; "
+                         f"got shape {tuple(tensor.shape)}, strides {tensor.stride()}")
+
+
+def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = weight.shape[0]
+    _check_rows("x", x, hidden)
+    out = torch.empty_like(x)
+    residual_out = out if residual is None else torch.empty_like(x)
+    if residual is not None:
+        _check_rows("residual", residual, hidden)
+        if residual.shape[0] != x.shape[0] or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match "
+                             f"x {tuple(x.shape)} {x.dtype}")
+    if x.shape[0] > 0:
+        block = triton.next_power_of_2(hidden)
+        source = x if residual is None else residual
+        _rms_norm_kernel[(x.shape[0],)](
+            x, source, weight, out, residual_out, x.stride(0), source.stride(0), out.stride(0),
+            residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=8 if block >= 4096 else 4)
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, hidden] scaled by weight [hidden], as `RMSNorm.forward`."""
+    return _norm_launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) in one launch; the inputs are left unchanged."""
+    return _norm_launch(x, residual, weight, eps)
+
+
+def rope_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_rotated_heads: int,
+             head_dim: int) -> torch.Tensor:
+    """Rotates, in place, the first `num_rotated_heads` heads of each row of qkv [T, width]
+    (the q heads then the k heads of a fused projection) by cos/sin [T, >= head_dim / 2]
+    (rotate-half layout: only the first half of each table row is read). Returns qkv."""
+    half = head_dim // 2
+    if head_dim % 2 or num_rotated_heads * head_dim > qkv.shape[-1]:
+        raise ValueError(f"cannot rotate {num_rotated_heads} heads of size {head_dim} in rows "
+                         f"of {qkv.shape[-1]}; the head size must be even and the heads fit")
+    _check_rows("qkv", qkv, qkv.shape[-1])
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape[0] != qkv.shape[0] or table.shape[1] < half or table.stride(1) != 1:
+            raise ValueError(f"{name} must be [{qkv.shape[0]}, >= {half}] with unit stride "
+                             f"along the row; got {tuple(table.shape)}, {table.stride()}")
+    if qkv.shape[0] > 0:
+        heads_per_program = min(ROPE_HEADS_PER_PROGRAM, triton.next_power_of_2(num_rotated_heads))
+        grid = (qkv.shape[0], triton.cdiv(num_rotated_heads, heads_per_program))
+        _rope_kernel[grid](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0),
+                           num_rotated_heads, half, BLOCK_H=heads_per_program,
+                           BLOCK_HALF=triton.next_power_of_2(half))
+    return qkv
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up from gate_up [T, 2 * inter] (gate first) -> [T, inter]."""
+    inter = gate_up.shape[-1] // 2
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must have an even width (gate then up); got {gate_up.shape}")
+    _check_rows("gate_up", gate_up, 2 * inter)
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if gate_up.shape[0] > 0:
+        block = min(SILU_BLOCK, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block)
+    return out
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+             num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (rotated in place, one launch) and v as head views of qkv [T, width]."""
+    rope_qk_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+    return split_heads(qkv, num_heads, num_kv_heads, head_dim)

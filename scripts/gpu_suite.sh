@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU suite, one call on the GPU machine: install the package, run the GPU tests, run them
+# again under compute-sanitizer memcheck, run the benchmarks; a summary table comes last.
+# Other parts add their GPU tests and benchmark scripts to the two lists below.
+# Logs go to $OUT when set (the device tool brings that folder back), else to a temp folder.
+set -uo pipefail
+
+GPU_TESTS=(tests/backends)
+BENCHES=(benchmarks/bench_attention.py)
+TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step; keep the sum under 560
+SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-210}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-190}
+SANITIZER_EXAMPLES=${SANITIZER_EXAMPLES:-3}  # hypothesis examples per property under memcheck
+BENCH_ARGS=${BENCH_ARGS:-}                   # e.g. --quick
+
+cd "$(dirname "$0")/.." || exit 1
+OUT_DIR=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+SUMMARY=()
+
+note() { SUMMARY+=("| $1 | $2 | $3 s |"); }
+
+# 1. install (no network there: --no-deps; torch and triton come with the image)
+start=$SECONDS
+if python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT_DIR/install.log" 2>&1; then
+    note install ok $((SECONDS - start))
+else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    note install "failed; PYTHONPATH=$PWD used (see install.log)" $((SECONDS - start))
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader \
+    >"$OUT_DIR/gpu.txt" 2>&1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+"cuda", torch.cuda.is_available())' >>"$OUT_DIR/gpu.txt" 2>&1
+cat "$OUT_DIR/gpu.txt"
+
+# 2. GPU tests
+start=$SECONDS
+timeout "$TEST_TIMEOUT" python3 -m pytest -q -m "not slow" -p no:cacheprovider "${GPU_TESTS[@]}" \
+    >"$OUT_DIR/pytest.log" 2>&1
+rc=$?
+tail -n 25 "$OUT_DIR/pytest.log"
+note "pytest (CUDA)" "rc=$rc: $(tail -n 1 "$OUT_DIR/pytest.log")" $((SECONDS - start))
+
+# 3. the same under compute-sanitizer memcheck (no caching allocator: every block is its own)
+start=$SECONDS
+ENGINE_TEST_EXAMPLES=$SANITIZER_EXAMPLES PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    timeout "$SANITIZER_TIMEOUT" compute-sanitizer --tool memcheck --print-limit 50 \
+    python3 -m pytest -q -m "not slow" -p no:cacheprovider "${GPU_TESTS[@]}" \
+    >"$OUT_DIR/memcheck.log" 2>&1
+rc=$?
+errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT_DIR/memcheck.log" | tail -n 1)
+tests=$(grep -E "passed|failed|error" "$OUT_DIR/memcheck.log" | grep -v "ERROR SUMMARY" | tail -n 1)
+grep -m 20 -E "Invalid|out of bounds|FAILED" "$OUT_DIR/memcheck.log"
+note "memcheck" "rc=$rc: ${errors:-no summary (timeout?)}; ${tests}" $((SECONDS - start))
+
+# 4. benchmarks (each prints its table last)
+for bench in "${BENCHES[@]}"; do
+    start=$SECONDS
+    log="$OUT_DIR/$(basename "$bench" .py).log"
+    # shellcheck disable=SC2086
+    timeout "$BENCH_TIMEOUT" python3 "$bench" $BENCH_ARGS >"$log" 2>&1
+    rc=$?
+    note "$bench" "rc=$rc" $((SECONDS - start))
+done
+
+for bench in "${BENCHES[@]}"; do
+    log="$OUT_DIR/$(basename "$bench" .py).log"
+    echo; echo "== $bench"; grep -E "^(\||copy ceiling)" "$log" || tail -n 20 "$log"
+done
+echo; echo "| step | result | time |"; echo "|---|---|---|"
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT_DIR/summary.md"
