@@ -49,8 +49,15 @@ class TorchBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
         k_cache[metadata.out_slots] = k.to(k_cache.dtype)
         v_cache[metadata.out_slots] = v.to(v_cache.dtype)
-        out = torch.empty_like(q)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
+        return attend_padded(q, k_cache, v_cache, metadata, scale)
+
+    def forward_per_request(self, layer: int, q: torch.Tensor, metadata: ForwardMetadata,
+                            scale: float) -> torch.Tensor:
+        """The same attention one request at a time (the oracle for `attend_padded`);
+        K/V of the new tokens must already be in the pool."""
+        k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
+        out = torch.empty_like(q)
         hosts = metadata.extra["host"]
         for i, prefix in enumerate(hosts["prefix"]):
             q0, q1 = hosts["qo"][i], hosts["qo"][i + 1]
@@ -60,6 +67,47 @@ class TorchBackend(AttentionBackend):
             mask = _mask(metadata, q0, q1, prefix, slots.shape[0], q.device)
             out[q0:q1] = attend(q[q0:q1], k_cache[slots], v_cache[slots], mask, scale)
         return out
+
+
+def _padded_index(indptr: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, width] flat positions of each request's entries (0 where padded) and validity."""
+    lens = (indptr[1:] - indptr[:-1]).long()
+    offsets = torch.arange(width, device=indptr.device)
+    valid = offsets[None, :] < lens[:, None]
+    return torch.where(valid, indptr[:-1].long()[:, None] + offsets[None, :], 0), valid
+
+
+def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  metadata: ForwardMetadata, scale: float) -> torch.Tensor:
+    """All requests at once, padded to the longest: [B, Hq, Qmax, Lmax] scores in fp32 with
+    the same masks as `_mask` (padding keys and queries masked out)."""
+    batch_size = metadata.seq_lens.shape[0]
+    if q.shape[0] == 0 or batch_size == 0:
+        return torch.zeros_like(q)
+    q_rows, q_valid = _padded_index(metadata.qo_indptr, metadata.max_new_len)
+    k_rows, k_valid = _padded_index(metadata.kv_indptr, metadata.max_seq_len)
+    slots = metadata.kv_indices.long()[k_rows]  # [B, L]
+    group = q.shape[1] // k_cache.shape[1]
+    keys = k_cache[slots].float().repeat_interleave(group, dim=2)  # [B, L, Hq, D]
+    values = v_cache[slots].float().repeat_interleave(group, dim=2)
+    queries = q.float()[q_rows]  # [B, Q, Hq, D]
+    scores = torch.einsum("bqhd,blhd->bhql", queries, keys) * scale
+    key_pos = torch.arange(k_rows.shape[1], device=q.device)[None, None, :]
+    prefix = metadata.prefix_lens.long()[:, None, None]
+    if metadata.mode == Mode.VERIFY:
+        bits = metadata.tree_bits[q_rows]  # [B, Q]
+        node = (key_pos - prefix).clamp(min=0)
+        visible = (key_pos < prefix) | ((bits[:, :, None] >> node) & 1).bool()
+    else:
+        query_pos = prefix + torch.arange(q_rows.shape[1], device=q.device)[None, :, None]
+        visible = key_pos <= query_pos
+    visible = visible & k_valid[:, None, :] & q_valid[:, :, None]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded queries see nothing
+    out_padded = torch.einsum("bhql,blhd->bqhd", probs, values)
+    out = torch.empty_like(q)
+    out[q_rows[q_valid]] = out_padded[q_valid].to(q.dtype)
+    return out
 
 
 def _mask(metadata: ForwardMetadata, q0: int, q1: int, prefix: int, kv_len: int,

@@ -109,7 +109,12 @@ class RMSNorm(nn.Module):
 
 
 def _weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    """An uninitialised weight: the loader or `init_random` fills every one."""
+    """An uninitialised weight: the loader or `init_random` fills every one. On CPU it is
+    stored column-major (a transposed view of a [cols, rows] tensor): F.linear then runs
+    MKL's no-transpose GEMM, ~2x faster for the few-row passes of verify and short chunks."""
+    if torch.device(device).type == "cpu":
+        return nn.Parameter(torch.empty(cols, rows, dtype=dtype, device=device).t(),
+                            requires_grad=False)
     return nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -199,8 +204,10 @@ class LlamaModel(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 param.fill_(1.0)
-            else:
-                param.normal_(0.0, std, generator=generator)
+            else:  # drawn in row-major order whatever the layout (see `_weight`)
+                drawn = param if param.is_contiguous() else torch.empty_like(
+                    param, memory_format=torch.contiguous_format)
+                param.copy_(drawn.normal_(0.0, std, generator=generator))
         return self
 
     def num_bytes(self) -> int:

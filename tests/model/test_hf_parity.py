@@ -75,16 +75,39 @@ def test_prompt_logits_match_hf(ours, hf_model):
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
-def test_greedy_matches_hf_generate(ours, hf_model, greedy_runner):
-    model, _, tokenizer = ours
-    prompts = [tokenizer.apply_chat_template(chat) for chat in CHATS]
-    got = greedy_runner(model, prompts, max_new=32, eos=tokenizer.eos_token_id)
-    for prompt, tokens in zip(prompts, got, strict=True):
+@pytest.fixture(scope="module")
+def hf_greedy(ours, hf_model):
+    """HF generate's greedy tokens for each chat, 32 new tokens (stopping at EOS)."""
+    _, _, tokenizer = ours
+    outputs = []
+    for chat in CHATS:
+        prompt = tokenizer.apply_chat_template(chat)
         input_ids = torch.tensor([prompt])
         with torch.no_grad():
             out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                     max_new_tokens=32, do_sample=False,
                                     pad_token_id=tokenizer.eos_token_id)
-        expected = out[0, len(prompt):].tolist()
+        outputs.append((prompt, out[0, len(prompt):].tolist()))
+    return outputs
+
+
+def test_greedy_matches_hf_generate(ours, hf_greedy, greedy_runner):
+    model, _, tokenizer = ours
+    prompts = [prompt for prompt, _ in hf_greedy]
+    got = greedy_runner(model, prompts, max_new=32, eos=tokenizer.eos_token_id)
+    for tokens, (_, expected) in zip(got, hf_greedy, strict=True):
         assert tokens == expected, tokenizer.decode(tokens)
         assert len(tokens) >= 8
+
+
+def test_engine_generate_matches_hf_generate(hf_greedy):
+    """The whole engine (scheduler, runner, transitions, stop at EOS) equals HF greedy."""
+    from engine.engine import Engine
+    from engine.state import SamplingParams
+
+    engine = Engine(device="cpu", dtype="float32")
+    results = engine.generate(CHATS, SamplingParams(max_tokens=32))
+    for result, (prompt, expected) in zip(results, hf_greedy, strict=True):
+        assert list(result.prompt_token_ids) == prompt
+        # HF keeps the EOS it stops at; so does the engine's token list.
+        assert list(result.token_ids) == expected

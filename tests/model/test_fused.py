@@ -1,0 +1,166 @@
+"""The Triton elementwise kernels against the torch reference ops (in the interpreter on CPU),
+and a whole forward with the kernels on equals the forward with them off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.backends import KVPool, get_backend
+from engine.kv import KVBook
+from engine.model import LlamaModel, ModelConfig, fused
+from engine.model.llama import TorchOps, rope_inv_freq
+from engine.state import FinishRules, Running, extend, schedule_decode, schedule_extend
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+POISON = float("nan")
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def _random(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(DEVICE, dtype)
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,hidden", [(3, 64), (2, 200)])
+def test_rms_norm_matches_reference(dtype, tokens, hidden):
+    x = _random(tokens, hidden, dtype=dtype, seed=1) * 3
+    weight = _random(hidden, dtype=dtype, seed=2)
+    _close(fused.rms_norm(x, weight, 1e-5), TorchOps.rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,hidden", [(3, 64), (2, 200)])
+def test_add_rms_norm_matches_reference_and_leaves_inputs(dtype, tokens, hidden):
+    x = _random(tokens, hidden, dtype=dtype, seed=3)
+    residual = _random(tokens, hidden, dtype=dtype, seed=4)
+    weight = _random(hidden, dtype=dtype, seed=5)
+    x_before, residual_before = x.clone(), residual.clone()
+    normed, new_residual = fused.add_rms_norm(x, residual, weight, 1e-6)
+    expected_normed, expected_residual = TorchOps.add_rms_norm(x, residual, weight, 1e-6)
+    _close(new_residual, expected_residual, dtype)
+    _close(normed, expected_normed, dtype)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (10, 1, 8)])
+def test_rope_rotates_q_and_k_in_place_and_leaves_v(dtype, num_heads, num_kv_heads, head_dim):
+    tokens = 3
+    config = ModelConfig.tiny(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = _random(tokens, width, dtype=dtype, seed=6)
+    positions = torch.tensor([0, 5, 300], device=DEVICE)
+    model = LlamaModel(config, dtype, DEVICE, fused=False)
+    cos, sin = model.rope(positions)
+    expected = TorchOps.rope_qkv(qkv.clone(), cos, sin, num_heads, num_kv_heads, head_dim)
+    got = fused.rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+    assert got[0].data_ptr() == qkv.data_ptr()  # views of the rotated buffer
+    for got_part, expected_part in zip(got, expected, strict=True):
+        _close(got_part, expected_part, dtype)
+
+
+def test_rope_refuses_heads_that_do_not_fit():
+    qkv = torch.zeros(2, 48, device=DEVICE)
+    cos = sin = torch.zeros(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="cannot rotate 4 heads of size 16"):
+        fused.rope_qk_(qkv, cos, sin, 4, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,inter", [(3, 128), (2, 1500)])
+def test_silu_mul_matches_reference(dtype, tokens, inter):
+    gate_up = _random(tokens, 2 * inter, dtype=dtype, seed=7) * 4
+    _close(fused.silu_mul(gate_up), TorchOps.silu_mul(gate_up), dtype)
+
+
+def test_outputs_are_written_not_left_over(monkeypatch):
+    """Every output element is written: allocations that hand back NaN change nothing."""
+    x = _random(2, 100, dtype=torch.float32, seed=8)
+    weight = _random(100, dtype=torch.float32, seed=9)
+    gate_up = _random(2, 300, dtype=torch.float32, seed=10)
+    real_empty_like, real_empty = torch.empty_like, torch.empty
+    poisoned: list[torch.Tensor] = []
+
+    def poison(allocate):
+        def allocate_poisoned(*args, **kwargs):
+            poisoned.append(allocate(*args, **kwargs).fill_(POISON))
+            return poisoned[-1]
+        return allocate_poisoned
+    monkeypatch.setattr(torch, "empty_like", poison(real_empty_like))
+    monkeypatch.setattr(torch, "empty", poison(real_empty))
+    normed, residual = fused.add_rms_norm(x, x, weight, 1e-5)
+    outputs = [normed, residual, fused.rms_norm(x, weight, 1e-5), fused.silu_mul(gate_up)]
+    monkeypatch.undo()
+    assert all(any(out is p for p in poisoned) for out in outputs)
+    assert all(torch.isfinite(out).all() for out in outputs)
+
+
+def test_misshapen_inputs_raise():
+    weight = torch.ones(64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x must be \[tokens, 64\]"):
+        fused.rms_norm(torch.zeros(2, 32, device=DEVICE), weight, 1e-5)
+    with pytest.raises(ValueError, match="even width"):
+        fused.silu_mul(torch.zeros(2, 7, device=DEVICE))
+
+
+def test_rope_inv_freq_is_what_the_model_uses():
+    config = ModelConfig.tiny()
+    torch.testing.assert_close(LlamaModel(config, device=DEVICE).inv_freq.cpu(),
+                               rope_inv_freq(config))
+
+
+def _extend_then_decode(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Hidden states of one extend pass over `prompts` and one decode pass after it."""
+    config, count = model.config, len(prompts)
+    lens = [len(p) for p in prompts]
+    book = KVBook(sum(lens) + 2 * count, count, max(lens) + 2, DEVICE)
+    pool = KVPool.allocate(config.num_layers, sum(lens) + 2 * count + 1, config.num_kv_heads,
+                           config.head_dim, model.dtype, book.table.device)
+    backend = get_backend("torch", pool)
+    rules = FinishRules([4] * count, [0] * count, [-1] * count,
+                        np.zeros((count, 0), dtype=np.int64))
+    running = Running.admitted(list(range(count)), [book.table.alloc_row() for _ in prompts],
+                               lens, lens, [p[-1] for p in prompts], rules, max(lens) + 2)
+    ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+    batch = schedule_extend(running, lens, ids, book.slots.alloc(ids.shape[0]))
+    hiddens = []
+    for step in (extend, None):
+        with torch.no_grad():
+            hiddens.append(model(torch.from_numpy(batch.input_ids.copy()).to(DEVICE),
+                                 torch.from_numpy(batch.positions.copy()).to(DEVICE),
+                                 backend.plan(batch), backend))
+        if step is not None:
+            result = step(batch, np.arange(count, dtype=np.int64) + 3)
+            book.apply(result.effects)
+            batch = schedule_decode(result.running, book.slots.alloc(count))
+    return hiddens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_forward_with_fused_kernels_equals_torch_path(dtype):
+    model = LlamaModel(ModelConfig.tiny(), dtype, DEVICE, fused=False).init_random(seed=4)
+    prompts = [list(range(5, 17)), list(range(40, 47))]
+    reference = _extend_then_decode(model, prompts)
+    model.fused = True
+    got = _extend_then_decode(model, prompts)
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2,
+                                                                               rtol=1e-2)
+    for got_pass, reference_pass in zip(got, reference, strict=True):
+        assert got_pass.shape == (got_pass.shape[0], model.config.hidden_size)
+        torch.testing.assert_close(got_pass, reference_pass, **tolerance)
+    assert [h.shape[0] for h in got] == [19, 2]
+
+
+def test_fused_is_chosen_by_device():
+    config = ModelConfig.tiny()
+    assert LlamaModel(config, device="cpu").fused is False
+    assert LlamaModel(config, device="cpu", fused=True).fused is True

@@ -1,0 +1,108 @@
+"""Completions and chat, streamed and not, against Engine.generate; models, health, metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serverkit import CHAT_MESSAGES, COMPLETION_PROMPT, MAX_TOKENS, SAMPLED, Served
+
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "sampled": SAMPLED}
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_completion_streamed_equals_non_streamed_equals_generate(served: Served,
+                                                                 sampling: str) -> None:
+    client = served.client()
+    kwargs = dict(model=served.model, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
+                  **SAMPLINGS[sampling])
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    reference = served.references[f"completion/{sampling}"]
+
+    assert full.object == "text_completion" and full.id.startswith("cmpl-")
+    assert full.model == served.model and full.created > 0
+    assert full.choices[0].index == 0
+    assert full.choices[0].text == reference.text
+    assert full.choices[0].finish_reason == reference.finish_reason
+    assert full.usage.prompt_tokens == len(reference.prompt_token_ids)
+    assert full.usage.completion_tokens == len(reference.token_ids)
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert "".join(c.choices[0].text for c in chunks) == reference.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == reference.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "text_completion"
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_chat_streamed_equals_non_streamed_equals_generate(served: Served, sampling: str) -> None:
+    client = served.client()
+    kwargs = dict(model=served.model, messages=CHAT_MESSAGES, max_tokens=MAX_TOKENS,
+                  **SAMPLINGS[sampling])
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    reference = served.references[f"chat/{sampling}"]
+
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == reference.text
+    assert full.choices[0].finish_reason == reference.finish_reason
+    assert full.usage.completion_tokens == len(reference.token_ids)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference.text
+    assert chunks[-1].choices[0].finish_reason == reference.finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_stream_include_usage_sends_a_final_usage_chunk(served: Served) -> None:
+    chunks = list(served.client().chat.completions.create(
+        model=served.model, messages=CHAT_MESSAGES, max_tokens=4, stream=True,
+        stream_options={"include_usage": True}, extra_body={"top_k": 5, "ignore_eos": True}))
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_sse_wire_format_ends_with_done(served: Served) -> None:
+    body = {"model": served.model, "prompt": COMPLETION_PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(event.startswith("data: {") for event in events[:-2])
+
+
+def test_stop_string_ends_the_text_with_finish_reason_stop(served: Served) -> None:
+    reference = served.references["completion/greedy"].text
+    stop = reference.strip().split()[1]
+    full = served.client().completions.create(model=served.model, prompt=COMPLETION_PROMPT,
+                                              max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    assert full.choices[0].finish_reason == "stop"
+    assert full.choices[0].text == reference[:reference.index(stop)]
+
+
+def test_token_id_prompt_matches_text_prompt(served: Served) -> None:
+    reference = served.references["completion/greedy"]
+    full = served.client().completions.create(
+        model=served.model, prompt=list(reference.prompt_token_ids), max_tokens=MAX_TOKENS,
+        temperature=0)
+    assert full.choices[0].text == reference.text
+
+
+def test_models_and_health(served: Served) -> None:
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == [served.model]
+    health = httpx.get(f"{served.url}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_metrics_lists_engine_and_latency_series(served: Served) -> None:
+    served.client().completions.create(model=served.model, prompt="Hi", max_tokens=2)
+    text = httpx.get(f"{served.url}/metrics").text
+    for name in ("engine_requests_running", "engine_requests_waiting", "engine_kv_slots_used",
+                 "engine_kv_slots_free", "engine_generation_tokens_total",
+                 "engine_spec_accepted_tokens_total", "engine_spec_acceptance_rate",
+                 "engine_step_seconds_bucket", "engine_time_to_first_token_seconds_bucket",
+                 "engine_inter_token_latency_seconds_bucket", "engine_speculative_enabled 0.0"):
+        assert name in text, name

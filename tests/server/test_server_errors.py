@@ -1,0 +1,110 @@
+"""Bad input gets a 400 with an OpenAI error body naming the field; the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from serverkit import CHAT_MESSAGES, Served
+
+
+def _valid(served: Served, path: str) -> dict:
+    if path == "/v1/completions":
+        return {"model": served.model, "prompt": "Hello", "max_tokens": 1}
+    return {"model": served.model, "messages": CHAT_MESSAGES, "max_tokens": 1}
+
+
+# (path, change to a valid body, param named in the error, words the message must contain)
+BAD_BODIES = [
+    ("/v1/completions", {"model": "no-such-model"}, "model", "no-such-model"),
+    ("/v1/chat/completions", {"model": "gpt-4"}, "model", "gpt-4"),
+    ("/v1/completions", {"prompt": [7] * 3000}, "prompt", "max_context"),
+    ("/v1/completions", {"prompt": "lorem ipsum " * 1500}, "prompt", "max_context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 3000}]},
+     "messages", "max_context"),
+    ("/v1/completions", {"max_tokens": -5}, "max_tokens", "-5"),
+    ("/v1/chat/completions", {"max_tokens": -1}, "max_tokens", "-1"),
+    ("/v1/completions", {"temperature": 2.5}, "temperature", "2.5"),
+    ("/v1/chat/completions", {"temperature": -0.1}, "temperature", "-0.1"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
+    ("/v1/completions", {"n": 2}, "n", "n=2"),
+    ("/v1/chat/completions", {"n": 3}, "n", "n=3"),
+    ("/v1/completions", {"top_p": 0}, "top_p", "top_p"),
+    ("/v1/completions", {"top_k": 0}, "top_k", "top_k=0"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+    ("/v1/completions", {"prompt": None}, "prompt", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
+     "messages.0.role", "robot"),
+    ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop"),
+]
+
+
+def _post(served: Served, path: str, content: bytes) -> httpx.Response:
+    return httpx.post(served.url + path, content=content, timeout=120,
+                      headers={"content-type": "application/json"})
+
+
+def _assert_still_serving(served: Served, path: str) -> None:
+    response = _post(served, path, json.dumps(_valid(served, path)).encode())
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(("path", "change", "param", "words"), BAD_BODIES)
+def test_bad_field_gets_400_naming_it(served: Served, path: str, change: dict, param: str,
+                                      words: str) -> None:
+    _assert_rejected(served, path, {**_valid(served, path), **change}, param, words)
+
+
+@pytest.mark.parametrize(("path", "change", "param", "words"),
+                         [BAD_BODIES[i] for i in (0, 2, 4, 5, 10)])
+def test_bad_field_of_a_stream_request_gets_400_before_any_event(
+        served: Served, path: str, change: dict, param: str, words: str) -> None:
+    _assert_rejected(served, path, {**_valid(served, path), **change, "stream": True}, param,
+                     words)
+
+
+def _assert_rejected(served: Served, path: str, body: dict, param: str, words: str) -> None:
+    response = _post(served, path, json.dumps(body).encode())
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert words in error["message"] and param.split(".")[0] in error["message"]
+    _assert_still_serving(served, path)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"model": "x",', b"", b"[1, 2]", b"42"])
+def test_malformed_json_gets_400(served: Served, raw: bytes) -> None:
+    response = _post(served, "/v1/completions", raw)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "JSON" in error["message"]
+    _assert_still_serving(served, "/v1/completions")
+
+
+def test_missing_field_is_named(served: Served) -> None:
+    response = _post(served, "/v1/chat/completions", json.dumps({"model": served.model}).encode())
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": "messages is required",
+                                        "type": "invalid_request_error",
+                                        "param": "messages", "code": "invalid_value"}
+
+
+def test_openai_client_raises_bad_request_and_the_next_call_works(served: Served) -> None:
+    client = served.client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=served.model, prompt="Hi", max_tokens=-3)
+    assert "max_tokens" in str(caught.value)
+    with pytest.raises(openai.BadRequestError, match="model"):
+        client.chat.completions.create(model="nope", messages=CHAT_MESSAGES)
+    assert client.completions.create(model=served.model, prompt="Hi", max_tokens=2).choices
+
+
+def test_unknown_route_is_404_with_an_error_body(served: Served) -> None:
+    response = httpx.get(f"{served.url}/v1/engines")
+    assert response.status_code == 404
+    assert "/v1/engines" in response.json()["error"]["message"]
