@@ -10,6 +10,7 @@ without CUDA the same static path runs eagerly (`capture=False`), so it is teste
 from __future__ import annotations
 
 import bisect
+import os
 
 import numpy as np
 import torch
@@ -54,9 +55,13 @@ class GraphRunner:
                                              max_tree_nodes=max(self.per_request, 1))
         self.graphs = {size: _Graph(size, size * self.per_request, device)
                        for size in self.sizes}
-        self.capture = capture and device.type == "cuda"
+        # Capture allocates from torch's caching allocator; without it (as under memcheck with
+        # PYTORCH_NO_CUDA_MEMORY_CACHING=1) the same static path runs uncaptured.
+        self.capture = (capture and device.type == "cuda"
+                        and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"))
         self._staging = torch.zeros((2, max_tokens), dtype=torch.int64,
                                     pin_memory=device.type == "cuda")
+        self._staged: torch.cuda.Event | None = None
         if self.capture:
             self._capture_all(device)
 
@@ -113,11 +118,16 @@ class GraphRunner:
         metadata = self._plan(graph, batch)
         count = batch.new_lens.total
         staged = self._staging[:, :graph.num_tokens]
+        if self._staged is not None:
+            self._staged.synchronize()  # the last copy must have read the staging buffer
         host = staged.numpy()
         host[0, :count] = batch.input_ids
         host[1, :count] = batch.positions
         host[:, count:] = 0
         graph.inputs.copy_(staged, non_blocking=True)
+        if self.capture:
+            self._staged = self._staged or torch.cuda.Event()
+            self._staged.record()
         if self.capture:
             graph.graph.replay()
             return graph.logits[:count]

@@ -5,11 +5,15 @@
 # Logs go to $OUT when set (the device tool brings that folder back), else to a temp folder.
 set -uo pipefail
 
-GPU_TESTS=(tests/backends)
-BENCHES=(benchmarks/bench_attention.py)
-TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step; keep the sum under 560
+GPU_TESTS=(tests/backends tests/model/test_fused.py tests/engine/test_graphs.py
+           tests/engine/test_spec_overflow.py)
+# The original scenario (verify on a batch larger than the largest captured graph), also
+# under memcheck with the caching allocator on, so that real CUDA graphs are captured.
+GRAPH_MEMCHECK_TESTS=(tests/engine/test_spec_overflow.py)
+BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/bench_steps.py)
+TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step; a run takes about 7 minutes
 SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-210}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-190}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
 SANITIZER_EXAMPLES=${SANITIZER_EXAMPLES:-3}  # hypothesis examples per property under memcheck
 BENCH_ARGS=${BENCH_ARGS:-}                   # e.g. --quick
 
@@ -54,6 +58,17 @@ errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT_DIR/memcheck.log" | tail -n
 tests=$(grep -E "passed|failed|error" "$OUT_DIR/memcheck.log" | grep -v "ERROR SUMMARY" | tail -n 1)
 grep -m 20 -E "Invalid|out of bounds|FAILED" "$OUT_DIR/memcheck.log"
 note "memcheck" "rc=$rc: ${errors:-no summary (timeout?)}; ${tests}" $((SECONDS - start))
+
+# 3b. memcheck with the caching allocator on: captured CUDA graphs replayed
+start=$SECONDS
+timeout 150 compute-sanitizer --tool memcheck --print-limit 50 \
+    python3 -m pytest -q -p no:cacheprovider "${GRAPH_MEMCHECK_TESTS[@]}" \
+    >"$OUT_DIR/memcheck_graphs.log" 2>&1
+rc=$?
+errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT_DIR/memcheck_graphs.log" | tail -n 1)
+tests=$(grep -E "passed|failed" "$OUT_DIR/memcheck_graphs.log" | grep -v "ERROR SUMMARY" | tail -n 1)
+note "memcheck, CUDA graphs captured" "rc=$rc: ${errors:-no summary (timeout?)}; ${tests}" \
+    $((SECONDS - start))
 
 # 4. benchmarks (each prints its table last)
 for bench in "${BENCHES[@]}"; do

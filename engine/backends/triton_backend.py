@@ -45,6 +45,8 @@ class GraphBuffers:
     tree_bits: torch.Tensor  # [max_tokens] int64
     kv_indices: torch.Tensor  # [max_kv_tokens] int32
     max_tree_nodes: int
+    staging_host: torch.Tensor  # int64, pinned on CUDA: every host array of a plan, packed
+    staging_device: torch.Tensor  # int64: one host-to-device copy of the packed arrays
 
     @property
     def max_batch(self) -> int:
@@ -74,11 +76,15 @@ class TritonBackend(AttentionBackend):
         def zeros(size: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
 
+        staged = 2 * (max_batch + 1) + 3 * max_batch + 2 * max_tokens
         return GraphBuffers(zeros(max_batch + 1, torch.int32), zeros(max_batch + 1, torch.int32),
                             zeros(max_batch, torch.int32), zeros(max_batch, torch.int32),
                             zeros(max_batch, torch.int64), zeros(max_tokens, torch.int64),
                             zeros(max_tokens, torch.int64), zeros(max_kv_tokens, torch.int32),
-                            max_tree_nodes)
+                            max_tree_nodes,
+                            torch.zeros(staged, dtype=torch.int64,
+                                        pin_memory=device.type == "cuda"),
+                            zeros(staged, torch.int64))
 
     def plan(self, batch: Batch, buffers: GraphBuffers | None = None,
              padded_batch_size: int | None = None, padded_num_tokens: int | None = None,
@@ -148,8 +154,7 @@ class TritonBackend(AttentionBackend):
             max_new_len=per_request, max_seq_len=batch.seq_lens.max,
             extra={"num_splits": num_splits, "max_q": per_request, "graph": True}, **views)
 
-    @staticmethod
-    def _fill(buffers: GraphBuffers, batch: Batch, padded: int,
+    def _fill(self, buffers: GraphBuffers, batch: Batch, padded: int,
               num_tokens: int) -> dict[str, torch.Tensor]:
         """Copy the padded host arrays into the buffers; return views of the used parts.
         Padding requests own no keys and no tokens; padding tokens belong to no request."""
@@ -167,10 +172,22 @@ class TritonBackend(AttentionBackend):
         }
         bits = batch.trees.ancestor_bits if batch.trees is not None else np.zeros(0, np.int64)
         host["tree_bits"] = np.concatenate([bits, np.zeros(num_tokens - bits.shape[0], np.int64)])
-        views = {}
+        # Pack every array into one staging buffer: one host-to-device copy, then on-device
+        # copies (with the dtype conversion) into the fixed-address buffers.
+        _wait_for_staging(buffers)  # the last plan's copy must have read the staging buffer
+        packed = buffers.staging_host.numpy()
+        offsets, offset = {}, 0
         for name, array in host.items():
-            target = getattr(buffers, name)[:array.shape[0]]
-            target.copy_(torch.from_numpy(array.astype(np.int64)).to(target.dtype))
+            packed[offset:offset + array.shape[0]] = array
+            offsets[name] = (offset, array.shape[0])
+            offset += array.shape[0]
+        staged = buffers.staging_device[:offset]
+        staged.copy_(buffers.staging_host[:offset], non_blocking=True)
+        _record_staging(buffers)
+        views = {}
+        for name, (start, length) in offsets.items():
+            target = getattr(buffers, name)[:length]
+            target.copy_(staged[start:start + length])
             views[name] = target
         return views
 
@@ -202,6 +219,21 @@ class TritonBackend(AttentionBackend):
                                 metadata.kv_indptr, metadata.qo_indptr, metadata.prefix_lens,
                                 metadata.tree_bits, out, metadata.extra["num_splits"],
                                 metadata.extra["max_q"], scale)
+
+
+_STAGING_EVENTS: dict[int, torch.cuda.Event] = {}
+
+
+def _wait_for_staging(buffers: GraphBuffers) -> None:
+    event = _STAGING_EVENTS.get(id(buffers.staging_host))
+    if event is not None:
+        event.synchronize()
+
+
+def _record_staging(buffers: GraphBuffers) -> None:
+    if buffers.staging_device.device.type == "cuda":
+        event = _STAGING_EVENTS.setdefault(id(buffers.staging_host), torch.cuda.Event())
+        event.record()
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

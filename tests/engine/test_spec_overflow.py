@@ -13,8 +13,8 @@ from engine.engine import Engine
 from engine.state import SamplingParams
 
 CUDA = torch.cuda.is_available()
-# Graph capture needs torch's caching allocator, which memcheck runs without (to see every
-# allocation's bounds); the GPU suite runs this test both ways.
+# The GPU suite runs this under memcheck twice: without torch's caching allocator (every
+# allocation's bounds visible; graphs then run their static path uncaptured) and with it.
 GRAPH_MAX_BATCH = int(os.environ.get("ENGINE_TEST_GRAPH_MAX_BATCH", "4"))
 
 
