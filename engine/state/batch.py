@@ -137,7 +137,8 @@ class Batch:
             if n and (run.pending_lens != 1).any():
                 raise ValueError("verify needs every request to have exactly one pending token")
             mode = Mode.VERIFY if total else Mode.IDLE
-        seq = run.kv_lens + self.new_lens
+        # Decode: one new token each, exactly the one pending, so prefix + new == token_lens.
+        seq = run.token_lens if mode == Mode.DECODE else run.kv_lens + self.new_lens
         # Without trees, seq <= token_lens <= max_context already (new <= pending).
         if n and (self.trees is not None or DEBUG) and seq.max > run.max_context:
             raise ValueError(f"a request reaches {seq.max} tokens; max_context is "

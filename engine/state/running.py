@@ -172,6 +172,8 @@ class Running:
         """This batch followed by `other`; lengths and sums stay exact."""
         if other.max_context != self.max_context:
             raise ValueError("cannot merge batches with different max_context")
+        if len(other) == 0 or len(self) == 0:  # values are immutable: share the other one
+            return other if len(self) == 0 else self
         if np.intersect1d(self.rids, other.rids).size:
             raise ValueError("cannot merge batches that share a request")
         return Running(np.concatenate([self.rids, other.rids]),

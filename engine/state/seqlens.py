@@ -62,6 +62,7 @@ class SeqLens:
 
     lens: np.ndarray = attrs.field(converter=_to_lens)
     total: int = attrs.field(init=False)
+    _max: int = attrs.field(init=False, default=-1)  # the largest length, once asked (-1: not yet)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "total", int(self.lens.sum()))
@@ -75,7 +76,9 @@ class SeqLens:
     def full(cls, size: int, value: int) -> SeqLens:
         if value < 0:
             raise ValueError(f"lengths must be >= 0; got {value}")
-        return cls._of_valid(np.full(size, value, dtype=INDEX_DTYPE))
+        full = cls._of_valid(np.full(size, value, dtype=INDEX_DTYPE))
+        object.__setattr__(full, "_max", value if size else 0)
+        return full
 
     @classmethod
     def _of_valid(cls, lens: np.ndarray, check: bool = DEBUG) -> SeqLens:
@@ -86,6 +89,7 @@ class SeqLens:
         value = object.__new__(cls)
         object.__setattr__(value, "lens", frozen_array(lens))
         object.__setattr__(value, "total", int(lens.sum()))
+        object.__setattr__(value, "_max", -1)
         return value
 
     # --- reading ------------------------------------------------------------------------
@@ -109,7 +113,9 @@ class SeqLens:
 
     @property
     def max(self) -> int:
-        return int(self.lens.max()) if len(self) else 0
+        if self._max < 0:  # computed once: the lengths never change
+            object.__setattr__(self, "_max", int(self.lens.max()) if len(self) else 0)
+        return self._max
 
     def indptr(self) -> np.ndarray:
         """Cumulative offsets, length len(self) + 1, last element == total."""
