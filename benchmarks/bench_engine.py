@@ -84,7 +84,7 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
     ids = [engine.tokenizer.apply_chat_template(c) for c in chats]
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              torch_dtype=torch.float32).eval()
+                                              dtype=torch.float32).eval()
     pad = engine.tokenizer.eos_token_id
     rows = []
     for batch in (1, 8):

@@ -192,6 +192,9 @@ class Engine:
     def _run_decode(self) -> str:
         if self.spec is not None:
             return self.spec.run_verify(self)
+        return self._decode_step()
+
+    def _decode_step(self) -> str:
         if not self._reserve(lambda: len(self.running)):
             return "retract"
         batch = state.schedule_decode(self.running, self.book.slots.alloc(len(self.running)))

@@ -58,6 +58,13 @@ class Speculator:
     def run_verify(self, engine: Engine) -> str:
         running = engine.running
         trees = self.proposer.propose_batch(running.rids.tolist(), self.budgets(running).tolist())
+        if trees.sizes.total == len(running):
+            # Nothing drafted anywhere: a root-only verify is a decode, and the decode pass
+            # is cheaper (its graphs are not sized for draft trees).
+            if not engine._reserve(lambda: len(running)):
+                return "retract"
+            self.stats.record_batch(running.rids, trees, np.zeros(len(running), np.int64))
+            return engine._decode_step()
         if not engine._reserve(lambda: trees.sizes.total):
             return "retract"
         batch = state.schedule_verify(running, trees, engine.book.slots.alloc(trees.sizes.total))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from engine.engine import Engine
@@ -42,3 +43,17 @@ def test_verify_beyond_the_largest_graph_equals_greedy_and_frees_everything():
         assert metrics["spec_steps_total"] >= 100
     spec_engine.check()
     assert spec_engine.book.slots.num_free == spec_engine.book.slots.capacity
+
+
+def test_steps_without_any_draft_run_as_plain_decode(monkeypatch):
+    prompts = [[3 + (7 * i + j * 13) % 240 for j in range(12)] for i in range(3)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    plain = _engine(speculative=False).generate(prompts, params)
+    engine = _engine(speculative=True)
+    monkeypatch.setattr(engine.spec, "budgets", lambda running: np.zeros(len(running), np.int64))
+    out = engine.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    modes = {mode for mode, _ in engine.step_times}
+    assert "decode" in modes and "verify" not in modes
+    assert engine.metrics()["spec_steps_total"] > 0
+    engine.check()
