@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import queue
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,9 @@ class Engine:
         params = _to_params(params)
         ids = prompt_to_ids(self.tokenizer, prompt)
         self._validate(ids)
+        if request_id is not None and request_id in self.by_request_id:
+            raise InvalidRequest("request_id", f"{request_id!r} is already in use by a "
+                                 f"request that has not finished")
         request = Request(request_id or "", ids, params, sink=sink)
         if not request.request_id:
             request.request_id = f"req-{request.uid}"
@@ -135,18 +138,16 @@ class Engine:
         self._commit(state.abort(self.running, [index]))
 
     def _admit(self) -> None:
-        reserved = len(self.running) * (1 + (self.config.draft_budget if self.spec else 0))
+        step_slots = 1 + (self.config.draft_budget if self.spec else 0)
         count = scheduler.count_admissible(
             [len(r.all_ids) for r in self.waiting], self.book.table.num_free_rows,
-            self.book.slots.num_free, reserved, self.config.chunk_size)
+            self.book.slots.num_free, len(self.running) * step_slots, self.config.chunk_size,
+            step_slots)
         if count == 0:
             return
         entering = [self.waiting.popleft() for _ in range(count)]
         rows = [self.book.table.alloc_row() for _ in entering]
-        rules = FinishRules(
-            [r.params.max_tokens for r in entering], [r.params.min_tokens for r in entering],
-            [-1 if r.params.ignore_eos else self.runtime.eos_id for r in entering],
-            _pad_stop_ids([r.params.stop_token_ids for r in entering]))
+        rules = FinishRules.of([r.params for r in entering], self.runtime.eos_id)
         admitted = Running.admitted(
             [r.uid for r in entering], rows, [len(r.all_ids) for r in entering],
             [len(r.prompt_ids) for r in entering], [r.all_ids[-1] for r in entering], rules,
@@ -333,14 +334,3 @@ def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if isinstance(prompts, list) and prompts and isinstance(prompts[0], dict):
         return [prompts]
     return list(prompts)
-
-
-def _pad_stop_ids(rows: Iterable[tuple[int, ...]]) -> np.ndarray:
-    rows = list(rows)
-    width = max((len(r) for r in rows), default=0)
-    out = np.full((len(rows), width), -1, dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = r
-    return out
-
-

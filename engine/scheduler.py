@@ -44,21 +44,24 @@ def plan_extend(running: Running, token_budget: int) -> ExtendPlan | None:
 
 
 def count_admissible(pending_tokens: Sequence[int], free_rows: int, free_slots: int,
-                     reserved_slots: int, token_budget: int) -> int:
+                     reserved_slots: int, token_budget: int, step_slots: int = 1) -> int:
     """How many waiting requests (FCFS, a prefix of the queue) to admit now.
 
-    A request is admitted while a row is free and its pending tokens fit in the free slots
-    left after reserving room for the running requests' next steps; the first one is admitted
-    even when it exceeds the token budget (it is chunked), later ones must fit within it.
+    A request is admitted while a row is free and its pending tokens plus its own next step
+    (`step_slots`: 1, or 1 + the draft budget) fit in the free slots left after reserving
+    `reserved_slots` for the running requests' next steps. Counting its next step keeps a
+    request from being admitted only to be retracted again by the decode that follows. The
+    first request is admitted even when it exceeds the token budget (it is chunked); later
+    ones must fit within it.
     """
     admitted = 0
     room = free_slots - reserved_slots
     budget = token_budget
     for tokens in pending_tokens:
-        if admitted >= free_rows or tokens > room or (admitted and tokens > budget):
+        if admitted >= free_rows or tokens + step_slots > room or (admitted and tokens > budget):
             break
         admitted += 1
-        room -= tokens
+        room -= tokens + step_slots
         budget -= tokens
     return admitted
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from engine.state.params import SamplingParams
 from engine.state.seqlens import (DEBUG, INDEX_DTYPE, SeqLens, frozen_array, index_array,
                                    is_frozen)
 
@@ -50,6 +51,16 @@ class FinishRules:
     @classmethod
     def empty(cls) -> FinishRules:
         return cls([], [], [], np.zeros((0, 0), dtype=INDEX_DTYPE))
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], eos_id: int) -> FinishRules:
+        """The columns for requests with these parameters (EOS -1 where ignore_eos)."""
+        width = max((len(p.stop_token_ids) for p in params), default=0)
+        stop_ids = np.full((len(params), width), -1, dtype=INDEX_DTYPE)
+        for row, p in enumerate(params):
+            stop_ids[row, :len(p.stop_token_ids)] = p.stop_token_ids
+        return cls([p.max_tokens for p in params], [p.min_tokens for p in params],
+                   [-1 if p.ignore_eos else eos_id for p in params], stop_ids)
 
     def __len__(self) -> int:
         return int(self.max_new.shape[0])
