@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/engine generate "Write one sentence about the sea." --max-tokens 48
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 gpu:
 	bash scripts/gpu_suite.sh

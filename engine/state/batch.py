@@ -52,6 +52,8 @@ class DraftTrees:
                              f"{self.parents.shape[0]} parents; sizes sum to {total}")
         if len(self.sizes) and (self.sizes.lens < 1).any():
             raise ValueError("every draft tree has at least its root")
+        if total and int(self.tokens.min()) < 0:
+            raise ValueError("draft tree tokens must be token ids >= 0")
         if self.sizes.max > MAX_TREE_NODES:
             raise ValueError(f"a draft tree has {self.sizes.max} nodes; at most "
                              f"{MAX_TREE_NODES} are allowed")

@@ -56,7 +56,9 @@ def first_finish_flat(tokens: np.ndarray, counts: SeqLens, num_output_before: np
         eos, stop_ids = eos[owner], stop_ids[owner]
     else:
         step = 1
-    is_stop = (tokens == eos) & (eos >= 0)
+    # Token ids are >= 0 and an ignored EOS is -1 (stop-id padding too), so a plain compare
+    # never matches an ignored EOS or padding.
+    is_stop = tokens == eos
     if stop_ids.shape[1] > 8:
         is_stop |= (tokens[:, None] == stop_ids).any(axis=1)
     else:  # a few columns: one compare each is cheaper than a 2-D compare and reduce

@@ -7,6 +7,7 @@ so no code path can leave it stale (the bug family this project exists to remove
 from __future__ import annotations
 
 import os
+import functools
 from collections.abc import Sequence
 
 import attrs
@@ -43,6 +44,13 @@ def freeze(array: np.ndarray) -> np.ndarray:
     return array
 
 
+@functools.lru_cache(maxsize=64)
+def _full(cls: type, size: int, value: int) -> SeqLens:
+    full = cls._of_valid(np.full(size, value, dtype=INDEX_DTYPE))
+    object.__setattr__(full, "_max", value if size else 0)
+    return full
+
+
 def _to_lens(values: object) -> np.ndarray:
     array = frozen_array(values)
     if array.size and int(array.min()) < 0:
@@ -74,11 +82,11 @@ class SeqLens:
 
     @classmethod
     def full(cls, size: int, value: int) -> SeqLens:
+        """`size` lengths of `value`. Values are immutable, so equal ones are shared (a
+        decode step asks for ones(batch size) every step)."""
         if value < 0:
             raise ValueError(f"lengths must be >= 0; got {value}")
-        full = cls._of_valid(np.full(size, value, dtype=INDEX_DTYPE))
-        object.__setattr__(full, "_max", value if size else 0)
-        return full
+        return _full(cls, int(size), int(value))
 
     @classmethod
     def _of_valid(cls, lens: np.ndarray, check: bool = DEBUG) -> SeqLens:

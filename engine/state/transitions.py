@@ -118,6 +118,8 @@ def _sampled(tokens: object, count: int, what: str) -> np.ndarray:
     array = np.asarray(tokens, dtype=INDEX_DTYPE).reshape(-1)
     if array.shape[0] != count:
         raise ValueError(f"{count} requests {what} this pass; got {array.shape[0]} tokens")
+    if DEBUG and array.size and int(array.min()) < 0:
+        raise ValueError(f"token ids must be >= 0; got {array.tolist()[:16]}")
     return array
 
 
@@ -154,6 +156,8 @@ def verify(batch: Batch, accepted_lens: Sequence[int] | np.ndarray, accepted_nod
     accepted = SeqLens(accepted_lens)
     nodes = np.asarray(accepted_nodes, dtype=INDEX_DTYPE).reshape(-1)
     bonus = np.asarray(bonus, dtype=INDEX_DTYPE).reshape(-1)
+    if bonus.size and int(bonus.min()) < 0:
+        raise ValueError(f"bonus tokens must be token ids >= 0; got {bonus.tolist()[:16]}")
     if len(accepted) != len(run) or nodes.shape[0] != accepted.total or bonus.shape[0] != len(run):
         raise ValueError(f"verify needs {len(run)} accepted lengths and bonus tokens and "
                          f"accepted_lens.total nodes; got {len(accepted)}, {bonus.shape[0]}, "

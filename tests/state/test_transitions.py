@@ -287,3 +287,13 @@ def test_filter_and_merge_keep_lengths_and_sums_exact(first, second, data):
     if len(a):
         with pytest.raises(ValueError, match="share a request"):
             state.merge(a, a)
+
+
+def test_negative_token_ids_are_rejected_where_they_enter():
+    """An ignored EOS is -1, so the finish check relies on token ids being >= 0."""
+    import pytest
+
+    from engine.state import DraftTrees
+
+    with pytest.raises(ValueError, match=">= 0"):
+        DraftTrees.from_lists([[5, -1]], [[-1, 0]])
