@@ -3,6 +3,7 @@ with speculation, and HF transformers greedy / prompt lookup on the same prompts
 tokens per verify step; plots docs/spec_accepted.png and docs/spec_throughput.png.
 
 Run: .venv/bin/python benchmarks/bench_spec.py [--max-tokens 128] [--quick] [--threads 1]
+     [--row-major-weights] [--no-plots]
 """
 
 from __future__ import annotations
@@ -73,9 +74,11 @@ CHATS = [
 
 
 def workloads(quick: bool) -> dict[str, list[list[dict]]]:
-    copy = [f"Repeat the following code, but rename {old} to {new}:\n\n{code}"
-            for code, (old, new) in zip(CODE, RENAMES, strict=True)]
-    copy += [f"Summarize the following passage:\n\n{passage}" for passage in PASSAGES]
+    copy = [f"Repeat the following code exactly, but rename {old} to {new}. Output only the "
+            f"code, no explanation.\n\n{code}" for code, (old, new) in zip(CODE, RENAMES,
+                                                                         strict=True)]
+    copy += [f"Summarize the following passage in a few sentences, reusing its wording:\n\n"
+             f"{passage}" for passage in PASSAGES]
     chats = list(CHATS)
     if quick:
         copy, chats = copy[:1] + copy[3:4], chats[:1]
@@ -89,6 +92,7 @@ class Ours:
     def __init__(self, speculative: bool) -> None:
         self.engine = Engine(dtype="float32", device="cpu", speculative=speculative)
         self.accepted: list[int] = []
+        self.boundaries: list[int] = []  # len(accepted) after each request
         if speculative:
             stats = self.engine.spec.stats
             original = stats.record_batch
@@ -101,6 +105,7 @@ class Ours:
 
     def generate(self, ids: list[int], max_tokens: int) -> list[int]:
         out = self.engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0]
+        self.boundaries.append(len(self.accepted))
         return list(out.token_ids)
 
 
@@ -128,13 +133,19 @@ class HF:
         return out[0, len(ids):].tolist()
 
 
-def timed(system: object, prompts: list[list[int]], max_tokens: int
-          ) -> tuple[float, int, list[list[int]]]:
-    """(seconds, generated tokens, outputs) over the prompts, one at a time."""
-    outputs, started = [], time.perf_counter()
+def timed(systems: dict[str, object], prompts: list[list[int]], max_tokens: int
+          ) -> dict[str, tuple[float, int, list[list[int]]]]:
+    """Per system: (seconds, generated tokens, outputs) over the prompts, one at a time. The
+    systems take turns on each prompt, so a change in machine load hits them all alike."""
+    seconds = dict.fromkeys(systems, 0.0)
+    outputs: dict[str, list[list[int]]] = {key: [] for key in systems}
     for ids in prompts:
-        outputs.append(system.generate(ids, max_tokens))
-    return time.perf_counter() - started, sum(len(o) for o in outputs), outputs
+        for key, system in systems.items():
+            started = time.perf_counter()
+            outputs[key].append(system.generate(ids, max_tokens))
+            seconds[key] += time.perf_counter() - started
+    return {key: (seconds[key], sum(len(o) for o in outputs[key]), outputs[key])
+            for key in systems}
 
 
 def step_profile(engine: Engine) -> str:
@@ -149,6 +160,9 @@ def step_profile(engine: Engine) -> str:
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     plain, spec = Ours(False), Ours(True)
+    if args.row_major_weights:  # A/B of the CPU weight layout (both engines share the model)
+        for weight in plain.engine.runtime.model.parameters():
+            weight.data = weight.data.contiguous()
     tokenizer = plain.engine.tokenizer
     hf_model = HF.load()
     systems = {"ours": plain, "ours+spec": spec, "HF": HF(None, hf_model),
@@ -160,11 +174,11 @@ def run(args: argparse.Namespace) -> None:
     for name, chats in workloads(args.quick).items():
         prompts = [tokenizer.apply_chat_template(chat) for chat in chats]
         spec.accepted.clear()
+        spec.boundaries.clear()
         plain.engine.step_times.clear()
         spec.engine.step_times.clear()
-        results = {key: timed(system, prompts, args.max_tokens)
-                   for key, system in systems.items()}
-        accepted_per_workload[name] = list(spec.accepted)
+        results = timed(systems, prompts, args.max_tokens)
+        accepted_per_workload[name] = (list(spec.accepted), list(spec.boundaries))
         same = results["ours"][2] == results["ours+spec"][2]
         rate = {key: tokens / seconds for key, (seconds, tokens, _) in results.items()}
         mean_accepted = statistics.mean(spec.accepted) if spec.accepted else 0.0
@@ -172,7 +186,8 @@ def run(args: argparse.Namespace) -> None:
         print(f"[{name}] steps: plain {step_profile(plain.engine)}; "
               f"spec {step_profile(spec.engine)}", flush=True)
     print_table(rows, args)
-    plot(accepted_per_workload, rows, args)
+    if not args.no_plots:
+        plot(accepted_per_workload, rows, args)
 
 
 def print_table(rows: list, args: argparse.Namespace) -> None:
@@ -188,21 +203,25 @@ def print_table(rows: list, args: argparse.Namespace) -> None:
               f"{rate['ours+spec'] / rate['HF+lookup']:.2f}x | {'yes' if same else 'NO'} |")
 
 
-def plot(accepted: dict[str, list[int]], rows: list, args: argparse.Namespace) -> None:
+def plot(accepted: dict[str, tuple[list[int], list[int]]], rows: list,
+         args: argparse.Namespace) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     DOCS.mkdir(exist_ok=True)
-    figure, axes = plt.subplots(figsize=(8, 3.5))
-    for name, lens in accepted.items():
-        axes.plot(range(len(lens)), lens, marker=".", linewidth=0.6, label=f"{name} "
-                  f"(mean {statistics.mean(lens) if lens else 0:.2f})")
-    axes.set_xlabel("verify step (prompts one after another)")
-    axes.set_ylabel("accepted draft tokens")
-    axes.set_title(f"Accepted draft length per verify step (budget 12, CPU, batch 1)")
-    axes.legend()
+    figure, all_axes = plt.subplots(len(accepted), 1, figsize=(9, 2.4 * len(accepted)),
+                                    sharey=True, squeeze=False)
+    for axes, (name, (lens, bounds)) in zip(all_axes[:, 0], accepted.items(), strict=True):
+        axes.bar(range(len(lens)), lens, width=1.0)
+        for bound in bounds[:-1]:
+            axes.axvline(bound - 0.5, color="grey", linewidth=0.6, linestyle=":")
+        mean = statistics.mean(lens) if lens else 0.0
+        axes.set_title(f"{name}: {mean:.2f} accepted drafts per verify step "
+                       f"(dotted lines: next prompt)", fontsize=9)
+        axes.set_ylabel("accepted")
+    all_axes[-1, 0].set_xlabel("verify step (batch 1, draft budget 12)")
     figure.tight_layout()
     figure.savefig(DOCS / "spec_accepted.png", dpi=110)
     figure, axes = plt.subplots(figsize=(8, 3.5))
@@ -216,7 +235,7 @@ def plot(accepted: dict[str, list[int]], rows: list, args: argparse.Namespace) -
     axes.set_xticks(range(len(rows)), [name for name, *_ in rows])
     axes.set_ylabel("tokens/s")
     axes.set_title(f"Batch 1 greedy, SmolLM2-135M fp32, CPU ({args.threads} thread(s))")
-    axes.legend()
+    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
     figure.savefig(DOCS / "spec_throughput.png", dpi=110)
     print(f"wrote {DOCS / 'spec_accepted.png'} and {DOCS / 'spec_throughput.png'}")
@@ -228,6 +247,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one or two prompts per workload")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    parser.add_argument("--row-major-weights", action="store_true",
+                        help="store our weights row-major (the layout before column-major)")
+    parser.add_argument("--no-plots", action="store_true")
     run(parser.parse_args())
 
 

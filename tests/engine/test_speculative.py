@@ -127,8 +127,18 @@ def test_tiny_model_context_limit_with_speculation():
 
 
 # --- (c) retraction during speculative decoding ----------------------------------------------
-def _run_checked(engine: Engine, prompts: list, params: SamplingParams) -> list[tuple[int, ...]]:
-    """generate(), stepping by hand so that slot conservation is checked after every step."""
+def _run_checked(engine: Engine, prompts: list,
+                 params: SamplingParams) -> tuple[list[tuple[int, ...]], int]:
+    """generate(), stepping by hand so that slot conservation is checked after every step.
+    Returns the outputs and the number of verify steps that retracted instead."""
+    modes: list[str] = []
+    run_verify = engine.spec.run_verify
+
+    def recording(shell: Engine) -> str:
+        modes.append(run_verify(shell))
+        return modes[-1]
+
+    engine.spec.run_verify = recording
     uids = [engine.submit(p, params) for p in prompts]
     engine._drain_inbox()
     requests = [engine.by_request_id[u] for u in uids]
@@ -136,7 +146,7 @@ def _run_checked(engine: Engine, prompts: list, params: SamplingParams) -> list[
         engine.step()
         engine.check()
     assert all(r.done for r in requests)
-    return [tuple(r.output_ids) for r in requests]
+    return [tuple(r.output_ids) for r in requests], modes.count("retract")
 
 
 def test_tiny_pool_retraction_keeps_outputs_and_frees_every_slot(assert_all_free):
@@ -145,8 +155,9 @@ def test_tiny_pool_retraction_keeps_outputs_and_frees_every_slot(assert_all_free
     expected = [c.token_ids for c in _tiny().generate(prompts, params)]
     longest = max(len(p) for p in prompts) + 30 + 13
     tight = _tiny(speculative=True, kv_cache_slots=longest + 8, max_running_requests=6)
-    assert _run_checked(tight, prompts, params) == expected
-    assert tight.stats["retractions"] > 0, "the pool was meant to force retraction"
+    outputs, verify_retractions = _run_checked(tight, prompts, params)
+    assert outputs == expected
+    assert verify_retractions > 0, "the pool was meant to force retraction while verifying"
     assert _accepted(tight) > 0
     assert_all_free(tight)
 
@@ -155,7 +166,8 @@ def test_default_model_retraction_with_speculation(references, assert_all_free):
     # Alone, each request fits (at most ~130 + 40 tokens plus a 13-node tree); together not.
     tight = Engine(dtype="float32", device="cpu", speculative=True, kv_cache_slots=200,
                    max_running_requests=3)
-    assert _run_checked(tight, PROMPTS, GREEDY) == references
+    outputs, _ = _run_checked(tight, PROMPTS, GREEDY)
+    assert outputs == references
     assert tight.stats["retractions"] > 0, "the pool was meant to force retraction"
     assert_all_free(tight)
 
