@@ -127,10 +127,11 @@ class Batch:
                              f"{self.input_ids.shape[0]} ids and {self.out_slots.shape[0]} slots")
         mode = Mode.IDLE if total == 0 else Mode.EXTEND
         if self.trees is None:
-            room = run.pending_lens
-            if total == n and total and self.new_lens.max == 1 and (room == 1).all():
+            # kv_lens <= token_lens per request, so n pending tokens in all means one each.
+            if (total == n and total and self.new_lens.max == 1
+                    and run.token_lens.total - run.kv_lens.total == n):
                 mode = Mode.DECODE  # n tokens, at most 1 each: exactly 1 each, all pending
-            elif n and (self.new_lens.lens > room).any():
+            elif n and (self.new_lens.lens > (room := run.pending_lens)).any():
                 raise ValueError(f"new tokens {self.new_lens} exceed the pending tokens "
                                  f"{room.tolist()}")
         else:

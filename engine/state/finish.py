@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 
 import numpy as np
 
@@ -21,6 +22,14 @@ class FinishReason(enum.IntEnum):
     @property
     def openai(self) -> str | None:
         return {0: None, 1: "stop", 2: "length", 3: "abort"}[int(self)]
+
+
+@functools.lru_cache(maxsize=64)
+def no_finish(size: int) -> np.ndarray:
+    """Read-only FinishReason.NONE codes for `size` requests (shared: the common case)."""
+    reasons = np.zeros(size, dtype=np.int8)
+    reasons.flags.writeable = False
+    return reasons
 
 
 def first_finish(tokens: np.ndarray, valid: np.ndarray, num_output_before: np.ndarray,
@@ -66,9 +75,9 @@ def first_finish_flat(tokens: np.ndarray, counts: SeqLens, num_output_before: np
             is_stop |= tokens == stop_ids[:, column]
     stop_hit = is_stop & (step >= first_stop_step)
     hit = stop_hit | (step >= last_step)
-    reason = np.zeros(len(counts), dtype=np.int8)
     if not hit.any():
-        return counts.lens, reason
+        return counts.lens, no_finish(len(counts))
+    reason = np.zeros(len(counts), dtype=np.int8)
     hits = np.flatnonzero(hit)
     leaving, first = np.unique(hits if one_each else owner[hits], return_index=True)
     first_hit = hits[first]

@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 
 from engine.state.batch import Batch, DraftTrees, Mode
-from engine.state.finish import FinishReason, first_finish_flat
+from engine.state.finish import FinishReason, first_finish_flat, no_finish
 from engine.state.running import Running
 from engine.state.seqlens import DEBUG, INDEX_DTYPE, SeqLens, freeze, frozen_array
 
@@ -57,15 +57,17 @@ class Effects:
 
     @classmethod
     def _of_valid(cls, **columns: np.ndarray | SeqLens) -> Effects:
-        """Effects a transition assembled consistently: converts what was given (read-only
-        arrays pass through) and skips the shape checks, which still run under ENGINE_DEBUG."""
+        """Effects a transition assembled from read-only arrays (snapshot columns, or arrays it
+        made and froze): taken as they are. Under ENGINE_DEBUG every array is checked to be
+        read-only already, and the shape checks run."""
         if DEBUG:
+            for name, column in columns.items():
+                if isinstance(column, np.ndarray) and frozen_array(column) is not column:
+                    raise AssertionError(f"a transition passed a writeable {name} array")
             return cls(**columns)
         value = object.__new__(cls)
         for name, default in _EFFECT_DEFAULTS:
-            column = columns.pop(name, default)
-            is_array = column is not default and default is _EMPTY
-            object.__setattr__(value, name, frozen_array(column) if is_array else column)
+            object.__setattr__(value, name, columns.pop(name, default))
         if columns:
             raise TypeError(f"unknown Effects fields {sorted(columns)}")
         return value
@@ -131,7 +133,7 @@ def extend(batch: Batch, sampled: np.ndarray) -> Result:
     counts = SeqLens._of_valid(freeze(samples.astype(INDEX_DTYPE)))
     sampled = freeze(_sampled(sampled, counts.total, "sample").copy())
     run = batch.running
-    table = (np.repeat(run.rows, batch.new_lens.lens), batch.positions, batch.out_slots)
+    table = (freeze(np.repeat(run.rows, batch.new_lens.lens)), batch.positions, batch.out_slots)
     return _commit(run, batch.seq_lens, sampled, counts, table, _EMPTY)
 
 
@@ -183,10 +185,10 @@ def verify(batch: Batch, accepted_lens: Sequence[int] | np.ndarray, accepted_nod
     emitted = np.empty(path_lens.total, dtype=INDEX_DTYPE)
     emitted[:-1] = trees.tokens[path_flat[1:]]
     emitted[path_indptr[1:] - 1] = bonus
-    table = (run.rows[path_owner], run.kv_lens.lens[path_owner] + depth,
-             batch.out_slots[path_flat])
+    table = (freeze(run.rows[path_owner]), freeze(run.kv_lens.lens[path_owner] + depth),
+             freeze(batch.out_slots[path_flat]))
     return _commit(run, run.kv_lens + path_lens, freeze(emitted), path_lens, table,
-                   batch.out_slots[rejected], path_owner, depth)
+                   freeze(batch.out_slots[rejected]), path_owner, depth)
 
 
 def _commit(run: Running, kv_lens: SeqLens, tokens: np.ndarray, counts: SeqLens,
@@ -214,7 +216,7 @@ def _commit(run: Running, kv_lens: SeqLens, tokens: np.ndarray, counts: SeqLens,
                                 run.last_tokens))
     emitted = dict(table_rows=table[0], table_cols=table[1], table_slots=table[2],
                    free_slots=free_slots,
-                   emitted_rids=run.rids if everyone else run.rids[has_new],
+                   emitted_rids=run.rids if everyone else freeze(run.rids[has_new]),
                    emitted_lens=counts if everyone else counts.select(has_new),
                    emitted_tokens=tokens)
     return _close(run, reason, kv_lens, run.token_lens + counts, last_tokens, emitted)
@@ -224,7 +226,7 @@ def _close(run: Running, reason: np.ndarray, kv_lens: SeqLens, token_lens: SeqLe
            last_tokens: np.ndarray, emitted: dict) -> Result:
     """The next Running (finished requests dropped) and the effects: what was emitted, and
     the rows of finished requests released with everything committed to them."""
-    if not reason.any():  # FinishReason.NONE is 0: nobody leaves
+    if reason is no_finish(len(run)) or not reason.any():  # NONE is 0: nobody leaves
         after = Running._of_valid(run.rids, run.rows, kv_lens, token_lens, run.prompt_lens,
                                   last_tokens, run.rules, run.max_context)
         return Result(after, Effects._of_valid(**emitted))
@@ -234,8 +236,10 @@ def _close(run: Running, reason: np.ndarray, kv_lens: SeqLens, token_lens: SeqLe
                     token_lens.select(live), run.prompt_lens[live], last_tokens[live],
                     run.rules.select(live), run.max_context)
     # A finished request keeps no KV: its row is released with everything committed to it.
-    effects = Effects._of_valid(release_rows=run.rows[done], release_lens=kv_lens.select(done),
-                                finished_rids=run.rids[done], finished_reasons=reason[done],
+    effects = Effects._of_valid(release_rows=freeze(run.rows[done]),
+                                release_lens=kv_lens.select(done),
+                                finished_rids=freeze(run.rids[done]),
+                                finished_reasons=freeze(reason[done].astype(INDEX_DTYPE)),
                                 **emitted)
     return Result(after, effects)
 
