@@ -11,6 +11,8 @@ GPU_TESTS=(tests/backends tests/model/test_fused.py tests/engine/test_graphs.py
 # under memcheck with the caching allocator on, so that real CUDA graphs are captured.
 GRAPH_MEMCHECK_TESTS=(tests/engine/test_spec_overflow.py)
 BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/bench_steps.py)
+# GPU_BENCHES="a.py b.py" runs only those (e.g. to re-check after a change, within one call)
+if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step; a run takes about 7 minutes
 SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-210}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
