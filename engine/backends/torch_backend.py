@@ -87,11 +87,13 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q_rows, q_valid = _padded_index(metadata.qo_indptr, metadata.max_new_len)
     k_rows, k_valid = _padded_index(metadata.kv_indptr, metadata.max_seq_len)
     slots = metadata.kv_indices.long()[k_rows]  # [B, L]
-    group = q.shape[1] // k_cache.shape[1]
-    keys = k_cache[slots].float().repeat_interleave(group, dim=2)  # [B, L, Hq, D]
-    values = v_cache[slots].float().repeat_interleave(group, dim=2)
-    queries = q.float()[q_rows]  # [B, Q, Hq, D]
-    scores = torch.einsum("bqhd,blhd->bhql", queries, keys) * scale
+    num_kv_heads = k_cache.shape[1]
+    group = q.shape[1] // num_kv_heads
+    keys = k_cache[slots].float()  # [B, L, Hkv, D]
+    values = v_cache[slots].float()
+    # GQA without copying K/V per q head: q heads h = kv * group + g, as repeat_interleave.
+    queries = q.float()[q_rows].unflatten(2, (num_kv_heads, group))  # [B, Q, Hkv, G, D]
+    scores = torch.einsum("bqkgd,blkd->bkgql", queries, keys).flatten(1, 2) * scale
     key_pos = torch.arange(k_rows.shape[1], device=q.device)[None, None, :]
     prefix = metadata.prefix_lens.long()[:, None, None]
     if metadata.mode == Mode.VERIFY:
@@ -104,7 +106,8 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     visible = visible & k_valid[:, None, :] & q_valid[:, :, None]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded queries see nothing
-    out_padded = torch.einsum("bhql,blhd->bqhd", probs, values)
+    probs = probs.unflatten(1, (num_kv_heads, group))
+    out_padded = torch.einsum("bkgql,blkd->bqkgd", probs, values).flatten(2, 3)
     out = torch.empty_like(q)
     out[q_rows[q_valid]] = out_padded[q_valid].to(q.dtype)
     return out
