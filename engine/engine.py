@@ -233,18 +233,22 @@ class Engine:
         self.running = (result.running if rest is None or not len(rest)
                         else state.merge(rest, result.running))
         finished = effects.finished()
-        stopped: list[int] = []
-        for uid, tokens in effects.emitted().items():
+        emitted = effects.emitted()
+        stopped: list[int] = []  # a stop string matched: they leave with STOP below
+        for uid, tokens in emitted.items():
             request = self.requests[uid]
             request.output_ids.extend(tokens)
             self.stats["generated_tokens"] += len(tokens)
             if self.spec is not None:
                 self.spec.extend(uid, tokens)
-            if self.text.update(request) and uid not in finished:
-                stopped.append(uid)
+            if self.text.update(request):
+                if uid in finished:  # the text was cut at a stop string: that is why it ended
+                    finished[uid] = FinishReason.STOP
+                else:
+                    stopped.append(uid)
         for uid, reason in finished.items():
             self._finish_request(self.requests[uid], reason)
-        for uid in self.requests.keys() & set(effects.emitted()) - set(finished) - set(stopped):
+        for uid in self.requests.keys() & set(emitted) - set(finished) - set(stopped):
             self._publish(self.requests[uid])
         if stopped:
             indices = [self.running.index_of(uid) for uid in stopped]

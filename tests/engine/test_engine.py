@@ -128,3 +128,15 @@ def test_stop_token_ids_and_eos(default_engine):
     first = free_run.token_ids.index(stop_id)
     assert stopped.token_ids == free_run.token_ids[:first + 1]
     assert stopped.finish_reason == "stop"
+
+
+def test_a_stop_string_on_the_last_allowed_token_reports_stop(default_engine):
+    """max_tokens and a stop string on the same step: the text is cut, so the reason is stop."""
+    whole = default_engine.generate([PROMPTS[1]], SamplingParams(max_tokens=12,
+                                                                 ignore_eos=True))[0]
+    last_piece = whole.text[-3:]
+    assert last_piece.strip(), "the last token's text is needed as the stop string"
+    cut = default_engine.generate([PROMPTS[1]], SamplingParams(
+        max_tokens=12, ignore_eos=True, stop=[last_piece]))[0]
+    assert cut.finish_reason == "stop"
+    assert last_piece not in cut.text
