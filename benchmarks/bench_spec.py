@@ -148,6 +148,38 @@ def timed(systems: dict[str, object], prompts: list[list[int]], max_tokens: int
             for key in systems}
 
 
+def replay_tokens_per_step(prompts: list[list[int]], outputs: list[list[int]],
+                           budget: int = 12) -> float:
+    """The proposer's ceiling on these outputs: tokens per verify step if the target's greedy
+    choices were known (the real outputs), with no model in the loop. Each step accepts the
+    longest tree path that matches the output, plus the bonus token."""
+    from engine.spec import NgramProposer, SpecConfig
+
+    steps = tokens = 0
+    for rid, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        if not output:
+            continue
+        proposer = NgramProposer(SpecConfig(draft_budget=budget, adaptive=False))
+        proposer.add_request(rid, [*prompt, output[0]])  # the first output is the pending one
+        position = 1
+        while position < len(output):
+            tree = proposer.propose(rid)
+            node, accepted = 0, 0
+            while position + accepted < len(output):
+                want = output[position + accepted]
+                children = [c for c, p in enumerate(tree.parents) if p == node]
+                match = next((c for c in children if tree.tokens[c] == want), None)
+                if match is None:
+                    break
+                node, accepted = match, accepted + 1
+            emitted = min(accepted + 1, len(output) - position)
+            proposer.extend(rid, output[position:position + emitted])
+            position += emitted
+            steps += 1
+        tokens += len(output) - 1
+    return tokens / steps if steps else 0.0
+
+
 def step_profile(engine: Engine) -> str:
     """Mean step time per mode (ms) over the steps the engine recorded."""
     by_mode: dict[str, list[float]] = {}
@@ -185,6 +217,9 @@ def run(args: argparse.Namespace) -> None:
         rows.append((name, len(prompts), mean_accepted, rate, same))
         print(f"[{name}] steps: plain {step_profile(plain.engine)}; "
               f"spec {step_profile(spec.engine)}", flush=True)
+        ceiling = replay_tokens_per_step(prompts, results["ours"][2])
+        print(f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
+              f"{ceiling:.2f} tokens per verify step", flush=True)
     print_table(rows, args)
     if not args.no_plots:
         plot(accepted_per_workload, rows, args)
