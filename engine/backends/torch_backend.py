@@ -42,7 +42,10 @@ class TorchBackend(AttentionBackend):
                                       batch.seq_lens.total)
         hosts = dict(qo=batch.new_lens.indptr().tolist(), kv=batch.seq_lens.indptr().tolist(),
                      prefix=batch.prefix_lens.tolist())
-        return ForwardMetadata(kv_indices=kv_indices, extra={"host": hosts}, **meta)
+        metadata = ForwardMetadata(kv_indices=kv_indices, extra={"host": hosts}, **meta)
+        if batch.new_lens.total:
+            metadata.extra["padded"] = padded_layout(metadata)
+        return metadata
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: ForwardMetadata, scale: float | None = None) -> torch.Tensor:
@@ -77,6 +80,26 @@ def _padded_index(indptr: torch.Tensor, width: int) -> tuple[torch.Tensor, torch
     return torch.where(valid, indptr[:-1].long()[:, None] + offsets[None, :], 0), valid
 
 
+def padded_layout(metadata: ForwardMetadata) -> dict[str, torch.Tensor]:
+    """What every layer's padded attention shares, computed once per pass: each request's
+    key slots [B, L], its query rows [B, Q] (and which are real), and the visibility mask
+    [B, 1, Q, L] (the same rules as `_mask`; padding keys and queries see nothing)."""
+    q_rows, q_valid = _padded_index(metadata.qo_indptr, metadata.max_new_len)
+    k_rows, k_valid = _padded_index(metadata.kv_indptr, metadata.max_seq_len)
+    key_pos = torch.arange(k_rows.shape[1], device=q_rows.device)[None, None, :]
+    prefix = metadata.prefix_lens.long()[:, None, None]
+    if metadata.mode == Mode.VERIFY:
+        bits = metadata.tree_bits[q_rows]  # [B, Q]
+        node = (key_pos - prefix).clamp(min=0)
+        visible = (key_pos < prefix) | ((bits[:, :, None] >> node) & 1).bool()
+    else:
+        query_pos = prefix + torch.arange(q_rows.shape[1], device=q_rows.device)[None, :, None]
+        visible = key_pos <= query_pos
+    visible = visible & k_valid[:, None, :] & q_valid[:, :, None]
+    return dict(slots=metadata.kv_indices.long()[k_rows], q_rows=q_rows,
+                out_rows=q_rows[q_valid], q_valid=q_valid, hidden=~visible[:, None])
+
+
 def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   metadata: ForwardMetadata, scale: float) -> torch.Tensor:
     """All requests at once, padded to the longest: [B, Hq, Qmax, Lmax] scores in fp32 with
@@ -84,32 +107,20 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch_size = metadata.seq_lens.shape[0]
     if q.shape[0] == 0 or batch_size == 0:
         return torch.zeros_like(q)
-    q_rows, q_valid = _padded_index(metadata.qo_indptr, metadata.max_new_len)
-    k_rows, k_valid = _padded_index(metadata.kv_indptr, metadata.max_seq_len)
-    slots = metadata.kv_indices.long()[k_rows]  # [B, L]
+    layout = metadata.extra.get("padded") or padded_layout(metadata)
     num_kv_heads = k_cache.shape[1]
     group = q.shape[1] // num_kv_heads
-    keys = k_cache[slots].float()  # [B, L, Hkv, D]
-    values = v_cache[slots].float()
+    keys = k_cache[layout["slots"]].float()  # [B, L, Hkv, D]
+    values = v_cache[layout["slots"]].float()
     # GQA without copying K/V per q head: q heads h = kv * group + g, as repeat_interleave.
-    queries = q.float()[q_rows].unflatten(2, (num_kv_heads, group))  # [B, Q, Hkv, G, D]
+    queries = q.float()[layout["q_rows"]].unflatten(2, (num_kv_heads, group))  # [B,Q,Hkv,G,D]
     scores = torch.einsum("bqkgd,blkd->bkgql", queries, keys).flatten(1, 2) * scale
-    key_pos = torch.arange(k_rows.shape[1], device=q.device)[None, None, :]
-    prefix = metadata.prefix_lens.long()[:, None, None]
-    if metadata.mode == Mode.VERIFY:
-        bits = metadata.tree_bits[q_rows]  # [B, Q]
-        node = (key_pos - prefix).clamp(min=0)
-        visible = (key_pos < prefix) | ((bits[:, :, None] >> node) & 1).bool()
-    else:
-        query_pos = prefix + torch.arange(q_rows.shape[1], device=q.device)[None, :, None]
-        visible = key_pos <= query_pos
-    visible = visible & k_valid[:, None, :] & q_valid[:, :, None]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    scores = scores.masked_fill(layout["hidden"], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded queries see nothing
     probs = probs.unflatten(1, (num_kv_heads, group))
     out_padded = torch.einsum("bkgql,blkd->bqkgd", probs, values).flatten(2, 3)
     out = torch.empty_like(q)
-    out[q_rows[q_valid]] = out_padded[q_valid].to(q.dtype)
+    out[layout["out_rows"]] = out_padded[layout["q_valid"]].to(q.dtype)
     return out
 
 
