@@ -69,11 +69,27 @@ def time_forward(engine: Engine, batch, repeats: int = 30) -> float:
     return float(np.median(times))
 
 
+def profile_decode(engine: Engine, context: int) -> None:
+    """Top CUDA kernels of one graph-replayed batch-1 decode forward (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decode, verify = batches(engine, 1, context, 2)
+    time_forward(engine, decode, repeats=3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.runner.forward(decode)
+        torch.cuda.synchronize()
+    print("\none batch-1 decode forward, CUDA kernels by total time")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    release(engine, decode, verify)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--draft-budget", type=int, default=12)
     parser.add_argument("--accepted", default="0,0.5,1,1.5,2,3,4")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the kernel breakdown of one batch-1 decode forward")
     args = parser.parse_args()
     nodes = args.draft_budget + 1
     rows = []
@@ -87,6 +103,8 @@ def main() -> None:
         rows.append((batch, t_decode, t_verify))
         release(engine, decode, verify)
         engine.check()
+    if args.profile:
+        profile_decode(engine, args.context)
     accepted = [float(a) for a in args.accepted.split(",")]
     print(f"\nH200, random Llama-3-8B bf16, context {args.context}, {nodes}-node trees, "
           "CUDA graphs")

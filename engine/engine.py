@@ -140,7 +140,7 @@ class Engine:
     def _admit(self) -> None:
         step_slots = 1 + (self.config.draft_budget if self.spec else 0)
         count = scheduler.count_admissible(
-            [len(r.all_ids) for r in self.waiting], self.book.table.num_free_rows,
+            [r.num_tokens for r in self.waiting], self.book.table.num_free_rows,
             self.book.slots.num_free, len(self.running) * step_slots, self.config.chunk_size,
             step_slots)
         if count == 0:
@@ -149,8 +149,8 @@ class Engine:
         rows = [self.book.table.alloc_row() for _ in entering]
         rules = FinishRules.of([r.params for r in entering], self.runtime.eos_id)
         admitted = Running.admitted(
-            [r.uid for r in entering], rows, [len(r.all_ids) for r in entering],
-            [len(r.prompt_ids) for r in entering], [r.all_ids[-1] for r in entering], rules,
+            [r.uid for r in entering], rows, [r.num_tokens for r in entering],
+            [len(r.prompt_ids) for r in entering], [r.last_token for r in entering], rules,
             self.max_context)
         self.running = state.merge(self.running, admitted)
         if self.spec is not None:
@@ -182,7 +182,7 @@ class Engine:
         sub = self.running.select(sub_index)
         rest = self.running.select(np.setdiff1d(np.arange(len(self.running)), sub_index))
         input_ids = np.concatenate([
-            self.requests[int(uid)].all_ids[kv:kv + n]
+            self.requests[int(uid)].token_slice(kv, kv + n)
             for uid, kv, n in zip(sub.rids, sub.kv_lens.lens, plan.chunk_lens, strict=True)])
         batch = state.schedule_extend(sub, plan.chunk_lens, input_ids,
                                       self.book.slots.alloc(plan.num_tokens))

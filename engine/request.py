@@ -69,6 +69,24 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens known: prompt plus output (without building the joined list)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop], joining the two lists only where the slice spans both."""
+        split = len(self.prompt_ids)
+        if stop <= split:
+            return self.prompt_ids[start:stop]
+        if start >= split:
+            return self.output_ids[start - split:stop - split]
+        return self.prompt_ids[start:] + self.output_ids[:stop - split]
+
+    @property
     def done(self) -> bool:
         return self.finish_reason != FinishReason.NONE
 

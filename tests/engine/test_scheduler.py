@@ -44,3 +44,16 @@ def test_admission_is_fcfs_and_counts_each_requests_next_step():
 
 def test_the_newest_request_is_retracted_first():
     assert newest(np.array([5, 9, 2])) == 1
+
+
+def test_request_token_views_equal_the_joined_history():
+    from engine.request import Request
+    from engine.state import SamplingParams
+
+    request = Request("r", [1, 2, 3], SamplingParams(), output_ids=[4, 5])
+    joined = request.all_ids
+    assert request.num_tokens == len(joined) and request.last_token == joined[-1]
+    for start in range(len(joined) + 1):
+        for stop in range(start, len(joined) + 1):
+            assert request.token_slice(start, stop) == joined[start:stop]
+    assert Request("q", [7], SamplingParams()).last_token == 7
