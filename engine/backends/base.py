@@ -89,9 +89,11 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: ForwardMetadata, scale: float | None = None) -> torch.Tensor:
+                metadata: ForwardMetadata, scale: float | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the T new tokens. Writes k/v into the pool at
-        metadata.out_slots and returns attention output [T, Hq, D]."""
+        metadata.out_slots (unless the caller already did: `kv_stored`, as the fused RoPE
+        kernel does) and returns attention output [T, Hq, D]."""
 
 
 _REGISTRY: dict[str, Callable[[KVPool], AttentionBackend]] = {}

@@ -48,10 +48,12 @@ class TorchBackend(AttentionBackend):
         return metadata
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: ForwardMetadata, scale: float | None = None) -> torch.Tensor:
+                metadata: ForwardMetadata, scale: float | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
-        k_cache[metadata.out_slots] = k.to(k_cache.dtype)
-        v_cache[metadata.out_slots] = v.to(v_cache.dtype)
+        if not kv_stored:
+            k_cache[metadata.out_slots] = k.to(k_cache.dtype)
+            v_cache[metadata.out_slots] = v.to(v_cache.dtype)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         return attend_padded(q, k_cache, v_cache, metadata, scale)
 

@@ -193,7 +193,7 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: ForwardMetadata, scale: float | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """See AttentionBackend.forward; `out`, when given, receives the output in place."""
         k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
         num_tokens = metadata.out_slots.shape[0]
@@ -206,8 +206,9 @@ class TritonBackend(AttentionBackend):
         if num_tokens == 0:
             return out
         k_new, v_new = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        k_cache.index_copy_(0, metadata.out_slots, k_new)
-        v_cache.index_copy_(0, metadata.out_slots, v_new)
+        if not kv_stored:
+            k_cache.index_copy_(0, metadata.out_slots, k_new)
+            v_cache.index_copy_(0, metadata.out_slots, v_new)
         q_cache = q.to(k_cache.dtype)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         if metadata.mode == Mode.EXTEND:

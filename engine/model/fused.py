@@ -1,6 +1,8 @@
 """Triton kernels for a Llama layer's elementwise work, one launch each: RMSNorm (alone or fused
-with the residual add), RoPE on q and k in place, and SiLU(gate) * up. Math is fp32; results
-are rounded to the input dtype where the torch reference rounds them.
+with the residual add), RoPE on q and k in place (optionally storing k and v into the KV
+cache in the same launch), and SiLU(gate) * up; `linear` adds the few-row matrix-vector
+kernel. Math is fp32; results are rounded to the input dtype where the torch reference
+rounds them.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.gemv import linear  # noqa: F401  (the ops set's matrix products)
 from engine.model.llama import split_heads
 
 SILU_BLOCK = 1024
 ROPE_HEADS_PER_PROGRAM = 8
+stores_kv = True  # the model calls rope_qkv_store: the K/V cache write rides the rotation
 
 
 @triton.jit
@@ -54,6 +58,48 @@ def _rope_kernel(qkv, cos, sin, stride_t, stride_cos, stride_sin, num_rotated_he
     tl.store(first_ptrs, (first32 * cos_half - second * sin_half).to(first.dtype), mask=mask)
     tl.store(first_ptrs + half, (second * cos_half + first32 * sin_half).to(first.dtype),
              mask=mask)
+
+
+@triton.jit
+def _rope_store_kernel(qkv, cos, sin, slots, k_cache, v_cache, stride_t, stride_cos, stride_sin,
+                       stride_k, stride_v, num_heads, num_kv_heads, half,
+                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One token's q, k, v heads (program axis 1 walks them in blocks): q and k rotated in
+    place, then the rotated k and the v heads written to the caches at the token's slot."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_HALF)
+    in_half = dims < half
+    num_rotated = num_heads + num_kv_heads
+    rotated = heads < num_rotated
+    is_k = rotated & (heads >= num_heads)
+    is_v = (heads >= num_rotated) & (heads < num_rotated + num_kv_heads)
+    mask = (rotated | is_v)[:, None] & in_half[None, :]
+    first_ptrs = qkv + token * stride_t + heads[:, None] * (2 * half) + dims[None, :]
+    first = tl.load(first_ptrs, mask=mask, other=0.0)
+    second = tl.load(first_ptrs + half, mask=mask, other=0.0)
+    cos_half = tl.load(cos + token * stride_cos + dims, mask=in_half, other=0.0)
+    sin_half = tl.load(sin + token * stride_sin + dims, mask=in_half, other=0.0)
+    cos_half = cos_half.to(tl.float32)[None, :]
+    sin_half = sin_half.to(tl.float32)[None, :]
+    first32, second32 = first.to(tl.float32), second.to(tl.float32)
+    spin = rotated[:, None]
+    new_first = tl.where(spin, first32 * cos_half - second32 * sin_half, first32).to(first.dtype)
+    new_second = tl.where(spin, second32 * cos_half + first32 * sin_half,
+                          second32).to(first.dtype)
+    rot_mask = spin & in_half[None, :]
+    tl.store(first_ptrs, new_first, mask=rot_mask)
+    tl.store(first_ptrs + half, new_second, mask=rot_mask)
+    slot = tl.load(slots + token).to(tl.int64)
+    k_ptrs = k_cache + slot * stride_k + (heads - num_heads)[:, None] * (2 * half) + dims[None, :]
+    k_mask = is_k[:, None] & in_half[None, :]
+    tl.store(k_ptrs, new_first.to(k_cache.dtype.element_ty), mask=k_mask)
+    tl.store(k_ptrs + half, new_second.to(k_cache.dtype.element_ty), mask=k_mask)
+    v_ptrs = (v_cache + slot * stride_v + (heads - num_rotated)[:, None] * (2 * half)
+              + dims[None, :])
+    v_mask = is_v[:, None] & in_half[None, :]
+    tl.store(v_ptrs, first.to(v_cache.dtype.element_ty), mask=v_mask)
+    tl.store(v_ptrs + half, second.to(v_cache.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
@@ -115,10 +161,7 @@ def rope_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_rotate
         raise ValueError(f"cannot rotate {num_rotated_heads} heads of size {head_dim} in rows "
                          f"of {qkv.shape[-1]}; the head size must be even and the heads fit")
     _check_rows("qkv", qkv, qkv.shape[-1])
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.shape[0] != qkv.shape[0] or table.shape[1] < half or table.stride(1) != 1:
-            raise ValueError(f"{name} must be [{qkv.shape[0]}, >= {half}] with unit stride "
-                             f"along the row; got {tuple(table.shape)}, {table.stride()}")
+    _check_rope_tables(qkv, cos, sin, half)
     if qkv.shape[0] > 0:
         heads_per_program = min(ROPE_HEADS_PER_PROGRAM, triton.next_power_of_2(num_rotated_heads))
         grid = (qkv.shape[0], triton.cdiv(num_rotated_heads, heads_per_program))
@@ -146,4 +189,44 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
              num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k (rotated in place, one launch) and v as head views of qkv [T, width]."""
     rope_qk_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+    return split_heads(qkv, num_heads, num_kv_heads, head_dim)
+
+
+def _check_rope_tables(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       half: int) -> None:
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape[0] != qkv.shape[0] or table.shape[1] < half or table.stride(1) != 1:
+            raise ValueError(f"{name} must be [{qkv.shape[0]}, >= {half}] with unit stride "
+                             f"along the row; got {tuple(table.shape)}, {table.stride()}")
+
+
+def rope_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slots: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rope_qkv`, and in the same launch the rotated k and the v of token t written to
+    k_cache[slots[t]] and v_cache[slots[t]] (caches [num_slots, num_kv_heads, head_dim]).
+    Replaces the rotation kernel plus two index_copy_ launches per layer."""
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    _check_rows("qkv", qkv, width)
+    if head_dim % 2:
+        raise ValueError(f"the head size must be even for RoPE; got {head_dim}")
+    _check_rope_tables(qkv, cos, sin, head_dim // 2)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (cache.dim() != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim)
+                or cache.stride(2) != 1 or cache.stride(1) != head_dim):
+            raise ValueError(f"{name} must be [slots, {num_kv_heads}, {head_dim}] with the "
+                             f"heads contiguous; got {tuple(cache.shape)}, {cache.stride()}")
+    if slots.dim() != 1 or slots.shape[0] != qkv.shape[0] or slots.dtype != torch.int64:
+        raise ValueError(f"slots must be int64 [{qkv.shape[0]}] (one per token); got "
+                         f"{slots.dtype} {tuple(slots.shape)}")
+    if qkv.shape[0] > 0:
+        total_heads = num_heads + 2 * num_kv_heads
+        heads_per_program = min(ROPE_HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
+        grid = (qkv.shape[0], triton.cdiv(total_heads, heads_per_program))
+        _rope_store_kernel[grid](qkv, cos, sin, slots, k_cache, v_cache, qkv.stride(0),
+                                 cos.stride(0), sin.stride(0), k_cache.stride(0),
+                                 v_cache.stride(0), num_heads, num_kv_heads, head_dim // 2,
+                                 BLOCK_H=heads_per_program,
+                                 BLOCK_HALF=triton.next_power_of_2(head_dim // 2))
     return split_heads(qkv, num_heads, num_kv_heads, head_dim)

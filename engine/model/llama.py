@@ -57,10 +57,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class TorchOps:
-    """A layer's elementwise work in plain torch: what CPU runs, and the oracle for the Triton
-    kernels of `engine.model.fused`, which has the same four functions."""
+    """A layer's elementwise work and matrix products in plain torch: what CPU runs, and the
+    oracle for `engine.model.fused`, which has the same functions (plus `rope_qkv_store`,
+    used where `stores_kv` is true)."""
 
     rms_norm = staticmethod(rms_norm)
+    linear = staticmethod(F.linear)
+    stores_kv = False  # rope_qkv leaves the K/V cache write to the backend
 
     @staticmethod
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -147,14 +150,22 @@ class DecoderLayer(nn.Module):
             normed, residual = ops.rms_norm(hidden, norm.weight, norm.eps), hidden
         else:
             normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        qkv = F.linear(normed, self.qkv_proj)
-        q, k, v = ops.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        attn = backend.forward(self.index, q, k, v, metadata, scale=self.head_dim ** -0.5)
-        hidden = F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        qkv = ops.linear(normed, self.qkv_proj)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = backend.pool.k_cache[self.index], backend.pool.v_cache[self.index]
+        stored = ops.stores_kv and k_cache.dtype == qkv.dtype
+        if stored:  # rotation and the K/V cache write in one launch
+            q, k, v = ops.rope_qkv_store(qkv, cos, sin, *heads, k_cache, v_cache,
+                                         metadata.out_slots)
+        else:
+            q, k, v = ops.rope_qkv(qkv, cos, sin, *heads)
+        attn = backend.forward(self.index, q, k, v, metadata, scale=self.head_dim ** -0.5,
+                               kv_stored=stored)
+        hidden = ops.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
         norm = self.post_attention_layernorm
         normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        gate_up = F.linear(normed, self.gate_up_proj)
-        return F.linear(ops.silu_mul(gate_up), self.down_proj), residual
+        gate_up = ops.linear(normed, self.gate_up_proj)
+        return ops.linear(ops.silu_mul(gate_up), self.down_proj), residual
 
 
 class LlamaModel(nn.Module):

@@ -9,7 +9,7 @@ import torch
 
 from engine.backends import KVPool, get_backend
 from engine.kv import KVBook
-from engine.model import LlamaModel, ModelConfig, fused
+from engine.model import LlamaModel, ModelConfig, fused, gemv
 from engine.model.llama import TorchOps, rope_inv_freq
 from engine.state import FinishRules, Running, extend, schedule_decode, schedule_extend
 
@@ -66,6 +66,66 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(dtype, num_heads, num_kv_hea
     assert got[0].data_ptr() == qkv.data_ptr()  # views of the rotated buffer
     for got_part, expected_part in zip(got, expected, strict=True):
         _close(got_part, expected_part, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (10, 1, 8), (3, 3, 4)])
+def test_rope_store_rotates_and_writes_exactly_the_token_slots(dtype, num_heads, num_kv_heads,
+                                                               head_dim):
+    tokens, num_slots = 3, 9
+    config = ModelConfig.tiny(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = _random(tokens, width, dtype=dtype, seed=16)
+    cos, sin = LlamaModel(config, dtype, DEVICE, fused=False).rope(
+        torch.tensor([0, 7, 301], device=DEVICE))
+    slots = torch.tensor([5, 0, 2], device=DEVICE)  # 0: a padding token's slot
+    caches = [_random(num_slots, num_kv_heads, head_dim, dtype=dtype, seed=s) for s in (17, 18)]
+    expected_caches = [c.clone() for c in caches]
+    expected = TorchOps.rope_qkv(qkv.clone(), cos, sin, num_heads, num_kv_heads, head_dim)
+    expected_caches[0].index_copy_(0, slots, expected[1])
+    expected_caches[1].index_copy_(0, slots, expected[2])
+    got = fused.rope_qkv_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim, *caches,
+                               slots)
+    assert got[0].data_ptr() == qkv.data_ptr()
+    for got_part, expected_part in zip(got, expected, strict=True):
+        _close(got_part, expected_part, dtype)
+    for got_cache, expected_cache in zip(caches, expected_caches, strict=True):
+        _close(got_cache, expected_cache, dtype)  # the other slots are untouched
+
+
+def test_rope_store_refuses_mismatched_caches_and_slots():
+    qkv = torch.zeros(2, (4 + 2 * 2) * 8, device=DEVICE)
+    cos = sin = torch.zeros(2, 8, device=DEVICE)
+    cache = torch.zeros(6, 2, 8, device=DEVICE)
+    slots = torch.tensor([1, 2], device=DEVICE)
+    with pytest.raises(ValueError, match=r"k_cache must be \[slots, 2, 8\]"):
+        fused.rope_qkv_store(qkv, cos, sin, 4, 2, 8, cache[:, :1], cache, slots)
+    with pytest.raises(ValueError, match="slots must be int64"):
+        fused.rope_qkv_store(qkv, cos, sin, 4, 2, 8, cache, cache, slots.int())
+    with pytest.raises(ValueError, match="slots must be int64"):
+        fused.rope_qkv_store(qkv, cos, sin, 4, 2, 8, cache, cache, slots[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(40, 100), (17, 1030)])
+def test_gemv_matches_linear(dtype, rows, n, k):
+    x = _random(rows, k, dtype=dtype, seed=19)
+    weight = _random(n, k, dtype=dtype, seed=20) * 0.05
+    expected = torch.nn.functional.linear(x.float(), weight.float()).to(dtype)
+    for config in (None, dict(BLOCK_N=16, BLOCK_K=128, all_rows=True)):
+        _close(gemv.gemv(x, weight, config), expected, dtype)
+
+
+def test_gemv_refuses_what_it_does_not_serve():
+    weight = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="serves 1 to 4 rows; got 5"):
+        gemv.gemv(torch.zeros(5, 16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match=r"x \[M, K\] and weight \[N, K\]"):
+        gemv.gemv(torch.zeros(1, 15, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="unit stride along K"):
+        gemv.gemv(torch.zeros(1, 16, device=DEVICE), torch.zeros(16, 8, device=DEVICE).t())
 
 
 def test_rope_refuses_heads_that_do_not_fit():

@@ -1,0 +1,99 @@
+"""The matrix-vector kernel (engine/model/gemv.py) against cuBLAS (F.linear), H200, bf16.
+
+    python3 benchmarks/bench_gemv.py [--sweep]
+
+Llama-3-8B's projection shapes at 1, 2 and 4 rows. Each measurement replays a CUDA graph of
+calls over enough distinct weight copies (>= 512 MB) that L2 holds none of them, as in a real
+decode step; the time is one call's share, median of 10 replays. GB/s counts the weight bytes.
+`--sweep` also tries every launch configuration and prints the fastest per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from engine.model import gemv
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336), "lm_head": (128256, 4096)}
+
+
+def time_calls(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    """Seconds per call, from a graph replaying `call(x, w)` over every weight copy."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:
+            call(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            call(x, w)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(weights))
+    return statistics.median(times[2:])
+
+
+def configs():
+    for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8),
+                                                   (2, 3, 4)):
+        if bn * bk <= 16384:
+            yield dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                       all_rows=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--rows", default="1,2,4")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = []
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(2, -(-512 * 2**20 // nbytes))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                   for _ in range(copies)]
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, weights[0])
+            err = ((gemv.gemv(x, weights[0]).float() - ref.float()).norm()
+                   / ref.float().norm()).item()
+            t_cublas = time_calls(F.linear, weights, x)
+            t_ours = time_calls(gemv.gemv, weights, x)
+            best = (t_ours, "default")
+            if args.sweep:
+                for config in configs():
+                    try:
+                        t = time_calls(lambda a, w, c=config: gemv.gemv(a, w, c), weights, x)
+                    except Exception as exc:  # a config the compiler refuses
+                        print(name, rows, config, type(exc).__name__)
+                        continue
+                    if t < best[0]:
+                        best = (t, config)
+                print(f"{name} rows={rows}: best {best[0] * 1e6:.1f} us {best[1]}", flush=True)
+            results.append((name, rows, t_cublas, t_ours, best, nbytes, err))
+        del weights
+        torch.cuda.empty_cache()
+    print("\n| shape | rows | cuBLAS us | cuBLAS GB/s | ours us | ours GB/s | ours/cuBLAS | "
+          "best swept us | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, rows, tc, to, best, nbytes, err in results:
+        print(f"| {name} | {rows} | {tc * 1e6:.1f} | {nbytes / tc / 1e9:.0f} | {to * 1e6:.1f} | "
+              f"{nbytes / to / 1e9:.0f} | {tc / to:.2f}x | {best[0] * 1e6:.1f} | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
