@@ -53,6 +53,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = _field(64, "decode/verify batches up to this size replay "
                                        "captured CUDA graphs; larger ones run eagerly; 0: off",
                                        attrs.validators.ge(0))
+    plan_ahead: bool = _field(True, "plan each decode pass while the previous one runs on "
+                              "the device (used when no request finished or arrived)")
     speculative: bool = _field(False, "n-gram speculative decoding with draft trees")
     draft_budget: int = _field(12, "draft tokens per request per verify step", _positive)
     random_seed: int = _field(0, "seed for random weights and for requests without a seed")

@@ -48,6 +48,7 @@ class Engine:
         self.stats = collections.Counter()
         self.step_times: collections.deque = collections.deque(maxlen=1024)
         self.spec = rt.make_speculator(self.config) if self.config.speculative else None
+        self._prepared: Any = None  # the next decode pass, planned while the last one ran
 
     # --- submission (any thread) ------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None,
@@ -98,6 +99,9 @@ class Engine:
         started = time.perf_counter()
         self._drain_inbox()
         self._admit()
+        if self._prepared is not None and not state.same_layout(self._prepared.batch.running,
+                                                                self.running):
+            self._drop_prepared()  # requests came or left: its slots may be needed now
         if not len(self.running):
             return
         plan = scheduler.plan_extend(self.running, self.config.chunk_size)
@@ -119,6 +123,7 @@ class Engine:
 
     def abort_all(self) -> None:
         """Abort every request, waiting or running (shutdown, or a failed step)."""
+        self._drop_prepared()
         self._drain_inbox()
         for request in list(self.waiting):
             self.waiting.remove(request)
@@ -196,13 +201,60 @@ class Engine:
         return self._decode_step()
 
     def _decode_step(self) -> str:
-        if not self._reserve(lambda: len(self.running)):
-            return "retract"
-        batch = state.schedule_decode(self.running, self.book.slots.alloc(len(self.running)))
-        sampled = self._forward_and_sample(batch)
-        self._commit(state.decode(batch, sampled))
+        prepared = self._take_prepared()
+        if prepared is not None:  # planned during the last pass: only the tokens are new
+            batch = state.schedule_decode(self.running, prepared.batch.out_slots)
+        else:
+            if not self._reserve(lambda: len(self.running)):
+                return "retract"
+            batch = state.schedule_decode(self.running, self.book.slots.alloc(len(self.running)))
+        tokens = self._launch_and_sample(batch, prepared)
+        written = self._prepare_next(batch)  # host work while the device runs this pass
+        self._commit(state.decode(batch, self._fetch(batch, tokens)), table_written=written)
+        if self._prepared is not None and not state.same_layout(self._prepared.batch.running,
+                                                                self.running):
+            self._drop_prepared()  # a request finished: the plan does not fit
         return "decode"
 
+    # --- planning the next decode pass while this one runs ----------------------------------
+    def _prepare_next(self, batch: state.Batch) -> bool:
+        """Plan the decode pass that follows `batch` if no request finishes, while `batch`
+        runs: the table entries it will commit (token-independent) are written now, the next
+        pass's slots are handed out and the backend plans it. `_take_prepared` uses the plan
+        only if the committed Running has the same layout; otherwise its slots go back.
+        Returns whether `batch`'s table writes were applied."""
+        if (not self.config.plan_ahead or self.spec is not None or self.waiting
+                or not self._inbox.empty()):
+            return False
+        following = state.assume_decoded(batch)
+        if self.book.slots.num_free < len(following):
+            return False
+        self.book.apply(state.decode_writes(batch))
+        nxt = state.schedule_decode(following, self.book.slots.alloc(len(following)))
+        try:
+            self._prepared = self.runner.prepare(nxt)
+        except BaseException:
+            self.book.apply(state.abandon(nxt))
+            raise
+        return True
+
+    def _take_prepared(self) -> Any:
+        """The plan made during the last pass, if it fits the Running as committed."""
+        if self._prepared is not None and not state.same_layout(self._prepared.batch.running,
+                                                                self.running):
+            self._drop_prepared()
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            self.stats["plans_ahead_used"] += 1
+        return prepared
+
+    def _drop_prepared(self) -> None:
+        if self._prepared is not None:
+            self.book.apply(state.abandon(self._prepared.batch))
+            self._prepared = None
+            self.stats["plans_ahead_dropped"] += 1
+
+    # --- one forward pass and its tokens ------------------------------------------------------
     def _forward(self, batch: state.Batch) -> torch.Tensor:
         """Logits of the pass; if it fails, the slots handed to it go back to the pool."""
         try:
@@ -211,11 +263,14 @@ class Engine:
             self.book.apply(state.abandon(batch))
             raise
 
-    def _forward_and_sample(self, batch: state.Batch) -> np.ndarray:
-        logits = self._forward(batch)
+    def _launch_and_sample(self, batch: state.Batch, prepared: Any = None) -> torch.Tensor:
+        """Launch the pass and its sampling; the tokens stay on the device until `_fetch`.
+        If either fails, the slots handed to the pass go back to the pool."""
         try:
+            logits = (self.runner.forward(batch) if prepared is None
+                      else self.runner.launch(prepared, batch))
             if not self._sampling_uids:  # all greedy: no per-request work
-                return logits.argmax(dim=-1).cpu().numpy()
+                return logits.argmax(dim=-1)
             uids = batch.running.rids[batch.samples]
             params = [self.requests[int(u)].params for u in uids]
             steps = [len(self.requests[int(u)].output_ids) for u in uids]
@@ -224,12 +279,24 @@ class Engine:
             self.book.apply(state.abandon(batch))
             raise
 
+    def _fetch(self, batch: state.Batch, tokens: torch.Tensor) -> np.ndarray:
+        try:
+            return tokens.cpu().numpy()
+        except BaseException:
+            self.book.apply(state.abandon(batch))
+            raise
+
+    def _forward_and_sample(self, batch: state.Batch) -> np.ndarray:
+        return self._fetch(batch, self._launch_and_sample(batch))
+
     # --- effects -> resources and outputs ---------------------------------------------------------
-    def _commit(self, result: state.Result, rest: Running | None = None) -> None:
+    def _commit(self, result: state.Result, rest: Running | None = None,
+                table_written: bool = False) -> None:
         """Apply a transition: its effects to the KV book, its tokens to the requests.
-        `rest`: the running requests that were not part of the transition's batch."""
+        `rest`: the running requests that were not part of the transition's batch;
+        `table_written`: its table writes were applied early (`_prepare_next`)."""
         effects = result.effects
-        self.book.apply(effects)
+        self.book.apply(effects, table_written)
         self.running = (result.running if rest is None or not len(rest)
                         else state.merge(rest, result.running))
         finished = effects.finished()
@@ -304,8 +371,10 @@ class Engine:
                 return
 
     def check(self) -> None:
-        """Slot conservation and table integrity, now (raises AssertionError)."""
-        self.book.check(self.running)
+        """Slot conservation and table integrity, now (raises AssertionError). The slots of
+        a pass planned ahead count as in flight."""
+        self.book.check(self.running, None if self._prepared is None
+                        else self._prepared.batch.out_slots)
 
     def metrics(self) -> dict[str, Any]:
         return dict(num_running=len(self.running), num_waiting=len(self.waiting),

@@ -110,12 +110,16 @@ class GraphRunner:
             return schedule_decode(running, slots)
         return schedule_verify(running, DraftTrees.roots_only(np.zeros(size)), slots)
 
+    def prepare(self, batch: Batch) -> tuple[_Graph, object]:
+        """Plan `batch` into the static buffers of the graph that will replay it. Runs on the
+        stream after any pass already launched, so it may overlap that pass's execution."""
+        graph = self.graphs[self.sizes[bisect.bisect_left(self.sizes, len(batch.running))]]
+        return graph, self._plan(graph, batch)
+
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Logits [batch.new_lens.total, vocab] of every new token of `batch`."""
-        size = self.sizes[bisect.bisect_left(self.sizes, len(batch.running))]
-        graph = self.graphs[size]
-        metadata = self._plan(graph, batch)
+    def replay(self, graph: _Graph, metadata: object, batch: Batch) -> torch.Tensor:
+        """Logits [batch.new_lens.total, vocab] of every new token of `batch`, which must have
+        the layout of the batch `prepare` planned (its input ids may differ)."""
         count = batch.new_lens.total
         staged = self._staging[:, :graph.num_tokens]
         if self._staged is not None:
@@ -132,3 +136,7 @@ class GraphRunner:
             graph.graph.replay()
             return graph.logits[:count]
         return self._forward(graph, metadata)[:count]
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """prepare + replay: logits [batch.new_lens.total, vocab]."""
+        return self.replay(*self.prepare(batch), batch)

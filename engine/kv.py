@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.state import Effects, Running
+from engine.state.seqlens import DEBUG
 
 PADDING_SLOT = 0
 
@@ -94,9 +95,14 @@ class RequestTable:
             return
         self.host[rows, cols] = slots
         if self.device.device.type != "cpu":
-            device = self.device.device
-            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-            self.device.index_put_(index, torch.tensor(slots, dtype=torch.int32, device=device))
+            # One asynchronous copy from pinned memory, then one scatter. (A copy from pageable
+            # memory would wait for the device to finish everything queued: the engine
+            # writes here while a pass runs.) The caching host allocator keeps the pinned
+            # block until the copy is done.
+            packed = torch.from_numpy(np.stack([rows, cols, slots]).astype(np.int64))
+            rows_d, cols_d, slots_d = packed.pin_memory().to(self.device.device,
+                                                             non_blocking=True)
+            self.device.index_put_((rows_d, cols_d), slots_d.to(torch.int32))
 
 
 class KVBook:
@@ -107,8 +113,15 @@ class KVBook:
         self.slots = SlotAllocator(capacity)
         self.table = RequestTable(num_rows, max_context, device)
 
-    def apply(self, effects: Effects) -> None:
-        self.table.write(effects.table_rows, effects.table_cols, effects.table_slots)
+    def apply(self, effects: Effects, table_written: bool = False) -> None:
+        """Apply effects in their documented order. `table_written`: their table writes were
+        already applied (the engine applies a decode pass's writes early, `decode_writes`);
+        with ENGINE_DEBUG that is checked rather than assumed."""
+        if not table_written:
+            self.table.write(effects.table_rows, effects.table_cols, effects.table_slots)
+        elif DEBUG and not np.array_equal(
+                self.table.host[effects.table_rows, effects.table_cols], effects.table_slots):
+            raise AssertionError("table writes said to be applied early are missing")
         self.slots.free(effects.free_slots)
         for row, length in zip(effects.release_rows.tolist(), effects.release_lens.tolist(),
                                strict=True):

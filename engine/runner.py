@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import torch
 
@@ -29,15 +30,37 @@ class ModelRunner:
         return torch.tensor(array, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """fp32 logits [len(batch.logit_rows), vocab] for the rows `batch.logit_rows` names.
+    def prepare(self, batch: Batch) -> Prepared:
+        """Plan the pass (backend metadata; for a graph, its static buffers) ahead of `launch`.
         Decode and verify passes small enough replay a captured graph; the rest run eagerly."""
-        every_row = batch.mode in (Mode.DECODE, Mode.VERIFY)  # logit_rows is all of them
         for graph in self.graphs:
             if graph.accepts(batch):
-                logits = graph.run(batch)
-                return logits if every_row else logits[self._tensor(batch.logit_rows)]
-        metadata = self.backend.plan(batch)
+                return Prepared(batch, graph, *graph.prepare(batch))
+        return Prepared(batch, None, None, self.backend.plan(batch))
+
+    @torch.inference_mode()
+    def launch(self, prepared: Prepared, batch: Batch) -> torch.Tensor:
+        """fp32 logits [len(batch.logit_rows), vocab] for the rows `batch.logit_rows` names.
+        `batch` has the layout `prepared` was planned for; its input ids may be newer."""
+        every_row = batch.mode in (Mode.DECODE, Mode.VERIFY)  # logit_rows is all of them
+        if prepared.runner is not None:
+            logits = prepared.runner.replay(prepared.graph, prepared.metadata, batch)
+            return logits if every_row else logits[self._tensor(batch.logit_rows)]
         hidden = self.model(self._tensor(batch.input_ids), self._tensor(batch.positions),
-                            metadata, self.backend)
+                            prepared.metadata, self.backend)
         return self.model.logits(hidden if every_row else hidden[self._tensor(batch.logit_rows)])
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """prepare + launch: fp32 logits for the rows `batch.logit_rows` names."""
+        return self.launch(self.prepare(batch), batch)
+
+
+@attrs.frozen(eq=False)
+class Prepared:
+    """A planned pass: the batch it was planned for, and the graph (or None: eager) with the
+    backend metadata that will run it."""
+
+    batch: Batch
+    runner: GraphRunner | None
+    graph: object
+    metadata: object

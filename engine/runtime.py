@@ -60,13 +60,15 @@ class Runtime:
                            graph_max_batch, tree_nodes)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], uids: np.ndarray,
-               steps: list[int]) -> np.ndarray:
+               steps: list[int]) -> torch.Tensor:
+        """One token per row, on the logits' device (the caller reads them when it needs
+        them, so the host can work meanwhile)."""
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).cpu().numpy()
+            return logits.argmax(dim=-1)
         seeded = [p if p.seed is not None else attrs.evolve(p, seed=self._seed(int(u)))
                   for p, u in zip(params, uids, strict=True)]
         tensors = SamplingTensors.build(seeded, steps, self.vocab_size, logits.device)
-        return sample(logits, tensors).cpu().numpy()
+        return sample(logits, tensors)
 
     def _seed(self, uid: int) -> int:
         # Requests without a seed draw from the engine seed and their own id: reproducible

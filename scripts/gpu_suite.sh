@@ -6,11 +6,13 @@
 set -uo pipefail
 
 GPU_TESTS=(tests/backends tests/model/test_fused.py tests/engine/test_graphs.py
-           tests/engine/test_spec_overflow.py)
+           tests/engine/test_plan_ahead.py tests/engine/test_spec_overflow.py)
 # The original scenario (verify on a batch larger than the largest captured graph), also
 # under memcheck with the caching allocator on, so that real CUDA graphs are captured.
-GRAPH_MEMCHECK_TESTS=(tests/engine/test_spec_overflow.py)
-BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/bench_steps.py)
+# Planning ahead (a plan written while a captured replay runs) is checked the same way.
+GRAPH_MEMCHECK_TESTS=(tests/engine/test_spec_overflow.py tests/engine/test_plan_ahead.py)
+BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/bench_steps.py
+         benchmarks/bench_gemv.py)
 # GPU_BENCHES="a.py b.py" runs only those (e.g. to re-check after a change, within one call)
 if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step; a run takes about 7 minutes

@@ -32,21 +32,33 @@ from engine.backends.triton_index import build_kv_indices_into
 from engine.state import MAX_TREE_NODES, Batch, Mode
 
 
+# The arrays a plan stages, in their order in the staging buffers, and their capacities as
+# functions of (max_batch, max_tokens).
+_STAGED = (("qo_indptr", lambda b, t: b + 1), ("kv_indptr", lambda b, t: b + 1),
+           ("prefix_lens", lambda b, t: b), ("seq_lens", lambda b, t: b),
+           ("rows", lambda b, t: b), ("out_slots", lambda b, t: t), ("tree_bits", lambda b, t: t))
+
+
 @attrs.frozen(eq=False)
 class GraphBuffers:
-    """Static device inputs of captured decode/verify passes (sizes are capacities)."""
+    """Static device inputs of captured decode/verify passes (sizes are capacities).
 
-    qo_indptr: torch.Tensor  # [max_batch + 1] int32
-    kv_indptr: torch.Tensor  # [max_batch + 1] int32
-    prefix_lens: torch.Tensor  # [max_batch] int32
-    seq_lens: torch.Tensor  # [max_batch] int32
+    The int64 arrays are fixed views of one device tensor, `staging_device`, laid out as
+    `staging_host` (pinned on CUDA): a plan packs its host arrays into `staging_host` and one
+    host-to-device copy fills them all, with no device-side copies."""
+
+    qo_indptr: torch.Tensor  # [max_batch + 1] int64
+    kv_indptr: torch.Tensor  # [max_batch + 1] int64
+    prefix_lens: torch.Tensor  # [max_batch] int64
+    seq_lens: torch.Tensor  # [max_batch] int64
     rows: torch.Tensor  # [max_batch] int64
     out_slots: torch.Tensor  # [max_tokens] int64
     tree_bits: torch.Tensor  # [max_tokens] int64
     kv_indices: torch.Tensor  # [max_kv_tokens] int32
     max_tree_nodes: int
     staging_host: torch.Tensor  # int64, pinned on CUDA: every host array of a plan, packed
-    staging_device: torch.Tensor  # int64: one host-to-device copy of the packed arrays
+    staging_device: torch.Tensor  # int64: the arrays above are views of it
+    offsets: dict  # name -> start of its region in the staging buffers
 
     @property
     def max_batch(self) -> int:
@@ -72,19 +84,21 @@ class TritonBackend(AttentionBackend):
         if not 1 <= max_tree_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_tree_nodes={max_tree_nodes}; allowed 1..{MAX_TREE_NODES}")
         device = self.pool.req_to_token.device
-
-        def zeros(size: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(size, dtype=dtype, device=device)
-
-        staged = 2 * (max_batch + 1) + 3 * max_batch + 2 * max_tokens
-        return GraphBuffers(zeros(max_batch + 1, torch.int32), zeros(max_batch + 1, torch.int32),
-                            zeros(max_batch, torch.int32), zeros(max_batch, torch.int32),
-                            zeros(max_batch, torch.int64), zeros(max_tokens, torch.int64),
-                            zeros(max_tokens, torch.int64), zeros(max_kv_tokens, torch.int32),
-                            max_tree_nodes,
-                            torch.zeros(staged, dtype=torch.int64,
-                                        pin_memory=device.type == "cuda"),
-                            zeros(staged, torch.int64))
+        offsets, size = {}, 0
+        for name, capacity in _STAGED:
+            offsets[name] = size
+            size += capacity(max_batch, max_tokens)
+        staging_device = torch.zeros(size, dtype=torch.int64, device=device)
+        views = {name: staging_device[offsets[name]:offsets[name] + capacity(max_batch,
+                                                                               max_tokens)]
+                 for name, capacity in _STAGED}
+        return GraphBuffers(**views,
+                            kv_indices=torch.zeros(max_kv_tokens, dtype=torch.int32,
+                                                   device=device),
+                            max_tree_nodes=max_tree_nodes,
+                            staging_host=torch.zeros(size, dtype=torch.int64,
+                                                     pin_memory=device.type == "cuda"),
+                            staging_device=staging_device, offsets=offsets)
 
     def plan(self, batch: Batch, buffers: GraphBuffers | None = None,
              padded_batch_size: int | None = None, padded_num_tokens: int | None = None,
@@ -172,23 +186,18 @@ class TritonBackend(AttentionBackend):
         }
         bits = batch.trees.ancestor_bits if batch.trees is not None else np.zeros(0, np.int64)
         host["tree_bits"] = np.concatenate([bits, np.zeros(num_tokens - bits.shape[0], np.int64)])
-        # Pack every array into one staging buffer: one host-to-device copy, then on-device
-        # copies (with the dtype conversion) into the fixed-address buffers.
+        # Each array goes to its fixed region of the staging buffer; one host-to-device copy
+        # then fills every buffer (they are views of the device staging tensor).
         _wait_for_staging(buffers)  # the last plan's copy must have read the staging buffer
         packed = buffers.staging_host.numpy()
-        offsets, offset = {}, 0
+        views, end = {}, 0
         for name, array in host.items():
-            packed[offset:offset + array.shape[0]] = array
-            offsets[name] = (offset, array.shape[0])
-            offset += array.shape[0]
-        staged = buffers.staging_device[:offset]
-        staged.copy_(buffers.staging_host[:offset], non_blocking=True)
+            start = buffers.offsets[name]
+            packed[start:start + array.shape[0]] = array
+            end = max(end, start + array.shape[0])
+            views[name] = getattr(buffers, name)[:array.shape[0]]
+        buffers.staging_device[:end].copy_(buffers.staging_host[:end], non_blocking=True)
         _record_staging(buffers)
-        views = {}
-        for name, (start, length) in offsets.items():
-            target = getattr(buffers, name)[:length]
-            target.copy_(staged[start:start + length])
-            views[name] = target
         return views
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

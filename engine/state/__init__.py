@@ -10,7 +10,9 @@ from engine.state.transitions import (
     Result,
     abandon,
     abort,
+    assume_decoded,
     decode,
+    decode_writes,
     extend,
     filter_batch,
     finish,
@@ -18,6 +20,7 @@ from engine.state.transitions import (
     retract,
     schedule_decode,
     schedule_extend,
+    same_layout,
     schedule_verify,
     verify,
 )
@@ -25,6 +28,6 @@ from engine.state.transitions import (
 __all__ = [
     "MAX_TREE_NODES", "Batch", "DraftTrees", "Mode", "FinishReason", "first_finish",
     "SamplingParams", "FinishRules", "Running", "SeqLens", "frozen_array", "Effects", "Result",
-    "abandon", "abort", "decode", "extend", "filter_batch", "finish", "merge", "retract",
-    "schedule_decode", "schedule_extend", "schedule_verify", "verify",
+    "abandon", "abort", "assume_decoded", "decode", "decode_writes", "extend", "filter_batch", "finish", "merge", "retract",
+    "same_layout", "schedule_decode", "schedule_extend", "schedule_verify", "verify",
 ]

@@ -147,6 +147,41 @@ def decode(batch: Batch, sampled: np.ndarray) -> Result:
     return _commit(run, batch.seq_lens, sampled, batch.new_lens, table, _EMPTY)
 
 
+def decode_writes(batch: Batch) -> Effects:
+    """The part of `decode(batch, tokens)`'s effects that does not depend on the tokens: each
+    request's new slot written at its committed length. The engine applies it while the pass
+    still runs, so the next pass can be planned meanwhile (`assume_decoded`); applying it
+    again with the full effects rewrites the same entries."""
+    if batch.mode not in (Mode.DECODE, Mode.IDLE):
+        raise ValueError(f"decode_writes() is for decode passes; this pass is "
+                         f"{batch.mode.value}")
+    run = batch.running
+    return Effects._of_valid(table_rows=run.rows, table_cols=run.kv_lens.lens,
+                             table_slots=batch.out_slots)
+
+
+def assume_decoded(batch: Batch) -> Running:
+    """The Running a decode pass leads to if no request finishes, with each request's pending
+    token not known yet (its old one stands in). Only its lengths, rows and order are used: to
+    plan the next pass while this one runs. The engine uses that plan only if the committed
+    Running has the same requests, rows and lengths (`same_layout`)."""
+    if batch.mode not in (Mode.DECODE, Mode.IDLE):
+        raise ValueError(f"assume_decoded() is for decode passes; this pass is "
+                         f"{batch.mode.value}")
+    run = batch.running
+    return Running._of_valid(run.rids, run.rows, batch.seq_lens,
+                             run.token_lens + batch.new_lens, run.prompt_lens, run.last_tokens,
+                             run.rules, run.max_context)
+
+
+def same_layout(first: Running, second: Running) -> bool:
+    """Same requests in the same order, on the same rows, with the same committed lengths:
+    a pass planned for one serves the other (only the pending tokens may differ)."""
+    return (len(first) == len(second) and np.array_equal(first.rids, second.rids)
+            and np.array_equal(first.rows, second.rows)
+            and np.array_equal(first.kv_lens.lens, second.kv_lens.lens))
+
+
 def verify(batch: Batch, accepted_lens: Sequence[int] | np.ndarray, accepted_nodes: np.ndarray,
            bonus: np.ndarray) -> Result:
     """Commit a verify pass: per request the accepted path (local node ids below the root,

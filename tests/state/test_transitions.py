@@ -121,6 +121,34 @@ def test_decode_gives_every_request_one_token(case, data):
     assert (result.running.pending_lens == 1).all()
 
 
+@fast
+@given(case=runnings(max_pending=1), data=st.data())
+def test_planning_ahead_agrees_with_the_commit(case, data):
+    """decode_writes is the token-independent part of decode's effects, and the Running that
+    assume_decoded plans for has the committed layout exactly when nobody finished."""
+    run, _ = case
+    batch = state.schedule_decode(run, fresh_slots(len(run)))
+    sampled = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(run), max_size=len(run)))
+    result = state.decode(batch, sampled)
+    writes = state.decode_writes(batch)
+    for name in ("table_rows", "table_cols", "table_slots"):
+        assert getattr(writes, name).tolist() == getattr(result.effects, name).tolist()
+    assert writes.free_slots.size == writes.release_rows.size == writes.emitted_rids.size == 0
+    planned = state.assume_decoded(batch)
+    assert planned.kv_lens.total == sum(planned.kv_lens.tolist())
+    nobody_left = result.effects.finished_rids.size == 0
+    assert state.same_layout(planned, result.running) == nobody_left
+    assert planned.kv_lens.tolist() == (run.kv_lens + batch.new_lens).tolist()
+
+
+def test_planning_ahead_is_for_decode_passes_only():
+    run = running_of([1], [0], [0], [3], [3], [2], [Rule(5, 0, -1, ())], MAX_CONTEXT)
+    batch = state.schedule_extend(run, [3], [1, 2, 2], fresh_slots(3))
+    for plan in (state.decode_writes, state.assume_decoded):
+        with pytest.raises(ValueError, match="for decode passes"):
+            plan(batch)
+
+
 def test_decode_refuses_an_extend_pass():
     run = running_of([1], [0], [0], [3], [3], [2], [Rule(5, 0, -1, ())], MAX_CONTEXT)
     batch = state.schedule_extend(run, [3], [1, 2, 2], fresh_slots(3))

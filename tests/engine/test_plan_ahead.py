@@ -1,0 +1,85 @@
+"""Planning each decode pass while the previous one runs (`plan_ahead`) changes no output and
+loses no slot: requests finishing at different steps, stop tokens, seeded sampling, aborts
+and retraction, on the torch backend and on the static (CUDA-graph) path of the Triton one.
+On CUDA the graph path captures real graphs, and the plan overlaps a running replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.graphs import GraphRunner
+from engine.state import Mode, SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _prompts(count: int) -> list[list[int]]:
+    return [[(11 * i + 3 * j) % 240 + 5 for j in range(4 + 3 * i)] for i in range(count)]
+
+
+def _params(count: int, stop_token: int | None = None) -> list[SamplingParams]:
+    """Staggered lengths (requests leave at different steps), one stop token, one sampler."""
+    params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(count)]
+    if stop_token is not None:
+        params[0] = SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(stop_token,))
+    params[-1] = SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=7)
+    return params
+
+
+def _run(engine: Engine, prompts: list, params: list, abort_at: int | None = None) -> list:
+    """Submit all, step to the end checking slot conservation after every step."""
+    requests = [engine._submit(p, q, None, None) for p, q in zip(prompts, params, strict=True)]
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        engine.check()
+        steps += 1
+        if steps == abort_at:
+            engine.abort(requests[1].request_id)
+    outputs = [(r.output_ids, r.finish_reason) for r in requests]
+    engine.check()
+    assert engine.book.slots.num_free == engine.book.slots.capacity
+    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+    return outputs
+
+
+def _tiny(backend: str, **overrides) -> Engine:
+    return Engine(random_weights="tiny", attention_backend=backend, device=DEVICE,
+                  dtype="float32", max_context=128, cuda_graph_max_batch=0, **overrides)
+
+
+@pytest.mark.parametrize("abort_at", [None, 5])
+def test_plan_ahead_changes_no_output_torch_backend(abort_at):
+    prompts = _prompts(5)
+    probe = _tiny("torch", plan_ahead=False)
+    free_run = probe.generate(prompts[:1], SamplingParams(max_tokens=30, ignore_eos=True))
+    stop = free_run[0].token_ids[8]
+    params = _params(5, stop)
+    reference = _run(probe, prompts, params, abort_at)
+    ahead = _tiny("torch")
+    got = _run(ahead, prompts, params, abort_at)
+    assert got == reference
+    assert ahead.stats["plans_ahead_used"] > 5
+    assert ahead.stats["plans_ahead_dropped"] >= 3  # each early leaver voids one plan
+    assert probe.stats["plans_ahead_used"] == 0
+
+
+def test_plan_ahead_under_retraction_keeps_outputs():
+    prompts, params = _prompts(4), _params(4)
+    reference = _run(_tiny("torch", plan_ahead=False), prompts, params)
+    tight = _tiny("torch", kv_cache_slots=48, max_running_requests=4)
+    assert _run(tight, prompts, params) == reference
+    assert tight.stats["retractions"] > 0, "the pool was meant to force retraction"
+
+
+def test_plan_ahead_on_the_graph_path():
+    prompts, params = _prompts(3), _params(3)
+    reference = _run(_tiny("triton", plan_ahead=False), prompts, params)
+    engine = _tiny("triton", kv_cache_slots=256)
+    runner = engine.runner
+    runner.graphs = [GraphRunner(runner.model, runner.backend, Mode.DECODE, 4,
+                                 capture=DEVICE == "cuda")]
+    assert _run(engine, prompts, params) == reference
+    assert engine.stats["plans_ahead_used"] > 5
