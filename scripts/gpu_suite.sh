@@ -15,6 +15,10 @@ BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/ben
          benchmarks/bench_gemv.py)
 # GPU_BENCHES="a.py b.py" runs only those (e.g. to re-check after a change, within one call)
 if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
+# The whole suite takes longer than one device call may run (10 minutes): split it with
+# GPU_PART=tests (install, tests, both memchecks) and GPU_PART=benches (install, benchmarks).
+GPU_PART=${GPU_PART:-all}
+if [ "$GPU_PART" = tests ]; then BENCHES=(); fi
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step; a run takes about 7 minutes
 SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-210}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
@@ -43,6 +47,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 "cuda", torch.cuda.is_available())' >>"$OUT_DIR/gpu.txt" 2>&1
 cat "$OUT_DIR/gpu.txt"
 
+if [ "$GPU_PART" != benches ]; then
 # 2. GPU tests
 start=$SECONDS
 timeout "$TEST_TIMEOUT" python3 -m pytest -q -m "not slow" -p no:cacheprovider "${GPU_TESTS[@]}" \
@@ -73,6 +78,7 @@ errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT_DIR/memcheck_graphs.log" | 
 tests=$(grep -E "passed|failed" "$OUT_DIR/memcheck_graphs.log" | grep -v "ERROR SUMMARY" | tail -n 1)
 note "memcheck, CUDA graphs captured" "rc=$rc: ${errors:-no summary (timeout?)}; ${tests}" \
     $((SECONDS - start))
+fi
 
 # 4. benchmarks (each prints its table last)
 for bench in "${BENCHES[@]}"; do

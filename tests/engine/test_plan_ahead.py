@@ -83,3 +83,23 @@ def test_plan_ahead_on_the_graph_path():
                                  capture=DEVICE == "cuda")]
     assert _run(engine, prompts, params) == reference
     assert engine.stats["plans_ahead_used"] > 5
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host-device synchronisation exists only on CUDA")
+def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch):
+    """The plan is made while the last pass runs: nothing in it may synchronise with the
+    device (a table write once copied from pageable memory, which waited for the pass)."""
+    engine = _tiny("triton", kv_cache_slots=256, cuda_graph_max_batch=4)
+    prepare_next = engine._prepare_next
+    planned = []
+
+    def strict(batch):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            planned.append(prepare_next(batch))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return planned[-1]
+    monkeypatch.setattr(engine, "_prepare_next", strict)
+    engine.generate(_prompts(3), SamplingParams(max_tokens=8, ignore_eos=True))
+    assert any(planned) and engine.stats["plans_ahead_used"] > 3
