@@ -1,6 +1,6 @@
 """Triton kernels for a Llama layer's elementwise work, one launch each: RMSNorm (alone or fused
 with the residual add), RoPE on q and k in place (optionally storing k and v into the KV
-cache in the same launch), and SiLU(gate) * up; `linear` adds the few-row matrix-vector
+cache in the same launch), and SiLU(gate) * up; `linear` adds the one-row matrix-vector
 kernel. Math is fp32; results are rounded to the input dtype where the torch reference
 rounds them.
 """

@@ -1,6 +1,6 @@
-"""A Triton matrix-vector kernel for the few-row linear layers of small decode batches.
+"""A Triton matrix-vector kernel for the linear layers of batch-1 decode.
 
-At batch 1-4 a decode step's projections are matrix-vector products: all the time is spent
+At batch 1 a decode step's projections are matrix-vector products: all the time is spent
 streaming the weight matrix once. cuBLAS picks split-K GEMM tiles for the narrower of them
 (qkv and o_proj at Llama-3-8B's shape ran at 3.2 and 2.7 TB/s on an H200, plus a split-K
 reduce launch), against ~4.2 TB/s for a copy. This kernel gives each program `BLOCK_N` whole
@@ -14,10 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # x rows handled by the kernel; larger batches are matrix products (cuBLAS)
-# Weights up to this many elements take the kernel. Measured on the H200 at one row
-# (bench_gemv.py): qkv (25M) 1.05x and o_proj (17M) 1.11x cuBLAS's speed, but gate_up
-# (117M) 0.99x and down (59M) 0.90x, where cuBLAS already streams at ~4 TB/s.
+MAX_ROWS = 4  # x rows the kernel accepts
+# `linear` takes the kernel for one row and weights up to MAX_WEIGHT_ELEMENTS. Measured on the
+# H200 (bench_gemv.py, docs/benchmarks.md): at one row qkv (25M elements) runs at 1.05-1.07x
+# and o_proj (17M) at 1.10-1.11x cuBLAS's speed, but gate_up (117M) at 0.99x and down (59M)
+# at 0.90x, where cuBLAS already streams at ~4 TB/s; at 2 and 4 rows the kernel re-reads the
+# weights per row and falls to 0.24-0.74x, so those stay with cuBLAS.
+LINEAR_ROWS = 1
 MAX_WEIGHT_ELEMENTS = 32 * 2**20
 
 
@@ -90,8 +93,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> t
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) with the matrix-vector kernel where it serves (few rows, on CUDA)."""
-    if (x.is_cuda and 1 <= x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
+    """F.linear(x, weight), with the matrix-vector kernel where it is the faster (on CUDA,
+    one row, the narrower projections)."""
+    if (x.is_cuda and x.shape[0] == LINEAR_ROWS and x.stride(-1) == 1
             and weight.stride(-1) == 1 and weight.numel() <= MAX_WEIGHT_ELEMENTS):
         return gemv(x, weight)
     return torch.nn.functional.linear(x, weight)

@@ -46,8 +46,12 @@ def _run(engine: Engine, prompts: list, params: list, abort_at: int | None = Non
 
 
 def _tiny(backend: str, **overrides) -> Engine:
-    return Engine(random_weights="tiny", attention_backend=backend, device=DEVICE,
-                  dtype="float32", max_context=128, cuda_graph_max_batch=0, **overrides)
+    """A tiny random-weight engine with a small pool (a pool sized from free GPU memory
+    would exhaust compute-sanitizer's shadow memory)."""
+    settings = dict(random_weights="tiny", attention_backend=backend, device=DEVICE,
+                    dtype="float32", max_context=128, cuda_graph_max_batch=0,
+                    kv_cache_slots=256)
+    return Engine(**{**settings, **overrides})
 
 
 @pytest.mark.parametrize("abort_at", [None, 5])
@@ -77,7 +81,7 @@ def test_plan_ahead_under_retraction_keeps_outputs():
 def test_plan_ahead_on_the_graph_path():
     prompts, params = _prompts(3), _params(3)
     reference = _run(_tiny("triton", plan_ahead=False), prompts, params)
-    engine = _tiny("triton", kv_cache_slots=256)
+    engine = _tiny("triton")
     runner = engine.runner
     runner.graphs = [GraphRunner(runner.model, runner.backend, Mode.DECODE, 4,
                                  capture=DEVICE == "cuda")]
@@ -89,7 +93,7 @@ def test_plan_ahead_on_the_graph_path():
 def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch):
     """The plan is made while the last pass runs: nothing in it may synchronise with the
     device (a table write once copied from pageable memory, which waited for the pass)."""
-    engine = _tiny("triton", kv_cache_slots=256, cuda_graph_max_batch=4)
+    engine = _tiny("triton", cuda_graph_max_batch=4)
     prepare_next = engine._prepare_next
     planned = []
 
