@@ -99,11 +99,30 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
     return rows
 
 
+def _gpu_engine(plan_ahead: bool) -> Engine:
+    return Engine(random_weights="llama3_8b", device="cuda", dtype="bfloat16",
+                  max_running_requests=64, cuda_graph_max_batch=64, max_context=1024,
+                  kv_cache_fraction=0.3, chunk_size=8192, plan_ahead=plan_ahead)
+
+
+def decode_steps_without_plan_ahead(args: argparse.Namespace) -> dict[int, float]:
+    """Median decode step (s) per batch size with `plan_ahead=False`: the A/B of planning each
+    pass while the previous one runs (same prompts and lengths as the main run)."""
+    engine = _gpu_engine(plan_ahead=False)
+    generator = torch.Generator().manual_seed(0)
+    steps = {}
+    for batch in (1, 16, 64):
+        prompts = torch.randint(3, 30000, (batch, args.prompt_len), generator=generator).tolist()
+        steps[batch] = run_engine(engine, prompts, batch, args.max_tokens)["decode_step"]
+    del engine
+    torch.cuda.empty_cache()
+    return steps
+
+
 def gpu_main(args: argparse.Namespace) -> list[tuple]:
     bandwidth = copy_bandwidth("cuda")
-    engine = Engine(random_weights="llama3_8b", device="cuda", dtype="bfloat16",
-                    max_running_requests=64, cuda_graph_max_batch=64, max_context=1024,
-                    kv_cache_fraction=0.3, chunk_size=8192)
+    without = decode_steps_without_plan_ahead(args)
+    engine = _gpu_engine(plan_ahead=True)
     mc = engine.runtime.model_config
     weight_bytes = engine.runtime.model.num_bytes()
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
@@ -122,7 +141,7 @@ def gpu_main(args: argparse.Namespace) -> list[tuple]:
             hf_rate = run["tokens"] / run["seconds"]
         rows.append((batch, ours["tokens"] / ours["seconds"], hf_rate,
                      ours["decode_step"] * 1e3, floor * 1e3, floor / ours["decode_step"],
-                     bandwidth / 1e9))
+                     bandwidth / 1e9, without[batch] * 1e3))
     return rows
 
 
@@ -165,11 +184,11 @@ def main() -> None:
         print(f"\nH200, random Llama-3-8B bf16, {args.prompt_len}-token prompts, "
               f"{args.max_tokens} new tokens")
         print("| batch | engine tok/s | HF tok/s | ratio | decode step ms | floor ms | "
-              "floor/step | copy GB/s |")
-        print("|---|---|---|---|---|---|---|---|")
-        for batch, ours, hf, step, floor, frac, bw in rows:
+              "floor/step | copy GB/s | step ms, plan_ahead off | floor/step off |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for batch, ours, hf, step, floor, frac, bw, off in rows:
             print(f"| {batch} | {ours:.0f} | {hf:.0f} | {ours / hf:.1f}x | {step:.2f} | "
-                  f"{floor:.2f} | {frac:.2f} | {bw:.0f} |")
+                  f"{floor:.2f} | {frac:.2f} | {bw:.0f} | {off:.2f} | {floor / off:.2f} |")
 
 
 if __name__ == "__main__":
