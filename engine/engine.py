@@ -142,14 +142,23 @@ class Engine:
         index = self.running.index_of(request.uid)
         self._commit(state.abort(self.running, [index]))
 
-    def _admit(self) -> None:
+    def _admissible(self) -> int:
+        """How many waiting requests `_admit` would take now. The slots of a pass planned
+        ahead count as free: admitting drops that plan."""
+        if not self.waiting:
+            return 0
         step_slots = 1 + (self.config.draft_budget if self.spec else 0)
-        count = scheduler.count_admissible(
+        held = 0 if self._prepared is None else self._prepared.batch.out_slots.shape[0]
+        return scheduler.count_admissible(
             [r.num_tokens for r in self.waiting], self.book.table.num_free_rows,
-            self.book.slots.num_free, len(self.running) * step_slots, self.config.chunk_size,
-            step_slots)
+            self.book.slots.num_free + held, len(self.running) * step_slots,
+            self.config.chunk_size, step_slots)
+
+    def _admit(self) -> None:
+        count = self._admissible()
         if count == 0:
             return
+        self._drop_prepared()
         entering = [self.waiting.popleft() for _ in range(count)]
         rows = [self.book.table.alloc_row() for _ in entering]
         rules = FinishRules.of([r.params for r in entering], self.runtime.eos_id)
@@ -223,9 +232,9 @@ class Engine:
         pass's slots are handed out and the backend plans it. `_take_prepared` uses the plan
         only if the committed Running has the same layout; otherwise its slots go back.
         Returns whether `batch`'s table writes were applied."""
-        if (not self.config.plan_ahead or self.spec is not None or self.waiting
-                or not self._inbox.empty()):
-            return False
+        if (not self.config.plan_ahead or self.spec is not None or not self._inbox.empty()
+                or self._admissible()):
+            return False  # the next step changes the batch: a plan would be dropped
         following = state.assume_decoded(batch)
         if self.book.slots.num_free < len(following):
             return False

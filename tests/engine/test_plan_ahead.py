@@ -78,6 +78,25 @@ def test_plan_ahead_under_retraction_keeps_outputs():
     assert tight.stats["retractions"] > 0, "the pool was meant to force retraction"
 
 
+def test_plan_ahead_continues_while_requests_wait_for_a_row():
+    """Requests that cannot be admitted (every row taken) do not stop planning ahead; when
+    a row frees, the plan is dropped and the next request is admitted at once."""
+    prompts, params = _prompts(5), _params(5)
+    reference = _run(_tiny("torch", plan_ahead=False, max_running_requests=2), prompts, params)
+    engine = _tiny("torch", max_running_requests=2)
+    take = engine._take_prepared
+    used_while_waiting = []
+
+    def recording_take():
+        prepared = take()
+        if prepared is not None and engine.waiting:
+            used_while_waiting.append(len(engine.waiting))
+        return prepared
+    engine._take_prepared = recording_take
+    assert _run(engine, prompts, params) == reference
+    assert len(used_while_waiting) > 8
+
+
 def test_plan_ahead_on_the_graph_path():
     prompts, params = _prompts(3), _params(3)
     reference = _run(_tiny("triton", plan_ahead=False), prompts, params)
