@@ -18,6 +18,7 @@ from engine import scheduler, state
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.kv import KVBook
+from engine.model.sampling import greedy_tokens
 from engine.request import Completion, Delta, Request
 from engine.runtime import Runtime, build_runtime
 from engine.state import FinishReason, FinishRules, Running, SamplingParams
@@ -279,7 +280,7 @@ class Engine:
             logits = (self.runner.forward(batch) if prepared is None
                       else self.runner.launch(prepared, batch))
             if not self._sampling_uids:  # all greedy: no per-request work
-                return logits.argmax(dim=-1)
+                return greedy_tokens(logits)
             uids = batch.running.rids[batch.samples]
             params = [self.requests[int(u)].params for u in uids]
             steps = [len(self.requests[int(u)].output_ids) for u in uids]

@@ -15,7 +15,7 @@ from engine.kv import KVBook
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_model
-from engine.model.sampling import SamplingTensors, sample
+from engine.model.sampling import SamplingTensors, greedy_tokens, sample
 from engine.model.tokenizer import Tokenizer, load_tokenizer
 from engine.runner import ModelRunner
 from engine.state import SamplingParams
@@ -64,7 +64,7 @@ class Runtime:
         """One token per row, on the logits' device (the caller reads them when it needs
         them, so the host can work meanwhile)."""
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         seeded = [p if p.seed is not None else attrs.evolve(p, seed=self._seed(int(u)))
                   for p, u in zip(params, uids, strict=True)]
         tensors = SamplingTensors.build(seeded, steps, self.vocab_size, logits.device)

