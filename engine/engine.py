@@ -219,7 +219,11 @@ class Engine:
                 return "retract"
             batch = state.schedule_decode(self.running, self.book.slots.alloc(len(self.running)))
         tokens = self._launch_and_sample(batch, prepared)
-        written = self._prepare_next(batch)  # host work while the device runs this pass
+        try:
+            written = self._prepare_next(batch)  # host work while the device runs this pass
+        except BaseException:
+            self.book.apply(state.abandon(batch))
+            raise
         self._commit(state.decode(batch, self._fetch(batch, tokens)), table_written=written)
         if self._prepared is not None and not state.same_layout(self._prepared.batch.running,
                                                                 self.running):

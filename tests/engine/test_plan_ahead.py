@@ -126,3 +126,45 @@ def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch):
     monkeypatch.setattr(engine, "_prepare_next", strict)
     engine.generate(_prompts(3), SamplingParams(max_tokens=8, ignore_eos=True))
     assert any(planned) and engine.stats["plans_ahead_used"] > 3
+
+
+@pytest.mark.parametrize("failing", ["prepare", "launch", "fetch"])
+def test_a_failure_around_a_plan_loses_no_slot(failing):
+    """A pass that fails while planning ahead, launching a prepared plan or reading its
+    tokens: the step raises, and after abort_all (what the serving loop does) every slot and
+    row is back and the engine serves the next request as before."""
+    engine = _tiny("torch")
+    prompts, params = _prompts(3), _params(3)
+    # "fetch": the device tokens of the 4th pass fail when read (a device error surfaces there)
+    target = engine if failing == "fetch" else engine.runner
+    name = {"prepare": "prepare", "launch": "launch", "fetch": "_launch_and_sample"}[failing]
+    real, calls = getattr(target, name), []
+
+    class Unreadable:
+        def cpu(self):
+            raise RuntimeError("injected failure")
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            if failing == "fetch":
+                real(*args, **kwargs)
+                return Unreadable()
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+    setattr(target, name, flaky)
+    for prompt, param in zip(prompts, params, strict=True):
+        engine.submit(prompt, param)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        while engine.has_work:
+            engine.step()
+    setattr(target, name, real)
+    engine.abort_all()
+    while engine.has_work:
+        engine.step()
+    engine.check()
+    assert engine.book.slots.num_free == engine.book.slots.capacity
+    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+    again = engine.generate(prompts[:1], params[:1])[0]
+    reference = _tiny("torch", plan_ahead=False).generate(prompts[:1], params[:1])[0]
+    assert again.token_ids == reference.token_ids
