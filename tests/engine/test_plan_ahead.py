@@ -98,7 +98,9 @@ def test_plan_ahead_continues_while_requests_wait_for_a_row():
 
 
 def test_plan_ahead_on_the_graph_path():
-    prompts, params = _prompts(3), _params(3)
+    """Six requests over graphs of at most four: the first passes run eagerly, and as requests
+    leave, plans move to the captured (static-buffer) path."""
+    prompts, params = _prompts(6), _params(6)
     reference = _run(_tiny("triton", plan_ahead=False), prompts, params)
     engine = _tiny("triton")
     runner = engine.runner
