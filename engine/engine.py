@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine import scheduler, state
+from engine.ahead import PlanAhead
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.kv import KVBook
@@ -49,7 +50,7 @@ class Engine:
         self.stats = collections.Counter()
         self.step_times: collections.deque = collections.deque(maxlen=1024)
         self.spec = rt.make_speculator(self.config) if self.config.speculative else None
-        self._prepared: Any = None  # the next decode pass, planned while the last one ran
+        self.ahead = PlanAhead(self.book, self.runner, self.stats)  # the next decode pass
 
     # --- submission (any thread) ------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None,
@@ -100,9 +101,7 @@ class Engine:
         started = time.perf_counter()
         self._drain_inbox()
         self._admit()
-        if self._prepared is not None and not state.same_layout(self._prepared.batch.running,
-                                                                self.running):
-            self._drop_prepared()  # requests came or left: its slots may be needed now
+        self.ahead.drop_unless_fits(self.running)  # requests came or left: free its slots
         if not len(self.running):
             return
         plan = scheduler.plan_extend(self.running, self.config.chunk_size)
@@ -124,7 +123,7 @@ class Engine:
 
     def abort_all(self) -> None:
         """Abort every request, waiting or running (shutdown, or a failed step)."""
-        self._drop_prepared()
+        self.ahead.drop()
         self._drain_inbox()
         for request in list(self.waiting):
             self.waiting.remove(request)
@@ -149,7 +148,7 @@ class Engine:
         if not self.waiting:
             return 0
         step_slots = 1 + (self.config.draft_budget if self.spec else 0)
-        held = 0 if self._prepared is None else self._prepared.batch.out_slots.shape[0]
+        held = 0 if self.ahead.held_slots is None else self.ahead.held_slots.shape[0]
         return scheduler.count_admissible(
             [r.num_tokens for r in self.waiting], self.book.table.num_free_rows,
             self.book.slots.num_free + held, len(self.running) * step_slots,
@@ -159,7 +158,7 @@ class Engine:
         count = self._admissible()
         if count == 0:
             return
-        self._drop_prepared()
+        self.ahead.drop()
         entering = [self.waiting.popleft() for _ in range(count)]
         rows = [self.book.table.alloc_row() for _ in entering]
         rules = FinishRules.of([r.params for r in entering], self.runtime.eos_id)
@@ -211,7 +210,7 @@ class Engine:
         return self._decode_step()
 
     def _decode_step(self) -> str:
-        prepared = self._take_prepared()
+        prepared = self.ahead.take(self.running)
         if prepared is not None:  # planned during the last pass: only the tokens are new
             batch = state.schedule_decode(self.running, prepared.batch.out_slots)
         else:
@@ -225,48 +224,18 @@ class Engine:
             self.book.apply(state.abandon(batch))
             raise
         self._commit(state.decode(batch, self._fetch(batch, tokens)), table_written=written)
-        if self._prepared is not None and not state.same_layout(self._prepared.batch.running,
-                                                                self.running):
-            self._drop_prepared()  # a request finished: the plan does not fit
+        self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
 
     # --- planning the next decode pass while this one runs ----------------------------------
     def _prepare_next(self, batch: state.Batch) -> bool:
-        """Plan the decode pass that follows `batch` if no request finishes, while `batch`
-        runs: the table entries it will commit (token-independent) are written now, the next
-        pass's slots are handed out and the backend plans it. `_take_prepared` uses the plan
-        only if the committed Running has the same layout; otherwise its slots go back.
-        Returns whether `batch`'s table writes were applied."""
+        """Plan the decode pass after `batch` while it runs (`PlanAhead`), unless the next
+        step will change the batch anyway. Returns whether `batch`'s table writes were
+        applied (its commit then skips them)."""
         if (not self.config.plan_ahead or self.spec is not None or not self._inbox.empty()
                 or self._admissible()):
             return False  # the next step changes the batch: a plan would be dropped
-        following = state.assume_decoded(batch)
-        if self.book.slots.num_free < len(following):
-            return False
-        self.book.apply(state.decode_writes(batch))
-        nxt = state.schedule_decode(following, self.book.slots.alloc(len(following)))
-        try:
-            self._prepared = self.runner.prepare(nxt)
-        except BaseException:
-            self.book.apply(state.abandon(nxt))
-            raise
-        return True
-
-    def _take_prepared(self) -> Any:
-        """The plan made during the last pass, if it fits the Running as committed."""
-        if self._prepared is not None and not state.same_layout(self._prepared.batch.running,
-                                                                self.running):
-            self._drop_prepared()
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None:
-            self.stats["plans_ahead_used"] += 1
-        return prepared
-
-    def _drop_prepared(self) -> None:
-        if self._prepared is not None:
-            self.book.apply(state.abandon(self._prepared.batch))
-            self._prepared = None
-            self.stats["plans_ahead_dropped"] += 1
+        return self.ahead.plan(batch)
 
     # --- one forward pass and its tokens ------------------------------------------------------
     def _forward(self, batch: state.Batch) -> torch.Tensor:
@@ -308,7 +277,7 @@ class Engine:
                 table_written: bool = False) -> None:
         """Apply a transition: its effects to the KV book, its tokens to the requests.
         `rest`: the running requests that were not part of the transition's batch;
-        `table_written`: its table writes were applied early (`_prepare_next`)."""
+        `table_written`: its table writes were applied early (`PlanAhead.plan`)."""
         effects = result.effects
         self.book.apply(effects, table_written)
         self.running = (result.running if rest is None or not len(rest)
@@ -387,8 +356,7 @@ class Engine:
     def check(self) -> None:
         """Slot conservation and table integrity, now (raises AssertionError). The slots of
         a pass planned ahead count as in flight."""
-        self.book.check(self.running, None if self._prepared is None
-                        else self._prepared.batch.out_slots)
+        self.book.check(self.running, self.ahead.held_slots)
 
     def metrics(self) -> dict[str, Any]:
         return dict(num_running=len(self.running), num_waiting=len(self.waiting),

@@ -84,15 +84,15 @@ def test_plan_ahead_continues_while_requests_wait_for_a_row():
     prompts, params = _prompts(5), _params(5)
     reference = _run(_tiny("torch", plan_ahead=False, max_running_requests=2), prompts, params)
     engine = _tiny("torch", max_running_requests=2)
-    take = engine._take_prepared
+    take = engine.ahead.take
     used_while_waiting = []
 
-    def recording_take():
-        prepared = take()
+    def recording_take(running):
+        prepared = take(running)
         if prepared is not None and engine.waiting:
             used_while_waiting.append(len(engine.waiting))
         return prepared
-    engine._take_prepared = recording_take
+    engine.ahead.take = recording_take
     assert _run(engine, prompts, params) == reference
     assert len(used_while_waiting) > 8
 
