@@ -129,9 +129,12 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         queries = q.float()[layout["q_rows"]].unflatten(2, (num_kv_heads, group))  # [B,Q,Hkv,G,D]
     batch, num_q = queries.shape[:2]
     queries = queries.permute(0, 2, 3, 1, 4).flatten(2, 3)  # [B, Hkv, G*Q, D]
-    visible = layout["visible"]
-    if group > 1:
-        visible = visible.repeat(1, 1, group, 1)  # [B, 1, G*Q, L]
+    visible = layout["visible"]  # [B, 1, Q, L]: broadcasts over the G*Q rows when Q is 1
+    if group > 1 and num_q > 1:
+        key = f"visible x{group}"  # the same for every layer: made once per pass
+        if key not in layout:
+            layout[key] = visible.repeat(1, 1, group, 1)  # [B, 1, G*Q, L]
+        visible = layout[key]
     out_padded = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible,
                                                 scale=scale)
     # [B, Hkv, G, Q, D] -> [B, Q, Hq, D]; padding queries (all keys hidden) are never read
