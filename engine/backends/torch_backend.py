@@ -126,8 +126,8 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if metadata.mode == Mode.DECODE:  # one query per request, in order: no gather
         queries = q.float().unsqueeze(1).unflatten(2, (num_kv_heads, group))
     else:
-        queries = q.float()[layout["q_rows"]].unflatten(2, (num_kv_heads, group))  # [B,Q,Hkv,G,D]
-    batch, num_q = queries.shape[:2]
+        queries = q.float()[layout["q_rows"]].unflatten(2, (num_kv_heads, group))
+    num_q = queries.shape[1]  # queries: [B, Q, Hkv, G, D]
     queries = queries.permute(0, 2, 3, 1, 4).flatten(2, 3)  # [B, Hkv, G*Q, D]
     visible = layout["visible"]  # [B, 1, Q, L]: broadcasts over the G*Q rows when Q is 1
     if group > 1 and num_q > 1:
