@@ -220,10 +220,11 @@ class Engine:
         tokens = self._launch_and_sample(batch, prepared)
         try:
             written = self._prepare_next(batch)  # host work while the device runs this pass
-        except BaseException:
-            self.book.apply(state.abandon(batch))
+            sampled = tokens.cpu().numpy()
+        except BaseException:  # the early table writes, if any, are undone with the slots
+            self.book.apply(state.abandon(batch, written=True))
             raise
-        self._commit(state.decode(batch, self._fetch(batch, tokens)), table_written=written)
+        self._commit(state.decode(batch, sampled), table_written=written)
         self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
 

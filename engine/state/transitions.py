@@ -316,9 +316,16 @@ def abort(running: Running, indices: Sequence[int] | np.ndarray) -> Result:
     return finish(running, indices, FinishReason.ABORT)
 
 
-def abandon(batch: Batch) -> Effects:
-    """A pass that will not be committed (its forward failed): free the slots it was given."""
-    return Effects(free_slots=batch.out_slots)
+def abandon(batch: Batch, written: bool = False) -> Effects:
+    """A pass that will not be committed (its forward failed, or a plan made ahead is not
+    used): free the slots it was given. `written`: the pass's `decode_writes` may have been
+    applied already (it was running while the next pass was planned); those table entries,
+    past each request's committed length, are emptied again."""
+    if not written:
+        return Effects(free_slots=batch.out_slots)
+    writes = decode_writes(batch)
+    return Effects(table_rows=writes.table_rows, table_cols=writes.table_cols,
+                   table_slots=np.zeros_like(writes.table_slots), free_slots=batch.out_slots)
 
 
 def filter_batch(running: Running, keep: Sequence[int] | np.ndarray) -> Running:

@@ -141,6 +141,20 @@ def test_planning_ahead_agrees_with_the_commit(case, data):
     assert planned.kv_lens.tolist() == (run.kv_lens + batch.new_lens).tolist()
 
 
+@fast
+@given(case=runnings(max_pending=1))
+def test_abandoning_a_pass_that_wrote_early_empties_those_entries(case):
+    run, _ = case
+    batch = state.schedule_decode(run, fresh_slots(len(run)))
+    plain, undo = state.abandon(batch), state.abandon(batch, written=True)
+    assert plain.free_slots.tolist() == undo.free_slots.tolist() == batch.out_slots.tolist()
+    assert plain.table_rows.size == 0
+    early = state.decode_writes(batch)
+    assert undo.table_rows.tolist() == early.table_rows.tolist()
+    assert undo.table_cols.tolist() == early.table_cols.tolist()
+    assert not undo.table_slots.any()  # emptied: the padding slot
+
+
 def test_planning_ahead_is_for_decode_passes_only():
     run = running_of([1], [0], [0], [3], [3], [2], [Rule(5, 0, -1, ())], MAX_CONTEXT)
     batch = state.schedule_extend(run, [3], [1, 2, 2], fresh_slots(3))
