@@ -46,6 +46,7 @@ class StateCoreMachine(RuleBasedStateMachine):
         self.finished: dict[int, FinishReason] = {}
         self.recorder = SnapshotRecorder()
         self.recorder.record(self.running)
+        self.plan: state.Batch | None = None  # a decode pass planned ahead (decode_ahead)
 
     # --- helpers ----------------------------------------------------------------------------
     def _ready(self, pending: int) -> np.ndarray:
@@ -69,8 +70,15 @@ class StateCoreMachine(RuleBasedStateMachine):
         self.ref_free -= set(slots.tolist())
         return slots
 
-    def _apply(self, effects: state.Effects) -> None:
-        self.book.apply(effects)
+    def _drop_plan(self) -> None:
+        """The engine drops a plan made ahead once the batch changes: its slots go back."""
+        if self.plan is not None:
+            self.book.apply(state.abandon(self.plan))
+            self.ref_free |= set(self.plan.out_slots.tolist())
+            self.plan = None
+
+    def _apply(self, effects: state.Effects, table_written: bool = False) -> None:
+        self.book.apply(effects, table_written)
         for rid, tokens in effects.emitted().items():
             self.history[rid].extend(tokens)
         self.finished.update(effects.finished())
@@ -114,6 +122,7 @@ class StateCoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.book is not None and self.book.table.num_free_rows > 0)
     @rule(prompt=st.lists(tokens_st, min_size=1, max_size=12), finish_rule=rules_strategy)
     def add_request(self, prompt: list[int], finish_rule: Rule) -> None:
+        self._drop_plan()
         rid = len(self.ref)
         self.ref[rid] = RefRequest(list(prompt), len(prompt), finish_rule)
         self.history[rid] = list(prompt)
@@ -124,6 +133,7 @@ class StateCoreMachine(RuleBasedStateMachine):
     @rule()
     def readmit(self) -> None:
         """A retracted request comes back with every known token pending and no KV."""
+        self._drop_plan()
         self._admit(self.waiting.pop(0))
 
     def _admit(self, rid: int) -> None:
@@ -139,6 +149,7 @@ class StateCoreMachine(RuleBasedStateMachine):
     @rule(chunk_size=st.integers(1, 16), data=st.data())
     def step(self, chunk_size: int, data: st.DataObject) -> None:
         """Extend chunks for requests with more than one pending token, else decode all."""
+        self._drop_plan()
         todo = self._ready(pending=2)
         if todo.size == 0:
             self.decode(data)
@@ -167,6 +178,7 @@ class StateCoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.book is not None and len(self.running) > 0)
     @rule(data=st.data())
     def decode(self, data: st.DataObject) -> None:
+        self._drop_plan()
         todo = self._ready(pending=1)
         if todo.size == 0:
             return
@@ -186,6 +198,7 @@ class StateCoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.book is not None and len(self.running) > 0)
     @rule(data=st.data())
     def verify(self, data: st.DataObject) -> None:
+        self._drop_plan()
         todo = self._ready(pending=1)
         if todo.size == 0:
             return
@@ -211,8 +224,57 @@ class StateCoreMachine(RuleBasedStateMachine):
         self._commit(result, rest)
 
     @precondition(lambda self: self.book is not None and len(self.running) > 0)
+    @rule(rounds=st.integers(1, 4), data=st.data())
+    def decode_ahead(self, rounds: int, data: st.DataObject) -> None:
+        """The engine's plan_ahead: decodes of every request, during each of which the next
+        decode is planned (its table entries written early, the next slots taken as if
+        nobody finished). The plan is held across rules and used only if the committed
+        Running has the same layout; any other rule drops it."""
+        for _ in range(rounds):
+            if len(self.running):
+                self._decode_ahead_once(data)
+
+    def _decode_ahead_once(self, data: st.DataObject) -> None:
+        if self._ready(pending=2).size:  # someone is still prefilling: the engine extends
+            self._drop_plan()
+            return
+        plan, self.plan = self.plan, None
+        if plan is not None and state.same_layout(plan.running, self.running):
+            batch = state.schedule_decode(self.running, plan.out_slots)
+        else:
+            self.plan = plan
+            self._drop_plan()
+            slots = self._alloc(len(self.running))
+            if slots is None:
+                return
+            batch = state.schedule_decode(self.running, slots)
+        self.recorder.record(batch)
+        following = state.assume_decoded(batch)
+        written = self.book.slots.num_free >= len(following)
+        if written:
+            self.book.apply(state.decode_writes(batch))
+            slots = self.book.slots.alloc(len(following))
+            assert set(slots.tolist()) <= self.ref_free, "allocator handed out a used slot"
+            self.ref_free -= set(slots.tolist())
+            self.plan = state.schedule_decode(following, slots)
+            self.recorder.record(self.plan)
+        sampled = data.draw(st.lists(tokens_st, min_size=len(batch.running),
+                                     max_size=len(batch.running)))
+        result = state.decode(batch, sampled)
+        for rid, slot, token in zip(batch.running.rids.tolist(), batch.out_slots.tolist(),
+                                    sampled, strict=True):
+            self.ref[rid].slots.append(slot)
+            self._ref_emit(rid, [token])
+        self.recorder.record(result.running)
+        self.running = result.running
+        self._apply(result.effects, table_written=written)
+        if self.plan is not None and not state.same_layout(self.plan.running, self.running):
+            self._drop_plan()
+
+    @precondition(lambda self: self.book is not None and len(self.running) > 0)
     @rule(data=st.data())
     def retract(self, data: st.DataObject) -> None:
+        self._drop_plan()
         self._leave([data.draw(st.integers(0, len(self.running) - 1))], None)
 
     @precondition(lambda self: self.book is not None and len(self.running) > 0)
@@ -220,6 +282,7 @@ class StateCoreMachine(RuleBasedStateMachine):
                                                   FinishReason.STOP]))
     def finish(self, data: st.DataObject, reason: FinishReason) -> None:
         """Abort, finish by length, or a stop string matched by the shell."""
+        self._drop_plan()
         indices = data.draw(st.lists(st.integers(0, len(self.running) - 1), min_size=1,
                                      max_size=3, unique=True))
         self._leave(indices, reason)
@@ -236,7 +299,7 @@ class StateCoreMachine(RuleBasedStateMachine):
     def slots_conserved_and_rows_exact(self) -> None:
         if self.book is None:
             return
-        self.book.check(self.running)
+        self.book.check(self.running, None if self.plan is None else self.plan.out_slots)
         assert set(self.book.slots.free_slots().tolist()) == self.ref_free
         run = self.running
         assert sorted(run.rids.tolist()) == sorted(
@@ -261,6 +324,7 @@ class StateCoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.book is None:
             return
+        self._drop_plan()
         self._leave(list(range(len(self.running))), FinishReason.ABORT)
         assert len(self.running) == 0
         assert self.book.slots.num_free == self.book.slots.capacity
