@@ -19,7 +19,6 @@ from engine.ahead import PlanAhead
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.kv import KVBook
-from engine.model.sampling import greedy_tokens
 from engine.request import Completion, Delta, Request
 from engine.runtime import Runtime, build_runtime
 from engine.state import FinishReason, FinishRules, Running, SamplingParams
@@ -251,14 +250,15 @@ class Engine:
         """Launch the pass and its sampling; the tokens stay on the device until `_fetch`.
         If either fails, the slots handed to the pass go back to the pool."""
         try:
+            inputs = None  # all greedy: no per-request work
+            if self._sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
+                uids = batch.running.rids[batch.samples]
+                params = [self.requests[int(u)].params for u in uids]
+                steps = [len(self.requests[int(u)].output_ids) for u in uids]
+                inputs = self.runtime.sampling_inputs(params, uids, steps)
             logits = (self.runner.forward(batch) if prepared is None
                       else self.runner.launch(prepared, batch))
-            if not self._sampling_uids:  # all greedy: no per-request work
-                return greedy_tokens(logits)
-            uids = batch.running.rids[batch.samples]
-            params = [self.requests[int(u)].params for u in uids]
-            steps = [len(self.requests[int(u)].output_ids) for u in uids]
-            return self.runtime.sample(logits, params, uids, steps)
+            return self.runtime.sample(logits, inputs)
         except BaseException:
             self.book.apply(state.abandon(batch))
             raise

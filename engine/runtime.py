@@ -59,16 +59,21 @@ class Runtime:
         return ModelRunner(self.model, get_backend(self.backend_name, pool), self.device,
                            graph_max_batch, tree_nodes)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], uids: np.ndarray,
-               steps: list[int]) -> torch.Tensor:
-        """One token per row, on the logits' device (the caller reads them when it needs
-        them, so the host can work meanwhile)."""
+    def sampling_inputs(self, params: list[SamplingParams], uids: np.ndarray,
+                        steps: list[int]) -> SamplingTensors | None:
+        """The rows' sampling tensors on the device (None: all greedy). Built before the pass
+        is launched: their host-to-device copies then do not wait for the pass."""
         if all(p.greedy for p in params):
-            return greedy_tokens(logits)
+            return None
         seeded = [p if p.seed is not None else attrs.evolve(p, seed=self._seed(int(u)))
                   for p, u in zip(params, uids, strict=True)]
-        tensors = SamplingTensors.build(seeded, steps, self.vocab_size, logits.device)
-        return sample(logits, tensors)
+        return SamplingTensors.build(seeded, steps, self.vocab_size, self.device)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, inputs: SamplingTensors | None) -> torch.Tensor:
+        """One token per row, on the logits' device (the caller reads them when it needs
+        them, so the host can work meanwhile)."""
+        return greedy_tokens(logits) if inputs is None else sample(logits, inputs)
 
     def _seed(self, uid: int) -> int:
         # Requests without a seed draw from the engine seed and their own id: reproducible
