@@ -5,8 +5,12 @@ On CUDA the graph path captures real graphs, and the plan overlaps a running rep
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.engine import Engine
 from engine.graphs import GraphRunner
@@ -37,7 +41,7 @@ def _run(engine: Engine, prompts: list, params: list, abort_at: int | None = Non
         engine.check()
         steps += 1
         if steps == abort_at:
-            engine.abort(requests[1].request_id)
+            engine.abort(requests[min(1, len(requests) - 1)].request_id)
     outputs = [(r.output_ids, r.finish_reason) for r in requests]
     engine.check()
     assert engine.book.slots.num_free == engine.book.slots.capacity
@@ -175,3 +179,30 @@ def test_a_failure_around_a_plan_loses_no_slot(failing):
     again = engine.generate(prompts[:1], params[:1])[0]
     reference = _tiny("torch", plan_ahead=False).generate(prompts[:1], params[:1])[0]
     assert again.token_ids == reference.token_ids
+
+
+@st.composite
+def workloads(draw):
+    count = draw(st.integers(1, 6))
+    prompts = [draw(st.lists(st.integers(5, 250), min_size=1, max_size=14)) for _ in range(count)]
+    params = []
+    for _ in range(count):
+        stop = draw(st.lists(st.integers(5, 250), max_size=2))
+        temperature = draw(st.sampled_from([0.0, 0.0, 0.9]))
+        params.append(SamplingParams(max_tokens=draw(st.integers(1, 12)), ignore_eos=True,
+                                     stop_token_ids=tuple(stop), temperature=temperature,
+                                     seed=draw(st.integers(0, 99))))
+    settings_ = dict(max_running_requests=draw(st.integers(1, 4)),
+                     kv_cache_slots=draw(st.sampled_from([40, 64, 256])))
+    abort_at = draw(st.sampled_from([None, 2, 5]))
+    return prompts, params, settings_, abort_at
+
+
+@settings(max_examples=int(os.environ.get("PLAN_AHEAD_EXAMPLES", "12")), deadline=None)
+@given(workload=workloads())
+def test_plan_ahead_changes_nothing_on_random_workloads(workload):
+    """Random prompts, lengths, stop tokens, samplers, row limits, pool sizes and aborts:
+    the same outputs and finish reasons with and without planning ahead, no slot lost."""
+    prompts, params, settings_, abort_at = workload
+    reference = _run(_tiny("torch", plan_ahead=False, **settings_), prompts, params, abort_at)
+    assert _run(_tiny("torch", **settings_), prompts, params, abort_at) == reference
