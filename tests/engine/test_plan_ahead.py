@@ -198,7 +198,9 @@ def workloads(draw):
     return prompts, params, settings_, abort_at
 
 
-@settings(max_examples=int(os.environ.get("PLAN_AHEAD_EXAMPLES", "12")), deadline=None)
+@settings(max_examples=int(os.environ.get("PLAN_AHEAD_EXAMPLES",
+                                           os.environ.get("ENGINE_TEST_EXAMPLES", "12"))),
+          deadline=None)
 @given(workload=workloads())
 def test_plan_ahead_changes_nothing_on_random_workloads(workload):
     """Random prompts, lengths, stop tokens, samplers, row limits, pool sizes and aborts:
