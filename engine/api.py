@@ -81,9 +81,11 @@ class AsyncEngine:
         try:
             while True:
                 delta = await sink.queue.get()
+                # Set before yielding: a consumer may stop right after the final delta, which
+                # closes this generator at the yield; a finished request needs no abort.
+                finished = delta.finish_reason is not None
                 yield delta
-                if delta.finish_reason is not None:
-                    finished = True
+                if finished:
                     return
         finally:
             if not finished:

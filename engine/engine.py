@@ -65,6 +65,11 @@ class Engine:
         if request_id is not None and request_id in self.by_request_id:
             raise InvalidRequest("request_id", f"{request_id!r} is already in use by a "
                                  f"request that has not finished")
+        return self._enqueue(ids, params, request_id, sink)
+
+    def _enqueue(self, ids: list[int], params: SamplingParams, request_id: str | None,
+                 sink: queue.SimpleQueue | None) -> Request:
+        """Queue a request whose prompt and parameters are already validated."""
         request = Request(request_id or "", ids, params, sink=sink)
         if not request.request_id:
             request.request_id = f"req-{request.uid}"
@@ -149,7 +154,7 @@ class Engine:
         step_slots = 1 + (self.config.draft_budget if self.spec else 0)
         held = 0 if self.ahead.held_slots is None else self.ahead.held_slots.shape[0]
         return scheduler.count_admissible(
-            [r.num_tokens for r in self.waiting], self.book.table.num_free_rows,
+            (r.num_tokens for r in self.waiting), self.book.table.num_free_rows,
             self.book.slots.num_free + held, len(self.running) * step_slots,
             self.config.chunk_size, step_slots)
 
@@ -181,7 +186,6 @@ class Engine:
                 # Alone and still too big for the pool: it can never finish.
                 self._commit(state.finish(self.running, [index], FinishReason.LENGTH))
             else:
-                request.num_retractions += 1
                 self.stats["retractions"] += 1
                 self._commit(state.retract(self.running, [index]))
                 self.waiting.appendleft(request)
@@ -292,7 +296,7 @@ class Engine:
             self.stats["generated_tokens"] += len(tokens)
             if self.spec is not None:
                 self.spec.extend(uid, tokens)
-            if self.text.update(request):
+            if self.text.update(request, tokens):
                 if uid in finished:  # the text was cut at a stop string: that is why it ended
                     finished[uid] = FinishReason.STOP
                 else:
@@ -338,7 +342,7 @@ class Engine:
                    for p, sp in zip(batch_prompts, params, strict=True)]
         for ids, _ in checked:
             self._validate(ids)
-        requests = [self._submit(ids, sp, None, None) for ids, sp in checked]
+        requests = [self._enqueue(ids, sp, None, None) for ids, sp in checked]
         while not all(r.done for r in requests):
             self.step()
         return [r.completion() for r in requests]

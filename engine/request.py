@@ -59,9 +59,7 @@ class Request:
     sent_chars: int = 0
     finish_reason: FinishReason = FinishReason.NONE
     detok: Any = None
-    detok_count: int = 0
     sink: queue.SimpleQueue | None = None  # deltas for stream()/AsyncEngine; None: collect only
-    num_retractions: int = 0
     stopped_by_string: bool = False
 
     @property

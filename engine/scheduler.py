@@ -6,7 +6,7 @@ the decisions. Prefill first (FCFS, chunked under a token budget), then decode o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import attrs
 import numpy as np
@@ -43,7 +43,7 @@ def plan_extend(running: Running, token_budget: int) -> ExtendPlan | None:
     return ExtendPlan(candidates[take], chunk[take])
 
 
-def count_admissible(pending_tokens: Sequence[int], free_rows: int, free_slots: int,
+def count_admissible(pending_tokens: Iterable[int], free_rows: int, free_slots: int,
                      reserved_slots: int, token_budget: int, step_slots: int = 1) -> int:
     """How many waiting requests (FCFS, a prefix of the queue) to admit now.
 

@@ -45,15 +45,15 @@ class TextOutput:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def update(self, request: Request) -> bool:
-        """Extend request.text from its new output ids; True when a stop string matched."""
+    def update(self, request: Request, new_ids: list[int]) -> bool:
+        """Extend request.text by its output ids just gained (`new_ids`, already appended to
+        request.output_ids); True when a stop string matched."""
         if self.tokenizer is None:
             return False
         if request.detok is None:
             request.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
         old_len = len(request.text)
-        request.text += request.detok.add(request.output_ids[request.detok_count:])
-        request.detok_count = len(request.output_ids)
+        request.text += request.detok.add(new_ids)
         stops = request.params.stop
         if not stops:
             return False

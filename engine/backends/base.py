@@ -8,10 +8,10 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from engine.kv import PADDING_SLOT  # noqa: F401  (padded writes go there; re-exported)
 from engine.state import Batch, Mode
 
 
-PADDING_SLOT = 0  # the pool's padding slot (engine.kv hands out 1..capacity); padded writes go here
 
 
 class BufferTooSmall(ValueError):
@@ -54,8 +54,7 @@ class ForwardMetadata:
     qo_indptr: torch.Tensor  # [B + 1] int32
     kv_indptr: torch.Tensor  # [B + 1] int32
     kv_indices: torch.Tensor  # [seq_lens.total] int32
-    prefix_lens: torch.Tensor  # [B] int32
-    seq_lens: torch.Tensor  # [B] int32
+    prefix_lens: torch.Tensor  # [B] int32 (seq_lens are kv_indptr's differences)
     out_slots: torch.Tensor  # [new_lens.total] int64
     tree_bits: torch.Tensor | None  # [new_lens.total] int64 ancestor-or-self bits (verify)
     max_new_len: int
@@ -65,15 +64,15 @@ class ForwardMetadata:
 
 def host_metadata(batch: Batch, device: torch.device) -> dict:
     """The host-derived part shared by all backends: indptrs and lengths, on `device`."""
-    seq_lens, kv_indptr = batch.seq_lens.to_device(device)
-    prefix_lens, _ = batch.prefix_lens.to_device(device)
-    _, qo_indptr = batch.new_lens.to_device(device)
+    kv_indptr = batch.seq_lens.indptr_to(device)
+    prefix_lens = batch.prefix_lens.lens_to(device)
+    qo_indptr = batch.new_lens.indptr_to(device)
     out_slots = torch.from_numpy(batch.out_slots.copy()).to(device)
     tree_bits = None
     if batch.trees is not None:
         tree_bits = torch.from_numpy(batch.trees.ancestor_bits.copy()).to(device)
     return dict(mode=batch.mode, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                prefix_lens=prefix_lens, seq_lens=seq_lens, out_slots=out_slots,
+                prefix_lens=prefix_lens, out_slots=out_slots,
                 tree_bits=tree_bits, max_new_len=batch.new_lens.max,
                 max_seq_len=batch.seq_lens.max)
 

@@ -41,9 +41,7 @@ class TorchBackend(AttentionBackend):
         kv_indices = build_kv_indices(self.pool.req_to_token, rows, meta["prefix_lens"],
                                       meta["kv_indptr"], meta["qo_indptr"], meta["out_slots"],
                                       batch.seq_lens.total)
-        hosts = dict(qo=batch.new_lens.indptr().tolist(), kv=batch.seq_lens.indptr().tolist(),
-                     prefix=batch.prefix_lens.tolist())
-        metadata = ForwardMetadata(kv_indices=kv_indices, extra={"host": hosts}, **meta)
+        metadata = ForwardMetadata(kv_indices=kv_indices, **meta)
         if batch.new_lens.total:
             metadata.extra["padded"] = padded_layout(metadata)
         return metadata
@@ -64,12 +62,12 @@ class TorchBackend(AttentionBackend):
         K/V of the new tokens must already be in the pool."""
         k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
         out = torch.empty_like(q)
-        hosts = metadata.extra["host"]
-        for i, prefix in enumerate(hosts["prefix"]):
-            q0, q1 = hosts["qo"][i], hosts["qo"][i + 1]
+        qo, kv = metadata.qo_indptr.tolist(), metadata.kv_indptr.tolist()
+        for i, prefix in enumerate(metadata.prefix_lens.tolist()):
+            q0, q1 = qo[i], qo[i + 1]
             if q1 == q0:
                 continue
-            slots = metadata.kv_indices[hosts["kv"][i]:hosts["kv"][i + 1]].long()
+            slots = metadata.kv_indices[kv[i]:kv[i + 1]].long()
             mask = _mask(metadata, q0, q1, prefix, slots.shape[0], q.device)
             out[q0:q1] = attend(q[q0:q1], k_cache[slots], v_cache[slots], mask, scale)
         return out
@@ -99,8 +97,10 @@ def padded_layout(metadata: ForwardMetadata) -> dict[str, torch.Tensor]:
         query_pos = prefix + torch.arange(q_rows.shape[1], device=q_rows.device)[None, :, None]
         visible = key_pos <= query_pos
     visible = visible & k_valid[:, None, :] & q_valid[:, :, None]
-    return dict(slots=metadata.kv_indices.long()[k_rows], q_rows=q_rows,
-                out_rows=q_rows[q_valid], q_valid=q_valid, visible=visible[:, None])
+    # The real queries, read row by row from [B, Q], are the new tokens 0..T-1 in order.
+    real = q_valid.flatten().nonzero().squeeze(1)
+    return dict(slots=metadata.kv_indices.long()[k_rows], q_rows=q_rows, real=real,
+                visible=visible[:, None])
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   metadata: ForwardMetadata, scale: float) -> torch.Tensor:
     """All requests at once, padded to the longest: [B, Hq, Qmax, Lmax] scores in fp32 with
     the same masks as `_mask` (padding keys and queries masked out)."""
-    batch_size = metadata.seq_lens.shape[0]
+    batch_size = metadata.prefix_lens.shape[0]
     if q.shape[0] == 0 or batch_size == 0:
         return torch.zeros_like(q)
     layout = metadata.extra.get("padded") or padded_layout(metadata)
@@ -141,9 +141,7 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out_padded = out_padded.unflatten(2, (group, num_q)).permute(0, 3, 1, 2, 4).flatten(2, 3)
     if metadata.mode == Mode.DECODE:
         return out_padded[:, 0].to(q.dtype)
-    out = torch.empty_like(q)
-    out[layout["out_rows"]] = out_padded[layout["q_valid"]].to(q.dtype)
-    return out
+    return out_padded.flatten(0, 1).index_select(0, layout["real"]).to(q.dtype)
 
 
 def _mask(metadata: ForwardMetadata, q0: int, q1: int, prefix: int, kv_len: int,

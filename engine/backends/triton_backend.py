@@ -27,16 +27,16 @@ from engine.backends.base import (
     register,
 )
 from engine.backends.triton_decode import choose_num_splits, decode_attention
+from engine.backends.triton_decode import num_sms as _num_sms
 from engine.backends.triton_extend import extend_attention
 from engine.backends.triton_index import build_kv_indices_into
-from engine.state import MAX_TREE_NODES, Batch, Mode
+from engine.state import MAX_TREE_NODES, Batch, Mode, SeqLens
 
 
 # The arrays a plan stages, in their order in the staging buffers, and their capacities as
 # functions of (max_batch, max_tokens).
 _STAGED = (("qo_indptr", lambda b, t: b + 1), ("kv_indptr", lambda b, t: b + 1),
-           ("prefix_lens", lambda b, t: b), ("seq_lens", lambda b, t: b),
-           ("rows", lambda b, t: b), ("out_slots", lambda b, t: t), ("tree_bits", lambda b, t: t))
+           ("prefix_lens", lambda b, t: b), ("rows", lambda b, t: b), ("out_slots", lambda b, t: t), ("tree_bits", lambda b, t: t))
 
 
 @attrs.frozen(eq=False)
@@ -50,7 +50,6 @@ class GraphBuffers:
     qo_indptr: torch.Tensor  # [max_batch + 1] int64
     kv_indptr: torch.Tensor  # [max_batch + 1] int64
     prefix_lens: torch.Tensor  # [max_batch] int64
-    seq_lens: torch.Tensor  # [max_batch] int64
     rows: torch.Tensor  # [max_batch] int64
     out_slots: torch.Tensor  # [max_tokens] int64
     tree_bits: torch.Tensor  # [max_tokens] int64
@@ -59,6 +58,7 @@ class GraphBuffers:
     staging_host: torch.Tensor  # int64, pinned on CUDA: every host array of a plan, packed
     staging_device: torch.Tensor  # int64: the arrays above are views of it
     offsets: dict  # name -> start of its region in the staging buffers
+    staged: torch.cuda.Event | None  # recorded after each staging copy (CUDA only)
 
     @property
     def max_batch(self) -> int:
@@ -67,12 +67,6 @@ class GraphBuffers:
     @property
     def max_tokens(self) -> int:
         return int(self.out_slots.shape[0])
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # the interpreter: as few programs as possible
 
 
 @register("triton")
@@ -98,7 +92,8 @@ class TritonBackend(AttentionBackend):
                             max_tree_nodes=max_tree_nodes,
                             staging_host=torch.zeros(size, dtype=torch.int64,
                                                      pin_memory=device.type == "cuda"),
-                            staging_device=staging_device, offsets=offsets)
+                            staging_device=staging_device, offsets=offsets,
+                            staged=torch.cuda.Event() if device.type == "cuda" else None)
 
     def plan(self, batch: Batch, buffers: GraphBuffers | None = None,
              padded_batch_size: int | None = None, padded_num_tokens: int | None = None,
@@ -173,13 +168,11 @@ class TritonBackend(AttentionBackend):
         """Copy the padded host arrays into the buffers; return views of the used parts.
         Padding requests own no keys and no tokens; padding tokens belong to no request."""
         zeros = np.zeros(padded - len(batch.running), dtype=np.int64)
-        new_lens = np.concatenate([batch.new_lens.lens, zeros])
-        seq_lens = np.concatenate([batch.seq_lens.lens, zeros])
+        no_tokens = SeqLens.full(zeros.shape[0], 0)  # the padding requests' lengths
         host = {
-            "qo_indptr": np.concatenate([[0], np.cumsum(new_lens)]),
-            "kv_indptr": np.concatenate([[0], np.cumsum(seq_lens)]),
+            "qo_indptr": batch.new_lens.concat(no_tokens).indptr(),
+            "kv_indptr": batch.seq_lens.concat(no_tokens).indptr(),
             "prefix_lens": np.concatenate([batch.prefix_lens.lens, zeros]),
-            "seq_lens": seq_lens,
             "rows": np.concatenate([batch.running.rows, zeros]),
             "out_slots": np.concatenate([batch.out_slots, np.full(
                 num_tokens - batch.new_lens.total, PADDING_SLOT, dtype=np.int64)]),
@@ -231,19 +224,14 @@ class TritonBackend(AttentionBackend):
                                 metadata.extra["max_q"], scale)
 
 
-_STAGING_EVENTS: dict[int, torch.cuda.Event] = {}
-
-
 def _wait_for_staging(buffers: GraphBuffers) -> None:
-    event = _STAGING_EVENTS.get(id(buffers.staging_host))
-    if event is not None:
-        event.synchronize()
+    if buffers.staged is not None:  # an event never recorded returns at once
+        buffers.staged.synchronize()
 
 
 def _record_staging(buffers: GraphBuffers) -> None:
-    if buffers.staging_device.device.type == "cuda":
-        event = _STAGING_EVENTS.setdefault(id(buffers.staging_host), torch.cuda.Event())
-        event.record()
+    if buffers.staged is not None:
+        buffers.staged.record()
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

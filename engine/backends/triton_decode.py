@@ -7,10 +7,14 @@ and the ancestor mask. A merge kernel combines the splits' partial outputs by th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine.backends.triton_extend import _online_softmax_step
 
 TARGET_PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 128
@@ -40,6 +44,15 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (1 in the interpreter: as few programs as
+    possible), looked up once per device."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
 def choose_verify_config(programs: int, num_sms: int) -> dict:
     """The verify config whose programs fill their waves best (ties: the first)."""
     def wave_fill(per_sm: int) -> float:
@@ -66,23 +79,15 @@ def _attend_keys(q_block, k_cache, v_cache, kv_indices, kv_start, start, hi, hea
         kv_offs = slots[:, None] * stride_ct + head_base
         k_block = tl.load(k_cache + kv_offs)
         v_block = tl.load(v_cache + kv_offs)
-    scores = tl.dot(q_block, tl.trans(k_block)) * sm_scale_log2
-    if MASKED:
-        visible = key_ok[None, :]
-        if TREE:
-            node = keys - prefix
-            in_tree = node >= 0
-            shift = tl.where(in_tree, node, 0).to(tl.int64)
-            ancestor = ((bits[:, None] >> shift[None, :]) & 1) != 0
-            visible = visible & (ancestor | (~in_tree)[None, :])
-        scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(scores - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v_block.dtype), v_block)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return m_new, l_i, acc
+    visible = key_ok[None, :]  # read only when MASKED
+    if MASKED and TREE:
+        node = keys - prefix
+        in_tree = node >= 0
+        shift = tl.where(in_tree, node, 0).to(tl.int64)
+        ancestor = ((bits[:, None] >> shift[None, :]) & 1) != 0
+        visible = visible & (ancestor | (~in_tree)[None, :])
+    return _online_softmax_step(q_block, k_block, v_block, visible, m_i, l_i, acc,
+                                sm_scale_log2, MASKED)
 
 
 @triton.jit
@@ -223,8 +228,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     elif tree_bits is None:
         base = DECODE_CONFIG
     else:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        base = choose_verify_config(num_requests * num_kv_heads * num_splits, sms)
+        base = choose_verify_config(num_requests * num_kv_heads * num_splits, num_sms(q.device))
     cfg = {**base, **(config or {})}
     if num_tokens == 0 or num_requests == 0:
         return out

@@ -1,6 +1,6 @@
 """Triton kernels for a Llama layer's elementwise work, one launch each: RMSNorm (alone or fused
-with the residual add), RoPE on q and k in place (optionally storing k and v into the KV
-cache in the same launch), and SiLU(gate) * up; `linear` adds the one-row matrix-vector
+with the residual add), RoPE on q and k in place with k and v stored into the KV cache in
+the same launch, and SiLU(gate) * up; `linear` adds the one-row matrix-vector
 kernel. Math is fp32; results are rounded to the input dtype where the torch reference
 rounds them.
 """
@@ -37,27 +37,6 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_r,
     scale = tl.load(weight + cols, mask=in_row, other=0.0).to(tl.float32)
     tl.store(out + token * stride_o + cols, (normed * scale).to(out.dtype.element_ty),
              mask=in_row)
-
-
-@triton.jit
-def _rope_kernel(qkv, cos, sin, stride_t, stride_cos, stride_sin, num_rotated_heads, half,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_HALF)
-    in_half = dims < half
-    mask = (heads < num_rotated_heads)[:, None] & in_half[None, :]
-    first_ptrs = qkv + token * stride_t + heads[:, None] * (2 * half) + dims[None, :]
-    first = tl.load(first_ptrs, mask=mask, other=0.0)
-    second = tl.load(first_ptrs + half, mask=mask, other=0.0).to(tl.float32)
-    cos_half = tl.load(cos + token * stride_cos + dims, mask=in_half, other=0.0)
-    sin_half = tl.load(sin + token * stride_sin + dims, mask=in_half, other=0.0)
-    cos_half = cos_half.to(tl.float32)[None, :]
-    sin_half = sin_half.to(tl.float32)[None, :]
-    first32 = first.to(tl.float32)
-    tl.store(first_ptrs, (first32 * cos_half - second * sin_half).to(first.dtype), mask=mask)
-    tl.store(first_ptrs + half, (second * cos_half + first32 * sin_half).to(first.dtype),
-             mask=mask)
 
 
 @triton.jit
@@ -151,26 +130,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return _norm_launch(x, residual, weight, eps)
 
 
-def rope_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_rotated_heads: int,
-             head_dim: int) -> torch.Tensor:
-    """Rotates, in place, the first `num_rotated_heads` heads of each row of qkv [T, width]
-    (the q heads then the k heads of a fused projection) by cos/sin [T, >= head_dim / 2]
-    (rotate-half layout: only the first half of each table row is read). Returns qkv."""
-    half = head_dim // 2
-    if head_dim % 2 or num_rotated_heads * head_dim > qkv.shape[-1]:
-        raise ValueError(f"cannot rotate {num_rotated_heads} heads of size {head_dim} in rows "
-                         f"of {qkv.shape[-1]}; the head size must be even and the heads fit")
-    _check_rows("qkv", qkv, qkv.shape[-1])
-    _check_rope_tables(qkv, cos, sin, half)
-    if qkv.shape[0] > 0:
-        heads_per_program = min(ROPE_HEADS_PER_PROGRAM, triton.next_power_of_2(num_rotated_heads))
-        grid = (qkv.shape[0], triton.cdiv(num_rotated_heads, heads_per_program))
-        _rope_kernel[grid](qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0),
-                           num_rotated_heads, half, BLOCK_H=heads_per_program,
-                           BLOCK_HALF=triton.next_power_of_2(half))
-    return qkv
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up from gate_up [T, 2 * inter] (gate first) -> [T, inter]."""
     inter = gate_up.shape[-1] // 2
@@ -183,13 +142,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block)
     return out
-
-
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-             num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k (rotated in place, one launch) and v as head views of qkv [T, width]."""
-    rope_qk_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
-    return split_heads(qkv, num_heads, num_kv_heads, head_dim)
 
 
 def _check_rope_tables(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

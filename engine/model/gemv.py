@@ -64,10 +64,9 @@ def _gemv_rows_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om,
              mask=in_m[:, None] & in_n[None, :])
 
 
-def _config(rows: int, n: int, k: int) -> dict:
-    """Launch parameters: the fastest of the swept configurations for qkv and o_proj at one
-    row on the H200 (`benchmarks/bench_gemv.py --sweep`)."""
-    return dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
+# Launch parameters: the fastest of the swept configurations for qkv and o_proj at one row on
+# the H200 (`benchmarks/bench_gemv.py --sweep`).
+GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
@@ -84,7 +83,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> t
         raise ValueError(f"gemv needs unit stride along K; got x strides {x.stride()}, "
                          f"weight strides {weight.stride()}")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    params = dict(_config(rows, n, k), **(config or {}))
+    params = dict(GEMV_CONFIG, **(config or {}))
     kernel = _gemv_rows_kernel if params.pop("all_rows", False) else _gemv_kernel
     grid = (triton.cdiv(n, params["BLOCK_N"]),)
     kernel[grid](x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),

@@ -58,8 +58,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class TorchOps:
     """A layer's elementwise work and matrix products in plain torch: what CPU runs, and the
-    oracle for `engine.model.fused`, which has the same functions (plus `rope_qkv_store`,
-    used where `stores_kv` is true)."""
+    oracle for `engine.model.fused`, which has the same functions except that its RoPE is
+    `rope_qkv_store` (the model calls that where `stores_kv` is true)."""
 
     rms_norm = staticmethod(rms_norm)
     linear = staticmethod(F.linear)
@@ -153,7 +153,7 @@ class DecoderLayer(nn.Module):
         qkv = ops.linear(normed, self.qkv_proj)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = backend.pool.k_cache[self.index], backend.pool.v_cache[self.index]
-        stored = ops.stores_kv and k_cache.dtype == qkv.dtype
+        stored = ops.stores_kv  # the kernel casts K/V to the cache dtype, as the backends do
         if stored:  # rotation and the K/V cache write in one launch
             q, k, v = ops.rope_qkv_store(qkv, cos, sin, *heads, k_cache, v_cache,
                                          metadata.out_slots)

@@ -77,7 +77,7 @@ class ServerMetrics:
                                          registry=registry)
         self.http_in_flight = Gauge("engine_http_requests_in_flight",
                                     "Generation requests the server is answering",
-                                    registry=registry)
+                                    registry=registry)  # reads ServerState.in_flight
         Gauge("engine_speculative_enabled", "1 when speculative decoding is on",
               registry=registry).set(1 if speculative else 0)
         registry.register(_EngineCollector(self))

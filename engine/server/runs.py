@@ -27,6 +27,10 @@ class ServerState:
     in_flight: set[str] = attrs.field(factory=set)
     draining: bool = False
 
+    def __attrs_post_init__(self) -> None:
+        # The gauge reads the set when scraped: no count is kept beside it.
+        self.metrics.http_in_flight.set_function(lambda: len(self.in_flight))
+
     def abort_all(self) -> None:
         """Shutdown: refuse new requests and abort every request in flight."""
         self.draining = True
@@ -68,7 +72,6 @@ async def run_request(state: ServerState, request: Request, endpoint: str, promp
     """
     arrival_s = time.perf_counter()
     state.in_flight.add(request_id)
-    state.metrics.http_in_flight.inc()
     watcher = asyncio.create_task(_abort_on_disconnect(request, state, request_id))
     finished = False
     last_token_s: float | None = None
@@ -89,7 +92,6 @@ async def run_request(state: ServerState, request: Request, endpoint: str, promp
     finally:
         watcher.cancel()
         state.in_flight.discard(request_id)
-        state.metrics.http_in_flight.dec()
-        if not finished:  # the client left, or the stream was cancelled: free its slots now
-            state.aengine.abort(request_id)
+        if not finished:  # the client left, or the stream was cancelled: closing `deltas`
+            # above aborted the request, which frees its slots at the engine's next step
             state.metrics.requests_finished.labels(endpoint, "abort").inc()

@@ -5,15 +5,7 @@ from __future__ import annotations
 import attrs
 
 from engine.state.batch import MAX_TREE_NODES
-
-
-def _check(field: str, value: object, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}={value!r} is not allowed; {field} must be {allowed}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+from engine.state.params import _check, _is_int
 
 
 def _is_number(value: object) -> bool:

@@ -14,7 +14,6 @@ from engine.state.transitions import (
     decode,
     decode_writes,
     extend,
-    filter_batch,
     finish,
     merge,
     retract,
@@ -28,7 +27,7 @@ from engine.state.transitions import (
 __all__ = [
     "MAX_TREE_NODES", "Batch", "DraftTrees", "Mode", "FinishReason", "first_finish",
     "SamplingParams", "FinishRules", "Running", "SeqLens", "frozen_array", "Effects", "Result",
-    "abandon", "abort", "assume_decoded", "decode", "decode_writes", "extend", "filter_batch",
-    "finish", "merge", "retract",
-    "same_layout", "schedule_decode", "schedule_extend", "schedule_verify", "verify",
+    "abandon", "abort", "assume_decoded", "decode", "decode_writes", "extend", "finish",
+    "merge", "retract", "same_layout", "schedule_decode", "schedule_extend", "schedule_verify",
+    "verify",
 ]

@@ -169,10 +169,14 @@ class SeqLens:
             freeze(np.concatenate([self.lens, *(other.lens for other in others)])))
 
     # --- device mirrors: derived here and nowhere else ------------------------------------
-    def to_device(self, device: object) -> tuple[object, object]:
-        """(int32 lengths, int32 indptr) as torch tensors on `device`."""
+    def lens_to(self, device: object) -> object:
+        """The lengths as an int32 torch tensor on `device`."""
         import torch
 
-        lens = torch.from_numpy(self.lens.astype(np.int32)).to(device, non_blocking=True)
-        indptr = torch.from_numpy(self.indptr().astype(np.int32)).to(device, non_blocking=True)
-        return lens, indptr
+        return torch.from_numpy(self.lens.astype(np.int32)).to(device, non_blocking=True)
+
+    def indptr_to(self, device: object) -> object:
+        """indptr() as an int32 torch tensor on `device` (its last entry is the total)."""
+        import torch
+
+        return torch.from_numpy(self.indptr().astype(np.int32)).to(device, non_blocking=True)

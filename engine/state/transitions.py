@@ -328,9 +328,5 @@ def abandon(batch: Batch, written: bool = False) -> Effects:
                    table_slots=np.zeros_like(writes.table_slots), free_slots=batch.out_slots)
 
 
-def filter_batch(running: Running, keep: Sequence[int] | np.ndarray) -> Running:
-    return running.select(keep)
-
-
 def merge(first: Running, second: Running) -> Running:
     return first.merge(second)

@@ -75,8 +75,7 @@ def test_plans_at_one_padded_size_share_addresses_and_launch_shape() -> None:
     buffers = backend.graph_buffers(max_batch=8, max_tokens=8, max_kv_tokens=256)
     plans = [backend.plan(schedule_decode(running.select(idx), slots[idx]), buffers=buffers,
                           padded_batch_size=4) for idx in ([0, 2], [1, 3, 4])]
-    for name in ("qo_indptr", "kv_indptr", "kv_indices", "prefix_lens", "seq_lens",
-                 "out_slots"):
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "prefix_lens", "out_slots"):
         first, second = getattr(plans[0], name), getattr(plans[1], name)
         assert first.data_ptr() == second.data_ptr() and first.shape == second.shape, name
     assert plans[0].extra == plans[1].extra and plans[0].max_new_len == plans[1].max_new_len

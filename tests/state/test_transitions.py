@@ -314,7 +314,7 @@ def test_leaving_needs_a_reason_and_valid_distinct_indices():
 @given(first=runnings(), second=runnings(), data=st.data())
 def test_filter_and_merge_keep_lengths_and_sums_exact(first, second, data):
     a, _ = first
-    b = state.filter_batch(second[0], np.arange(len(second[0])))
+    b = second[0].select(np.arange(len(second[0])))
     b = Running(b.rids + 100, b.rows + 100, b.kv_lens, b.token_lens, b.prompt_lens,
                 b.last_tokens, b.rules, b.max_context)
     merged = state.merge(a, b)
@@ -323,7 +323,7 @@ def test_filter_and_merge_keep_lengths_and_sums_exact(first, second, data):
     assert merged.rules.stop_ids.shape[1] == max(a.rules.stop_ids.shape[1],
                                                  b.rules.stop_ids.shape[1])
     keep = data.draw(st.lists(st.integers(0, len(merged) - 1), unique=True)) if len(merged) else []
-    kept = state.filter_batch(merged, keep)
+    kept = merged.select(keep)
     assert kept.rids.tolist() == merged.rids[np.array(keep, dtype=int)].tolist()
     assert kept.kv_lens.total == sum(merged.kv_lens.tolist()[k] for k in keep)
     if len(a):

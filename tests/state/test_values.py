@@ -40,7 +40,7 @@ def test_seqlens_ops_match_python_lists(lens, data):
     other = data.draw(lens_lists)
     joined = seq.concat(SeqLens(other))
     assert joined.tolist() == lens + other and joined.total == sum(lens) + sum(other)
-    device_lens, device_indptr = seq.to_device("cpu")
+    device_lens, device_indptr = seq.lens_to("cpu"), seq.indptr_to("cpu")
     assert device_lens.tolist() == lens and device_indptr.tolist() == seq.indptr().tolist()
 
 
