@@ -26,9 +26,10 @@ def test_batch_equals_each_prompt_alone(default_engine, assert_all_free):
 
 
 def test_results_come_back_in_input_order_with_usage(default_engine):
-    results = default_engine.generate(PROMPTS[:2], [SamplingParams(max_tokens=3),
-                                                    SamplingParams(max_tokens=5)])
-    assert [len(r.token_ids) for r in results] == [3, 5] or results[0].finish_reason == "stop"
+    results = default_engine.generate(PROMPTS[:2], [SamplingParams(max_tokens=3, ignore_eos=True),
+                                                    SamplingParams(max_tokens=5, ignore_eos=True)])
+    assert [len(r.token_ids) for r in results] == [3, 5]
+    assert [r.finish_reason for r in results] == ["length", "length"]
     for result in results:
         assert result.usage.completion_tokens == len(result.token_ids)
         assert result.usage.prompt_tokens == len(result.prompt_token_ids) > 0
@@ -84,6 +85,7 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(default_engine, asse
     engine = default_engine
     good = engine.submit("The quick brown fox", SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()
+    request = engine.by_request_id[good]
     with pytest.raises(InvalidRequest) as info:
         engine.submit(prompt, params)
     assert info.value.field == field
@@ -91,6 +93,7 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(default_engine, asse
     while engine.has_work:
         engine.step()
     assert good not in engine.by_request_id
+    assert len(request.output_ids) == 4 and request.finish_reason.openai == "length"
     assert_all_free(engine)
 
 
@@ -118,6 +121,12 @@ def test_seeded_sampling_is_reproducible(default_engine):
     second = default_engine.generate([PROMPTS[2], PROMPTS[0]], params)
     assert first[0].token_ids == second[1].token_ids
     assert first[1].token_ids == second[0].token_ids
+    greedy = default_engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=12))
+    other_seed = default_engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(
+        max_tokens=12, temperature=0.9, top_p=0.95, seed=4321))
+    sampled = [r.token_ids for r in first]
+    assert sampled != [r.token_ids for r in greedy]  # the temperature is applied
+    assert sampled != [r.token_ids for r in other_seed]  # and the seed matters
 
 
 def test_stop_token_ids_and_eos(default_engine):
@@ -139,4 +148,5 @@ def test_a_stop_string_on_the_last_allowed_token_reports_stop(default_engine):
     cut = default_engine.generate([PROMPTS[1]], SamplingParams(
         max_tokens=12, ignore_eos=True, stop=[last_piece]))[0]
     assert cut.finish_reason == "stop"
+    assert len(cut.token_ids) == 12  # the stop fell on the last allowed token
     assert last_piece not in cut.text

@@ -27,6 +27,19 @@ def _prompts(count: int) -> list[list[int]]:
     return [[(7 * i + j % (3 + i)) % 250 + 3 for j in range(9 + 5 * i)] for i in range(count)]
 
 
+def _count_replays(engine: Engine) -> list:
+    """Every graph replay of `engine` appends its mode (proof the static path ran)."""
+    replays: list = []
+    for graph in engine.runner.graphs:
+        real = graph.replay
+
+        def replay(*args, real=real, mode=graph.mode):
+            replays.append(mode)
+            return real(*args)
+        graph.replay = replay
+    return replays
+
+
 def _with_graphs(engine: Engine, max_batch: int, tree_nodes: int = 0) -> Engine:
     runner = engine.runner
     capture = DEVICE == "cuda"
@@ -51,13 +64,18 @@ def test_graph_path_equals_eager_path_with_padding_and_overflow(speculative):
     eager = _engine(speculative=speculative, draft_budget=4).generate(prompts, params)
     graphed = _with_graphs(_engine(speculative=speculative, draft_budget=4), 4,
                            tree_nodes=5 if speculative else 0)
+    replays = _count_replays(graphed)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == \
         [o.token_ids for o in eager]
+    assert replays, "no pass took the graph path"
     # More requests than the largest graph: those steps take the eager path.
     overflow = _with_graphs(_engine(speculative=speculative, draft_budget=4), 2,
                             tree_nodes=5 if speculative else 0)
+    overflow_replays = _count_replays(overflow)
     assert [o.token_ids for o in overflow.generate(prompts, params)] == \
         [o.token_ids for o in eager]
+    if not speculative:  # equal lengths: all three leave together, every pass is eager
+        assert not overflow_replays, "3 requests over graphs of 2 took a graph"
     for engine in (graphed, overflow):
         engine.check()
         assert engine.book.slots.num_free == engine.book.slots.capacity

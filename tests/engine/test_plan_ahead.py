@@ -108,10 +108,13 @@ def test_plan_ahead_on_the_graph_path():
     reference = _run(_tiny("triton", plan_ahead=False), prompts, params)
     engine = _tiny("triton")
     runner = engine.runner
-    runner.graphs = [GraphRunner(runner.model, runner.backend, Mode.DECODE, 4,
-                                 capture=DEVICE == "cuda")]
+    graph = GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=DEVICE == "cuda")
+    runner.graphs = [graph]
+    replays, real_replay = [], graph.replay
+    graph.replay = lambda *args: replays.append(1) or real_replay(*args)
     assert _run(engine, prompts, params) == reference
     assert engine.stats["plans_ahead_used"] > 5
+    assert replays, "no pass took the graph path"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host-device synchronisation exists only on CUDA")

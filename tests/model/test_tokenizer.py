@@ -74,6 +74,13 @@ def test_disk_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
     path = default_model_path()
     fresh = Tokenizer(_from_gguf(path))  # converts from the GGUF and saves
     assert (tokenizer_cache_dir(path) / "tokenizer.json").is_file()
+    from transformers import AutoTokenizer
+    real = AutoTokenizer.from_pretrained
+
+    def from_cache_only(source, *args, **kwargs):  # a GGUF conversion now fails the test
+        assert "gguf_file" not in kwargs, "the cached tokenizer was not used"
+        return real(source, *args, **kwargs)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_cache_only)
     cached = Tokenizer(_from_gguf(path))
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🚀"}]
     assert cached.apply_chat_template(chat) == fresh.apply_chat_template(chat)

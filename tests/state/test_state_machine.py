@@ -66,6 +66,10 @@ class StateCoreMachine(RuleBasedStateMachine):
             alone = len(self.running) == 1  # too big for the pool: it can never finish
             self._leave([newest], FinishReason.LENGTH if alone else None)
             return None
+        return self._take(slots)
+
+    def _take(self, slots: np.ndarray) -> np.ndarray:
+        """Slots the allocator handed out: the reference must have had them free."""
         assert set(slots.tolist()) <= self.ref_free, "allocator handed out a used slot"
         self.ref_free -= set(slots.tolist())
         return slots
@@ -188,12 +192,18 @@ class StateCoreMachine(RuleBasedStateMachine):
             return
         batch = state.schedule_decode(sub, slots)
         self.recorder.record(batch)
-        sampled = data.draw(st.lists(tokens_st, min_size=len(sub), max_size=len(sub)))
+        self._commit(self._decoded(batch, data), rest)
+
+    def _decoded(self, batch: state.Batch, data: st.DataObject) -> state.Result:
+        """Draw the pass's tokens, run the decode transition, and update the reference."""
+        count = len(batch.running)
+        sampled = data.draw(st.lists(tokens_st, min_size=count, max_size=count))
         result = state.decode(batch, sampled)
-        for rid, slot, token in zip(sub.rids.tolist(), slots.tolist(), sampled, strict=True):
+        for rid, slot, token in zip(batch.running.rids.tolist(), batch.out_slots.tolist(),
+                                    sampled, strict=True):
             self.ref[rid].slots.append(slot)
             self._ref_emit(rid, [token])
-        self._commit(result, rest)
+        return result
 
     @precondition(lambda self: self.book is not None and len(self.running) > 0)
     @rule(data=st.data())
@@ -253,18 +263,10 @@ class StateCoreMachine(RuleBasedStateMachine):
         written = self.book.slots.num_free >= len(following)
         if written:
             self.book.apply(state.decode_writes(batch))
-            slots = self.book.slots.alloc(len(following))
-            assert set(slots.tolist()) <= self.ref_free, "allocator handed out a used slot"
-            self.ref_free -= set(slots.tolist())
+            slots = self._take(self.book.slots.alloc(len(following)))
             self.plan = state.schedule_decode(following, slots)
             self.recorder.record(self.plan)
-        sampled = data.draw(st.lists(tokens_st, min_size=len(batch.running),
-                                     max_size=len(batch.running)))
-        result = state.decode(batch, sampled)
-        for rid, slot, token in zip(batch.running.rids.tolist(), batch.out_slots.tolist(),
-                                    sampled, strict=True):
-            self.ref[rid].slots.append(slot)
-            self._ref_emit(rid, [token])
+        result = self._decoded(batch, data)
         self.recorder.record(result.running)
         self.running = result.running
         self._apply(result.effects, table_written=written)
