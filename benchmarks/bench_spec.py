@@ -214,10 +214,10 @@ def run(args: argparse.Namespace) -> None:
         same = results["ours"][2] == results["ours+spec"][2]
         rate = {key: tokens / seconds for key, (seconds, tokens, _) in results.items()}
         mean_accepted = statistics.mean(spec.accepted) if spec.accepted else 0.0
-        rows.append((name, len(prompts), mean_accepted, rate, same))
         print(f"[{name}] steps: plain {step_profile(plain.engine)}; "
               f"spec {step_profile(spec.engine)}", flush=True)
         ceiling = replay_tokens_per_step(prompts, results["ours"][2])
+        rows.append((name, len(prompts), mean_accepted, rate, same, ceiling))
         print(f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
               f"{ceiling:.2f} tokens per verify step", flush=True)
     print_table(rows, args)
@@ -229,13 +229,15 @@ def print_table(rows: list, args: argparse.Namespace) -> None:
     print(f"\nbatch 1, fp32, {args.threads} torch thread(s), max_tokens={args.max_tokens}, "
           f"HF prompt_lookup_num_tokens={args.lookup}")
     print("| workload | prompts | accepted/step | ours tok/s | ours+spec tok/s | HF tok/s | "
-          "HF+lookup tok/s | spec/no-spec | spec/HF-lookup | spec == no-spec |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, count, mean_accepted, rate, same in rows:
+          "HF+lookup tok/s | spec/no-spec | spec/HF-lookup | spec == no-spec | "
+          "proposer ceiling |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, count, mean_accepted, rate, same, ceiling in rows:
         print(f"| {name} | {count} | {mean_accepted:.2f} | {rate['ours']:.1f} | "
               f"{rate['ours+spec']:.1f} | {rate['HF']:.1f} | {rate['HF+lookup']:.1f} | "
               f"{rate['ours+spec'] / rate['ours']:.2f}x | "
-              f"{rate['ours+spec'] / rate['HF+lookup']:.2f}x | {'yes' if same else 'NO'} |")
+              f"{rate['ours+spec'] / rate['HF+lookup']:.2f}x | {'yes' if same else 'NO'} | "
+              f"{ceiling:.2f} tokens/step |")
 
 
 def plot(accepted: dict[str, tuple[list[int], list[int]]], rows: list,
@@ -263,7 +265,7 @@ def plot(accepted: dict[str, tuple[list[int], list[int]]], rows: list,
     keys = ["ours", "ours+spec", "HF", "HF+lookup"]
     width = 0.2
     for k, key in enumerate(keys):
-        values = [rate[key] for _, _, _, rate, _ in rows]
+        values = [rate[key] for _, _, _, rate, *_ in rows]
         xs = [i + (k - 1.5) * width for i in range(len(rows))]
         bars = axes.bar(xs, values, width, label=key)
         axes.bar_label(bars, fmt="%.1f", fontsize=7)

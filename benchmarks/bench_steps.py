@@ -1,7 +1,7 @@
 """Verify step vs decode step on the GPU (random Llama-3-8B bf16, captured graphs), and the
 tokens/s that speculation gives as a function of the accepted length per step.
 
-    python benchmarks/bench_steps.py [--context 1024] [--accepted 0,0.5,1,2,3,4]
+    python benchmarks/bench_steps.py [--context 1024] [--accepted 0,0.5,1,1.5,2,3,4]
 """
 
 from __future__ import annotations
