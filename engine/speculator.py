@@ -10,7 +10,7 @@ import torch
 
 from engine import state
 from engine.config import EngineConfig
-from engine.model.sampling import SamplingTensors, greedy_tokens, probs_for_verify
+from engine.model.sampling import filter_tensors, greedy_tokens, probs_for_verify
 from engine.spec import NgramProposer, SpecConfig, SpecStats, request_rng, verify_greedy, \
     verify_sampling
 from engine.state import Running
@@ -81,10 +81,11 @@ class Speculator:
         params = [engine.requests[u].params for u in uids]
         if all(p.greedy for p in params):
             return verify_greedy(trees, greedy_tokens(logits))
-        per_node = np.repeat(np.arange(len(uids)), trees.sizes.lens)
-        tensors = SamplingTensors.build([params[i] for i in per_node], [0] * len(per_node),
-                                        self.runtime.vocab_size, logits.device)
-        probs = probs_for_verify(logits, tensors.temperature, tensors.top_k, tensors.top_p)
+        # One row of filters per request, repeated over its tree's nodes on the device.
+        sizes = torch.from_numpy(trees.sizes.lens).to(logits.device)
+        filters = [t.repeat_interleave(sizes, output_size=trees.sizes.total)
+                   for t in filter_tensors(params, self.runtime.vocab_size, logits.device)]
+        probs = probs_for_verify(logits, *filters)
         rngs = [self._rng(u, p.seed) for u, p in zip(uids, params, strict=True)]
         return verify_sampling(trees, probs, rngs)
 

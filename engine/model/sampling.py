@@ -60,16 +60,26 @@ class SamplingTensors:
         if len(params) != len(steps):
             raise ValueError(f"{len(params)} sampling params for {len(steps)} step counters")
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        return cls(temperature=tensor([float(p.temperature) for p in params], torch.float32),
-                   top_k=tensor([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size)
-                                 for p in params], torch.int64),
-                   top_p=tensor([float(p.top_p) for p in params], torch.float32),
-                   seeds=tensor(seeds, torch.int64), steps=tensor(list(steps), torch.int64),
+        temperature, top_k, top_p = filter_tensors(params, vocab_size, device)
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p,
+                   seeds=_tensor(seeds, torch.int64, device),
+                   steps=_tensor(list(steps), torch.int64, device),
                    all_greedy=all(p.greedy for p in params))
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def filter_tensors(params: Sequence[SamplingParams], vocab_size: int,
+                   device: torch.device | str = "cpu"
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: temperature (fp32), top_k clamped to the vocabulary (int64; disabled = the
+    vocabulary size) and top_p (fp32), what `_filtered_logits` reads."""
+    return (_tensor([float(p.temperature) for p in params], torch.float32, device),
+            _tensor([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params],
+                    torch.int64, device),
+            _tensor([float(p.top_p) for p in params], torch.float32, device))
 
 
 def _filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
