@@ -73,16 +73,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     params = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:1], dict(params, max_tokens=4))  # warm-up
     requests = [engine._submit(p, params, None, None) for p in prompts]
-    started = time.perf_counter()
+    started, before = time.perf_counter(), engine.stats["generated_tokens"]
     with tqdm(total=len(requests) * args.max_tokens, unit="tok", disable=args.quiet) as bar:
-        done_tokens = 0
-        while not all(r.done for r in requests):
+        while engine.has_work:  # only these requests are in flight after the warm-up
+            counted = engine.stats["generated_tokens"]
             engine.step()
-            now = sum(len(r.output_ids) for r in requests)
-            bar.update(now - done_tokens)
-            done_tokens = now
+            bar.update(engine.stats["generated_tokens"] - counted)
     elapsed = time.perf_counter() - started
-    total = sum(len(r.output_ids) for r in requests)
+    total = engine.stats["generated_tokens"] - before
     print(f"{len(requests)} prompts, {total} tokens in {elapsed:.2f} s: "
           f"{total / elapsed:.1f} tokens/s")
     return 0

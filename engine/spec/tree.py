@@ -38,10 +38,6 @@ class DraftTree:
     parents: tuple[int, ...] = attrs.field(converter=tuple, validator=_check_tree)
     match_len: int = 0
 
-    @property
-    def num_drafts(self) -> int:
-        return len(self.tokens) - 1
-
     @classmethod
     def root_only(cls, root_token: int) -> DraftTree:
         return cls((root_token,), (-1,))
