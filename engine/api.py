@@ -24,7 +24,11 @@ class _AsyncSink:
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
 
     def put(self, delta: Delta) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is left to read
+            if not self.loop.is_closed():
+                raise
 
 
 class AsyncEngine:
