@@ -16,13 +16,15 @@ BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/ben
 # GPU_BENCHES="a.py b.py" runs only those (e.g. to re-check after a change, within one call)
 if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # The whole suite takes longer than one device call may run (10 minutes): split it with
-# GPU_PART=tests (install, tests, both memchecks) and GPU_PART=benches (install, benchmarks).
+# GPU_PART=tests (install, tests, memcheck with CUDA graphs captured), GPU_PART=memcheck
+# (install, memcheck without the caching allocator: ~6 minutes alone) and GPU_PART=benches
+# (install, benchmarks). Unset, it runs all of them.
 GPU_PART=${GPU_PART:-all}
-if [ "$GPU_PART" = tests ]; then BENCHES=(); fi
+part() { [ "$GPU_PART" = all ] || [ "$GPU_PART" = "$1" ]; }
+if ! part benches; then BENCHES=(); fi
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step
-# memcheck without the caching allocator ran ~107 of 109 tests in 210 s (second session):
-# the tests part (install, tests, both memchecks) then fits one 10-minute call at ~6 minutes
-SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-330}
+# memcheck without the caching allocator ran ~107 of 110 tests in 330 s (third session)
+SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-560}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
 SANITIZER_EXAMPLES=${SANITIZER_EXAMPLES:-3}  # hypothesis examples per property under memcheck
 BENCH_ARGS=${BENCH_ARGS:-}                   # e.g. --quick
@@ -49,7 +51,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 "cuda", torch.cuda.is_available())' >>"$OUT_DIR/gpu.txt" 2>&1
 cat "$OUT_DIR/gpu.txt"
 
-if [ "$GPU_PART" != benches ]; then
+if part tests; then
 # 2. GPU tests
 start=$SECONDS
 timeout "$TEST_TIMEOUT" python3 -m pytest -q -m "not slow" -p no:cacheprovider "${GPU_TESTS[@]}" \
@@ -57,6 +59,9 @@ timeout "$TEST_TIMEOUT" python3 -m pytest -q -m "not slow" -p no:cacheprovider "
 rc=$?
 tail -n 25 "$OUT_DIR/pytest.log"
 note "pytest (CUDA)" "rc=$rc: $(tail -n 1 "$OUT_DIR/pytest.log")" $((SECONDS - start))
+fi
+
+if part memcheck; then
 
 # 3. the same under compute-sanitizer memcheck (no caching allocator: every block is its own)
 start=$SECONDS
@@ -69,6 +74,9 @@ errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT_DIR/memcheck.log" | tail -n
 tests=$(grep -E "passed|failed|error" "$OUT_DIR/memcheck.log" | grep -v "ERROR SUMMARY" | tail -n 1)
 grep -m 20 -E "Invalid|out of bounds|FAILED" "$OUT_DIR/memcheck.log"
 note "memcheck" "rc=$rc: ${errors:-no summary (timeout?)}; ${tests}" $((SECONDS - start))
+fi
+
+if part tests; then
 
 # 3b. memcheck with the caching allocator on: captured CUDA graphs replayed
 start=$SECONDS
