@@ -55,6 +55,10 @@ class EngineConfig:
                                        attrs.validators.ge(0))
     plan_ahead: bool = _field(True, "plan each decode pass while the previous one runs on "
                               "the device (used when no request finished or arrived)")
+    block_weights: bool = _field(True, "cpu, float32: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in "
+                                 "their blocks and expand them to the same fp32 values inside "
+                                 "the matrix products (AVX-512 kernel); false: dequantize at "
+                                 "load")
     speculative: bool = _field(False, "n-gram speculative decoding with draft trees")
     draft_budget: int = _field(12, "draft tokens per request per verify step", _positive)
     random_seed: int = _field(0, "seed for random weights and for requests without a seed")

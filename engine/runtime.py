@@ -111,7 +111,8 @@ def build_runtime(config: EngineConfig) -> Runtime:
         model_config = presets[config.random_weights]()
         model = LlamaModel(model_config, dtype, device).init_random(config.random_seed)
     else:
-        model, model_config = _load_shared(config.model, dtype, str(device))
+        model, model_config = _load_shared(config.model, dtype, str(device),
+                                           config.block_weights)
     max_context = config.max_context or min(model_config.max_position_embeddings,
                                             DEFAULT_MAX_CONTEXT)
     slots = config.kv_cache_slots or _slots_from_budget(config, model_config, dtype, device)
@@ -120,10 +121,10 @@ def build_runtime(config: EngineConfig) -> Runtime:
 
 
 @functools.lru_cache(maxsize=2)
-def _load_shared(path: str | None, dtype: torch.dtype, device: str) -> tuple[LlamaModel,
-                                                                              ModelConfig]:
+def _load_shared(path: str | None, dtype: torch.dtype, device: str,
+                 block_weights: bool) -> tuple[LlamaModel, ModelConfig]:
     """Weights are never written after loading, so engines in one process share them."""
-    return load_model(path, dtype, device)
+    return load_model(path, dtype, device, block_weights=block_weights)
 
 
 def _slots_from_budget(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.base import AttentionBackend, ForwardMetadata
+from engine.model.blockq import BlockWeight, linear
 from engine.model.config import ModelConfig
 
 
@@ -62,7 +63,7 @@ class TorchOps:
     `rope_qkv_store` (the model calls that where `stores_kv` is true)."""
 
     rms_norm = staticmethod(rms_norm)
-    linear = staticmethod(F.linear)
+    linear = staticmethod(linear)  # F.linear, or the block kernel for a BlockWeight (CPU)
     stores_kv = False  # rope_qkv leaves the K/V cache write to the backend
 
     @staticmethod
@@ -187,6 +188,7 @@ class LlamaModel(nn.Module):
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else _weight(config.vocab_size, config.hidden_size, dtype, device))
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+        self.block_weights: dict[str, BlockWeight] = {}  # see use_block_weights
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, head_dim] in the model dtype, computed in fp32 as HF does."""
@@ -205,7 +207,28 @@ class LlamaModel(nn.Module):
         return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
+
+    def use_block_weights(self, weights: dict[str, BlockWeight]) -> None:
+        """Replace matrix weights (by parameter name: 'layers.0.qkv_proj', 'lm_head') with
+        block-quantized ones of the same shape, freeing the dense ones. A tied lm_head keeps
+        the dense embedding table for lookups."""
+        for name, weight in weights.items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = self.get_submodule(owner_name)
+            dense = getattr(owner, attr)
+            if tuple(dense.shape) != weight.shape:
+                raise ValueError(f"block weight for {name} has shape {weight.shape}; the model "
+                                 f"needs {tuple(dense.shape)}")
+            del owner._parameters[attr]
+            object.__setattr__(owner, attr, weight)
+            self.block_weights[name] = weight
+
+    def dense_weight(self, name: str) -> torch.Tensor:
+        """A matrix weight by parameter name, dequantized if it is held in blocks."""
+        if name in self.block_weights:
+            return self.block_weights[name].dequantize()
+        return self.get_parameter(name).data
 
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> LlamaModel:
@@ -222,5 +245,6 @@ class LlamaModel(nn.Module):
         return self
 
     def num_bytes(self) -> int:
-        """Bytes of weights (tied embeddings counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of weights (tied embeddings counted once), blocks as stored."""
+        return (sum(p.numel() * p.element_size() for p in self.parameters())
+                + sum(w.num_bytes() for w in self.block_weights.values()))

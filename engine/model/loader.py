@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.model import blockq
+from engine.model.blockq import BlockWeight
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
 
@@ -67,13 +69,21 @@ def resolve_model_path(path: str | Path | None) -> Path:
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[LlamaModel, ModelConfig]:
-    """Build the model on `device` in `dtype` and fill every weight from `path`."""
+               device: torch.device | str = "cpu",
+               block_weights: bool = True) -> tuple[LlamaModel, ModelConfig]:
+    """Build the model on `device` in `dtype` and fill every weight from `path`.
+
+    block_weights: on CPU in float32, a GGUF's Q4_0/Q4_1/Q8_0 matrices stay in their blocks
+    (`engine.model.blockq`: the same fp32 values, fewer bytes, a faster few-row product)
+    when the kernel is available; otherwise, and for every other type, weights are
+    dequantized here."""
     resolved = resolve_model_path(path)
+    use_blocks = (block_weights and torch.device(device).type == "cpu"
+                  and dtype == torch.float32 and blockq.kernel_status().available)
     try:
         if resolved.is_dir():
             return _load_hf_dir(resolved, dtype, device)
-        return _load_gguf(resolved, dtype, device)
+        return _load_gguf(resolved, dtype, device, use_blocks)
     except (ModelNotFoundError, ModelLoadError):
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as error:
@@ -191,14 +201,14 @@ def _hf_tensors(model: LlamaModel) -> Iterator[tuple[str, torch.Tensor]]:
     yield "model.embed_tokens.weight", model.embed_tokens.data
     for i, layer in enumerate(model.layers):
         for hf_part, (name, part) in _LAYER_PARTS.items():
-            value = layer.get_parameter(name).data
+            value = model.dense_weight(f"layers.{i}.{name}")
             if part is not None:
                 start, stop = sink.row_ranges[part]
                 value = value[start:stop]
             yield f"model.layers.{i}.{hf_part}", value
     yield "model.norm.weight", model.norm.weight.data
     if not config.tie_word_embeddings:
-        yield "lm_head.weight", model.lm_head.data
+        yield "lm_head.weight", model.dense_weight("lm_head")
 
 
 # --- GGUF -----------------------------------------------------------------------------------
@@ -237,8 +247,8 @@ def gguf_metadata(reader: object, skip_prefix: str = "tokenizer.ggml.") -> dict:
     return meta
 
 
-def _load_gguf(path: Path, dtype: torch.dtype,
-               device: torch.device | str) -> tuple[LlamaModel, ModelConfig]:
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
+               use_blocks: bool) -> tuple[LlamaModel, ModelConfig]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -250,6 +260,7 @@ def _load_gguf(path: Path, dtype: torch.dtype,
                                    tie_word_embeddings="output.weight" not in tensors)
     model = LlamaModel(config, dtype, device)
     sink = WeightSink(model)
+    blocks: dict[str, BlockWeight] = {}  # HF name -> the same weight in its GGUF blocks
     for name, tensor in tensors.items():
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if not values.flags.writeable:  # F32 tensors come back as views of the mapped file
@@ -257,10 +268,44 @@ def _load_gguf(path: Path, dtype: torch.dtype,
         if name == "rope_freqs.weight":  # llama3-style per-frequency divisors
             model.inv_freq /= torch.from_numpy(values.reshape(-1).copy()).to(model.inv_freq)
             continue
-        if name.endswith("attn_q.weight"):
-            values = unpermute_rotary(values, config.num_heads)
-        elif name.endswith("attn_k.weight"):
-            values = unpermute_rotary(values, config.num_kv_heads)
-        sink.put(gguf_to_hf_name(name), torch.from_numpy(np.ascontiguousarray(values)))
+        raw = tensor.data  # quantized types: uint8 [rows, bytes per row]
+        if name.endswith(("attn_q.weight", "attn_k.weight")):  # rows move with their blocks
+            heads = config.num_heads if name.endswith("attn_q.weight") else config.num_kv_heads
+            values, raw = unpermute_rotary(values, heads), unpermute_rotary(raw, heads)
+        hf_name = gguf_to_hf_name(name)
+        if use_blocks and tensor.tensor_type.name in blockq.FORMATS and values.ndim == 2:
+            blocks[hf_name] = BlockWeight.from_gguf(raw, tensor.tensor_type.name)
+        sink.put(hf_name, torch.from_numpy(np.ascontiguousarray(values)))
     sink.finish()
+    model.use_block_weights(_block_parameters(sink, blocks))
     return model.eval(), config
+
+
+def _block_parameters(sink: WeightSink, blocks: dict[str, BlockWeight]) -> dict[str,
+                                                                                 BlockWeight]:
+    """The model's matrix parameters whose every part is in blocks of one kind, fused in the
+    parameter's row order (q, k, v; gate, up). The embedding table stays dense for lookups;
+    a tied lm_head takes its blocks."""
+    tied = sink.model.config.tie_word_embeddings
+    parts: dict[str, list[tuple[int, BlockWeight]]] = {}
+    for hf_name, weight in blocks.items():
+        target = sink.target(hf_name)
+        if target is None:
+            continue
+        name, part = target
+        if name == "embed_tokens" and tied:
+            name = "lm_head"
+        if name != "lm_head" and not name.endswith("_proj"):
+            continue
+        start = 0 if part is None else sink.row_ranges[part][0]
+        parts.setdefault(name, []).append((start, weight))
+    fused = {}
+    for name, found in parts.items():
+        count = _FUSED_PARTS.get(name.rpartition(".")[2], 1)
+        if len(found) == count and len({(w.nibbles, w.shape[1]) for _, w in found}) == 1:
+            ordered = [w for _, w in sorted(found, key=lambda item: item[0])]
+            fused[name] = ordered[0] if count == 1 else BlockWeight.cat(ordered)
+    return fused
+
+
+_FUSED_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}

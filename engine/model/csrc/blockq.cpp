@@ -1,0 +1,116 @@
+// y[M, N] = x[M, K] @ W^T in fp32, with W kept in GGUF's blocks of 32 weights along K.
+// Each weight is expanded in registers to the exact fp32 value gguf's dequantize gives:
+//   nibble blocks (Q4_0, Q4_1): w = fma(q, d, m) = fl32(d*q + m), d*q exact (fp16 d, 4-bit q);
+//     Q4_0 passes m = -8d, so w = fl32(d*(q-8)), also exact;
+//   byte blocks (Q8_0): w = d * q, exact (fp16 d, 8-bit q).
+// Layout: nibbles [N, K/2] (per block, 16 bytes: low nibbles are elements 0..15, high nibbles
+// 16..31), bytes [N, K] int8, d and m [N, K/32] fp32. Rows of W are split over OpenMP threads
+// (the process's libgomp: torch's, so torch.set_num_threads applies); x rows go in tiles of 8.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+namespace {
+
+struct Nibbles {
+    static constexpr int64_t row_bytes(int64_t k) { return k / 2; }
+    static inline void expand(const uint8_t* q, float d, float m, __m512& w0, __m512& w1) {
+        const __m512i all = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+        const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(all, _mm512_set1_epi32(15))),
+                             vd, vm);
+        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(all, 4)), vd, vm);
+    }
+};
+
+struct Bytes {
+    static constexpr int64_t row_bytes(int64_t k) { return k; }
+    static inline void expand(const uint8_t* q, float d, float, __m512& w0, __m512& w1) {
+        const __m512 vd = _mm512_set1_ps(d);
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))), vd);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)))), vd);
+    }
+};
+
+// NR rows of W (from row n) against MT rows of x: NR * MT dot products of length K.
+template <class F, int MT, int NR>
+inline void tile(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m,
+                 float* y, int64_t N) {
+    __m512 acc[NR][MT];
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
+    const int64_t blocks = K / 32, row = F::row_bytes(K), block_bytes = F::row_bytes(32);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x + b * 32;
+        for (int r = 0; r < NR; ++r) {
+            __m512 w0, w1;
+            F::expand(q + r * row + b * block_bytes, d[r * blocks + b],
+                      m ? m[r * blocks + b] : 0.0f, w0, w1);
+            for (int i = 0; i < MT; ++i) {
+                acc[r][i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + i * K), acc[r][i]);
+                acc[r][i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + i * K + 16), acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MT; ++i) y[i * N + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+// rows [n, n + count) of W against MT rows of x; few x rows take several W rows at once so
+// that the accumulation chains overlap
+template <class F, int MT>
+void rows(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m,
+          float* y, int64_t N, int64_t n, int64_t count) {
+    constexpr int NR = MT <= 2 ? 4 : 2;
+    const int64_t row = F::row_bytes(K), blocks = K / 32;
+    int64_t r = n;
+    for (; r + NR <= n + count; r += NR)
+        tile<F, MT, NR>(x, K, q + r * row, d + r * blocks, m ? m + r * blocks : nullptr,
+                        y + r, N);
+    for (; r < n + count; ++r)
+        tile<F, MT, 1>(x, K, q + r * row, d + r * blocks, m ? m + r * blocks : nullptr,
+                       y + r, N);
+}
+
+template <class F>
+void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d,
+            const float* m, int64_t N, float* y) {
+    constexpr int64_t kRowsPerTask = 16;
+    const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t n = t * kRowsPerTask;
+        const int64_t count = N - n < kRowsPerTask ? N - n : kRowsPerTask;
+        for (int64_t i = 0; i < M; i += 8) {
+            const float* xi = x + i * K;
+            float* yi = y + i * N;
+            switch (M - i < 8 ? M - i : 8) {
+                case 1: rows<F, 1>(xi, K, q, d, m, yi, N, n, count); break;
+                case 2: rows<F, 2>(xi, K, q, d, m, yi, N, n, count); break;
+                case 3: rows<F, 3>(xi, K, q, d, m, yi, N, n, count); break;
+                case 4: rows<F, 4>(xi, K, q, d, m, yi, N, n, count); break;
+                case 5: rows<F, 5>(xi, K, q, d, m, yi, N, n, count); break;
+                case 6: rows<F, 6>(xi, K, q, d, m, yi, N, n, count); break;
+                case 7: rows<F, 7>(xi, K, q, d, m, yi, N, n, count); break;
+                default: rows<F, 8>(xi, K, q, d, m, yi, N, n, count); break;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+// K must be a multiple of 32; every pointer is to contiguous memory of the layout above.
+void blockq_nibbles_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
+                           const float* d, const float* m, int64_t N, float* y) {
+    linear<Nibbles>(x, M, K, q, d, m, N, y);
+}
+void blockq_bytes_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
+                         const float* d, int64_t N, float* y) {
+    linear<Bytes>(x, M, K, q, d, nullptr, N, y);
+}
+int blockq_abi_version(void) { return 1; }
+}
