@@ -1,0 +1,148 @@
+"""GGUF block weights on CPU: the same fp32 values as gguf's dequantize, bit for bit, and a
+kernel whose products agree with F.linear on those values."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from engine.model import blockq, load_model
+from engine.model.blockq import BlockWeight, KernelStatus
+
+FORMATS = sorted(blockq.FORMATS)
+needs_kernel = pytest.mark.skipif(not blockq.kernel_status().available,
+                                  reason=f"block kernel: {blockq.kernel_status().reason}")
+
+
+def _raw(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    values *= np.float32(0.05) * (1 + np.arange(rows, dtype=np.float32)[:, None] % 7)
+    return quantize(values, getattr(gguf.GGMLQuantizationType, type_name))
+
+
+def _reference(raw: np.ndarray, type_name: str) -> torch.Tensor:
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    return torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).copy())
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_dequantize_equals_gguf_bit_for_bit(type_name):
+    raw = _raw(type_name, 37, 96)
+    weight = BlockWeight.from_gguf(raw, type_name)
+    assert weight.shape == (37, 96)
+    assert torch.equal(weight.dequantize(), _reference(raw, type_name))
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_kernel_expands_every_weight_exactly(type_name):
+    # x = I picks out each weight alone: any difference is in the expansion, not the sums
+    raw = _raw(type_name, 37, 96, seed=1)
+    weight = BlockWeight.from_gguf(raw, type_name)
+    assert torch.equal(weight.linear(torch.eye(96)).t(), _reference(raw, type_name))
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 17])
+def test_kernel_matches_f_linear(type_name, rows):
+    # 37 rows of W: tiles of 4 and 2 with a remainder, and tasks of 16 with a short last one
+    raw = _raw(type_name, 37, 160, seed=rows)
+    weight = BlockWeight.from_gguf(raw, type_name)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    expected = torch.nn.functional.linear(x, _reference(raw, type_name))
+    torch.testing.assert_close(weight.linear(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blockq.linear(x, weight), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_takes_batched_strided_and_empty_input():
+    weight = BlockWeight.from_gguf(_raw("Q4_1", 8, 64), "Q4_1")
+    dense = weight.dequantize()
+    x = torch.randn(2, 3, 128)[..., ::2]  # not contiguous
+    torch.testing.assert_close(weight.linear(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
+    assert weight.linear(torch.empty(0, 64)).shape == (0, 8)
+
+
+@needs_kernel
+def test_fused_rows_keep_their_order():
+    parts = [BlockWeight.from_gguf(_raw("Q4_1", n, 64, seed=n), "Q4_1") for n in (5, 3, 4)]
+    fused = BlockWeight.cat(parts)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert torch.equal(fused.rows(5, 8).dequantize(), parts[1].dequantize())
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(fused.linear(x), torch.cat([p.linear(x) for p in parts], -1))
+
+
+def test_bad_input_is_refused_with_what_is_allowed():
+    weight = BlockWeight.from_gguf(_raw("Q8_0", 4, 64), "Q8_0")
+    with pytest.raises(ValueError, match="fp32 CPU input"):
+        weight.linear(torch.randn(2, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        weight.linear(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="supported: Q4_0, Q4_1, Q8_0"):
+        BlockWeight.from_gguf(_raw("Q8_0", 4, 64), "Q5_K")
+    with pytest.raises(ValueError, match="do not fit"):
+        BlockWeight(torch.zeros(4, 10, dtype=torch.uint8), torch.ones(4, 2), torch.ones(4, 2))
+    with pytest.raises(ValueError, match="one block kind"):
+        BlockWeight.cat([weight, BlockWeight.from_gguf(_raw("Q4_1", 4, 64), "Q4_1")])
+
+
+def test_without_the_kernel_linear_says_why(monkeypatch):
+    monkeypatch.setattr(blockq, "_build",
+                        lambda: (None, KernelStatus(False, "no C++ compiler (test)")))
+    weight = BlockWeight.from_gguf(_raw("Q4_1", 4, 64), "Q4_1")
+    with pytest.raises(RuntimeError, match=r"not available: no C\+\+ compiler"):
+        weight.linear(torch.randn(1, 64))
+
+
+@pytest.fixture(scope="module")
+def dense_model():
+    return load_model(None, torch.float32, "cpu", block_weights=False)[0]
+
+
+@needs_kernel
+def test_default_model_keeps_its_blocks_with_the_dense_values(dense_model):
+    model, config = load_model(None, torch.float32, "cpu")
+    # every matrix of every layer, and the tied lm_head (the file's Q8_0 embedding)
+    assert len(model.block_weights) == 4 * config.num_layers + 1
+    assert isinstance(model.lm_head, BlockWeight)
+    assert model.embed_tokens.shape == (config.vocab_size, config.hidden_size)  # lookups
+    for name, weight in model.block_weights.items():
+        assert torch.equal(weight.dequantize(), dense_model.dense_weight(name)), name
+    assert model.num_bytes() < 0.5 * dense_model.num_bytes()
+
+
+def test_without_the_kernel_the_loader_dequantizes(monkeypatch, dense_model):
+    monkeypatch.setattr(blockq, "_build", lambda: (None, KernelStatus(False, "no AVX-512")))
+    model, _ = load_model(None, torch.float32, "cpu")
+    assert not model.block_weights
+    assert model.num_bytes() == dense_model.num_bytes()
+
+
+@needs_kernel
+def test_a_model_with_block_weights_runs_and_saves_dense(tmp_path):
+    from engine.model import LlamaModel, ModelConfig, save_hf_checkpoint
+
+    model = LlamaModel(ModelConfig.tiny()).init_random(seed=3)
+    blocks = {}
+    for name in ("layers.0.qkv_proj", "layers.1.down_proj", "lm_head"):
+        dense = model.dense_weight(name)
+        raw = quantize(dense.contiguous().numpy(), gguf.GGMLQuantizationType.Q4_1)
+        blocks[name] = BlockWeight.from_gguf(raw, "Q4_1")
+    hidden = torch.randn(5, 64)
+    model.use_block_weights(blocks)
+    assert isinstance(model.layers[0].qkv_proj, BlockWeight)
+    assert "layers.0.qkv_proj" not in dict(model.named_parameters())
+    torch.testing.assert_close(model.logits(hidden),
+                               hidden @ blocks["lm_head"].dequantize().t(), rtol=1e-5,
+                               atol=1e-5)
+    save_hf_checkpoint(model, tmp_path)
+    loaded, _ = load_model(tmp_path)
+    for name in blocks:
+        assert torch.equal(loaded.dense_weight(name), blocks[name].dequantize()), name
+    with pytest.raises(ValueError, match="has shape"):
+        model.use_block_weights({"layers.0.o_proj": blocks["layers.1.down_proj"]})
