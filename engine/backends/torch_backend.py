@@ -1,6 +1,9 @@
 """The reference backend: gathers KV by index and runs plain attention per request.
 
 Plain and obviously correct; the oracle for the Triton backend and the CPU engine's backend.
+On an AVX-512 CPU in fp32, decode and verify passes (a few new tokens per request) instead
+run `engine/csrc/attention.cpp`, which reads K/V where they lie in the pool (no gather);
+`attend_padded` stays the path for prefill and everything else, and the oracle in tests.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_kernels
 from engine.backends.base import AttentionBackend, ForwardMetadata, host_metadata, register
 from engine.state import Batch, Mode
 
@@ -34,6 +38,15 @@ def build_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens
 
 @register("torch")
 class TorchBackend(AttentionBackend):
+    # decode/verify through the CPU kernel when it applies (tests turn it off to compare)
+    use_cpu_kernel = True
+
+    def _kernel_applies(self, mode: Mode) -> bool:
+        cache = self.pool.k_cache[0]
+        return (self.use_cpu_kernel and mode in (Mode.DECODE, Mode.VERIFY)
+                and cache.device.type == "cpu" and cache.dtype == torch.float32
+                and cpu_kernels.status().available)
+
     def plan(self, batch: Batch) -> ForwardMetadata:
         device = self.pool.req_to_token.device
         meta = host_metadata(batch, device)
@@ -42,7 +55,9 @@ class TorchBackend(AttentionBackend):
                                       meta["kv_indptr"], meta["qo_indptr"], meta["out_slots"],
                                       batch.seq_lens.total)
         metadata = ForwardMetadata(kv_indices=kv_indices, **meta)
-        if batch.new_lens.total:
+        if self._kernel_applies(batch.mode):
+            metadata.extra["cpu_kernel"] = True
+        elif batch.new_lens.total:
             metadata.extra["padded"] = padded_layout(metadata)
         return metadata
 
@@ -54,6 +69,8 @@ class TorchBackend(AttentionBackend):
             k_cache[metadata.out_slots] = k.to(k_cache.dtype)
             v_cache[metadata.out_slots] = v.to(v_cache.dtype)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
+        if metadata.extra.get("cpu_kernel") and q.dtype == torch.float32:
+            return attend_paged_cpu(q, k_cache, v_cache, metadata, scale)
         return attend_padded(q, k_cache, v_cache, metadata, scale)
 
     def forward_per_request(self, layer: int, q: torch.Tensor, metadata: ForwardMetadata,
@@ -142,6 +159,26 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if metadata.mode == Mode.DECODE:
         return out_padded[:, 0].to(q.dtype)
     return out_padded.flatten(0, 1).index_select(0, layout["real"]).to(q.dtype)
+
+
+def attend_paged_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     metadata: ForwardMetadata, scale: float) -> torch.Tensor:
+    """`attend_padded`'s result through the CPU kernel (fp32, K/V of the new tokens already
+    in the pool): keys read in place, visibility from the same rules as `_mask`."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    batch_size = metadata.prefix_lens.shape[0]
+    if q.shape[0] == 0 or batch_size == 0:
+        return out.zero_()
+    tree_bits = metadata.tree_bits if metadata.mode == Mode.VERIFY else None
+    int32 = [t.to(torch.int32).contiguous() for t in (metadata.kv_indices, metadata.kv_indptr,
+                                                       metadata.qo_indptr, metadata.prefix_lens)]
+    bits = None if tree_bits is None else tree_bits.to(torch.int64).contiguous()
+    cpu_kernels.library().cpu_paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in int32),
+        None if bits is None else bits.data_ptr(), batch_size, q.shape[0], q.shape[1],
+        k_cache.shape[1], q.shape[2], scale, out.data_ptr())
+    return out
 
 
 def _mask(metadata: ForwardMetadata, q0: int, q1: int, prefix: int, kv_len: int,

@@ -1,36 +1,24 @@
 """GGUF block-quantized weights kept in their blocks on CPU, multiplied in fp32.
 
 A weight stored as Q4_0, Q4_1 or Q8_0 stays in its 4/8-bit blocks in memory. The kernel
-(`csrc/blockq.cpp`, AVX-512) expands each block in registers to exactly the fp32 values
+(`engine/csrc/blockq.cpp`, AVX-512) expands each block in registers to exactly the fp32 values
 `gguf.quants.dequantize` gives, then multiplies in fp32 with fp32 activations. The numbers are
 the dequantized model's; only the bytes read per step shrink (4.5-5 bits per weight, not 32),
 and the small-row products run near the CPU's FMA rate instead of MKL's few-row GEMM rate.
 
 `BlockWeight.dequantize()` is the pure-torch reference (and what CUDA and other dtypes load).
-The kernel is compiled with the system C++ compiler on first use, into a cache folder
-(`ENGINE_CACHE_DIR`, default `~/.cache/engine`); where there is no compiler or no AVX-512,
-`kernel_status()` says why and the loader dequantizes as before.
+The kernel is built on first use (`engine.cpu_kernels`); where it cannot be, the loader
+dequantizes as before.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 import torch
 
+from engine import cpu_kernels
+
 BLOCK = 32  # weights per block along K, for every format here
-SOURCE = Path(__file__).with_name("csrc") / "blockq.cpp"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared",
-         "-fPIC")
 # GGUF type name -> (bytes per block, fp16 fields before the quants)
 FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
 
@@ -113,7 +101,7 @@ class BlockWeight:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.shape[1]:
             raise ValueError(f"block weights take fp32 CPU input [..., {self.shape[1]}]; got "
                              f"{x.dtype} on {x.device} with shape {tuple(x.shape)}")
-        lib = kernel()
+        lib = cpu_kernels.library()
         flat = x.reshape(-1, self.shape[1]).contiguous()
         out = torch.empty(flat.shape[0], self.shape[0], dtype=torch.float32)
         if flat.shape[0]:
@@ -134,54 +122,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor | BlockWeight) -> torch.Tensor:
     if isinstance(weight, BlockWeight):
         return weight.linear(x)
     return torch.nn.functional.linear(x, weight)
-
-
-@dataclass(frozen=True)
-class KernelStatus:
-    available: bool
-    reason: str  # where it came from, or why it is not available
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine")
-
-
-@functools.cache
-def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return None, KernelStatus(False, "this CPU has no AVX-512 (torch reports "
-                                         f"{torch.backends.cpu.get_cpu_capability()})")
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        return None, KernelStatus(False, "no C++ compiler (g++ or $CXX) on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"blockq-{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
-                                    capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                return None, KernelStatus(False, f"{compiler} failed on {SOURCE.name}: "
-                                                 f"{result.stderr.strip()[-500:]}")
-            os.replace(built, target)  # atomic: concurrent builders leave one whole file
-    lib = ctypes.CDLL(str(target))
-    for name, pointers in (("blockq_nibbles_linear", 3), ("blockq_bytes_linear", 2)):
-        function = getattr(lib, name)
-        function.restype = None
-        function.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-                             + [ctypes.c_void_p] * pointers + [ctypes.c_int64, ctypes.c_void_p])
-    return lib, KernelStatus(True, f"compiled into {target}")
-
-
-def kernel_status() -> KernelStatus:
-    return _build()[1]
-
-
-def kernel() -> ctypes.CDLL:
-    lib, status = _build()
-    if lib is None:
-        raise RuntimeError(f"the block-quantized CPU kernel is not available: {status.reason}")
-    return lib

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine import cpu_kernels
 from engine.model import blockq
 from engine.model.blockq import BlockWeight
 from engine.model.config import ModelConfig
@@ -79,7 +80,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     dequantized here."""
     resolved = resolve_model_path(path)
     use_blocks = (block_weights and torch.device(device).type == "cpu"
-                  and dtype == torch.float32 and blockq.kernel_status().available)
+                  and dtype == torch.float32 and cpu_kernels.status().available)
     try:
         if resolved.is_dir():
             return _load_hf_dir(resolved, dtype, device)

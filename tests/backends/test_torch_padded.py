@@ -1,4 +1,5 @@
-"""The torch backend's padded all-requests attention equals its per-request oracle."""
+"""The torch backend's padded all-requests attention, and the CPU kernel it uses for decode
+and verify passes, equal its per-request oracle."""
 
 from __future__ import annotations
 
@@ -6,16 +7,27 @@ import numpy as np
 import pytest
 import torch
 
+from engine import cpu_kernels
 from engine.backends import KVPool, get_backend
+from engine.backends.torch_backend import TorchBackend
 from engine.kv import KVBook
-from engine.state import DraftTrees, FinishRules, Running, schedule_extend, schedule_verify
+from engine.state import (
+    DraftTrees,
+    FinishRules,
+    Running,
+    schedule_decode,
+    schedule_extend,
+    schedule_verify,
+)
+
+KERNEL = cpu_kernels.status()
 
 
-def _setup(prefix_lens, seed=0):
+def _setup(prefix_lens, seed=0, head_dim=16):
     rng = np.random.default_rng(seed)
     n = len(prefix_lens)
     book = KVBook(512, n, 128)
-    pool = KVPool.allocate(1, 513, 2, 16, torch.float32, book.table.device)
+    pool = KVPool.allocate(1, 513, 2, head_dim, torch.float32, book.table.device)
     for cache in (*pool.k_cache, *pool.v_cache):
         cache.normal_()
     rows = [book.table.alloc_row() for _ in range(n)]
@@ -27,10 +39,14 @@ def _setup(prefix_lens, seed=0):
     return book, pool, rows, rules, rng
 
 
-@pytest.mark.parametrize("mode", ["extend", "verify"])
-def test_padded_attention_equals_per_request(mode):
-    prefix_lens = [0, 7, 30, 1]
-    book, pool, rows, rules, rng = _setup(prefix_lens)
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not KERNEL.available, reason=f"CPU kernels: {KERNEL.reason}"))])
+@pytest.mark.parametrize("head_dim", [16, 24])  # 24: a masked tail in every vector loop
+@pytest.mark.parametrize("mode", ["extend", "decode", "verify"])
+def test_padded_attention_equals_per_request(mode, head_dim, kernel, monkeypatch):
+    monkeypatch.setattr(TorchBackend, "use_cpu_kernel", kernel)
+    prefix_lens = [0, 7, 30, 1] if mode != "decode" else [3, 7, 30, 1]
+    book, pool, rows, rules, rng = _setup(prefix_lens, head_dim=head_dim)
     n = len(prefix_lens)
     if mode == "extend":
         new = [5, 1, 9, 3]
@@ -39,6 +55,11 @@ def test_padded_attention_equals_per_request(mode):
                                    128, kv_lens=prefix_lens)
         batch = schedule_extend(running, new, rng.integers(0, 50, sum(new)),
                                 book.slots.alloc(sum(new)))
+    elif mode == "decode":
+        running = Running.admitted(range(n), rows, [p + 1 for p in prefix_lens],
+                                   [p + 1 for p in prefix_lens], [4] * n, rules, 128,
+                                   kv_lens=prefix_lens)
+        batch = schedule_decode(running, book.slots.alloc(n))
     else:
         running = Running.admitted(range(n), rows, [p + 1 for p in prefix_lens],
                                    [p + 1 for p in prefix_lens], [4] * n, rules, 128,
@@ -48,9 +69,10 @@ def test_padded_attention_equals_per_request(mode):
         batch = schedule_verify(running, trees, book.slots.alloc(trees.sizes.total))
     backend = get_backend("torch", pool)
     meta = backend.plan(batch)
+    assert bool(meta.extra.get("cpu_kernel")) == (kernel and mode != "extend")
     total = batch.new_lens.total
-    q = torch.randn(total, 4, 16)
-    k, v = torch.randn(total, 2, 16), torch.randn(total, 2, 16)
+    q = torch.randn(total, 4, head_dim)
+    k, v = torch.randn(total, 2, head_dim), torch.randn(total, 2, head_dim)
     padded = backend.forward(0, q, k, v, meta)
-    oracle = backend.forward_per_request(0, q, meta, 16 ** -0.5)
+    oracle = backend.forward_per_request(0, q, meta, head_dim ** -0.5)
     torch.testing.assert_close(padded, oracle, rtol=1e-5, atol=1e-5)

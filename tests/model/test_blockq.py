@@ -9,12 +9,14 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
+from engine import cpu_kernels
+from engine.cpu_kernels import KernelStatus
 from engine.model import blockq, load_model
-from engine.model.blockq import BlockWeight, KernelStatus
+from engine.model.blockq import BlockWeight
 
 FORMATS = sorted(blockq.FORMATS)
-needs_kernel = pytest.mark.skipif(not blockq.kernel_status().available,
-                                  reason=f"block kernel: {blockq.kernel_status().reason}")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.status().available,
+                                  reason=f"CPU kernels: {cpu_kernels.status().reason}")
 
 
 def _raw(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -92,10 +94,10 @@ def test_bad_input_is_refused_with_what_is_allowed():
 
 
 def test_without_the_kernel_linear_says_why(monkeypatch):
-    monkeypatch.setattr(blockq, "_build",
+    monkeypatch.setattr(cpu_kernels, "_build",
                         lambda: (None, KernelStatus(False, "no C++ compiler (test)")))
     weight = BlockWeight.from_gguf(_raw("Q4_1", 4, 64), "Q4_1")
-    with pytest.raises(RuntimeError, match=r"not available: no C\+\+ compiler"):
+    with pytest.raises(RuntimeError, match=r"CPU kernels are not available: no C\+\+ compiler"):
         weight.linear(torch.randn(1, 64))
 
 
@@ -117,7 +119,7 @@ def test_default_model_keeps_its_blocks_with_the_dense_values(dense_model):
 
 
 def test_without_the_kernel_the_loader_dequantizes(monkeypatch, dense_model):
-    monkeypatch.setattr(blockq, "_build", lambda: (None, KernelStatus(False, "no AVX-512")))
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: (None, KernelStatus(False, "no AVX-512")))
     model, _ = load_model(None, torch.float32, "cpu")
     assert not model.block_weights
     assert model.num_bytes() == dense_model.num_bytes()

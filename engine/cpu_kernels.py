@@ -1,0 +1,86 @@
+"""The CPU kernels (`engine/csrc/*.cpp`, AVX-512 + OpenMP), built on first use and loaded
+with ctypes.
+
+The sources are compiled by the system C++ compiler (`$CXX`, else g++) into one shared
+library in a cache folder (`ENGINE_CACHE_DIR`, default `~/.cache/engine`), named by a hash of
+the sources and flags, so a changed source is rebuilt and concurrent builders leave one whole
+file. The library links the process's libgomp (torch's), so `torch.set_num_threads` sets its
+threads too. Where the CPU has no AVX-512 or there is no compiler, `status()` says why and the
+callers keep their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("blockq.cpp", "attention.cpp"))
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
+         "-shared", "-fPIC")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+SIGNATURES = {  # name -> argument types (every function returns nothing)
+    "blockq_nibbles_linear": (_P, _I, _I, _P, _P, _P, _I, _P),
+    "blockq_bytes_linear": (_P, _I, _I, _P, _P, _I, _P),
+    "cpu_paged_attention": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I,
+                            ctypes.c_float, _P),
+}
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    available: bool
+    reason: str  # where the library came from, or why there is none
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine")
+
+
+@functools.cache
+def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        return None, KernelStatus(False, f"this CPU has no AVX-512 (torch reports {capability})")
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return None, KernelStatus(False, "no C++ compiler (g++ or $CXX) on PATH")
+    digest = hashlib.sha256(" ".join((compiler, *FLAGS)).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    target = cache_dir() / f"engine-cpu-{digest.hexdigest()[:16]}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)],
+                                    capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                return None, KernelStatus(False, f"{compiler} failed on engine/csrc: "
+                                                 f"{result.stderr.strip()[-500:]}")
+            os.replace(built, target)
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = None, list(argtypes)
+    return lib, KernelStatus(True, f"built into {target}")
+
+
+def status() -> KernelStatus:
+    return _build()[1]
+
+
+def library() -> ctypes.CDLL:
+    lib, built = _build()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are not available: {built.reason}")
+    return lib

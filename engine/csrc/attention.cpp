@@ -1,0 +1,110 @@
+// Attention of a few new tokens per request over the paged K/V pool, in fp32 on the CPU:
+// decode (one token) and tree verify (a draft tree), reading each key and value where it lies
+// in the pool (no gather). Token t of request i (new tokens qo_indptr[i]..qo_indptr[i+1]) sees
+// key j of its row (slots kv_indices[kv_indptr[i] + j]) when
+//   causal (tree_bits == nullptr): j <= prefix_lens[i] + (t - qo_indptr[i]);
+//   tree: j < prefix_lens[i], or bit (j - prefix_lens[i]) of tree_bits[t] is set.
+// Scores, softmax and the weighted sum are fp32; exp is a vector polynomial (~1 ulp).
+// Work is split over (token, kv head) pairs with OpenMP; q heads h = kv * G + g share K/V.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline __m512 exp512(__m512 x) {
+    // exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2 / 2; degree-6 polynomial for exp(r)
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int64_t remaining) {
+    return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; e += 16) {
+        const __mmask16 m = tail_mask(d - e);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + e), _mm512_maskz_loadu_ps(m, b + e),
+                              acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+}  // namespace
+
+extern "C" void cpu_paged_attention(
+        const float* q, const float* k_cache, const float* v_cache, const int32_t* kv_indices,
+        const int32_t* kv_indptr, const int32_t* qo_indptr, const int32_t* prefix_lens,
+        const int64_t* tree_bits, int64_t batch, int64_t num_tokens, int64_t num_heads,
+        int64_t num_kv_heads, int64_t head_dim, float scale, float* out) {
+    std::vector<int64_t> owner(num_tokens, 0);
+    for (int64_t i = 0; i < batch; ++i)
+        for (int64_t t = qo_indptr[i]; t < qo_indptr[i + 1]; ++t) owner[t] = i;
+    const int64_t group = num_heads / num_kv_heads, d = head_dim;
+#pragma omp parallel
+    {
+        std::vector<float> scores;
+        std::vector<int32_t> keys;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tokens * num_kv_heads; ++task) {
+            const int64_t t = task / num_kv_heads, kvh = task % num_kv_heads, i = owner[t];
+            const int64_t prefix = prefix_lens[i], first = kv_indptr[i];
+            const int64_t len = kv_indptr[i + 1] - first;
+            keys.clear();  // the slots this token sees
+            for (int64_t j = 0; j < len; ++j) {
+                const bool visible = tree_bits == nullptr
+                    ? j <= prefix + (t - qo_indptr[i])
+                    : j < prefix || ((tree_bits[t] >> (j - prefix)) & 1);
+                if (visible) keys.push_back(kv_indices[first + j]);
+            }
+            const int64_t n = (int64_t)keys.size();
+            scores.resize(n);
+            for (int64_t g = 0; g < group; ++g) {
+                const int64_t h = kvh * group + g;
+                const float* qh = q + (t * num_heads + h) * d;
+                float* oh = out + (t * num_heads + h) * d;
+                float top = -INFINITY;
+                for (int64_t j = 0; j < n; ++j) {
+                    scores[j] = dot(qh, k_cache + (keys[j] * num_kv_heads + kvh) * d, d) * scale;
+                    top = scores[j] > top ? scores[j] : top;
+                }
+                __m512 total = _mm512_setzero_ps();
+                for (int64_t j = 0; j < n; j += 16) {
+                    const __mmask16 m = tail_mask(n - j);
+                    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + j),
+                                                    _mm512_set1_ps(top)));
+                    e = _mm512_maskz_mov_ps(m, e);
+                    _mm512_mask_storeu_ps(scores.data() + j, m, e);
+                    total = _mm512_add_ps(total, e);
+                }
+                const float inv = n ? 1.0f / _mm512_reduce_add_ps(total) : 0.0f;
+                for (int64_t e = 0; e < d; e += 16) {
+                    const __mmask16 m = tail_mask(d - e);
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < n; ++j)
+                        acc = _mm512_fmadd_ps(
+                            _mm512_set1_ps(scores[j]),
+                            _mm512_maskz_loadu_ps(m, v_cache + (keys[j] * num_kv_heads + kvh) * d + e),
+                            acc);
+                    _mm512_mask_storeu_ps(oh + e, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+                }
+            }
+        }
+    }
+}
