@@ -24,15 +24,19 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("blockq.cpp", "attention.cpp"))
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
-         "-shared", "-fPIC")
+                for name in ("blockq.cpp", "attention.cpp", "ops.cpp"))
+# -ffp-contract=off: a*b + c*d is rounded as written (as torch rounds it), never fused
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+         "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {  # name -> argument types (every function returns nothing)
     "blockq_nibbles_linear": (_P, _I, _I, _P, _P, _P, _I, _P),
     "blockq_bytes_linear": (_P, _I, _I, _P, _P, _I, _P),
     "cpu_paged_attention": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I,
                             ctypes.c_float, _P),
+    "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P),
+    "cpu_rope_qkv_store": (_P, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I),
+    "cpu_silu_mul": (_P, _I, _I, _P),
 }
 
 

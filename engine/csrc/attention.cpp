@@ -5,6 +5,7 @@
 //   causal (tree_bits == nullptr): j <= prefix_lens[i] + (t - qo_indptr[i]);
 //   tree: j < prefix_lens[i], or bit (j - prefix_lens[i]) of tree_bits[t] is set.
 // Scores, softmax and the weighted sum are fp32; exp is a vector polynomial (~1 ulp).
+// Head sizes 64 and 128 take a register-blocked path; others a generic one.
 // Work is split over (token, kv head) pairs with OpenMP; q heads h = kv * G + g share K/V.
 #include <immintrin.h>
 #include <omp.h>
@@ -46,6 +47,62 @@ inline float dot(const float* a, const float* b, int64_t d) {
     return _mm512_reduce_add_ps(acc);
 }
 
+
+// The same for one (token, kv head) with head_dim = 16 * C and at most kMaxGroup q heads per
+// kv head: q in registers, each key and value row loaded once for all G heads, and G * C
+// independent accumulators (the generic loop below is latency-bound on one chain).
+constexpr int kMaxGroup = 8;
+
+template <int C>
+void task_fast(const float* q, const float* k_cache, const float* v_cache,
+               const int32_t* keys, int64_t n, int64_t group, int64_t num_kv_heads,
+               int64_t kvh, float scale, float* scores, float* out) {
+    constexpr int64_t d = 16 * C;
+    __m512 qv[kMaxGroup][C];
+    for (int64_t g = 0; g < group; ++g)
+        for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * d + 16 * c);
+    for (int64_t j = 0; j < n; ++j) {
+        const float* kr = k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d;
+        __m512 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+            __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+            for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
+            scores[g * n + j] = _mm512_reduce_add_ps(s) * scale;
+        }
+    }
+    float inv[kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores + g * n;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) top = sg[j] > top ? sg[j] : top;
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 m = tail_mask(n - j);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), _mm512_set1_ps(top)));
+            e = _mm512_maskz_mov_ps(m, e);
+            _mm512_mask_storeu_ps(sg + j, m, e);
+            total = _mm512_add_ps(total, e);
+        }
+        inv[g] = n ? 1.0f / _mm512_reduce_add_ps(total) : 0.0f;
+    }
+    __m512 acc[kMaxGroup][C];
+    for (int64_t g = 0; g < group; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        const float* vr = v_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d;
+        __m512 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * n + j]);
+            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+        }
+    }
+    for (int64_t g = 0; g < group; ++g)
+        for (int c = 0; c < C; ++c)
+            _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+
 }  // namespace
 
 extern "C" void cpu_paged_attention(
@@ -74,8 +131,19 @@ extern "C" void cpu_paged_attention(
                 if (visible) keys.push_back(kv_indices[first + j]);
             }
             const int64_t n = (int64_t)keys.size();
-            scores.resize(n);
-            for (int64_t g = 0; g < group; ++g) {
+            scores.resize(n * group);
+            const int64_t head0 = (t * num_heads + kvh * group) * d;
+            if (group <= kMaxGroup && d == 64) {
+                task_fast<4>(q + head0, k_cache, v_cache, keys.data(), n, group, num_kv_heads,
+                             kvh, scale, scores.data(), out + head0);
+                continue;
+            }
+            if (group <= kMaxGroup && d == 128) {
+                task_fast<8>(q + head0, k_cache, v_cache, keys.data(), n, group, num_kv_heads,
+                             kvh, scale, scores.data(), out + head0);
+                continue;
+            }
+            for (int64_t g = 0; g < group; ++g) {  // any head size and group: one chain
                 const int64_t h = kvh * group + g;
                 const float* qh = q + (t * num_heads + h) * d;
                 float* oh = out + (t * num_heads + h) * d;

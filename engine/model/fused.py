@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.checks import check_gate_up, check_norm, check_rope_store
 from engine.model.gemv import linear  # noqa: F401  (the ops set's matrix products)
 from engine.model.llama import split_heads
 
@@ -92,23 +93,12 @@ def _silu_mul_kernel(gate_up, out, stride_in, stride_out, inter, BLOCK: tl.const
     tl.store(out + token * stride_out + cols, product.to(out.dtype.element_ty), mask=in_row)
 
 
-def _check_rows(name: str, tensor: torch.Tensor, width: int) -> None:
-    if tensor.dim() != 2 or tensor.shape[1] != width or tensor.stride(1) != 1:
-        raise ValueError(f"{name} must be [tokens, {width}] with unit stride along the row; "
-                         f"got shape {tuple(tensor.shape)}, strides {tensor.stride()}")
-
-
 def _norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = weight.shape[0]
-    _check_rows("x", x, hidden)
+    check_norm(x, residual, hidden)
     out = torch.empty_like(x)
     residual_out = out if residual is None else torch.empty_like(x)
-    if residual is not None:
-        _check_rows("residual", residual, hidden)
-        if residual.shape[0] != x.shape[0] or residual.dtype != x.dtype:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match "
-                             f"x {tuple(x.shape)} {x.dtype}")
     if x.shape[0] > 0:
         block = triton.next_power_of_2(hidden)
         source = x if residual is None else residual
@@ -132,24 +122,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up from gate_up [T, 2 * inter] (gate first) -> [T, inter]."""
-    inter = gate_up.shape[-1] // 2
-    if gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up must have an even width (gate then up); got {gate_up.shape}")
-    _check_rows("gate_up", gate_up, 2 * inter)
+    inter = check_gate_up(gate_up)
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
     if gate_up.shape[0] > 0:
         block = min(SILU_BLOCK, triton.next_power_of_2(inter))
         _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block)
     return out
-
-
-def _check_rope_tables(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       half: int) -> None:
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.shape[0] != qkv.shape[0] or table.shape[1] < half or table.stride(1) != 1:
-            raise ValueError(f"{name} must be [{qkv.shape[0]}, >= {half}] with unit stride "
-                             f"along the row; got {tuple(table.shape)}, {table.stride()}")
 
 
 def rope_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
@@ -159,19 +138,7 @@ def rope_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     """`rope_qkv`, and in the same launch the rotated k and the v of token t written to
     k_cache[slots[t]] and v_cache[slots[t]] (caches [num_slots, num_kv_heads, head_dim]).
     Replaces the rotation kernel plus two index_copy_ launches per layer."""
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    _check_rows("qkv", qkv, width)
-    if head_dim % 2:
-        raise ValueError(f"the head size must be even for RoPE; got {head_dim}")
-    _check_rope_tables(qkv, cos, sin, head_dim // 2)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if (cache.dim() != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim)
-                or cache.stride(2) != 1 or cache.stride(1) != head_dim):
-            raise ValueError(f"{name} must be [slots, {num_kv_heads}, {head_dim}] with the "
-                             f"heads contiguous; got {tuple(cache.shape)}, {cache.stride()}")
-    if slots.dim() != 1 or slots.shape[0] != qkv.shape[0] or slots.dtype != torch.int64:
-        raise ValueError(f"slots must be int64 [{qkv.shape[0]}] (one per token); got "
-                         f"{slots.dtype} {tuple(slots.shape)}")
+    check_rope_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
     if qkv.shape[0] > 0:
         total_heads = num_heads + 2 * num_kv_heads
         heads_per_program = min(ROPE_HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))

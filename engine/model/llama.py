@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.backends.base import AttentionBackend, ForwardMetadata
 from engine.model.blockq import BlockWeight, linear
 from engine.model.config import ModelConfig
@@ -101,6 +102,12 @@ def fused_ops() -> ModuleType:
     return fused
 
 
+@functools.cache
+def cpu_ops() -> ModuleType:
+    from engine.model import cpu_ops
+    return cpu_ops
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -181,6 +188,10 @@ class LlamaModel(nn.Module):
         # Triton kernels for the elementwise work (None: on CUDA only; the attribute may be
         # set later, e.g. by tests that force either path on one set of weights).
         self.fused = device.type == "cuda" if fused is None else fused
+        # On the CPU in fp32, the AVX-512 kernels (`cpu_ops`) where they can be built; the
+        # same kind of switch as `fused`, TorchOps being the reference for both.
+        self.cpu_fused = (device.type == "cpu" and dtype == torch.float32
+                          and cpu_kernels.status().available)
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
                                     for i in range(config.num_layers))
@@ -198,7 +209,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: ForwardMetadata, backend: AttentionBackend) -> torch.Tensor:
-        ops = fused_ops() if self.fused else TorchOps
+        ops = fused_ops() if self.fused else cpu_ops() if self.cpu_fused else TorchOps
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope(positions)
         residual = None  # the config has at least one layer, so the loop sets it

@@ -1,5 +1,6 @@
-"""The Triton elementwise kernels against the torch reference ops (in the interpreter on CPU),
-and a whole forward with the kernels on equals the forward with them off."""
+"""The fused op sets against the torch reference ops: the Triton kernels (in the interpreter
+on CPU) and, on an AVX-512 CPU, the CPU kernels (`cpu_ops`, fp32); and a whole forward with
+each set on equals the forward with TorchOps."""
 
 from __future__ import annotations
 
@@ -7,15 +8,28 @@ import numpy as np
 import pytest
 import torch
 
+from engine import cpu_kernels
 from engine.backends import KVPool, get_backend
 from engine.kv import KVBook
-from engine.model import LlamaModel, ModelConfig, fused, gemv
+from engine.model import LlamaModel, ModelConfig, cpu_ops, fused, gemv
 from engine.model.llama import TorchOps
 from engine.state import FinishRules, Running, extend, schedule_decode, schedule_extend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = float("nan")
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+CPU_KERNELS = cpu_kernels.status()
+
+
+@pytest.fixture(params=["triton", pytest.param("cpu", marks=pytest.mark.skipif(
+    DEVICE != "cpu" or not CPU_KERNELS.available,
+    reason=f"CPU kernels on a CPU device: {CPU_KERNELS.reason}"))])
+def ops(request):
+    """The op set under test (the CPU kernels take fp32 only: other dtypes skip)."""
+    if request.param == "cpu" and request.node.callspec.params.get(
+            "dtype", torch.float32) != torch.float32:
+        pytest.skip("the CPU kernels are fp32")
+    return fused if request.param == "triton" else cpu_ops
 
 
 def _random(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -29,21 +43,21 @@ def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,hidden", [(3, 64), (2, 200)])
-def test_rms_norm_matches_reference(dtype, tokens, hidden):
+@pytest.mark.parametrize("tokens,hidden", [(3, 64), (2, 200), (300, 200)])
+def test_rms_norm_matches_reference(ops, dtype, tokens, hidden):
     x = _random(tokens, hidden, dtype=dtype, seed=1) * 3
     weight = _random(hidden, dtype=dtype, seed=2)
-    _close(fused.rms_norm(x, weight, 1e-5), TorchOps.rms_norm(x, weight, 1e-5), dtype)
+    _close(ops.rms_norm(x, weight, 1e-5), TorchOps.rms_norm(x, weight, 1e-5), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,hidden", [(3, 64), (2, 200)])
-def test_add_rms_norm_matches_reference_and_leaves_inputs(dtype, tokens, hidden):
+@pytest.mark.parametrize("tokens,hidden", [(3, 64), (2, 200), (300, 200)])
+def test_add_rms_norm_matches_reference_and_leaves_inputs(ops, dtype, tokens, hidden):
     x = _random(tokens, hidden, dtype=dtype, seed=3)
     residual = _random(tokens, hidden, dtype=dtype, seed=4)
     weight = _random(hidden, dtype=dtype, seed=5)
     x_before, residual_before = x.clone(), residual.clone()
-    normed, new_residual = fused.add_rms_norm(x, residual, weight, 1e-6)
+    normed, new_residual = ops.add_rms_norm(x, residual, weight, 1e-6)
     expected_normed, expected_residual = TorchOps.add_rms_norm(x, residual, weight, 1e-6)
     _close(new_residual, expected_residual, dtype)
     _close(normed, expected_normed, dtype)
@@ -52,8 +66,8 @@ def test_add_rms_norm_matches_reference_and_leaves_inputs(dtype, tokens, hidden)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (10, 1, 8), (3, 3, 4)])
-def test_rope_store_rotates_and_writes_exactly_the_token_slots(dtype, num_heads, num_kv_heads,
-                                                               head_dim):
+def test_rope_store_rotates_and_writes_exactly_the_token_slots(ops, dtype, num_heads,
+                                                               num_kv_heads, head_dim):
     tokens, num_slots = 3, 9
     config = ModelConfig.tiny(num_heads=num_heads, num_kv_heads=num_kv_heads,
                               head_dim=head_dim)
@@ -67,7 +81,7 @@ def test_rope_store_rotates_and_writes_exactly_the_token_slots(dtype, num_heads,
     expected = TorchOps.rope_qkv(qkv.clone(), cos, sin, num_heads, num_kv_heads, head_dim)
     expected_caches[0].index_copy_(0, slots, expected[1])
     expected_caches[1].index_copy_(0, slots, expected[2])
-    got = fused.rope_qkv_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim, *caches,
+    got = ops.rope_qkv_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim, *caches,
                                slots)
     assert got[0].data_ptr() == qkv.data_ptr()
     for got_part, expected_part in zip(got, expected, strict=True):
@@ -76,17 +90,17 @@ def test_rope_store_rotates_and_writes_exactly_the_token_slots(dtype, num_heads,
         _close(got_cache, expected_cache, dtype)  # the other slots are untouched
 
 
-def test_rope_store_refuses_mismatched_caches_and_slots():
+def test_rope_store_refuses_mismatched_caches_and_slots(ops):
     qkv = torch.zeros(2, (4 + 2 * 2) * 8, device=DEVICE)
     cos = sin = torch.zeros(2, 8, device=DEVICE)
     cache = torch.zeros(6, 2, 8, device=DEVICE)
     slots = torch.tensor([1, 2], device=DEVICE)
     with pytest.raises(ValueError, match=r"k_cache must be \[slots, 2, 8\]"):
-        fused.rope_qkv_store(qkv, cos, sin, 4, 2, 8, cache[:, :1], cache, slots)
+        ops.rope_qkv_store(qkv, cos, sin, 4, 2, 8, cache[:, :1], cache, slots)
     with pytest.raises(ValueError, match="slots must be int64"):
-        fused.rope_qkv_store(qkv, cos, sin, 4, 2, 8, cache, cache, slots.int())
+        ops.rope_qkv_store(qkv, cos, sin, 4, 2, 8, cache, cache, slots.int())
     with pytest.raises(ValueError, match="slots must be int64"):
-        fused.rope_qkv_store(qkv, cos, sin, 4, 2, 8, cache, cache, slots[:1])
+        ops.rope_qkv_store(qkv, cos, sin, 4, 2, 8, cache, cache, slots[:1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -110,23 +124,23 @@ def test_gemv_refuses_what_it_does_not_serve():
         gemv.gemv(torch.zeros(1, 16, device=DEVICE), torch.zeros(16, 8, device=DEVICE).t())
 
 
-def test_rope_refuses_heads_that_do_not_fit():
+def test_rope_refuses_heads_that_do_not_fit(ops):
     qkv = torch.zeros(2, 48, device=DEVICE)
     cos = sin = torch.zeros(2, 16, device=DEVICE)
     cache = torch.zeros(4, 1, 16, device=DEVICE)
     slots = torch.tensor([1, 2], device=DEVICE)
     with pytest.raises(ValueError, match=r"qkv must be \[tokens, 96\]"):
-        fused.rope_qkv_store(qkv, cos, sin, 4, 1, 16, cache, cache, slots)
+        ops.rope_qkv_store(qkv, cos, sin, 4, 1, 16, cache, cache, slots)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,inter", [(3, 128), (2, 1500)])
-def test_silu_mul_matches_reference(dtype, tokens, inter):
+@pytest.mark.parametrize("tokens,inter", [(3, 128), (2, 1500), (40, 1000)])
+def test_silu_mul_matches_reference(ops, dtype, tokens, inter):
     gate_up = _random(tokens, 2 * inter, dtype=dtype, seed=7) * 4
-    _close(fused.silu_mul(gate_up), TorchOps.silu_mul(gate_up), dtype)
+    _close(ops.silu_mul(gate_up), TorchOps.silu_mul(gate_up), dtype)
 
 
-def test_outputs_are_written_not_left_over(monkeypatch):
+def test_outputs_are_written_not_left_over(ops, monkeypatch):
     """Every output element is written: allocations that hand back NaN change nothing."""
     x = _random(2, 100, dtype=torch.float32, seed=8)
     weight = _random(100, dtype=torch.float32, seed=9)
@@ -141,19 +155,19 @@ def test_outputs_are_written_not_left_over(monkeypatch):
         return allocate_poisoned
     monkeypatch.setattr(torch, "empty_like", poison(real_empty_like))
     monkeypatch.setattr(torch, "empty", poison(real_empty))
-    normed, residual = fused.add_rms_norm(x, x, weight, 1e-5)
-    outputs = [normed, residual, fused.rms_norm(x, weight, 1e-5), fused.silu_mul(gate_up)]
+    normed, residual = ops.add_rms_norm(x, x, weight, 1e-5)
+    outputs = [normed, residual, ops.rms_norm(x, weight, 1e-5), ops.silu_mul(gate_up)]
     monkeypatch.undo()
     assert all(any(out is p for p in poisoned) for out in outputs)
     assert all(torch.isfinite(out).all() for out in outputs)
 
 
-def test_misshapen_inputs_raise():
+def test_misshapen_inputs_raise(ops):
     weight = torch.ones(64, device=DEVICE)
     with pytest.raises(ValueError, match=r"x must be \[tokens, 64\]"):
-        fused.rms_norm(torch.zeros(2, 32, device=DEVICE), weight, 1e-5)
+        ops.rms_norm(torch.zeros(2, 32, device=DEVICE), weight, 1e-5)
     with pytest.raises(ValueError, match="even width"):
-        fused.silu_mul(torch.zeros(2, 7, device=DEVICE))
+        ops.silu_mul(torch.zeros(2, 7, device=DEVICE))
 
 
 def test_rope_inv_freq_is_what_the_model_uses():
@@ -191,11 +205,12 @@ def _extend_then_decode(model: LlamaModel, prompts: list[list[int]]) -> list[tor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_forward_with_fused_kernels_equals_torch_path(dtype):
+def test_forward_with_fused_kernels_equals_torch_path(ops, dtype):
     model = LlamaModel(ModelConfig.tiny(), dtype, DEVICE, fused=False).init_random(seed=4)
+    model.cpu_fused = False
     prompts = [list(range(5, 17)), list(range(40, 47))]
     reference = _extend_then_decode(model, prompts)
-    model.fused = True
+    model.fused, model.cpu_fused = ops is fused, ops is cpu_ops
     got = _extend_then_decode(model, prompts)
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2,
                                                                                rtol=1e-2)
@@ -207,4 +222,6 @@ def test_forward_with_fused_kernels_equals_torch_path(dtype):
 def test_fused_is_chosen_by_device():
     config = ModelConfig.tiny()
     assert LlamaModel(config, device="cpu").fused is False
+    assert LlamaModel(config, device="cpu").cpu_fused is CPU_KERNELS.available
+    assert LlamaModel(config, torch.float16, device="cpu").cpu_fused is False
     assert LlamaModel(config, device="cpu", fused=True).fused is True

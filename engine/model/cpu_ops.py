@@ -1,0 +1,77 @@
+"""The CPU's fused op set for a Llama layer (fp32, AVX-512 kernels in `engine/csrc/ops.cpp`):
+the same functions as `engine.model.fused` (Triton, CUDA) and `TorchOps` (the reference), one
+kernel call each where torch runs several ops. Matrix products go through `blockq.linear`
+(the block kernel for GGUF block weights, F.linear otherwise)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import cpu_kernels
+from engine.model.blockq import linear  # noqa: F401  (the ops set's matrix products)
+from engine.model.checks import check_gate_up, check_norm, check_rope_store
+from engine.model.llama import split_heads
+
+stores_kv = True  # the model calls rope_qkv_store: the K/V cache write rides the rotation
+
+
+def _fp32(**tensors: torch.Tensor) -> None:
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 CPU tensor for the CPU kernels; got "
+                             f"{tensor.dtype} on {tensor.device}")
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_norm(x, residual, weight.shape[0])
+    _fp32(x=x, weight=weight, **({} if residual is None else {"residual": residual}))
+    x, weight = x.contiguous(), weight.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    out = torch.empty_like(x)
+    residual_out = out if residual is None else torch.empty_like(x)
+    cpu_kernels.library().cpu_rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        x.shape[0], x.shape[1], eps, out.data_ptr(),
+        None if residual is None else residual_out.data_ptr())
+    return out, (x if residual is None else residual_out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, hidden] scaled by weight [hidden], as `RMSNorm.forward`."""
+    return _norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) in one call; the inputs are left unchanged."""
+    return _norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up from gate_up [T, 2 * inter] (gate first) -> [T, inter]."""
+    inter = check_gate_up(gate_up)
+    _fp32(gate_up=gate_up)
+    gate_up = gate_up.contiguous()
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
+    cpu_kernels.library().cpu_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter,
+                                       out.data_ptr())
+    return out
+
+
+def rope_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                   num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slots: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`TorchOps.rope_qkv` with q and k rotated in place in qkv, and in the same call the
+    rotated k and the v of token t written to k_cache[slots[t]] and v_cache[slots[t]]."""
+    check_rope_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
+    _fp32(qkv=qkv, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous for the CPU kernels")
+    cos, sin = cos[:, :head_dim // 2].contiguous(), sin[:, :head_dim // 2].contiguous()
+    cpu_kernels.library().cpu_rope_qkv_store(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+        slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0],
+        num_heads, num_kv_heads, head_dim)
+    return split_heads(qkv, num_heads, num_kv_heads, head_dim)
