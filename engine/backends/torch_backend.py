@@ -55,8 +55,12 @@ class TorchBackend(AttentionBackend):
                                       meta["kv_indptr"], meta["qo_indptr"], meta["out_slots"],
                                       batch.seq_lens.total)
         metadata = ForwardMetadata(kv_indices=kv_indices, **meta)
-        if self._kernel_applies(batch.mode):
-            metadata.extra["cpu_kernel"] = True
+        if self._kernel_applies(batch.mode):  # its int32/int64 inputs, made once per pass
+            metadata.extra["cpu_kernel"] = (
+                *(t.to(torch.int32).contiguous() for t in (
+                    metadata.kv_indices, metadata.kv_indptr, metadata.qo_indptr,
+                    metadata.prefix_lens)),
+                None if batch.mode != Mode.VERIFY else metadata.tree_bits.to(torch.int64))
         elif batch.new_lens.total:
             metadata.extra["padded"] = padded_layout(metadata)
         return metadata
@@ -170,14 +174,11 @@ def attend_paged_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     batch_size = metadata.prefix_lens.shape[0]
     if q.shape[0] == 0 or batch_size == 0:
         return out.zero_()
-    tree_bits = metadata.tree_bits if metadata.mode == Mode.VERIFY else None
-    int32 = [t.to(torch.int32).contiguous() for t in (metadata.kv_indices, metadata.kv_indptr,
-                                                       metadata.qo_indptr, metadata.prefix_lens)]
-    bits = None if tree_bits is None else tree_bits.to(torch.int64).contiguous()
+    *indices, bits = metadata.extra["cpu_kernel"]  # see TorchBackend.plan
     cpu_kernels.library().cpu_paged_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in int32),
-        None if bits is None else bits.data_ptr(), batch_size, q.shape[0], q.shape[1],
-        k_cache.shape[1], q.shape[2], scale, out.data_ptr())
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in indices),
+        None if bits is None else bits.contiguous().data_ptr(), batch_size, q.shape[0],
+        q.shape[1], k_cache.shape[1], q.shape[2], scale, out.data_ptr())
     return out
 
 

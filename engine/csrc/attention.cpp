@@ -61,7 +61,20 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
     __m512 qv[kMaxGroup][C];
     for (int64_t g = 0; g < group; ++g)
         for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * d + 16 * c);
+    // K/V rows sit at scattered slots, mostly outside the caches: fetch a few keys ahead
+    constexpr int64_t kAhead = 8;
+    for (int64_t j = 0; j < n && j < kAhead; ++j)
+        for (int c = 0; c < C; ++c)
+            _mm_prefetch((const char*)(k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d
+                                       + 16 * c), _MM_HINT_T0);
     for (int64_t j = 0; j < n; ++j) {
+        if (j + kAhead < n)
+            for (int c = 0; c < C; ++c) {
+                _mm_prefetch((const char*)(k_cache + ((int64_t)keys[j + kAhead] * num_kv_heads
+                                                      + kvh) * d + 16 * c), _MM_HINT_T0);
+                _mm_prefetch((const char*)(v_cache + ((int64_t)keys[j] * num_kv_heads
+                                                      + kvh) * d + 16 * c), _MM_HINT_T0);
+            }
         const float* kr = k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d;
         __m512 kv[C];
         for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);

@@ -5,10 +5,14 @@
 //   byte blocks (Q8_0): w = d * q, exact (fp16 d, 8-bit q).
 // Layout: nibbles [N, K/2] (per block, 16 bytes: low nibbles are elements 0..15, high nibbles
 // 16..31), bytes [N, K] int8, d and m [N, K/32] fp32. Rows of W are split over OpenMP threads
-// (the process's libgomp: torch's, so torch.set_num_threads applies); x rows go in tiles of 8.
+// (the process's libgomp: torch's, so torch.set_num_threads applies). Up to 16 x rows (decode,
+// verify) go in tiles of 8 against blocks expanded in registers; more (prefill) against groups
+// of 4 W rows expanded once into an L1-sized buffer.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+
+#include <vector>
 
 namespace {
 
@@ -74,27 +78,89 @@ void rows(const float* x, int64_t K, const uint8_t* q, const float* d, const flo
                        y + r, N);
 }
 
+// MT rows of x (held in registers) against NR rows of W already expanded to fp32 (w: NR rows
+// of K floats): each loaded weight vector feeds MT accumulators, each x vector NR of them.
+template <int MT, int NR>
+inline void dense_tile(const float* x, int64_t K, const float* w, float* y, int64_t N) {
+    __m512 acc[NR][MT];
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < K; e += 16) {
+        __m512 xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = _mm512_loadu_ps(x + i * K + e);
+        for (int r = 0; r < NR; ++r) {
+            const __m512 wv = _mm512_loadu_ps(w + r * K + e);
+            for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MT; ++i) y[i * N + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+template <int NR>
+void dense_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
+    for (int64_t i = 0; i < M; i += 4) {
+        const float* xi = x + i * K;
+        float* yi = y + i * N;
+        switch (M - i < 4 ? M - i : 4) {
+            case 1: dense_tile<1, NR>(xi, K, w, yi, N); break;
+            case 2: dense_tile<2, NR>(xi, K, w, yi, N); break;
+            case 3: dense_tile<3, NR>(xi, K, w, yi, N); break;
+            default: dense_tile<4, NR>(xi, K, w, yi, N); break;
+        }
+    }
+}
+
 template <class F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d,
             const float* m, int64_t N, float* y) {
-    constexpr int64_t kRowsPerTask = 16;
+    constexpr int64_t kRowsPerTask = 16, kGroup = 4, kDirectRows = 16;
     const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t n = t * kRowsPerTask;
-        const int64_t count = N - n < kRowsPerTask ? N - n : kRowsPerTask;
-        for (int64_t i = 0; i < M; i += 8) {
-            const float* xi = x + i * K;
-            float* yi = y + i * N;
-            switch (M - i < 8 ? M - i : 8) {
-                case 1: rows<F, 1>(xi, K, q, d, m, yi, N, n, count); break;
-                case 2: rows<F, 2>(xi, K, q, d, m, yi, N, n, count); break;
-                case 3: rows<F, 3>(xi, K, q, d, m, yi, N, n, count); break;
-                case 4: rows<F, 4>(xi, K, q, d, m, yi, N, n, count); break;
-                case 5: rows<F, 5>(xi, K, q, d, m, yi, N, n, count); break;
-                case 6: rows<F, 6>(xi, K, q, d, m, yi, N, n, count); break;
-                case 7: rows<F, 7>(xi, K, q, d, m, yi, N, n, count); break;
-                default: rows<F, 8>(xi, K, q, d, m, yi, N, n, count); break;
+    const int64_t row = F::row_bytes(K), blocks = K / 32;
+#pragma omp parallel
+    {
+        // Past kDirectRows x rows (prefill), each group of 4 W rows is expanded once into this
+        // buffer (L1 sized) and multiplied dense against every tile of 4 x rows: ~1.3x faster
+        // at 64 rows. Up to it, expanding in registers per tile of 8 x rows is faster.
+        std::vector<float> expanded(M > kDirectRows ? kGroup * K : 0);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; ++t) {
+            const int64_t n = t * kRowsPerTask;
+            const int64_t count = N - n < kRowsPerTask ? N - n : kRowsPerTask;
+            if (M <= kDirectRows) {
+                for (int64_t i = 0; i < M; i += 8) {
+                    const float* xi = x + i * K;
+                    float* yi = y + i * N;
+                    switch (M - i < 8 ? M - i : 8) {
+                        case 1: rows<F, 1>(xi, K, q, d, m, yi, N, n, count); break;
+                        case 2: rows<F, 2>(xi, K, q, d, m, yi, N, n, count); break;
+                        case 3: rows<F, 3>(xi, K, q, d, m, yi, N, n, count); break;
+                        case 4: rows<F, 4>(xi, K, q, d, m, yi, N, n, count); break;
+                        case 5: rows<F, 5>(xi, K, q, d, m, yi, N, n, count); break;
+                        case 6: rows<F, 6>(xi, K, q, d, m, yi, N, n, count); break;
+                        case 7: rows<F, 7>(xi, K, q, d, m, yi, N, n, count); break;
+                        default: rows<F, 8>(xi, K, q, d, m, yi, N, n, count); break;
+                    }
+                }
+                continue;
+            }
+            for (int64_t r0 = n; r0 < n + count; r0 += kGroup) {
+                const int64_t group = n + count - r0 < kGroup ? n + count - r0 : kGroup;
+                for (int64_t r = 0; r < group; ++r)
+                    for (int64_t b = 0; b < blocks; ++b) {
+                        __m512 w0, w1;
+                        F::expand(q + (r0 + r) * row + b * F::row_bytes(32),
+                                  d[(r0 + r) * blocks + b], m ? m[(r0 + r) * blocks + b] : 0.0f,
+                                  w0, w1);
+                        _mm512_storeu_ps(expanded.data() + r * K + b * 32, w0);
+                        _mm512_storeu_ps(expanded.data() + r * K + b * 32 + 16, w1);
+                    }
+                if (group == kGroup) {
+                    dense_rows<kGroup>(x, M, K, expanded.data(), y + r0, N);
+                } else {
+                    for (int64_t r = 0; r < group; ++r)
+                        dense_rows<1>(x, M, K, expanded.data() + r * K, y + r0 + r, N);
+                }
             }
         }
     }
