@@ -1,13 +1,16 @@
 """The matrix products of one decode step of the default model on this CPU, at 1, 8 and 13
-rows: the time no scheduler can go below (fp32, the engine's column-major weights), and what
-it allows in tokens/s.
+rows: the time no scheduler can go below (fp32), and what it allows in tokens/s.
 
     python benchmarks/bench_cpu_floor.py [--threads N]
 
 SmolLM2-135M's shapes (30 layers of qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536,
 plus the 49152x576 lm_head), with distinct random weights per layer so they stream from
-memory as in a real step. "MKL packed" is MKL's pre-packed GEMM (`torch.ops.mkl._mkl_linear`),
-which serves only the one row count it was packed for: the best this library offers.
+memory as in a real step. "F.linear" is MKL on dense fp32 weights (the engine's column-major
+layout); "MKL packed" is MKL's pre-packed GEMM (`torch.ops.mkl._mkl_linear`), which serves only
+the one row count it was packed for. "blocks" is the engine's block kernel
+(`engine.model.blockq`) on the default file's formats, Q4_1 layers and a Q8_0 lm_head: the
+same fp32 arithmetic on weights kept in their GGUF blocks (what the engine runs on an AVX-512
+CPU).
 """
 
 from __future__ import annotations
@@ -16,8 +19,13 @@ import argparse
 import statistics
 import time
 
+import gguf
 import torch
 import torch.nn.functional as F
+from gguf.quants import quantize
+
+from engine import cpu_kernels
+from engine.model.blockq import BlockWeight
 
 HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
 SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -43,6 +51,14 @@ def main() -> None:
     layers = [[torch.randn(k, n).t() for n, k in SHAPES] for _ in range(LAYERS)]  # column-major
     head = torch.randn(HIDDEN, VOCAB).t()
     weights = [w for layer in layers for w in layer] + [head]
+    blocks = None
+    if cpu_kernels.status().available:
+        def block(weight: torch.Tensor, kind: str) -> BlockWeight:
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            return BlockWeight.from_gguf(quantize(weight.contiguous().numpy() * 0.05, qtype),
+                                         kind)
+        blocks = ([block(w, "Q4_1") for layer in layers for w in layer]
+                  + [block(head, "Q8_0")])
     rows = []
     for m in (1, 8, 13):
         xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
@@ -52,15 +68,22 @@ def main() -> None:
         packed = per_step(lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, m)
                                    for w, p in zip(weights, packed_weights, strict=True)])
         del packed_weights
+        in_blocks = float("nan") if blocks is None else per_step(
+            lambda: [w.linear(xs[w.shape[1]]) for w in blocks])
         flops = 2 * m * sum(w.numel() for w in weights)
-        rows.append((m, plain, packed, flops))
+        rows.append((m, plain, packed, in_blocks, flops))
     print(f"\n{torch.get_num_threads()} thread(s); matrix products of one pass, "
           f"{sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB of fp32 weights")
-    print("| rows | F.linear ms | GFLOP/s | MKL packed ms | GFLOP/s | max tokens/s |")
-    print("|---|---|---|---|---|---|")
-    for m, plain, packed, flops in rows:
+    if blocks is None:
+        print(f"(no block kernel: {cpu_kernels.status().reason})")
+    print("| rows | F.linear ms | GFLOP/s | MKL packed ms | GFLOP/s | blocks ms | GFLOP/s | "
+          "max tokens/s, dense | max tokens/s, blocks |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m, plain, packed, in_blocks, flops in rows:
         print(f"| {m} | {plain * 1e3:.1f} | {flops / plain / 1e9:.0f} | {packed * 1e3:.1f} | "
-              f"{flops / packed / 1e9:.0f} | {m / min(plain, packed):.0f} |")
+              f"{flops / packed / 1e9:.0f} | {in_blocks * 1e3:.1f} | "
+              f"{flops / in_blocks / 1e9:.0f} | {m / min(plain, packed):.0f} | "
+              f"{m / in_blocks:.0f} |")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ def rope_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     _fp32(qkv=qkv, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous for the CPU kernels")
-    cos, sin = cos[:, :head_dim // 2].contiguous(), sin[:, :head_dim // 2].contiguous()
+    if cos.stride(0) != sin.stride(0):  # the kernel walks both tables with one row stride
+        cos, sin = cos[:, :head_dim // 2].contiguous(), sin[:, :head_dim // 2].contiguous()
     cpu_kernels.library().cpu_rope_qkv_store(
         qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0],

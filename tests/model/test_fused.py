@@ -90,6 +90,22 @@ def test_rope_store_rotates_and_writes_exactly_the_token_slots(ops, dtype, num_h
         _close(got_cache, expected_cache, dtype)  # the other slots are untouched
 
 
+def test_rope_store_takes_tables_with_other_row_strides(ops):
+    config = ModelConfig.tiny(num_heads=4, num_kv_heads=2, head_dim=16)
+    cos, sin = LlamaModel(config, device=DEVICE, fused=False).rope(
+        torch.tensor([3, 9], device=DEVICE))
+    wide_sin = torch.cat([sin, torch.full_like(sin, POISON)], dim=1)[:, :16]  # stride 32
+    qkv = _random(2, 8 * 16, dtype=torch.float32, seed=21)
+    results = []
+    for table in (sin, wide_sin):
+        caches = [torch.zeros(4, 2, 16, device=DEVICE) for _ in range(2)]
+        q, _, _ = ops.rope_qkv_store(qkv.clone(), cos, table, 4, 2, 16, *caches,
+                                     torch.tensor([1, 3], device=DEVICE))
+        results.append((q, *caches))
+    for got, expected in zip(results[1], results[0], strict=True):
+        assert torch.equal(got, expected)
+
+
 def test_rope_store_refuses_mismatched_caches_and_slots(ops):
     qkv = torch.zeros(2, (4 + 2 * 2) * 8, device=DEVICE)
     cos = sin = torch.zeros(2, 8, device=DEVICE)
