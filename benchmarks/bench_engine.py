@@ -76,10 +76,14 @@ def hf_generate(model, tokenizer_pad: int, prompts: list[list[int]], batch: int,
 def cpu_main(args: argparse.Namespace) -> list[tuple]:
     from transformers import AutoModelForCausalLM
 
+    from engine.backends.torch_backend import TorchBackend
     from engine.model.loader import default_model_path
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     engine = Engine(device="cpu", dtype="float32", max_running_requests=16)
+    # the same engine with every weight dequantized at load and the torch ops (no CPU kernels)
+    dense = Engine(device="cpu", dtype="float32", max_running_requests=16, block_weights=False)
+    dense.runtime.model.cpu_fused = False
     chats = [[{"role": "user", "content": f"Write a short story about {t}."}] for t in TOPICS]
     ids = [engine.tokenizer.apply_chat_template(c) for c in chats]
     path = default_model_path()
@@ -90,12 +94,16 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
     for batch in (1, 8):
         prompts = ids[:args.num_prompts if batch == 1 else 8]
         ours = run_engine(engine, prompts, batch, args.max_tokens)
+        TorchBackend.use_cpu_kernel = False  # read by each plan: the dense engine's passes
+        plain = run_engine(dense, prompts, batch, args.max_tokens)
+        TorchBackend.use_cpu_kernel = True
         with torch.inference_mode():
             hf_runs = [hf_generate(hf, pad, prompts, batch, args.max_tokens, padded=False)]
             if batch > 1:
                 hf_runs.append(hf_generate(hf, pad, prompts, batch, args.max_tokens, True))
         best = max(hf_runs, key=lambda r: r["tokens"] / r["seconds"])
-        rows.append((batch, ours["tokens"] / ours["seconds"], best["tokens"] / best["seconds"]))
+        rows.append((batch, ours["tokens"] / ours["seconds"], best["tokens"] / best["seconds"],
+                     plain["tokens"] / plain["seconds"]))
     return rows
 
 
@@ -174,10 +182,12 @@ def main() -> None:
         args.max_tokens = args.max_tokens or 64
         rows = cpu_main(args)
         print(f"\nCPU, default model fp32, {args.max_tokens} new tokens per prompt")
-        print("| batch | engine tok/s | HF generate tok/s | ratio |")
-        print("|---|---|---|---|")
-        for batch, ours, hf in rows:
-            print(f"| {batch} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x |")
+        print("| batch | engine tok/s | HF generate tok/s | ratio | engine, no CPU kernels "
+              "tok/s | its ratio |")
+        print("|---|---|---|---|---|---|")
+        for batch, ours, hf, plain in rows:
+            print(f"| {batch} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x | {plain:.1f} | "
+                  f"{plain / hf:.2f}x |")
     else:
         args.max_tokens = args.max_tokens or 256
         rows = gpu_main(args)
