@@ -89,8 +89,9 @@ def workloads(quick: bool) -> dict[str, list[list[dict]]]:
 class Ours:
     """The engine at batch 1, with or without speculation; records accepted lengths."""
 
-    def __init__(self, speculative: bool) -> None:
-        self.engine = Engine(dtype="float32", device="cpu", speculative=speculative)
+    def __init__(self, speculative: bool, block_weights: bool = True) -> None:
+        self.engine = Engine(dtype="float32", device="cpu", speculative=speculative,
+                             block_weights=block_weights)
         self.accepted: list[int] = []
         self.boundaries: list[int] = []  # len(accepted) after each request
         if speculative:
@@ -191,7 +192,9 @@ def step_profile(engine: Engine) -> str:
 
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    plain, spec = Ours(False), Ours(True)
+    # the layout A/B is about dense weights: it loads them dequantized (no block kernel)
+    blocks = not args.row_major_weights
+    plain, spec = Ours(False, blocks), Ours(True, blocks)
     if args.row_major_weights:  # A/B of the CPU weight layout (both engines share the model)
         for weight in plain.engine.runtime.model.parameters():
             weight.data = weight.data.contiguous()
@@ -285,7 +288,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
     parser.add_argument("--row-major-weights", action="store_true",
-                        help="store our weights row-major (the layout before column-major)")
+                        help="dense weights (no block kernel), stored row-major (the layout "
+                             "before column-major)")
     parser.add_argument("--no-plots", action="store_true")
     run(parser.parse_args())
 

@@ -25,6 +25,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("blockq.cpp", "attention.cpp", "ops.cpp"))
+HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
 # -ffp-contract=off: a*b + c*d is rounded as written (as torch rounds it), never fused
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
          "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -59,7 +60,7 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
     if compiler is None:
         return None, KernelStatus(False, "no C++ compiler (g++ or $CXX) on PATH")
     digest = hashlib.sha256(" ".join((compiler, *FLAGS)).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     target = cache_dir() / f"engine-cpu-{digest.hexdigest()[:16]}.so"
     if not target.is_file():

@@ -4,7 +4,7 @@
 // key j of its row (slots kv_indices[kv_indptr[i] + j]) when
 //   causal (tree_bits == nullptr): j <= prefix_lens[i] + (t - qo_indptr[i]);
 //   tree: j < prefix_lens[i], or bit (j - prefix_lens[i]) of tree_bits[t] is set.
-// Scores, softmax and the weighted sum are fp32; exp is a vector polynomial (~1 ulp).
+// Scores, softmax and the weighted sum are fp32; exp is a vector polynomial (simd.h).
 // Head sizes 64 and 128 take a register-blocked path; others a generic one.
 // Work is split over (token, kv head) pairs with OpenMP; q heads h = kv * G + g share K/V.
 #include <immintrin.h>
@@ -14,28 +14,12 @@
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-inline __m512 exp512(__m512 x) {
-    // exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2 / 2; degree-6 polynomial for exp(r)
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 tail_mask(int64_t remaining) {
-    return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
-}
+using engine_cpu::exp512;
+using engine_cpu::tail_mask;
 
 inline float dot(const float* a, const float* b, int64_t d) {
     __m512 acc = _mm512_setzero_ps();

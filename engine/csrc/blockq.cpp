@@ -5,8 +5,8 @@
 //   byte blocks (Q8_0): w = d * q, exact (fp16 d, 8-bit q).
 // Layout: nibbles [N, K/2] (per block, 16 bytes: low nibbles are elements 0..15, high nibbles
 // 16..31), bytes [N, K] int8, d and m [N, K/32] fp32. Rows of W are split over OpenMP threads
-// (the process's libgomp: torch's, so torch.set_num_threads applies). Up to 16 x rows (decode,
-// verify) go in tiles of 8 against blocks expanded in registers; more (prefill) against groups
+// (the process's libgomp: torch's, so torch.set_num_threads applies). Up to 8 x rows (decode)
+// go in one tile against blocks expanded in registers; more (verify, prefill) against groups
 // of 4 W rows expanded once into an L1-sized buffer.
 #include <immintrin.h>
 #include <omp.h>
@@ -114,14 +114,15 @@ void dense_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, 
 template <class F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d,
             const float* m, int64_t N, float* y) {
-    constexpr int64_t kRowsPerTask = 16, kGroup = 4, kDirectRows = 16;
+    constexpr int64_t kRowsPerTask = 16, kGroup = 4, kDirectRows = 8;
     const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
     const int64_t row = F::row_bytes(K), blocks = K / 32;
 #pragma omp parallel
     {
-        // Past kDirectRows x rows (prefill), each group of 4 W rows is expanded once into this
-        // buffer (L1 sized) and multiplied dense against every tile of 4 x rows: ~1.3x faster
-        // at 64 rows. Up to it, expanding in registers per tile of 8 x rows is faster.
+        // Past one tile of 8 x rows (verify, prefill), each group of 4 W rows is expanded once
+        // into this buffer (L1 sized) and multiplied dense against every tile of 4 x rows:
+        // ~1.2x faster at 13 rows on one thread, ~1.3x at 64. Up to 8 rows, expanding in
+        // registers per tile is faster.
         std::vector<float> expanded(M > kDirectRows ? kGroup * K : 0);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; ++t) {
