@@ -4,9 +4,10 @@ with ctypes.
 The sources are compiled by the system C++ compiler (`$CXX`, else g++) into one shared
 library in a cache folder (`ENGINE_CACHE_DIR`, default `~/.cache/engine`), named by a hash of
 the sources and flags, so a changed source is rebuilt and concurrent builders leave one whole
-file. The library links the process's libgomp (torch's), so `torch.set_num_threads` sets its
-threads too. Where the CPU has no AVX-512 or there is no compiler, `status()` says why and the
-callers keep their torch paths.
+file. The library links the process's libgomp (torch's, one thread pool); callers pass
+`torch.get_num_threads()` with every call, because an OpenMP thread count set in one thread
+does not reach another (the engine may run in a thread of its own). Where the CPU has no
+AVX-512 or there is no compiler, `status()` says why and the callers keep their torch paths.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
          "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-SIGNATURES = {  # name -> argument types (every function returns nothing)
-    "blockq_nibbles_linear": (_P, _I, _I, _P, _P, _P, _I, _P),
-    "blockq_bytes_linear": (_P, _I, _I, _P, _P, _I, _P),
+SIGNATURES = {  # name -> argument types (none returns a value); each takes a thread count last
+    "blockq_nibbles_linear": (_P, _I, _I, _P, _P, _P, _I, _P, _I),
+    "blockq_bytes_linear": (_P, _I, _I, _P, _P, _I, _P, _I),
     "cpu_paged_attention": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I,
-                            ctypes.c_float, _P),
-    "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P),
-    "cpu_rope_qkv_store": (_P, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I),
-    "cpu_silu_mul": (_P, _I, _I, _P),
+                            ctypes.c_float, _P, _I),
+    "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P, _I),
+    "cpu_rope_qkv_store": (_P, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
+    "cpu_silu_mul": (_P, _I, _I, _P, _I),
 }
 
 

@@ -178,7 +178,8 @@ def attend_paged_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cpu_kernels.library().cpu_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in indices),
         None if bits is None else bits.contiguous().data_ptr(), batch_size, q.shape[0],
-        q.shape[1], k_cache.shape[1], q.shape[2], scale, out.data_ptr())
+        q.shape[1], k_cache.shape[1], q.shape[2], scale, out.data_ptr(),
+        torch.get_num_threads())
     return out
 
 

@@ -97,7 +97,8 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
     }
     for (int64_t g = 0; g < group; ++g)
         for (int c = 0; c < C; ++c)
-            _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+            _mm512_storeu_ps(out + g * d + 16 * c,
+                             _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
 }
 
 }  // namespace
@@ -106,12 +107,12 @@ extern "C" void cpu_paged_attention(
         const float* q, const float* k_cache, const float* v_cache, const int32_t* kv_indices,
         const int32_t* kv_indptr, const int32_t* qo_indptr, const int32_t* prefix_lens,
         const int64_t* tree_bits, int64_t batch, int64_t num_tokens, int64_t num_heads,
-        int64_t num_kv_heads, int64_t head_dim, float scale, float* out) {
+        int64_t num_kv_heads, int64_t head_dim, float scale, float* out, int64_t threads) {
     std::vector<int64_t> owner(num_tokens, 0);
     for (int64_t i = 0; i < batch; ++i)
         for (int64_t t = qo_indptr[i]; t < qo_indptr[i + 1]; ++t) owner[t] = i;
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         std::vector<float> scores;
         std::vector<int32_t> keys;
@@ -165,7 +166,8 @@ extern "C" void cpu_paged_attention(
                     for (int64_t j = 0; j < n; ++j)
                         acc = _mm512_fmadd_ps(
                             _mm512_set1_ps(scores[j]),
-                            _mm512_maskz_loadu_ps(m, v_cache + (keys[j] * num_kv_heads + kvh) * d + e),
+                            _mm512_maskz_loadu_ps(
+                                m, v_cache + (keys[j] * num_kv_heads + kvh) * d + e),
                             acc);
                     _mm512_mask_storeu_ps(oh + e, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
                 }

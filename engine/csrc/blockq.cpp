@@ -113,11 +113,11 @@ void dense_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, 
 
 template <class F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d,
-            const float* m, int64_t N, float* y) {
+            const float* m, int64_t N, float* y, int64_t threads) {
     constexpr int64_t kRowsPerTask = 16, kGroup = 4, kDirectRows = 8;
     const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
     const int64_t row = F::row_bytes(K), blocks = K / 32;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         // Past one tile of 8 x rows (verify, prefill), each group of 4 W rows is expanded once
         // into this buffer (L1 sized) and multiplied dense against every tile of 4 x rows:
@@ -171,13 +171,16 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
 
 extern "C" {
 // K must be a multiple of 32; every pointer is to contiguous memory of the layout above.
+// threads: the caller's torch.get_num_threads() (an OpenMP thread count is per calling
+// thread, and the engine may run in a thread of its own).
 void blockq_nibbles_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
-                           const float* d, const float* m, int64_t N, float* y) {
-    linear<Nibbles>(x, M, K, q, d, m, N, y);
+                           const float* d, const float* m, int64_t N, float* y,
+                           int64_t threads) {
+    linear<Nibbles>(x, M, K, q, d, m, N, y, threads);
 }
 void blockq_bytes_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
-                         const float* d, int64_t N, float* y) {
-    linear<Bytes>(x, M, K, q, d, nullptr, N, y);
+                         const float* d, int64_t N, float* y, int64_t threads) {
+    linear<Bytes>(x, M, K, q, d, nullptr, N, y, threads);
 }
 int blockq_abi_version(void) { return 1; }
 }

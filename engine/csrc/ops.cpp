@@ -5,8 +5,8 @@
 //     k and the v of token t written to the caches at slots[t];
 //   silu_mul: out = silu(gate) * up from gate_up [T, 2 * inter].
 // Products and sums are rounded as the torch reference rounds them (built with
-// -ffp-contract=off, so a*b + c*d is never fused). Rows are split over OpenMP threads only
-// when there are enough of them to pay for it.
+// -ffp-contract=off, so a*b + c*d is never fused). Rows are split over `threads` OpenMP
+// threads only when there are enough of them to pay for it.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -27,8 +27,8 @@ constexpr int64_t kParallelElements = 1 << 15;  // below this, one thread does t
 extern "C" {
 
 void cpu_rms_norm(const float* x, const float* residual, const float* weight, int64_t rows,
-                  int64_t width, float eps, float* out, float* residual_out) {
-#pragma omp parallel for if (rows * width >= kParallelElements)
+                  int64_t width, float eps, float* out, float* residual_out, int64_t threads) {
+#pragma omp parallel for if (rows * width >= kParallelElements) num_threads(threads)
     for (int64_t t = 0; t < rows; ++t) {
         const float* xt = x + t * width;
         const float* src = xt;
@@ -37,7 +37,8 @@ void cpu_rms_norm(const float* x, const float* residual, const float* weight, in
             for (int64_t e = 0; e < width; e += 16) {
                 const __mmask16 m = tail_mask(width - e);
                 _mm512_mask_storeu_ps(rt + e, m, _mm512_add_ps(
-                    _mm512_maskz_loadu_ps(m, xt + e), _mm512_maskz_loadu_ps(m, residual + t * width + e)));
+                    _mm512_maskz_loadu_ps(m, xt + e),
+                    _mm512_maskz_loadu_ps(m, residual + t * width + e)));
             }
             src = rt;
         }
@@ -60,9 +61,10 @@ void cpu_rms_norm(const float* x, const float* residual, const float* weight, in
 void cpu_rope_qkv_store(float* qkv, int64_t stride_t, const float* cos, const float* sin,
                         int64_t stride_cs, const int64_t* slots, float* k_cache,
                         float* v_cache, int64_t tokens, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim) {
+                        int64_t num_kv_heads, int64_t head_dim, int64_t threads) {
     const int64_t half = head_dim / 2, rotated = num_heads + num_kv_heads;
-#pragma omp parallel for if (tokens * (rotated + num_kv_heads) * head_dim >= kParallelElements)
+#pragma omp parallel for num_threads(threads) \
+    if (tokens * (rotated + num_kv_heads) * head_dim >= kParallelElements)
     for (int64_t t = 0; t < tokens; ++t) {
         float* row = qkv + t * stride_t;
         const float* c = cos + t * stride_cs;
@@ -92,8 +94,9 @@ void cpu_rope_qkv_store(float* qkv, int64_t stride_t, const float* cos, const fl
     }
 }
 
-void cpu_silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
-#pragma omp parallel for if (rows * inter >= kParallelElements)
+void cpu_silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* out,
+                  int64_t threads) {
+#pragma omp parallel for if (rows * inter >= kParallelElements) num_threads(threads)
     for (int64_t t = 0; t < rows; ++t) {
         const float* g = gate_up + t * 2 * inter;
         const float* u = g + inter;

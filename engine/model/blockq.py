@@ -109,11 +109,11 @@ class BlockWeight:
                 lib.blockq_nibbles_linear(flat.data_ptr(), flat.shape[0], self.shape[1],
                                           self.quants.data_ptr(), self.scale.data_ptr(),
                                           self.offset.data_ptr(), self.shape[0],
-                                          out.data_ptr())
+                                          out.data_ptr(), torch.get_num_threads())
             else:
                 lib.blockq_bytes_linear(flat.data_ptr(), flat.shape[0], self.shape[1],
                                         self.quants.data_ptr(), self.scale.data_ptr(),
-                                        self.shape[0], out.data_ptr())
+                                        self.shape[0], out.data_ptr(), torch.get_num_threads())
         return out.view(*x.shape[:-1], self.shape[0])
 
 

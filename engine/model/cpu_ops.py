@@ -33,7 +33,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
     cpu_kernels.library().cpu_rms_norm(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
         x.shape[0], x.shape[1], eps, out.data_ptr(),
-        None if residual is None else residual_out.data_ptr())
+        None if residual is None else residual_out.data_ptr(), torch.get_num_threads())
     return out, (x if residual is None else residual_out)
 
 
@@ -55,7 +55,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
     cpu_kernels.library().cpu_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter,
-                                       out.data_ptr())
+                                       out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -74,5 +74,5 @@ def rope_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     cpu_kernels.library().cpu_rope_qkv_store(
         qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0],
-        num_heads, num_kv_heads, head_dim)
+        num_heads, num_kv_heads, head_dim, torch.get_num_threads())
     return split_heads(qkv, num_heads, num_kv_heads, head_dim)

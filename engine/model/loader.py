@@ -269,12 +269,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
         if name == "rope_freqs.weight":  # llama3-style per-frequency divisors
             model.inv_freq /= torch.from_numpy(values.reshape(-1).copy()).to(model.inv_freq)
             continue
+        in_blocks = use_blocks and tensor.tensor_type.name in blockq.FORMATS and values.ndim == 2
         raw = tensor.data  # quantized types: uint8 [rows, bytes per row]
         if name.endswith(("attn_q.weight", "attn_k.weight")):  # rows move with their blocks
             heads = config.num_heads if name.endswith("attn_q.weight") else config.num_kv_heads
-            values, raw = unpermute_rotary(values, heads), unpermute_rotary(raw, heads)
+            values = unpermute_rotary(values, heads)
+            raw = unpermute_rotary(raw, heads) if in_blocks else raw
         hf_name = gguf_to_hf_name(name)
-        if use_blocks and tensor.tensor_type.name in blockq.FORMATS and values.ndim == 2:
+        if in_blocks:
             blocks[hf_name] = BlockWeight.from_gguf(raw, tensor.tensor_type.name)
         sink.put(hf_name, torch.from_numpy(np.ascontiguousarray(values)))
     sink.finish()
