@@ -148,3 +148,23 @@ def test_a_model_with_block_weights_runs_and_saves_dense(tmp_path):
         assert torch.equal(loaded.dense_weight(name), blocks[name].dequantize()), name
     with pytest.raises(ValueError, match="has shape"):
         model.use_block_weights({"layers.0.o_proj": blocks["layers.1.down_proj"]})
+
+
+@needs_kernel
+def test_engine_gives_the_same_tokens_with_and_without_the_cpu_kernels(monkeypatch):
+    """Block weights, paged attention and the fused ops together, in mixed batches with
+    speculative verify passes (tree attention), against dense weights and the torch paths."""
+    from engine import Engine, SamplingParams
+    from engine.backends.torch_backend import TorchBackend
+
+    prompts = ["The capital of France is", "Repeat: one two three, one two three, one two",
+               [{"role": "user", "content": "List three colours."}], "def add(a, b):"]
+    params = SamplingParams(max_tokens=24)
+    fast = Engine(device="cpu", dtype="float32", speculative=True)
+    assert fast.runtime.model.block_weights and fast.runtime.model.cpu_fused
+    with_kernels = [o.token_ids for o in fast.generate(prompts, params)]
+    assert fast.spec.stats.total().drafting_steps > 0  # verify passes with real trees
+    plain = Engine(device="cpu", dtype="float32", speculative=True, block_weights=False)
+    plain.runtime.model.cpu_fused = False
+    monkeypatch.setattr(TorchBackend, "use_cpu_kernel", False)
+    assert [o.token_ids for o in plain.generate(prompts, params)] == with_kernels
