@@ -14,6 +14,8 @@
 
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 struct Nibbles {
@@ -58,8 +60,7 @@ inline void tile(const float* x, int64_t K, const uint8_t* q, const float* d, co
             }
         }
     }
-    for (int r = 0; r < NR; ++r)
-        for (int i = 0; i < MT; ++i) y[i * N + r] = _mm512_reduce_add_ps(acc[r][i]);
+    engine_cpu::store_sums<NR, MT>(acc, y, N);
 }
 
 // rows [n, n + count) of W against MT rows of x; few x rows take several W rows at once so
@@ -93,8 +94,7 @@ inline void dense_tile(const float* x, int64_t K, const float* w, float* y, int6
             for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
         }
     }
-    for (int r = 0; r < NR; ++r)
-        for (int i = 0; i < MT; ++i) y[i * N + r] = _mm512_reduce_add_ps(acc[r][i]);
+    engine_cpu::store_sums<NR, MT>(acc, y, N);
 }
 
 template <int NR>
