@@ -63,6 +63,18 @@ inline void tile(const float* x, int64_t K, const uint8_t* q, const float* d, co
     engine_cpu::store_sums<NR, MT>(acc, y, N);
 }
 
+// The next tile's weights, asked for while this tile computes: the blocks stream from memory,
+// and a tile's quants, scales and offsets are three short streams the hardware prefetchers
+// pick up late.
+inline void prefetch_rows(const uint8_t* q, int64_t bytes, const float* d, const float* m,
+                          int64_t scales) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)(q + b), _MM_HINT_T0);
+    for (int64_t i = 0; i < scales; i += 16) {
+        _mm_prefetch((const char*)(d + i), _MM_HINT_T0);
+        if (m) _mm_prefetch((const char*)(m + i), _MM_HINT_T0);
+    }
+}
+
 // rows [n, n + count) of W against MT rows of x; few x rows take several W rows at once so
 // that the accumulation chains overlap
 template <class F, int MT>
@@ -71,9 +83,13 @@ void rows(const float* x, int64_t K, const uint8_t* q, const float* d, const flo
     constexpr int NR = MT <= 2 ? 4 : 2;
     const int64_t row = F::row_bytes(K), blocks = K / 32;
     int64_t r = n;
-    for (; r + NR <= n + count; r += NR)
+    for (; r + NR <= n + count; r += NR) {
+        const int64_t ahead = N - (r + NR) < NR ? N - (r + NR) : NR;  // rows after this tile
+        prefetch_rows(q + (r + NR) * row, ahead * row, d + (r + NR) * blocks,
+                      m ? m + (r + NR) * blocks : nullptr, ahead * blocks);
         tile<F, MT, NR>(x, K, q + r * row, d + r * blocks, m ? m + r * blocks : nullptr,
                         y + r, N);
+    }
     for (; r < n + count; ++r)
         tile<F, MT, 1>(x, K, q + r * row, d + r * blocks, m ? m + r * blocks : nullptr,
                        y + r, N);
