@@ -169,8 +169,9 @@ def attend_paged_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      metadata: ForwardMetadata, scale: float) -> torch.Tensor:
     """`attend_padded`'s result through the CPU kernel (fp32, K/V of the new tokens already
     in the pool): keys read in place, visibility from the same rules as `_mask`."""
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # tokens may be strided, heads not
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
     batch_size = metadata.prefix_lens.shape[0]
     if q.shape[0] == 0 or batch_size == 0:
         return out.zero_()
@@ -178,7 +179,7 @@ def attend_paged_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cpu_kernels.library().cpu_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in indices),
         None if bits is None else bits.contiguous().data_ptr(), batch_size, q.shape[0],
-        q.shape[1], k_cache.shape[1], q.shape[2], scale, out.data_ptr(),
+        q.shape[1], k_cache.shape[1], q.shape[2], q.stride(0), scale, out.data_ptr(),
         torch.get_num_threads())
     return out
 

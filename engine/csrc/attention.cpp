@@ -1,4 +1,5 @@
-// Attention of a few new tokens per request over the paged K/V pool, in fp32 on the CPU:
+// Attention of a few new tokens per request over the paged K/V pool, in fp32 on the CPU
+// (q [T, Hq, D] with token stride q_stride, heads contiguous; out [T, Hq, D] contiguous):
 // decode (one token) and tree verify (a draft tree), reading each key and value where it lies
 // in the pool (no gather). Token t of request i (new tokens qo_indptr[i]..qo_indptr[i+1]) sees
 // key j of its row (slots kv_indices[kv_indptr[i] + j]) when
@@ -107,7 +108,8 @@ extern "C" void cpu_paged_attention(
         const float* q, const float* k_cache, const float* v_cache, const int32_t* kv_indices,
         const int32_t* kv_indptr, const int32_t* qo_indptr, const int32_t* prefix_lens,
         const int64_t* tree_bits, int64_t batch, int64_t num_tokens, int64_t num_heads,
-        int64_t num_kv_heads, int64_t head_dim, float scale, float* out, int64_t threads) {
+        int64_t num_kv_heads, int64_t head_dim, int64_t q_stride, float scale, float* out,
+        int64_t threads) {
     std::vector<int64_t> owner(num_tokens, 0);
     for (int64_t i = 0; i < batch; ++i)
         for (int64_t t = qo_indptr[i]; t < qo_indptr[i + 1]; ++t) owner[t] = i;
@@ -130,21 +132,23 @@ extern "C" void cpu_paged_attention(
             }
             const int64_t n = (int64_t)keys.size();
             scores.resize(n * group);
-            const int64_t head0 = (t * num_heads + kvh * group) * d;
+            const int64_t head0 = kvh * group * d;  // within the token's q row and out row
+            const float* qt = q + t * q_stride;
+            float* ot = out + t * num_heads * d;
             if (group <= kMaxGroup && d == 64) {
-                task_fast<4>(q + head0, k_cache, v_cache, keys.data(), n, group, num_kv_heads,
-                             kvh, scale, scores.data(), out + head0);
+                task_fast<4>(qt + head0, k_cache, v_cache, keys.data(), n, group, num_kv_heads,
+                             kvh, scale, scores.data(), ot + head0);
                 continue;
             }
             if (group <= kMaxGroup && d == 128) {
-                task_fast<8>(q + head0, k_cache, v_cache, keys.data(), n, group, num_kv_heads,
-                             kvh, scale, scores.data(), out + head0);
+                task_fast<8>(qt + head0, k_cache, v_cache, keys.data(), n, group, num_kv_heads,
+                             kvh, scale, scores.data(), ot + head0);
                 continue;
             }
             for (int64_t g = 0; g < group; ++g) {  // any head size and group: one chain
                 const int64_t h = kvh * group + g;
-                const float* qh = q + (t * num_heads + h) * d;
-                float* oh = out + (t * num_heads + h) * d;
+                const float* qh = qt + h * d;
+                float* oh = ot + h * d;
                 float top = -INFINITY;
                 for (int64_t j = 0; j < n; ++j) {
                     scores[j] = dot(qh, k_cache + (keys[j] * num_kv_heads + kvh) * d, d) * scale;
