@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("blockq.cpp", "attention.cpp", "ops.cpp"))
-HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
+                for name in ("blockq.cpp", "attention.cpp", "ops.cpp", "layer.cpp"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "kernels.h"))
 # -ffp-contract=off: a*b + c*d is rounded as written (as torch rounds it), never fused
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
          "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -39,6 +39,9 @@ SIGNATURES = {  # name -> argument types (none returns a value); each takes a th
     "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P, _I),
     "cpu_rope_qkv_store": (_P, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "cpu_silu_mul": (_P, _I, _I, _P, _I),
+    "cpu_decoder_layer": (_P, _P, _I, _I, _P, _P, ctypes.c_float, _P, _P, _P, _I, _P, _P, _P,
+                          _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P,
+                          _I),
 }
 
 

@@ -94,6 +94,12 @@ class AttentionBackend(abc.ABC):
         metadata.out_slots (unless the caller already did: `kv_stored`, as the fused RoPE
         kernel does) and returns attention output [T, Hq, D]."""
 
+    def cpu_kernel_attention(self, layer: int, metadata: ForwardMetadata) -> tuple | None:
+        """For a caller that runs a whole layer in one CPU kernel (`cpu_ops.decoder_layer`):
+        this pass's attention as the CPU attention kernel's inputs (this layer's caches and
+        the plan's indices), or None when the pass's attention is not that kernel's."""
+        return None
+
 
 _REGISTRY: dict[str, Callable[[KVPool], AttentionBackend]] = {}
 

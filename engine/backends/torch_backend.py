@@ -77,6 +77,11 @@ class TorchBackend(AttentionBackend):
             return attend_paged_cpu(q, k_cache, v_cache, metadata, scale)
         return attend_padded(q, k_cache, v_cache, metadata, scale)
 
+    def cpu_kernel_attention(self, layer: int, metadata: ForwardMetadata) -> tuple | None:
+        if not metadata.extra.get("cpu_kernel"):
+            return None
+        return (self.pool.k_cache[layer], self.pool.v_cache[layer], *metadata.extra["cpu_kernel"])
+
     def forward_per_request(self, layer: int, q: torch.Tensor, metadata: ForwardMetadata,
                             scale: float) -> torch.Tensor:
         """The same attention one request at a time (the oracle for `attend_padded`);

@@ -13,6 +13,8 @@ dequantizes as before.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -91,6 +93,13 @@ class BlockWeight:
             return (q * self.scale[..., None] + self.offset[..., None]).view(rows, -1)
         q = self.quants.view(rows, blocks, BLOCK).float()
         return (q * self.scale[..., None]).view(rows, -1)
+
+    @functools.cached_property
+    def descriptor(self) -> tuple[int, int, int, int, int, int]:
+        """(kind: 0 nibbles / 1 bytes, quants, scales, offsets or 0, N, K) addresses and
+        sizes, as `engine/csrc/layer.cpp` takes a matrix (the tensors live as long as self)."""
+        return (0 if self.nibbles else 1, self.quants.data_ptr(), self.scale.data_ptr(),
+                0 if self.offset is None else self.offset.data_ptr(), *self.shape)
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size()

@@ -5,10 +5,12 @@ kernel call each where torch runs several ops. Matrix products go through `block
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from engine import cpu_kernels
-from engine.model.blockq import linear  # noqa: F401  (the ops set's matrix products)
+from engine.model.blockq import BlockWeight, linear  # noqa: F401  (linear: the set's products)
 from engine.model.checks import check_gate_up, check_norm, check_rope_store
 from engine.model.llama import split_heads
 
@@ -76,3 +78,39 @@ def rope_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
         slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0],
         num_heads, num_kv_heads, head_dim, torch.get_num_threads())
     return split_heads(qkv, num_heads, num_kv_heads, head_dim)
+
+
+def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                  sin: torch.Tensor, metadata, backend) -> tuple[torch.Tensor, ...] | None:
+    """`DecoderLayer.forward` in one kernel call (`engine/csrc/layer.cpp`: the same kernels
+    in the same order as the per-op path) when the pass's attention is the backend's CPU
+    kernel (decode, verify) and the layer's four matrices are block weights; None otherwise,
+    and the layer runs op by op."""
+    weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    if not all(isinstance(w, BlockWeight) for w in weights):
+        return None
+    attention = backend.cpu_kernel_attention(layer.index, metadata)
+    if attention is None:
+        return None
+    k_cache, v_cache, *indices, bits = attention
+    tokens, width = hidden.shape
+    check_norm(hidden, residual, width)
+    _fp32(hidden=hidden, **({} if residual is None else {"residual": residual}))
+    hidden = hidden.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    head_dim, inter = layer.head_dim, layer.gate_up_proj.shape[0] // 2
+    if cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    workspace = torch.empty(tokens * (weights[0].shape[0] + layer.q_size + width + 3 * inter))
+    out, residual_out = torch.empty(tokens, width), torch.empty(tokens, width)
+    descriptors = (ctypes.c_int64 * 24)(*(v for w in weights for v in w.descriptor))
+    cpu_kernels.library().cpu_decoder_layer(
+        hidden.data_ptr(), None if residual is None else residual.data_ptr(), tokens, width,
+        layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+        layer.input_layernorm.eps, descriptors, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+        metadata.out_slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        *(t.data_ptr() for t in indices), None if bits is None else bits.data_ptr(),
+        metadata.prefix_lens.shape[0], layer.num_heads, layer.num_kv_heads, head_dim, inter,
+        head_dim ** -0.5, workspace.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
+        torch.get_num_threads())
+    return out, residual_out

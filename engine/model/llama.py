@@ -152,6 +152,11 @@ class DecoderLayer(nn.Module):
                 ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added); the first layer
         gets residual None and starts the stream from `hidden`."""
+        whole_layer = getattr(ops, "decoder_layer", None)  # one kernel call (CPU), if it applies
+        if whole_layer is not None:
+            result = whole_layer(self, hidden, residual, cos, sin, metadata, backend)
+            if result is not None:
+                return result
         num_tokens = hidden.shape[0]
         norm = self.input_layernorm
         if residual is None:

@@ -11,7 +11,16 @@ import torch
 from engine.backends import KVPool, get_backend
 from engine.kv import KVBook
 from engine.model import LlamaModel
-from engine.state import FinishRules, Running, decode, extend, schedule_decode, schedule_extend
+from engine.state import (
+    DraftTrees,
+    FinishRules,
+    Running,
+    decode,
+    extend,
+    schedule_decode,
+    schedule_extend,
+    schedule_verify,
+)
 
 
 def run_greedy(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new: int,
@@ -82,6 +91,45 @@ def chunked_logits_of(model: LlamaModel, ids: list[int], chunks: list[int]) -> t
     return torch.cat(pieces)
 
 
+def extend_then_next(model: LlamaModel, prompts: list[list[int]], device: str = "cpu",
+                     then: str = "decode") -> list[torch.Tensor]:
+    """Hidden states of one extend pass over `prompts` and one pass after it: a decode, or
+    (then="verify") a verify of a small draft tree per request."""
+    config, count = model.config, len(prompts)
+    lens = [len(p) for p in prompts]
+    book = KVBook(sum(lens) + 5 * count, count, max(lens) + 5, device)
+    pool = KVPool.allocate(config.num_layers, sum(lens) + 5 * count + 1, config.num_kv_heads,
+                           config.head_dim, model.dtype, book.table.device)
+    backend = get_backend("torch", pool)
+    rules = FinishRules([4] * count, [0] * count, [-1] * count,
+                        np.zeros((count, 0), dtype=np.int64))
+    running = Running.admitted(list(range(count)), [book.table.alloc_row() for _ in prompts],
+                               lens, lens, [p[-1] for p in prompts], rules, max(lens) + 5)
+    ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+    batch = schedule_extend(running, lens, ids, book.slots.alloc(ids.shape[0]))
+    hiddens = []
+    for step in (extend, None):
+        with torch.no_grad():
+            hiddens.append(model(torch.from_numpy(batch.input_ids.copy()).to(device),
+                                 torch.from_numpy(batch.positions.copy()).to(device),
+                                 backend.plan(batch), backend))
+        if step is None:
+            return hiddens
+        sampled = np.arange(count, dtype=np.int64) + 3
+        result = step(batch, sampled)
+        book.apply(result.effects)
+        if then == "decode":
+            batch = schedule_decode(result.running, book.slots.alloc(count))
+        else:  # trees of 1-4 nodes: a chain, branches, and a root alone
+            shapes = [[-1, 0, 0, 1], [-1, 0], [-1], [-1, 0, 1]]
+            parents = [shapes[i % len(shapes)] for i in range(count)]
+            tokens = [[int(sampled[i])] + [5 + i + j for j in range(len(p) - 1)]
+                      for i, p in enumerate(parents)]
+            trees = DraftTrees.from_lists(tokens, parents)
+            batch = schedule_verify(result.running, trees, book.slots.alloc(trees.sizes.total))
+    return hiddens
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """One intra-op thread: on a shared 2-core machine, OpenMP threads spinning against other
@@ -100,3 +148,8 @@ def greedy_runner() -> Callable[..., list[list[int]]]:
 @pytest.fixture
 def chunked_logits() -> Callable[..., torch.Tensor]:
     return chunked_logits_of
+
+
+@pytest.fixture
+def two_passes() -> Callable[..., list[torch.Tensor]]:
+    return extend_then_next

@@ -13,6 +13,7 @@ from engine import cpu_kernels
 from engine.cpu_kernels import KernelStatus
 from engine.model import blockq, load_model
 from engine.model.blockq import BlockWeight
+from engine.model.config import ModelConfig
 
 FORMATS = sorted(blockq.FORMATS)
 needs_kernel = pytest.mark.skipif(not cpu_kernels.status().available,
@@ -168,3 +169,37 @@ def test_engine_gives_the_same_tokens_with_and_without_the_cpu_kernels(monkeypat
     plain.runtime.model.cpu_fused = False
     monkeypatch.setattr(TorchBackend, "use_cpu_kernel", False)
     assert [o.token_ids for o in plain.generate(prompts, params)] == with_kernels
+
+
+@needs_kernel
+@pytest.mark.parametrize("then", ["decode", "verify"])
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the attention kernel's blocked path
+def test_whole_layer_kernel_equals_the_per_op_path(head_dim, then, two_passes, monkeypatch):
+    """`cpu_ops.decoder_layer` (one call per layer) runs the per-op path's kernels in the same
+    order: bit-identical hidden states, on a random model held in blocks."""
+    from engine.model import LlamaModel, cpu_ops
+
+    model = LlamaModel(ModelConfig.tiny(head_dim=head_dim)).init_random(seed=6)
+    names = [f"layers.{i}.{p}" for i in range(model.config.num_layers)
+             for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    model.use_block_weights({n: BlockWeight.from_gguf(quantize(
+        model.dense_weight(n).contiguous().numpy(), gguf.GGMLQuantizationType.Q4_1), "Q4_1")
+        for n in names})
+    assert model.cpu_fused
+    calls = []
+    real_layer = cpu_ops.decoder_layer
+
+    def counted(*args):
+        calls.append(real_layer(*args))
+        return calls[-1]
+
+    prompts = [[5, 9, 5, 9, 5, 9, 5], [7, 3, 11, 2], [1, 2, 3], [8] * 9]
+    monkeypatch.setattr(cpu_ops, "decoder_layer", counted)
+    whole = two_passes(model, prompts, then=then)
+    monkeypatch.setattr(cpu_ops, "decoder_layer", lambda *args: None)
+    op_by_op = two_passes(model, prompts, then=then)
+    for got, expected in zip(whole, op_by_op, strict=True):
+        assert torch.equal(got, expected)
+    # the prefill's layers ran op by op; the decode's or verify's in one call each
+    layers = model.config.num_layers
+    assert [c is not None for c in calls] == [False] * layers + [True] * layers

@@ -13,7 +13,6 @@ from engine.backends import KVPool, get_backend
 from engine.kv import KVBook
 from engine.model import LlamaModel, ModelConfig, cpu_ops, fused, gemv
 from engine.model.llama import TorchOps
-from engine.state import FinishRules, Running, extend, schedule_decode, schedule_extend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = float("nan")
@@ -193,41 +192,14 @@ def test_rope_inv_freq_is_what_the_model_uses():
     torch.testing.assert_close(LlamaModel(config, device=DEVICE).inv_freq.cpu(), expected)
 
 
-def _extend_then_decode(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Hidden states of one extend pass over `prompts` and one decode pass after it."""
-    config, count = model.config, len(prompts)
-    lens = [len(p) for p in prompts]
-    book = KVBook(sum(lens) + 2 * count, count, max(lens) + 2, DEVICE)
-    pool = KVPool.allocate(config.num_layers, sum(lens) + 2 * count + 1, config.num_kv_heads,
-                           config.head_dim, model.dtype, book.table.device)
-    backend = get_backend("torch", pool)
-    rules = FinishRules([4] * count, [0] * count, [-1] * count,
-                        np.zeros((count, 0), dtype=np.int64))
-    running = Running.admitted(list(range(count)), [book.table.alloc_row() for _ in prompts],
-                               lens, lens, [p[-1] for p in prompts], rules, max(lens) + 2)
-    ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
-    batch = schedule_extend(running, lens, ids, book.slots.alloc(ids.shape[0]))
-    hiddens = []
-    for step in (extend, None):
-        with torch.no_grad():
-            hiddens.append(model(torch.from_numpy(batch.input_ids.copy()).to(DEVICE),
-                                 torch.from_numpy(batch.positions.copy()).to(DEVICE),
-                                 backend.plan(batch), backend))
-        if step is not None:
-            result = step(batch, np.arange(count, dtype=np.int64) + 3)
-            book.apply(result.effects)
-            batch = schedule_decode(result.running, book.slots.alloc(count))
-    return hiddens
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_forward_with_fused_kernels_equals_torch_path(ops, dtype):
+def test_forward_with_fused_kernels_equals_torch_path(ops, dtype, two_passes):
     model = LlamaModel(ModelConfig.tiny(), dtype, DEVICE, fused=False).init_random(seed=4)
     model.cpu_fused = False
     prompts = [list(range(5, 17)), list(range(40, 47))]
-    reference = _extend_then_decode(model, prompts)
+    reference = two_passes(model, prompts, DEVICE)
     model.fused, model.cpu_fused = ops is fused, ops is cpu_ops
-    got = _extend_then_decode(model, prompts)
+    got = two_passes(model, prompts, DEVICE)
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2,
                                                                                rtol=1e-2)
     for got_pass, reference_pass in zip(got, reference, strict=True):

@@ -1,0 +1,59 @@
+// One decoder layer of a decode or verify pass in a single call, for a layer whose four
+// matrices are block weights: the same kernels, in the same order, as the per-op path
+// (engine/model/cpu_ops.py), without ~10 Python round trips per layer.
+//   normed, residual = rms_norm(hidden (+ residual))
+//   qkv = normed @ W_qkv; rotate q, k in place; store k, v at the tokens' slots
+//   attn = paged attention of q over the pool
+//   normed, residual = rms_norm(attn @ W_o + residual)
+//   out = silu_mul(normed @ W_gate_up) @ W_down
+// A matrix is described by 6 int64 values: kind (0: nibble blocks, 1: byte blocks), the
+// addresses of its quants, scales and offsets (0 for bytes), N and K.
+#include "kernels.h"
+
+namespace {
+
+void linear(const float* x, int64_t rows, const int64_t* w, float* y, int64_t threads) {
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(w[1]);
+    const float* d = reinterpret_cast<const float*>(w[2]);
+    if (w[0] == 0)
+        blockq_nibbles_linear(x, rows, w[5], q, d, reinterpret_cast<const float*>(w[3]), w[4],
+                              y, threads);
+    else
+        blockq_bytes_linear(x, rows, w[5], q, d, w[4], y, threads);
+}
+
+}  // namespace
+
+// workspace: T * (qkv width + Hq * D + hidden + 3 * inter) floats
+extern "C" void cpu_decoder_layer(
+        const float* hidden, const float* residual, int64_t tokens, int64_t width,
+        const float* norm_in, const float* norm_post, float eps, const int64_t* weights,
+        const float* cos, const float* sin, int64_t stride_cs, const int64_t* slots,
+        float* k_cache, float* v_cache, const int32_t* kv_indices, const int32_t* kv_indptr,
+        const int32_t* qo_indptr, const int32_t* prefix_lens, const int64_t* tree_bits,
+        int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+        int64_t inter, float scale, float* workspace, float* out, float* residual_out,
+        int64_t threads) {
+    const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
+    float* qkv = workspace;
+    float* attn = qkv + tokens * qkv_width;
+    float* normed = attn + tokens * num_heads * head_dim;
+    float* gate_up = normed + tokens * width;
+    float* act = gate_up + tokens * 2 * inter;
+    cpu_rms_norm(hidden, residual, norm_in, tokens, width, eps, normed,
+                 residual ? residual_out : nullptr, threads);
+    if (residual == nullptr)  // the first layer: the stream starts from hidden
+        for (int64_t e = 0; e < tokens * width; ++e) residual_out[e] = hidden[e];
+    linear(normed, tokens, weights, qkv, threads);
+    cpu_rope_qkv_store(qkv, qkv_width, cos, sin, stride_cs, slots, k_cache, v_cache, tokens,
+                       num_heads, num_kv_heads, head_dim, threads);
+    cpu_paged_attention(qkv, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens,
+                        tree_bits, batch, tokens, num_heads, num_kv_heads, head_dim, qkv_width,
+                        scale, attn, threads);
+    linear(attn, tokens, weights + 6, out, threads);  // out holds o_proj's output for a moment
+    cpu_rms_norm(out, residual_out, norm_post, tokens, width, eps, normed, residual_out,
+                 threads);
+    linear(normed, tokens, weights + 12, gate_up, threads);
+    cpu_silu_mul(gate_up, tokens, inter, act, threads);
+    linear(act, tokens, weights + 18, out, threads);
+}
