@@ -30,7 +30,7 @@ def check_gate_up(gate_up: torch.Tensor) -> int:
     return inter
 
 
-def _check_rope_tables(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def check_rope_tables(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        half: int) -> None:
     for name, table in (("cos", cos), ("sin", sin)):
         if table.shape[0] != qkv.shape[0] or table.shape[1] < half or table.stride(1) != 1:
@@ -44,7 +44,7 @@ def check_rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nu
     check_rows("qkv", qkv, (num_heads + 2 * num_kv_heads) * head_dim)
     if head_dim % 2:
         raise ValueError(f"the head size must be even for RoPE; got {head_dim}")
-    _check_rope_tables(qkv, cos, sin, head_dim // 2)
+    check_rope_tables(qkv, cos, sin, head_dim // 2)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if (cache.dim() != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim)
                 or cache.stride(2) != 1 or cache.stride(1) != head_dim):

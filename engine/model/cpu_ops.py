@@ -11,7 +11,12 @@ import torch
 
 from engine import cpu_kernels
 from engine.model.blockq import BlockWeight, linear  # noqa: F401  (linear: the set's products)
-from engine.model.checks import check_gate_up, check_norm, check_rope_store
+from engine.model.checks import (
+    check_gate_up,
+    check_norm,
+    check_rope_store,
+    check_rope_tables,
+)
 from engine.model.llama import split_heads
 
 stores_kv = True  # the model calls rope_qkv_store: the K/V cache write rides the rotation
@@ -95,7 +100,13 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
     k_cache, v_cache, *indices, bits = attention
     tokens, width = hidden.shape
     check_norm(hidden, residual, width)
-    _fp32(hidden=hidden, **({} if residual is None else {"residual": residual}))
+    check_rope_tables(hidden, cos, sin, layer.head_dim // 2)  # [tokens, >= half] each
+    slots = metadata.out_slots
+    if slots.dtype != torch.int64 or tuple(slots.shape) != (tokens,):
+        raise ValueError(f"the pass's out_slots must be int64 [{tokens}]; got {slots.dtype} "
+                         f"{tuple(slots.shape)}")
+    _fp32(hidden=hidden, cos=cos, sin=sin,
+          **({} if residual is None else {"residual": residual}))
     hidden = hidden.contiguous()
     residual = None if residual is None else residual.contiguous()
     head_dim, inter = layer.head_dim, layer.gate_up_proj.shape[0] // 2
@@ -108,7 +119,7 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
         hidden.data_ptr(), None if residual is None else residual.data_ptr(), tokens, width,
         layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
         layer.input_layernorm.eps, descriptors, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-        metadata.out_slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         *(t.data_ptr() for t in indices), None if bits is None else bits.data_ptr(),
         metadata.prefix_lens.shape[0], layer.num_heads, layer.num_kv_heads, head_dim, inter,
         head_dim ** -0.5, workspace.data_ptr(), out.data_ptr(), residual_out.data_ptr(),

@@ -203,3 +203,30 @@ def test_whole_layer_kernel_equals_the_per_op_path(head_dim, then, two_passes, m
     # the prefill's layers ran op by op; the decode's or verify's in one call each
     layers = model.config.num_layers
     assert [c is not None for c in calls] == [False] * layers + [True] * layers
+
+
+def test_whole_layer_refuses_tables_and_slots_that_do_not_fit():
+    from types import SimpleNamespace
+
+    from engine.model import LlamaModel, cpu_ops
+
+    model = LlamaModel(ModelConfig.tiny()).init_random(seed=1)
+    layer = model.layers[0]
+    model.use_block_weights({f"layers.0.{p}": BlockWeight.from_gguf(quantize(
+        model.dense_weight(f"layers.0.{p}").contiguous().numpy(),
+        gguf.GGMLQuantizationType.Q8_0), "Q8_0")
+        for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")})
+    backend = SimpleNamespace(cpu_kernel_attention=lambda index, metadata: (None,) * 7)
+    hidden, cos = torch.zeros(2, 64), torch.zeros(2, 16)
+    good = SimpleNamespace(out_slots=torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match=r"cos must be \[2, >= 8\]"):
+        cpu_ops.decoder_layer(layer, hidden, None, cos[:1], cos[:1], good, backend)
+    with pytest.raises(ValueError, match=r"out_slots must be int64 \[2\]"):
+        cpu_ops.decoder_layer(layer, hidden, None, cos, cos,
+                              SimpleNamespace(out_slots=torch.tensor([3, 4]).int()), backend)
+    with pytest.raises(ValueError, match="float32 CPU tensor"):
+        cpu_ops.decoder_layer(layer, hidden.double(), None, cos, cos, good, backend)
+    # a layer with a dense matrix, or a pass whose attention is not the kernel's, runs op by op
+    assert cpu_ops.decoder_layer(model.layers[1], hidden, None, cos, cos, good, backend) is None
+    no_kernel = SimpleNamespace(cpu_kernel_attention=lambda index, metadata: None)
+    assert cpu_ops.decoder_layer(layer, hidden, None, cos, cos, good, no_kernel) is None
