@@ -8,6 +8,7 @@ run `engine/csrc/attention.cpp`, which reads K/V where they lie in the pool (no 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +37,19 @@ def build_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens
     return torch.where(from_table, table_slots, new_slots).to(torch.int32)
 
 
+def build_kv_indices_host(table: np.ndarray, batch: Batch) -> np.ndarray:
+    """`build_kv_indices` on the host from numpy (the CPU's request table is a numpy view):
+    a slice per request instead of ~15 tensor ops, ~0.5 ms a pass at batch 8."""
+    parts, start = [], 0
+    for row, prefix, new in zip(batch.running.rows.tolist(), batch.prefix_lens.lens.tolist(),
+                                batch.new_lens.lens.tolist(), strict=True):
+        parts += [table[row, :prefix], batch.out_slots[start:start + new]]
+        start += new
+    if not parts:
+        return np.zeros(0, dtype=np.int32)
+    return np.concatenate(parts).astype(np.int32)
+
+
 @register("torch")
 class TorchBackend(AttentionBackend):
     # decode/verify through the CPU kernel when it applies (tests turn it off to compare)
@@ -50,10 +64,14 @@ class TorchBackend(AttentionBackend):
     def plan(self, batch: Batch) -> ForwardMetadata:
         device = self.pool.req_to_token.device
         meta = host_metadata(batch, device)
-        rows = torch.from_numpy(batch.running.rows.copy()).to(device)
-        kv_indices = build_kv_indices(self.pool.req_to_token, rows, meta["prefix_lens"],
-                                      meta["kv_indptr"], meta["qo_indptr"], meta["out_slots"],
-                                      batch.seq_lens.total)
+        if device.type == "cpu":
+            kv_indices = torch.from_numpy(build_kv_indices_host(
+                self.pool.req_to_token.numpy(), batch))
+        else:
+            rows = torch.from_numpy(batch.running.rows.copy()).to(device)
+            kv_indices = build_kv_indices(self.pool.req_to_token, rows, meta["prefix_lens"],
+                                          meta["kv_indptr"], meta["qo_indptr"],
+                                          meta["out_slots"], batch.seq_lens.total)
         metadata = ForwardMetadata(kv_indices=kv_indices, **meta)
         if self._kernel_applies(batch.mode):  # its int32/int64 inputs, made once per pass
             metadata.extra["cpu_kernel"] = (

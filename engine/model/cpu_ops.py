@@ -6,6 +6,7 @@ kernel call each where torch runs several ops. Matrix products go through `block
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -114,7 +115,7 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
         cos, sin = cos.contiguous(), sin.contiguous()
     workspace = torch.empty(tokens * (weights[0].shape[0] + layer.q_size + width + 3 * inter))
     out, residual_out = torch.empty(tokens, width), torch.empty(tokens, width)
-    descriptors = (ctypes.c_int64 * 24)(*(v for w in weights for v in w.descriptor))
+    descriptors = _descriptors(layer, weights)
     cpu_kernels.library().cpu_decoder_layer(
         hidden.data_ptr(), None if residual is None else residual.data_ptr(), tokens, width,
         layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
@@ -125,3 +126,16 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
         head_dim ** -0.5, workspace.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
         torch.get_num_threads())
     return out, residual_out
+
+
+_LAYER_DESCRIPTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _descriptors(layer, weights: tuple[BlockWeight, ...]) -> ctypes.Array:
+    """The four matrices as `layer.cpp` takes them, made once per layer (and again only if
+    its weights were replaced)."""
+    cached = _LAYER_DESCRIPTORS.get(layer)
+    if cached is None or any(a is not b for a, b in zip(cached[0], weights, strict=True)):
+        cached = (weights, (ctypes.c_int64 * 24)(*(v for w in weights for v in w.descriptor)))
+        _LAYER_DESCRIPTORS[layer] = cached
+    return cached[1]

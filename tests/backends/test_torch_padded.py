@@ -9,7 +9,8 @@ import torch
 
 from engine import cpu_kernels
 from engine.backends import KVPool, get_backend
-from engine.backends.torch_backend import TorchBackend
+from engine.backends.base import host_metadata
+from engine.backends.torch_backend import TorchBackend, build_kv_indices
 from engine.kv import KVBook
 from engine.state import (
     DraftTrees,
@@ -70,6 +71,12 @@ def test_padded_attention_equals_per_request(mode, head_dim, kernel, monkeypatch
     backend = get_backend("torch", pool)
     meta = backend.plan(batch)
     assert bool(meta.extra.get("cpu_kernel")) == (kernel and mode != "extend")
+    # on the CPU the plan builds kv_indices on the host: the same as the tensor version
+    tensors = host_metadata(batch, "cpu")
+    assert torch.equal(meta.kv_indices, build_kv_indices(
+        pool.req_to_token, torch.from_numpy(batch.running.rows.copy()), tensors["prefix_lens"],
+        tensors["kv_indptr"], tensors["qo_indptr"], tensors["out_slots"],
+        batch.seq_lens.total))
     total = batch.new_lens.total
     q = torch.randn(total, 6, head_dim)[:, 1:5]  # a view: tokens strided, as from qkv
     k, v = torch.randn(total, 2, head_dim), torch.randn(total, 2, head_dim)
