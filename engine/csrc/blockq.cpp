@@ -183,6 +183,22 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
     }
 }
 
+// every weight of W, expanded to fp32 [N, K] (for a large product handed to a dense GEMM)
+template <class F>
+void expand_all(const uint8_t* q, const float* d, const float* m, int64_t N, int64_t K,
+                float* out, int64_t threads) {
+    const int64_t row = F::row_bytes(K), blocks = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < N; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+            __m512 w0, w1;
+            F::expand(q + r * row + b * F::row_bytes(32), d[r * blocks + b],
+                      m ? m[r * blocks + b] : 0.0f, w0, w1);
+            _mm512_storeu_ps(out + r * K + b * 32, w0);
+            _mm512_storeu_ps(out + r * K + b * 32 + 16, w1);
+        }
+}
+
 }  // namespace
 
 extern "C" {
@@ -198,5 +214,12 @@ void blockq_bytes_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
                          const float* d, int64_t N, float* y, int64_t threads) {
     linear<Bytes>(x, M, K, q, d, nullptr, N, y, threads);
 }
-int blockq_abi_version(void) { return 1; }
+void blockq_nibbles_expand(const uint8_t* q, const float* d, const float* m, int64_t N,
+                           int64_t K, float* out, int64_t threads) {
+    expand_all<Nibbles>(q, d, m, N, K, out, threads);
+}
+void blockq_bytes_expand(const uint8_t* q, const float* d, int64_t N, int64_t K, float* out,
+                         int64_t threads) {
+    expand_all<Bytes>(q, d, nullptr, N, K, out, threads);
+}
 }

@@ -21,6 +21,7 @@ import torch
 from engine import cpu_kernels
 
 BLOCK = 32  # weights per block along K, for every format here
+DENSE_ROWS = 64  # from this many rows on, linear() expands W and runs MKL's GEMM
 # GGUF type name -> (bytes per block, fp16 fields before the quants)
 FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
 
@@ -105,13 +106,30 @@ class BlockWeight:
         return sum(t.numel() * t.element_size()
                    for t in (self.quants, self.scale, self.offset) if t is not None)
 
+    def expand(self) -> torch.Tensor:
+        """`dequantize()` through the kernel's expansion: the same fp32 [N, K] values."""
+        lib, (rows, cols) = cpu_kernels.library(), self.shape
+        out = torch.empty(rows, cols, dtype=torch.float32)
+        if self.nibbles:
+            lib.blockq_nibbles_expand(self.quants.data_ptr(), self.scale.data_ptr(),
+                                      self.offset.data_ptr(), rows, cols, out.data_ptr(),
+                                      torch.get_num_threads())
+        else:
+            lib.blockq_bytes_expand(self.quants.data_ptr(), self.scale.data_ptr(), rows, cols,
+                                    out.data_ptr(), torch.get_num_threads())
+        return out
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] fp32 @ W^T -> [..., N] fp32, through the kernel."""
+        """x [..., K] fp32 @ W^T -> [..., N] fp32, through the kernel; from DENSE_ROWS rows on
+        (prefill), MKL's GEMM on the expanded weights (~1.35x the kernel's rate there)."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.shape[1]:
             raise ValueError(f"block weights take fp32 CPU input [..., {self.shape[1]}]; got "
                              f"{x.dtype} on {x.device} with shape {tuple(x.shape)}")
         lib = cpu_kernels.library()
         flat = x.reshape(-1, self.shape[1]).contiguous()
+        if flat.shape[0] >= DENSE_ROWS:
+            return torch.nn.functional.linear(flat, self.expand()).view(*x.shape[:-1],
+                                                                         self.shape[0])
         out = torch.empty(flat.shape[0], self.shape[0], dtype=torch.float32)
         if flat.shape[0]:
             if self.nibbles:

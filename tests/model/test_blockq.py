@@ -230,3 +230,14 @@ def test_whole_layer_refuses_tables_and_slots_that_do_not_fit():
     assert cpu_ops.decoder_layer(model.layers[1], hidden, None, cos, cos, good, backend) is None
     no_kernel = SimpleNamespace(cpu_kernel_attention=lambda index, metadata: None)
     assert cpu_ops.decoder_layer(layer, hidden, None, cos, cos, good, no_kernel) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_expansion_and_the_dense_path_for_many_rows(type_name):
+    raw = _raw(type_name, 37, 96, seed=4)
+    weight = BlockWeight.from_gguf(raw, type_name)
+    assert torch.equal(weight.expand(), _reference(raw, type_name))
+    x = torch.randn(blockq.DENSE_ROWS + 3, 96)
+    torch.testing.assert_close(weight.linear(x), x @ _reference(raw, type_name).t(),
+                               rtol=1e-5, atol=1e-5)
