@@ -69,20 +69,23 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     target = cache_dir() / f"engine-cpu-{digest.hexdigest()[:16]}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)],
-                                    capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                return None, KernelStatus(False, f"{compiler} failed on engine/csrc: "
-                                                 f"{result.stderr.strip()[-500:]}")
-            os.replace(built, target)
-    lib = ctypes.CDLL(str(target))
-    for name, argtypes in SIGNATURES.items():
-        function = getattr(lib, name)
-        function.restype, function.argtypes = None, list(argtypes)
+    try:
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+                built = Path(scratch) / target.name
+                result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)],
+                                        capture_output=True, text=True, check=False)
+                if result.returncode != 0:
+                    return None, KernelStatus(False, f"{compiler} failed on engine/csrc: "
+                                                     f"{result.stderr.strip()[-500:]}")
+                os.replace(built, target)
+        lib = ctypes.CDLL(str(target))
+        for name, argtypes in SIGNATURES.items():
+            function = getattr(lib, name)
+            function.restype, function.argtypes = None, list(argtypes)
+    except (OSError, AttributeError) as error:  # unwritable cache, a damaged library file
+        return None, KernelStatus(False, f"cannot build or load {target}: {error}")
     return lib, KernelStatus(True, f"built into {target}")
 
 

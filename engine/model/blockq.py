@@ -3,8 +3,8 @@
 A weight stored as Q4_0, Q4_1 or Q8_0 stays in its 4/8-bit blocks in memory. The kernel
 (`engine/csrc/blockq.cpp`, AVX-512) expands each block in registers to exactly the fp32 values
 `gguf.quants.dequantize` gives, then multiplies in fp32 with fp32 activations. The numbers are
-the dequantized model's; only the bytes read per step shrink (4.5-5 bits per weight, not 32),
-and the small-row products run near the CPU's FMA rate instead of MKL's few-row GEMM rate.
+the dequantized model's; only the bytes read per step shrink (4.5-9 bits per weight, not 32),
+and the few-row products of decode and verify run at 2-3x MKL's rate for them.
 
 `BlockWeight.dequantize()` is the pure-torch reference (and what CUDA and other dtypes load).
 The kernel is built on first use (`engine.cpu_kernels`); where it cannot be, the loader
@@ -70,10 +70,6 @@ class BlockWeight:
         offset = (torch.from_numpy(np.ascontiguousarray(halfs[:, :, 1])) if type_name == "Q4_1"
                   else -8.0 * scale)  # exact: a power-of-two multiple of an fp16 value
         return cls(torch.from_numpy(quant_bytes), scale, offset)
-
-    def rows(self, start: int, stop: int) -> BlockWeight:
-        return BlockWeight(self.quants[start:stop], self.scale[start:stop],
-                           None if self.offset is None else self.offset[start:stop])
 
     @staticmethod
     def cat(parts: list[BlockWeight]) -> BlockWeight:
