@@ -42,7 +42,7 @@ def _setup(prefix_lens, seed=0, head_dim=16):
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=pytest.mark.skipif(
     not KERNEL.available, reason=f"CPU kernels: {KERNEL.reason}"))])
-@pytest.mark.parametrize("head_dim", [16, 24])  # 24: a masked tail in every vector loop
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 128])  # 24: masked tails; 64, 128: blocked
 @pytest.mark.parametrize("mode", ["extend", "decode", "verify"])
 def test_padded_attention_equals_per_request(mode, head_dim, kernel, monkeypatch):
     monkeypatch.setattr(TorchBackend, "use_cpu_kernel", kernel)
