@@ -60,7 +60,7 @@ def main() -> None:
         blocks = ([block(w, "Q4_1") for layer in layers for w in layer]
                   + [block(head, "Q8_0")])
     rows = []
-    for m in (1, 8, 13):
+    for m in (1, 8, 13, 64, 240):  # decode, batch 8, a verify tree, prefills
         xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
         plain = per_step(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
         packed_weights = [torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), m)
@@ -72,15 +72,20 @@ def main() -> None:
             lambda: [w.linear(xs[w.shape[1]]) for w in blocks])
         flops = 2 * m * sum(w.numel() for w in weights)
         rows.append((m, plain, packed, in_blocks, flops))
+    weight_bytes = sum(w.numel() for w in weights) * 4
+    read = torch.empty(weight_bytes // 4)
+    plain_read = per_step(lambda: read.sum())  # the same bytes, streamed once
     print(f"\n{torch.get_num_threads()} thread(s); matrix products of one pass, "
-          f"{sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB of fp32 weights")
+          f"{weight_bytes / 2**20:.0f} MiB of fp32 weights; a plain read of as many bytes: "
+          f"{weight_bytes / plain_read / 1e9:.0f} GB/s")
     if blocks is None:
         print(f"(no block kernel: {cpu_kernels.status().reason})")
-    print("| rows | F.linear ms | GFLOP/s | MKL packed ms | GFLOP/s | blocks ms | GFLOP/s | "
-          "max tokens/s, dense | max tokens/s, blocks |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rows | F.linear ms | GFLOP/s | weights GB/s | MKL packed ms | GFLOP/s | blocks ms "
+          "| GFLOP/s | max tokens/s, dense | max tokens/s, blocks |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m, plain, packed, in_blocks, flops in rows:
-        print(f"| {m} | {plain * 1e3:.1f} | {flops / plain / 1e9:.0f} | {packed * 1e3:.1f} | "
+        print(f"| {m} | {plain * 1e3:.1f} | {flops / plain / 1e9:.0f} | "
+              f"{weight_bytes / plain / 1e9:.0f} | {packed * 1e3:.1f} | "
               f"{flops / packed / 1e9:.0f} | {in_blocks * 1e3:.1f} | "
               f"{flops / in_blocks / 1e9:.0f} | {m / min(plain, packed):.0f} | "
               f"{m / in_blocks:.0f} |")

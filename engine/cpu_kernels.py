@@ -41,9 +41,9 @@ SIGNATURES = {  # name -> argument types (none returns a value); each takes a th
     "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P, _I),
     "cpu_rope_qkv_store": (_P, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "cpu_silu_mul": (_P, _I, _I, _P, _I),
-    "cpu_decoder_layer": (_P, _P, _I, _I, _P, _P, ctypes.c_float, _P, _P, _P, _I, _P, _P, _P,
-                          _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P,
-                          _I),
+    "cpu_decoder_layer": (_P, _P, _I, _P, ctypes.c_float, _P, ctypes.c_float, _P, _P, _P, _I,
+                          _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P,
+                          _P, _I),
 }
 
 
@@ -91,6 +91,13 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
 
 def status() -> KernelStatus:
     return _build()[1]
+
+
+def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether tensors of this device and dtype run on the CPU kernels (fp32 CPU, and the
+    library built); the one test every caller makes."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32
+            and status().available)
 
 
 def library() -> ctypes.CDLL:

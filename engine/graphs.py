@@ -39,7 +39,8 @@ class _Graph:
 
 class GraphRunner:
     """Captures (or, without CUDA, mimics) decode or verify passes for batch sizes up to
-    `max_batch`; `run(batch)` returns logits for every new token of the batch."""
+    `max_batch`; `prepare(batch)` then `replay(...)` give logits for every new token of the
+    batch."""
 
     def __init__(self, model: torch.nn.Module, backend: object, mode: Mode, max_batch: int,
                  max_tree_nodes: int = 1, capture: bool = True) -> None:
@@ -137,6 +138,3 @@ class GraphRunner:
             return graph.logits[:count]
         return self._forward(graph, metadata)[:count]
 
-    def run(self, batch: Batch) -> torch.Tensor:
-        """prepare + replay: logits [batch.new_lens.total, vocab]."""
-        return self.replay(*self.prepare(batch), batch)

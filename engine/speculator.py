@@ -82,7 +82,7 @@ class Speculator:
         if all(p.greedy for p in params):
             return verify_greedy(trees, greedy_tokens(logits))
         # One row of filters per request, repeated over its tree's nodes on the device.
-        sizes = torch.from_numpy(trees.sizes.lens.copy()).to(logits.device)
+        sizes = trees.sizes.lens_to(logits.device)
         filters = [t.repeat_interleave(sizes, output_size=trees.sizes.total)
                    for t in filter_tensors(params, self.runtime.vocab_size, logits.device)]
         probs = probs_for_verify(logits, *filters)

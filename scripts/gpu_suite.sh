@@ -17,7 +17,7 @@ BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/ben
 if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # The whole suite takes longer than one device call may run (10 minutes): split it with
 # GPU_PART=tests (install, tests, memcheck with CUDA graphs captured), GPU_PART=memcheck
-# (install, memcheck without the caching allocator: ~6 minutes alone) and GPU_PART=benches
+# (install, memcheck without the caching allocator: ~8 minutes alone) and GPU_PART=benches
 # (install, benchmarks). Unset, it runs all of them.
 GPU_PART=${GPU_PART:-all}
 part() { [ "$GPU_PART" = all ] || [ "$GPU_PART" = "$1" ]; }

@@ -58,8 +58,7 @@ class TorchBackend(AttentionBackend):
     def _kernel_applies(self, mode: Mode) -> bool:
         cache = self.pool.k_cache[0]
         return (self.use_cpu_kernel and mode in (Mode.DECODE, Mode.VERIFY)
-                and cache.device.type == "cpu" and cache.dtype == torch.float32
-                and cpu_kernels.status().available)
+                and cpu_kernels.usable(cache.device, cache.dtype))
 
     def plan(self, batch: Batch) -> ForwardMetadata:
         device = self.pool.req_to_token.device
@@ -73,12 +72,8 @@ class TorchBackend(AttentionBackend):
                                           meta["kv_indptr"], meta["qo_indptr"],
                                           meta["out_slots"], batch.seq_lens.total)
         metadata = ForwardMetadata(kv_indices=kv_indices, **meta)
-        if self._kernel_applies(batch.mode):  # its int32/int64 inputs, made once per pass
-            metadata.extra["cpu_kernel"] = (
-                *(t.to(torch.int32).contiguous() for t in (
-                    metadata.kv_indices, metadata.kv_indptr, metadata.qo_indptr,
-                    metadata.prefix_lens)),
-                None if batch.mode != Mode.VERIFY else metadata.tree_bits.to(torch.int64))
+        if self._kernel_applies(batch.mode):
+            metadata.extra["cpu_kernel"] = True
         elif batch.new_lens.total:
             metadata.extra["padded"] = padded_layout(metadata)
         return metadata
@@ -98,7 +93,7 @@ class TorchBackend(AttentionBackend):
     def cpu_kernel_attention(self, layer: int, metadata: ForwardMetadata) -> tuple | None:
         if not metadata.extra.get("cpu_kernel"):
             return None
-        return (self.pool.k_cache[layer], self.pool.v_cache[layer], *metadata.extra["cpu_kernel"])
+        return self.pool.k_cache[layer], self.pool.v_cache[layer], *_kernel_indices(metadata)
 
     def forward_per_request(self, layer: int, q: torch.Tensor, metadata: ForwardMetadata,
                             scale: float) -> torch.Tensor:
@@ -198,13 +193,26 @@ def attend_paged_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     batch_size = metadata.prefix_lens.shape[0]
     if q.shape[0] == 0 or batch_size == 0:
         return out.zero_()
-    *indices, bits = metadata.extra["cpu_kernel"]  # see TorchBackend.plan
+    *indices, bits = _kernel_indices(metadata)
     cpu_kernels.library().cpu_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in indices),
-        None if bits is None else bits.contiguous().data_ptr(), batch_size, q.shape[0],
+        None if bits is None else bits.data_ptr(), batch_size, q.shape[0],
         q.shape[1], k_cache.shape[1], q.shape[2], q.stride(0), scale, out.data_ptr(),
         torch.get_num_threads())
     return out
+
+
+def _kernel_indices(metadata: ForwardMetadata) -> tuple:
+    """The plan's index tensors as the CPU attention kernel reads them (int32, tree bits int64,
+    contiguous: what the plan makes on the CPU, checked, never copied)."""
+    indices = (metadata.kv_indices, metadata.kv_indptr, metadata.qo_indptr,
+               metadata.prefix_lens)
+    bits = metadata.tree_bits if metadata.mode == Mode.VERIFY else None
+    if any(t.dtype != torch.int32 or not t.is_contiguous() for t in indices) or (
+            bits is not None and (bits.dtype != torch.int64 or not bits.is_contiguous())):
+        raise ValueError("the CPU attention kernel reads contiguous int32 indices and int64 "
+                         "tree bits; the plan made other tensors")
+    return *indices, bits
 
 
 def _mask(metadata: ForwardMetadata, q0: int, q1: int, prefix: int, kv_len: int,

@@ -12,6 +12,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -21,6 +22,21 @@ namespace {
 
 using engine_cpu::exp512;
 using engine_cpu::tail_mask;
+
+// scores[0..n) -> exp(scores - max) in place; returns 1 / their sum (0 for no keys)
+inline float softmax_unnormalised(float* scores, int64_t n) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) top = scores[j] > top ? scores[j] : top;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = tail_mask(n - j);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(
+            _mm512_maskz_loadu_ps(m, scores + j), _mm512_set1_ps(top))));
+        _mm512_mask_storeu_ps(scores + j, m, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return n ? 1.0f / _mm512_reduce_add_ps(total) : 0.0f;
+}
 
 inline float dot(const float* a, const float* b, int64_t d) {
     __m512 acc = _mm512_setzero_ps();
@@ -70,20 +86,7 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
         }
     }
     float inv[kMaxGroup];
-    for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores + g * n;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) top = sg[j] > top ? sg[j] : top;
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = tail_mask(n - j);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), _mm512_set1_ps(top)));
-            e = _mm512_maskz_mov_ps(m, e);
-            _mm512_mask_storeu_ps(sg + j, m, e);
-            total = _mm512_add_ps(total, e);
-        }
-        inv[g] = n ? 1.0f / _mm512_reduce_add_ps(total) : 0.0f;
-    }
+    for (int64_t g = 0; g < group; ++g) inv[g] = softmax_unnormalised(scores + g * n, n);
     __m512 acc[kMaxGroup][C];
     for (int64_t g = 0; g < group; ++g)
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -117,31 +120,34 @@ extern "C" void cpu_paged_attention(
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> scores;
-        std::vector<int32_t> keys;
+        std::vector<int32_t> tree_keys;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tokens * num_kv_heads; ++task) {
             const int64_t t = task / num_kv_heads, kvh = task % num_kv_heads, i = owner[t];
             const int64_t prefix = prefix_lens[i], first = kv_indptr[i];
             const int64_t len = kv_indptr[i + 1] - first;
-            keys.clear();  // the slots this token sees
-            for (int64_t j = 0; j < len; ++j) {
-                const bool visible = tree_bits == nullptr
-                    ? j <= prefix + (t - qo_indptr[i])
-                    : j < prefix || ((tree_bits[t] >> (j - prefix)) & 1);
-                if (visible) keys.push_back(kv_indices[first + j]);
+            // the slots this token sees: causal, a prefix of its row, read in place; in a
+            // tree, the row's prefix and the token's ancestors, gathered
+            const int32_t* keys = kv_indices + first;
+            int64_t n = std::min(len, prefix + (t - qo_indptr[i]) + 1);
+            if (tree_bits != nullptr) {
+                tree_keys.assign(keys, keys + std::min(prefix, len));
+                for (int64_t j = prefix; j < len; ++j)
+                    if ((tree_bits[t] >> (j - prefix)) & 1) tree_keys.push_back(keys[j]);
+                keys = tree_keys.data();
+                n = (int64_t)tree_keys.size();
             }
-            const int64_t n = (int64_t)keys.size();
             scores.resize(n * group);
             const int64_t head0 = kvh * group * d;  // within the token's q row and out row
             const float* qt = q + t * q_stride;
             float* ot = out + t * num_heads * d;
             if (group <= kMaxGroup && d == 64) {
-                task_fast<4>(qt + head0, k_cache, v_cache, keys.data(), n, group, num_kv_heads,
+                task_fast<4>(qt + head0, k_cache, v_cache, keys, n, group, num_kv_heads,
                              kvh, scale, scores.data(), ot + head0);
                 continue;
             }
             if (group <= kMaxGroup && d == 128) {
-                task_fast<8>(qt + head0, k_cache, v_cache, keys.data(), n, group, num_kv_heads,
+                task_fast<8>(qt + head0, k_cache, v_cache, keys, n, group, num_kv_heads,
                              kvh, scale, scores.data(), ot + head0);
                 continue;
             }
@@ -149,21 +155,10 @@ extern "C" void cpu_paged_attention(
                 const int64_t h = kvh * group + g;
                 const float* qh = qt + h * d;
                 float* oh = ot + h * d;
-                float top = -INFINITY;
-                for (int64_t j = 0; j < n; ++j) {
-                    scores[j] = dot(qh, k_cache + (keys[j] * num_kv_heads + kvh) * d, d) * scale;
-                    top = scores[j] > top ? scores[j] : top;
-                }
-                __m512 total = _mm512_setzero_ps();
-                for (int64_t j = 0; j < n; j += 16) {
-                    const __mmask16 m = tail_mask(n - j);
-                    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + j),
-                                                    _mm512_set1_ps(top)));
-                    e = _mm512_maskz_mov_ps(m, e);
-                    _mm512_mask_storeu_ps(scores.data() + j, m, e);
-                    total = _mm512_add_ps(total, e);
-                }
-                const float inv = n ? 1.0f / _mm512_reduce_add_ps(total) : 0.0f;
+                for (int64_t j = 0; j < n; ++j)
+                    scores[j] = dot(qh, k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d,
+                                    d) * scale;
+                const float inv = softmax_unnormalised(scores.data(), n);
                 for (int64_t e = 0; e < d; e += 16) {
                     const __mmask16 m = tail_mask(d - e);
                     __m512 acc = _mm512_setzero_ps();
@@ -171,7 +166,7 @@ extern "C" void cpu_paged_attention(
                         acc = _mm512_fmadd_ps(
                             _mm512_set1_ps(scores[j]),
                             _mm512_maskz_loadu_ps(
-                                m, v_cache + (keys[j] * num_kv_heads + kvh) * d + e),
+                                m, v_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d + e),
                             acc);
                     _mm512_mask_storeu_ps(oh + e, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
                 }

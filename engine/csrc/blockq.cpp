@@ -127,12 +127,25 @@ void dense_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, 
     }
 }
 
+// row r of W expanded to fp32: out[0..K)
+template <class F>
+inline void expand_row(const uint8_t* q, const float* d, const float* m, int64_t r, int64_t K,
+                       float* out) {
+    const int64_t row = F::row_bytes(K), blocks = K / 32;
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m512 w0, w1;
+        F::expand(q + r * row + b * F::row_bytes(32), d[r * blocks + b],
+                  m ? m[r * blocks + b] : 0.0f, w0, w1);
+        _mm512_storeu_ps(out + b * 32, w0);
+        _mm512_storeu_ps(out + b * 32 + 16, w1);
+    }
+}
+
 template <class F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d,
             const float* m, int64_t N, float* y, int64_t threads) {
     constexpr int64_t kRowsPerTask = 16, kGroup = 4, kDirectRows = 8;
     const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
-    const int64_t row = F::row_bytes(K), blocks = K / 32;
 #pragma omp parallel num_threads(threads)
     {
         // Past one tile of 8 x rows (verify, prefill), each group of 4 W rows is expanded once
@@ -164,14 +177,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
             for (int64_t r0 = n; r0 < n + count; r0 += kGroup) {
                 const int64_t group = n + count - r0 < kGroup ? n + count - r0 : kGroup;
                 for (int64_t r = 0; r < group; ++r)
-                    for (int64_t b = 0; b < blocks; ++b) {
-                        __m512 w0, w1;
-                        F::expand(q + (r0 + r) * row + b * F::row_bytes(32),
-                                  d[(r0 + r) * blocks + b], m ? m[(r0 + r) * blocks + b] : 0.0f,
-                                  w0, w1);
-                        _mm512_storeu_ps(expanded.data() + r * K + b * 32, w0);
-                        _mm512_storeu_ps(expanded.data() + r * K + b * 32 + 16, w1);
-                    }
+                    expand_row<F>(q, d, m, r0 + r, K, expanded.data() + r * K);
                 if (group == kGroup) {
                     dense_rows<kGroup>(x, M, K, expanded.data(), y + r0, N);
                 } else {
@@ -187,16 +193,8 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
 template <class F>
 void expand_all(const uint8_t* q, const float* d, const float* m, int64_t N, int64_t K,
                 float* out, int64_t threads) {
-    const int64_t row = F::row_bytes(K), blocks = K / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < N; ++r)
-        for (int64_t b = 0; b < blocks; ++b) {
-            __m512 w0, w1;
-            F::expand(q + r * row + b * F::row_bytes(32), d[r * blocks + b],
-                      m ? m[r * blocks + b] : 0.0f, w0, w1);
-            _mm512_storeu_ps(out + r * K + b * 32, w0);
-            _mm512_storeu_ps(out + r * K + b * 32 + 16, w1);
-        }
+    for (int64_t r = 0; r < N; ++r) expand_row<F>(q, d, m, r, K, out + r * K);
 }
 
 }  // namespace

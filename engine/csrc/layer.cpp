@@ -8,6 +8,8 @@
 //   out = silu_mul(normed @ W_gate_up) @ W_down
 // A matrix is described by 6 int64 values: kind (0: nibble blocks, 1: byte blocks), the
 // addresses of its quants, scales and offsets (0 for bytes), N and K.
+#include <vector>
+
 #include "kernels.h"
 
 namespace {
@@ -24,23 +26,26 @@ void linear(const float* x, int64_t rows, const int64_t* w, float* y, int64_t th
 
 }  // namespace
 
-// workspace: T * (qkv width + Hq * D + hidden + 3 * inter) floats
+// The sizes come from the matrices: hidden width = W_qkv's K, qkv width = its N, inter =
+// W_down's K. The scratch is this thread's, kept between calls.
 extern "C" void cpu_decoder_layer(
-        const float* hidden, const float* residual, int64_t tokens, int64_t width,
-        const float* norm_in, const float* norm_post, float eps, const int64_t* weights,
+        const float* hidden, const float* residual, int64_t tokens, const float* norm_in,
+        float eps_in, const float* norm_post, float eps_post, const int64_t* weights,
         const float* cos, const float* sin, int64_t stride_cs, const int64_t* slots,
         float* k_cache, float* v_cache, const int32_t* kv_indices, const int32_t* kv_indptr,
         const int32_t* qo_indptr, const int32_t* prefix_lens, const int64_t* tree_bits,
-        int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-        int64_t inter, float scale, float* workspace, float* out, float* residual_out,
-        int64_t threads) {
-    const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
+        int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+        float* out, float* residual_out, int64_t threads) {
+    const int64_t width = weights[5], qkv_width = weights[4], inter = weights[18 + 5];
+    thread_local std::vector<float> scratch;
+    scratch.resize(tokens * (qkv_width + num_heads * head_dim + width + 3 * inter));
+    float* workspace = scratch.data();
     float* qkv = workspace;
     float* attn = qkv + tokens * qkv_width;
     float* normed = attn + tokens * num_heads * head_dim;
     float* gate_up = normed + tokens * width;
     float* act = gate_up + tokens * 2 * inter;
-    cpu_rms_norm(hidden, residual, norm_in, tokens, width, eps, normed,
+    cpu_rms_norm(hidden, residual, norm_in, tokens, width, eps_in, normed,
                  residual ? residual_out : nullptr, threads);
     if (residual == nullptr)  // the first layer: the stream starts from hidden
         for (int64_t e = 0; e < tokens * width; ++e) residual_out[e] = hidden[e];
@@ -51,7 +56,7 @@ extern "C" void cpu_decoder_layer(
                         tree_bits, batch, tokens, num_heads, num_kv_heads, head_dim, qkv_width,
                         scale, attn, threads);
     linear(attn, tokens, weights + 6, out, threads);  // out holds o_proj's output for a moment
-    cpu_rms_norm(out, residual_out, norm_post, tokens, width, eps, normed, residual_out,
+    cpu_rms_norm(out, residual_out, norm_post, tokens, width, eps_post, normed, residual_out,
                  threads);
     linear(normed, tokens, weights + 12, gate_up, threads);
     cpu_silu_mul(gate_up, tokens, inter, act, threads);

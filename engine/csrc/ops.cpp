@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "simd.h"
 
@@ -87,10 +88,8 @@ void cpu_rope_qkv_store(float* qkv, int64_t stride_t, const float* cos, const fl
         const int64_t width = num_kv_heads * head_dim, slot = slots[t];
         const float* k = row + num_heads * head_dim;
         const float* v = k + width;
-        for (int64_t e = 0; e < width; ++e) {
-            k_cache[slot * width + e] = k[e];
-            v_cache[slot * width + e] = v[e];
-        }
+        std::memcpy(k_cache + slot * width, k, width * sizeof(float));
+        std::memcpy(v_cache + slot * width, v, width * sizeof(float));
     }
 }
 

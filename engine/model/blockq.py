@@ -3,8 +3,8 @@
 A weight stored as Q4_0, Q4_1 or Q8_0 stays in its 4/8-bit blocks in memory. The kernel
 (`engine/csrc/blockq.cpp`, AVX-512) expands each block in registers to exactly the fp32 values
 `gguf.quants.dequantize` gives, then multiplies in fp32 with fp32 activations. The numbers are
-the dequantized model's; only the bytes read per step shrink (4.5-9 bits per weight, not 32),
-and the few-row products of decode and verify run at 2-3x MKL's rate for them.
+the dequantized model's; only the bytes read per step shrink (6-9 bits per weight as held,
+not 32), and the few-row products of decode and verify run at 2-3x MKL's rate for them.
 
 `BlockWeight.dequantize()` is the pure-torch reference (and what CUDA and other dtypes load).
 The kernel is built on first use (`engine.cpu_kernels`); where it cannot be, the loader
@@ -21,7 +21,11 @@ import torch
 from engine import cpu_kernels
 
 BLOCK = 32  # weights per block along K, for every format here
-DENSE_ROWS = 64  # from this many rows on, linear() expands W and runs MKL's GEMM
+# From this many rows on, linear() expands W and runs MKL's GEMM. The layers' four matrices,
+# kernel against expansion + MKL (ms for 8 layers, 2 threads): 64 rows 17.3 / 40.2, 128 rows
+# 32.8 / 35.9, 192 rows 50.9 / 51.6, 240 rows 64.5 / 55.4 (benchmarks/bench_cpu_floor.py
+# prints the whole pass at 64 and 240 rows).
+DENSE_ROWS = 224
 # GGUF type name -> (bytes per block, fp16 fields before the quants)
 FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
 
@@ -117,7 +121,7 @@ class BlockWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] fp32 @ W^T -> [..., N] fp32, through the kernel; from DENSE_ROWS rows on
-        (prefill), MKL's GEMM on the expanded weights (~1.35x the kernel's rate there)."""
+        (long prefill chunks), MKL's GEMM on the expanded weights."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.shape[1]:
             raise ValueError(f"block weights take fp32 CPU input [..., {self.shape[1]}]; got "
                              f"{x.dtype} on {x.device} with shape {tuple(x.shape)}")

@@ -110,20 +110,18 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
           **({} if residual is None else {"residual": residual}))
     hidden = hidden.contiguous()
     residual = None if residual is None else residual.contiguous()
-    head_dim, inter = layer.head_dim, layer.gate_up_proj.shape[0] // 2
-    if cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0):
+    if cos.stride(0) != sin.stride(0):  # the kernel walks both tables with one row stride
         cos, sin = cos.contiguous(), sin.contiguous()
-    workspace = torch.empty(tokens * (weights[0].shape[0] + layer.q_size + width + 3 * inter))
     out, residual_out = torch.empty(tokens, width), torch.empty(tokens, width)
-    descriptors = _descriptors(layer, weights)
+    norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
     cpu_kernels.library().cpu_decoder_layer(
-        hidden.data_ptr(), None if residual is None else residual.data_ptr(), tokens, width,
-        layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-        layer.input_layernorm.eps, descriptors, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+        hidden.data_ptr(), None if residual is None else residual.data_ptr(), tokens,
+        norm_in.weight.data_ptr(), norm_in.eps, norm_post.weight.data_ptr(), norm_post.eps,
+        _descriptors(layer, weights), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         *(t.data_ptr() for t in indices), None if bits is None else bits.data_ptr(),
-        metadata.prefix_lens.shape[0], layer.num_heads, layer.num_kv_heads, head_dim, inter,
-        head_dim ** -0.5, workspace.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
+        metadata.prefix_lens.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim,
+        layer.head_dim ** -0.5, out.data_ptr(), residual_out.data_ptr(),
         torch.get_num_threads())
     return out, residual_out
 

@@ -195,8 +195,7 @@ class LlamaModel(nn.Module):
         self.fused = device.type == "cuda" if fused is None else fused
         # On the CPU in fp32, the AVX-512 kernels (`cpu_ops`) where they can be built; the
         # same kind of switch as `fused`, TorchOps being the reference for both.
-        self.cpu_fused = (device.type == "cpu" and dtype == torch.float32
-                          and cpu_kernels.status().available)
+        self.cpu_fused = cpu_kernels.usable(device, dtype)
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
                                     for i in range(config.num_layers))

@@ -79,8 +79,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     when the kernel is available; otherwise, and for every other type, weights are
     dequantized here."""
     resolved = resolve_model_path(path)
-    use_blocks = (block_weights and torch.device(device).type == "cpu"
-                  and dtype == torch.float32 and cpu_kernels.status().available)
+    use_blocks = block_weights and cpu_kernels.usable(device, dtype)
     try:
         if resolved.is_dir():
             return _load_hf_dir(resolved, dtype, device)
@@ -304,11 +303,9 @@ def _block_parameters(sink: WeightSink, blocks: dict[str, BlockWeight]) -> dict[
         parts.setdefault(name, []).append((start, weight))
     fused = {}
     for name, found in parts.items():
-        count = _FUSED_PARTS.get(name.rpartition(".")[2], 1)
+        count = sum(t == name.rpartition(".")[2] for t, _ in _LAYER_PARTS.values()) or 1  # lm_head
         if len(found) == count and len({(w.nibbles, w.shape[1]) for _, w in found}) == 1:
             ordered = [w for _, w in sorted(found, key=lambda item: item[0])]
             fused[name] = ordered[0] if count == 1 else BlockWeight.cat(ordered)
     return fused
 
-
-_FUSED_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}

@@ -143,8 +143,13 @@ def decode(batch: Batch, sampled: np.ndarray) -> Result:
         raise ValueError(f"decode() commits a decode pass; this pass is {batch.mode.value}")
     run = batch.running
     sampled = freeze(_sampled(sampled, len(run), "decode").copy())
-    table = (run.rows, run.kv_lens.lens, batch.out_slots)
-    return _commit(run, batch.seq_lens, sampled, batch.new_lens, table, _EMPTY)
+    return _commit(run, batch.seq_lens, sampled, batch.new_lens, _decode_table(batch), _EMPTY)
+
+
+def _decode_table(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A decode pass's table writes (rows, columns, slots): each request's new slot at its
+    committed length. One definition for the commit and for `decode_writes`."""
+    return batch.running.rows, batch.running.kv_lens.lens, batch.out_slots
 
 
 def decode_writes(batch: Batch) -> Effects:
@@ -155,9 +160,8 @@ def decode_writes(batch: Batch) -> Effects:
     if batch.mode not in (Mode.DECODE, Mode.IDLE):
         raise ValueError(f"decode_writes() is for decode passes; this pass is "
                          f"{batch.mode.value}")
-    run = batch.running
-    return Effects._of_valid(table_rows=run.rows, table_cols=run.kv_lens.lens,
-                             table_slots=batch.out_slots)
+    rows, cols, slots = _decode_table(batch)
+    return Effects._of_valid(table_rows=rows, table_cols=cols, table_slots=slots)
 
 
 def assume_decoded(batch: Batch) -> Running:

@@ -112,9 +112,19 @@ def test_plan_ahead_on_the_graph_path():
     runner.graphs = [graph]
     replays, real_replay = [], graph.replay
     graph.replay = lambda *args: replays.append(1) or real_replay(*args)
+    planned_on_graph, real_take = [], engine.ahead.take
+
+    def recording_take(running):
+        prepared = real_take(running)
+        if prepared is not None:
+            planned_on_graph.append(prepared.runner is not None)
+        return prepared
+    engine.ahead.take = recording_take
     assert _run(engine, prompts, params) == reference
     assert engine.stats["plans_ahead_used"] > 5
     assert replays, "no pass took the graph path"
+    assert any(planned_on_graph), "no plan made ahead ran on the graph path"
+    assert not all(planned_on_graph), "no plan made ahead ran eagerly"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host-device synchronisation exists only on CUDA")
