@@ -3,6 +3,7 @@ commit the accepted paths through the state core's verify transition."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -11,8 +12,8 @@ import torch
 from engine import state
 from engine.config import EngineConfig
 from engine.model.sampling import filter_tensors, greedy_tokens, probs_for_verify
-from engine.spec import NgramProposer, SpecConfig, SpecStats, request_rng, verify_greedy, \
-    verify_sampling
+from engine.spec import NgramProposer, PassCost, SpecConfig, SpecStats, request_rng, \
+    verify_greedy, verify_sampling
 from engine.state import Running
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ class Speculator:
         self.config = SpecConfig(draft_budget=config.draft_budget)
         self.proposer = NgramProposer(self.config)
         self.stats = SpecStats(self.config)
+        self.cost = PassCost()  # what a draft row costs here, from the passes below
+        self.last_draft_cost = 0.0  # the one the last verify pass was judged with
         self._rngs: dict[int, np.random.Generator] = {}
 
     # --- request lifetime (history must end with the pending token) ---------------------------
@@ -55,7 +58,13 @@ class Speculator:
         room_output = running.rules.max_new - running.num_output - 1
         return np.clip(np.minimum(adaptive, np.minimum(room_context, room_output)), 0, None)
 
+    def draft_cost(self, batch: int) -> float:
+        """A draft row's time in decoded tokens' time at this batch size (config, or measured)."""
+        fixed = self.config.draft_cost
+        return self.cost.draft_cost(batch) if fixed is None else fixed
+
     def run_verify(self, engine: Engine) -> str:
+        started = time.perf_counter()
         running = engine.running
         trees = self.proposer.propose_batch(running.rids.tolist(), self.budgets(running).tolist())
         if trees.sizes.total == len(running):
@@ -64,16 +73,31 @@ class Speculator:
             if not engine._reserve(lambda: len(running)):
                 return "retract"
             self.stats.record_batch(running.rids, trees, np.zeros(len(running), np.int64))
-            return engine._decode_step()
+            mode = engine._decode_step()
+            if mode == "decode":
+                self.cost.observe(len(running), time.perf_counter() - started)
+            return mode
         if not engine._reserve(lambda: trees.sizes.total):
             return "retract"
         batch = state.schedule_verify(running, trees, engine.book.slots.alloc(trees.sizes.total))
         logits = engine._forward(batch)
         outcome = self._verify(engine, batch, logits)
-        self.stats.record_batch(running.rids, trees, outcome.accepted_lens.lens)
+        self.cost.observe(trees.sizes.total, time.perf_counter() - started)
+        self.last_draft_cost = self.draft_cost(len(running))
+        self.stats.record_batch(running.rids, trees, outcome.accepted_lens.lens,
+                                self._costs_for(engine, running, self.last_draft_cost))
         engine._commit(state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes,
                                     outcome.bonus))
         return "verify"
+
+    def _costs_for(self, engine: Engine, running: Running, measured: float) -> np.ndarray:
+        """The draft cost each request's budget is judged with. A seeded sampling request's
+        tokens depend on its trees, so its budget must not depend on timing: it is judged
+        with the configured cost (0 when measuring), and its run stays reproducible."""
+        fixed = self.config.draft_cost if self.config.draft_cost is not None else 0.0
+        params = [engine.requests[int(u)].params for u in running.rids]
+        return np.array([fixed if (not p.greedy and p.seed is not None) else measured
+                         for p in params])
 
     def _verify(self, engine: Engine, batch: state.Batch, logits: torch.Tensor) -> Any:
         trees = batch.trees
@@ -99,4 +123,5 @@ class Speculator:
         return dict(spec_steps_total=total.steps, spec_draft_tokens_total=total.drafted,
                     spec_accepted_tokens_total=total.accepted,
                     spec_mean_accepted=total.mean_accepted,
+                    spec_draft_cost=self.last_draft_cost,
                     spec_accepted_histogram=list(total.histogram))

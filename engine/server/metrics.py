@@ -48,6 +48,9 @@ class _EngineCollector:
         rate = snapshot.get("spec_accepted_tokens_total", 0) / drafted if drafted else 0.0
         yield GaugeMetricFamily("engine_spec_acceptance_rate",
                                 "Accepted / drafted speculative tokens since start", value=rate)
+        yield GaugeMetricFamily("engine_spec_draft_cost",
+                                "Time of one draft row in decoded tokens' time, as adaptive "
+                                "drafting last weighed it", value=snapshot.get("spec_draft_cost", 0.0))
 
 
 class ServerMetrics:

@@ -1,6 +1,7 @@
 """N-gram speculative decoding: draft trees from token windows and the verify math."""
 
 from engine.spec.config import SpecConfig
+from engine.spec.cost import PassCost
 from engine.spec.proposer import NgramProposer
 from engine.spec.stats import AcceptanceStats, SpecStats
 from engine.spec.tree import DraftTree, ancestor_mask, child_links, parent_flat, positions, stack
@@ -10,6 +11,7 @@ __all__ = [
     "AcceptanceStats",
     "DraftTree",
     "NgramProposer",
+    "PassCost",
     "SpecConfig",
     "SpecStats",
     "VerifyOutcome",

@@ -25,11 +25,20 @@ class SpecConfig:
         capacity / max_trie_depth tokens of fresh text); past it, the least recently seen
         windows are evicted down to half the capacity.
     min_match (2) / max_match (6): suffix lengths tried, longest first.
-    adaptive (True): shrink a request's draft budget when its recent acceptance is low.
-    adapt_window (8): drafting steps averaged before a request's budget changes.
+    adaptive (True): shrink a request's draft budget when its recent acceptance is low, or
+        when its rejected drafts cost more time than its accepted ones saved.
+    adapt_window (8): drafting steps averaged before a request's budget changes on
+        acceptance alone.
     shrink_below (0.5): mean accepted drafts per step below which the budget halves.
     grow_at_least (1.5): mean accepted drafts per step at or above which the budget doubles.
-    probe_interval (16): steps a request waits at budget 0 before drafting again (budget 1).
+        A step that accepts its whole budget doubles it at once (the budget was the limit).
+    probe_interval (16): steps a request waits at budget 0 before drafting again (budget 1);
+        a probe that is rejected returns the request to budget 0 at once.
+    draft_cost (None): the time of one draft row in decoded tokens' time (a decode pass's
+        time per request); None: measured from the engine's own passes (`spec.cost`).
+    shrink_after_loss (2.0): within the recent drafting steps, when the drafts' cost minus
+        the accepted drafts (sum of draft_cost * drafted - accepted, in decoded tokens) exceeds
+        this, the budget halves without waiting for a full window.
     """
 
     max_trie_depth: int = 16
@@ -44,6 +53,8 @@ class SpecConfig:
     shrink_below: float = 0.5
     grow_at_least: float = 1.5
     probe_interval: int = 16
+    draft_cost: float | None = None
+    shrink_after_loss: float = 2.0
 
     def __attrs_post_init__(self) -> None:
         depth = self.max_trie_depth
@@ -77,6 +88,11 @@ class SpecConfig:
                f"a number > shrink_below={shrink}")
         probe = self.probe_interval
         _check("probe_interval", probe, _is_int(probe) and probe >= 1, "an integer >= 1")
+        cost = self.draft_cost
+        _check("draft_cost", cost, cost is None or (_is_number(cost) and 0 <= cost <= 1),
+               "None (measured) or a number in [0, 1]")
+        loss = self.shrink_after_loss
+        _check("shrink_after_loss", loss, _is_number(loss) and loss > 0, "a number > 0")
 
     def breadth(self, match_len: int) -> int:
         """Children kept per node for a match of `match_len` tokens (shorter: more)."""

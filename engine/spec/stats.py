@@ -1,6 +1,6 @@
 """Acceptance statistics per request and in total, and adaptive draft budgets: a request
-whose recent drafts are mostly rejected drafts less (down to the root only), and more again
-once a probe draft is accepted.
+whose recent drafts are mostly rejected, or cost more time than they saved, drafts less (down
+to the root only), and more again once a probe draft is accepted.
 """
 
 from __future__ import annotations
@@ -43,12 +43,14 @@ class AcceptanceStats:
 
 
 class _Adaptive:
-    __slots__ = ("budget", "idle_steps", "recent", "stats")
+    __slots__ = ("budget", "idle_steps", "probing", "recent", "stats")
 
     def __init__(self, budget: int, window: int) -> None:
         self.budget = budget
-        self.recent: deque[int] = deque(maxlen=window)
+        # (accepted, what the step's drafts cost in decoded tokens) per drafting step
+        self.recent: deque[tuple[int, float]] = deque(maxlen=window)
         self.idle_steps = 0
+        self.probing = False
         self.stats = AcceptanceStats()
 
 
@@ -79,47 +81,65 @@ class SpecStats:
     def total(self) -> AcceptanceStats:
         return self._total
 
-    def record(self, rid: int, drafted: int, accepted: int) -> None:
-        """One verify step of `rid`: its tree had `drafted` drafts, `accepted` were accepted."""
+    def record(self, rid: int, drafted: int, accepted: int, draft_cost: float = 0.0) -> None:
+        """One verify step of `rid`: its tree had `drafted` drafts, `accepted` were accepted;
+        a draft row cost `draft_cost` decoded tokens' time (`SpecConfig.draft_cost` if set)."""
         if not 0 <= accepted <= drafted < MAX_TREE_NODES:
             raise ValueError(f"accepted={accepted}, drafted={drafted} is not allowed; need "
                              f"0 <= accepted <= drafted < {MAX_TREE_NODES}")
+        if self.config.draft_cost is not None:
+            draft_cost = self.config.draft_cost
+        if not 0.0 <= draft_cost <= 1.0:
+            raise ValueError(f"draft_cost={draft_cost!r} is not allowed; need a number in "
+                             f"[0, 1]")
         entry = self._entry(rid)
         entry.stats = entry.stats.add(drafted, accepted)
         self._total = self._total.add(drafted, accepted)
         if self.config.adaptive:
-            self._adapt(entry, drafted, accepted)
+            self._adapt(entry, drafted, accepted, draft_cost)
 
     def record_batch(self, rids: Sequence[int] | np.ndarray, trees: DraftTrees,
-                     accepted_lens: Sequence[int] | np.ndarray) -> None:
-        """One verify pass: `rids` in batch order, their trees and accepted lengths."""
+                     accepted_lens: Sequence[int] | np.ndarray,
+                     draft_costs: float | Sequence[float] | np.ndarray = 0.0) -> None:
+        """One verify pass: `rids` in batch order, their trees and accepted lengths, and the
+        draft cost each request is judged with (one for all, or one per request)."""
         drafted = trees.sizes.lens - 1
         accepted = np.asarray(accepted_lens).reshape(-1)
-        if not len(rids) == drafted.shape[0] == accepted.shape[0]:
-            raise ValueError(f"{len(rids)} requests, {drafted.shape[0]} trees and "
-                             f"{accepted.shape[0]} accepted lengths must match")
-        for rid, num_drafted, num_accepted in zip(rids, drafted.tolist(), accepted.tolist(),
-                                                  strict=True):
-            self.record(int(rid), num_drafted, num_accepted)
+        costs = np.asarray(draft_costs, dtype=np.float64).reshape(-1)
+        if not len(rids) == drafted.shape[0] == accepted.shape[0] or costs.shape[0] not in (
+                1, accepted.shape[0]):
+            raise ValueError(f"{len(rids)} requests, {drafted.shape[0]} trees, "
+                             f"{accepted.shape[0]} accepted lengths and {costs.shape[0]} draft "
+                             f"costs must match (or one cost for all)")
+        costs = np.broadcast_to(costs, accepted.shape)
+        for rid, num_drafted, num_accepted, cost in zip(rids, drafted.tolist(), accepted.tolist(),
+                                                        costs.tolist(), strict=True):
+            self.record(int(rid), num_drafted, num_accepted, cost)
 
-    def _adapt(self, entry: _Adaptive, drafted: int, accepted: int) -> None:
+    def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, draft_cost: float) -> None:
         cfg = self.config
         if drafted == 0:
             # Nothing drafted: no evidence, unless the budget is 0 and it is time to probe.
             if entry.budget == 0:
                 entry.idle_steps += 1
                 if entry.idle_steps >= cfg.probe_interval:
-                    entry.budget, entry.idle_steps = 1, 0
+                    entry.budget, entry.idle_steps, entry.probing = 1, 0, True
             return
-        entry.recent.append(accepted)
-        if len(entry.recent) < cfg.adapt_window:
-            return
-        mean = sum(entry.recent) / len(entry.recent)
+        probing, entry.probing = entry.probing, False
+        entry.recent.append((accepted, draft_cost * drafted))
+        # Time lost in the recent steps, in decoded tokens: what the drafts cost minus what the
+        # accepted ones saved. A verify pass that costs several decodes shrinks fast.
+        loss = sum(cost - taken for taken, cost in entry.recent)
+        mean = sum(taken for taken, _ in entry.recent) / len(entry.recent)
+        full = len(entry.recent) >= cfg.adapt_window
         # A small budget cannot reach a large mean: its bar to grow is budget / 2.
         grow_at = max(cfg.shrink_below, min(cfg.grow_at_least, entry.budget / 2))
-        if mean < cfg.shrink_below:
+        if probing and accepted == 0:
+            entry.budget = 0  # the probe failed: back to the root only
+        elif loss > cfg.shrink_after_loss or (full and mean < cfg.shrink_below):
             entry.budget //= 2
-        elif mean >= grow_at and entry.budget < cfg.draft_budget:
+        elif entry.budget < cfg.draft_budget and (
+                accepted == drafted == entry.budget or (full and mean >= grow_at)):
             entry.budget = min(cfg.draft_budget, 2 * entry.budget)
         else:
             return

@@ -80,6 +80,10 @@ def test_default_model_batch_1_equals_plain_greedy(spec_engine, references, asse
         assert spec_engine.generate([prompt], GREEDY)[0].token_ids == reference
     assert _accepted(spec_engine) > before, "copy-heavy prompts should accept some drafts"
     assert_all_free(spec_engine)
+    # adaptive drafting weighed the drafts with a cost measured from these passes
+    fixed, per_row = spec_engine.spec.cost.fit()
+    assert fixed >= 0 and per_row >= 0
+    assert 0.0 <= spec_engine.metrics()["spec_draft_cost"] <= 1.0
 
 
 def test_default_model_mixed_batch_equals_plain_greedy(spec_engine, references,
@@ -184,6 +188,25 @@ def test_seeded_sampling_with_speculation_is_reproducible(spec_engine):
     runs = [[c.token_ids for c in tiny.generate(prompts, SamplingParams(
         max_tokens=20, temperature=1.0, seed=99, ignore_eos=True))] for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_seeded_sampling_does_not_depend_on_the_measured_draft_cost(spec_engine, monkeypatch):
+    # The measured cost comes from timings; a seeded request's budget must not follow it,
+    # or its trees, and so its tokens, would change from run to run.
+    seeded = SamplingParams(max_tokens=48, temperature=0.3, seed=5)
+    runs, costs_seen = [], []
+    original = spec_engine.spec.stats.record
+    for measured in (0.0, 1.0):
+        monkeypatch.setattr(spec_engine.spec.cost, "draft_cost", lambda batch, c=measured: c)
+        runs.append([c.token_ids for c in spec_engine.generate(COPY_PROMPTS[:2], seeded)])
+        seen: list[float] = []
+        monkeypatch.setattr(spec_engine.spec.stats, "record", lambda rid, d, a, cost: (
+            seen.append(cost), original(rid, d, a, cost)))
+        spec_engine.generate(COPY_PROMPTS[:1], SamplingParams(max_tokens=24))
+        monkeypatch.setattr(spec_engine.spec.stats, "record", original)
+        costs_seen.append(set(seen))
+    assert runs[0] == runs[1]
+    assert costs_seen == [{0.0}, {0.0, 1.0}]  # greedy requests follow it (root-only steps: 0)
 
 
 # --- (e) stops and max_tokens ----------------------------------------------------------------

@@ -103,6 +103,7 @@ def test_metrics_lists_engine_and_latency_series(served: Served) -> None:
     for name in ("engine_requests_running", "engine_requests_waiting", "engine_kv_slots_used",
                  "engine_kv_slots_free", "engine_generation_tokens_total",
                  "engine_spec_accepted_tokens_total", "engine_spec_acceptance_rate",
+                 "engine_spec_draft_cost",
                  "engine_step_seconds_bucket", "engine_time_to_first_token_seconds_bucket",
                  "engine_inter_token_latency_seconds_bucket", "engine_speculative_enabled 0.0"):
         assert name in text, name

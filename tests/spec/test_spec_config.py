@@ -23,6 +23,8 @@ def test_defaults_are_valid_and_documented() -> None:
     ("min_match", 0), ("min_match", 16), ("max_match", 1), ("max_match", 16),
     ("adaptive", 1), ("adapt_window", 0), ("shrink_below", -0.1), ("shrink_below", "0.5"),
     ("grow_at_least", 0.5), ("probe_interval", 0),
+    ("draft_cost", -0.1), ("draft_cost", 1.5), ("draft_cost", "0.1"), ("draft_cost", float("nan")),
+    ("shrink_after_loss", 0), ("shrink_after_loss", None),
 ])
 def test_invalid_field_is_named(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"^{field}={value!r} is not allowed; {field} must be"):

@@ -41,11 +41,75 @@ def test_budget_shrinks_to_root_only_probes_and_grows_back() -> None:
     stats.record(0, drafted=0, accepted=0)
     assert stats.budget(0) == 1  # a probe after probe_interval idle steps
     budgets = []
-    for _ in range(3 * 4):  # every draft is accepted again
+    for _ in range(5):  # every draft is accepted again: the budget was the limit, it doubles
         budget = stats.budget(0)
         stats.record(0, drafted=budget, accepted=budget)
         budgets.append(stats.budget(0))
-    assert budgets == [1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8]
+    assert budgets == [2, 4, 8, 8, 8]
+
+
+def test_a_rejected_probe_returns_to_root_only_at_once() -> None:
+    stats = SpecStats(SpecConfig(draft_budget=1, adapt_window=8, probe_interval=2))
+    stats.add(0)
+    for _ in range(8):
+        stats.record(0, drafted=1, accepted=0)
+    assert stats.budget(0) == 0
+    for _ in range(2):
+        stats.record(0, drafted=0, accepted=0)
+    assert stats.budget(0) == 1
+    stats.record(0, drafted=1, accepted=0)  # one rejected probe, not a window of them
+    assert stats.budget(0) == 0
+
+
+def test_a_window_of_half_accepted_drafts_grows_the_budget() -> None:
+    stats = SpecStats(SpecConfig(draft_budget=8, adapt_window=2, shrink_below=0.5,
+                                 grow_at_least=1.5))
+    stats.add(0)
+    stats.record(0, drafted=8, accepted=0)
+    stats.record(0, drafted=8, accepted=1)  # mean 0.5 >= shrink_below: stays
+    assert stats.budget(0) == 8
+    for _ in range(4):
+        stats.record(0, drafted=8, accepted=0)
+    assert stats.budget(0) == 2
+    stats.record(0, drafted=1, accepted=1)  # the tree had less than the budget: no doubling
+    assert stats.budget(0) == 2
+    stats.record(0, drafted=2, accepted=1)  # window mean 1.0 >= min(1.5, 2 / 2)
+    assert stats.budget(0) == 4
+
+
+def test_costly_rejected_drafts_shrink_before_the_window_fills() -> None:
+    # A draft row at 0.15 decoded tokens (a 13-row CPU verify pass ~ 2.8 decodes): twelve
+    # rejected drafts lose 1.8 tokens' time, two such steps pass shrink_after_loss=2.
+    config = SpecConfig(draft_budget=12, adapt_window=8, shrink_after_loss=2.0)
+    stats = SpecStats(config)
+    stats.add(0)
+    budgets = []
+    for _ in range(12):
+        budget = stats.budget(0)
+        stats.record(0, drafted=budget, accepted=0, draft_cost=0.15)
+        budgets.append(stats.budget(0))
+    assert budgets == [12, 6, 6, 6, 3, 3, 3, 3, 3, 1, 1, 1]
+    # the same misses at no cost wait for the acceptance window
+    free = SpecStats(config)
+    free.add(0)
+    for _ in range(7):
+        free.record(0, drafted=12, accepted=0, draft_cost=0.0)
+    assert free.budget(0) == 12
+    # accepted runs pay for the misses around them (a request that copies keeps its budget)
+    copying = SpecStats(config)
+    copying.add(0)
+    for accepted in [0, 9, 0, 0, 12, 0, 0, 0, 7, 0, 0]:
+        copying.record(0, drafted=12, accepted=accepted, draft_cost=0.15)
+    assert copying.budget(0) == 12
+
+
+def test_configured_draft_cost_overrides_the_measured_one() -> None:
+    stats = SpecStats(SpecConfig(draft_cost=0.5, shrink_after_loss=2.0))
+    stats.add(0)
+    stats.record(0, drafted=6, accepted=0, draft_cost=0.0)  # 3.0 > 2.0 at the config's cost
+    assert stats.budget(0) == 6
+    with pytest.raises(ValueError, match=r"draft_cost=1.5 is not allowed"):
+        SpecStats().record(0, drafted=1, accepted=0, draft_cost=1.5)
 
 
 def test_no_match_is_no_evidence_and_adaptive_off_keeps_budget() -> None:
@@ -69,5 +133,7 @@ def test_errors() -> None:
         stats.add(3)
     with pytest.raises(ValueError, match=r"accepted=3, drafted=2 is not allowed"):
         stats.record(3, drafted=2, accepted=3)
-    with pytest.raises(ValueError, match="1 requests, 2 trees and 2 accepted lengths"):
+    with pytest.raises(ValueError, match="1 requests, 2 trees, 2 accepted lengths and 1 draft"):
         stats.record_batch([3], stack([DraftTree.root_only(1)] * 2), [0, 0])
+    with pytest.raises(ValueError, match="1 requests, 1 trees, 1 accepted lengths and 2 draft"):
+        stats.record_batch([3], stack([DraftTree.root_only(1)]), [0], [0.1, 0.2])

@@ -1,0 +1,55 @@
+"""PassCost: the online model of a pass's time that adaptive drafting weighs drafts with."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.spec import PassCost
+
+
+def test_fit_recovers_fixed_and_per_row_time() -> None:
+    cost = PassCost()
+    for rows in [1, 13, 1, 7, 1, 4, 13, 1]:
+        cost.observe(rows, 0.014 + 0.0025 * rows)
+    fixed, per_row = cost.fit()
+    assert fixed == pytest.approx(0.014) and per_row == pytest.approx(0.0025)
+    # batch 1: a decode is 16.5 ms, a draft row 2.5 ms
+    assert cost.draft_cost(1) == pytest.approx(0.0025 / 0.0165)
+    # batch 64: the fixed part is shared, a draft row costs nearly a decoded token
+    assert cost.draft_cost(64) == pytest.approx(0.0025 / (0.014 / 64 + 0.0025))
+    assert cost.draft_cost(1) < cost.draft_cost(8) < cost.draft_cost(64) <= 1.0
+
+
+def test_unfitted_until_two_row_counts_then_clamped() -> None:
+    cost = PassCost()
+    assert cost.fit() is None and cost.draft_cost(1) == 0.0
+    for _ in range(5):
+        cost.observe(8, 0.02)  # one row count: the per-row part is unknown
+    assert cost.fit() is None and cost.draft_cost(8) == 0.0
+    cost.observe(9, 0.001)  # noise that makes the slope negative: no negative cost
+    fixed, per_row = cost.fit()
+    assert per_row == 0.0 and fixed > 0 and cost.draft_cost(8) == 0.0
+    only_rows = PassCost()
+    only_rows.observe(1, 0.0)
+    only_rows.observe(2, 0.0)
+    assert only_rows.draft_cost(1) == 0.0  # nothing measurable: free, not a division by zero
+
+
+def test_old_passes_are_forgotten() -> None:
+    cost = PassCost(decay=0.5)
+    for rows in [1, 13] * 5:
+        cost.observe(rows, 0.010 * rows)  # all per row
+    for rows in [1, 13] * 20:
+        cost.observe(rows, 0.010)  # the machine changed: rows are free now
+    assert cost.fit()[1] == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize(("rows", "seconds"), [(0, 0.01), (1, -0.01), (1, math.nan),
+                                               (1, math.inf)])
+def test_bad_pass_is_refused(rows: int, seconds: float) -> None:
+    with pytest.raises(ValueError, match="is not a pass"):
+        PassCost().observe(rows, seconds)
+    with pytest.raises(ValueError, match=r"decay=1.0 is not allowed"):
+        PassCost(decay=1.0)
