@@ -74,33 +74,40 @@ CHATS = [
 
 
 def workloads(quick: bool) -> dict[str, list[list[dict]]]:
-    copy = [f"Repeat the following code exactly, but rename {old} to {new}. Output only the "
-            f"code, no explanation.\n\n{code}" for code, (old, new) in zip(CODE, RENAMES,
-                                                                         strict=True)]
-    copy += [f"Summarize the following passage in a few sentences, reusing its wording:\n\n"
-             f"{passage}" for passage in PASSAGES]
-    chats = list(CHATS)
+    """copy-heavy: the code in a fenced block, as a user pastes code into a chat (the model
+    then copies it); the earlier unfenced prompts, which the model mostly rewrites, stay as
+    their own workload so the runs compare across sessions."""
+    code = [f"Rename `{old}` to `{new}` in this code and show the full updated code:\n\n"
+            f"```python\n{text}```" for text, (old, new) in zip(CODE, RENAMES, strict=True)]
+    unfenced = [f"Repeat the following code exactly, but rename {old} to {new}. Output only "
+                f"the code, no explanation.\n\n{text}"
+                for text, (old, new) in zip(CODE, RENAMES, strict=True)]
+    summaries = [f"Summarize the following passage in a few sentences, reusing its wording:"
+                 f"\n\n{passage}" for passage in PASSAGES]
+    sets = {"copy-heavy": code + summaries, "copy-heavy, unfenced code": unfenced + summaries,
+            "nothing-to-copy": list(CHATS)}
     if quick:
-        copy, chats = copy[:1] + copy[3:4], chats[:1]
-    as_chat = lambda texts: [[{"role": "user", "content": t}] for t in texts]  # noqa: E731
-    return {"copy-heavy": as_chat(copy), "nothing-to-copy": as_chat(chats)}
+        sets = {"copy-heavy": code[:1] + summaries[:1], "nothing-to-copy": CHATS[:1]}
+    return {name: [[{"role": "user", "content": t}] for t in texts]
+            for name, texts in sets.items()}
 
 
 class Ours:
     """The engine at batch 1, with or without speculation; records accepted lengths."""
 
-    def __init__(self, speculative: bool, block_weights: bool = True) -> None:
+    def __init__(self, speculative: bool, block_weights: bool = True,
+                 draft_cost: float | None = None) -> None:
         self.engine = Engine(dtype="float32", device="cpu", speculative=speculative,
-                             block_weights=block_weights)
+                             block_weights=block_weights, draft_cost=draft_cost)
         self.accepted: list[int] = []
         self.boundaries: list[int] = []  # len(accepted) after each request
         if speculative:
             stats = self.engine.spec.stats
             original = stats.record_batch
 
-            def record_batch(rids, trees, accepted_lens) -> None:
+            def record_batch(rids, trees, accepted_lens, *costs) -> None:
                 self.accepted.extend(int(a) for a in accepted_lens)
-                original(rids, trees, accepted_lens)
+                original(rids, trees, accepted_lens, *costs)
 
             stats.record_batch = record_batch
 
@@ -195,12 +202,15 @@ def run(args: argparse.Namespace) -> None:
     # the layout A/B is about dense weights: it loads them dequantized (no block kernel)
     blocks = not args.row_major_weights
     plain, spec = Ours(False, blocks), Ours(True, blocks)
+    # A/B of adaptive drafting: budgets judged on acceptance alone (drafts counted free)
+    acceptance_only = Ours(True, blocks, draft_cost=0.0)
     if args.row_major_weights:  # A/B of the CPU weight layout (both engines share the model)
         for weight in plain.engine.runtime.model.parameters():
             weight.data = weight.data.contiguous()
     tokenizer = plain.engine.tokenizer
     hf_model = HF.load()
-    systems = {"ours": plain, "ours+spec": spec, "HF": HF(None, hf_model),
+    systems = {"ours": plain, "ours+spec": spec, "spec, acceptance only": acceptance_only,
+               "HF": HF(None, hf_model),
                "HF+lookup": HF(args.lookup, hf_model)}
     warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     for system in systems.values():
@@ -214,11 +224,12 @@ def run(args: argparse.Namespace) -> None:
         spec.engine.step_times.clear()
         results = timed(systems, prompts, args.max_tokens)
         accepted_per_workload[name] = (list(spec.accepted), list(spec.boundaries))
-        same = results["ours"][2] == results["ours+spec"][2]
+        same = results["ours"][2] == results["ours+spec"][2] == results["spec, acceptance only"][2]
         rate = {key: tokens / seconds for key, (seconds, tokens, _) in results.items()}
         mean_accepted = statistics.mean(spec.accepted) if spec.accepted else 0.0
         print(f"[{name}] steps: plain {step_profile(plain.engine)}; "
-              f"spec {step_profile(spec.engine)}", flush=True)
+              f"spec {step_profile(spec.engine)}; measured draft cost "
+              f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row", flush=True)
         ceiling = replay_tokens_per_step(prompts, results["ours"][2])
         rows.append((name, len(prompts), mean_accepted, rate, same, ceiling))
         print(f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
@@ -233,14 +244,15 @@ def print_table(rows: list, args: argparse.Namespace) -> None:
           f"HF prompt_lookup_num_tokens={args.lookup}")
     print("| workload | prompts | accepted/step | ours tok/s | ours+spec tok/s | HF tok/s | "
           "HF+lookup tok/s | spec/no-spec | spec/HF-lookup | spec == no-spec | "
-          "proposer ceiling |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "proposer ceiling | acceptance-only adaptation / no-spec |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, count, mean_accepted, rate, same, ceiling in rows:
         print(f"| {name} | {count} | {mean_accepted:.2f} | {rate['ours']:.1f} | "
               f"{rate['ours+spec']:.1f} | {rate['HF']:.1f} | {rate['HF+lookup']:.1f} | "
               f"{rate['ours+spec'] / rate['ours']:.2f}x | "
               f"{rate['ours+spec'] / rate['HF+lookup']:.2f}x | {'yes' if same else 'NO'} | "
-              f"{ceiling:.2f} tokens/step |")
+              f"{ceiling:.2f} tokens/step | "
+              f"{rate['spec, acceptance only'] / rate['ours']:.2f}x |")
 
 
 def plot(accepted: dict[str, tuple[list[int], list[int]]], rows: list,

@@ -28,6 +28,13 @@ def _one_of(*allowed: str) -> Any:
     return check
 
 
+def _draft_cost(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 <= value <= 1):
+        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be None "
+                         f"(measured) or a number in [0, 1]")
+
+
 @attrs.frozen
 class EngineConfig:
     """Everything that shapes an Engine. Fields document themselves (see `help_text`)."""
@@ -61,6 +68,9 @@ class EngineConfig:
                                  "load")
     speculative: bool = _field(False, "n-gram speculative decoding with draft trees")
     draft_budget: int = _field(12, "draft tokens per request per verify step", _positive)
+    draft_cost: float | None = _field(None, "time of one draft row in decoded tokens' time, "
+                                      "which adaptive drafting weighs drafts with; default: "
+                                      "measured from the engine's own passes", _draft_cost)
     random_seed: int = _field(0, "seed for random weights and for requests without a seed")
     random_weights: str | None = _field(None, "use random weights of this preset shape "
                                         "('llama3_8b', 'tiny') instead of loading a model")

@@ -26,7 +26,7 @@ class Speculator:
 
     def __init__(self, runtime: Runtime, config: EngineConfig) -> None:
         self.runtime = runtime
-        self.config = SpecConfig(draft_budget=config.draft_budget)
+        self.config = SpecConfig(draft_budget=config.draft_budget, draft_cost=config.draft_cost)
         self.proposer = NgramProposer(self.config)
         self.stats = SpecStats(self.config)
         self.cost = PassCost()  # what a draft row costs here, from the passes below

@@ -19,8 +19,16 @@ if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # GPU_PART=tests (install, tests, memcheck with CUDA graphs captured), GPU_PART=memcheck
 # (install, memcheck without the caching allocator: ~8 minutes alone) and GPU_PART=benches
 # (install, benchmarks). Unset, it runs all of them.
+# The plain memcheck of every GPU test no longer fits one call (170 tests: past 560 s in the
+# fourth session); GPU_PART=memcheck1 / memcheck2 run its two halves (kernels / engine).
 GPU_PART=${GPU_PART:-all}
 part() { [ "$GPU_PART" = all ] || [ "$GPU_PART" = "$1" ]; }
+MEMCHECK_TESTS=("${GPU_TESTS[@]}")
+case "$GPU_PART" in
+    memcheck1) MEMCHECK_TESTS=(tests/backends tests/model/test_fused.py); GPU_PART=memcheck ;;
+    memcheck2) MEMCHECK_TESTS=(tests/engine/test_graphs.py tests/engine/test_plan_ahead.py
+                               tests/engine/test_spec_overflow.py); GPU_PART=memcheck ;;
+esac
 if ! part benches; then BENCHES=(); fi
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step
 # memcheck without the caching allocator ran ~107 of 110 tests in 330 s (third session)
@@ -67,7 +75,7 @@ if part memcheck; then
 start=$SECONDS
 ENGINE_TEST_EXAMPLES=$SANITIZER_EXAMPLES PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
     timeout "$SANITIZER_TIMEOUT" compute-sanitizer --tool memcheck --print-limit 50 \
-    python3 -m pytest -q -m "not slow" -p no:cacheprovider "${GPU_TESTS[@]}" \
+    python3 -m pytest -q -m "not slow" -p no:cacheprovider "${MEMCHECK_TESTS[@]}" \
     >"$OUT_DIR/memcheck.log" 2>&1
 rc=$?
 errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT_DIR/memcheck.log" | tail -n 1)
