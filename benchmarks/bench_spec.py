@@ -158,22 +158,31 @@ def timed(systems: dict[str, object], prompts: list[list[int]], max_tokens: int
             for key in systems}
 
 
-def replay_tokens_per_step(prompts: list[list[int]], outputs: list[list[int]],
-                           budget: int = 12) -> float:
-    """The proposer's ceiling on these outputs: tokens per verify step if the target's greedy
-    choices were known (the real outputs), with no model in the loop. Each step accepts the
-    longest tree path that matches the output, plus the bonus token."""
-    from engine.spec import NgramProposer, SpecConfig
+def replay(prompts: list[list[int]], outputs: list[list[int]], budget: int = 12,
+           draft_cost: float | None = None) -> float:
+    """Replays the real greedy outputs through a fresh proposer, no model in the loop; each
+    step accepts the longest tree path that matches the output, plus the bonus token.
 
+    draft_cost None: the proposer's ceiling, tokens per verify step at a fixed budget.
+    draft_cost c: the decode-phase speedup over plain decoding with adaptive drafting judged
+    at c, if a pass with d drafts cost 1 + c * d decode passes (as the engine's cost model
+    says): emitted tokens / that cost."""
+    from engine.spec import NgramProposer, SpecConfig, SpecStats
+
+    adaptive = draft_cost is not None
+    config = SpecConfig(draft_budget=budget, adaptive=adaptive)
     steps = tokens = 0
+    cost = 0.0
     for rid, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         if not output:
             continue
-        proposer = NgramProposer(SpecConfig(draft_budget=budget, adaptive=False))
+        proposer, stats = NgramProposer(config), SpecStats(config)
         proposer.add_request(rid, [*prompt, output[0]])  # the first output is the pending one
+        stats.add(rid)
         position = 1
         while position < len(output):
-            tree = proposer.propose(rid)
+            room = len(output) - position - 1  # the engine's budgets stop at max_tokens too
+            tree = proposer.propose(rid, budget=min(stats.budget(rid), room))
             node, accepted = 0, 0
             while position + accepted < len(output):
                 want = output[position + accepted]
@@ -182,12 +191,20 @@ def replay_tokens_per_step(prompts: list[list[int]], outputs: list[list[int]],
                 if match is None:
                     break
                 node, accepted = match, accepted + 1
+            drafted = len(tree.tokens) - 1
+            stats.record(rid, drafted, accepted, draft_cost or 0.0)
             emitted = min(accepted + 1, len(output) - position)
             proposer.extend(rid, output[position:position + emitted])
             position += emitted
             steps += 1
+            cost += 1 + (draft_cost or 0.0) * drafted
         tokens += len(output) - 1
-    return tokens / steps if steps else 0.0
+    if not steps:
+        return 0.0
+    return tokens / cost if adaptive else tokens / steps
+
+
+REPLAY_COSTS = (0.0, 0.05, 0.1, 0.2)
 
 
 def decode_phase_seconds(engine: Engine) -> float:
@@ -243,10 +260,14 @@ def run(args: argparse.Namespace) -> None:
         print(f"[{name}] steps: plain {step_profile(plain.engine)}; "
               f"spec {step_profile(spec.engine)}; measured draft cost "
               f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row", flush=True)
-        ceiling = replay_tokens_per_step(prompts, results["ours"][2])
+        ceiling = replay(prompts, results["ours"][2])
         rows.append((name, len(prompts), mean_accepted, rate, same, ceiling))
         print(f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
               f"{ceiling:.2f} tokens per verify step", flush=True)
+        speedups = ", ".join(f"{replay(prompts, results['ours'][2], draft_cost=c):.2f}x at {c}"
+                             for c in REPLAY_COSTS)
+        print(f"[{name}] decode-phase speedup the adaptive proposer reaches on these outputs "
+              f"if a draft row costs c decoded tokens: {speedups}", flush=True)
     print_table(rows, args)
     if not args.no_plots:
         plot(accepted_per_workload, rows, args)
