@@ -20,7 +20,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
         else:
-            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(field.type), str)
+            kinds = {"int": int, "float": float, "int | None": int, "float | None": float}
+            kind = kinds.get(str(field.type), str)
             parser.add_argument(flag, type=kind, default=None, help=help_text)
 
 

@@ -50,7 +50,8 @@ class _EngineCollector:
                                 "Accepted / drafted speculative tokens since start", value=rate)
         yield GaugeMetricFamily("engine_spec_draft_cost",
                                 "Time of one draft row in decoded tokens' time, as adaptive "
-                                "drafting last weighed it", value=snapshot.get("spec_draft_cost", 0.0))
+                                "drafting last weighed it",
+                                value=snapshot.get("spec_draft_cost", 0.0))
 
 
 class ServerMetrics:
