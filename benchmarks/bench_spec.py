@@ -94,6 +94,11 @@ def workloads(quick: bool) -> dict[str, list[list[dict]]]:
             for name, texts in sets.items()}
 
 
+# the copy-heavy workloads' prompts by kind (workloads() puts the code first)
+PARTS = {name: {"code (3)": range(0, 3), "summaries (3)": range(3, 6)}
+         for name in ("copy-heavy", "copy-heavy, unfenced code")}
+
+
 class Ours:
     """The engine at batch 1, with or without speculation; records accepted lengths."""
 
@@ -103,6 +108,8 @@ class Ours:
                              block_weights=block_weights, draft_cost=draft_cost)
         self.accepted: list[int] = []
         self.boundaries: list[int] = []  # len(accepted) after each request
+        self.steps: list[tuple[str, float]] = []  # (mode, seconds) of every step since clear()
+        self.decode_seconds: list[float] = []  # per request: its steps after prefill
         if speculative:
             stats = self.engine.spec.stats
             original = stats.record_batch
@@ -114,9 +121,21 @@ class Ours:
             stats.record_batch = record_batch
 
     def generate(self, ids: list[int], max_tokens: int) -> list[int]:
+        self.engine.step_times.clear()
         out = self.engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0]
+        steps = list(self.engine.step_times)
+        if len(steps) == self.engine.step_times.maxlen:
+            raise RuntimeError("the engine's step log overflowed; ask for fewer tokens")
+        self.steps.extend(steps)
+        self.decode_seconds.append(sum(sec for mode, sec in steps if mode != "extend"))
         self.boundaries.append(len(self.accepted))
         return list(out.token_ids)
+
+    def clear(self) -> None:
+        self.accepted.clear()
+        self.boundaries.clear()
+        self.steps.clear()
+        self.decode_seconds.clear()
 
 
 class HF:
@@ -144,18 +163,32 @@ class HF:
 
 
 def timed(systems: dict[str, object], prompts: list[list[int]], max_tokens: int
-          ) -> dict[str, tuple[float, int, list[list[int]]]]:
-    """Per system: (seconds, generated tokens, outputs) over the prompts, one at a time. The
-    systems take turns on each prompt, so a change in machine load hits them all alike."""
-    seconds = dict.fromkeys(systems, 0.0)
-    outputs: dict[str, list[list[int]]] = {key: [] for key in systems}
+          ) -> dict[str, tuple[list[float], list[list[int]]]]:
+    """Per system: (seconds per prompt, outputs), one prompt at a time. The systems take
+    turns on each prompt, so a change in machine load hits them all alike."""
+    results: dict[str, tuple[list[float], list[list[int]]]] = {k: ([], []) for k in systems}
     for ids in prompts:
         for key, system in systems.items():
             started = time.perf_counter()
-            outputs[key].append(system.generate(ids, max_tokens))
-            seconds[key] += time.perf_counter() - started
-    return {key: (seconds[key], sum(len(o) for o in outputs[key]), outputs[key])
-            for key in systems}
+            output = system.generate(ids, max_tokens)
+            results[key][0].append(time.perf_counter() - started)
+            results[key][1].append(output)
+    return results
+
+
+def rates(results: dict, plain: Ours, spec: Ours, which: range | None = None) -> dict:
+    """tokens/s per system over the prompts `which` (default: all), and of the decode phase
+    (every token but each request's first, over the steps after prefill) for ours."""
+    rate = {}
+    for key, (seconds, outputs) in results.items():
+        picked = range(len(outputs)) if which is None else which
+        rate[key] = sum(len(outputs[i]) for i in picked) / sum(seconds[i] for i in picked)
+    for key, system in (("ours", plain), ("ours+spec", spec)):
+        outputs = results[key][1]
+        picked = range(len(outputs)) if which is None else which
+        rate[f"{key}, decode phase"] = (sum(len(outputs[i]) - 1 for i in picked)
+                                        / sum(system.decode_seconds[i] for i in picked))
+    return rate
 
 
 def replay(prompts: list[list[int]], outputs: list[list[int]], budget: int = 12,
@@ -207,17 +240,10 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], budget: int = 12,
 REPLAY_COSTS = (0.0, 0.05, 0.1, 0.2)
 
 
-def decode_phase_seconds(engine: Engine) -> float:
-    """Time of the steps after prefill (decode and verify passes) that the engine recorded."""
-    if len(engine.step_times) == engine.step_times.maxlen:
-        raise RuntimeError("the engine's step log overflowed; use fewer prompts or tokens")
-    return sum(seconds for mode, seconds in engine.step_times if mode != "extend")
-
-
-def step_profile(engine: Engine) -> str:
-    """Mean step time per mode (ms) over the steps the engine recorded."""
+def step_profile(system: Ours) -> str:
+    """Mean step time per mode (ms) over the steps of the workload."""
     by_mode: dict[str, list[float]] = {}
-    for mode, seconds in engine.step_times:
+    for mode, seconds in system.steps:
         by_mode.setdefault(mode, []).append(seconds * 1e3)
     return ", ".join(f"{mode} {statistics.mean(v):.1f} ms x{len(v)}"
                      for mode, v in sorted(by_mode.items()))
@@ -241,34 +267,32 @@ def run(args: argparse.Namespace) -> None:
     warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     for system in systems.values():
         system.generate(warm, 8)
-    rows, accepted_per_workload = [], {}
+    rows, part_rows, accepted_per_workload = [], [], {}
     for name, chats in workloads(args.quick).items():
         prompts = [tokenizer.apply_chat_template(chat) for chat in chats]
-        spec.accepted.clear()
-        spec.boundaries.clear()
-        plain.engine.step_times.clear()
-        spec.engine.step_times.clear()
+        for system in (plain, spec, acceptance_only):
+            system.clear()
         results = timed(systems, prompts, args.max_tokens)
         accepted_per_workload[name] = (list(spec.accepted), list(spec.boundaries))
-        same = results["ours"][2] == results["ours+spec"][2] == results["spec, acceptance only"][2]
-        rate = {key: tokens / seconds for key, (seconds, tokens, _) in results.items()}
+        outputs = results["ours"][1]
+        same = outputs == results["ours+spec"][1] == results["spec, acceptance only"][1]
+        rate = rates(results, plain, spec)
+        for part, which in ({} if args.quick else PARTS.get(name, {})).items():
+            part_rows.append((name, part, rates(results, plain, spec, which)))
         mean_accepted = statistics.mean(spec.accepted) if spec.accepted else 0.0
-        # after prefill: every token but each request's first comes from these steps
-        rate["ours, decode phase"], rate["ours+spec, decode phase"] = (
-            (results[key][1] - len(prompts)) / decode_phase_seconds(system.engine)
-            for key, system in (("ours", plain), ("ours+spec", spec)))
-        print(f"[{name}] steps: plain {step_profile(plain.engine)}; "
-              f"spec {step_profile(spec.engine)}; measured draft cost "
+        print(f"[{name}] steps: plain {step_profile(plain)}; "
+              f"spec {step_profile(spec)}; measured draft cost "
               f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row", flush=True)
-        ceiling = replay(prompts, results["ours"][2])
+        ceiling = replay(prompts, outputs)
         rows.append((name, len(prompts), mean_accepted, rate, same, ceiling))
         print(f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
               f"{ceiling:.2f} tokens per verify step", flush=True)
-        speedups = ", ".join(f"{replay(prompts, results['ours'][2], draft_cost=c):.2f}x at {c}"
+        speedups = ", ".join(f"{replay(prompts, outputs, draft_cost=c):.2f}x at {c}"
                              for c in REPLAY_COSTS)
         print(f"[{name}] decode-phase speedup the adaptive proposer reaches on these outputs "
               f"if a draft row costs c decoded tokens: {speedups}", flush=True)
     print_table(rows, args)
+    print_parts(part_rows)
     if not args.no_plots:
         plot(accepted_per_workload, rows, args)
 
@@ -288,6 +312,20 @@ def print_table(rows: list, args: argparse.Namespace) -> None:
               f"{rate['ours+spec'] / rate['HF+lookup']:.2f}x | {'yes' if same else 'NO'} | "
               f"{ceiling:.2f} tokens/step | "
               f"{rate['spec, acceptance only'] / rate['ours']:.2f}x | "
+              f"{rate['ours, decode phase']:.1f} / {rate['ours+spec, decode phase']:.1f} "
+              f"({rate['ours+spec, decode phase'] / rate['ours, decode phase']:.2f}x) |")
+
+
+def print_parts(part_rows: list) -> None:
+    """The copy-heavy workloads by kind of prompt, from the same runs."""
+    if not part_rows:
+        return
+    print("\n| workload | prompts | ours tok/s | ours+spec tok/s | spec/no-spec | "
+          "decode phase: ours / ours+spec tok/s (spec/no-spec) |")
+    print("|---|---|---|---|---|---|")
+    for name, part, rate in part_rows:
+        print(f"| {name} | {part} | {rate['ours']:.1f} | {rate['ours+spec']:.1f} | "
+              f"{rate['ours+spec'] / rate['ours']:.2f}x | "
               f"{rate['ours, decode phase']:.1f} / {rate['ours+spec, decode phase']:.1f} "
               f"({rate['ours+spec, decode phase'] / rate['ours, decode phase']:.2f}x) |")
 
