@@ -1,4 +1,4 @@
-"""The matrix products of one decode step of the default model on this CPU, at 1, 8 and 13
+"""The matrix products of one pass of the default model on this CPU, at 1, 8, 13, 64 and 240
 rows: the time no scheduler can go below (fp32), and what it allows in tokens/s.
 
     python benchmarks/bench_cpu_floor.py [--threads N]
@@ -73,13 +73,17 @@ def main() -> None:
         flops = 2 * m * sum(w.numel() for w in weights)
         rows.append((m, plain, packed, in_blocks, flops))
     weight_bytes = sum(w.numel() for w in weights) * 4
-    read = torch.empty(weight_bytes // 4)
+    read = torch.ones(weight_bytes // 4)  # written: untouched pages all map to one zero page
     plain_read = per_step(lambda: read.sum())  # the same bytes, streamed once
     print(f"\n{torch.get_num_threads()} thread(s); matrix products of one pass, "
           f"{weight_bytes / 2**20:.0f} MiB of fp32 weights; a plain read of as many bytes: "
           f"{weight_bytes / plain_read / 1e9:.0f} GB/s")
     if blocks is None:
         print(f"(no block kernel: {cpu_kernels.status().reason})")
+    else:
+        held = sum(w.num_bytes() for w in blocks)
+        print(f"the same weights in blocks: {held / 2**20:.0f} MiB "
+              f"({weight_bytes / held:.1f}x fewer bytes)")
     print("| rows | F.linear ms | GFLOP/s | weights GB/s | MKL packed ms | GFLOP/s | blocks ms "
           "| GFLOP/s | max tokens/s, dense | max tokens/s, blocks |")
     print("|---|---|---|---|---|---|---|---|---|---|")

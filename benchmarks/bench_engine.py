@@ -76,14 +76,14 @@ def hf_generate(model, tokenizer_pad: int, prompts: list[list[int]], batch: int,
 def cpu_main(args: argparse.Namespace) -> list[tuple]:
     from transformers import AutoModelForCausalLM
 
-    from engine.backends.torch_backend import TorchBackend
     from engine.model.loader import default_model_path
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     engine = Engine(device="cpu", dtype="float32", max_running_requests=16)
     # the same engine with every weight dequantized at load and the torch ops (no CPU kernels)
     dense = Engine(device="cpu", dtype="float32", max_running_requests=16, block_weights=False)
-    dense.runtime.model.cpu_fused = False
+    dense.runtime.model.cpu_fused = False  # this process's only dense-weight model
+    dense.runner.backend.use_cpu_kernel = False  # its passes only: read by each plan
     chats = [[{"role": "user", "content": f"Write a short story about {t}."}] for t in TOPICS]
     ids = [engine.tokenizer.apply_chat_template(c) for c in chats]
     path = default_model_path()
@@ -94,9 +94,7 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
     for batch in (1, 8):
         prompts = ids[:args.num_prompts if batch == 1 else 8]
         ours = run_engine(engine, prompts, batch, args.max_tokens)
-        TorchBackend.use_cpu_kernel = False  # read by each plan: the dense engine's passes
         plain = run_engine(dense, prompts, batch, args.max_tokens)
-        TorchBackend.use_cpu_kernel = True
         with torch.inference_mode():
             hf_runs = [hf_generate(hf, pad, prompts, batch, args.max_tokens, padded=False)]
             if batch > 1:

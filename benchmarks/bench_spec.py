@@ -95,7 +95,8 @@ def workloads(quick: bool) -> dict[str, list[list[dict]]]:
 
 
 # the copy-heavy workloads' prompts by kind (workloads() puts the code first)
-PARTS = {name: {"code (3)": range(0, 3), "summaries (3)": range(3, 6)}
+PARTS = {name: {f"code ({len(CODE)})": range(len(CODE)),
+                f"summaries ({len(PASSAGES)})": range(len(CODE), len(CODE) + len(PASSAGES))}
          for name in ("copy-heavy", "copy-heavy, unfenced code")}
 
 
@@ -179,13 +180,12 @@ def timed(systems: dict[str, object], prompts: list[list[int]], max_tokens: int
 def rates(results: dict, plain: Ours, spec: Ours, which: range | None = None) -> dict:
     """tokens/s per system over the prompts `which` (default: all), and of the decode phase
     (every token but each request's first, over the steps after prefill) for ours."""
+    picked = range(len(results["ours"][1])) if which is None else which
     rate = {}
     for key, (seconds, outputs) in results.items():
-        picked = range(len(outputs)) if which is None else which
         rate[key] = sum(len(outputs[i]) for i in picked) / sum(seconds[i] for i in picked)
     for key, system in (("ours", plain), ("ours+spec", spec)):
         outputs = results[key][1]
-        picked = range(len(outputs)) if which is None else which
         rate[f"{key}, decode phase"] = (sum(len(outputs[i]) - 1 for i in picked)
                                         / sum(system.decode_seconds[i] for i in picked))
     return rate
@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> None:
     plain, spec = Ours(False, blocks), Ours(True, blocks)
     # A/B of adaptive drafting: budgets judged on acceptance alone (drafts counted free)
     acceptance_only = Ours(True, blocks, draft_cost=0.0)
-    if args.row_major_weights:  # A/B of the CPU weight layout (both engines share the model)
+    if args.row_major_weights:  # A/B of the CPU weight layout (the engines share the model)
         for weight in plain.engine.runtime.model.parameters():
             weight.data = weight.data.contiguous()
     tokenizer = plain.engine.tokenizer

@@ -16,6 +16,11 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 1")
 
 
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 0")
+
+
 def _fraction(instance: Any, attribute: attrs.Attribute, value: float) -> None:
     if not 0 < value <= 1:
         raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be in (0, 1]")
@@ -29,10 +34,9 @@ def _one_of(*allowed: str) -> Any:
 
 
 def _draft_cost(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not 0 <= value <= 1):
-        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be None "
-                         f"(measured) or a number in [0, 1]")
+    from engine.spec.config import SpecConfig  # its check, with its message
+
+    SpecConfig(draft_cost=value)
 
 
 @attrs.frozen
@@ -59,7 +63,7 @@ class EngineConfig:
                              "chunked", _positive)
     cuda_graph_max_batch: int = _field(64, "decode/verify batches up to this size replay "
                                        "captured CUDA graphs; larger ones run eagerly; 0: off",
-                                       attrs.validators.ge(0))
+                                       _non_negative)
     plan_ahead: bool = _field(True, "plan each decode pass while the previous one runs on "
                               "the device (used when no request finished or arrived)")
     block_weights: bool = _field(True, "cpu, float32: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in "

@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 import torch
 
+from engine import cpu_kernels
 from engine.backends import KVPool, get_backend
 from engine.config import EngineConfig
 from engine.kv import KVBook
@@ -111,8 +112,9 @@ def build_runtime(config: EngineConfig) -> Runtime:
         model_config = presets[config.random_weights]()
         model = LlamaModel(model_config, dtype, device).init_random(config.random_seed)
     else:
-        model, model_config = _load_shared(config.model, dtype, str(device),
-                                           config.block_weights)
+        # the flag only matters where the loader can keep blocks: the cache key says so
+        blocks = config.block_weights and cpu_kernels.usable(device, dtype)
+        model, model_config = _load_shared(config.model, dtype, str(device), blocks)
     max_context = config.max_context or min(model_config.max_position_embeddings,
                                             DEFAULT_MAX_CONTEXT)
     slots = config.kv_cache_slots or _slots_from_budget(config, model_config, dtype, device)

@@ -81,28 +81,25 @@ class Speculator:
             return "retract"
         batch = state.schedule_verify(running, trees, engine.book.slots.alloc(trees.sizes.total))
         logits = engine._forward(batch)
-        outcome = self._verify(engine, batch, logits)
-        self.cost.observe(trees.sizes.total, time.perf_counter() - started)
+        params = [engine.requests[u].params for u in running.rids.tolist()]
+        outcome = self._verify(batch, params, logits)
         self.last_draft_cost = self.draft_cost(len(running))
-        self.stats.record_batch(running.rids, trees, outcome.accepted_lens.lens,
-                                self._costs_for(engine, running, self.last_draft_cost))
+        # A seeded sampling request's tokens depend on its trees, so its budget must not
+        # depend on timing: it is judged as if drafts were free (SpecStats applies
+        # SpecConfig.draft_cost instead when one is configured), and its run stays
+        # reproducible.
+        costs = [0.0 if p.seed is not None and not p.greedy else self.last_draft_cost
+                 for p in params]
+        self.stats.record_batch(running.rids, trees, outcome.accepted_lens.lens, costs)
         engine._commit(state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes,
                                     outcome.bonus))
+        # timed as the decode step above: propose to commit
+        self.cost.observe(trees.sizes.total, time.perf_counter() - started)
         return "verify"
 
-    def _costs_for(self, engine: Engine, running: Running, measured: float) -> np.ndarray:
-        """The draft cost each request's budget is judged with. A seeded sampling request's
-        tokens depend on its trees, so its budget must not depend on timing: it is judged
-        with the configured cost (0 when measuring), and its run stays reproducible."""
-        fixed = self.config.draft_cost if self.config.draft_cost is not None else 0.0
-        params = [engine.requests[int(u)].params for u in running.rids]
-        return np.array([fixed if (not p.greedy and p.seed is not None) else measured
-                         for p in params])
-
-    def _verify(self, engine: Engine, batch: state.Batch, logits: torch.Tensor) -> Any:
+    def _verify(self, batch: state.Batch, params: list, logits: torch.Tensor) -> Any:
         trees = batch.trees
         uids = batch.running.rids.tolist()
-        params = [engine.requests[u].params for u in uids]
         if all(p.greedy for p in params):
             return verify_greedy(trees, greedy_tokens(logits))
         # One row of filters per request, repeated over its tree's nodes on the device.

@@ -17,23 +17,20 @@ BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/ben
 if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # The whole suite takes longer than one device call may run (10 minutes): split it with
 # GPU_PART=tests (install, tests, memcheck with CUDA graphs captured), GPU_PART=memcheck
-# (install, memcheck without the caching allocator: ~8 minutes alone) and GPU_PART=benches
-# (install, benchmarks). Unset, it runs all of them.
-# The plain memcheck of every GPU test no longer fits one call (170 tests: ~168 done at 560 s
-# in the fourth session); GPU_PART=memcheck1 / memcheck2 run its two halves (kernels /
-# engine). memcheck2 compiles the Triton kernels under the sanitizer itself (slow: 13 of its
-# 15 tests in 370 s), so give it the whole 560 s.
+# (install, memcheck without the caching allocator) and GPU_PART=benches (install,
+# benchmarks). Unset, it runs all of them. The plain memcheck of all GPU tests no longer fits
+# one call either (fourth session: ~168 of 170 tests at the 560 s limit): GPU_PART=memcheck1
+# and memcheck2 run its halves (kernel tests / engine tests). memcheck2 compiles the Triton
+# kernels under the sanitizer itself (13 of its 15 tests in 370 s): give it the whole call.
 GPU_PART=${GPU_PART:-all}
 part() { [ "$GPU_PART" = all ] || [ "$GPU_PART" = "$1" ]; }
 MEMCHECK_TESTS=("${GPU_TESTS[@]}")
 case "$GPU_PART" in
-    memcheck1) MEMCHECK_TESTS=(tests/backends tests/model/test_fused.py); GPU_PART=memcheck ;;
-    memcheck2) MEMCHECK_TESTS=(tests/engine/test_graphs.py tests/engine/test_plan_ahead.py
-                               tests/engine/test_spec_overflow.py); GPU_PART=memcheck ;;
+    memcheck1) MEMCHECK_TESTS=("${GPU_TESTS[@]:0:2}"); GPU_PART=memcheck ;;
+    memcheck2) MEMCHECK_TESTS=("${GPU_TESTS[@]:2}"); GPU_PART=memcheck ;;
 esac
 if ! part benches; then BENCHES=(); fi
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step
-# memcheck without the caching allocator ran ~107 of 110 tests in 330 s (third session)
 SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-560}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
 SANITIZER_EXAMPLES=${SANITIZER_EXAMPLES:-3}  # hypothesis examples per property under memcheck

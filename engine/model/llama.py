@@ -2,7 +2,8 @@
 
 Tokens are flat ([T] ids, [T] positions): the batch layout lives in the backend's metadata.
 The forward has no host sync and no branch on tensor values, so CUDA graphs can capture it.
-Norms, RoPE and SiLU*mul run as `TorchOps` (CPU, the reference) or Triton kernels (CUDA).
+Norms, RoPE and SiLU*mul run as `TorchOps` (the reference; CPU without the kernels), the CPU
+kernels (`cpu_ops`, fp32 on AVX-512) or Triton kernels (CUDA).
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class TorchOps:
-    """A layer's elementwise work and matrix products in plain torch: what CPU runs, and the
-    oracle for `engine.model.fused`, which has the same functions except that its RoPE is
-    `rope_qkv_store` (the model calls that where `stores_kv` is true)."""
+    """A layer's elementwise work and matrix products in plain torch: what a CPU without the
+    CPU kernels runs, and the oracle for `engine.model.fused` and `cpu_ops`, which have the
+    same functions except that their RoPE is `rope_qkv_store` (the model calls that where
+    `stores_kv` is true)."""
 
     rms_norm = staticmethod(rms_norm)
     linear = staticmethod(linear)  # F.linear, or the block kernel for a BlockWeight (CPU)

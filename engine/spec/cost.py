@@ -21,7 +21,6 @@ class PassCost:
             raise ValueError(f"decay={decay!r} is not allowed; need a number in (0, 1)")
         self.decay = decay
         self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows*seconds
-        self._rows_seen: set[int] = set()
 
     def observe(self, rows: int, seconds: float) -> None:
         """One forward pass of `rows` query rows (requests plus their draft nodes)."""
@@ -31,15 +30,12 @@ class PassCost:
         x, y = float(rows), float(seconds)
         self._sums = [self.decay * s + v for s, v in
                       zip(self._sums, (1.0, x, y, x * x, x * y), strict=True)]
-        self._rows_seen.add(rows)
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed, per_row) seconds, or None until passes of two row counts were seen."""
-        if len(self._rows_seen) < 2:
-            return None
         w, sx, sy, sxx, sxy = self._sums
-        spread = w * sxx - sx * sx
-        if spread <= 1e-9 * w * sxx:  # the remembered passes all have (almost) one row count
+        spread = w * sxx - sx * sx  # 0 (up to rounding) while every pass had one row count
+        if w == 0 or spread <= 1e-9 * w * sxx:
             return None
         per_row = max(0.0, (w * sxy - sx * sy) / spread)
         fixed = max(0.0, (sy - per_row * sx) / w)

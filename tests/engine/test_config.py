@@ -15,7 +15,7 @@ from engine.config import EngineConfig
     ("draft_cost", -0.5), ("draft_cost", 2), ("draft_cost", True), ("draft_cost", "0.1"),
 ])
 def test_invalid_field_is_named(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=rf"{field}"):
+    with pytest.raises(ValueError, match=rf"^{field}={value!r} is not allowed"):
         EngineConfig(**{field: value})
 
 

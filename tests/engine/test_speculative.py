@@ -80,10 +80,11 @@ def test_default_model_batch_1_equals_plain_greedy(spec_engine, references, asse
         assert spec_engine.generate([prompt], GREEDY)[0].token_ids == reference
     assert _accepted(spec_engine) > before, "copy-heavy prompts should accept some drafts"
     assert_all_free(spec_engine)
-    # adaptive drafting weighed the drafts with a cost measured from these passes
-    fixed, per_row = spec_engine.spec.cost.fit()
-    assert fixed >= 0 and per_row >= 0
-    assert 0.0 <= spec_engine.metrics()["spec_draft_cost"] <= 1.0
+    # adaptive drafting weighed the drafts with a cost fitted from these passes (decode and
+    # verify passes of several row counts), and the metric reports the one it used
+    fixed, per_row = spec_engine.spec.cost.fit()  # None (unfitted) fails here
+    assert per_row > 0  # on the CPU a verify pass's rows cost several decodes
+    assert spec_engine.metrics()["spec_draft_cost"] == spec_engine.spec.last_draft_cost > 0
 
 
 def test_default_model_mixed_batch_equals_plain_greedy(spec_engine, references,
@@ -194,19 +195,26 @@ def test_seeded_sampling_does_not_depend_on_the_measured_draft_cost(spec_engine,
     # The measured cost comes from timings; a seeded request's budget must not follow it,
     # or its trees, and so its tokens, would change from run to run.
     seeded = SamplingParams(max_tokens=48, temperature=0.3, seed=5)
-    runs, costs_seen = [], []
+    runs, seeded_costs, greedy_costs = [], [], []
     original = spec_engine.spec.stats.record
+
+    def recording(seen: list[float]):
+        return lambda rid, d, a, cost=0.0: (seen.append(cost), original(rid, d, a, cost))
+
     for measured in (0.0, 1.0):
         monkeypatch.setattr(spec_engine.spec.cost, "draft_cost", lambda batch, c=measured: c)
-        runs.append([c.token_ids for c in spec_engine.generate(COPY_PROMPTS[:2], seeded)])
         seen: list[float] = []
-        monkeypatch.setattr(spec_engine.spec.stats, "record", lambda rid, d, a, cost: (
-            seen.append(cost), original(rid, d, a, cost)))
+        monkeypatch.setattr(spec_engine.spec.stats, "record", recording(seen))
+        runs.append([c.token_ids for c in spec_engine.generate(COPY_PROMPTS[:2], seeded)])
+        seeded_costs.append(set(seen))
+        seen = []
+        monkeypatch.setattr(spec_engine.spec.stats, "record", recording(seen))
         spec_engine.generate(COPY_PROMPTS[:1], SamplingParams(max_tokens=24))
+        greedy_costs.append(set(seen))
         monkeypatch.setattr(spec_engine.spec.stats, "record", original)
-        costs_seen.append(set(seen))
     assert runs[0] == runs[1]
-    assert costs_seen == [{0.0}, {0.0, 1.0}]  # greedy requests follow it (root-only steps: 0)
+    assert seeded_costs == [{0.0}, {0.0}]  # judged as if drafts were free, whatever is measured
+    assert greedy_costs == [{0.0}, {0.0, 1.0}]  # greedy requests follow it (root-only steps: 0)
 
 
 # --- (e) stops and max_tokens ----------------------------------------------------------------

@@ -173,7 +173,8 @@ def test_engine_gives_the_same_tokens_with_and_without_the_cpu_kernels(monkeypat
     with_kernels = [o.token_ids for o in fast.generate(prompts, params)]
     assert fast.spec.stats.total().drafting_steps > 0  # verify passes with real trees
     plain = Engine(device="cpu", dtype="float32", speculative=True, block_weights=False)
-    plain.runtime.model.cpu_fused = False
+    # the model is shared (cached) with later engines: patched for this test only
+    monkeypatch.setattr(plain.runtime.model, "cpu_fused", False)
     monkeypatch.setattr(TorchBackend, "use_cpu_kernel", False)
     assert [o.token_ids for o in plain.generate(prompts, params)] == with_kernels
 
@@ -237,6 +238,28 @@ def test_whole_layer_refuses_tables_and_slots_that_do_not_fit():
     assert cpu_ops.decoder_layer(model.layers[1], hidden, None, cos, cos, good, backend) is None
     no_kernel = SimpleNamespace(cpu_kernel_attention=lambda index, metadata: None)
     assert cpu_ops.decoder_layer(layer, hidden, None, cos, cos, good, no_kernel) is None
+
+
+def test_whole_layer_leaves_passes_the_per_op_path_sends_to_mkl(monkeypatch):
+    """From DENSE_ROWS tokens on, BlockWeight.linear expands and calls MKL; the whole-layer
+    kernel (block kernel only) would then not run the per-op path's kernels: it declines."""
+    from types import SimpleNamespace
+
+    from engine.model import LlamaModel, cpu_ops
+
+    model = LlamaModel(ModelConfig.tiny()).init_random(seed=1)
+    model.use_block_weights({f"layers.0.{p}": BlockWeight.from_gguf(quantize(
+        model.dense_weight(f"layers.0.{p}").contiguous().numpy(),
+        gguf.GGMLQuantizationType.Q8_0), "Q8_0")
+        for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")})
+    asked = []
+    backend = SimpleNamespace(cpu_kernel_attention=lambda index, metadata: asked.append(index))
+    monkeypatch.setattr(blockq, "DENSE_ROWS", 2)
+    hidden, cos = torch.zeros(2, 64), torch.zeros(2, 16)
+    out_slots = SimpleNamespace(out_slots=torch.tensor([3, 4]))
+    assert cpu_ops.decoder_layer(model.layers[0], hidden, None, cos, cos, out_slots,
+                                 backend) is None
+    assert asked == []
 
 
 @needs_kernel

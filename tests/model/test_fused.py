@@ -4,13 +4,10 @@ each set on equals the forward with TorchOps."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.backends import KVPool, get_backend
-from engine.kv import KVBook
 from engine.model import LlamaModel, ModelConfig, cpu_ops, fused, gemv
 from engine.model.llama import TorchOps
 

@@ -51,5 +51,9 @@ def test_old_passes_are_forgotten() -> None:
 def test_bad_pass_is_refused(rows: int, seconds: float) -> None:
     with pytest.raises(ValueError, match="is not a pass"):
         PassCost().observe(rows, seconds)
-    with pytest.raises(ValueError, match=r"decay=1.0 is not allowed"):
-        PassCost(decay=1.0)
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.0, -0.5])
+def test_bad_decay_is_refused(decay: float) -> None:
+    with pytest.raises(ValueError, match=rf"decay={decay!r} is not allowed"):
+        PassCost(decay=decay)
