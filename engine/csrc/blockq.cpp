@@ -1,13 +1,29 @@
 // y[M, N] = x[M, K] @ W^T in fp32, with W kept in GGUF's blocks of 32 weights along K.
-// Each weight is expanded in registers to the exact fp32 value gguf's dequantize gives:
+// Each weight is expanded to the exact fp32 value gguf's dequantize gives:
 //   nibble blocks (Q4_0, Q4_1): w = fma(q, d, m) = fl32(d*q + m), d*q exact (fp16 d, 4-bit q);
 //     Q4_0 passes m = -8d, so w = fl32(d*(q-8)), also exact;
 //   byte blocks (Q8_0): w = d * q, exact (fp16 d, 8-bit q).
-// Layout: nibbles [N, K/2] (per block, 16 bytes: low nibbles are elements 0..15, high nibbles
-// 16..31), bytes [N, K] int8, d and m [N, K/32] fp32. Rows of W are split over OpenMP threads
-// (the process's libgomp: torch's, so torch.set_num_threads applies). Up to 8 x rows (decode)
-// go in one tile against blocks expanded in registers; more (verify, prefill) against groups
-// of 4 W rows expanded once into an L1-sized buffer.
+//
+// Layout: panels of 32 rows of W (n), block by block along K. Panel p, block b holds
+//   bytes:   int8  [32 k][32 n]  (element (n, k) = W's quant q[p*32 + n][b*32 + k]);
+//   nibbles: uint8 [16 j][32 n]  (the byte j of row n's GGUF block: low nibble element j,
+//                                 high nibble element j + 16);
+// and fp32 scales d (and offsets m) [32 n] per panel and block. A last panel short of 32 rows
+// is padded with rows of zero scales (and offsets), whose results are never stored.
+//
+// Every output is accumulated one product at a time, in one fixed order of k: for byte
+// blocks 0, 1, ..., K-1; for nibble blocks, per block, j then j + 16 for j = 0..15 (the order
+// a byte's two nibbles come in). A loaded weight vector holds 16 outputs' weights at one k
+// (an outer product: no horizontal sums). The order does not depend on M or on which path
+// runs, so row i of y is bit for bit the same whatever other rows x has: a verify pass
+// multiplies a token's activations exactly as a decode pass would.
+//
+// Up to 8 rows of x go against weights expanded in registers. More (verify, prefill): each
+// panel is expanded in that order, 4 blocks of K at a time, into an L1-sized buffer, and every
+// tile of up to 14 rows of x is multiplied against it, its sums kept in y between chunks. x
+// is first packed in the same order of k, tile by tile ([K][rows of the tile]), so one k's
+// values are one short broadcast stream. Panels are split over OpenMP threads (the process's
+// libgomp: torch's, so torch.set_num_threads applies).
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -18,183 +34,249 @@
 
 namespace {
 
+constexpr int64_t kPanel = 32, kBlock = 32, kDirectRows = 8, kTileRows = 14;
+constexpr int64_t kChunkBlocks = 4;  // blocks of K expanded at a time: 128 x 32 fp32, 16 KiB
+
+// the position in k of the e-th product of a block (the accumulation order above)
+template <class F>
+inline int64_t order(int64_t e) {
+    return F::nibbles ? (e & 1) * 16 + (e >> 1) : e;
+}
+
 struct Nibbles {
-    static constexpr int64_t row_bytes(int64_t k) { return k / 2; }
-    static inline void expand(const uint8_t* q, float d, float m, __m512& w0, __m512& w1) {
-        const __m512i all = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-        const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(all, _mm512_set1_epi32(15))),
-                             vd, vm);
-        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(all, 4)), vd, vm);
+    static constexpr bool nibbles = true;
+    static constexpr int64_t block_bytes = kBlock / 2 * kPanel;  // per panel
+    // the weights of products 2j, 2j + 1 (k = j and j + 16) for 16 outputs (h: which 16)
+    static inline void expand(const uint8_t* q, int64_t j, int h, __m512 d, __m512 m,
+                              __m512& first, __m512& second) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i*)(q + j * kPanel + h * 16)));
+        first = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))),
+                                d, m);
+        second = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
     }
 };
 
 struct Bytes {
-    static constexpr int64_t row_bytes(int64_t k) { return k; }
-    static inline void expand(const uint8_t* q, float d, float, __m512& w0, __m512& w1) {
-        const __m512 vd = _mm512_set1_ps(d);
-        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))), vd);
-        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)))), vd);
+    static constexpr bool nibbles = false;
+    static constexpr int64_t block_bytes = kBlock * kPanel;
+    // the weights of products 2j, 2j + 1 (k = 2j and 2j + 1) for 16 outputs (h: which 16)
+    static inline void expand(const uint8_t* q, int64_t j, int h, __m512 d, __m512,
+                              __m512& first, __m512& second) {
+        const uint8_t* at = q + 2 * j * kPanel + h * 16;
+        first = _mm512_mul_ps(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)at))), d);
+        second = _mm512_mul_ps(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(at + kPanel)))), d);
     }
 };
 
-// NR rows of W (from row n) against MT rows of x: NR * MT dot products of length K.
-template <class F, int MT, int NR>
-inline void tile(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m,
-                 float* y, int64_t N) {
-    __m512 acc[NR][MT];
-    for (int r = 0; r < NR; ++r)
-        for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
-    const int64_t blocks = K / 32, row = F::row_bytes(K), block_bytes = F::row_bytes(32);
+struct Panel {  // one panel's blocks
+    const uint8_t* q;
+    const float* d;
+    const float* m;  // nullptr for bytes
+};
+
+template <class F>
+inline Panel panel(const uint8_t* q, const float* d, const float* m, int64_t K, int64_t p) {
+    const int64_t blocks = K / kBlock;
+    return {q + p * blocks * F::block_bytes, d + p * blocks * kPanel,
+            m ? m + p * blocks * kPanel : nullptr};
+}
+
+// Block b + kAhead of the stream, asked for while block b computes. A panel's blocks (and the
+// next panel's, which follow them) are one sequential stream per array, but the hardware
+// prefetchers stop at every 4 KiB page; without this a decode pass ran ~1.3x slower. A
+// prefetch past the end of the arrays is harmless.
+constexpr int64_t kAhead = 8;
+template <class F>
+inline void prefetch_block(Panel w, int64_t b) {
+    const uint8_t* q = w.q + (b + kAhead) * F::block_bytes;
+    for (int64_t at = 0; at < F::block_bytes; at += 64) engine_cpu::prefetch(q + at);
+    for (int64_t at = 0; at < kPanel; at += 16) {
+        engine_cpu::prefetch(w.d + (b + kAhead) * kPanel + at);
+        if (w.m) engine_cpu::prefetch(w.m + (b + kAhead) * kPanel + at);
+    }
+}
+
+// acc[i] (two vectors: 32 outputs) to row i of y, the first `cols` outputs
+template <int MT>
+inline void store(__m512 (&acc)[MT][2], float* y, int64_t N, int64_t cols) {
+    const __mmask16 lo = engine_cpu::tail_mask(cols);
+    const __mmask16 hi = cols > 16 ? engine_cpu::tail_mask(cols - 16) : 0;
+    for (int i = 0; i < MT; ++i) {
+        _mm512_mask_storeu_ps(y + i * N, lo, acc[i][0]);
+        _mm512_mask_storeu_ps(y + i * N + 16, hi, acc[i][1]);
+    }
+}
+
+// MT rows of packed x (xt: [K][MT], in the accumulation order) against one panel, expanded in
+// registers block by block
+template <class F, int MT>
+inline void direct(const float* xt, int64_t K, Panel w, float* y, int64_t N, int64_t cols) {
+    __m512 acc[MT][2];
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const int64_t blocks = K / kBlock;
     for (int64_t b = 0; b < blocks; ++b) {
-        const float* xb = x + b * 32;
-        for (int r = 0; r < NR; ++r) {
-            __m512 w0, w1;
-            F::expand(q + r * row + b * block_bytes, d[r * blocks + b],
-                      m ? m[r * blocks + b] : 0.0f, w0, w1);
+        prefetch_block<F>(w, b);
+        const uint8_t* q = w.q + b * F::block_bytes;
+        const float* xb = xt + b * kBlock * MT;
+        __m512 d[2], m[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+            d[h] = _mm512_loadu_ps(w.d + b * kPanel + h * 16);
+            m[h] = w.m ? _mm512_loadu_ps(w.m + b * kPanel + h * 16) : _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < kBlock / 2; ++j) {
+            __m512 first[2], second[2];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) F::expand(q, j, h, d[h], m[h], first[h], second[h]);
+#pragma GCC unroll 16
             for (int i = 0; i < MT; ++i) {
-                acc[r][i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + i * K), acc[r][i]);
-                acc[r][i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + i * K + 16), acc[r][i]);
+                const __m512 x0 = _mm512_set1_ps(xb[2 * j * MT + i]);
+                acc[i][0] = _mm512_fmadd_ps(first[0], x0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(first[1], x0, acc[i][1]);
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < MT; ++i) {
+                const __m512 x1 = _mm512_set1_ps(xb[(2 * j + 1) * MT + i]);
+                acc[i][0] = _mm512_fmadd_ps(second[0], x1, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(second[1], x1, acc[i][1]);
             }
         }
     }
-    engine_cpu::store_sums<NR, MT>(acc, y, N);
+    store<MT>(acc, y, N, cols);
 }
 
-// The next tile's weights, asked for while this tile computes: the blocks stream from memory,
-// and a tile's quants, scales and offsets are three short streams the hardware prefetchers
-// pick up late.
-inline void prefetch_rows(const uint8_t* q, int64_t bytes, const float* d, const float* m,
-                          int64_t scales) {
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)(q + b), _MM_HINT_T0);
-    for (int64_t i = 0; i < scales; i += 16) {
-        _mm_prefetch((const char*)(d + i), _MM_HINT_T0);
-        if (m) _mm_prefetch((const char*)(m + i), _MM_HINT_T0);
-    }
-}
-
-// rows [n, n + count) of W against MT rows of x; few x rows take several W rows at once so
-// that the accumulation chains overlap
-template <class F, int MT>
-void rows(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m,
-          float* y, int64_t N, int64_t n, int64_t count) {
-    constexpr int NR = MT <= 2 ? 4 : 2;
-    const int64_t row = F::row_bytes(K), blocks = K / 32;
-    int64_t r = n;
-    for (; r + NR <= n + count; r += NR) {
-        const int64_t ahead = N - (r + NR) < NR ? N - (r + NR) : NR;  // rows after this tile
-        prefetch_rows(q + (r + NR) * row, ahead * row, d + (r + NR) * blocks,
-                      m ? m + (r + NR) * blocks : nullptr, ahead * blocks);
-        tile<F, MT, NR>(x, K, q + r * row, d + r * blocks, m ? m + r * blocks : nullptr,
-                        y + r, N);
-    }
-    for (; r < n + count; ++r)
-        tile<F, MT, 1>(x, K, q + r * row, d + r * blocks, m ? m + r * blocks : nullptr,
-                       y + r, N);
-}
-
-// MT rows of x (held in registers) against NR rows of W already expanded to fp32 (w: NR rows
-// of K floats): each loaded weight vector feeds MT accumulators, each x vector NR of them.
-template <int MT, int NR>
-inline void dense_tile(const float* x, int64_t K, const float* w, float* y, int64_t N) {
-    __m512 acc[NR][MT];
-    for (int r = 0; r < NR; ++r)
-        for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < K; e += 16) {
-        __m512 xv[MT];
-        for (int i = 0; i < MT; ++i) xv[i] = _mm512_loadu_ps(x + i * K + e);
-        for (int r = 0; r < NR; ++r) {
-            const __m512 wv = _mm512_loadu_ps(w + r * K + e);
-            for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
-        }
-    }
-    engine_cpu::store_sums<NR, MT>(acc, y, N);
-}
-
-template <int NR>
-void dense_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
-    for (int64_t i = 0; i < M; i += 4) {
-        const float* xi = x + i * K;
-        float* yi = y + i * N;
-        switch (M - i < 4 ? M - i : 4) {
-            case 1: dense_tile<1, NR>(xi, K, w, yi, N); break;
-            case 2: dense_tile<2, NR>(xi, K, w, yi, N); break;
-            case 3: dense_tile<3, NR>(xi, K, w, yi, N); break;
-            default: dense_tile<4, NR>(xi, K, w, yi, N); break;
-        }
-    }
-}
-
-// row r of W expanded to fp32: out[0..K)
+// a panel's blocks [b0, b1), expanded to buf [(b1 - b0) * 32][32] in the accumulation order
 template <class F>
-inline void expand_row(const uint8_t* q, const float* d, const float* m, int64_t r, int64_t K,
-                       float* out) {
-    const int64_t row = F::row_bytes(K), blocks = K / 32;
-    for (int64_t b = 0; b < blocks; ++b) {
-        __m512 w0, w1;
-        F::expand(q + r * row + b * F::row_bytes(32), d[r * blocks + b],
-                  m ? m[r * blocks + b] : 0.0f, w0, w1);
-        _mm512_storeu_ps(out + b * 32, w0);
-        _mm512_storeu_ps(out + b * 32 + 16, w1);
+inline void expand_panel(Panel w, int64_t b0, int64_t b1, float* buf) {
+    for (int64_t b = b0; b < b1; ++b) {
+        prefetch_block<F>(w, b);
+        const uint8_t* q = w.q + b * F::block_bytes;
+        float* out = buf + (b - b0) * kBlock * kPanel;
+        for (int h = 0; h < 2; ++h) {
+            const __m512 d = _mm512_loadu_ps(w.d + b * kPanel + h * 16);
+            const __m512 m = w.m ? _mm512_loadu_ps(w.m + b * kPanel + h * 16)
+                                 : _mm512_setzero_ps();
+            for (int64_t j = 0; j < kBlock / 2; ++j) {
+                __m512 first, second;
+                F::expand(q, j, h, d, m, first, second);
+                _mm512_store_ps(out + 2 * j * kPanel + h * 16, first);
+                _mm512_store_ps(out + (2 * j + 1) * kPanel + h * 16, second);
+            }
+        }
     }
+}
+
+// MT rows of packed x (xt: [.][MT], from this chunk's first k) against `count` expanded k of
+// a panel: per k, two weight vectors feed 2 * MT accumulators, each x value broadcast from
+// memory. The sums start at 0 (first chunk) or from y, where the last chunk left them: fp32
+// stored and reloaded exactly, so the order of the products is that of one pass.
+template <int MT>
+inline void dense(const float* xt, int64_t count, const float* buf, float* y, int64_t N,
+                  int64_t cols, bool first) {
+    const __mmask16 lo = engine_cpu::tail_mask(cols);
+    const __mmask16 hi = cols > 16 ? engine_cpu::tail_mask(cols - 16) : 0;
+    __m512 acc[MT][2];
+    for (int i = 0; i < MT; ++i) {
+        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lo, y + i * N);
+        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(hi, y + i * N + 16);
+    }
+    for (int64_t e = 0; e < count; ++e) {
+        const __m512 w0 = _mm512_load_ps(buf + e * kPanel);
+        const __m512 w1 = _mm512_load_ps(buf + e * kPanel + 16);
+#pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) {
+            const __m512 xv = _mm512_set1_ps(xt[e * MT + i]);
+            acc[i][0] = _mm512_fmadd_ps(w0, xv, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w1, xv, acc[i][1]);
+        }
+    }
+    store<MT>(acc, y, N, cols);
+}
+
+// x rows [i0, i0 + rows) packed to out [K][rows], k in the accumulation order
+template <class F>
+void pack(const float* x, int64_t K, int64_t i0, int64_t rows, float* out) {
+    for (int64_t e = 0; e < K; ++e) {
+        const int64_t k = e / kBlock * kBlock + order<F>(e % kBlock);
+        for (int64_t i = 0; i < rows; ++i) out[e * rows + i] = x[(i0 + i) * K + k];
+    }
+}
+
+template <class F>
+void direct_rows(int64_t M, const float* xt, int64_t K, Panel w, float* y, int64_t N,
+                 int64_t cols) {
+    switch (M) {
+        case 1: direct<F, 1>(xt, K, w, y, N, cols); break;
+        case 2: direct<F, 2>(xt, K, w, y, N, cols); break;
+        case 3: direct<F, 3>(xt, K, w, y, N, cols); break;
+        case 4: direct<F, 4>(xt, K, w, y, N, cols); break;
+        case 5: direct<F, 5>(xt, K, w, y, N, cols); break;
+        case 6: direct<F, 6>(xt, K, w, y, N, cols); break;
+        case 7: direct<F, 7>(xt, K, w, y, N, cols); break;
+        default: direct<F, 8>(xt, K, w, y, N, cols); break;
+    }
+}
+
+void dense_rows(int64_t rows, const float* xt, int64_t count, const float* buf, float* y,
+                int64_t N, int64_t cols, bool first) {
+    switch (rows) {
+#define ENGINE_DENSE(MT) \
+        case MT: dense<MT>(xt, count, buf, y, N, cols, first); break;
+        ENGINE_DENSE(1) ENGINE_DENSE(2) ENGINE_DENSE(3) ENGINE_DENSE(4) ENGINE_DENSE(5)
+        ENGINE_DENSE(6) ENGINE_DENSE(7) ENGINE_DENSE(8) ENGINE_DENSE(9) ENGINE_DENSE(10)
+        ENGINE_DENSE(11) ENGINE_DENSE(12) ENGINE_DENSE(13)
+#undef ENGINE_DENSE
+        default: dense<14>(xt, count, buf, y, N, cols, first); break;
+    }
+}
+
+// this thread's scratch of at least `floats`, 64-byte aligned, kept between calls
+inline float* scratch(int64_t floats) {
+    thread_local std::vector<float> memory;
+    if ((int64_t)memory.size() < floats + 16) memory.resize(floats + 16);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(memory.data());
+    return reinterpret_cast<float*>((at + 63) & ~uintptr_t{63});
 }
 
 template <class F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d,
             const float* m, int64_t N, float* y, int64_t threads) {
-    constexpr int64_t kRowsPerTask = 16, kGroup = 4, kDirectRows = 8;
-    const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+    const int64_t panels = (N + kPanel - 1) / kPanel, blocks = K / kBlock;
+    // tiles of x: up to 8 rows in one; past that, as even as tiles of at most 14 rows allow
+    const int64_t tiles = M <= kDirectRows ? 1 : (M + kTileRows - 1) / kTileRows;
+    std::vector<int64_t> start(tiles + 1);
+    for (int64_t t = 0; t <= tiles; ++t) start[t] = M * t / tiles;
+    std::vector<float> xt(M * K);  // tile t at xt + start[t] * K
 #pragma omp parallel num_threads(threads)
     {
-        // Past one tile of 8 x rows (verify, prefill), each group of 4 W rows is expanded once
-        // into this buffer (L1 sized) and multiplied dense against every tile of 4 x rows:
-        // ~1.2x faster at 13 rows on one thread, ~1.3x at 64. Up to 8 rows, expanding in
-        // registers per tile is faster.
-        std::vector<float> expanded(M > kDirectRows ? kGroup * K : 0);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; ++t) {
-            const int64_t n = t * kRowsPerTask;
-            const int64_t count = N - n < kRowsPerTask ? N - n : kRowsPerTask;
+        for (int64_t t = 0; t < tiles; ++t)
+            pack<F>(x, K, start[t], start[t + 1] - start[t], xt.data() + start[t] * K);
+        float* buf = M > kDirectRows ? scratch(kChunkBlocks * kBlock * kPanel) : nullptr;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const Panel w = panel<F>(q, d, m, K, p);
+            const int64_t cols = N - p * kPanel < kPanel ? N - p * kPanel : kPanel;
             if (M <= kDirectRows) {
-                for (int64_t i = 0; i < M; i += 8) {
-                    const float* xi = x + i * K;
-                    float* yi = y + i * N;
-                    switch (M - i < 8 ? M - i : 8) {
-                        case 1: rows<F, 1>(xi, K, q, d, m, yi, N, n, count); break;
-                        case 2: rows<F, 2>(xi, K, q, d, m, yi, N, n, count); break;
-                        case 3: rows<F, 3>(xi, K, q, d, m, yi, N, n, count); break;
-                        case 4: rows<F, 4>(xi, K, q, d, m, yi, N, n, count); break;
-                        case 5: rows<F, 5>(xi, K, q, d, m, yi, N, n, count); break;
-                        case 6: rows<F, 6>(xi, K, q, d, m, yi, N, n, count); break;
-                        case 7: rows<F, 7>(xi, K, q, d, m, yi, N, n, count); break;
-                        default: rows<F, 8>(xi, K, q, d, m, yi, N, n, count); break;
-                    }
-                }
+                direct_rows<F>(M, xt.data(), K, w, y + p * kPanel, N, cols);
                 continue;
             }
-            for (int64_t r0 = n; r0 < n + count; r0 += kGroup) {
-                const int64_t group = n + count - r0 < kGroup ? n + count - r0 : kGroup;
-                for (int64_t r = 0; r < group; ++r)
-                    expand_row<F>(q, d, m, r0 + r, K, expanded.data() + r * K);
-                if (group == kGroup) {
-                    dense_rows<kGroup>(x, M, K, expanded.data(), y + r0, N);
-                } else {
-                    for (int64_t r = 0; r < group; ++r)
-                        dense_rows<1>(x, M, K, expanded.data() + r * K, y + r0 + r, N);
+            // chunk by chunk of K, so that the expanded weights stay in L1 for every tile
+            for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks) {
+                const int64_t b1 = b0 + kChunkBlocks < blocks ? b0 + kChunkBlocks : blocks;
+                expand_panel<F>(w, b0, b1, buf);
+                for (int64_t t = 0; t < tiles; ++t) {
+                    const int64_t rows = start[t + 1] - start[t];
+                    dense_rows(rows, xt.data() + start[t] * K + b0 * kBlock * rows,
+                               (b1 - b0) * kBlock, buf, y + start[t] * N + p * kPanel, N,
+                               cols, b0 == 0);
                 }
             }
         }
     }
-}
-
-// every weight of W, expanded to fp32 [N, K] (for a large product handed to a dense GEMM)
-template <class F>
-void expand_all(const uint8_t* q, const float* d, const float* m, int64_t N, int64_t K,
-                float* out, int64_t threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < N; ++r) expand_row<F>(q, d, m, r, K, out + r * K);
 }
 
 }  // namespace
@@ -211,13 +293,5 @@ void blockq_nibbles_linear(const float* x, int64_t M, int64_t K, const uint8_t* 
 void blockq_bytes_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
                          const float* d, int64_t N, float* y, int64_t threads) {
     linear<Bytes>(x, M, K, q, d, nullptr, N, y, threads);
-}
-void blockq_nibbles_expand(const uint8_t* q, const float* d, const float* m, int64_t N,
-                           int64_t K, float* out, int64_t threads) {
-    expand_all<Nibbles>(q, d, m, N, K, out, threads);
-}
-void blockq_bytes_expand(const uint8_t* q, const float* d, int64_t N, int64_t K, float* out,
-                         int64_t threads) {
-    expand_all<Bytes>(q, d, nullptr, N, K, out, threads);
 }
 }

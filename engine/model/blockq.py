@@ -1,10 +1,12 @@
 """GGUF block-quantized weights kept in their blocks on CPU, multiplied in fp32.
 
 A weight stored as Q4_0, Q4_1 or Q8_0 stays in its 4/8-bit blocks in memory. The kernel
-(`engine/csrc/blockq.cpp`, AVX-512) expands each block in registers to exactly the fp32 values
+(`engine/csrc/blockq.cpp`, AVX-512) expands each block to exactly the fp32 values
 `gguf.quants.dequantize` gives, then multiplies in fp32 with fp32 activations. The numbers are
 the dequantized model's; only the bytes read per step shrink (6-9 bits per weight as held,
-not 32), and the few-row products of decode and verify run at 2-3x MKL's rate for them.
+not 32). The few-row products of decode and verify run at 2-4x MKL's rate for them, and long
+prefills at about MKL's. Each output row's sums run in one fixed order whatever the other rows
+are, so a row's result does not depend on the batch it is in (bit for bit).
 
 `BlockWeight.dequantize()` is the pure-torch reference (and what CUDA and other dtypes load).
 The kernel is built on first use (`engine.cpu_kernels`); where it cannot be, the loader
@@ -21,20 +23,21 @@ import torch
 from engine import cpu_kernels
 
 BLOCK = 32  # weights per block along K, for every format here
-# From this many rows on, linear() expands W and runs MKL's GEMM. The layers' four matrices,
-# kernel against expansion + MKL (ms for 8 layers, 2 threads): 64 rows 17.3 / 40.2, 128 rows
-# 32.8 / 35.9, 192 rows 50.9 / 51.6, 240 rows 64.5 / 55.4 (benchmarks/bench_cpu_floor.py
-# prints the whole pass at 64 and 240 rows).
-DENSE_ROWS = 224
+PANEL = 32  # rows of W per panel of the kernel's layout
 # GGUF type name -> (bytes per block, fp16 fields before the quants)
 FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
 
 
 class BlockWeight:
-    """A [N, K] weight in blocks of 32 along K: `quants` uint8 [N, K/2] (nibbles: per block,
-    16 bytes whose low nibbles are elements 0..15 and high nibbles 16..31) or int8 [N, K]
-    (bytes), `scale` and `offset` fp32 [N, K/32] (w = scale * q + offset; Q8_0 has no offset).
-    Q4_0 (w = d * (q - 8)) is stored as offset = -8d, which gives the same fp32 values."""
+    """A [N, K] weight in blocks of 32 along K, built from GGUF's row layout: `quants` uint8
+    [N, K/2] (nibbles: per block, 16 bytes whose low nibbles are elements 0..15 and high
+    nibbles 16..31) or int8 [N, K] (bytes), `scale` and `offset` fp32 [N, K/32] (w = scale *
+    q + offset; Q8_0 has no offset). Q4_0 (w = d * (q - 8)) is stored as offset = -8d, which
+    gives the same fp32 values.
+
+    Held as the kernel reads it: panels of 32 rows, block by block (`engine/csrc/blockq.cpp`
+    has the layout), so one panel's weights are one stream and a loaded vector holds 16 rows'
+    weights at one k. `rows()` gives the row layout back."""
 
     def __init__(self, quants: torch.Tensor, scale: torch.Tensor,
                  offset: torch.Tensor | None) -> None:
@@ -47,14 +50,24 @@ class BlockWeight:
                              f"{tuple(scale.shape)}")
         if nibbles != (offset is not None):
             raise ValueError("nibble blocks need an offset per block; byte blocks have none")
-        self.quants = quants.contiguous()
-        self.scale = scale.float().contiguous()
-        self.offset = None if offset is None else offset.float().contiguous()
+        if offset is not None and offset.shape != scale.shape:
+            raise ValueError(f"offsets of shape {tuple(offset.shape)} do not fit scales of "
+                             f"shape {tuple(scale.shape)}")
         self.shape = (rows, blocks * BLOCK)
+        self.quants = _to_panels(quants.view(rows, blocks, -1))
+        self.scale = _to_panels(scale.float()[..., None])
+        self.offset = None if offset is None else _to_panels(offset.float()[..., None])
 
     @property
     def nibbles(self) -> bool:
         return self.quants.dtype == torch.uint8
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(quants, scale, offset) in the row layout the constructor takes."""
+        n = self.shape[0]
+        return (_from_panels(self.quants, n).reshape(n, -1),
+                _from_panels(self.scale, n).reshape(n, -1),
+                None if self.offset is None else _from_panels(self.offset, n).reshape(n, -1))
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str) -> BlockWeight:
@@ -80,20 +93,20 @@ class BlockWeight:
         """Rows of several weights stacked (a fused projection); all of one kind."""
         if len({(p.nibbles, p.shape[1]) for p in parts}) != 1:
             raise ValueError("fused block weights must share one block kind and width")
-        return BlockWeight(torch.cat([p.quants for p in parts]),
-                           torch.cat([p.scale for p in parts]),
-                           None if parts[0].offset is None else
-                           torch.cat([p.offset for p in parts]))
+        quants, scale, offset = zip(*(p.rows() for p in parts), strict=True)
+        return BlockWeight(torch.cat(quants), torch.cat(scale),
+                           None if offset[0] is None else torch.cat(offset))
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [N, K] weight, as gguf's dequantize computes it (the reference)."""
-        rows, blocks = self.scale.shape
+        quants, scale, offset = self.rows()
+        rows, blocks = scale.shape
         if self.nibbles:
-            packed = self.quants.view(rows, blocks, BLOCK // 2)
+            packed = quants.view(rows, blocks, BLOCK // 2)
             q = torch.cat((packed & 15, packed >> 4), dim=-1).float()
-            return (q * self.scale[..., None] + self.offset[..., None]).view(rows, -1)
-        q = self.quants.view(rows, blocks, BLOCK).float()
-        return (q * self.scale[..., None]).view(rows, -1)
+            return (q * scale[..., None] + offset[..., None]).view(rows, -1)
+        q = quants.view(rows, blocks, BLOCK).float()
+        return (q * scale[..., None]).view(rows, -1)
 
     @functools.cached_property
     def descriptor(self) -> tuple[int, int, int, int, int, int]:
@@ -106,30 +119,14 @@ class BlockWeight:
         return sum(t.numel() * t.element_size()
                    for t in (self.quants, self.scale, self.offset) if t is not None)
 
-    def expand(self) -> torch.Tensor:
-        """`dequantize()` through the kernel's expansion: the same fp32 [N, K] values."""
-        lib, (rows, cols) = cpu_kernels.library(), self.shape
-        out = torch.empty(rows, cols, dtype=torch.float32)
-        if self.nibbles:
-            lib.blockq_nibbles_expand(self.quants.data_ptr(), self.scale.data_ptr(),
-                                      self.offset.data_ptr(), rows, cols, out.data_ptr(),
-                                      torch.get_num_threads())
-        else:
-            lib.blockq_bytes_expand(self.quants.data_ptr(), self.scale.data_ptr(), rows, cols,
-                                    out.data_ptr(), torch.get_num_threads())
-        return out
-
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] fp32 @ W^T -> [..., N] fp32, through the kernel; from DENSE_ROWS rows on
-        (long prefill chunks), MKL's GEMM on the expanded weights."""
+        """x [..., K] fp32 @ W^T -> [..., N] fp32, through the kernel (any number of rows:
+        from ~240 rows on it runs at about MKL's fp32 GEMM rate, without expanding W)."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.shape[1]:
             raise ValueError(f"block weights take fp32 CPU input [..., {self.shape[1]}]; got "
                              f"{x.dtype} on {x.device} with shape {tuple(x.shape)}")
         lib = cpu_kernels.library()
         flat = x.reshape(-1, self.shape[1]).contiguous()
-        if flat.shape[0] >= DENSE_ROWS:
-            return torch.nn.functional.linear(flat, self.expand()).view(*x.shape[:-1],
-                                                                         self.shape[0])
         out = torch.empty(flat.shape[0], self.shape[0], dtype=torch.float32)
         if flat.shape[0]:
             if self.nibbles:
@@ -142,6 +139,21 @@ class BlockWeight:
                                         self.quants.data_ptr(), self.scale.data_ptr(),
                                         self.shape[0], out.data_ptr(), torch.get_num_threads())
         return out.view(*x.shape[:-1], self.shape[0])
+
+
+def _to_panels(rows: torch.Tensor) -> torch.Tensor:
+    """[N, blocks, per block] -> [panels, blocks, per block, 32 rows], the rows past N zero."""
+    n, blocks, per_block = rows.shape
+    panels = -(-n // PANEL)
+    padded = rows.new_zeros(panels * PANEL, blocks, per_block)
+    padded[:n] = rows
+    return padded.view(panels, PANEL, blocks, per_block).permute(0, 2, 3, 1).contiguous()
+
+
+def _from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `_to_panels`: [N, blocks, per block]."""
+    count, blocks, per_block, _ = panels.shape
+    return panels.permute(0, 3, 1, 2).reshape(count * PANEL, blocks, per_block)[:n]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | BlockWeight) -> torch.Tensor:

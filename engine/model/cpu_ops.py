@@ -11,7 +11,6 @@ import weakref
 import torch
 
 from engine import cpu_kernels
-from engine.model import blockq
 from engine.model.blockq import BlockWeight, linear  # noqa: F401  (linear: the set's products)
 from engine.model.checks import (
     check_gate_up,
@@ -96,8 +95,6 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
     weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     if not all(isinstance(w, BlockWeight) for w in weights):
         return None
-    if hidden.shape[0] >= blockq.DENSE_ROWS:
-        return None  # the per-op path multiplies such passes through MKL (BlockWeight.linear)
     attention = backend.cpu_kernel_attention(layer.index, metadata)
     if attention is None:
         return None

@@ -43,8 +43,8 @@ def test_dequantize_equals_gguf_bit_for_bit(type_name):
 @pytest.mark.parametrize("type_name", FORMATS)
 def test_kernel_expands_every_weight_exactly(type_name):
     # x = I picks out each weight alone: any difference is in the expansion, not the sums
-    # in pieces: 1, 2, 5 and 8 rows (tiles in registers), 9 and 71 (W expanded per group of 4
-    # rows into a buffer)
+    # in pieces: 1, 2, 5 and 8 rows (weights expanded in registers), 9 and 71 (panels
+    # expanded into a buffer; 71 rows in 6 tiles of 11 or 12)
     raw = _raw(type_name, 37, 96, seed=1)
     weight = BlockWeight.from_gguf(raw, type_name)
     eye, pieces, start = torch.eye(96), [], 0
@@ -57,15 +57,45 @@ def test_kernel_expands_every_weight_exactly(type_name):
 
 @needs_kernel
 @pytest.mark.parametrize("type_name", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 17, 67, blockq.DENSE_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 15, 29, 67, 243])
 def test_kernel_matches_f_linear(type_name, rows):
-    # 37 rows of W: tiles of 4 and 2 with a remainder, and tasks of 16 with a short last one
+    # 37 rows of W: a panel of 32 and a short one (5 rows, padded); up to 8 x rows in
+    # registers, more in tiles of at most 14 against expanded panels, K = 160: 5 blocks, a
+    # whole chunk of 4 and a short one
     raw = _raw(type_name, 37, 160, seed=rows)
     weight = BlockWeight.from_gguf(raw, type_name)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     expected = torch.nn.functional.linear(x, _reference(raw, type_name))
     torch.testing.assert_close(weight.linear(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(blockq.linear(x, weight), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(type_name):
+    """Every output is summed in one order whatever M is (registers up to 8 rows, expanded
+    panels in tiles past that, K in chunks): a verify pass gives a token the products a
+    decode pass would, bit for bit."""
+    weight = BlockWeight.from_gguf(_raw(type_name, 37, 288, seed=3), type_name)
+    x = torch.randn(43, 288, generator=torch.Generator().manual_seed(3))
+    whole = weight.linear(x)
+    for rows in (1, 2, 7, 8, 9, 13, 14, 15, 29):
+        assert torch.equal(weight.linear(x[:rows]), whole[:rows]), rows
+    for i in (0, 17, 42):
+        assert torch.equal(weight.linear(x[i:i + 1]), whole[i:i + 1]), i
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_panels_give_back_the_row_layout(type_name):
+    # 37 rows: a panel of 32 and one of 5 padded with zero rows
+    raw = _raw(type_name, 37, 96, seed=5)
+    weight = BlockWeight.from_gguf(raw, type_name)
+    assert weight.quants.shape[0] == 2
+    again = BlockWeight(*weight.rows())
+    for a, b in zip((weight.quants, weight.scale, weight.offset),
+                    (again.quants, again.scale, again.offset), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert torch.equal(again.dequantize(), _reference(raw, type_name))
 
 
 @needs_kernel
@@ -97,6 +127,9 @@ def test_bad_input_is_refused_with_what_is_allowed():
         BlockWeight.from_gguf(_raw("Q8_0", 4, 64), "Q5_K")
     with pytest.raises(ValueError, match="do not fit"):
         BlockWeight(torch.zeros(4, 10, dtype=torch.uint8), torch.ones(4, 2), torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"offsets of shape \(4, 1\) do not fit scales of "
+                                         r"shape \(4, 2\)"):
+        BlockWeight(torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2), torch.ones(4, 1))
     with pytest.raises(ValueError, match="one block kind"):
         BlockWeight.cat([weight, BlockWeight.from_gguf(_raw("Q4_1", 4, 64), "Q4_1")])
 
@@ -238,36 +271,6 @@ def test_whole_layer_refuses_tables_and_slots_that_do_not_fit():
     assert cpu_ops.decoder_layer(model.layers[1], hidden, None, cos, cos, good, backend) is None
     no_kernel = SimpleNamespace(cpu_kernel_attention=lambda index, metadata: None)
     assert cpu_ops.decoder_layer(layer, hidden, None, cos, cos, good, no_kernel) is None
-
-
-def test_whole_layer_leaves_passes_the_per_op_path_sends_to_mkl(monkeypatch):
-    """From DENSE_ROWS tokens on, BlockWeight.linear expands and calls MKL; the whole-layer
-    kernel (block kernel only) would then not run the per-op path's kernels: it declines."""
-    from types import SimpleNamespace
-
-    from engine.model import LlamaModel, cpu_ops
-
-    model = LlamaModel(ModelConfig.tiny()).init_random(seed=1)
-    model.use_block_weights({f"layers.0.{p}": BlockWeight.from_gguf(quantize(
-        model.dense_weight(f"layers.0.{p}").contiguous().numpy(),
-        gguf.GGMLQuantizationType.Q8_0), "Q8_0")
-        for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")})
-    asked = []
-    backend = SimpleNamespace(cpu_kernel_attention=lambda index, metadata: asked.append(index))
-    monkeypatch.setattr(blockq, "DENSE_ROWS", 2)
-    hidden, cos = torch.zeros(2, 64), torch.zeros(2, 16)
-    out_slots = SimpleNamespace(out_slots=torch.tensor([3, 4]))
-    assert cpu_ops.decoder_layer(model.layers[0], hidden, None, cos, cos, out_slots,
-                                 backend) is None
-    assert asked == []
-
-
-@needs_kernel
-@pytest.mark.parametrize("type_name", FORMATS)
-def test_expansion_equals_gguf_bit_for_bit(type_name):
-    raw = _raw(type_name, 37, 96, seed=4)
-    assert torch.equal(BlockWeight.from_gguf(raw, type_name).expand(),
-                       _reference(raw, type_name))
 
 
 def test_an_unusable_cache_folder_leaves_the_torch_paths(monkeypatch, tmp_path):
