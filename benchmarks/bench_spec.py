@@ -4,8 +4,8 @@ tokens per verify step; the same engine with adaptive drafting on acceptance alo
 counted free); tokens/s of the decode phase alone (steps after prefill), which speculation
 speeds up; plots docs/spec_accepted.png and docs/spec_throughput.png.
 
-Run: .venv/bin/python benchmarks/bench_spec.py [--max-tokens 128] [--quick] [--threads 1]
-     [--row-major-weights] [--no-plots]
+Run: .venv/bin/python benchmarks/bench_spec.py [--max-tokens 128] [--long-max-tokens 512]
+     [--quick] [--threads 1] [--only WORKLOAD] [--row-major-weights] [--no-plots]
 """
 
 from __future__ import annotations
@@ -74,11 +74,157 @@ CHATS = [
     "Why do people enjoy travelling to new places?",
 ]
 
+# copy-heavy at the length of real requests: a whole class or module to rename in, a passage
+# of a page to summarise (the short prompts above give 14-70 token answers, where prefill is
+# most of a request's time)
+CODE_LONG = [
+    '''class InventoryManager:
+    """Keeps the stock level of every item in a small shop."""
 
-def workloads(quick: bool) -> dict[str, list[list[dict]]]:
-    """copy-heavy: the code in a fenced block, as a user pastes code into a chat (the model
-    then copies it); the earlier unfenced prompts, which the model mostly rewrites, stay as
-    their own workload so the runs compare across sessions."""
+    def __init__(self, items=None):
+        self.items = dict(items or {})
+        self.history = []
+
+    def add(self, name, quantity):
+        if quantity <= 0:
+            raise ValueError("quantity must be positive")
+        self.items[name] = self.items.get(name, 0) + quantity
+        self.history.append(("add", name, quantity))
+
+    def remove(self, name, quantity):
+        available = self.items.get(name, 0)
+        if quantity > available:
+            raise ValueError(f"only {available} of {name} left")
+        self.items[name] = available - quantity
+        if self.items[name] == 0:
+            del self.items[name]
+        self.history.append(("remove", name, quantity))
+
+    def count(self, name):
+        return self.items.get(name, 0)
+
+    def low_stock(self, threshold=5):
+        return sorted(name for name, quantity in self.items.items() if quantity < threshold)
+
+    def report(self):
+        lines = [f"{name}: {quantity}" for name, quantity in sorted(self.items.items())]
+        return "\\n".join(lines)
+''',
+    '''import re
+from collections import Counter
+
+
+def word_frequencies(text):
+    words = re.findall(r"[a-z']+", text.lower())
+    return Counter(words)
+
+
+def top_words(text, count=10):
+    frequencies = word_frequencies(text)
+    return [word for word, _ in frequencies.most_common(count)]
+
+
+def sentence_lengths(text):
+    sentences = [s.strip() for s in re.split(r"[.!?]+", text) if s.strip()]
+    return [len(sentence.split()) for sentence in sentences]
+
+
+def average_sentence_length(text):
+    lengths = sentence_lengths(text)
+    if not lengths:
+        return 0.0
+    return sum(lengths) / len(lengths)
+
+
+def summary(text):
+    frequencies = word_frequencies(text)
+    return {
+        "words": sum(frequencies.values()),
+        "distinct_words": len(frequencies),
+        "top_words": top_words(text, 5),
+        "average_sentence_length": average_sentence_length(text),
+    }
+''',
+    '''from collections import OrderedDict
+
+
+class LRUCache:
+    def __init__(self, capacity):
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self.entries = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key, default=None):
+        if key not in self.entries:
+            self.misses += 1
+            return default
+        self.hits += 1
+        self.entries.move_to_end(key)
+        return self.entries[key]
+
+    def put(self, key, value):
+        if key in self.entries:
+            self.entries.move_to_end(key)
+        self.entries[key] = value
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def hit_rate(self):
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def clear(self):
+        self.entries.clear()
+        self.hits = 0
+        self.misses = 0
+''',
+]
+RENAMES_LONG = [("InventoryManager", "StockKeeper"), ("word_frequencies", "count_words"),
+                ("capacity", "max_entries")]
+PASSAGES_LONG = [
+    "The printing press was developed in the German city of Mainz around 1440 by Johannes "
+    "Gutenberg. Before it, books in Europe were copied by hand, usually by monks, and a single "
+    "book could take months to finish. Gutenberg combined several existing ideas: movable "
+    "metal type, an oil-based ink that stuck to metal, and a screw press adapted from the "
+    "presses used to make wine. With these, a small workshop could print hundreds of pages a "
+    "day. The first major book printed this way was the Gutenberg Bible, of which about 180 "
+    "copies were made. Printing spread quickly: by 1500, presses were working in more than "
+    "two hundred European cities, and they had produced millions of books. Cheaper books meant "
+    "that more people learned to read, and ideas travelled faster than ever before. Historians "
+    "link the printing press to the spread of the Renaissance, the Reformation and, later, the "
+    "Scientific Revolution, because scholars could share and check each other's work.",
+    "The water cycle describes how water moves between the oceans, the air and the land. Heat "
+    "from the sun evaporates water from oceans, lakes and rivers, and plants release water "
+    "vapour from their leaves in a process called transpiration. As the warm, moist air rises, "
+    "it cools, and the vapour condenses into tiny droplets that form clouds. When the droplets "
+    "join together and become heavy enough, they fall as precipitation: rain, snow, sleet or "
+    "hail. Some of this water flows over the ground into streams and rivers and back to the "
+    "sea. Some soaks into the soil and becomes groundwater, which can stay underground for "
+    "thousands of years before it reaches a spring or a well. Snow and ice can store water for "
+    "a long time too, in glaciers and ice caps. The water cycle moves heat around the planet, "
+    "shapes the weather, and supplies the fresh water that people, animals and plants need.",
+    "The Romans built one of the largest road networks of the ancient world. At its height it "
+    "included more than 80,000 kilometres of paved roads, linking Rome to the provinces from "
+    "Britain to Syria. The roads were built mainly for the army, so that soldiers and supplies "
+    "could move quickly, but merchants, messengers and travellers used them as well. A typical "
+    "road was built in layers: a foundation of large stones, then smaller stones and gravel, "
+    "and finally a surface of tightly fitted paving stones, slightly curved so that rain would "
+    "run off to the sides. Milestones along the way told travellers the distance to the next "
+    "town. Inns and stables were placed at regular intervals, where official messengers could "
+    "change horses. Many Roman roads were so well built that they remained in use for "
+    "centuries, and several modern European roads still follow their routes.",
+]
+
+def workloads(quick: bool, max_tokens: int, long_max_tokens: int
+              ) -> dict[str, tuple[list[list[dict]], int]]:
+    """name -> (chats, max tokens). copy-heavy: the code in a fenced block, as a user pastes
+    code into a chat (the model then copies it); the earlier unfenced prompts, which the model
+    mostly rewrites, stay as their own workload so the runs compare across sessions.
+    "copy-heavy, long": the same two tasks at the length of real requests (max tokens enough
+    for the whole answer)."""
     code = [f"Rename `{old}` to `{new}` in this code and show the full updated code:\n\n"
             f"```python\n{text}```" for text, (old, new) in zip(CODE, RENAMES, strict=True)]
     unfenced = [f"Repeat the following code exactly, but rename {old} to {new}. Output only "
@@ -86,18 +232,30 @@ def workloads(quick: bool) -> dict[str, list[list[dict]]]:
                 for text, (old, new) in zip(CODE, RENAMES, strict=True)]
     summaries = [f"Summarize the following passage in a few sentences, reusing its wording:"
                  f"\n\n{passage}" for passage in PASSAGES]
-    sets = {"copy-heavy": code + summaries, "copy-heavy, unfenced code": unfenced + summaries,
-            "nothing-to-copy": list(CHATS)}
+    code_long = [f"Here is my code:\n\n```python\n{text}```\n\nPlease rename `{old}` to "
+                 f"`{new}` and give me the complete code."
+                 for text, (old, new) in zip(CODE_LONG, RENAMES_LONG, strict=True)]
+    summaries_long = [f"Summarize the following passage in a few sentences, reusing its "
+                      f"wording:\n\n{passage}" for passage in PASSAGES_LONG]
+    sets = {"copy-heavy": (code + summaries, max_tokens),
+            "copy-heavy, unfenced code": (unfenced + summaries, max_tokens),
+            "copy-heavy, long": (code_long + summaries_long, long_max_tokens),
+            "nothing-to-copy": (list(CHATS), max_tokens)}
     if quick:
-        sets = {"copy-heavy": code[:1] + summaries[:1], "nothing-to-copy": CHATS[:1]}
-    return {name: [[{"role": "user", "content": t}] for t in texts]
-            for name, texts in sets.items()}
+        sets = {"copy-heavy": (code[:1] + summaries[:1], max_tokens),
+                "nothing-to-copy": (CHATS[:1], max_tokens)}
+    return {name: ([[{"role": "user", "content": t}] for t in texts], tokens)
+            for name, (texts, tokens) in sets.items()}
 
 
 # the copy-heavy workloads' prompts by kind (workloads() puts the code first)
 PARTS = {name: {f"code ({len(CODE)})": range(len(CODE)),
                 f"summaries ({len(PASSAGES)})": range(len(CODE), len(CODE) + len(PASSAGES))}
          for name in ("copy-heavy", "copy-heavy, unfenced code")}
+PARTS["copy-heavy, long"] = {
+    f"code ({len(CODE_LONG)})": range(len(CODE_LONG)),
+    f"summaries ({len(PASSAGES_LONG)})": range(len(CODE_LONG),
+                                                len(CODE_LONG) + len(PASSAGES_LONG))}
 
 
 class Ours:
@@ -268,11 +426,17 @@ def run(args: argparse.Namespace) -> None:
     for system in systems.values():
         system.generate(warm, 8)
     rows, part_rows, accepted_per_workload = [], [], {}
-    for name, chats in workloads(args.quick).items():
+    chosen = workloads(args.quick, args.max_tokens, args.long_max_tokens)
+    unknown = set(args.only) - set(chosen)
+    if unknown:
+        raise SystemExit(f"--only: no workload {sorted(unknown)}; there are {sorted(chosen)}")
+    for name, (chats, max_tokens) in chosen.items():
+        if args.only and name not in args.only:
+            continue
         prompts = [tokenizer.apply_chat_template(chat) for chat in chats]
         for system in (plain, spec, acceptance_only):
             system.clear()
-        results = timed(systems, prompts, args.max_tokens)
+        results = timed(systems, prompts, max_tokens)
         accepted_per_workload[name] = (list(spec.accepted), list(spec.boundaries))
         outputs = results["ours"][1]
         same = outputs == results["ours+spec"][1] == results["spec, acceptance only"][1]
@@ -284,7 +448,7 @@ def run(args: argparse.Namespace) -> None:
               f"spec {step_profile(spec)}; measured draft cost "
               f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row", flush=True)
         ceiling = replay(prompts, outputs)
-        rows.append((name, len(prompts), mean_accepted, rate, same, ceiling))
+        rows.append((name, len(prompts), max_tokens, mean_accepted, rate, same, ceiling))
         print(f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
               f"{ceiling:.2f} tokens per verify step", flush=True)
         speedups = ", ".join(f"{replay(prompts, outputs, draft_cost=c):.2f}x at {c}"
@@ -293,20 +457,20 @@ def run(args: argparse.Namespace) -> None:
               f"if a draft row costs c decoded tokens: {speedups}", flush=True)
     print_table(rows, args)
     print_parts(part_rows)
-    if not args.no_plots:
+    if not (args.no_plots or args.only):  # the docs' plots show every workload
         plot(accepted_per_workload, rows, args)
 
 
 def print_table(rows: list, args: argparse.Namespace) -> None:
-    print(f"\nbatch 1, fp32, {args.threads} torch thread(s), max_tokens={args.max_tokens}, "
+    print(f"\nbatch 1, fp32, {args.threads} torch thread(s), "
           f"HF prompt_lookup_num_tokens={args.lookup}")
-    print("| workload | prompts | accepted/step | ours tok/s | ours+spec tok/s | HF tok/s | "
-          "HF+lookup tok/s | spec/no-spec | spec/HF-lookup | spec == no-spec | "
+    print("| workload | prompts | max tokens | accepted/step | ours tok/s | ours+spec tok/s | "
+          "HF tok/s | HF+lookup tok/s | spec/no-spec | spec/HF-lookup | spec == no-spec | "
           "proposer ceiling | acceptance-only adaptation / no-spec | "
           "decode phase: ours / ours+spec tok/s (spec/no-spec) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, count, mean_accepted, rate, same, ceiling in rows:
-        print(f"| {name} | {count} | {mean_accepted:.2f} | {rate['ours']:.1f} | "
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, count, max_tokens, mean_accepted, rate, same, ceiling in rows:
+        print(f"| {name} | {count} | {max_tokens} | {mean_accepted:.2f} | {rate['ours']:.1f} | "
               f"{rate['ours+spec']:.1f} | {rate['HF']:.1f} | {rate['HF+lookup']:.1f} | "
               f"{rate['ours+spec'] / rate['ours']:.2f}x | "
               f"{rate['ours+spec'] / rate['HF+lookup']:.2f}x | {'yes' if same else 'NO'} | "
@@ -355,7 +519,7 @@ def plot(accepted: dict[str, tuple[list[int], list[int]]], rows: list,
     keys = ["ours", "ours+spec", "HF", "HF+lookup"]
     width = 0.2
     for k, key in enumerate(keys):
-        values = [rate[key] for _, _, _, rate, *_ in rows]
+        values = [rate[key] for _, _, _, _, rate, *_ in rows]
         xs = [i + (k - 1.5) * width for i in range(len(rows))]
         bars = axes.bar(xs, values, width, label=key)
         axes.bar_label(bars, fmt="%.1f", fontsize=7)
@@ -371,6 +535,10 @@ def plot(accepted: dict[str, tuple[list[int], list[int]]], rows: list,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--long-max-tokens", type=int, default=512,
+                        help="max tokens of the copy-heavy, long workload")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run only this workload (repeatable)")
     parser.add_argument("--quick", action="store_true", help="one or two prompts per workload")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
