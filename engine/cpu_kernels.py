@@ -32,8 +32,7 @@ FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
          "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {  # name -> argument types (none returns a value); each takes a thread count last
-    "blockq_nibbles_linear": (_P, _I, _I, _P, _P, _P, _I, _P, _I),
-    "blockq_bytes_linear": (_P, _I, _I, _P, _P, _I, _P, _I),
+    "blockq_linear": (_P, _I, _P, _P, _I),
     "cpu_paged_attention": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
                             ctypes.c_float, _P, _I),
     "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P, _I),

@@ -281,17 +281,17 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
 
 }  // namespace
 
-extern "C" {
-// K must be a multiple of 32; every pointer is to contiguous memory of the layout above.
-// threads: the caller's torch.get_num_threads() (an OpenMP thread count is per calling
-// thread, and the engine may run in a thread of its own).
-void blockq_nibbles_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
-                           const float* d, const float* m, int64_t N, float* y,
-                           int64_t threads) {
-    linear<Nibbles>(x, M, K, q, d, m, N, y, threads);
-}
-void blockq_bytes_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
-                         const float* d, int64_t N, float* y, int64_t threads) {
-    linear<Bytes>(x, M, K, q, d, nullptr, N, y, threads);
-}
+// A matrix is described by 6 int64 values: kind (0: nibble blocks, 1: byte blocks), the
+// addresses of its quants, scales and offsets (0 for bytes), N and K (a multiple of 32); every
+// array contiguous, in the layout above. threads: the caller's torch.get_num_threads() (an
+// OpenMP thread count is per calling thread, and the engine may run in a thread of its own).
+extern "C" void blockq_linear(const float* x, int64_t M, const int64_t* w, float* y,
+                              int64_t threads) {
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(w[1]);
+    const float* d = reinterpret_cast<const float*>(w[2]);
+    if (w[0] == 0)
+        linear<Nibbles>(x, M, w[5], q, d, reinterpret_cast<const float*>(w[3]), w[4], y,
+                        threads);
+    else
+        linear<Bytes>(x, M, w[5], q, d, nullptr, w[4], y, threads);
 }

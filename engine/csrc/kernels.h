@@ -5,11 +5,7 @@
 #include <stdint.h>
 
 extern "C" {
-void blockq_nibbles_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
-                           const float* d, const float* m, int64_t N, float* y,
-                           int64_t threads);
-void blockq_bytes_linear(const float* x, int64_t M, int64_t K, const uint8_t* q,
-                         const float* d, int64_t N, float* y, int64_t threads);
+void blockq_linear(const float* x, int64_t M, const int64_t* w, float* y, int64_t threads);
 void cpu_paged_attention(const float* q, const float* k_cache, const float* v_cache,
                          const int32_t* kv_indices, const int32_t* kv_indptr,
                          const int32_t* qo_indptr, const int32_t* prefix_lens,

@@ -6,25 +6,10 @@
 //   attn = paged attention of q over the pool
 //   normed, residual = rms_norm(attn @ W_o + residual)
 //   out = silu_mul(normed @ W_gate_up) @ W_down
-// A matrix is described by 6 int64 values: kind (0: nibble blocks, 1: byte blocks), the
-// addresses of its quants, scales and offsets (0 for bytes), N and K.
+// A matrix is described as blockq_linear takes it (engine/csrc/blockq.cpp): 6 int64 values.
 #include <vector>
 
 #include "kernels.h"
-
-namespace {
-
-void linear(const float* x, int64_t rows, const int64_t* w, float* y, int64_t threads) {
-    const uint8_t* q = reinterpret_cast<const uint8_t*>(w[1]);
-    const float* d = reinterpret_cast<const float*>(w[2]);
-    if (w[0] == 0)
-        blockq_nibbles_linear(x, rows, w[5], q, d, reinterpret_cast<const float*>(w[3]), w[4],
-                              y, threads);
-    else
-        blockq_bytes_linear(x, rows, w[5], q, d, w[4], y, threads);
-}
-
-}  // namespace
 
 // The sizes come from the matrices: hidden width = W_qkv's K, qkv width = its N, inter =
 // W_down's K. The scratch is this thread's, kept between calls.
@@ -49,16 +34,16 @@ extern "C" void cpu_decoder_layer(
                  residual ? residual_out : nullptr, threads);
     if (residual == nullptr)  // the first layer: the stream starts from hidden
         for (int64_t e = 0; e < tokens * width; ++e) residual_out[e] = hidden[e];
-    linear(normed, tokens, weights, qkv, threads);
+    blockq_linear(normed, tokens, weights, qkv, threads);
     cpu_rope_qkv_store(qkv, qkv_width, cos, sin, stride_cs, slots, k_cache, v_cache, tokens,
                        num_heads, num_kv_heads, head_dim, threads);
     cpu_paged_attention(qkv, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens,
                         tree_bits, batch, tokens, num_heads, num_kv_heads, head_dim, qkv_width,
                         scale, attn, threads);
-    linear(attn, tokens, weights + 6, out, threads);  // out holds o_proj's output for a moment
+    blockq_linear(attn, tokens, weights + 6, out, threads);  // out: o_proj's output for now
     cpu_rms_norm(out, residual_out, norm_post, tokens, width, eps_post, normed, residual_out,
                  threads);
-    linear(normed, tokens, weights + 12, gate_up, threads);
+    blockq_linear(normed, tokens, weights + 12, gate_up, threads);
     cpu_silu_mul(gate_up, tokens, inter, act, threads);
-    linear(act, tokens, weights + 18, out, threads);
+    blockq_linear(act, tokens, weights + 18, out, threads);
 }

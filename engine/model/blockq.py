@@ -15,6 +15,7 @@ dequantizes as before.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numpy as np
@@ -111,9 +112,14 @@ class BlockWeight:
     @functools.cached_property
     def descriptor(self) -> tuple[int, int, int, int, int, int]:
         """(kind: 0 nibbles / 1 bytes, quants, scales, offsets or 0, N, K) addresses and
-        sizes, as `engine/csrc/layer.cpp` takes a matrix (the tensors live as long as self)."""
+        sizes, as `blockq_linear` (engine/csrc/blockq.cpp) takes a matrix (the tensors live
+        as long as self)."""
         return (0 if self.nibbles else 1, self.quants.data_ptr(), self.scale.data_ptr(),
                 0 if self.offset is None else self.offset.data_ptr(), *self.shape)
+
+    @functools.cached_property
+    def _c_descriptor(self) -> ctypes.Array:
+        return (ctypes.c_int64 * 6)(*self.descriptor)
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -129,15 +135,8 @@ class BlockWeight:
         flat = x.reshape(-1, self.shape[1]).contiguous()
         out = torch.empty(flat.shape[0], self.shape[0], dtype=torch.float32)
         if flat.shape[0]:
-            if self.nibbles:
-                lib.blockq_nibbles_linear(flat.data_ptr(), flat.shape[0], self.shape[1],
-                                          self.quants.data_ptr(), self.scale.data_ptr(),
-                                          self.offset.data_ptr(), self.shape[0],
-                                          out.data_ptr(), torch.get_num_threads())
-            else:
-                lib.blockq_bytes_linear(flat.data_ptr(), flat.shape[0], self.shape[1],
-                                        self.quants.data_ptr(), self.scale.data_ptr(),
-                                        self.shape[0], out.data_ptr(), torch.get_num_threads())
+            lib.blockq_linear(flat.data_ptr(), flat.shape[0], self._c_descriptor,
+                              out.data_ptr(), torch.get_num_threads())
         return out.view(*x.shape[:-1], self.shape[0])
 
 
