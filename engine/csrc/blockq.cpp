@@ -287,6 +287,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
 // OpenMP thread count is per calling thread, and the engine may run in a thread of its own).
 extern "C" void blockq_linear(const float* x, int64_t M, const int64_t* w, float* y,
                               int64_t threads) {
+    if (M <= 0) return;  // nothing to multiply (a row count of 0 would pick the 8-row tile)
     const uint8_t* q = reinterpret_cast<const uint8_t*>(w[1]);
     const float* d = reinterpret_cast<const float*>(w[2]);
     if (w[0] == 0)
