@@ -85,9 +85,9 @@ inline Panel panel(const uint8_t* q, const float* d, const float* m, int64_t K, 
 }
 
 // Block b + kAhead of the stream, asked for while block b computes. A panel's blocks (and the
-// next panel's, which follow them) are one sequential stream per array, but the hardware
-// prefetchers stop at every 4 KiB page; without this a decode pass ran ~1.3x slower. A
-// prefetch past the end of the arrays is harmless.
+// next panel's, which follow them) are one sequential stream per array, which a decode pass
+// reads from memory, but the hardware prefetchers stop at every 4 KiB page. A prefetch past
+// the end of the arrays is harmless.
 constexpr int64_t kAhead = 8;
 template <class F>
 inline void prefetch_block(Panel w, int64_t b) {
