@@ -408,6 +408,10 @@ def step_profile(system: Ours) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
+    chosen = workloads(args.quick, args.max_tokens, args.long_max_tokens)
+    unknown = set(args.only) - set(chosen)
+    if unknown:
+        raise SystemExit(f"--only: no workload {sorted(unknown)}; there are {sorted(chosen)}")
     torch.set_num_threads(args.threads)
     # the layout A/B is about dense weights: it loads them dequantized (no block kernel)
     blocks = not args.row_major_weights
@@ -426,10 +430,6 @@ def run(args: argparse.Namespace) -> None:
     for system in systems.values():
         system.generate(warm, 8)
     rows, part_rows, accepted_per_workload = [], [], {}
-    chosen = workloads(args.quick, args.max_tokens, args.long_max_tokens)
-    unknown = set(args.only) - set(chosen)
-    if unknown:
-        raise SystemExit(f"--only: no workload {sorted(unknown)}; there are {sorted(chosen)}")
     for name, (chats, max_tokens) in chosen.items():
         if args.only and name not in args.only:
             continue

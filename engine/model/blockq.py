@@ -55,7 +55,7 @@ class BlockWeight:
             raise ValueError(f"offsets of shape {tuple(offset.shape)} do not fit scales of "
                              f"shape {tuple(scale.shape)}")
         self.shape = (rows, blocks * BLOCK)
-        self.quants = _to_panels(quants.view(rows, blocks, -1))
+        self.quants = _to_panels(quants.reshape(rows, blocks, -1))
         self.scale = _to_panels(scale.float()[..., None])
         self.offset = None if offset is None else _to_panels(offset.float()[..., None])
 
