@@ -347,7 +347,8 @@ class Engine:
             self.step()
         return [r.completion() for r in requests]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | dict | None = None) -> Iterator[Delta]:
+    def stream(self, prompt: Prompt,
+               params: SamplingParams | dict | None = None) -> Iterator[Delta]:
         sink: queue.SimpleQueue = queue.SimpleQueue()
         self.submit(prompt, params, sink=sink)
         while True:

@@ -92,7 +92,8 @@ timeout 150 compute-sanitizer --tool memcheck --print-limit 50 \
     >"$OUT_DIR/memcheck_graphs.log" 2>&1
 rc=$?
 errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT_DIR/memcheck_graphs.log" | tail -n 1)
-tests=$(grep -E "passed|failed" "$OUT_DIR/memcheck_graphs.log" | grep -v "ERROR SUMMARY" | tail -n 1)
+tests=$(grep -E "passed|failed" "$OUT_DIR/memcheck_graphs.log" | grep -v "ERROR SUMMARY" \
+    | tail -n 1)
 note "memcheck, CUDA graphs captured" "rc=$rc: ${errors:-no summary (timeout?)}; ${tests}" \
     $((SECONDS - start))
 fi

@@ -36,7 +36,8 @@ from engine.state import MAX_TREE_NODES, Batch, Mode, SeqLens
 # The arrays a plan stages, in their order in the staging buffers, and their capacities as
 # functions of (max_batch, max_tokens).
 _STAGED = (("qo_indptr", lambda b, t: b + 1), ("kv_indptr", lambda b, t: b + 1),
-           ("prefix_lens", lambda b, t: b), ("rows", lambda b, t: b), ("out_slots", lambda b, t: t), ("tree_bits", lambda b, t: t))
+           ("prefix_lens", lambda b, t: b), ("rows", lambda b, t: b),
+           ("out_slots", lambda b, t: t), ("tree_bits", lambda b, t: t))
 
 
 @attrs.frozen(eq=False)

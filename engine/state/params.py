@@ -64,7 +64,8 @@ class SamplingParams:
                "a list of integers >= 0")
         _check("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "a bool")
         s = self.seed
-        _check("seed", s, s is None or (_is_int(s) and 0 <= s < 2**63), "None or an integer in [0, 2**63)")
+        _check("seed", s, s is None or (_is_int(s) and 0 <= s < 2**63),
+               "None or an integer in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:

@@ -109,7 +109,8 @@ class SpecMachine(RuleBasedStateMachine):
     @rule(prompt=st.lists(tokens_st, min_size=1, max_size=12), finish_rule=rules_strategy)
     def add_request(self, prompt: list[int], finish_rule: Rule) -> None:
         rid = len(self.prompts)
-        self.prompts[rid], self.rules[rid], self.tokens[rid] = list(prompt), finish_rule, list(prompt)
+        self.prompts[rid], self.rules[rid] = list(prompt), finish_rule
+        self.tokens[rid] = list(prompt)
         self.proposer.add_request(rid, prompt)
         if self.book.slots.num_free < len(prompt):
             self.waiting.append(rid)
