@@ -83,6 +83,14 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(type_name):
         assert torch.equal(weight.linear(x[:rows]), whole[:rows]), rows
     for i in (0, 17, 42):
         assert torch.equal(weight.linear(x[i:i + 1]), whole[i:i + 1]), i
+    # nor on the thread count (panels are split over threads; each is one thread's)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (1, 9, 43):
+            assert torch.equal(weight.linear(x[:rows]), whole[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("type_name", FORMATS)
