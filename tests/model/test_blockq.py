@@ -57,7 +57,7 @@ def test_kernel_expands_every_weight_exactly(type_name):
 
 @needs_kernel
 @pytest.mark.parametrize("type_name", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 15, 29, 67, 243])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 29, 67, 243])
 def test_kernel_matches_f_linear(type_name, rows):
     # 37 rows of W: a panel of 32 and a short one (5 rows, padded); up to 8 x rows in
     # registers, more in tiles of at most 14 against expanded panels, K = 160: 5 blocks, a
