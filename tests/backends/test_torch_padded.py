@@ -39,3 +39,20 @@ def test_padded_attention_equals_per_request(mode, head_dim, kernel, monkeypatch
     padded = backend.forward(0, q, case.k, case.v, meta)
     oracle = backend.forward_per_request(0, q, meta, head_dim ** -0.5)
     torch.testing.assert_close(padded, oracle, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not KERNEL.available, reason=f"CPU kernels: {KERNEL.reason}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [3, 5])  # 3: the default model's; 5: 3 tokens a chunk
+def test_cpu_kernel_verify_takes_whole_trees_per_kv_head(head_dim, group, monkeypatch):
+    """Verify passes run a request's tree tokens together per kv head, in chunks of at most
+    16 queries (trees of 13 nodes: several chunks, the last one short)."""
+    monkeypatch.setattr(TorchBackend, "use_cpu_kernel", True)
+    case = make_case("verify", [40, 0, 17], [13, 1, 6], num_kv_heads=3, group=group,
+                     head_dim=head_dim, dtype=torch.float32, seed=2, device="cpu")
+    backend = get_backend("torch", case.pool)
+    meta = backend.plan(case.batch)
+    assert meta.extra.get("cpu_kernel")
+    padded = backend.forward(0, case.q, case.k, case.v, meta)
+    oracle = backend.forward_per_request(0, case.q, meta, head_dim ** -0.5)
+    torch.testing.assert_close(padded, oracle, rtol=1e-5, atol=1e-5)

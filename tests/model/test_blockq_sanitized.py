@@ -1,6 +1,7 @@
-"""The block kernel built with AddressSanitizer and UBSan and run over random shapes
-(`blockq_sanitized.cpp`): no read or write outside its arrays, results as a float64
-reference. The CPU kernels' counterpart of the GPU suite's compute-sanitizer run."""
+"""The block kernel and the paged attention kernel built with AddressSanitizer and UBSan and
+run over random shapes (`blockq_sanitized.cpp`, `attention_sanitized.cpp`): no read or write
+outside their arrays, results as a float64 reference. The CPU kernels' counterpart of the GPU
+suite's compute-sanitizer run."""
 
 from __future__ import annotations
 
@@ -17,17 +18,23 @@ HERE = Path(__file__).parent
 
 @pytest.mark.skipif(not cpu_kernels.status().available,
                     reason=f"CPU kernels: {cpu_kernels.status().reason}")
-def test_block_kernel_is_clean_under_address_sanitizer(tmp_path):
+@pytest.mark.parametrize(("harness", "kernel"), [("blockq_sanitized.cpp", "blockq.cpp"),
+                                                 ("attention_sanitized.cpp", "attention.cpp")])
+def test_kernel_is_clean_under_address_sanitizer(harness, kernel, tmp_path):
     compiler = os.environ.get("CXX") or "g++"
-    binary = tmp_path / "blockq_sanitized"
+    binary = tmp_path / harness.removesuffix(".cpp")
     flags = [f for f in cpu_kernels.FLAGS if f not in ("-O3", "-shared", "-fPIC")]
+    source = cpu_kernels.SOURCES[0].parent / kernel
     build = subprocess.run(
         [compiler, "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-         *flags, f"-I{cpu_kernels.SOURCES[0].parent}", str(HERE / "blockq_sanitized.cpp"),
-         str(cpu_kernels.SOURCES[0]), "-o", str(binary)],
+         *flags, f"-I{source.parent}", str(HERE / harness), str(source), "-o", str(binary)],
         capture_output=True, text=True, check=False)
-    if build.returncode != 0 and "sanitize" in build.stderr:
-        pytest.skip(f"{compiler} cannot build with sanitizers: {build.stderr[-300:]}")
+    if build.returncode != 0:
+        probe = subprocess.run([compiler, "-fsanitize=address,undefined", "-x", "c++", "-",
+                                "-o", str(tmp_path / "probe")], input="int main() {}",
+                               capture_output=True, text=True, check=False)
+        if probe.returncode != 0:
+            pytest.skip(f"{compiler} cannot build with sanitizers: {probe.stderr[-300:]}")
     assert build.returncode == 0, build.stderr[-2000:]
     run = subprocess.run([str(binary)], capture_output=True, text=True, check=False,
                          env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"}, timeout=300)
