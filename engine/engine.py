@@ -172,8 +172,9 @@ class Engine:
             self.max_context)
         self.running = state.merge(self.running, admitted)
         if self.spec is not None:
-            for r in entering:
-                self.spec.add_request(r.uid, r.all_ids)
+            for r in entering:  # a seeded sampling request's trees must not follow timings
+                self.spec.add_request(r.uid, r.all_ids,
+                                      r.params.seed is not None and not r.params.greedy)
 
     def _reserve(self, tokens_needed: Any) -> bool:
         """Make `tokens_needed()` slots free by retracting the newest requests.

@@ -34,11 +34,13 @@ class Speculator:
         self._rngs: dict[int, np.random.Generator] = {}
 
     # --- request lifetime (history must end with the pending token) ---------------------------
-    def add_request(self, uid: int, all_ids: list[int]) -> None:
+    def add_request(self, uid: int, all_ids: list[int], timing_free: bool = False) -> None:
+        """`timing_free`: a seeded sampling request (its budgets must not follow timings:
+        `SpecStats`)."""
         if uid in self.proposer:  # re-admitted after a retraction: history is current
             return
         self.proposer.add_request(uid, all_ids)
-        self.stats.add(uid)
+        self.stats.add(uid, timing_free)
 
     def extend(self, uid: int, tokens: list[int]) -> None:
         if uid in self.proposer:
@@ -75,31 +77,29 @@ class Speculator:
             self.stats.record_batch(running.rids, trees, np.zeros(len(running), np.int64))
             mode = engine._decode_step()
             if mode == "decode":
-                self.cost.observe(len(running), time.perf_counter() - started)
+                self._observe(len(running), started)
             return mode
         if not engine._reserve(lambda: trees.sizes.total):
             return "retract"
         batch = state.schedule_verify(running, trees, engine.book.slots.alloc(trees.sizes.total))
         logits = engine._forward(batch)
-        params = [engine.requests[u].params for u in running.rids.tolist()]
-        outcome = self._verify(batch, params, logits)
+        uids = running.rids.tolist()
+        outcome = self._verify(batch, uids, [engine.requests[u].params for u in uids], logits)
         self.last_draft_cost = self.draft_cost(len(running))
-        # A seeded sampling request's tokens depend on its trees, so its budget must not
-        # depend on timing: it is judged as if drafts were free (SpecStats applies
-        # SpecConfig.draft_cost instead when one is configured), and its run stays
-        # reproducible.
-        costs = [0.0 if p.seed is not None and not p.greedy else self.last_draft_cost
-                 for p in params]
-        self.stats.record_batch(running.rids, trees, outcome.accepted_lens.lens, costs)
+        self.stats.record_batch(uids, trees, outcome.accepted_lens.lens, self.last_draft_cost)
         engine._commit(state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes,
                                     outcome.bonus))
-        # timed as the decode step above: propose to commit
-        self.cost.observe(trees.sizes.total, time.perf_counter() - started)
+        self._observe(trees.sizes.total, started)  # timed as the decode step: propose to commit
         return "verify"
 
-    def _verify(self, batch: state.Batch, params: list, logits: torch.Tensor) -> Any:
+    def _observe(self, rows: int, started: float) -> None:
+        """Fit the pass's time, unless the cost is fixed (configured, or not adapting)."""
+        if self.config.draft_cost is None and self.config.adaptive:
+            self.cost.observe(rows, time.perf_counter() - started)
+
+    def _verify(self, batch: state.Batch, uids: list[int], params: list,
+                logits: torch.Tensor) -> Any:
         trees = batch.trees
-        uids = batch.running.rids.tolist()
         if all(p.greedy for p in params):
             return verify_greedy(trees, greedy_tokens(logits))
         # One row of filters per request, repeated over its tree's nodes on the device.

@@ -1,6 +1,13 @@
 """Acceptance statistics per request and in total, and adaptive draft budgets: a request
-whose recent drafts are mostly rejected, or cost more time than they saved, drafts less (down
-to the root only), and more again once a probe draft is accepted.
+whose recent drafts are mostly rejected, or cost more time than they saved, halves its budget
+(down to the root only); one that accepts its whole budget, or a high mean over a full window,
+doubles it. At the root only it probes with one draft now and then, and a rejected probe
+returns it to the root at once.
+
+The draft cost a request is judged with is decided here: `SpecConfig.draft_cost` when one is
+configured; else 0 for a request added as `timing_free` (a seeded sampling request, whose
+tokens depend on its trees and so must not depend on timings); else the measured cost the
+caller records.
 """
 
 from __future__ import annotations
@@ -43,10 +50,11 @@ class AcceptanceStats:
 
 
 class _Adaptive:
-    __slots__ = ("budget", "idle_steps", "probing", "recent", "stats")
+    __slots__ = ("budget", "fixed_cost", "idle_steps", "probing", "recent", "stats")
 
-    def __init__(self, budget: int, window: int) -> None:
+    def __init__(self, budget: int, window: int, fixed_cost: float | None) -> None:
         self.budget = budget
+        self.fixed_cost = fixed_cost  # the cost this request is judged with, if not measured
         # (accepted, what the step's drafts cost in decoded tokens) per drafting step
         self.recent: deque[tuple[int, float]] = deque(maxlen=window)
         self.idle_steps = 0
@@ -62,10 +70,14 @@ class SpecStats:
         self._requests: dict[int, _Adaptive] = {}
         self._total = AcceptanceStats()
 
-    def add(self, rid: int) -> None:
+    def add(self, rid: int, timing_free: bool = False) -> None:
+        """A new request; `timing_free`: judge it as if drafts were free (unless a cost is
+        configured), whatever is measured, so that its trees do not depend on timings."""
         if rid in self._requests:
             raise KeyError(f"request {rid} already has speculation statistics")
-        self._requests[rid] = _Adaptive(self.config.draft_budget, self.config.adapt_window)
+        fixed = self.config.draft_cost
+        self._requests[rid] = _Adaptive(self.config.draft_budget, self.config.adapt_window,
+                                        0.0 if fixed is None and timing_free else fixed)
 
     def remove(self, rid: int) -> None:
         self._entry(rid)
@@ -83,12 +95,11 @@ class SpecStats:
 
     def record(self, rid: int, drafted: int, accepted: int, draft_cost: float = 0.0) -> None:
         """One verify step of `rid`: its tree had `drafted` drafts, `accepted` were accepted;
-        a draft row cost `draft_cost` decoded tokens' time (`SpecConfig.draft_cost` if set)."""
+        a draft row was measured to cost `draft_cost` decoded tokens' time (the request's
+        fixed cost applies instead if it has one: see the module docstring)."""
         if not 0 <= accepted <= drafted < MAX_TREE_NODES:
             raise ValueError(f"accepted={accepted}, drafted={drafted} is not allowed; need "
                              f"0 <= accepted <= drafted < {MAX_TREE_NODES}")
-        if self.config.draft_cost is not None:
-            draft_cost = self.config.draft_cost
         if not 0.0 <= draft_cost <= 1.0:
             raise ValueError(f"draft_cost={draft_cost!r} is not allowed; need a number in "
                              f"[0, 1]")
@@ -96,13 +107,14 @@ class SpecStats:
         entry.stats = entry.stats.add(drafted, accepted)
         self._total = self._total.add(drafted, accepted)
         if self.config.adaptive:
-            self._adapt(entry, drafted, accepted, draft_cost)
+            fixed = entry.fixed_cost
+            self._adapt(entry, drafted, accepted, draft_cost if fixed is None else fixed)
 
     def record_batch(self, rids: Sequence[int] | np.ndarray, trees: DraftTrees,
                      accepted_lens: Sequence[int] | np.ndarray,
                      draft_costs: float | Sequence[float] | np.ndarray = 0.0) -> None:
         """One verify pass: `rids` in batch order, their trees and accepted lengths, and the
-        draft cost each request is judged with (one for all, or one per request)."""
+        measured draft cost (one for all, or one per request)."""
         drafted = trees.sizes.lens - 1
         accepted = np.asarray(accepted_lens).reshape(-1)
         costs = np.asarray(draft_costs, dtype=np.float64).reshape(-1)

@@ -196,22 +196,22 @@ def test_seeded_sampling_does_not_depend_on_the_measured_draft_cost(spec_engine,
     # or its trees, and so its tokens, would change from run to run.
     seeded = SamplingParams(max_tokens=48, temperature=0.3, seed=5)
     runs, seeded_costs, greedy_costs = [], [], []
-    original = spec_engine.spec.stats.record
+    original = spec_engine.spec.stats._adapt  # given the cost a request is judged with
 
     def recording(seen: list[float]):
-        return lambda rid, d, a, cost=0.0: (seen.append(cost), original(rid, d, a, cost))
+        return lambda entry, d, a, cost: (seen.append(cost), original(entry, d, a, cost))
 
     for measured in (0.0, 1.0):
         monkeypatch.setattr(spec_engine.spec.cost, "draft_cost", lambda batch, c=measured: c)
         seen: list[float] = []
-        monkeypatch.setattr(spec_engine.spec.stats, "record", recording(seen))
+        monkeypatch.setattr(spec_engine.spec.stats, "_adapt", recording(seen))
         runs.append([c.token_ids for c in spec_engine.generate(COPY_PROMPTS[:2], seeded)])
         seeded_costs.append(set(seen))
         seen = []
-        monkeypatch.setattr(spec_engine.spec.stats, "record", recording(seen))
+        monkeypatch.setattr(spec_engine.spec.stats, "_adapt", recording(seen))
         spec_engine.generate(COPY_PROMPTS[:1], SamplingParams(max_tokens=24))
         greedy_costs.append(set(seen))
-        monkeypatch.setattr(spec_engine.spec.stats, "record", original)
+        monkeypatch.setattr(spec_engine.spec.stats, "_adapt", original)
     assert runs[0] == runs[1]
     assert seeded_costs == [{0.0}, {0.0}]  # judged as if drafts were free, whatever is measured
     assert greedy_costs == [{0.0}, {0.0, 1.0}]  # greedy requests follow it (root-only steps: 0)
