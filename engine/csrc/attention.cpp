@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -69,15 +70,14 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
     constexpr int64_t kAhead = 8;
     for (int64_t j = 0; j < n && j < kAhead; ++j)
         for (int c = 0; c < C; ++c)
-            _mm_prefetch((const char*)(k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d
-                                       + 16 * c), _MM_HINT_T0);
+            engine_cpu::prefetch(k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d + 16 * c);
     for (int64_t j = 0; j < n; ++j) {
         if (j + kAhead < n)
             for (int c = 0; c < C; ++c) {
-                _mm_prefetch((const char*)(k_cache + ((int64_t)keys[j + kAhead] * num_kv_heads
-                                                      + kvh) * d + 16 * c), _MM_HINT_T0);
-                _mm_prefetch((const char*)(v_cache + ((int64_t)keys[j] * num_kv_heads
-                                                      + kvh) * d + 16 * c), _MM_HINT_T0);
+                engine_cpu::prefetch(k_cache + ((int64_t)keys[j + kAhead] * num_kv_heads + kvh)
+                                     * d + 16 * c);
+                engine_cpu::prefetch(v_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d
+                                     + 16 * c);
             }
         const float* kr = k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d;
         __m512 kv[C];
@@ -109,11 +109,14 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
 }
 
 // A tree verify's tokens [t0, t0 + count) of one request against one kv head, count * group
-// <= 16 queries (u = t * group + g): each K and V row is loaded once for all of them, and the
-// 16 queries' scores at a key come from one transposed sum (sum16) instead of 16 horizontal
-// ones. Softmax runs across the 16 queries at once, one key at a time. Per token, keys
-// [0, min(prefix, len)) are visible, and key prefix + m where bit m of its tree_bits is set.
-// work: this thread's scratch (16 * d queries, then len * 16 scores).
+// <= 16 queries (u = t * group + g): each K row is loaded once for all of them (each V row
+// once per few queries, as many as the accumulators' registers hold), and the queries'
+// scores at a key come from one transposed sum (sum16) instead of one horizontal sum each.
+// Softmax runs across the queries at once, one key at a time. Per token, keys
+// [0, min(prefix, len)) are visible, and key prefix + m where bit m of its tree_bits is set
+// (m < kMaxTreeNodes: len <= prefix + the tree's nodes). work: this thread's scratch (16 * d
+// queries, then len * 16 scores; every score is written before it is read).
+constexpr int64_t kMaxTreeNodes = 63;  // engine/state/batch.py MAX_TREE_NODES
 template <int C>
 void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                 const int32_t* keys, int64_t len, int64_t prefix, const int64_t* bits,
@@ -121,7 +124,7 @@ void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const fl
                 int64_t kvh, float scale, float* out, std::vector<float>& work) {
     constexpr int64_t d = 16 * C;
     const int64_t queries = count * group;
-    work.assign(16 * d + len * 16, 0.0f);
+    work.resize(16 * d + len * 16);
     float* qs = work.data();
     float* scores = qs + 16 * d;  // [len][16]
     for (int64_t u = 0; u < queries; ++u)
@@ -130,13 +133,17 @@ void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const fl
     for (int64_t j = 0; j < len; ++j) {
         if (j + kAhead < len)
             for (int c = 0; c < C; ++c)
-                _mm_prefetch((const char*)(k_cache + ((int64_t)keys[j + kAhead] * num_kv_heads
-                                                      + kvh) * d + 16 * c), _MM_HINT_T0);
+                engine_cpu::prefetch(k_cache + ((int64_t)keys[j + kAhead] * num_kv_heads + kvh)
+                                     * d + 16 * c);
         const float* kr = k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d;
         __m512 kv[C];
         for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
         __m512 acc[16];
         for (int u = 0; u < 16; ++u) {
+            if (u >= queries) {  // lanes no query uses (a short chunk): sum zeros
+                acc[u] = _mm512_setzero_ps();
+                continue;
+            }
             acc[u] = _mm512_mul_ps(_mm512_loadu_ps(qs + u * d), kv[0]);
             for (int c = 1; c < C; ++c)
                 acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(qs + u * d + 16 * c), kv[c], acc[u]);
@@ -145,8 +152,8 @@ void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const fl
                          _mm512_mul_ps(engine_cpu::sum16(acc), _mm512_set1_ps(scale)));
     }
     // the tree's keys: visible to a token only if they are its ancestors (or itself)
-    __mmask16 seen[64];  // per tree key: the queries that see it (a tree has <= 64 nodes)
-    const int64_t tree = len > prefix ? std::min<int64_t>(len - prefix, 64) : 0;
+    __mmask16 seen[kMaxTreeNodes];  // per tree key: the queries that see it
+    const int64_t tree = len > prefix ? len - prefix : 0;
     for (int64_t m = 0; m < tree; ++m) {
         seen[m] = 0;
         for (int64_t u = 0; u < queries; ++u)
@@ -201,43 +208,36 @@ extern "C" void cpu_paged_attention(
         const int64_t* tree_bits, int64_t batch, int64_t num_tokens, int64_t num_heads,
         int64_t num_kv_heads, int64_t head_dim, int64_t q_stride, float scale, float* out,
         int64_t threads) {
-    std::vector<int64_t> owner(num_tokens, 0);
-    for (int64_t i = 0; i < batch; ++i)
-        for (int64_t t = qo_indptr[i]; t < qo_indptr[i + 1]; ++t) owner[t] = i;
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
     if (tree_bits != nullptr && group <= 16 && (d == 64 || d == 128)) {
         // verify: tasks of (request, chunk of its tokens, kv head), 16 queries a chunk at most
         const int64_t per_chunk = 16 / group;
-        std::vector<int64_t> starts;  // first token of each chunk; its request follows
-        std::vector<int64_t> of;
+        std::vector<std::pair<int64_t, int64_t>> chunk_of;  // (first token, request)
         for (int64_t i = 0; i < batch; ++i)
-            for (int64_t t = qo_indptr[i]; t < qo_indptr[i + 1]; t += per_chunk) {
-                starts.push_back(t);
-                of.push_back(i);
-            }
-        const int64_t chunks = (int64_t)starts.size();
+            for (int64_t t = qo_indptr[i]; t < qo_indptr[i + 1]; t += per_chunk)
+                chunk_of.emplace_back(t, i);
+        const int64_t chunks = (int64_t)chunk_of.size();
+        const auto chunk = d == 64 ? tree_chunk<4> : tree_chunk<8>;
 #pragma omp parallel num_threads(threads)
         {
             std::vector<float> work;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < chunks * num_kv_heads; ++task) {
-                const int64_t c = task / num_kv_heads, kvh = task % num_kv_heads, i = of[c];
-                const int64_t t0 = starts[c];
+                const auto [t0, i] = chunk_of[task / num_kv_heads];
+                const int64_t kvh = task % num_kv_heads;
                 const int64_t count = std::min(per_chunk, (int64_t)qo_indptr[i + 1] - t0);
                 const int64_t len = kv_indptr[i + 1] - kv_indptr[i];
                 const int32_t* keys = kv_indices + kv_indptr[i];
-                if (d == 64)
-                    tree_chunk<4>(q + t0 * q_stride, q_stride, k_cache, v_cache, keys, len,
-                                  prefix_lens[i], tree_bits + t0, count, group, num_heads,
-                                  num_kv_heads, kvh, scale, out + t0 * num_heads * d, work);
-                else
-                    tree_chunk<8>(q + t0 * q_stride, q_stride, k_cache, v_cache, keys, len,
-                                  prefix_lens[i], tree_bits + t0, count, group, num_heads,
-                                  num_kv_heads, kvh, scale, out + t0 * num_heads * d, work);
+                chunk(q + t0 * q_stride, q_stride, k_cache, v_cache, keys, len, prefix_lens[i],
+                      tree_bits + t0, count, group, num_heads, num_kv_heads, kvh, scale,
+                      out + t0 * num_heads * d, work);
             }
         }
         return;
     }
+    std::vector<int64_t> owner(num_tokens, 0);
+    for (int64_t i = 0; i < batch; ++i)
+        for (int64_t t = qo_indptr[i]; t < qo_indptr[i + 1]; ++t) owner[t] = i;
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> scores;

@@ -11,9 +11,10 @@ namespace engine_cpu {
 // all); a volatile asm cannot be dropped.
 inline void prefetch(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
 
-// lanes [0, remaining) of a 16-lane vector
+// lanes [0, remaining) of a 16-lane vector (none for remaining <= 0)
 inline __mmask16 tail_mask(int64_t remaining) {
-    return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
+    return remaining >= 16 ? (__mmask16)0xFFFF
+           : remaining <= 0 ? (__mmask16)0 : (__mmask16)((1u << remaining) - 1);
 }
 
 // exp(x) within a few ulp: 2^n * p(r), n = round(x / ln2), |r| <= ln2 / 2, p of degree 6

@@ -23,8 +23,8 @@ import torch
 
 from engine import cpu_kernels
 
-BLOCK = 32  # weights per block along K, for every format here
-PANEL = 32  # rows of W per panel of the kernel's layout
+BLOCK = 32  # weights per block along K, for every format here (kBlock in blockq.cpp)
+PANEL = 32  # rows of W per panel of the kernel's layout (kPanel in blockq.cpp)
 # GGUF type name -> (bytes per block, fp16 fields before the quants)
 FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
 
