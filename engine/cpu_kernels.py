@@ -54,12 +54,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine")
 
 
+def cxx() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else g++ or c++ on PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
         return None, KernelStatus(False, f"this CPU has no AVX-512 (torch reports {capability})")
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = cxx()
     if compiler is None:
         return None, KernelStatus(False, "no C++ compiler (g++ or $CXX) on PATH")
     digest = hashlib.sha256(" ".join((compiler, *FLAGS)).encode())

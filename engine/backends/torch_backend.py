@@ -196,7 +196,7 @@ def attend_paged_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     batch_size = metadata.prefix_lens.shape[0]
     if q.shape[0] == 0 or batch_size == 0:
         return out.zero_()
-    *indices, bits = metadata.extra.get("cpu_kernel") or _kernel_indices(metadata)
+    *indices, bits = metadata.extra["cpu_kernel"]  # checked once by the plan
     cpu_kernels.library().cpu_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in indices),
         None if bits is None else bits.data_ptr(), batch_size, q.shape[0],

@@ -27,8 +27,8 @@ class SpecConfig:
     min_match (2) / max_match (6): suffix lengths tried, longest first.
     adaptive (True): shrink a request's draft budget when its recent acceptance is low, or
         when its rejected drafts cost more time than its accepted ones saved.
-    adapt_window (8): drafting steps averaged before a request's budget changes on
-        acceptance alone.
+    adapt_window (8): drafting steps kept per request, for the mean acceptance (which acts
+        on a full window) and for the loss below.
     shrink_below (0.5): mean accepted drafts per step below which the budget halves.
     grow_at_least (1.5): mean accepted drafts per step at or above which the budget doubles.
         A step that accepts its whole budget doubles it at once (the budget was the limit).

@@ -50,4 +50,4 @@ class PassCost:
             return 0.0
         fixed, per_row = fitted
         per_token = (fixed + per_row * batch) / batch
-        return min(1.0, per_row / per_token) if per_token > 0 else 0.0
+        return per_row / per_token if per_token > 0 else 0.0  # <= 1: fixed is clamped >= 0

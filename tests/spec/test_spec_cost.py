@@ -19,7 +19,7 @@ def test_fit_recovers_fixed_and_per_row_time() -> None:
     assert cost.draft_cost(1) == pytest.approx(0.0025 / 0.0165)
     # batch 64: the fixed part is shared, a draft row costs nearly a decoded token
     assert cost.draft_cost(64) == pytest.approx(0.0025 / (0.014 / 64 + 0.0025))
-    assert cost.draft_cost(1) < cost.draft_cost(8) < cost.draft_cost(64) <= 1.0
+    assert cost.draft_cost(1) < cost.draft_cost(8) < cost.draft_cost(64)
 
 
 def test_unfitted_until_two_row_counts_then_clamped() -> None:
@@ -35,6 +35,12 @@ def test_unfitted_until_two_row_counts_then_clamped() -> None:
     only_rows.observe(1, 0.0)
     only_rows.observe(2, 0.0)
     assert only_rows.draft_cost(1) == 0.0  # nothing measurable: free, not a division by zero
+    all_rows = PassCost()
+    all_rows.observe(1, 0.0)
+    all_rows.observe(10, 0.1)  # a negative intercept: no negative fixed part
+    fixed, per_row = all_rows.fit()
+    assert fixed == 0.0 and per_row == pytest.approx(0.1 / 9)
+    assert all_rows.draft_cost(4) == pytest.approx(1.0)  # every row a whole decode, not more
 
 
 def test_old_passes_are_forgotten() -> None:
