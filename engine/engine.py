@@ -236,8 +236,10 @@ class Engine:
     def _prepare_next(self, batch: state.Batch) -> bool:
         """Plan the decode pass after `batch` while it runs (`PlanAhead`), unless the next
         step will change the batch anyway. Returns whether `batch`'s table writes were
-        applied (its commit then skips them)."""
-        if (not self.config.plan_ahead or self.spec is not None or not self._inbox.empty()
+        applied (its commit then skips them). With speculation, `batch` is a step where
+        nothing was drafted; the next one is most often the same (the plan is used), and a
+        verify pass instead drops the plan."""
+        if (not self.config.plan_ahead or not self._inbox.empty()
                 or self._admissible()):
             return False  # the next step changes the batch: a plan would be dropped
         return self.ahead.plan(batch)

@@ -52,16 +52,19 @@ def count_admissible(pending_tokens: Iterable[int], free_rows: int, free_slots: 
     `reserved_slots` for the running requests' next steps. Counting its next step keeps a
     request from being admitted only to be retracted again by the decode that follows. The
     first request is admitted even when it exceeds the token budget (it is chunked); later
-    ones must fit within it.
+    ones must fit within it. With nothing running, the first request needs room for its
+    tokens and one more only: a request the pool can hold must never wait for room that
+    will not come (with speculation its drafts are cut to the slots there are).
     """
     admitted = 0
     room = free_slots - reserved_slots
     budget = token_budget
     for tokens in pending_tokens:
-        if admitted >= free_rows or tokens + step_slots > room or (admitted and tokens > budget):
+        step = 1 if admitted == 0 and reserved_slots == 0 else step_slots
+        if admitted >= free_rows or tokens + step > room or (admitted and tokens > budget):
             break
         admitted += 1
-        room -= tokens + step_slots
+        room -= tokens + step
         budget -= tokens
     return admitted
 

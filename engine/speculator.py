@@ -53,12 +53,17 @@ class Speculator:
         self._rngs.pop(uid, None)
 
     # --- one verify step -----------------------------------------------------------------------
-    def budgets(self, running: Running) -> np.ndarray:
-        """Adaptive budget, cut so the tree fits the context and the tokens still allowed."""
+    def budgets(self, running: Running, free_slots: int) -> np.ndarray:
+        """Adaptive budget, cut so the tree fits the context and the tokens still allowed, and
+        the batch's trees fit the `free_slots` of the pool (in batch order: drafts go to the
+        older requests first). A tree that did not fit would make the step retract a request
+        (or finish one alone in the pool) where a decode pass lets it go on."""
         adaptive = np.array([self.stats.budget(int(u)) for u in running.rids], dtype=np.int64)
         room_context = running.max_context - running.kv_lens.lens - 1
         room_output = running.rules.max_new - running.num_output - 1
-        return np.clip(np.minimum(adaptive, np.minimum(room_context, room_output)), 0, None)
+        budgets = np.clip(np.minimum(adaptive, np.minimum(room_context, room_output)), 0, None)
+        spare = free_slots - len(running)  # once every request has its root's slot
+        return np.clip(spare - (np.cumsum(budgets) - budgets), 0, budgets)
 
     def draft_cost(self, batch: int) -> float:
         """A draft row's time in decoded tokens' time at this batch size (config, or measured)."""
@@ -68,17 +73,24 @@ class Speculator:
     def run_verify(self, engine: Engine) -> str:
         started = time.perf_counter()
         running = engine.running
-        trees = self.proposer.propose_batch(running.rids.tolist(), self.budgets(running).tolist())
+        held = engine.ahead.held_slots  # a plan's slots are free for this step's pass
+        free = engine.book.slots.num_free + (0 if held is None else held.shape[0])
+        trees = self.proposer.propose_batch(running.rids.tolist(),
+                                            self.budgets(running, free).tolist())
         if trees.sizes.total == len(running):
             # Nothing drafted anywhere: a root-only verify is a decode, and the decode pass
-            # is cheaper (its graphs are not sized for draft trees).
-            if not engine._reserve(lambda: len(running)):
+            # is cheaper (its graphs are not sized for draft trees). It may have been planned
+            # during the last pass (PlanAhead); if not, its slots are reserved here, so that
+            # the decode step below cannot retract after the stats are recorded.
+            engine.ahead.drop_unless_fits(running)
+            if engine.ahead.prepared is None and not engine._reserve(lambda: len(running)):
                 return "retract"
             self.stats.record_batch(running.rids, trees, np.zeros(len(running), np.int64))
             mode = engine._decode_step()
             if mode == "decode":
                 self._observe(len(running), started)
             return mode
+        engine.ahead.drop()  # a pass planned as a decode: its slots go to the verify pass
         if not engine._reserve(lambda: trees.sizes.total):
             return "retract"
         batch = state.schedule_verify(running, trees, engine.book.slots.alloc(trees.sizes.total))

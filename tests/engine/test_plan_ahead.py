@@ -127,6 +127,45 @@ def test_plan_ahead_on_the_graph_path():
     assert not all(planned_on_graph), "no plan made ahead ran eagerly"
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_plan_ahead_with_speculation(backend):
+    """With speculation, a step where nothing was drafted plans the next decode pass: the
+    next step uses it when it drafts nothing either, and a verify pass drops it (its slots go
+    to the tree). Outputs are those of speculation without planning ahead (and, greedy, of
+    plain decoding); no slot is lost, under retraction too."""
+    # repeated prompts, so that verify passes come between decode steps
+    prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
+    params = _params(4)
+    greedy = [SamplingParams(max_tokens=24, ignore_eos=True)] * 4
+    for pool in (256, 40):
+        plain = _run(_tiny(backend, kv_cache_slots=pool), prompts, greedy)
+        # (a seeded sampler's draws under speculation depend on its batch: the same pool)
+        reference = _run(_tiny(backend, plan_ahead=False, speculative=True,
+                               kv_cache_slots=pool), prompts, params)
+        engine = _tiny(backend, speculative=True, kv_cache_slots=pool)
+        verify_steps, plans_before_verify = [], []
+        run_verify = engine.spec._verify
+
+        def recording_verify(*args):
+            verify_steps.append(1)
+            return run_verify(*args)
+        engine.spec._verify = recording_verify
+        real_drop = engine.ahead.drop
+
+        def recording_drop():
+            plans_before_verify.append(engine.ahead.prepared is not None)
+            real_drop()
+        engine.ahead.drop = recording_drop
+        assert _run(engine, prompts, params) == reference
+        assert engine.stats["plans_ahead_used"] > 2
+        assert verify_steps and any(plans_before_verify), "no verify pass followed a plan"
+        greedy_engine = _tiny(backend, speculative=True, kv_cache_slots=pool)
+        assert _run(greedy_engine, prompts, greedy) == plain
+        assert greedy_engine.stats["plans_ahead_used"] > 5
+        if pool == 40:
+            assert greedy_engine.stats["retractions"] > 0, "the pool was meant to retract"
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="host-device synchronisation exists only on CUDA")
 def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch):
     """The plan is made while the last pass runs: nothing in it may synchronise with the
@@ -206,7 +245,8 @@ def workloads(draw):
                                      stop_token_ids=tuple(stop), temperature=temperature,
                                      seed=draw(st.integers(0, 99))))
     settings_ = dict(max_running_requests=draw(st.integers(1, 4)),
-                     kv_cache_slots=draw(st.sampled_from([40, 64, 256])))
+                     kv_cache_slots=draw(st.sampled_from([40, 64, 256])),
+                     speculative=draw(st.booleans()))
     abort_at = draw(st.sampled_from([None, 2, 5]))
     return prompts, params, settings_, abort_at
 
@@ -216,8 +256,9 @@ def workloads(draw):
           deadline=None)
 @given(workload=workloads())
 def test_plan_ahead_changes_nothing_on_random_workloads(workload):
-    """Random prompts, lengths, stop tokens, samplers, row limits, pool sizes and aborts:
-    the same outputs and finish reasons with and without planning ahead, no slot lost."""
+    """Random prompts, lengths, stop tokens, samplers, row limits, pool sizes, aborts and
+    speculation: the same outputs and finish reasons with and without planning ahead, no slot
+    lost."""
     prompts, params, settings_, abort_at = workload
     reference = _run(_tiny("torch", plan_ahead=False, **settings_), prompts, params, abort_at)
     assert _run(_tiny("torch", **settings_), prompts, params, abort_at) == reference

@@ -34,8 +34,13 @@ def test_admission_is_fcfs_and_counts_each_requests_next_step():
                             token_budget=100) == 0
     assert count_admissible([8], free_rows=8, free_slots=10, reserved_slots=1,
                             token_budget=100) == 1
-    # With speculation each request's next step needs room for its draft tree too.
+    # With speculation each request's next step needs room for its draft tree too...
     assert count_admissible([4, 4], 8, 20, 0, 100, step_slots=13) == 1
+    # ...except the first with nothing running: room for one more token is enough (its
+    # drafts are cut to the pool), or a request the pool holds would wait forever.
+    assert count_admissible([30], 8, 40, 0, 100, step_slots=13) == 1
+    assert count_admissible([40], 8, 40, 0, 100, step_slots=13) == 0
+    assert count_admissible([27], 8, 40, 1, 100, step_slots=13) == 0
     # Rows, and the budget after the first request, also bound admission.
     assert count_admissible([1, 1, 1], free_rows=2, free_slots=99, reserved_slots=0,
                             token_budget=100) == 2

@@ -170,6 +170,31 @@ def test_tiny_pool_retraction_keeps_outputs_and_frees_every_slot(assert_all_free
     assert_all_free(tight)
 
 
+@pytest.mark.parametrize("prompt_len", [20, 32])
+def test_a_request_near_the_pools_size_runs_as_without_speculation(prompt_len,
+                                                                   assert_all_free):
+    """A pool of 40 slots, alone. 32 prompt tokens: the pool holds them and one more, not a
+    whole draft tree (12 + 1): such a request used to wait forever (nothing running, never room
+    for its tree). 20: once the pool has fewer free slots than a tree, a verify pass used to
+    finish it (alone and too big) where a decode pass goes on. Its drafts are now cut to the
+    free slots: the same tokens and finish reason as without speculation."""
+    prompt = [7, 8, 9, 10] * (prompt_len // 4)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = _tiny(kv_cache_slots=40).generate([prompt], params)[0]
+    engine = _tiny(speculative=True, kv_cache_slots=40)
+    request = engine._submit(prompt, params, None, None)
+    for _ in range(200):  # bounded: the old livelock must fail, not hang
+        if not engine.has_work:
+            break
+        engine.step()
+        engine.check()
+    assert not engine.has_work, "the request was never admitted"
+    assert tuple(request.output_ids) == expected.token_ids
+    assert request.finish_reason.openai == expected.finish_reason
+    assert _accepted(engine) > 0
+    assert_all_free(engine)
+
+
 def test_default_model_retraction_with_speculation(references, assert_all_free):
     # Alone, each request fits (at most ~130 + 40 tokens plus a 13-node tree); together not.
     tight = Engine(dtype="float32", device="cpu", speculative=True, kv_cache_slots=200,
