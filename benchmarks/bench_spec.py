@@ -1,4 +1,4 @@
-"""N-gram speculative decoding on the CPU (default model, fp32, batch 1): tokens/s without and
+"""N-gram speculative decoding (default model, batch 1; CPU fp32 unless told): tokens/s without and
 with speculation, and HF transformers greedy / prompt lookup on the same prompts; accepted
 tokens per verify step; the same engine with adaptive drafting on acceptance alone (drafts
 counted free); tokens/s of the decode phase alone (steps after prefill), which speculation
@@ -6,6 +6,7 @@ speeds up; plots docs/spec_accepted.png and docs/spec_throughput.png.
 
 Run: .venv/bin/python benchmarks/bench_spec.py [--max-tokens 128] [--long-max-tokens 512]
      [--quick] [--threads 1] [--only WORKLOAD] [--row-major-weights] [--no-plots]
+     [--device cuda --dtype float32]   (on a GPU: no plots; the docs' plots are the CPU's)
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ class Ours:
     """The engine at batch 1, with or without speculation; records accepted lengths."""
 
     def __init__(self, speculative: bool, block_weights: bool = True,
-                 draft_cost: float | None = None) -> None:
-        self.engine = Engine(dtype="float32", device="cpu", speculative=speculative,
-                             block_weights=block_weights, draft_cost=draft_cost)
+                 draft_cost: float | None = None, device: str = "cpu",
+                 dtype: str = "float32") -> None:
+        # on a GPU each engine would size its KV pool from the free memory: three would not fit
+        slots = None if device == "cpu" else 16384
+        self.engine = Engine(dtype=dtype, device=device, speculative=speculative,
+                             block_weights=block_weights, draft_cost=draft_cost,
+                             kv_cache_slots=slots)
         self.accepted: list[int] = []
         self.boundaries: list[int] = []  # len(accepted) after each request
         self.steps: list[tuple[str, float]] = []  # (mode, seconds) of every step since clear()
@@ -72,15 +77,15 @@ class HF:
         self.lookup, self.model = lookup, model
 
     @staticmethod
-    def load() -> object:
+    def load(device: str = "cpu", dtype: str = "float32") -> object:
         from transformers import AutoModelForCausalLM
 
         path = default_model_path()
         return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    dtype=torch.float32).eval()
+                                                    dtype=getattr(torch, dtype)).to(device).eval()
 
     def generate(self, ids: list[int], max_tokens: int) -> list[int]:
-        input_ids = torch.tensor([ids])
+        input_ids = torch.tensor([ids], device=self.model.device)
         extra = {} if self.lookup is None else {"prompt_lookup_num_tokens": self.lookup}
         with torch.inference_mode():
             out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
@@ -183,20 +188,24 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     # the layout A/B is about dense weights: it loads them dequantized (no block kernel)
     blocks = not args.row_major_weights
-    plain, spec = Ours(False, blocks), Ours(True, blocks)
+    on = {"device": args.device, "dtype": args.dtype}
+    plain, spec = Ours(False, blocks, **on), Ours(True, blocks, **on)
     # A/B of adaptive drafting: budgets judged on acceptance alone (drafts counted free)
-    acceptance_only = Ours(True, blocks, draft_cost=0.0)
+    acceptance_only = Ours(True, blocks, draft_cost=0.0, **on)
     if args.row_major_weights:  # A/B of the CPU weight layout (the engines share the model)
         for weight in plain.engine.runtime.model.parameters():
             weight.data = weight.data.contiguous()
     tokenizer = plain.engine.tokenizer
-    hf_model = HF.load()
+    hf_model = HF.load(args.device, args.dtype)
     systems = {"ours": plain, "ours+spec": spec, "spec, acceptance only": acceptance_only,
                "HF": HF(None, hf_model),
                "HF+lookup": HF(args.lookup, hf_model)}
-    warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
-    for system in systems.values():
-        system.generate(warm, 8)
+    warm = [tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])]
+    if args.device != "cpu":  # Triton compiles per shape: every kind of step, before timing
+        warm += [tokenizer.apply_chat_template(chats[0]) for chats, _ in chosen.values()]
+    for ids in warm:
+        for system in systems.values():
+            system.generate(ids, 8 if len(warm) == 1 else 64)
     rows, part_rows, accepted_per_workload = [], [], {}
     for name, (chats, max_tokens) in chosen.items():
         if args.only and name not in args.only:
@@ -225,12 +234,14 @@ def run(args: argparse.Namespace) -> None:
               f"if a draft row costs c decoded tokens: {speedups}", flush=True)
     print_table(rows, args)
     print_parts(part_rows)
-    if not (args.no_plots or args.only):  # the docs' plots show every workload
+    if not (args.no_plots or args.only or args.device != "cpu"):  # the docs' show every one
         plot(accepted_per_workload, rows, args)
 
 
 def print_table(rows: list, args: argparse.Namespace) -> None:
-    print(f"\nbatch 1, fp32, {args.threads} torch thread(s), "
+    where = (f"{args.threads} torch thread(s)" if args.device == "cpu"
+             else torch.cuda.get_device_name(args.device))
+    print(f"\nbatch 1, {args.dtype}, {args.device} ({where}), "
           f"HF prompt_lookup_num_tokens={args.lookup}")
     print("| workload | prompts | max tokens | accepted/step | ours tok/s | ours+spec tok/s | "
           "HF tok/s | HF+lookup tok/s | spec/no-spec | spec/HF-lookup | spec == no-spec | "
@@ -314,6 +325,8 @@ def main() -> None:
                         help="dense weights (no block kernel), stored row-major (the layout "
                              "before column-major)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (ours and HF alike)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     run(parser.parse_args())
 
 
