@@ -7,6 +7,7 @@ speeds up; plots docs/spec_accepted.png and docs/spec_throughput.png.
 Run: .venv/bin/python benchmarks/bench_spec.py [--max-tokens 128] [--long-max-tokens 512]
      [--quick] [--threads 1] [--only WORKLOAD] [--row-major-weights] [--no-plots]
      [--device cuda --dtype float32]   (on a GPU: no plots; the docs' plots are the CPU's)
+     [--profile]
 """
 
 from __future__ import annotations
@@ -223,7 +224,9 @@ def run(args: argparse.Namespace) -> None:
         mean_accepted = statistics.mean(spec.accepted) if spec.accepted else 0.0
         print(f"[{name}] steps: plain {step_profile(plain)}; "
               f"spec {step_profile(spec)}; measured draft cost "
-              f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row", flush=True)
+              f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row, verify "
+              f"premium {spec.engine.spec.last_verify_premium:.2f} decoded tokens a pass",
+              flush=True)
         ceiling = replay(prompts, outputs)
         rows.append((name, len(prompts), max_tokens, mean_accepted, rate, same, ceiling))
         print(f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
@@ -234,8 +237,25 @@ def run(args: argparse.Namespace) -> None:
               f"if a draft row costs c decoded tokens: {speedups}", flush=True)
     print_table(rows, args)
     print_parts(part_rows)
+    if args.profile:
+        profile_host(spec, tokenizer, chosen[args.only[0] if args.only else "copy-heavy"])
     if not (args.no_plots or args.only or args.device != "cpu"):  # the docs' show every one
         plot(accepted_per_workload, rows, args)
+
+
+def profile_host(spec: Ours, tokenizer: object, workload: tuple[list, int]) -> None:
+    """The speculative engine's Python functions by their own time, over one workload (where
+    a step's host time goes: on a GPU it is most of a small model's step)."""
+    import cProfile
+    import pstats
+
+    chats, max_tokens = workload
+    profile = cProfile.Profile()
+    profile.enable()
+    for chat in chats:
+        spec.generate(tokenizer.apply_chat_template(chat), max_tokens)
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
 
 def print_table(rows: list, args: argparse.Namespace) -> None:
@@ -327,6 +347,9 @@ def main() -> None:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (ours and HF alike)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--profile", action="store_true",
+                        help="then profile the speculative engine's host code over one "
+                             "workload (the first --only, else copy-heavy)")
     run(parser.parse_args())
 
 

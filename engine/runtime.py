@@ -105,7 +105,8 @@ def build_runtime(config: EngineConfig) -> Runtime:
     # Random weights come without a tokenizer: prompts are token ids, outputs have no text.
     tokenizer = None if config.random_weights else load_tokenizer(config.model)
     if config.random_weights:
-        presets = {"llama3_8b": ModelConfig.llama3_8b, "tiny": ModelConfig.tiny}
+        presets = {"llama3_8b": ModelConfig.llama3_8b, "smollm2_135m": ModelConfig.smollm2_135m,
+                   "tiny": ModelConfig.tiny}
         if config.random_weights not in presets:
             raise ValueError(f"random_weights={config.random_weights!r}; choose one of "
                              f"{sorted(presets)}")

@@ -31,6 +31,7 @@ class Speculator:
         self.stats = SpecStats(self.config)
         self.cost = PassCost()  # what a draft row costs here, from the passes below
         self.last_draft_cost = 0.0  # the one the last verify pass was judged with
+        self.last_verify_premium = 0.0  # and its cost beyond its rows, in decoded tokens
         self._rngs: dict[int, np.random.Generator] = {}
 
     # --- request lifetime (history must end with the pending token) ---------------------------
@@ -98,16 +99,20 @@ class Speculator:
         uids = running.rids.tolist()
         outcome = self._verify(batch, uids, [engine.requests[u].params for u in uids], logits)
         self.last_draft_cost = self.draft_cost(len(running))
-        self.stats.record_batch(uids, trees, outcome.accepted_lens.lens, self.last_draft_cost)
+        self.last_verify_premium = (self.cost.verify_premium(len(running))
+                                    if self.config.draft_cost is None else 0.0)
+        self.stats.record_batch(uids, trees, outcome.accepted_lens.lens, self.last_draft_cost,
+                                self.last_verify_premium)
         engine._commit(state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes,
                                     outcome.bonus))
-        self._observe(trees.sizes.total, started)  # timed as the decode step: propose to commit
+        # timed as the decode step: propose to commit
+        self._observe(trees.sizes.total, started, verify=True)
         return "verify"
 
-    def _observe(self, rows: int, started: float) -> None:
+    def _observe(self, rows: int, started: float, verify: bool = False) -> None:
         """Fit the pass's time, unless the cost is fixed (configured, or not adapting)."""
         if self.config.draft_cost is None and self.config.adaptive:
-            self.cost.observe(rows, time.perf_counter() - started)
+            self.cost.observe(rows, time.perf_counter() - started, verify)
 
     def _verify(self, batch: state.Batch, uids: list[int], params: list,
                 logits: torch.Tensor) -> Any:

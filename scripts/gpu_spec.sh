@@ -55,7 +55,13 @@ echo "float32: rc=$?"
 timeout "${BF16_TIMEOUT:-200}" python3 benchmarks/bench_spec.py --device cuda --dtype bfloat16 \
     --only copy-heavy --only "copy-heavy, long" >"$OUT_DIR/spec_bf16.log" 2>&1
 echo "bfloat16: rc=$?"
+if [ -n "${PROFILE:-}" ]; then  # where the speculative engine's host time goes
+    timeout 150 python3 benchmarks/bench_spec.py --device cuda --only "$PROFILE" --profile \
+        >"$OUT_DIR/spec_profile.log" 2>&1
+    echo "profile: rc=$?"
+fi
 for log in spec_fp32 spec_bf16; do
     echo "== $log"
-    grep -v "^\[" "$OUT_DIR/$log.log" | tail -n 20
+    grep "steps:" "$OUT_DIR/$log.log"
+    grep -v "^\[" "$OUT_DIR/$log.log" | grep "^|"
 done

@@ -156,6 +156,16 @@ class ModelConfig:
                    tie_word_embeddings=False, bos_token_id=128000, eos_token_ids=(128001, 128009))
 
     @classmethod
+    def smollm2_135m(cls) -> ModelConfig:
+        """SmolLM2-135M's shape, the default model's (for GPU benchmarks with random weights,
+        where the GGUF is not at hand)."""
+        return cls(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                   num_heads=9, num_kv_heads=3, head_dim=64,
+                   rms_norm_eps=9.999999747378752e-06,  # 1e-5 as the GGUF's float32 holds it
+                   rope_theta=100000.0, max_position_embeddings=8192,
+                   tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
+
+    @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
         """A few-layer model for tests (GQA with 2 query heads per KV head)."""
         fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -10,44 +10,88 @@ decode passes, so drafts that are not accepted cost real time.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Fit(NamedTuple):
+    """Seconds: `fixed` per pass, `per_row` per query row, and `verify_premium` more for a
+    verify pass than for a decode pass of as many rows (its own graphs, tree metadata, the
+    host's walk of the trees and commit); 0 until both kinds were seen at several sizes."""
+
+    fixed: float
+    per_row: float
+    verify_premium: float
 
 
 class PassCost:
-    """Least squares of `seconds ~ fixed + per_row * rows` over the observed passes, each
-    pass's weight decaying by `decay` per newer pass (the machine's load changes)."""
+    """Least squares of `seconds ~ fixed + per_row * rows + verify_premium * is_verify` over
+    the observed passes, each pass's weight decaying by `decay` per newer pass (the machine's
+    load changes). Where the premium cannot be told apart from the rows (verify passes of one
+    size only, or no decode passes), the fit is `fixed + per_row * rows` alone."""
 
     def __init__(self, decay: float = 0.97) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay={decay!r} is not allowed; need a number in (0, 1)")
         self.decay = decay
-        self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows*seconds
+        self._normal = np.zeros((3, 3))  # sum of w * f f^T, f = (1, rows, is_verify)
+        self._target = np.zeros(3)  # sum of w * f * seconds
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """One forward pass of `rows` query rows (requests plus their draft nodes)."""
+    def observe(self, rows: int, seconds: float, verify: bool = False) -> None:
+        """One forward pass of `rows` query rows (requests plus their draft nodes); `verify`:
+        a verify pass (trees), else a decode pass."""
         if rows < 1 or not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"rows={rows}, seconds={seconds} is not a pass; need rows >= 1 "
                              f"and a finite time >= 0")
-        x, y = float(rows), float(seconds)
-        self._sums = [self.decay * s + v for s, v in
-                      zip(self._sums, (1.0, x, y, x * x, x * y), strict=True)]
+        features = np.array([1.0, float(rows), 1.0 if verify else 0.0])
+        self._normal = self.decay * self._normal + np.outer(features, features)
+        self._target = self.decay * self._target + features * float(seconds)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed, per_row) seconds, or None until passes of two row counts were seen."""
-        w, sx, sy, sxx, sxy = self._sums
-        spread = w * sxx - sx * sx  # 0 (up to rounding) while every pass had one row count
-        if w == 0 or spread <= 1e-9 * w * sxx:
+    def fit(self) -> Fit | None:
+        """The fitted times, or None until passes of two row counts were seen."""
+        full = _solve(self._normal, self._target)
+        if full is not None:
+            fixed, per_row, premium = full
+            if per_row >= 0 and premium >= 0:
+                return Fit(max(0.0, fixed), per_row, premium)
+        rows_only = _solve(self._normal[:2, :2], self._target[:2])
+        if rows_only is None:
             return None
-        per_row = max(0.0, (w * sxy - sx * sy) / spread)
-        fixed = max(0.0, (sy - per_row * sx) / w)
-        return fixed, per_row
+        per_row = max(0.0, rows_only[1])
+        weight, rows, seconds = self._normal[0, 0], self._normal[0, 1], self._target[0]
+        return Fit(max(0.0, (seconds - per_row * rows) / weight), per_row, 0.0)
+
+    def _per_token(self, fit: Fit, batch: int) -> float:
+        return (fit.fixed + fit.per_row * batch) / batch
 
     def draft_cost(self, batch: int) -> float:
         """The time of one draft row over the time a decode pass of `batch` requests spends
         per token: the decoded tokens one draft row must win back to pay for itself. 0.0 (free)
         while the model is not fitted yet."""
-        fitted = self.fit()
-        if fitted is None or batch < 1:
+        fit = self.fit()
+        if fit is None or batch < 1:
             return 0.0
-        fixed, per_row = fitted
-        per_token = (fixed + per_row * batch) / batch
-        return per_row / per_token if per_token > 0 else 0.0  # <= 1: fixed is clamped >= 0
+        per_token = self._per_token(fit, batch)
+        return fit.per_row / per_token if per_token > 0 else 0.0  # <= 1: fixed is clamped >= 0
+
+    def verify_premium(self, batch: int) -> float:
+        """What a verify pass of `batch` requests costs beyond its rows, in decoded tokens'
+        time (the requests that drafted in it share this). 0.0 while not fitted."""
+        fit = self.fit()
+        if fit is None or batch < 1:
+            return 0.0
+        per_token = self._per_token(fit, batch)
+        return fit.verify_premium / per_token if per_token > 0 else 0.0
+
+
+def _solve(normal: np.ndarray, target: np.ndarray) -> np.ndarray | None:
+    """The least-squares coefficients, or None where the passes do not determine them (the
+    normal matrix is singular up to rounding, relative to its scale)."""
+    scale = np.sqrt(np.diag(normal))
+    if (scale == 0).any():
+        return None
+    unit = normal / np.outer(scale, scale)  # 1 on the diagonal: conditioning comparable
+    if np.linalg.cond(unit) > 1e6:
+        return None
+    return np.linalg.solve(unit, target / scale) / scale

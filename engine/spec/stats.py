@@ -12,6 +12,7 @@ caller records.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -93,28 +94,38 @@ class SpecStats:
     def total(self) -> AcceptanceStats:
         return self._total
 
-    def record(self, rid: int, drafted: int, accepted: int, draft_cost: float = 0.0) -> None:
+    def record(self, rid: int, drafted: int, accepted: int, draft_cost: float = 0.0,
+               step_cost: float = 0.0) -> None:
         """One verify step of `rid`: its tree had `drafted` drafts, `accepted` were accepted;
-        a draft row was measured to cost `draft_cost` decoded tokens' time (the request's
-        fixed cost applies instead if it has one: see the module docstring)."""
+        a draft row was measured to cost `draft_cost` decoded tokens' time, and drafting at
+        all this step `step_cost` more (its share of what a verify pass costs beyond its rows).
+        A request with a fixed cost is judged by that alone (see the module docstring)."""
         if not 0 <= accepted <= drafted < MAX_TREE_NODES:
             raise ValueError(f"accepted={accepted}, drafted={drafted} is not allowed; need "
                              f"0 <= accepted <= drafted < {MAX_TREE_NODES}")
         if not 0.0 <= draft_cost <= 1.0:
             raise ValueError(f"draft_cost={draft_cost!r} is not allowed; need a number in "
                              f"[0, 1]")
+        if not (math.isfinite(step_cost) and step_cost >= 0.0):
+            raise ValueError(f"step_cost={step_cost!r} is not allowed; need a finite number "
+                             f">= 0")
         entry = self._entry(rid)
         entry.stats = entry.stats.add(drafted, accepted)
         self._total = self._total.add(drafted, accepted)
         if self.config.adaptive:
             fixed = entry.fixed_cost
-            self._adapt(entry, drafted, accepted, draft_cost if fixed is None else fixed)
+            cost = (draft_cost * drafted + step_cost if fixed is None
+                    else fixed * drafted)
+            self._adapt(entry, drafted, accepted, cost)
 
     def record_batch(self, rids: Sequence[int] | np.ndarray, trees: DraftTrees,
                      accepted_lens: Sequence[int] | np.ndarray,
-                     draft_costs: float | Sequence[float] | np.ndarray = 0.0) -> None:
-        """One verify pass: `rids` in batch order, their trees and accepted lengths, and the
-        measured draft cost (one for all, or one per request)."""
+                     draft_costs: float | Sequence[float] | np.ndarray = 0.0,
+                     verify_premium: float = 0.0) -> None:
+        """One verify pass: `rids` in batch order, their trees and accepted lengths, the
+        measured draft cost (one for all, or one per request), and what the pass cost beyond
+        its rows in decoded tokens (`PassCost.verify_premium`), shared by the requests that
+        drafted in it."""
         drafted = trees.sizes.lens - 1
         accepted = np.asarray(accepted_lens).reshape(-1)
         costs = np.asarray(draft_costs, dtype=np.float64).reshape(-1)
@@ -124,11 +135,14 @@ class SpecStats:
                              f"{accepted.shape[0]} accepted lengths and {costs.shape[0]} draft "
                              f"costs must match (or one cost for all)")
         costs = np.broadcast_to(costs, accepted.shape)
+        share = verify_premium / max(int((drafted > 0).sum()), 1)
         for rid, num_drafted, num_accepted, cost in zip(rids, drafted.tolist(), accepted.tolist(),
                                                         costs.tolist(), strict=True):
-            self.record(int(rid), num_drafted, num_accepted, cost)
+            self.record(int(rid), num_drafted, num_accepted, cost,
+                        share if num_drafted else 0.0)
 
-    def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, draft_cost: float) -> None:
+    def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, cost: float) -> None:
+        """`cost`: what this step's drafting cost, in decoded tokens' time."""
         cfg = self.config
         if drafted == 0:
             # Nothing drafted: no evidence, unless the budget is 0 and it is time to probe.
@@ -138,7 +152,7 @@ class SpecStats:
                     entry.budget, entry.idle_steps, entry.probing = 1, 0, True
             return
         probing, entry.probing = entry.probing, False
-        entry.recent.append((accepted, draft_cost * drafted))
+        entry.recent.append((accepted, cost))
         # Time lost in the recent steps, in decoded tokens: what the drafts cost minus what the
         # accepted ones saved. A verify pass that costs several decodes shrinks fast.
         loss = sum(cost - taken for taken, cost in entry.recent)

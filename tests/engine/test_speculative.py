@@ -82,7 +82,7 @@ def test_default_model_batch_1_equals_plain_greedy(spec_engine, references, asse
     assert_all_free(spec_engine)
     # adaptive drafting weighed the drafts with a cost fitted from these passes (decode and
     # verify passes of several row counts), and the metric reports the one it used
-    fixed, per_row = spec_engine.spec.cost.fit()  # None (unfitted) fails here
+    fixed, per_row, _ = spec_engine.spec.cost.fit()  # None (unfitted) fails here
     assert per_row > 0  # on the CPU a verify pass's rows cost several decodes
     # the metric is the cost the last verify pass (batch 1) was judged with: that fit's
     # per_row / (fixed + per_row), up to the few passes the fit has taken in since
@@ -224,13 +224,15 @@ def test_seeded_sampling_does_not_depend_on_the_measured_draft_cost(spec_engine,
     # or its trees, and so its tokens, would change from run to run.
     seeded = SamplingParams(max_tokens=48, temperature=0.3, seed=5)
     runs, seeded_costs, greedy_costs = [], [], []
-    original = spec_engine.spec.stats._adapt  # given the cost a request is judged with
+    original = spec_engine.spec.stats._adapt  # given what a request's drafting step cost
 
     def recording(seen: list[float]):
         return lambda entry, d, a, cost: (seen.append(cost), original(entry, d, a, cost))
 
     for measured in (0.0, 1.0):
         monkeypatch.setattr(spec_engine.spec.cost, "draft_cost", lambda batch, c=measured: c)
+        monkeypatch.setattr(spec_engine.spec.cost, "verify_premium",
+                            lambda batch, c=measured: c)
         seen: list[float] = []
         monkeypatch.setattr(spec_engine.spec.stats, "_adapt", recording(seen))
         runs.append([c.token_ids for c in spec_engine.generate(COPY_PROMPTS[:2], seeded)])
@@ -242,7 +244,10 @@ def test_seeded_sampling_does_not_depend_on_the_measured_draft_cost(spec_engine,
         monkeypatch.setattr(spec_engine.spec.stats, "_adapt", original)
     assert runs[0] == runs[1]
     assert seeded_costs == [{0.0}, {0.0}]  # judged as if drafts were free, whatever is measured
-    assert greedy_costs == [{0.0}, {0.0, 1.0}]  # greedy requests follow it (root-only steps: 0)
+    # greedy requests follow it: a drafting step of d drafts cost d * 1.0 + the premium, 1.0
+    assert greedy_costs[0] == {0.0}
+    assert greedy_costs[1] and all(c == 0.0 or (c >= 2.0 and c == int(c))
+                                   for c in greedy_costs[1]) and max(greedy_costs[1]) > 2.0
 
 
 # --- (e) stops and max_tokens ----------------------------------------------------------------

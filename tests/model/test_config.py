@@ -78,3 +78,17 @@ def test_llama3_8b_preset_shape():
                  + 3 * config.hidden_size * config.intermediate_size)
     params = config.vocab_size * config.hidden_size * 2 + config.num_layers * per_layer
     assert 8.0e9 < params < 8.1e9
+
+
+def test_smollm2_preset_is_the_default_models_shape():
+    from gguf import GGUFReader
+
+    from engine.model import default_model_path
+    from engine.model.loader import gguf_metadata
+
+    reader = GGUFReader(str(default_model_path()))
+    config = ModelConfig.from_gguf(gguf_metadata(reader),
+                                   vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+                                   tie_word_embeddings=True)
+    assert "output.weight" not in {t.name for t in reader.tensors}  # tied, as the preset says
+    assert ModelConfig.smollm2_135m() == config

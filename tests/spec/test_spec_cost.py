@@ -13,8 +13,9 @@ def test_fit_recovers_fixed_and_per_row_time() -> None:
     cost = PassCost()
     for rows in [1, 13, 1, 7, 1, 4, 13, 1]:
         cost.observe(rows, 0.014 + 0.0025 * rows)
-    fixed, per_row = cost.fit()
+    fixed, per_row, premium = cost.fit()
     assert fixed == pytest.approx(0.014) and per_row == pytest.approx(0.0025)
+    assert premium == 0.0 and cost.verify_premium(1) == 0.0  # decode passes only
     # batch 1: a decode is 16.5 ms, a draft row 2.5 ms
     assert cost.draft_cost(1) == pytest.approx(0.0025 / 0.0165)
     # batch 64: the fixed part is shared, a draft row costs nearly a decoded token
@@ -29,7 +30,7 @@ def test_unfitted_until_two_row_counts_then_clamped() -> None:
         cost.observe(8, 0.02)  # one row count: the per-row part is unknown
     assert cost.fit() is None and cost.draft_cost(8) == 0.0
     cost.observe(9, 0.001)  # noise that makes the slope negative: no negative cost
-    fixed, per_row = cost.fit()
+    fixed, per_row, _ = cost.fit()
     assert per_row == 0.0 and fixed > 0 and cost.draft_cost(8) == 0.0
     only_rows = PassCost()
     only_rows.observe(1, 0.0)
@@ -38,9 +39,32 @@ def test_unfitted_until_two_row_counts_then_clamped() -> None:
     all_rows = PassCost()
     all_rows.observe(1, 0.0)
     all_rows.observe(10, 0.1)  # a negative intercept: no negative fixed part
-    fixed, per_row = all_rows.fit()
+    fixed, per_row, _ = all_rows.fit()
     assert fixed == 0.0 and per_row == pytest.approx(0.1 / 9)
     assert all_rows.draft_cost(4) == pytest.approx(1.0)  # every row a whole decode, not more
+
+
+def test_a_verify_pass_premium_is_told_apart_from_its_rows() -> None:
+    """A GPU at batch 1: a decode pass 1.4 ms, a verify pass 3.5 ms plus 0.02 ms a row (its
+    host work and graphs, not its rows). Fitting rows alone would call a draft row 0.17
+    decoded tokens and miss the 1.5 that every verify pass costs more than a decode."""
+    cost = PassCost()
+    for rows in [2, 13, 4, 7, 3, 13, 2, 9]:
+        cost.observe(1, 0.0014)
+        cost.observe(rows, 0.0014 + 0.0021 + 0.00002 * rows, verify=True)
+    fixed, per_row, premium = cost.fit()
+    # (a decode pass is fixed + one row: fixed 1.38 ms, and the premium 2.12 ms)
+    assert per_row == pytest.approx(0.00002) and premium == pytest.approx(0.00212)
+    assert fixed == pytest.approx(0.00138)
+    assert cost.draft_cost(1) == pytest.approx(0.00002 / 0.0014)
+    assert cost.verify_premium(1) == pytest.approx(0.00212 / 0.0014)
+    # verify passes of one size: premium and rows cannot be told apart; rows alone, as before
+    same = PassCost()
+    for _ in range(6):
+        same.observe(1, 0.0014)
+        same.observe(13, 0.0036, verify=True)
+    fixed, per_row, premium = same.fit()
+    assert premium == 0.0 and per_row == pytest.approx(0.0022 / 12)
 
 
 def test_old_passes_are_forgotten() -> None:

@@ -103,6 +103,32 @@ def test_costly_rejected_drafts_shrink_before_the_window_fills() -> None:
     assert copying.budget(0) == 12
 
 
+def test_a_verify_pass_premium_is_shared_by_the_requests_that_drafted() -> None:
+    """On a GPU a verify pass costs ~1.5 decodes beyond its rows: a request accepting one
+    draft of two a step gains 1 token and pays 0.02 * 2 + 1.5, so it shrinks; split over
+    two drafting requests (a third drafted nothing) the premium is 0.75 each, and they keep
+    their budgets."""
+    config = SpecConfig(draft_budget=2, adapt_window=8, shrink_after_loss=2.0)
+    alone = SpecStats(config)
+    alone.add(0)
+    tree = stack([DraftTree((5, 6, 7), (-1, 0, 1))])
+    budgets = []
+    for _ in range(6):
+        alone.record_batch([0], tree, [1], 0.02, verify_premium=1.5)
+        budgets.append(alone.budget(0))
+    assert budgets[-1] < 2
+    shared = SpecStats(config)
+    for rid in range(3):
+        shared.add(rid)
+    trees = stack([DraftTree((5, 6, 7), (-1, 0, 1)), DraftTree((5, 6, 7), (-1, 0, 1)),
+                   DraftTree.root_only(5)])
+    for _ in range(6):
+        shared.record_batch([0, 1, 2], trees, [1, 1, 0], 0.02, verify_premium=1.5)
+    assert [shared.budget(r) for r in range(3)] == [2, 2, 2]
+    with pytest.raises(ValueError, match=r"step_cost=-1.0 is not allowed"):
+        SpecStats().record(0, drafted=1, accepted=0, step_cost=-1.0)
+
+
 def test_configured_draft_cost_overrides_the_measured_one() -> None:
     stats = SpecStats(SpecConfig(draft_cost=0.5, shrink_after_loss=2.0))
     stats.add(0)
