@@ -77,8 +77,8 @@ class EngineConfig:
                                       "measured from the engine's own passes", _draft_cost)
     random_seed: int = _field(0, "seed for random weights and for requests without a seed")
     random_weights: str | None = _field(None, "use random weights of this preset shape "
-                                        "('llama3_8b', 'smollm2_135m', 'tiny') instead of loading a "
-                                        "model")
+                                        "('llama3_8b', 'smollm2_135m', 'tiny') instead of "
+                                        "loading a model")
 
     def replace(self, **changes: Any) -> EngineConfig:
         unknown = sorted(set(changes) - {a.name for a in attrs.fields(EngineConfig)})
