@@ -9,6 +9,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
+
 from engine.spec.config import SpecConfig
 from engine.spec.tree import DraftTree, stack
 from engine.spec.trie import Trie
@@ -108,6 +110,14 @@ class NgramProposer:
         request's last known token, which must be its pending token)."""
         if budgets is not None and len(budgets) != len(rids):
             raise ValueError(f"{len(budgets)} budgets for {len(rids)} requests")
+        if budgets is not None and not any(budgets):  # the common step where nobody drafts
+            roots = []
+            for rid in rids:
+                tokens = self._history(int(rid)).tokens
+                if not tokens:
+                    raise ValueError(f"request {rid} has no tokens to root a draft tree at")
+                roots.append(tokens[-1])
+            return DraftTrees.roots_only(np.array(roots, dtype=np.int64))
         trees = [self.propose(int(rid), budget=None if budgets is None else int(budgets[i]))
                  for i, rid in enumerate(rids)]
         return stack(trees)
@@ -117,6 +127,12 @@ class NgramProposer:
         continuation; the request's own trie first, then the corpus."""
         cfg = self.config
         tries = (trie,) if self._corpus is None else (trie, self._corpus)
+        # Most steps of free text match nothing: when the shortest suffix has no continuation,
+        # no longer one has (a window holding a longer suffix and its next token holds the
+        # shorter suffix and that token too, and is no older), so the search ends at once.
+        if len(tokens) < cfg.min_match or not any(
+                _continues(source, tokens[len(tokens) - cfg.min_match:]) for source in tries):
+            return None, -1, 0
         for match_len in range(min(cfg.max_match, len(tokens)), cfg.min_match - 1, -1):
             suffix = tokens[len(tokens) - match_len:]
             for source in tries:
@@ -124,6 +140,11 @@ class NgramProposer:
                 if node >= 0 and source.first_child[node] >= 0:
                     return source, node, match_len
         return None, -1, 0
+
+
+def _continues(trie: Trie, suffix: Sequence[int]) -> bool:
+    node = trie.find(suffix)
+    return node >= 0 and trie.first_child[node] >= 0
 
 
 def _ranked(trie: Trie, node: int, breadth: int) -> list[tuple[int, int, int]]:

@@ -134,3 +134,33 @@ def test_every_tree_respects_budget_and_is_seen(prompt: list[int], chunks: list[
                               if parent == node]
             assert len(sibling_tokens) == len(set(sibling_tokens))
             assert len(sibling_tokens) <= config.breadth(tree.match_len)
+
+
+@settings(max_examples=60, deadline=None)
+@given(history=st.lists(st.integers(0, 5), min_size=1, max_size=80),
+       corpus=st.lists(st.integers(0, 5), max_size=40),
+       min_match=st.integers(1, 3), extra=st.integers(0, 4), capacity=st.sampled_from([256, 512]))
+def test_a_suffix_without_a_shorter_match_has_no_longer_one(history, corpus, min_match, extra,
+                                                           capacity) -> None:
+    """The proposer stops when the shortest suffix has no continuation. Searched longest
+    first without that stop (as before it), every match is the same, eviction included."""
+    config = SpecConfig(max_trie_depth=8, min_match=min_match, max_match=min_match + extra,
+                        capacity=capacity)
+    proposer = NgramProposer(config)
+    if corpus:
+        proposer.add_corpus(corpus)
+    proposer.add_request(0, history[:1])
+    for position in range(1, len(history) + 1):
+        tokens = history[:position]
+        if position > 1:
+            proposer.extend(0, tokens[-1:])
+        history_trie = proposer._history(0).trie
+        tries = [history_trie] + ([proposer._corpus] if corpus else [])
+        expected = (None, -1, 0)
+        for length in range(min(config.max_match, len(tokens)), min_match - 1, -1):
+            found = [(t, t.find(tokens[-length:])) for t in tries]
+            hit = next(((t, n) for t, n in found if n >= 0 and t.first_child[n] >= 0), None)
+            if hit is not None:
+                expected = (hit[0], hit[1], length)
+                break
+        assert proposer._match(history_trie, tokens) == expected
