@@ -73,7 +73,9 @@ class PassCost:
         if fit is None or batch < 1:
             return 0.0
         per_token = self._per_token(fit, batch)
-        return fit.per_row / per_token if per_token > 0 else 0.0  # <= 1: fixed is clamped >= 0
+        # <= 1 in exact arithmetic (fixed is clamped >= 0), but with fixed 0 the division
+        # rounds to 1 + 2**-52 at some batches (57, for one fit), which SpecStats refuses
+        return min(1.0, fit.per_row / per_token) if per_token > 0 else 0.0
 
     def verify_premium(self, batch: int) -> float:
         """What a verify pass of `batch` requests costs beyond its rows, in decoded tokens'
