@@ -1,10 +1,12 @@
 """What a draft costs on this machine: an online model of a forward pass's time as a fixed
-part plus a part per row, fitted to the passes the engine ran.
+part, a part per row and a verify pass's premium over a decode pass, fitted to the passes the
+engine ran.
 
-Adaptive drafting weighs a request's accepted drafts against this cost. On a GPU a verify
-pass with a dozen draft rows costs about what a decode pass does, so a draft is nearly free;
-on a CPU the rows make the matrix products compute-bound and a 13-row verify pass costs ~3
-decode passes, so drafts that are not accepted cost real time.
+Adaptive drafting weighs a request's accepted drafts against this cost. On a CPU the rows
+make the matrix products compute-bound and a 13-row verify pass costs ~2.6 decode passes, so
+drafts that are not accepted cost real time. On a GPU a dozen draft rows cost little, but
+with a small model a verify pass's host work (tree metadata, the walk and commit) costs ~2
+decodes whatever its rows: the premium, which the requests drafting in a pass share.
 """
 
 from __future__ import annotations
