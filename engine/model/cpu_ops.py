@@ -100,6 +100,9 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
         return None
     k_cache, v_cache, *indices, bits = attention
     tokens, width = hidden.shape
+    if width != layer.qkv_proj.shape[1]:
+        raise ValueError(f"hidden has width {width}; this layer's matrices take "
+                         f"{layer.qkv_proj.shape[1]}")
     check_norm(hidden, residual, width)
     check_rope_tables(hidden, cos, sin, layer.head_dim // 2)  # [tokens, >= half] each
     slots = metadata.out_slots
@@ -131,9 +134,23 @@ _LAYER_DESCRIPTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _descriptors(layer, weights: tuple[BlockWeight, ...]) -> ctypes.Array:
     """The four matrices as `layer.cpp` takes them, made once per layer (and again only if
-    its weights were replaced)."""
+    its weights were replaced), after checking that their shapes agree: the kernel sizes its
+    buffers from W_qkv's K and N and W_down's K alone."""
     cached = _LAYER_DESCRIPTORS.get(layer)
     if cached is None or any(a is not b for a, b in zip(cached[0], weights, strict=True)):
+        _check_layer_shapes(layer, weights)
         cached = (weights, (ctypes.c_int64 * 24)(*(v for w in weights for v in w.descriptor)))
         _LAYER_DESCRIPTORS[layer] = cached
     return cached[1]
+
+
+def _check_layer_shapes(layer, weights: tuple[BlockWeight, ...]) -> None:
+    (qkv_n, width), _, _, (_, inter) = (w.shape for w in weights)
+    q_width = layer.num_heads * layer.head_dim
+    expected = {"qkv_proj": (q_width + 2 * layer.num_kv_heads * layer.head_dim, width),
+                "o_proj": (width, q_width), "gate_up_proj": (2 * inter, width),
+                "down_proj": (width, inter)}
+    for (name, want), weight in zip(expected.items(), weights, strict=True):
+        if tuple(weight.shape) != want:
+            raise ValueError(f"the whole-layer kernel got {name} of shape {tuple(weight.shape)} "
+                             f"(N, K); this layer's heads and the other matrices need {want}")

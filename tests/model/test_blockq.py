@@ -275,6 +275,15 @@ def test_whole_layer_refuses_tables_and_slots_that_do_not_fit():
                               SimpleNamespace(out_slots=torch.tensor([3, 4]).int()), backend)
     with pytest.raises(ValueError, match="float32 CPU tensor"):
         cpu_ops.decoder_layer(layer, hidden.double(), None, cos, cos, good, backend)
+    with pytest.raises(ValueError, match="hidden has width 32; this layer's matrices take 64"):
+        cpu_ops.decoder_layer(layer, hidden[:, :32], None, cos, cos, good, backend)
+    # the kernel sizes its buffers from W_qkv and W_down: the other two must agree with them
+    real_o = layer.o_proj
+    layer.o_proj = BlockWeight.cat([real_o, real_o])  # 128 rows where 64 are needed
+    with pytest.raises(ValueError, match=r"o_proj of shape \(128, 64\) \(N, K\); .* need "
+                                         r"\(64, 64\)"):
+        cpu_ops.decoder_layer(layer, hidden, None, cos, cos, good, backend)
+    layer.o_proj = real_o
     # a layer with a dense matrix, or a pass whose attention is not the kernel's, runs op by op
     assert cpu_ops.decoder_layer(model.layers[1], hidden, None, cos, cos, good, backend) is None
     no_kernel = SimpleNamespace(cpu_kernel_attention=lambda index, metadata: None)
