@@ -56,9 +56,10 @@ class Speculator:
     # --- one verify step -----------------------------------------------------------------------
     def budgets(self, running: Running, free_slots: int) -> np.ndarray:
         """Adaptive budget, cut so the tree fits the context and the tokens still allowed, and
-        the batch's trees fit the `free_slots` of the pool (in batch order: drafts go to the
-        older requests first). A tree that did not fit would make the step retract a request
-        (or finish one alone in the pool) where a decode pass lets it go on."""
+        the batch's trees fit the `free_slots` of the pool (in batch order: admission order,
+        a request back from retraction last). A tree that did not fit would make the step
+        retract a request (or finish one alone in the pool) where a decode pass lets it go
+        on."""
         adaptive = np.array([self.stats.budget(int(u)) for u in running.rids], dtype=np.int64)
         room_context = running.max_context - running.kv_lens.lens - 1
         room_output = running.rules.max_new - running.num_output - 1

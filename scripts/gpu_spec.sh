@@ -32,7 +32,7 @@ b)
         echo "no first half in $STORE: this machine is not the one call 1 ran on; start again"
         exit 3
     fi
-    cat "$STORE/part_a" .carry/b >"$PACKAGE/$NAME" && touch "$PACKAGE/__init__.py"
+    cat "$STORE/part_a" .carry/b >"$PACKAGE/$NAME" && touch "$PACKAGE/__init__.py" || exit 5
     got=$(sha256sum "$PACKAGE/$NAME" | cut -d' ' -f1)
     if [ -n "${EXPECT:-}" ] && [ "$got" != "$EXPECT" ]; then
         echo "the model assembled on the GPU machine has sha256 $got, not $EXPECT"

@@ -104,19 +104,24 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
         raise ValueError(f"hidden has width {width}; this layer's matrices take "
                          f"{layer.qkv_proj.shape[1]}")
     check_norm(hidden, residual, width)
+    norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+    for name, norm in (("input_layernorm", norm_in), ("post_attention_layernorm", norm_post)):
+        if tuple(norm.weight.shape) != (width,) or not norm.weight.is_contiguous():
+            raise ValueError(f"{name}.weight must be contiguous [{width}] (the kernel reads "
+                             f"{width} floats from it); got {tuple(norm.weight.shape)}")
     check_rope_tables(hidden, cos, sin, layer.head_dim // 2)  # [tokens, >= half] each
     slots = metadata.out_slots
     if slots.dtype != torch.int64 or tuple(slots.shape) != (tokens,):
         raise ValueError(f"the pass's out_slots must be int64 [{tokens}]; got {slots.dtype} "
                          f"{tuple(slots.shape)}")
-    _fp32(hidden=hidden, cos=cos, sin=sin,
+    _fp32(hidden=hidden, cos=cos, sin=sin, input_layernorm=norm_in.weight,
+          post_attention_layernorm=norm_post.weight,
           **({} if residual is None else {"residual": residual}))
     hidden = hidden.contiguous()
     residual = None if residual is None else residual.contiguous()
     if cos.stride(0) != sin.stride(0):  # the kernel walks both tables with one row stride
         cos, sin = cos.contiguous(), sin.contiguous()
     out, residual_out = torch.empty(tokens, width), torch.empty(tokens, width)
-    norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
     cpu_kernels.library().cpu_decoder_layer(
         hidden.data_ptr(), None if residual is None else residual.data_ptr(), tokens,
         norm_in.weight.data_ptr(), norm_in.eps, norm_post.weight.data_ptr(), norm_post.eps,

@@ -20,7 +20,7 @@ import numpy as np
 class Fit(NamedTuple):
     """Seconds: `fixed` per pass, `per_row` per query row, and `verify_premium` more for a
     verify pass than for a decode pass of as many rows (its own graphs, tree metadata, the
-    host's walk of the trees and commit); 0 until both kinds were seen at several sizes."""
+    host's walk of the trees and commit); 0 where the passes seen cannot tell it apart."""
 
     fixed: float
     per_row: float
@@ -29,16 +29,24 @@ class Fit(NamedTuple):
 
 class PassCost:
     """Least squares of `seconds ~ fixed + per_row * rows + verify_premium * is_verify` over
-    the observed passes, each pass's weight decaying by `decay` per newer pass (the machine's
-    load changes). Where the premium cannot be told apart from the rows (verify passes of one
-    size only, or no decode passes), the fit is `fixed + per_row * rows` alone."""
+    the observed passes. Decode and verify passes are kept apart, each kind's weights decaying
+    by `decay` per newer pass of that kind (the machine's load changes), so that a long run of
+    one kind does not wash out the other. Where the passes cannot tell the three apart (one
+    kind unseen, or rows that move with the kind: verify passes of one size beside decode
+    passes of another), the fit is `fixed + per_row * rows`, as if verify passes cost only
+    their rows; where the per-row time comes out negative (rows nearly free, and noise),
+    `fixed + verify_premium * is_verify`."""
 
     def __init__(self, decay: float = 0.97) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay={decay!r} is not allowed; need a number in (0, 1)")
         self.decay = decay
-        self._normal = np.zeros((3, 3))  # sum of w * f f^T, f = (1, rows, is_verify)
-        self._target = np.zeros(3)  # sum of w * f * seconds
+        # per kind (0: decode, 1: verify): sums of w * f f^T and w * f * seconds,
+        # f = (1, rows, is_verify)
+        self._normal = np.zeros((2, 3, 3))
+        self._target = np.zeros((2, 3))
+        self._fit: Fit | None = None
+        self._fitted = True  # _fit is current
 
     def observe(self, rows: int, seconds: float, verify: bool = False) -> None:
         """One forward pass of `rows` query rows (requests plus their draft nodes); `verify`:
@@ -46,23 +54,33 @@ class PassCost:
         if rows < 1 or not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"rows={rows}, seconds={seconds} is not a pass; need rows >= 1 "
                              f"and a finite time >= 0")
-        features = np.array([1.0, float(rows), 1.0 if verify else 0.0])
-        self._normal = self.decay * self._normal + np.outer(features, features)
-        self._target = self.decay * self._target + features * float(seconds)
+        kind = int(bool(verify))
+        features = np.array([1.0, float(rows), float(kind)])
+        self._normal[kind] = self.decay * self._normal[kind] + np.outer(features, features)
+        self._target[kind] = self.decay * self._target[kind] + features * float(seconds)
+        self._fitted = False
 
     def fit(self) -> Fit | None:
         """The fitted times, or None until passes of two row counts were seen."""
-        full = _solve(self._normal, self._target)
-        if full is not None:
-            fixed, per_row, premium = full
-            if per_row >= 0 and premium >= 0:
-                return Fit(max(0.0, fixed), per_row, premium)
-        rows_only = _solve(self._normal[:2, :2], self._target[:2])
+        if not self._fitted:
+            self._fit, self._fitted = self._solve_fit(), True
+        return self._fit
+
+    def _solve_fit(self) -> Fit | None:
+        normal, target = self._normal.sum(axis=0), self._target.sum(axis=0)
+        if (self._normal[:, 0, 0] > 0).all():  # both kinds seen
+            full = _solve(normal, target)
+            if full is not None and full[1] >= 0 and full[2] >= 0:
+                return Fit(max(0.0, full[0]), full[1], full[2])
+            if full is not None and full[1] < 0:  # rows nearly free: noise made them < 0
+                no_rows = _solve(normal[np.ix_([0, 2], [0, 2])], target[[0, 2]])
+                if no_rows is not None and no_rows[1] >= 0:
+                    return Fit(max(0.0, no_rows[0]), 0.0, no_rows[1])
+        rows_only = _solve(normal[:2, :2], target[:2])
         if rows_only is None:
             return None
         per_row = max(0.0, rows_only[1])
-        weight, rows, seconds = self._normal[0, 0], self._normal[0, 1], self._target[0]
-        return Fit(max(0.0, (seconds - per_row * rows) / weight), per_row, 0.0)
+        return Fit(max(0.0, (target[0] - per_row * normal[0, 1]) / normal[0, 0]), per_row, 0.0)
 
     def _per_token(self, fit: Fit, batch: int) -> float:
         return (fit.fixed + fit.per_row * batch) / batch

@@ -143,22 +143,21 @@ def test_plan_ahead_with_speculation(backend):
         reference = _run(_tiny(backend, plan_ahead=False, speculative=True,
                                kv_cache_slots=pool), prompts, params)
         engine = _tiny(backend, speculative=True, kv_cache_slots=pool)
-        verify_steps, plans_before_verify = [], []
-        run_verify = engine.spec._verify
+        planned_at_entry, verify_after_plan = [], []
+        run_verify, verify = engine.spec.run_verify, engine.spec._verify
+
+        def recording_run(shell):
+            planned_at_entry.append(engine.ahead.prepared is not None)
+            return run_verify(shell)
 
         def recording_verify(*args):
-            verify_steps.append(1)
-            return run_verify(*args)
-        engine.spec._verify = recording_verify
-        real_drop = engine.ahead.drop
-
-        def recording_drop():
-            plans_before_verify.append(engine.ahead.prepared is not None)
-            real_drop()
-        engine.ahead.drop = recording_drop
+            assert engine.ahead.prepared is None, "a verify pass ran while a plan held slots"
+            verify_after_plan.append(planned_at_entry[-1])
+            return verify(*args)
+        engine.spec.run_verify, engine.spec._verify = recording_run, recording_verify
         assert _run(engine, prompts, params) == reference
         assert engine.stats["plans_ahead_used"] > 2
-        assert verify_steps and any(plans_before_verify), "no verify pass followed a plan"
+        assert any(verify_after_plan), "no verify pass followed a plan"
         greedy_engine = _tiny(backend, speculative=True, kv_cache_slots=pool)
         assert _run(greedy_engine, prompts, greedy) == plain
         assert greedy_engine.stats["plans_ahead_used"] > 5

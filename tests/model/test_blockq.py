@@ -284,6 +284,12 @@ def test_whole_layer_refuses_tables_and_slots_that_do_not_fit():
                                          r"\(64, 64\)"):
         cpu_ops.decoder_layer(layer, hidden, None, cos, cos, good, backend)
     layer.o_proj = real_o
+    real_norm = layer.post_attention_layernorm.weight
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(real_norm[:32].clone())
+    with pytest.raises(ValueError, match=r"post_attention_layernorm.weight must be contiguous "
+                                         r"\[64\]"):
+        cpu_ops.decoder_layer(layer, hidden, None, cos, cos, good, backend)
+    layer.post_attention_layernorm.weight = real_norm
     # a layer with a dense matrix, or a pass whose attention is not the kernel's, runs op by op
     assert cpu_ops.decoder_layer(model.layers[1], hidden, None, cos, cos, good, backend) is None
     no_kernel = SimpleNamespace(cpu_kernel_attention=lambda index, metadata: None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from engine.spec import PassCost
@@ -68,6 +69,42 @@ def test_a_verify_pass_premium_is_told_apart_from_its_rows() -> None:
         same.observe(13, 0.0036, verify=True)
     fixed, per_row, premium = same.fit()
     assert premium == 0.0 and per_row == pytest.approx(0.0022 / 12)
+
+
+def test_a_long_run_of_one_kind_keeps_what_the_other_costs() -> None:
+    """Copy-heavy text at batch 1 verifies every step for hundreds of steps, and free text
+    decodes for thousands: each kind's passes decay only with passes of their own kind, so
+    neither run washes the other out (with one decay for both, 400 verify passes in a row
+    turned the premium into a fixed part, and 24k decodes drove the verify sums to subnormal
+    floats and the premium to hundreds of decoded tokens)."""
+    cost = PassCost()
+    for rows in [2, 13, 4, 7, 3, 13, 2, 9]:
+        cost.observe(1, 0.0014)
+        cost.observe(rows, 0.0035 + 0.00002 * rows, verify=True)
+    before = cost.fit()
+    for step in range(600):
+        cost.observe(3 + step % 11, 0.0035 + 0.00002 * (3 + step % 11), verify=True)
+    assert cost.fit() == pytest.approx(before)
+    for _ in range(30000):
+        cost.observe(1, 0.0014)
+    assert cost.fit() == pytest.approx(before)
+    assert cost.verify_premium(1) == pytest.approx(before.verify_premium / 0.0014)
+
+
+def test_rows_that_cost_nothing_keep_the_premium_through_noise() -> None:
+    """A GPU with a small model: rows are free and the timings noisy. A per-row time that
+    comes out below 0 must not take the premium with it."""
+    rng = np.random.default_rng(0)
+    cost = PassCost()
+    premiums = []
+    for step in range(400):
+        cost.observe(1, 0.0014 + rng.normal(0, 5e-5))
+        rows = 2 + step % 12
+        cost.observe(rows, 0.0035 + rng.normal(0, 5e-5), verify=True)
+        if step >= 40:
+            premiums.append(cost.verify_premium(1))
+    assert min(premiums) > 1.2 and max(premiums) < 1.8  # 2.1 ms over ~1.4 ms decodes
+    assert cost.draft_cost(1) < 0.05
 
 
 def test_old_passes_are_forgotten() -> None:
