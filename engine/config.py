@@ -12,7 +12,8 @@ def _field(default: Any, help: str, validator: Any = None) -> Any:
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
         raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 1")
 
 
@@ -21,9 +22,11 @@ def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 0")
 
 
-def _fraction(instance: Any, attribute: attrs.Attribute, value: float) -> None:
-    if not 0 < value <= 1:
-        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be in (0, 1]")
+def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not 0 < value <= 1):  # NaN fails the comparison too
+        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be a number in "
+                         f"(0, 1]")
 
 
 def _one_of(*allowed: str) -> Any:

@@ -13,6 +13,10 @@ from engine.config import EngineConfig
     ("kv_cache_fraction", 0.0), ("kv_cache_fraction", 1.5), ("chunk_size", -1),
     ("max_running_requests", 2.0), ("cuda_graph_max_batch", -1), ("draft_budget", 0),
     ("draft_cost", -0.5), ("draft_cost", 2), ("draft_cost", True), ("draft_cost", "0.1"),
+    # a bool is not a count, and a fraction must be a number (these passed, or raised a
+    # TypeError that named nothing)
+    ("max_running_requests", True), ("kv_cache_slots", True), ("kv_cache_fraction", "0.5"),
+    ("kv_cache_fraction", float("nan")), ("kv_cache_fraction", True),
 ])
 def test_invalid_field_is_named(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"^{field}={value!r} is not allowed"):
