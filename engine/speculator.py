@@ -54,18 +54,12 @@ class Speculator:
         self._rngs.pop(uid, None)
 
     # --- one verify step -----------------------------------------------------------------------
-    def budgets(self, running: Running, free_slots: int) -> np.ndarray:
-        """Adaptive budget, cut so the tree fits the context and the tokens still allowed, and
-        the batch's trees fit the `free_slots` of the pool (in batch order: admission order,
-        a request back from retraction last). A tree that did not fit would make the step
-        retract a request (or finish one alone in the pool) where a decode pass lets it go
-        on."""
+    def budgets(self, running: Running) -> np.ndarray:
+        """Adaptive budget, cut so the tree fits the context and the tokens still allowed."""
         adaptive = np.array([self.stats.budget(int(u)) for u in running.rids], dtype=np.int64)
         room_context = running.max_context - running.kv_lens.lens - 1
         room_output = running.rules.max_new - running.num_output - 1
-        budgets = np.clip(np.minimum(adaptive, np.minimum(room_context, room_output)), 0, None)
-        spare = free_slots - len(running)  # once every request has its root's slot
-        return np.clip(spare - (np.cumsum(budgets) - budgets), 0, budgets)
+        return np.clip(np.minimum(adaptive, np.minimum(room_context, room_output)), 0, None)
 
     def draft_cost(self, batch: int) -> float:
         """A draft row's time in decoded tokens' time at this batch size (config, or measured)."""
@@ -75,10 +69,14 @@ class Speculator:
     def run_verify(self, engine: Engine) -> str:
         started = time.perf_counter()
         running = engine.running
-        held = engine.ahead.held_slots  # a plan's slots are free for this step's pass
+        # The batch's drafts fit the pool's free slots (a plan's held slots count: a verify
+        # pass drops the plan), handed out in batch order: admission order, a request back
+        # from retraction last. A tree that did not fit would make the step retract a request
+        # (or finish one alone in the pool) where a decode pass lets it go on.
+        held = engine.ahead.held_slots
         free = engine.book.slots.num_free + (0 if held is None else held.shape[0])
-        trees = self.proposer.propose_batch(running.rids.tolist(),
-                                            self.budgets(running, free).tolist())
+        trees = self.proposer.propose_batch(running.rids.tolist(), self.budgets(running).tolist(),
+                                            total_drafts=max(free - len(running), 0))
         if trees.sizes.total == len(running):
             # Nothing drafted anywhere: a root-only verify is a decode, and the decode pass
             # is cheaper (its graphs are not sized for draft trees). It may have been planned

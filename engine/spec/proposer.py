@@ -104,13 +104,17 @@ class NgramProposer:
         drafts, parents = _grow(trie, node, budget, cfg.breadth(match_len))
         return DraftTree([root_token, *drafts], [-1, *parents], match_len)
 
-    def propose_batch(self, rids: Sequence[int],
-                      budgets: Sequence[int] | None = None) -> DraftTrees:
+    def propose_batch(self, rids: Sequence[int], budgets: Sequence[int] | None = None,
+                      total_drafts: int | None = None) -> DraftTrees:
         """The batch form of one tree per request of `rids`, in order (each rooted at its
-        request's last known token, which must be its pending token)."""
+        request's last known token, which must be its pending token). `total_drafts`: at
+        most this many drafts in all, handed out in order, so that what one request's tree
+        does not use (no match, a short one) goes to the next."""
         if budgets is not None and len(budgets) != len(rids):
             raise ValueError(f"{len(budgets)} budgets for {len(rids)} requests")
-        if budgets is not None and not any(budgets):  # the common step where nobody drafts
+        if total_drafts is not None and total_drafts < 0:
+            raise ValueError(f"total_drafts={total_drafts} is not allowed; need >= 0 or None")
+        if total_drafts == 0 or (budgets is not None and not any(budgets)):  # nobody drafts
             roots = []
             for rid in rids:
                 tokens = self._history(int(rid)).tokens
@@ -118,8 +122,13 @@ class NgramProposer:
                     raise ValueError(f"request {rid} has no tokens to root a draft tree at")
                 roots.append(tokens[-1])
             return DraftTrees.roots_only(np.array(roots, dtype=np.int64))
-        trees = [self.propose(int(rid), budget=None if budgets is None else int(budgets[i]))
-                 for i, rid in enumerate(rids)]
+        trees, left = [], total_drafts
+        for i, rid in enumerate(rids):
+            budget = self.config.draft_budget if budgets is None else int(budgets[i])
+            tree = self.propose(int(rid), budget=budget if left is None else min(budget, left))
+            if left is not None:
+                left -= len(tree.tokens) - 1
+            trees.append(tree)
         return stack(trees)
 
     def _match(self, trie: Trie, tokens: Sequence[int]) -> tuple[Trie | None, int, int]:

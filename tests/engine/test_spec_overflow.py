@@ -50,8 +50,7 @@ def test_steps_without_any_draft_run_as_plain_decode(monkeypatch):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     plain = _engine(speculative=False).generate(prompts, params)
     engine = _engine(speculative=True)
-    monkeypatch.setattr(engine.spec, "budgets",
-                        lambda running, free: np.zeros(len(running), np.int64))
+    monkeypatch.setattr(engine.spec, "budgets", lambda running: np.zeros(len(running), np.int64))
     out = engine.generate(prompts, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     modes = {mode for mode, _ in engine.step_times}

@@ -164,3 +164,25 @@ def test_a_suffix_without_a_shorter_match_has_no_longer_one(history, corpus, min
                 expected = (hit[0], hit[1], length)
                 break
         assert proposer._match(history_trie, tokens) == expected
+
+
+def test_total_drafts_go_in_order_and_unused_ones_pass_on() -> None:
+    """A pool with room for 5 drafts in all: the first request that matches takes what its
+    tree uses; a request with no match takes none, and the next one gets them."""
+    config = SpecConfig(max_trie_depth=6, min_match=1, max_match=3, capacity=144)
+    proposer = NgramProposer(config)
+    proposer.add_request(0, [1, 2, 3, 4, 5, 6, 7, 1, 2])  # matches "1 2" -> 3 4 5 ...
+    proposer.add_request(1, [9, 8, 7])  # no repeated suffix: root only
+    proposer.add_request(2, [4, 5, 6, 7, 8, 9, 4, 5])  # matches "4 5" -> 6 7 8 ...
+    sizes = lambda trees: trees.sizes.lens.tolist()  # noqa: E731
+    # unbounded, each tree has 4 drafts (the histories hold no more)
+    assert sizes(proposer.propose_batch([0, 1, 2], [12, 12, 12])) == [5, 1, 5]
+    assert sizes(proposer.propose_batch([0, 1, 2], [12, 12, 12], total_drafts=5)) == [5, 1, 2]
+    # request 1 matches nothing: its budget of 12 reserves none of the 5 (cutting budgets
+    # before proposing gave every tree here the root only)
+    assert sizes(proposer.propose_batch([1, 2, 0], [12, 12, 12], total_drafts=5)) == [1, 5, 2]
+    assert sizes(proposer.propose_batch([0, 2], [2, 12], total_drafts=5)) == [3, 4]
+    assert sizes(proposer.propose_batch([0, 1, 2], [4, 12, 12], total_drafts=5)) == [5, 1, 2]
+    assert sizes(proposer.propose_batch([0, 2], None, total_drafts=0)) == [1, 1]
+    with pytest.raises(ValueError, match="total_drafts=-1 is not allowed"):
+        proposer.propose_batch([0], [1], total_drafts=-1)
