@@ -42,6 +42,24 @@ inline float softmax_unnormalised(float* scores, int64_t n) {
     return n ? 1.0f / _mm512_reduce_add_ps(total) : 0.0f;
 }
 
+// The pool's layout, in one place: the row of `slot` and kv head `kvh` in a cache
+// [slots][num_kv_heads][d]
+inline const float* slot_row(const float* cache, int32_t slot, int64_t num_kv_heads,
+                             int64_t kvh, int64_t d) {
+    return cache + ((int64_t)slot * num_kv_heads + kvh) * d;
+}
+
+// a row of 16 * C floats: asked for into L1, or loaded into registers
+template <int C>
+inline void prefetch_row(const float* row) {
+    for (int c = 0; c < C; ++c) engine_cpu::prefetch(row + 16 * c);
+}
+
+template <int C>
+inline void load_row(const float* row, __m512 (&v)[C]) {
+    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + 16 * c);
+}
+
 inline float dot(const float* a, const float* b, int64_t d) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t e = 0; e < d; e += 16) {
@@ -69,19 +87,14 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
     // K/V rows sit at scattered slots, mostly outside the caches: fetch a few keys ahead
     constexpr int64_t kAhead = 8;
     for (int64_t j = 0; j < n && j < kAhead; ++j)
-        for (int c = 0; c < C; ++c)
-            engine_cpu::prefetch(k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d + 16 * c);
+        prefetch_row<C>(slot_row(k_cache, keys[j], num_kv_heads, kvh, d));
     for (int64_t j = 0; j < n; ++j) {
-        if (j + kAhead < n)
-            for (int c = 0; c < C; ++c) {
-                engine_cpu::prefetch(k_cache + ((int64_t)keys[j + kAhead] * num_kv_heads + kvh)
-                                     * d + 16 * c);
-                engine_cpu::prefetch(v_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d
-                                     + 16 * c);
-            }
-        const float* kr = k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d;
+        if (j + kAhead < n) {
+            prefetch_row<C>(slot_row(k_cache, keys[j + kAhead], num_kv_heads, kvh, d));
+            prefetch_row<C>(slot_row(v_cache, keys[j], num_kv_heads, kvh, d));
+        }
         __m512 kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+        load_row<C>(slot_row(k_cache, keys[j], num_kv_heads, kvh, d), kv);
         for (int64_t g = 0; g < group; ++g) {
             __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
             for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
@@ -94,9 +107,8 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
     for (int64_t g = 0; g < group; ++g)
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-        const float* vr = v_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d;
         __m512 vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+        load_row<C>(slot_row(v_cache, keys[j], num_kv_heads, kvh, d), vv);
         for (int64_t g = 0; g < group; ++g) {
             const __m512 p = _mm512_set1_ps(scores[g * n + j]);
             for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
@@ -132,12 +144,9 @@ void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const fl
     constexpr int64_t kAhead = 8;
     for (int64_t j = 0; j < len; ++j) {
         if (j + kAhead < len)
-            for (int c = 0; c < C; ++c)
-                engine_cpu::prefetch(k_cache + ((int64_t)keys[j + kAhead] * num_kv_heads + kvh)
-                                     * d + 16 * c);
-        const float* kr = k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d;
+            prefetch_row<C>(slot_row(k_cache, keys[j + kAhead], num_kv_heads, kvh, d));
         __m512 kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+        load_row<C>(slot_row(k_cache, keys[j], num_kv_heads, kvh, d), kv);
         __m512 acc[16];
         for (int u = 0; u < 16; ++u) {
             if (u >= queries) {  // lanes no query uses (a short chunk): sum zeros
@@ -183,9 +192,8 @@ void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const fl
         for (int r = 0; r < R; ++r)
             for (int c = 0; c < C; ++c) sums[r][c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < len; ++j) {
-            const float* vr = v_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d;
             __m512 vv[C];
-            for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+            load_row<C>(slot_row(v_cache, keys[j], num_kv_heads, kvh, d), vv);
             for (int r = 0; r < R; ++r) {  // (lanes past the 16th: read, never stored)
                 const __m512 p = _mm512_set1_ps(scores[j * 16 + std::min<int64_t>(u0 + r, 15)]);
                 for (int c = 0; c < C; ++c) sums[r][c] = _mm512_fmadd_ps(p, vv[c], sums[r][c]);
@@ -277,8 +285,8 @@ extern "C" void cpu_paged_attention(
                 const float* qh = qt + h * d;
                 float* oh = ot + h * d;
                 for (int64_t j = 0; j < n; ++j)
-                    scores[j] = dot(qh, k_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d,
-                                    d) * scale;
+                    scores[j] = dot(qh, slot_row(k_cache, keys[j], num_kv_heads, kvh, d), d)
+                                * scale;
                 const float inv = softmax_unnormalised(scores.data(), n);
                 for (int64_t e = 0; e < d; e += 16) {
                     const __mmask16 m = tail_mask(d - e);
@@ -287,7 +295,7 @@ extern "C" void cpu_paged_attention(
                         acc = _mm512_fmadd_ps(
                             _mm512_set1_ps(scores[j]),
                             _mm512_maskz_loadu_ps(
-                                m, v_cache + ((int64_t)keys[j] * num_kv_heads + kvh) * d + e),
+                                m, slot_row(v_cache, keys[j], num_kv_heads, kvh, d) + e),
                             acc);
                     _mm512_mask_storeu_ps(oh + e, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
                 }
