@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"[{name}] steps: plain {step_profile(plain)}; "
               f"spec {step_profile(spec)}; measured draft cost "
               f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row, verify "
-              f"premium {spec.engine.spec.last_verify_premium:.2f} decoded tokens a pass",
+              f"premium {spec.engine.spec.cost.verify_premium(1):.2f} decoded tokens a pass",
               flush=True)
         ceiling = replay(prompts, outputs)
         rows.append((name, len(prompts), max_tokens, mean_accepted, rate, same, ceiling))

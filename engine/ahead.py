@@ -27,6 +27,11 @@ class PlanAhead:
         self.prepared: Prepared | None = None
 
     @property
+    def num_held(self) -> int:
+        """How many slots the plan holds (0 without a plan)."""
+        return 0 if self.prepared is None else self.prepared.batch.out_slots.shape[0]
+
+    @property
     def held_slots(self) -> np.ndarray | None:
         """The slots the plan holds (in flight: owned by no request yet), or None."""
         return None if self.prepared is None else self.prepared.batch.out_slots

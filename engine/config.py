@@ -6,25 +6,26 @@ from typing import Any
 
 import attrs
 
+from engine.spec.config import SpecConfig, _is_number
+from engine.state.params import _is_int
+
 
 def _field(default: Any, help: str, validator: Any = None) -> Any:
     return attrs.field(default=default, metadata={"help": help}, validator=validator)
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                              or value < 1):
+    if value is not None and (not _is_int(value) or value < 1):
         raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 1")
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not _is_int(value) or value < 0:
         raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 0")
 
 
 def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not 0 < value <= 1):  # NaN fails the comparison too
+    if not _is_number(value) or not 0 < value <= 1:  # NaN fails the comparison too
         raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be a number in "
                          f"(0, 1]")
 
@@ -37,9 +38,7 @@ def _one_of(*allowed: str) -> Any:
 
 
 def _draft_cost(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    from engine.spec.config import SpecConfig  # its check, with its message
-
-    SpecConfig(draft_cost=value)
+    SpecConfig(draft_cost=value)  # its check, with its message
 
 
 @attrs.frozen

@@ -152,10 +152,9 @@ class Engine:
         if not self.waiting:
             return 0
         step_slots = 1 + (self.config.draft_budget if self.spec else 0)
-        held = 0 if self.ahead.held_slots is None else self.ahead.held_slots.shape[0]
         return scheduler.count_admissible(
             (r.num_tokens for r in self.waiting), self.book.table.num_free_rows,
-            self.book.slots.num_free + held, len(self.running) * step_slots,
+            self.book.slots.num_free + self.ahead.num_held, len(self.running) * step_slots,
             self.config.chunk_size, step_slots)
 
     def _admit(self) -> None:

@@ -30,8 +30,7 @@ class Speculator:
         self.proposer = NgramProposer(self.config)
         self.stats = SpecStats(self.config)
         self.cost = PassCost()  # what a draft row costs here, from the passes below
-        self.last_draft_cost = 0.0  # the one the last verify pass was judged with
-        self.last_verify_premium = 0.0  # and its cost beyond its rows, in decoded tokens
+        self.last_draft_cost = 0.0  # measured (or configured) at the last verify pass's batch
         self._rngs: dict[int, np.random.Generator] = {}
 
     # --- request lifetime (history must end with the pending token) ---------------------------
@@ -69,23 +68,23 @@ class Speculator:
     def run_verify(self, engine: Engine) -> str:
         started = time.perf_counter()
         running = engine.running
+        uids = running.rids.tolist()
         # The batch's drafts fit the pool's free slots (a plan's held slots count: a verify
         # pass drops the plan), handed out in batch order: admission order, a request back
         # from retraction last. A tree that did not fit would make the step retract a request
         # (or finish one alone in the pool) where a decode pass lets it go on.
-        held = engine.ahead.held_slots
-        free = engine.book.slots.num_free + (0 if held is None else held.shape[0])
-        trees = self.proposer.propose_batch(running.rids.tolist(), self.budgets(running).tolist(),
+        free = engine.book.slots.num_free + engine.ahead.num_held
+        trees = self.proposer.propose_batch(uids, self.budgets(running).tolist(),
                                             total_drafts=max(free - len(running), 0))
         if trees.sizes.total == len(running):
             # Nothing drafted anywhere: a root-only verify is a decode, and the decode pass
             # is cheaper (its graphs are not sized for draft trees). It may have been planned
-            # during the last pass (PlanAhead); if not, its slots are reserved here, so that
-            # the decode step below cannot retract after the stats are recorded.
-            engine.ahead.drop_unless_fits(running)
+            # during the last pass (PlanAhead; Engine.step kept it only if it fits `running`);
+            # if not, its slots are reserved here, so that the decode step below cannot
+            # retract after the stats are recorded.
             if engine.ahead.prepared is None and not engine._reserve(lambda: len(running)):
                 return "retract"
-            self.stats.record_batch(running.rids, trees, np.zeros(len(running), np.int64))
+            self.stats.record_batch(uids, trees, np.zeros(len(running), np.int64))
             mode = engine._decode_step()
             if mode == "decode":
                 self._observe(len(running), started)
@@ -95,13 +94,11 @@ class Speculator:
             return "retract"
         batch = state.schedule_verify(running, trees, engine.book.slots.alloc(trees.sizes.total))
         logits = engine._forward(batch)
-        uids = running.rids.tolist()
         outcome = self._verify(batch, uids, [engine.requests[u].params for u in uids], logits)
         self.last_draft_cost = self.draft_cost(len(running))
-        self.last_verify_premium = (self.cost.verify_premium(len(running))
-                                    if self.config.draft_cost is None else 0.0)
+        # (0 with a configured cost: the passes are not timed then, and nothing is fitted)
         self.stats.record_batch(uids, trees, outcome.accepted_lens.lens, self.last_draft_cost,
-                                self.last_verify_premium)
+                                self.cost.verify_premium(len(running)))
         engine._commit(state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes,
                                     outcome.bonus))
         # timed as the decode step: propose to commit

@@ -35,10 +35,12 @@ class SpecConfig:
     probe_interval (16): steps a request waits at budget 0 before drafting again (budget 1);
         a probe that is rejected returns the request to budget 0 at once.
     draft_cost (None): the time of one draft row in decoded tokens' time (a decode pass's
-        time per request); None: measured from the engine's own passes (`spec.cost`).
+        time per request); None: measured from the engine's own passes (`spec.cost`), with a
+        verify pass's premium over a decode pass. A configured cost has no premium.
     shrink_after_loss (2.0): within the recent drafting steps, when the drafts' cost minus
-        the accepted drafts (sum of draft_cost * drafted - accepted, in decoded tokens) exceeds
-        this, the budget halves without waiting for a full window.
+        the accepted drafts (sum of draft_cost * drafted + the step's share of the verify
+        premium - accepted, in decoded tokens) exceeds this, the budget halves without
+        waiting for a full window.
     """
 
     max_trie_depth: int = 16

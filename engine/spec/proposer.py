@@ -15,6 +15,7 @@ from engine.spec.config import SpecConfig
 from engine.spec.tree import DraftTree, stack
 from engine.spec.trie import Trie
 from engine.state.batch import DraftTrees
+from engine.state.seqlens import INDEX_DTYPE
 
 
 class _RequestHistory:
@@ -87,8 +88,7 @@ class NgramProposer:
         with at most `budget` drafts (default: config.draft_budget)."""
         history = self._history(rid)
         tokens = history.tokens if context is None else context
-        if not tokens:
-            raise ValueError(f"request {rid} has no tokens to root a draft tree at")
+        _check_rooted(rid, tokens)
         cfg = self.config
         if budget is None:
             budget = cfg.draft_budget
@@ -118,10 +118,9 @@ class NgramProposer:
             roots = []
             for rid in rids:
                 tokens = self._history(int(rid)).tokens
-                if not tokens:
-                    raise ValueError(f"request {rid} has no tokens to root a draft tree at")
+                _check_rooted(rid, tokens)
                 roots.append(tokens[-1])
-            return DraftTrees.roots_only(np.array(roots, dtype=np.int64))
+            return DraftTrees.roots_only(np.array(roots, dtype=INDEX_DTYPE))
         trees, left = [], total_drafts
         for i, rid in enumerate(rids):
             budget = self.config.draft_budget if budgets is None else int(budgets[i])
@@ -149,6 +148,11 @@ class NgramProposer:
                 if node >= 0 and source.first_child[node] >= 0:
                     return source, node, match_len
         return None, -1, 0
+
+
+def _check_rooted(rid: int, tokens: Sequence[int]) -> None:
+    if not tokens:
+        raise ValueError(f"request {rid} has no tokens to root a draft tree at")
 
 
 def _continues(trie: Trie, suffix: Sequence[int]) -> bool:

@@ -119,26 +119,20 @@ class SpecStats:
             self._adapt(entry, drafted, accepted, cost)
 
     def record_batch(self, rids: Sequence[int] | np.ndarray, trees: DraftTrees,
-                     accepted_lens: Sequence[int] | np.ndarray,
-                     draft_costs: float | Sequence[float] | np.ndarray = 0.0,
+                     accepted_lens: Sequence[int] | np.ndarray, draft_cost: float = 0.0,
                      verify_premium: float = 0.0) -> None:
         """One verify pass: `rids` in batch order, their trees and accepted lengths, the
-        measured draft cost (one for all, or one per request), and what the pass cost beyond
-        its rows in decoded tokens (`PassCost.verify_premium`), shared by the requests that
-        drafted in it."""
+        measured draft cost, and what the pass cost beyond its rows in decoded tokens
+        (`PassCost.verify_premium`), shared by the requests that drafted in it."""
         drafted = trees.sizes.lens - 1
         accepted = np.asarray(accepted_lens).reshape(-1)
-        costs = np.asarray(draft_costs, dtype=np.float64).reshape(-1)
-        if not len(rids) == drafted.shape[0] == accepted.shape[0] or costs.shape[0] not in (
-                1, accepted.shape[0]):
-            raise ValueError(f"{len(rids)} requests, {drafted.shape[0]} trees, "
-                             f"{accepted.shape[0]} accepted lengths and {costs.shape[0]} draft "
-                             f"costs must match (or one cost for all)")
-        costs = np.broadcast_to(costs, accepted.shape)
+        if not len(rids) == drafted.shape[0] == accepted.shape[0]:
+            raise ValueError(f"{len(rids)} requests, {drafted.shape[0]} trees and "
+                             f"{accepted.shape[0]} accepted lengths must match")
         share = verify_premium / max(int((drafted > 0).sum()), 1)
-        for rid, num_drafted, num_accepted, cost in zip(rids, drafted.tolist(), accepted.tolist(),
-                                                        costs.tolist(), strict=True):
-            self.record(int(rid), num_drafted, num_accepted, cost,
+        for rid, num_drafted, num_accepted in zip(rids, drafted.tolist(), accepted.tolist(),
+                                                  strict=True):
+            self.record(int(rid), num_drafted, num_accepted, draft_cost,
                         share if num_drafted else 0.0)
 
     def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, cost: float) -> None:

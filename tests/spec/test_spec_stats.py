@@ -159,7 +159,7 @@ def test_errors() -> None:
         stats.add(3)
     with pytest.raises(ValueError, match=r"accepted=3, drafted=2 is not allowed"):
         stats.record(3, drafted=2, accepted=3)
-    with pytest.raises(ValueError, match="1 requests, 2 trees, 2 accepted lengths and 1 draft"):
+    with pytest.raises(ValueError, match="1 requests, 2 trees and 2 accepted lengths must"):
         stats.record_batch([3], stack([DraftTree.root_only(1)] * 2), [0, 0])
-    with pytest.raises(ValueError, match="1 requests, 1 trees, 1 accepted lengths and 2 draft"):
-        stats.record_batch([3], stack([DraftTree.root_only(1)]), [0], [0.1, 0.2])
+    with pytest.raises(ValueError, match="1 requests, 1 trees and 2 accepted lengths must"):
+        stats.record_batch([3], stack([DraftTree.root_only(1)]), [0, 0])
