@@ -60,6 +60,10 @@ inline void load_row(const float* row, __m512 (&v)[C]) {
     for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + 16 * c);
 }
 
+// K/V rows sit at scattered slots, mostly outside the caches: the kernels fetch this many
+// keys ahead
+constexpr int64_t kAhead = 8;
+
 inline float dot(const float* a, const float* b, int64_t d) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t e = 0; e < d; e += 16) {
@@ -82,10 +86,7 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
                int64_t kvh, float scale, float* scores, float* out) {
     constexpr int64_t d = 16 * C;
     __m512 qv[kMaxGroup][C];
-    for (int64_t g = 0; g < group; ++g)
-        for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * d + 16 * c);
-    // K/V rows sit at scattered slots, mostly outside the caches: fetch a few keys ahead
-    constexpr int64_t kAhead = 8;
+    for (int64_t g = 0; g < group; ++g) load_row<C>(q + g * d, qv[g]);
     for (int64_t j = 0; j < n && j < kAhead; ++j)
         prefetch_row<C>(slot_row(k_cache, keys[j], num_kv_heads, kvh, d));
     for (int64_t j = 0; j < n; ++j) {
@@ -121,34 +122,36 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
 }
 
 // A tree verify's tokens [t0, t0 + count) of one request against one kv head, count * group
-// <= 16 queries (u = t * group + g): each K row is loaded once for all of them (each V row
-// once per few queries, as many as the accumulators' registers hold), and the queries'
-// scores at a key come from one transposed sum (sum16) instead of one horizontal sum each.
-// Softmax runs across the queries at once, one key at a time. Per token, keys
+// <= kTreeQueries queries (u = t * group + g): each K row is loaded once for all of them
+// (each V row once per few queries, as many as the accumulators' registers hold), and the
+// queries' scores at a key come from one transposed sum (sum16) instead of one horizontal
+// sum each. Softmax runs across the queries at once, one key at a time. Per token, keys
 // [0, min(prefix, len)) are visible, and key prefix + m where bit m of its tree_bits is set
-// (m < kMaxTreeNodes: len <= prefix + the tree's nodes). work: this thread's scratch (16 * d
-// queries, then len * 16 scores; every score is written before it is read).
+// (m < kMaxTreeNodes: keys past prefix + kMaxTreeNodes are visible to none, and skipped).
+// work: this thread's scratch (kTreeQueries * d queries, then len * kTreeQueries scores;
+// every score is written before it is read).
 constexpr int64_t kMaxTreeNodes = 63;  // engine/state/batch.py MAX_TREE_NODES
+constexpr int64_t kTreeQueries = 16;  // one lane of a vector, of an __mmask16, of sum16 each
 template <int C>
 void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                 const int32_t* keys, int64_t len, int64_t prefix, const int64_t* bits,
                 int64_t count, int64_t group, int64_t num_heads, int64_t num_kv_heads,
                 int64_t kvh, float scale, float* out, std::vector<float>& work) {
-    constexpr int64_t d = 16 * C;
+    constexpr int64_t d = 16 * C, Q = kTreeQueries;
+    len = std::min(len, prefix + kMaxTreeNodes);  // no tree bit reaches past the last node
     const int64_t queries = count * group;
-    work.resize(16 * d + len * 16);
+    work.resize(Q * d + len * Q);
     float* qs = work.data();
-    float* scores = qs + 16 * d;  // [len][16]
+    float* scores = qs + Q * d;  // [len][Q]
     for (int64_t u = 0; u < queries; ++u)
         std::copy_n(q + (u / group) * q_stride + (kvh * group + u % group) * d, d, qs + u * d);
-    constexpr int64_t kAhead = 8;
     for (int64_t j = 0; j < len; ++j) {
         if (j + kAhead < len)
             prefetch_row<C>(slot_row(k_cache, keys[j + kAhead], num_kv_heads, kvh, d));
         __m512 kv[C];
         load_row<C>(slot_row(k_cache, keys[j], num_kv_heads, kvh, d), kv);
-        __m512 acc[16];
-        for (int u = 0; u < 16; ++u) {
+        __m512 acc[Q];
+        for (int u = 0; u < Q; ++u) {
             if (u >= queries) {  // lanes no query uses (a short chunk): sum zeros
                 acc[u] = _mm512_setzero_ps();
                 continue;
@@ -157,7 +160,7 @@ void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const fl
             for (int c = 1; c < C; ++c)
                 acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(qs + u * d + 16 * c), kv[c], acc[u]);
         }
-        _mm512_storeu_ps(scores + j * 16,
+        _mm512_storeu_ps(scores + j * Q,
                          _mm512_mul_ps(engine_cpu::sum16(acc), _mm512_set1_ps(scale)));
     }
     // the tree's keys: visible to a token only if they are its ancestors (or itself)
@@ -173,15 +176,15 @@ void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const fl
     };
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < len; ++j)
-        top = _mm512_mask_max_ps(top, visible(j), top, _mm512_loadu_ps(scores + j * 16));
+        top = _mm512_mask_max_ps(top, visible(j), top, _mm512_loadu_ps(scores + j * Q));
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < len; ++j) {
         const __m512 e = _mm512_maskz_mov_ps(
-            visible(j), exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + j * 16), top)));
-        _mm512_storeu_ps(scores + j * 16, e);
+            visible(j), exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + j * Q), top)));
+        _mm512_storeu_ps(scores + j * Q, e);
         total = _mm512_add_ps(total, e);
     }
-    alignas(64) float inv[16];  // 0 for a query that sees no key
+    alignas(64) float inv[Q];  // 0 for a query that sees no key
     _mm512_store_ps(inv, _mm512_maskz_div_ps(
         _mm512_cmp_ps_mask(total, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.0f),
         total));
@@ -194,8 +197,8 @@ void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const fl
         for (int64_t j = 0; j < len; ++j) {
             __m512 vv[C];
             load_row<C>(slot_row(v_cache, keys[j], num_kv_heads, kvh, d), vv);
-            for (int r = 0; r < R; ++r) {  // (lanes past the 16th: read, never stored)
-                const __m512 p = _mm512_set1_ps(scores[j * 16 + std::min<int64_t>(u0 + r, 15)]);
+            for (int r = 0; r < R; ++r) {  // (lanes past the last: read, never stored)
+                const __m512 p = _mm512_set1_ps(scores[j * Q + std::min(u0 + r, Q - 1)]);
                 for (int c = 0; c < C; ++c) sums[r][c] = _mm512_fmadd_ps(p, vv[c], sums[r][c]);
             }
         }
@@ -217,9 +220,9 @@ extern "C" void cpu_paged_attention(
         int64_t num_kv_heads, int64_t head_dim, int64_t q_stride, float scale, float* out,
         int64_t threads) {
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
-    if (tree_bits != nullptr && group <= 16 && (d == 64 || d == 128)) {
-        // verify: tasks of (request, chunk of its tokens, kv head), 16 queries a chunk at most
-        const int64_t per_chunk = 16 / group;
+    if (tree_bits != nullptr && group <= kTreeQueries && (d == 64 || d == 128)) {
+        // verify: tasks of (request, chunk of its tokens, kv head), kTreeQueries a chunk at most
+        const int64_t per_chunk = kTreeQueries / group;
         std::vector<std::pair<int64_t, int64_t>> chunk_of;  // (first token, request)
         for (int64_t i = 0; i < batch; ++i)
             for (int64_t t = qo_indptr[i]; t < qo_indptr[i + 1]; t += per_chunk)

@@ -134,9 +134,8 @@ class BlockWeight:
         lib = cpu_kernels.library()
         flat = x.reshape(-1, self.shape[1]).contiguous()
         out = torch.empty(flat.shape[0], self.shape[0], dtype=torch.float32)
-        if flat.shape[0]:
-            lib.blockq_linear(flat.data_ptr(), flat.shape[0], self._c_descriptor,
-                              out.data_ptr(), torch.get_num_threads())
+        lib.blockq_linear(flat.data_ptr(), flat.shape[0], self._c_descriptor,  # 0 rows: none
+                          out.data_ptr(), torch.get_num_threads())
         return out.view(*x.shape[:-1], self.shape[0])
 
 

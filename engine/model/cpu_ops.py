@@ -99,23 +99,15 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
     if attention is None:
         return None
     k_cache, v_cache, *indices, bits = attention
-    tokens, width = hidden.shape
-    if width != layer.qkv_proj.shape[1]:
-        raise ValueError(f"hidden has width {width}; this layer's matrices take "
-                         f"{layer.qkv_proj.shape[1]}")
+    tokens, width = hidden.shape[0], layer.qkv_proj.shape[1]  # the width the kernel uses
     check_norm(hidden, residual, width)
     norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
-    for name, norm in (("input_layernorm", norm_in), ("post_attention_layernorm", norm_post)):
-        if tuple(norm.weight.shape) != (width,) or not norm.weight.is_contiguous():
-            raise ValueError(f"{name}.weight must be contiguous [{width}] (the kernel reads "
-                             f"{width} floats from it); got {tuple(norm.weight.shape)}")
     check_rope_tables(hidden, cos, sin, layer.head_dim // 2)  # [tokens, >= half] each
     slots = metadata.out_slots
     if slots.dtype != torch.int64 or tuple(slots.shape) != (tokens,):
         raise ValueError(f"the pass's out_slots must be int64 [{tokens}]; got {slots.dtype} "
                          f"{tuple(slots.shape)}")
-    _fp32(hidden=hidden, cos=cos, sin=sin, input_layernorm=norm_in.weight,
-          post_attention_layernorm=norm_post.weight,
+    _fp32(hidden=hidden, cos=cos, sin=sin,
           **({} if residual is None else {"residual": residual}))
     hidden = hidden.contiguous()
     residual = None if residual is None else residual.contiguous()
@@ -125,7 +117,8 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
     cpu_kernels.library().cpu_decoder_layer(
         hidden.data_ptr(), None if residual is None else residual.data_ptr(), tokens,
         norm_in.weight.data_ptr(), norm_in.eps, norm_post.weight.data_ptr(), norm_post.eps,
-        _descriptors(layer, weights), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+        _descriptors(layer, weights, (norm_in.weight, norm_post.weight)), cos.data_ptr(),
+        sin.data_ptr(), cos.stride(0),
         slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         *(t.data_ptr() for t in indices), None if bits is None else bits.data_ptr(),
         metadata.prefix_lens.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim,
@@ -137,20 +130,29 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
 _LAYER_DESCRIPTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _descriptors(layer, weights: tuple[BlockWeight, ...]) -> ctypes.Array:
+def _descriptors(layer, weights: tuple[BlockWeight, ...],
+                 norms: tuple[torch.Tensor, torch.Tensor]) -> ctypes.Array:
     """The four matrices as `layer.cpp` takes them, made once per layer (and again only if
-    its weights were replaced), after checking that their shapes agree: the kernel sizes its
-    buffers from W_qkv's K and N and W_down's K alone."""
+    its weights or norms were replaced), after checking that their shapes agree: the kernel
+    sizes its buffers from W_qkv's K and N and W_down's K alone, and reads that many floats
+    from each norm weight."""
     cached = _LAYER_DESCRIPTORS.get(layer)
-    if cached is None or any(a is not b for a, b in zip(cached[0], weights, strict=True)):
-        _check_layer_shapes(layer, weights)
-        cached = (weights, (ctypes.c_int64 * 24)(*(v for w in weights for v in w.descriptor)))
+    params = (*weights, *norms)
+    if cached is None or any(a is not b for a, b in zip(cached[0], params, strict=True)):
+        _check_layer_shapes(layer, weights, norms)
+        cached = (params, (ctypes.c_int64 * 24)(*(v for w in weights for v in w.descriptor)))
         _LAYER_DESCRIPTORS[layer] = cached
     return cached[1]
 
 
-def _check_layer_shapes(layer, weights: tuple[BlockWeight, ...]) -> None:
-    (qkv_n, width), _, _, (_, inter) = (w.shape for w in weights)
+def _check_layer_shapes(layer, weights: tuple[BlockWeight, ...],
+                        norms: tuple[torch.Tensor, torch.Tensor]) -> None:
+    (_, width), _, _, (_, inter) = (w.shape for w in weights)
+    for name, norm in zip(("input_layernorm", "post_attention_layernorm"), norms, strict=True):
+        _fp32(**{name: norm})
+        if tuple(norm.shape) != (width,) or not norm.is_contiguous():
+            raise ValueError(f"{name}.weight must be contiguous [{width}] (the kernel reads "
+                             f"{width} floats from it); got {tuple(norm.shape)}")
     q_width = layer.num_heads * layer.head_dim
     expected = {"qkv_proj": (q_width + 2 * layer.num_kv_heads * layer.head_dim, width),
                 "o_proj": (width, q_width), "gate_up_proj": (2 * inter, width),
