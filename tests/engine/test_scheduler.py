@@ -39,6 +39,7 @@ def test_admission_is_fcfs_and_counts_each_requests_next_step():
     # ...except the first with nothing running: room for one more token is enough (its
     # drafts are cut to the pool), or a request the pool holds would wait forever.
     assert count_admissible([30], 8, 40, 0, 100, step_slots=13) == 1
+    assert count_admissible([39], 8, 40, 0, 100, step_slots=13) == 1  # 39 + 1 fill the pool
     assert count_admissible([40], 8, 40, 0, 100, step_slots=13) == 0
     assert count_admissible([27], 8, 40, 1, 100, step_slots=13) == 0
     # Rows, and the budget after the first request, also bound admission.

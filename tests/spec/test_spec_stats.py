@@ -125,6 +125,14 @@ def test_a_verify_pass_premium_is_shared_by_the_requests_that_drafted() -> None:
     for _ in range(6):
         shared.record_batch([0, 1, 2], trees, [1, 1, 0], 0.02, verify_premium=1.5)
     assert [shared.budget(r) for r in range(3)] == [2, 2, 2]
+    # shared by the two that drafted, not by all three: at a premium of 2.7 each pays 1.35
+    # and loses 0.39 a step (budgets halve); split three ways (0.9) they would keep them
+    costly = SpecStats(config)
+    for rid in range(3):
+        costly.add(rid)
+    for _ in range(6):
+        costly.record_batch([0, 1, 2], trees, [1, 1, 0], 0.02, verify_premium=2.7)
+    assert [costly.budget(r) for r in range(3)] == [1, 1, 2]
     with pytest.raises(ValueError, match=r"step_cost=-1.0 is not allowed"):
         SpecStats().record(0, drafted=1, accepted=0, step_cost=-1.0)
 
