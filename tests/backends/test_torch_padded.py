@@ -7,16 +7,11 @@ import pytest
 import torch
 from backend_cases import make_case
 
-from engine import cpu_kernels
 from engine.backends import get_backend
 from engine.backends.base import host_metadata
 from engine.backends.torch_backend import TorchBackend, build_kv_indices
 
-KERNEL = cpu_kernels.status()
-
-
-@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not KERNEL.available, reason=f"CPU kernels: {KERNEL.reason}"))])
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=pytest.mark.cpu_kernels)])
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 128])  # 24: masked tails; 64, 128: blocked
 @pytest.mark.parametrize("mode", ["extend", "decode", "verify"])
 def test_padded_attention_equals_per_request(mode, head_dim, kernel, monkeypatch):
@@ -41,7 +36,7 @@ def test_padded_attention_equals_per_request(mode, head_dim, kernel, monkeypatch
     torch.testing.assert_close(padded, oracle, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not KERNEL.available, reason=f"CPU kernels: {KERNEL.reason}")
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [3, 5])  # 3: the default model's; 5: 3 tokens a chunk
 def test_cpu_kernel_verify_takes_whole_trees_per_kv_head(head_dim, group, monkeypatch):

@@ -16,8 +16,6 @@ from engine.model.blockq import BlockWeight
 from engine.model.config import ModelConfig
 
 FORMATS = sorted(blockq.FORMATS)
-needs_kernel = pytest.mark.skipif(not cpu_kernels.status().available,
-                                  reason=f"CPU kernels: {cpu_kernels.status().reason}")
 
 
 def _raw(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -39,7 +37,7 @@ def test_dequantize_equals_gguf_bit_for_bit(type_name):
     assert torch.equal(weight.dequantize(), _reference(raw, type_name))
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("type_name", FORMATS)
 def test_kernel_expands_every_weight_exactly(type_name):
     # x = I picks out each weight alone: any difference is in the expansion, not the sums
@@ -55,7 +53,7 @@ def test_kernel_expands_every_weight_exactly(type_name):
     assert torch.equal(torch.cat(pieces).t(), _reference(raw, type_name))
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("type_name", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 29, 67, 243])
 def test_kernel_matches_f_linear(type_name, rows):
@@ -70,7 +68,7 @@ def test_kernel_matches_f_linear(type_name, rows):
     torch.testing.assert_close(blockq.linear(x, weight), expected, rtol=1e-5, atol=1e-5)
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("type_name", FORMATS)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(type_name):
     """Every output is summed in one order whatever M is (registers up to 8 rows, expanded
@@ -107,7 +105,7 @@ def test_panels_give_back_the_row_layout(type_name):
     assert torch.equal(again.dequantize(), _reference(raw, type_name))
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 def test_kernel_takes_batched_strided_and_empty_input():
     weight = BlockWeight.from_gguf(_raw("Q4_1", 8, 64), "Q4_1")
     dense = weight.dequantize()
@@ -116,7 +114,7 @@ def test_kernel_takes_batched_strided_and_empty_input():
     assert weight.linear(torch.empty(0, 64)).shape == (0, 8)
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 def test_fused_rows_keep_their_order():
     parts = [BlockWeight.from_gguf(_raw("Q4_1", n, 64, seed=n), "Q4_1") for n in (5, 3, 4)]
     fused = BlockWeight.cat(parts)
@@ -156,7 +154,7 @@ def dense_model():
     return load_model(None, torch.float32, "cpu", block_weights=False)[0]
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 def test_default_model_keeps_its_blocks_with_the_dense_values(dense_model):
     model, config = load_model(None, torch.float32, "cpu")
     # every matrix of every layer, and the tied lm_head (the file's Q8_0 embedding)
@@ -175,7 +173,7 @@ def test_without_the_kernel_the_loader_dequantizes(monkeypatch, dense_model):
     assert model.num_bytes() == dense_model.num_bytes()
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 def test_a_model_with_block_weights_runs_and_saves_dense(tmp_path):
     from engine.model import LlamaModel, ModelConfig, save_hf_checkpoint
 
@@ -200,7 +198,7 @@ def test_a_model_with_block_weights_runs_and_saves_dense(tmp_path):
         model.use_block_weights({"layers.0.o_proj": blocks["layers.1.down_proj"]})
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 def test_engine_gives_the_same_tokens_with_and_without_the_cpu_kernels(monkeypatch):
     """Block weights, paged attention and the fused ops together, in mixed batches with
     speculative verify passes (tree attention), against dense weights and the torch paths."""
@@ -221,7 +219,7 @@ def test_engine_gives_the_same_tokens_with_and_without_the_cpu_kernels(monkeypat
     assert [o.token_ids for o in plain.generate(prompts, params)] == with_kernels
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("then", ["decode", "verify"])
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: the attention kernel's blocked path
 def test_whole_layer_kernel_equals_the_per_op_path(head_dim, then, two_passes, monkeypatch):

@@ -16,8 +16,7 @@ from engine import cpu_kernels
 HERE = Path(__file__).parent
 
 
-@pytest.mark.skipif(not cpu_kernels.status().available,
-                    reason=f"CPU kernels: {cpu_kernels.status().reason}")
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize(("harness", "kernel"), [("blockq_sanitized.cpp", "blockq.cpp"),
                                                  ("attention_sanitized.cpp", "attention.cpp")])
 def test_kernel_is_clean_under_address_sanitizer(harness, kernel, tmp_path):

@@ -17,9 +17,8 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol
 CPU_KERNELS = cpu_kernels.status()
 
 
-@pytest.fixture(params=["triton", pytest.param("cpu", marks=pytest.mark.skipif(
-    DEVICE != "cpu" or not CPU_KERNELS.available,
-    reason=f"CPU kernels on a CPU device: {CPU_KERNELS.reason}"))])
+@pytest.fixture(params=["triton", pytest.param("cpu", marks=[
+    pytest.mark.cpu_kernels, pytest.mark.skipif(DEVICE != "cpu", reason="a CPU device")])])
 def ops(request):
     """The op set under test (the CPU kernels take fp32 only: other dtypes skip)."""
     if request.param == "cpu" and request.node.callspec.params.get(
