@@ -212,7 +212,9 @@ class Engine:
             return self.spec.run_verify(self)
         return self._decode_step()
 
-    def _decode_step(self) -> str:
+    def _decode_step(self, during: Any = None) -> str:
+        """One decode pass; `during()`, if given, runs on the host while the device runs it
+        (with the planning of the next pass), once nothing can retract the step any more."""
         prepared = self.ahead.take(self.running)
         if prepared is not None:  # planned during the last pass: only the tokens are new
             batch = state.schedule_decode(self.running, prepared.batch.out_slots)
@@ -222,6 +224,8 @@ class Engine:
             batch = state.schedule_decode(self.running, self.book.slots.alloc(len(self.running)))
         tokens = self._launch_and_sample(batch, prepared)
         try:
+            if during is not None:
+                during()
             written = self._prepare_next(batch)  # host work while the device runs this pass
             sampled = tokens.cpu().numpy()
         except BaseException:  # the early table writes, if any, are undone with the slots

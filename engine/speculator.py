@@ -79,13 +79,10 @@ class Speculator:
         if trees.sizes.total == len(running):
             # Nothing drafted anywhere: a root-only verify is a decode, and the decode pass
             # is cheaper (its graphs are not sized for draft trees). It may have been planned
-            # during the last pass (PlanAhead; Engine.step kept it only if it fits `running`);
-            # if not, its slots are reserved here, so that the decode step below cannot
-            # retract after the stats are recorded.
-            if engine.ahead.prepared is None and not engine._reserve(lambda: len(running)):
-                return "retract"
-            self.stats.record_batch(uids, trees, np.zeros(len(running), np.int64))
-            mode = engine._decode_step()
+            # during the last pass (PlanAhead). The statistics are recorded while the pass
+            # runs: after its launch, so a step that retracts instead records nothing.
+            mode = engine._decode_step(during=lambda: self.stats.record_batch(
+                uids, trees, np.zeros(len(running), np.int64)))
             if mode == "decode":
                 self._observe(len(running), started)
             return mode

@@ -12,7 +12,7 @@ GPU_TESTS=(tests/backends tests/model/test_fused.py tests/engine/test_graphs.py
 # Planning ahead (a plan written while a captured replay runs) is checked the same way.
 GRAPH_MEMCHECK_TESTS=(tests/engine/test_spec_overflow.py tests/engine/test_plan_ahead.py)
 BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/bench_steps.py
-         benchmarks/bench_gemv.py)
+         benchmarks/bench_gemv.py benchmarks/bench_spec_host.py)
 # GPU_BENCHES="a.py b.py" runs only those (e.g. to re-check after a change, within one call)
 if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # The whole suite takes longer than one device call may run (10 minutes): split it with

@@ -89,20 +89,12 @@ class NgramProposer:
         history = self._history(rid)
         tokens = history.tokens if context is None else context
         _check_rooted(rid, tokens)
-        cfg = self.config
-        if budget is None:
-            budget = cfg.draft_budget
-        elif not 0 <= budget <= cfg.draft_budget:
-            raise ValueError(f"budget={budget} is not allowed; budget must be in "
-                             f"[0, draft_budget={cfg.draft_budget}]")
-        root_token = int(tokens[-1])
-        if budget == 0:
-            return DraftTree.root_only(root_token)
-        trie, node, match_len = self._match(history.trie, tokens)
-        if trie is None:
-            return DraftTree.root_only(root_token)
-        drafts, parents = _grow(trie, node, budget, cfg.breadth(match_len))
-        return DraftTree([root_token, *drafts], [-1, *parents], match_len)
+        budget = self._checked_budget(budget)
+        grown = self._draft(history, tokens, budget)
+        if grown is None:
+            return DraftTree.root_only(int(tokens[-1]))
+        drafts, parents, match_len = grown
+        return DraftTree([int(tokens[-1]), *drafts], [-1, *parents], match_len)
 
     def propose_batch(self, rids: Sequence[int], budgets: Sequence[int] | None = None,
                       total_drafts: int | None = None) -> DraftTrees:
@@ -114,21 +106,47 @@ class NgramProposer:
             raise ValueError(f"{len(budgets)} budgets for {len(rids)} requests")
         if total_drafts is not None and total_drafts < 0:
             raise ValueError(f"total_drafts={total_drafts} is not allowed; need >= 0 or None")
-        if total_drafts == 0 or (budgets is not None and not any(budgets)):  # nobody drafts
-            roots = []
-            for rid in rids:
-                tokens = self._history(int(rid)).tokens
-                _check_rooted(rid, tokens)
-                roots.append(tokens[-1])
-            return DraftTrees.roots_only(np.array(roots, dtype=INDEX_DTYPE))
-        trees, left = [], total_drafts
+        nobody = total_drafts == 0 or (budgets is not None and not any(budgets))
+        roots, grown, left = [], [], total_drafts
         for i, rid in enumerate(rids):
-            budget = self.config.draft_budget if budgets is None else int(budgets[i])
-            tree = self.propose(int(rid), budget=budget if left is None else min(budget, left))
-            if left is not None:
-                left -= len(tree.tokens) - 1
-            trees.append(tree)
+            history = self._history(int(rid))
+            _check_rooted(rid, history.tokens)
+            roots.append(history.tokens[-1])
+            if nobody:
+                continue
+            budget = self._checked_budget(None if budgets is None else int(budgets[i]))
+            parts = self._draft(history, history.tokens,
+                               budget if left is None else min(budget, left))
+            if parts is not None:
+                grown.append((i, parts))
+                if left is not None:
+                    left -= len(parts[0])
+        if not grown:  # most steps of free text: no tree objects at all
+            return DraftTrees.roots_only(np.array(roots, dtype=INDEX_DTYPE))
+        trees = [DraftTree.root_only(root) for root in roots]
+        for i, (drafts, parents, match_len) in grown:
+            trees[i] = DraftTree([roots[i], *drafts], [-1, *parents], match_len)
         return stack(trees)
+
+    def _checked_budget(self, budget: int | None) -> int:
+        if budget is None:
+            return self.config.draft_budget
+        if not 0 <= budget <= self.config.draft_budget:
+            raise ValueError(f"budget={budget} is not allowed; budget must be in "
+                             f"[0, draft_budget={self.config.draft_budget}]")
+        return budget
+
+    def _draft(self, history: _RequestHistory, tokens: Sequence[int],
+              budget: int) -> tuple[list[int], list[int], int] | None:
+        """(drafts, their local parents, match length) below the longest matching suffix of
+        `tokens`, or None where nothing is drafted (no budget, or no match)."""
+        if budget == 0:
+            return None
+        trie, node, match_len = self._match(history.trie, tokens)
+        if trie is None:
+            return None
+        drafts, parents = _grow(trie, node, budget, self.config.breadth(match_len))
+        return drafts, parents, match_len
 
     def _match(self, trie: Trie, tokens: Sequence[int]) -> tuple[Trie | None, int, int]:
         """The trie and node of the longest suffix (max_match down to min_match) with a

@@ -44,10 +44,21 @@ class AcceptanceStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def add(self, drafted: int, accepted: int) -> AcceptanceStats:
+        histogram = self.histogram
+        return AcceptanceStats(
+            self.steps + 1, self.drafting_steps + int(drafted > 0), self.drafted + drafted,
+            self.accepted + accepted,
+            histogram[:accepted] + (histogram[accepted] + 1,) + histogram[accepted + 1:])
+
+    def add_many(self, drafted: Sequence[int], accepted: Sequence[int]) -> AcceptanceStats:
+        """`add` for each pair, at once."""
         histogram = list(self.histogram)
-        histogram[accepted] += 1
-        return AcceptanceStats(self.steps + 1, self.drafting_steps + int(drafted > 0),
-                               self.drafted + drafted, self.accepted + accepted, tuple(histogram))
+        for taken in accepted:
+            histogram[taken] += 1
+        return AcceptanceStats(self.steps + len(drafted),
+                               self.drafting_steps + sum(d > 0 for d in drafted),
+                               self.drafted + sum(drafted), self.accepted + sum(accepted),
+                               tuple(histogram))
 
 
 class _Adaptive:
@@ -100,18 +111,16 @@ class SpecStats:
         a draft row was measured to cost `draft_cost` decoded tokens' time, and drafting at
         all this step `step_cost` more (its share of what a verify pass costs beyond its rows).
         A request with a fixed cost is judged by that alone (see the module docstring)."""
-        if not 0 <= accepted <= drafted < MAX_TREE_NODES:
-            raise ValueError(f"accepted={accepted}, drafted={drafted} is not allowed; need "
-                             f"0 <= accepted <= drafted < {MAX_TREE_NODES}")
-        if not 0.0 <= draft_cost <= 1.0:
-            raise ValueError(f"draft_cost={draft_cost!r} is not allowed; need a number in "
-                             f"[0, 1]")
-        if not (math.isfinite(step_cost) and step_cost >= 0.0):
-            raise ValueError(f"step_cost={step_cost!r} is not allowed; need a finite number "
-                             f">= 0")
+        _check_counts([drafted], [accepted])
+        _check_costs(draft_cost, step_cost)
         entry = self._entry(rid)
-        entry.stats = entry.stats.add(drafted, accepted)
         self._total = self._total.add(drafted, accepted)
+        self._record(entry, drafted, accepted, draft_cost, step_cost)
+
+    def _record(self, entry: _Adaptive, drafted: int, accepted: int, draft_cost: float,
+                step_cost: float) -> None:
+        """One request's step, the total aside."""
+        entry.stats = entry.stats.add(drafted, accepted)
         if self.config.adaptive:
             fixed = entry.fixed_cost
             cost = (draft_cost * drafted + step_cost if fixed is None
@@ -129,11 +138,16 @@ class SpecStats:
         if not len(rids) == drafted.shape[0] == accepted.shape[0]:
             raise ValueError(f"{len(rids)} requests, {drafted.shape[0]} trees and "
                              f"{accepted.shape[0]} accepted lengths must match")
-        share = verify_premium / max(int((drafted > 0).sum()), 1)
-        for rid, num_drafted, num_accepted in zip(rids, drafted.tolist(), accepted.tolist(),
-                                                  strict=True):
-            self.record(int(rid), num_drafted, num_accepted, draft_cost,
-                        share if num_drafted else 0.0)
+        drafted_list, accepted_list = drafted.tolist(), accepted.tolist()
+        _check_counts(drafted_list, accepted_list)
+        share = verify_premium / max(sum(d > 0 for d in drafted_list), 1)
+        _check_costs(draft_cost, share)
+        entries = [self._entry(int(rid)) for rid in rids]  # all known before any is changed
+        self._total = self._total.add_many(drafted_list, accepted_list)
+        for entry, num_drafted, num_accepted in zip(entries, drafted_list, accepted_list,
+                                                    strict=True):
+            self._record(entry, num_drafted, num_accepted, draft_cost,
+                         share if num_drafted else 0.0)
 
     def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, cost: float) -> None:
         """`cost`: what this step's drafting cost, in decoded tokens' time."""
@@ -171,3 +185,17 @@ class SpecStats:
         if entry is None:
             raise KeyError(f"request {rid} has no speculation statistics; add() it first")
         return entry
+
+
+def _check_counts(drafted: Sequence[int], accepted: Sequence[int]) -> None:
+    for num_drafted, num_accepted in zip(drafted, accepted, strict=True):
+        if not 0 <= num_accepted <= num_drafted < MAX_TREE_NODES:
+            raise ValueError(f"accepted={num_accepted}, drafted={num_drafted} is not "
+                             f"allowed; need 0 <= accepted <= drafted < {MAX_TREE_NODES}")
+
+
+def _check_costs(draft_cost: float, step_cost: float) -> None:
+    if not 0.0 <= draft_cost <= 1.0:
+        raise ValueError(f"draft_cost={draft_cost!r} is not allowed; need a number in [0, 1]")
+    if not (math.isfinite(step_cost) and step_cost >= 0.0):
+        raise ValueError(f"step_cost={step_cost!r} is not allowed; need a finite number >= 0")

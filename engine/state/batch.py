@@ -57,6 +57,12 @@ class DraftTrees:
         if self.sizes.max > MAX_TREE_NODES:
             raise ValueError(f"a draft tree has {self.sizes.max} nodes; at most "
                              f"{MAX_TREE_NODES} are allowed")
+        if total == len(self.sizes):  # roots only (sizes >= 1: checked): nothing to walk
+            if (self.parents != -1).any():
+                raise ValueError("node 0 of every draft tree must be its root (parent -1)")
+            object.__setattr__(self, "depths", _readonly(np.zeros(total, INDEX_DTYPE)))
+            object.__setattr__(self, "ancestor_bits", _readonly(np.ones(total, np.int64)))
+            return
         local = self.sizes.offsets_within()
         is_root = local == 0
         if (self.parents[is_root] != -1).any():

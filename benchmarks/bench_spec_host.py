@@ -1,0 +1,149 @@
+"""Where a speculative step's time goes on the host: the engine with random weights, with and
+without speculation, per kind of step, and per stage of the speculative step (the proposer,
+the budgets, the statistics, the verify walk, the transition, the cost fit). With a small
+model on a GPU a step is mostly host work; on a CPU the `tiny` preset shows the same.
+
+Run: .venv/bin/python benchmarks/bench_spec_host.py   (CPU: the `tiny` preset)
+     python3 benchmarks/bench_spec_host.py   (GPU: `smollm2_135m`, the default model's shape)
+
+Two regimes, batch 1 and 8, `--tokens` tokens a request: greedy (a random model repeats
+itself: drafts are accepted, most steps verify) and sampled at temperature 1 (little
+repeats: most steps draft nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine import speculator
+from engine.engine import Engine
+from engine.spec import NgramProposer, PassCost, SpecStats
+from engine.state import SamplingParams
+
+# (owner, attribute, label): the stages timed, each its own calls' wall time
+STAGES = [
+    (speculator.Speculator, "budgets", "budgets"),
+    (NgramProposer, "propose_batch", "propose_batch"),
+    (SpecStats, "record_batch", "stats.record_batch"),
+    (speculator.Speculator, "extend", "trie extend"),
+    (speculator.Speculator, "_verify", "verify walk (+ argmax fetch)"),
+    (PassCost, "observe", "cost.observe"),
+    (PassCost, "fit", "cost.fit"),
+    (Engine, "_commit", "commit (transition effects)"),
+    (Engine, "_decode_step", "decode step (whole)"),
+    (Engine, "_forward", "verify forward (whole)"),
+]
+STATE_FUNCS = ["schedule_verify", "verify"]  # engine.state functions the speculator calls
+
+
+class Timers:
+    """Wraps the stages' functions; `totals[label]` = (calls, seconds) while enabled."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+        self.on = False
+        for owner, name, label in STAGES:
+            setattr(owner, name, self._wrap(getattr(owner, name), label))
+        for name in STATE_FUNCS:
+            setattr(speculator.state, name,
+                    self._wrap(getattr(speculator.state, name), f"state.{name}"))
+
+    def _wrap(self, function: Any, label: str) -> Any:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return function(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                entry = self.totals[label]
+                entry[0] += 1
+                entry[1] += time.perf_counter() - started
+        return timed
+
+
+def run_once(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+             timers: Timers | None) -> tuple[float, int, dict[str, list[float]]]:
+    engine.step_times.clear()
+    if timers is not None:
+        timers.on = True
+    started = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    if timers is not None:
+        timers.on = False
+    modes: dict[str, list[float]] = collections.defaultdict(list)
+    for mode, step_seconds in engine.step_times:
+        modes[mode].append(step_seconds)
+    return seconds, sum(len(o.token_ids) for o in outputs), modes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", default=None,
+                        help="random weights (default: smollm2_135m on a GPU, tiny on a CPU)")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.preset is None:
+        args.preset = "tiny" if args.device == "cpu" else "smollm2_135m"
+    common = dict(random_weights=args.preset, device=args.device, max_running_requests=8)
+    if args.device != "cpu":
+        common["kv_cache_slots"] = 16384  # two engines share the GPU
+    engines = {"plain": Engine(speculative=False, **common),
+               "spec": Engine(speculative=True, **common)}
+    timers = Timers()
+    vocab = engines["plain"].runtime.vocab_size
+    rng = np.random.default_rng(0)
+    regimes = {"greedy": SamplingParams(max_tokens=args.tokens, ignore_eos=True),
+               "sampled": SamplingParams(max_tokens=args.tokens, ignore_eos=True,
+                                         temperature=1.0, seed=1)}
+    rows, stage_rows = [], []
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = [rng.integers(3, vocab, 48).tolist() for _ in range(batch)]
+        for regime, params in regimes.items():
+            results = {}
+            for name, engine in engines.items():  # warm up every kind of step, then time
+                run_once(engine, prompts, params, None)
+                results[name] = run_once(engine, prompts, params,
+                                         timers if name == "spec" else None)
+            (plain_s, plain_n, plain_modes), (spec_s, spec_n, spec_modes) = (
+                results["plain"], results["spec"])
+            rows.append((batch, regime, plain_n / plain_s, spec_n / spec_s,
+                         _modes(plain_modes), _modes(spec_modes)))
+            for label, (calls, seconds) in sorted(timers.totals.items()):
+                stage_rows.append((batch, regime, label, int(calls), 1e3 * seconds / calls))
+            timers.totals.clear()
+    device = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+    print(f"\nrandom weights {args.preset}, {device}, {args.tokens} tokens a request\n")
+    print("| batch | regime | stage | calls | ms a call |")
+    print("|---|---|---|---|---|")
+    for batch, regime, label, calls, ms in stage_rows:
+        print(f"| {batch} | {regime} | {label} | {calls} | {ms:.3f} |")
+    print("\n| batch | regime | plain tok/s | spec tok/s | spec/plain | plain steps (ms) | "
+          "spec steps (ms) |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, regime, plain_rate, spec_rate, plain_modes, spec_modes in rows:
+        print(f"| {batch} | {regime} | {plain_rate:.0f} | {spec_rate:.0f} | "
+              f"{spec_rate / plain_rate:.2f}x | {plain_modes} | {spec_modes} |")
+
+
+def _modes(modes: dict[str, list[float]]) -> str:
+    return ", ".join(f"{mode} {1e3 * statistics.mean(v):.3f} x{len(v)}"
+                     for mode, v in sorted(modes.items()))
+
+
+if __name__ == "__main__":
+    main()
