@@ -123,6 +123,23 @@ def rates(results: dict, plain: Ours, spec: Ours, which: range | None = None) ->
     return rate
 
 
+def what_2x_needs(results: dict, plain: Ours, spec: Ours, parts: dict[str, range]) -> str:
+    """From this run's times: the share of plain decoding's time that prefill takes (the same
+    with speculation), the decode-phase speedup 2x end to end needs, and, per kind of prompt,
+    the most the workload could reach end to end if the other kinds decoded in no time."""
+    seconds = results["ours"][0]
+    total = sum(seconds)
+    prefill = total - sum(plain.decode_seconds)
+    decoding = total - prefill
+    needed = decoding / (total / 2 - prefill) if total / 2 > prefill else float("inf")
+    text = (f"prefill is {prefill / total:.0%} of plain decoding's time: 2x end to end needs "
+            f"{needed:.2f}x in the decode phase")
+    for part, which in parts.items():
+        alone = sum(spec.decode_seconds[i] for i in which)  # only this kind's decoding left
+        text += f"; at most {total / (prefill + alone):.2f}x with {part} as measured"
+    return text
+
+
 def replay(prompts: list[list[int]], outputs: list[list[int]], budget: int = 12,
            draft_cost: float | None = None) -> float:
     """Replays the real greedy outputs through a fresh proposer, no model in the loop; each
@@ -221,6 +238,8 @@ def run(args: argparse.Namespace) -> None:
         rate = rates(results, plain, spec)
         for part, which in ({} if args.quick else PARTS.get(name, {})).items():
             part_rows.append((name, part, rates(results, plain, spec, which)))
+        print(f"[{name}] {what_2x_needs(results, plain, spec, PARTS.get(name, {}))}",
+              flush=True)
         mean_accepted = statistics.mean(spec.accepted) if spec.accepted else 0.0
         print(f"[{name}] steps: plain {step_profile(plain)}; "
               f"spec {step_profile(spec)}; measured draft cost "

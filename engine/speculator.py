@@ -11,7 +11,8 @@ import torch
 
 from engine import state
 from engine.config import EngineConfig
-from engine.model.sampling import filter_tensors, greedy_tokens, probs_for_verify
+from engine.model.sampling import filter_tensors, greedy_tokens, needs_filter, \
+    probs_for_verify
 from engine.spec import NgramProposer, PassCost, SpecConfig, SpecStats, request_rng, \
     verify_greedy, verify_sampling
 from engine.state import Running
@@ -91,11 +92,13 @@ class Speculator:
             return "retract"
         batch = state.schedule_verify(running, trees, engine.book.slots.alloc(trees.sizes.total))
         logits = engine._forward(batch)
-        outcome = self._verify(batch, uids, [engine.requests[u].params for u in uids], logits)
+        # The costs depend on earlier passes only: fitted while this one runs on a device
         self.last_draft_cost = self.draft_cost(len(running))
         # (0 with a configured cost: the passes are not timed then, and nothing is fitted)
+        premium = self.cost.verify_premium(len(running))
+        outcome = self._verify(batch, uids, [engine.requests[u].params for u in uids], logits)
         self.stats.record_batch(uids, trees, outcome.accepted_lens.lens, self.last_draft_cost,
-                                self.cost.verify_premium(len(running)))
+                                premium)
         engine._commit(state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes,
                                     outcome.bonus))
         # timed as the decode step: propose to commit
@@ -116,7 +119,8 @@ class Speculator:
         sizes = trees.sizes.lens_to(logits.device)
         filters = [t.repeat_interleave(sizes, output_size=trees.sizes.total)
                    for t in filter_tensors(params, self.runtime.vocab_size, logits.device)]
-        probs = probs_for_verify(logits, *filters)
+        probs = probs_for_verify(logits, *filters,
+                                 filtered=needs_filter(params, self.runtime.vocab_size))
         rngs = [self._rng(u, p.seed) for u, p in zip(uids, params, strict=True)]
         return verify_sampling(trees, probs, rngs)
 

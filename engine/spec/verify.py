@@ -60,6 +60,8 @@ def verify_greedy(trees: DraftTrees, target: object) -> VerifyOutcome:
     """Accept, from the root down, the first child whose token is the target's argmax at its
     parent; the bonus is the argmax at the last accepted node. `target`: the target's argmax
     per node [total], or its logits [total, vocab]."""
+    parents = parent_flat(trees)  # the trees' part first: on a GPU the target is not ready
+    starts = trees.sizes.starts()
     values = _as_numpy(target)
     argmax = (values.argmax(axis=-1) if values.ndim == 2 else values).astype(INDEX_DTYPE)
     argmax = argmax.reshape(-1)
@@ -67,13 +69,11 @@ def verify_greedy(trees: DraftTrees, target: object) -> VerifyOutcome:
     if argmax.shape[0] != total:
         raise ValueError(f"the target gives {argmax.shape[0]} entries; the trees have {total} "
                          "nodes")
-    parents = parent_flat(trees)
     matches = np.flatnonzero((parents >= 0) & (trees.tokens == argmax[np.maximum(parents, 0)]))
     # The first matching child (lowest index) of every parent that has one.
     chosen = np.full(total, -1, dtype=INDEX_DTYPE)
     matched_parents, first = np.unique(parents[matches], return_index=True)
     chosen[matched_parents] = matches[first]
-    starts = trees.sizes.starts()
     # Walk every tree at once; flat index `total` is a sentinel for "stopped" (no child).
     chosen = np.append(chosen, -1)
     current = starts.copy()

@@ -170,6 +170,38 @@ def test_tiny_pool_retraction_keeps_outputs_and_frees_every_slot(assert_all_free
     assert_all_free(tight)
 
 
+def test_a_draft_less_step_records_statistics_only_if_it_decodes(assert_all_free):
+    """Nothing is drafted (the proposer returns roots): every step is a decode pass, and its
+    statistics are recorded while the pass runs. A step that retracts instead records
+    nothing (recording before the pass, as before its reservation, would count it)."""
+    prompts = _repetitive_prompts(21, 6)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = [c.token_ids for c in _tiny().generate(prompts, params)]
+    longest = max(len(p) for p in prompts) + 30 + 13
+    tight = _tiny(speculative=True, kv_cache_slots=longest + 8, max_running_requests=6)
+    spec = tight.spec
+    propose = spec.proposer.propose_batch
+    spec.proposer.propose_batch = lambda rids, budgets, **kw: propose(rids, [0] * len(rids))
+    recorded: list[int] = []
+    record_batch = spec.stats.record_batch
+
+    def recording(rids, trees, accepted, *costs) -> None:
+        recorded.append(len(rids))
+        record_batch(rids, trees, accepted, *costs)
+
+    spec.stats.record_batch = recording
+    modes: list[str] = []
+    run_verify = spec.run_verify
+    spec.run_verify = lambda shell: modes.append(run_verify(shell)) or modes[-1]
+    outputs, retractions = _run_checked(tight, prompts, params)
+    assert outputs == expected
+    assert retractions > 0, "the pool was meant to force retraction"
+    assert set(modes) == {"decode", "retract"}
+    assert len(recorded) == modes.count("decode")
+    assert tight.spec.stats.total().drafted == 0
+    assert_all_free(tight)
+
+
 @pytest.mark.parametrize("prompt_len", [20, 32])
 def test_a_request_near_the_pools_size_runs_as_without_speculation(prompt_len,
                                                                    assert_all_free):

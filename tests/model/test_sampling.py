@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 
-from engine.model.sampling import SamplingTensors, probs_for_verify, sample, seeded_uniform
+from engine.model.sampling import SamplingTensors, probs_for_verify, sample, \
+    sample_from_probs, seeded_uniform
 from engine.state import SamplingParams
 
 VOCAB = 50
@@ -114,6 +116,41 @@ def test_seeded_uniform_is_open_unit_interval_and_flat():
     assert (u.mean(dim=1) - 0.5).abs().max() < 0.01
     assert not torch.equal(u[0], u[1])
     assert torch.equal(u, seeded_uniform(seeds, torch.tensor([0, 0, 123456]), 20000))
+
+
+def test_seeded_uniform_has_no_extreme_draw_at_small_seeds():
+    """Seed 1 at step 0 met column 0's hash: the two xor to 0, which the finaliser keeps at
+    0, a uniform of 2**-25 (it made seed 1's first token the vocabulary's first live one)."""
+    seeds = torch.arange(4096)
+    for steps in (torch.zeros(4096, dtype=torch.int64), torch.arange(4096)):
+        u = seeded_uniform(seeds, steps, 2)
+        assert u.min() > 2**-16
+
+
+def test_sampling_without_filters_skips_them_and_draws_the_same():
+    """No row sets top-k or top-p: the filter (a sort of every row) is skipped, and the
+    tokens are those the filter with nothing to filter gives."""
+    logits = _logits(6, seed=4)
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([0.5, 1, 2, 1, 0, 1])]
+    for step in range(30):
+        sampling = _tensors(params, [step] * 6)
+        assert not sampling.filtered
+        forced = attrs.evolve(sampling, filtered=True)
+        assert torch.equal(sample(logits, sampling), sample(logits, forced))
+    assert _tensors([SamplingParams(temperature=1.0, top_p=0.9)]).filtered
+    assert _tensors([SamplingParams(temperature=1.0, top_k=VOCAB - 1)]).filtered
+    assert not _tensors([SamplingParams(temperature=1.0, top_k=VOCAB)]).filtered
+
+
+def test_zero_probability_tokens_are_never_drawn():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                          [1e-30, 0.0, 1.0, 0.0, 0.0, 0.0]]).repeat(2000, 1)
+    rows = probs.shape[0]
+    tokens = sample_from_probs(probs, torch.arange(rows), torch.zeros(rows, dtype=torch.int64))
+    assert (probs[torch.arange(rows), tokens] > 0).all()
+    first = tokens[0::3]
+    assert set(first.tolist()) == {1, 4}
+    assert abs((first == 1).float().mean().item() - 0.5) < 5 * math.sqrt(0.25 / 2000)
 
 
 def test_build_clamps_top_k_and_checks_lengths():

@@ -1,0 +1,83 @@
+"""What sampling costs a decode step: the engine (default model unless told) at batch 1 and 8,
+greedy against temperature 1 with no filter and with top-p 0.9, and the sampler alone on a
+[batch, vocabulary] row block.
+
+Run: .venv/bin/python benchmarks/bench_sampling.py [--threads 1] [--tokens 48]
+     python3 benchmarks/bench_sampling.py   (a GPU: the default model's shape, random weights)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine.engine import Engine
+from engine.model.sampling import SamplingTensors, sample
+from engine.state import SamplingParams
+
+REGIMES = {"greedy": {}, "temperature 1": {"temperature": 1.0},
+           "temperature 1, top-p 0.9": {"temperature": 1.0, "top_p": 0.9}}
+
+
+def decode_rate(engine: Engine, batch: int, tokens: int, regime: dict) -> float:
+    """Generated tokens per second of the decode steps (prefill left out)."""
+    prompts = [[5 + i, 17, 99, 250 + i] * 8 for i in range(batch)]
+    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **regime)
+              for i in range(batch)]
+    engine.generate(prompts, params)  # warm
+    engine.step_times.clear()
+    engine.generate(prompts, params)
+    decode = [seconds for mode, seconds in engine.step_times if mode == "decode"]
+    return batch * len(decode) / sum(decode)
+
+
+def sampler_ms(batch: int, vocab: int, regime: dict, device: str) -> float:
+    logits = torch.randn(batch, vocab, device=device)
+    params = [SamplingParams(seed=i, **regime) for i in range(batch)]
+    tensors = SamplingTensors.build(params, [0] * batch, vocab, device)
+    for _ in range(3):
+        sample(logits, tensors)
+    repeats = 30
+    if device != "cpu":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        out = sample(logits, tensors)
+    out.cpu()
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--random-weights", default=None,
+                        help="a preset (default: the default model on a CPU, its shape with "
+                             "random weights, smollm2_135m, on a GPU)")
+    args = parser.parse_args()
+    if args.random_weights is None and args.device != "cpu":
+        args.random_weights = "smollm2_135m"
+    torch.set_num_threads(args.threads)
+    engine = Engine(device=args.device, dtype="float32", random_weights=args.random_weights,
+                    max_running_requests=8)
+    vocab = engine.runtime.vocab_size
+    rows = []
+    for batch in (1, 8):
+        rates = {name: decode_rate(engine, batch, args.tokens, regime)
+                 for name, regime in REGIMES.items()}
+        for name, regime in REGIMES.items():
+            rows.append((batch, name, rates[name], rates[name] / rates["greedy"],
+                         sampler_ms(batch, vocab, regime, args.device)))
+    print(f"\n{args.device}, {args.threads} thread(s), vocabulary {vocab}, "
+          f"{args.tokens} tokens a request\n")
+    print("| batch | sampling | decode tok/s | / greedy | sampler alone (ms a step) |")
+    print("|---|---|---|---|---|")
+    for batch, name, rate, ratio, ms in rows:
+        print(f"| {batch} | {name} | {rate:.1f} | {ratio:.2f}x | {ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
