@@ -1,6 +1,6 @@
 """What sampling costs a decode step: the engine (default model unless told) at batch 1 and 8,
 greedy against temperature 1 with no filter and with top-p 0.9, and the sampler alone on a
-[batch, vocabulary] row block.
+[batch, vocabulary] block of random logits (standard normal x 8: peaked like a model's).
 
 Run: .venv/bin/python benchmarks/bench_sampling.py [--threads 1] [--tokens 48]
      python3 benchmarks/bench_sampling.py   (a GPU: the default model's shape, random weights)
@@ -34,7 +34,8 @@ def decode_rate(engine: Engine, batch: int, tokens: int, regime: dict) -> float:
 
 
 def sampler_ms(batch: int, vocab: int, regime: dict, device: str) -> float:
-    logits = torch.randn(batch, vocab, device=device)
+    # peaked like a model's rows (top-p 0.9 then holds tens of tokens, not thousands)
+    logits = torch.randn(batch, vocab, device=device) * 8
     params = [SamplingParams(seed=i, **regime) for i in range(batch)]
     tensors = SamplingTensors.build(params, [0] * batch, vocab, device)
     for _ in range(3):

@@ -1,16 +1,20 @@
 """Batched sampling from logits with per-request temperature, top-k, top-p and seed.
 
-Randomness is counter-based: the uniform for (request seed, step, vocab id) is a hash, so a
-seeded request's stream is the same whatever batch it runs in, and nothing needs a host sync
-or a per-request generator (CUDA-graph friendly). Greedy rows are an exact argmax.
+Randomness is counter-based: a row's uniform is a hash of (request seed, step), computed on
+the host, so a seeded request's stream is the same whatever batch it runs in, and nothing needs
+a host sync or a per-request generator. A token is drawn by inverse CDF at that uniform.
+Greedy rows are an exact argmax.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from engine.state import SamplingParams
@@ -38,27 +42,41 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _uniform_bits(seeds: Any, steps: Any, columns: Any, salt: int) -> Any:
+    """[B, columns] 24-bit ints, a pure function of (seed, step, column, salt); numpy int64
+    arrays or torch int64 tensors alike (the same operations, the same bits)."""
+    low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
+    key = _mix32(low ^ _mix32(high ^ _mix32(steps * _STEP_SALT + salt)))
+    return _mix32((key[:, None] ^ _mix32(columns * _COLUMN_SALT + 1)[None, :]) + _MEET) >> 8
+
+
 def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, width: int,
                    salt: int = 0) -> torch.Tensor:
     """[B, width] fp32 uniforms in (0, 1), a pure function of (seed, step, column, salt).
     `salt` separates independent streams of one step (e.g. accept tests vs. resampling)."""
-    low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
-    key = _mix32(low ^ _mix32(high ^ _mix32(steps * _STEP_SALT + salt)))
     columns = torch.arange(width, device=seeds.device, dtype=torch.int64)
-    bits = _mix32((key[:, None] ^ _mix32(columns * _COLUMN_SALT + 1)[None, :]) + _MEET)
-    return (bits >> 8).float().add_(0.5).mul_(1.0 / (1 << 24))
+    bits = _uniform_bits(seeds, steps, columns, salt)
+    return bits.float().add_(0.5).mul_(1.0 / (1 << 24))
+
+
+def row_uniforms(seeds: Sequence[int], steps: Sequence[int], salt: int = 0) -> np.ndarray:
+    """One float64 uniform in (0, 1) per row with 48 bits: `seeded_uniform`'s first two
+    columns as one number. Computed on the host: on a GPU the hash is ~70 tiny kernels."""
+    bits = _uniform_bits(np.asarray(seeds, dtype=np.int64), np.asarray(steps, dtype=np.int64),
+                         np.arange(2, dtype=np.int64), salt)
+    return ((bits[:, 0] << 24) + bits[:, 1] + 0.5) / float(1 << 48)
 
 
 @attrs.frozen(eq=False)
 class SamplingTensors:
-    """Per-row sampling inputs on the logits' device. top_k is clamped to the vocabulary
-    (disabled = vocab size); unseeded rows get a fresh random seed when built."""
+    """Per-row sampling inputs on the logits' device, from one host-to-device copy. top_k is
+    clamped to the vocabulary (disabled = vocab size); unseeded rows get a fresh random seed
+    when built."""
 
     temperature: torch.Tensor  # [B] fp32, 0 = greedy
     top_k: torch.Tensor  # [B] int64 in [1, V]
     top_p: torch.Tensor  # [B] fp32 in (0, 1]
-    seeds: torch.Tensor  # [B] int64
-    steps: torch.Tensor  # [B] int64: tokens this request has sampled before
+    uniform: torch.Tensor  # [B] fp64 in (0, 1): row_uniforms(seed, tokens sampled before)
     all_greedy: bool
     filtered: bool = True  # some row keeps fewer tokens than the vocabulary (needs_filter)
 
@@ -68,10 +86,12 @@ class SamplingTensors:
         if len(params) != len(steps):
             raise ValueError(f"{len(params)} sampling params for {len(steps)} step counters")
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
-        temperature, top_k, top_p = filter_tensors(params, vocab_size, device)
-        return cls(temperature=temperature, top_k=top_k, top_p=top_p,
-                   seeds=_tensor(seeds, torch.int64, device),
-                   steps=_tensor(list(steps), torch.int64, device),
+        temperature, top_k, top_p = _filter_values(params, vocab_size)
+        rows = np.stack([np.asarray(temperature, np.float64), np.asarray(top_k, np.float64),
+                         np.asarray(top_p, np.float64), row_uniforms(seeds, steps)])
+        packed = torch.from_numpy(rows).to(device, non_blocking=True)
+        return cls(temperature=packed[0].float(), top_k=packed[1].long(),
+                   top_p=packed[2].float(), uniform=packed[3],
                    all_greedy=all(p.greedy for p in params),
                    filtered=needs_filter(params, vocab_size))
 
@@ -80,15 +100,23 @@ def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> tor
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+def _filter_values(params: Sequence[SamplingParams],
+                   vocab_size: int) -> tuple[list[float], list[int], list[float]]:
+    """Per row: temperature, top_k clamped to the vocabulary (disabled = the vocabulary
+    size) and top_p."""
+    return ([float(p.temperature) for p in params],
+            [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params],
+            [float(p.top_p) for p in params])
+
+
 def filter_tensors(params: Sequence[SamplingParams], vocab_size: int,
                    device: torch.device | str = "cpu"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: temperature (fp32), top_k clamped to the vocabulary (int64; disabled = the
     vocabulary size) and top_p (fp32), what `_filtered_logits` reads."""
-    return (_tensor([float(p.temperature) for p in params], torch.float32, device),
-            _tensor([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params],
-                    torch.int64, device),
-            _tensor([float(p.top_p) for p in params], torch.float32, device))
+    temperature, top_k, top_p = _filter_values(params, vocab_size)
+    return (_tensor(temperature, torch.float32, device), _tensor(top_k, torch.int64, device),
+            _tensor(top_p, torch.float32, device))
 
 
 def needs_filter(params: Sequence[SamplingParams], vocab_size: int) -> bool:
@@ -107,14 +135,54 @@ def _filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     scaled = logits.float() / safe_temperature[:, None]
     if not filtered:
         return scaled
+    if scaled.device.type == "cpu" and scaled.shape[-1] > _CANDIDATES:
+        return _filtered_among_candidates(scaled, top_k, top_p)
+    return _filtered_by_sorting(scaled, top_k, top_p)
+
+
+def _filtered_by_sorting(scaled: torch.Tensor, top_k: torch.Tensor,
+                         top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     keep_sorted = rank < top_k[:, None]
     sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted &= (mass_before < top_p[:, None]) | (rank == 0)
+    # top-p 1 keeps every token (in fp32 the last tokens' mass_before can round up to 1)
+    keep_sorted &= (mass_before < top_p[:, None]) | (rank == 0) | (top_p >= 1.0)[:, None]
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     return scaled.masked_fill(~keep, float("-inf"))
+
+
+_CANDIDATES = 1024  # the most likely tokens a CPU filter looks at before sorting a whole row
+
+
+def _filtered_among_candidates(scaled: torch.Tensor, top_k: torch.Tensor,
+                               top_p: torch.Tensor) -> torch.Tensor:
+    """`_filtered_logits` from each row's `_CANDIDATES` largest logits, where they decide it
+    (on a CPU, sorting a 49k vocabulary took ~3 ms a row; the candidates ~0.4): a row keeps
+    everything, or its top-k is among them, or (top-k off) they hold at least its top-p
+    mass. The same tokens as sorting the row, up to rounding at the nucleus' edge (the
+    probabilities are normalised over the row, not the sorted row). The other rows are
+    sorted."""
+    vocab = scaled.shape[-1]
+    values, order = scaled.topk(_CANDIDATES, dim=-1)  # descending
+    rank = torch.arange(_CANDIDATES)[None, :]
+    keep_sorted = rank < top_k[:, None]
+    among = top_k <= _CANDIDATES
+    # normalised over the row's top-k tokens: among the candidates, or every token (top-k off)
+    log_total = torch.where(among, torch.logsumexp(values.masked_fill(~keep_sorted, -math.inf),
+                                                   dim=-1), torch.logsumexp(scaled, dim=-1))
+    probs = torch.exp(values - log_total[:, None]).masked_fill_(~keep_sorted, 0.0)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep_sorted &= (mass_before < top_p[:, None]) | (rank == 0) | (top_p >= 1.0)[:, None]
+    everything = (top_k >= vocab) & (top_p >= 1.0)
+    decided = among | everything | ((top_k >= vocab) & (probs.sum(dim=-1) >= top_p))
+    keep = torch.zeros_like(scaled, dtype=torch.bool).scatter_(-1, order, keep_sorted)
+    filtered = scaled.masked_fill(~(keep | everything[:, None]), -math.inf)
+    if not bool(decided.all()):
+        rest = torch.nonzero(~decided).flatten()
+        filtered[rest] = _filtered_by_sorting(scaled[rest], top_k[rest], top_p[rest])
+    return filtered
 
 
 def probs_for_verify(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -128,17 +196,15 @@ def probs_for_verify(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     return torch.where((temperature > 0)[:, None], probs, one_hot)
 
 
-def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                      salt: int = 0) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row of `probs` [B, V] by inverse CDF: the first token whose cumulative
-    mass (float64) exceeds u * total, u in (0, 1) from the counter hash with 48 bits (two of
-    its 24-bit uniforms). A zero-probability token adds nothing to the sum, so it is never
-    drawn. One uniform per row, where an exponential race needs one per token: on a CPU that
-    was ~1 ms a row for a 49k vocabulary, this ~0.1 ms."""
-    halves = seeded_uniform(seeds, steps, 2, salt).double()  # (k + 0.5) / 2**24 each
-    uniform = ((halves[:, 0] * (1 << 24) - 0.5) * (1 << 24) + halves[:, 1] * (1 << 24)) / 2**48
+    mass (float64) exceeds uniform * total (`uniform`: [B] in (0, 1), `row_uniforms`). A
+    zero-probability token adds nothing to the sum, so it is never drawn. One uniform per
+    row, where an exponential race needs one per token: on a CPU that was ~1 ms a row for a
+    49k vocabulary, this ~0.1 ms."""
     cdf = probs.double().cumsum(dim=-1)
-    picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
+    target = (uniform.to(cdf.device, torch.float64) * cdf[:, -1])[:, None]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return picked.clamp_(max=probs.shape[-1] - 1)
 
 
@@ -158,5 +224,5 @@ def sample(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
         return greedy
     probs = torch.softmax(_filtered_logits(logits, sampling.temperature, sampling.top_k,
                                            sampling.top_p, sampling.filtered), dim=-1)
-    drawn = sample_from_probs(probs, sampling.seeds, sampling.steps)
+    drawn = sample_from_probs(probs, sampling.uniform)
     return torch.where(sampling.temperature > 0, drawn, greedy)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 import attrs
+import numpy as np
 import pytest
 import torch
 
-from engine.model.sampling import SamplingTensors, probs_for_verify, sample, \
-    sample_from_probs, seeded_uniform
+from engine.model.sampling import SamplingTensors, _filtered_logits, _uniform_bits, \
+    probs_for_verify, row_uniforms, sample, sample_from_probs, seeded_uniform
 from engine.state import SamplingParams
 
 VOCAB = 50
@@ -125,6 +126,18 @@ def test_seeded_uniform_has_no_extreme_draw_at_small_seeds():
     for steps in (torch.zeros(4096, dtype=torch.int64), torch.arange(4096)):
         u = seeded_uniform(seeds, steps, 2)
         assert u.min() > 2**-16
+        rows = row_uniforms(seeds.tolist(), steps.tolist())
+        assert rows.min() > 2**-16 and rows.max() < 1
+
+
+def test_row_uniforms_on_the_host_are_the_hashs_first_two_columns():
+    """The host's numpy hash gives the torch hash's bits (seeded_uniform's, 24 a column)."""
+    seeds, steps = [0, 1, 7, 2**62 + 5, 2**63 - 1], [0, 3, 0, 123456, 2**31]
+    ticks = _uniform_bits(torch.tensor(seeds), torch.tensor(steps), torch.arange(2), 3)
+    expected = ((ticks[:, 0] * 2**24 + ticks[:, 1]).double() + 0.5) / 2**48
+    assert np.array_equal(row_uniforms(seeds, steps, salt=3), expected.numpy())
+    halves = seeded_uniform(torch.tensor(seeds), torch.tensor(steps), 2, salt=3)
+    torch.testing.assert_close(halves, (ticks.float() + 0.5) / 2**24)
 
 
 def test_sampling_without_filters_skips_them_and_draws_the_same():
@@ -142,11 +155,52 @@ def test_sampling_without_filters_skips_them_and_draws_the_same():
     assert not _tensors([SamplingParams(temperature=1.0, top_k=VOCAB)]).filtered
 
 
+def test_top_p_one_keeps_every_token_where_fp32_mass_rounds_up():
+    """One token holds all but ~1e-10 of the mass: in fp32 the others' mass before them is
+    1.0, and `mass_before < top_p` dropped them at top-p 1 (another row filtering, so the
+    batch goes through the filter)."""
+    logits = torch.zeros(2, 1000)
+    logits[:, 0] = 30.0
+    filtered = _filtered_logits(logits, torch.ones(2), torch.tensor([1000, 1000]),
+                                torch.tensor([1.0, 0.5]))
+    assert torch.isfinite(filtered[0]).all()
+    assert torch.isfinite(filtered[1]).sum() == 1
+
+
+@pytest.mark.parametrize("batch_seed", [0, 1, 2])
+def test_the_cpu_filter_among_candidates_keeps_what_sorting_keeps(batch_seed, monkeypatch):
+    """A 49k vocabulary with peaked rows: the 1024 largest logits decide top-k and top-p,
+    mixed rows included, and keep the tokens a sort of the whole row keeps. A row they do
+    not decide (top-k 2000; a flat row whose candidates hold less than top-p) is sorted."""
+    from engine.model import sampling
+
+    generator = torch.Generator().manual_seed(batch_seed)
+    vocab = 49152
+    logits = torch.randn(6, vocab, generator=generator) * 8
+    logits[5] = torch.randn(vocab, generator=generator)  # flat: 1024 hold < 0.9 of the mass
+    top_k = torch.tensor([vocab, 50, 40, vocab, 2000, vocab])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 1.0, 1.0, 0.9])
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0, 1.0])
+    sorted_rows = []
+    by_sorting = sampling._filtered_by_sorting
+    monkeypatch.setattr(sampling, "_filtered_by_sorting",
+                        lambda s, k, p: sorted_rows.append(len(s)) or by_sorting(s, k, p))
+    fast = _filtered_logits(logits, temperature, top_k, top_p)
+    assert sorted_rows == [2]  # rows 4 and 5 only
+    monkeypatch.setattr(sampling, "_CANDIDATES", vocab)  # no row has more: always sorted
+    slow = _filtered_logits(logits, temperature, top_k, top_p)
+    assert sorted_rows == [2, 6]
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(slow))
+    assert torch.isfinite(fast[3]).all() and torch.isfinite(fast[1]).sum() == 50
+    assert torch.isfinite(fast[4]).sum() == 2000
+    torch.testing.assert_close(fast[torch.isfinite(fast)], slow[torch.isfinite(slow)])
+
+
 def test_zero_probability_tokens_are_never_drawn():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
                           [1e-30, 0.0, 1.0, 0.0, 0.0, 0.0]]).repeat(2000, 1)
     rows = probs.shape[0]
-    tokens = sample_from_probs(probs, torch.arange(rows), torch.zeros(rows, dtype=torch.int64))
+    tokens = sample_from_probs(probs, torch.from_numpy(row_uniforms(range(rows), [0] * rows)))
     assert (probs[torch.arange(rows), tokens] > 0).all()
     first = tokens[0::3]
     assert set(first.tolist()) == {1, 4}
