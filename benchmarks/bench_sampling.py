@@ -1,6 +1,7 @@
 """What sampling costs a decode step: the engine (default model unless told) at batch 1 and 8,
-greedy against temperature 1 with no filter and with top-p 0.9, and the sampler alone on a
-[batch, vocabulary] block of random logits (standard normal x 8: peaked like a model's).
+greedy against temperature 1 with no filter and with top-p 0.9, and the sampler alone (a
+step's inputs built, then sampled from) on a [batch, vocabulary] block of random logits
+(standard normal x 8: peaked like a model's).
 
 Run: .venv/bin/python benchmarks/bench_sampling.py [--threads 1] [--tokens 48]
      python3 benchmarks/bench_sampling.py   (a GPU: the default model's shape, random weights)
@@ -37,15 +38,14 @@ def sampler_ms(batch: int, vocab: int, regime: dict, device: str) -> float:
     # peaked like a model's rows (top-p 0.9 then holds tens of tokens, not thousands)
     logits = torch.randn(batch, vocab, device=device) * 8
     params = [SamplingParams(seed=i, **regime) for i in range(batch)]
-    tensors = SamplingTensors.build(params, [0] * batch, vocab, device)
-    for _ in range(3):
-        sample(logits, tensors)
+    for step in range(3):
+        sample(logits, SamplingTensors.build(params, [step] * batch, vocab, device))
     repeats = 30
     if device != "cpu":
         torch.cuda.synchronize()
     started = time.perf_counter()
-    for _ in range(repeats):
-        out = sample(logits, tensors)
+    for step in range(repeats):  # a step's inputs are built, then sampled from
+        out = sample(logits, SamplingTensors.build(params, [step] * batch, vocab, device))
     out.cpu()
     return (time.perf_counter() - started) / repeats * 1e3
 
@@ -74,7 +74,7 @@ def main() -> None:
                          sampler_ms(batch, vocab, regime, args.device)))
     print(f"\n{args.device}, {args.threads} thread(s), vocabulary {vocab}, "
           f"{args.tokens} tokens a request\n")
-    print("| batch | sampling | decode tok/s | / greedy | sampler alone (ms a step) |")
+    print("| batch | sampling | decode tok/s | / greedy | sampler alone, build + sample (ms) |")
     print("|---|---|---|---|---|")
     for batch, name, rate, ratio, ms in rows:
         print(f"| {batch} | {name} | {rate:.1f} | {ratio:.2f}x | {ms:.2f} |")

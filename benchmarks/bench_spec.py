@@ -236,10 +236,10 @@ def run(args: argparse.Namespace) -> None:
         outputs = results["ours"][1]
         same = outputs == results["ours+spec"][1] == results["spec, acceptance only"][1]
         rate = rates(results, plain, spec)
-        for part, which in ({} if args.quick else PARTS.get(name, {})).items():
+        parts = {} if args.quick else PARTS.get(name, {})  # quick: fewer prompts, no kinds
+        for part, which in parts.items():
             part_rows.append((name, part, rates(results, plain, spec, which)))
-        print(f"[{name}] {what_2x_needs(results, plain, spec, PARTS.get(name, {}))}",
-              flush=True)
+        print(f"[{name}] {what_2x_needs(results, plain, spec, parts)}", flush=True)
         mean_accepted = statistics.mean(spec.accepted) if spec.accepted else 0.0
         print(f"[{name}] steps: plain {step_profile(plain)}; "
               f"spec {step_profile(spec)}; measured draft cost "

@@ -29,8 +29,8 @@ _MEET = 0x85EBCA6B
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xorshift-multiply), on int64 tensors holding 32-bit values.
-    Works in place on a copy (on a CPU a [batch, vocabulary] pass costs per operation)."""
+    """A 32-bit integer finaliser (xorshift-multiply), on int64 tensors or numpy arrays
+    holding 32-bit values; in place on a copy of `x`."""
     x = x & _MASK32
     x ^= x >> 16
     x *= _MUL1
@@ -52,8 +52,9 @@ def _uniform_bits(seeds: Any, steps: Any, columns: Any, salt: int) -> Any:
 
 def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, width: int,
                    salt: int = 0) -> torch.Tensor:
-    """[B, width] fp32 uniforms in (0, 1), a pure function of (seed, step, column, salt).
-    `salt` separates independent streams of one step (e.g. accept tests vs. resampling)."""
+    """[B, width] fp32 uniforms in (0, 1), a pure function of (seed, step, column, salt), on
+    the seeds' device (`row_uniforms` combines the first two columns on the host). `salt`
+    separates independent streams of one step."""
     columns = torch.arange(width, device=seeds.device, dtype=torch.int64)
     bits = _uniform_bits(seeds, steps, columns, salt)
     return bits.float().add_(0.5).mul_(1.0 / (1 << 24))
@@ -162,7 +163,8 @@ def _filtered_among_candidates(scaled: torch.Tensor, top_k: torch.Tensor,
     (on a CPU, sorting a 49k vocabulary took ~3 ms a row; the candidates ~0.4): a row keeps
     everything, or its top-k is among them, or (top-k off) they hold at least its top-p
     mass. The same tokens as sorting the row, up to rounding at the nucleus' edge (the
-    probabilities are normalised over the row, not the sorted row). The other rows are
+    probabilities are normalised over the row, not the sorted row) and which of tied logits
+    at the edge stay (topk and sort order ties apart differently). The other rows are
     sorted."""
     vocab = scaled.shape[-1]
     values, order = scaled.topk(_CANDIDATES, dim=-1)  # descending
@@ -170,8 +172,9 @@ def _filtered_among_candidates(scaled: torch.Tensor, top_k: torch.Tensor,
     keep_sorted = rank < top_k[:, None]
     among = top_k <= _CANDIDATES
     # normalised over the row's top-k tokens: among the candidates, or every token (top-k off)
-    log_total = torch.where(among, torch.logsumexp(values.masked_fill(~keep_sorted, -math.inf),
-                                                   dim=-1), torch.logsumexp(scaled, dim=-1))
+    log_total = torch.logsumexp(values.masked_fill(~keep_sorted, -math.inf), dim=-1)
+    if not bool(among.all()):  # a whole row's sum only where it is needed
+        log_total = torch.where(among, log_total, torch.logsumexp(scaled, dim=-1))
     probs = torch.exp(values - log_total[:, None]).masked_fill_(~keep_sorted, 0.0)
     mass_before = probs.cumsum(dim=-1) - probs
     keep_sorted &= (mass_before < top_p[:, None]) | (rank == 0) | (top_p >= 1.0)[:, None]

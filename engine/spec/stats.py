@@ -44,14 +44,11 @@ class AcceptanceStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def add(self, drafted: int, accepted: int) -> AcceptanceStats:
-        histogram = self.histogram
-        return AcceptanceStats(
-            self.steps + 1, self.drafting_steps + int(drafted > 0), self.drafted + drafted,
-            self.accepted + accepted,
-            histogram[:accepted] + (histogram[accepted] + 1,) + histogram[accepted + 1:])
+        """One more verify step: `drafted` drafts, `accepted` of them accepted."""
+        return self.add_many([drafted], [accepted])
 
     def add_many(self, drafted: Sequence[int], accepted: Sequence[int]) -> AcceptanceStats:
-        """`add` for each pair, at once."""
+        """One more verify step per (drafted, accepted) pair."""
         histogram = list(self.histogram)
         for taken in accepted:
             histogram[taken] += 1

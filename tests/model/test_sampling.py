@@ -119,15 +119,16 @@ def test_seeded_uniform_is_open_unit_interval_and_flat():
     assert torch.equal(u, seeded_uniform(seeds, torch.tensor([0, 0, 123456]), 20000))
 
 
-def test_seeded_uniform_has_no_extreme_draw_at_small_seeds():
-    """Seed 1 at step 0 met column 0's hash: the two xor to 0, which the finaliser keeps at
+def test_a_seed_meeting_a_columns_hash_draws_no_extreme_uniform():
+    """At step 0 a seed below 2**32 is its row key's input, and seed c * _COLUMN_SALT + 1
+    met column c's hash (seed 1: column 0): the two xor to 0, which the finaliser keeps at
     0, a uniform of 2**-25 (it made seed 1's first token the vocabulary's first live one)."""
-    seeds = torch.arange(4096)
-    for steps in (torch.zeros(4096, dtype=torch.int64), torch.arange(4096)):
-        u = seeded_uniform(seeds, steps, 2)
-        assert u.min() > 2**-16
-        rows = row_uniforms(seeds.tolist(), steps.tolist())
-        assert rows.min() > 2**-16 and rows.max() < 1
+    from engine.model.sampling import _COLUMN_SALT, _MASK32
+
+    seeds = torch.tensor([(c * _COLUMN_SALT + 1) & _MASK32 for c in range(4)])
+    u = seeded_uniform(seeds, torch.zeros(4, dtype=torch.int64), 4)
+    assert (u.diagonal() != 2**-25).all()
+    assert (row_uniforms(seeds[:2].tolist(), [0, 0]) > 2**-20).all()
 
 
 def test_row_uniforms_on_the_host_are_the_hashs_first_two_columns():
@@ -140,16 +141,25 @@ def test_row_uniforms_on_the_host_are_the_hashs_first_two_columns():
     torch.testing.assert_close(halves, (ticks.float() + 0.5) / 2**24)
 
 
-def test_sampling_without_filters_skips_them_and_draws_the_same():
+def test_sampling_without_filters_skips_them_and_draws_the_same(monkeypatch):
     """No row sets top-k or top-p: the filter (a sort of every row) is skipped, and the
     tokens are those the filter with nothing to filter gives."""
     logits = _logits(6, seed=4)
     params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([0.5, 1, 2, 1, 0, 1])]
+    from engine.model import sampling as module
+
+    filters = []
+    for name in ("_filtered_by_sorting", "_filtered_among_candidates"):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, f=original: filters.append(1) or f(*a))
     for step in range(30):
         sampling = _tensors(params, [step] * 6)
         assert not sampling.filtered
-        forced = attrs.evolve(sampling, filtered=True)
-        assert torch.equal(sample(logits, sampling), sample(logits, forced))
+        unfiltered = sample(logits, sampling)
+        assert not filters  # skipped
+        assert torch.equal(unfiltered, sample(logits, attrs.evolve(sampling, filtered=True)))
+        assert filters
+        filters.clear()
     assert _tensors([SamplingParams(temperature=1.0, top_p=0.9)]).filtered
     assert _tensors([SamplingParams(temperature=1.0, top_k=VOCAB - 1)]).filtered
     assert not _tensors([SamplingParams(temperature=1.0, top_k=VOCAB)]).filtered

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.spec import DraftTree, SpecConfig, SpecStats, stack
+from engine.spec.stats import AcceptanceStats
 
 
 def test_histogram_means_and_totals() -> None:
@@ -171,3 +172,26 @@ def test_errors() -> None:
         stats.record_batch([3], stack([DraftTree.root_only(1)] * 2), [0, 0])
     with pytest.raises(ValueError, match="1 requests, 1 trees and 2 accepted lengths must"):
         stats.record_batch([3], stack([DraftTree.root_only(1)]), [0, 0])
+
+
+@pytest.mark.parametrize("bad", ["accepted", "unknown request", "draft cost"])
+def test_a_batch_with_a_bad_row_changes_nothing(bad) -> None:
+    """Every row is checked before any is recorded: a bad last row leaves the first rows'
+    statistics, budgets and the totals as they were."""
+    stats = SpecStats(SpecConfig(adapt_window=1))
+    for rid in (1, 2):
+        stats.add(rid)
+    trees = stack([DraftTree((1, 2, 3), (-1, 0, 1)), DraftTree((1, 2), (-1, 0))])
+    rids, accepted, cost = [1, 2], [0, 0], 0.5
+    if bad == "accepted":
+        accepted = [0, 2]  # more than its one draft
+    elif bad == "unknown request":
+        rids = [1, 9]
+    else:
+        cost = 1.5
+    with pytest.raises((ValueError, KeyError)):
+        stats.record_batch(rids, trees, accepted, cost)
+    assert stats.request(1) == AcceptanceStats() == stats.total()
+    assert stats.budget(1) == 12
+    stats.record_batch([1, 2], trees, [0, 0], 0.5)  # a good batch: the first row's loss halves
+    assert stats.budget(1) == 6 and stats.total().steps == 2
