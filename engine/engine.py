@@ -320,7 +320,7 @@ class Engine:
         self.text.finish(request)
         self.stats["finished"] += 1
         if self.spec is not None:
-            self.spec.remove(request.uid)
+            request.speculation = self.spec.remove(request.uid)
         self._publish(request)
         self.requests.pop(request.uid, None)
         self.by_request_id.pop(request.request_id, None)

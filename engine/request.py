@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from engine.spec.stats import AcceptanceStats
 from engine.state import FinishReason, SamplingParams
 
 _next_id = itertools.count(1)
@@ -32,6 +33,7 @@ class Delta:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    speculation: AcceptanceStats | None = None  # in the last delta, as in Completion
 
 
 @attrs.frozen
@@ -42,6 +44,8 @@ class Completion:
     text: str
     finish_reason: str
     usage: Usage
+    # this request's verify steps, drafts and accepted drafts (with speculative decoding)
+    speculation: AcceptanceStats | None = None
 
 
 @attrs.define(eq=False)
@@ -61,6 +65,7 @@ class Request:
     detok: Any = None
     sink: queue.SimpleQueue | None = None  # deltas for stream()/AsyncEngine; None: collect only
     stopped_by_string: bool = False
+    speculation: AcceptanceStats | None = None  # set when it finishes, with speculation on
 
     @property
     def all_ids(self) -> list[int]:
@@ -90,7 +95,8 @@ class Request:
 
     def completion(self) -> Completion:
         return Completion(self.request_id, tuple(self.prompt_ids), tuple(self.output_ids),
-                          self.text, self.finish_reason.openai or "abort", self.usage())
+                          self.text, self.finish_reason.openai or "abort", self.usage(),
+                          self.speculation)
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt_ids), len(self.output_ids))
@@ -106,4 +112,4 @@ class Request:
         self.sent_tokens, self.sent_chars = len(self.output_ids), max(self.sent_chars, end)
         reason = self.finish_reason.openai
         return Delta(self.request_id, new_ids, new_text, reason,
-                     self.usage() if self.done else None)
+                     self.usage() if self.done else None, self.speculation)

@@ -13,8 +13,8 @@ from engine import state
 from engine.config import EngineConfig
 from engine.model.sampling import filter_tensors, greedy_tokens, needs_filter, \
     probs_for_verify
-from engine.spec import NgramProposer, PassCost, SpecConfig, SpecStats, request_rng, \
-    verify_greedy, verify_sampling
+from engine.spec import AcceptanceStats, NgramProposer, PassCost, SpecConfig, SpecStats, \
+    request_rng, verify_greedy, verify_sampling
 from engine.state import Running
 
 if TYPE_CHECKING:
@@ -47,11 +47,16 @@ class Speculator:
         if uid in self.proposer:
             self.proposer.extend(uid, tokens)
 
-    def remove(self, uid: int) -> None:
+    def remove(self, uid: int) -> AcceptanceStats:
+        """Forget a finished request; returns its acceptance statistics (none if it never
+        ran)."""
+        stats = AcceptanceStats()
         if uid in self.proposer:
+            stats = self.stats.request(uid)
             self.proposer.remove(uid)
             self.stats.remove(uid)
         self._rngs.pop(uid, None)
+        return stats
 
     # --- one verify step -----------------------------------------------------------------------
     def budgets(self, running: Running) -> np.ndarray:

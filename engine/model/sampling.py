@@ -208,7 +208,11 @@ def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     cdf = probs.double().cumsum(dim=-1)
     target = (uniform.to(cdf.device, torch.float64) * cdf[:, -1])[:, None]
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return picked.clamp_(max=probs.shape[-1] - 1)
+    picked.clamp_(max=probs.shape[-1] - 1)
+    # A device's parallel prefix sum may round two sums out of order; should that ever land
+    # on a zero-probability token, the row's most likely token is taken (no host sync)
+    live = probs.gather(1, picked[:, None]).squeeze(1) > 0
+    return torch.where(live, picked, probs.argmax(dim=-1))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

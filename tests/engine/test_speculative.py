@@ -237,6 +237,26 @@ def test_default_model_retraction_with_speculation(references, assert_all_free):
     assert_all_free(tight)
 
 
+def test_each_completion_carries_its_acceptance_statistics():
+    """Per request, what its verify steps drafted and accepted, handed back when it finishes
+    (in the completion and in its last delta); the requests' counts add up to the total."""
+    prompts = _repetitive_prompts(5, 4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = _tiny(speculative=True, draft_cost=0.05)  # budgets independent of timings
+    done = engine.generate(prompts, params)
+    stats = [c.speculation for c in done]
+    assert all(s is not None and s.steps > 0 for s in stats)
+    assert all(sum(s.histogram) == s.steps for s in stats)
+    total = engine.spec.stats.total()
+    assert sum(s.accepted for s in stats) == total.accepted > 0
+    assert sum(s.drafted for s in stats) == total.drafted
+    assert sum(s.steps for s in stats) == total.steps
+    deltas = list(engine.stream(prompts[0], params))
+    assert deltas[-1].speculation == engine.generate([prompts[0]], params)[0].speculation
+    assert all(d.speculation is None for d in deltas[:-1])
+    assert _tiny().generate(prompts[:1], params)[0].speculation is None
+
+
 # --- (d) sampling ----------------------------------------------------------------------------
 def test_seeded_sampling_with_speculation_is_reproducible(spec_engine):
     params = SamplingParams(max_tokens=24, temperature=0.7, seed=1234)

@@ -231,3 +231,12 @@ def test_greedy_tokens_is_argmax_and_takes_the_first_of_tied_maxima():
     assert greedy_tokens(logits).tolist() == [1, 0, 2] == logits.argmax(-1).tolist()
     wide = torch.randn(8, 49152, generator=torch.Generator().manual_seed(3))
     assert torch.equal(greedy_tokens(wide), wide.argmax(-1))
+
+
+def test_a_pick_that_lands_on_a_dead_token_falls_back_to_the_most_likely():
+    """Out-of-order prefix sums (a device's parallel scan) are simulated by a uniform of 1
+    (beyond the last live token): the row's most likely token is taken, never a dead one."""
+    probs = torch.tensor([[0.2, 0.7, 0.1, 0.0, 0.0]])
+    assert sample_from_probs(probs, torch.tensor([1.0], dtype=torch.float64)).item() == 1
+    assert sample_from_probs(probs, torch.tensor([0.5], dtype=torch.float64)).item() == 1
+    assert sample_from_probs(probs, torch.tensor([0.95], dtype=torch.float64)).item() == 2
