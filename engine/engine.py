@@ -22,7 +22,8 @@ from engine.kv import KVBook
 from engine.request import Completion, Delta, Request
 from engine.runtime import Runtime, build_runtime
 from engine.state import FinishReason, FinishRules, Running, SamplingParams
-from engine.textio import PromptInput, TextOutput, prompt_to_ids
+from engine.textio import PromptInput, TextOutput, as_prompt_list, prompt_to_ids, \
+    to_params
 
 Prompt = PromptInput
 
@@ -59,7 +60,7 @@ class Engine:
 
     def _submit(self, prompt: Prompt, params: SamplingParams | dict | None,
                 request_id: str | None, sink: queue.SimpleQueue | None) -> Request:
-        params = _to_params(params)
+        params = to_params(params)
         ids = prompt_to_ids(self.tokenizer, prompt)
         self._validate(ids)
         if request_id is not None and request_id in self.by_request_id:
@@ -337,14 +338,14 @@ class Engine:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | dict | list | None = None) -> list[Completion]:
         """Results in input order; one params value or one per prompt."""
-        batch_prompts = _as_prompt_list(prompts)
+        batch_prompts = as_prompt_list(prompts)
         params = (list(sampling_params) if isinstance(sampling_params, list)
                   else [sampling_params] * len(batch_prompts))
         if len(params) != len(batch_prompts):
             raise InvalidRequest("sampling_params", f"{len(params)} values for "
                                  f"{len(batch_prompts)} prompts; give one, or one per prompt")
         # Validate everything first, so a bad prompt rejects the call before anything runs.
-        checked = [(prompt_to_ids(self.tokenizer, p), _to_params(sp))
+        checked = [(prompt_to_ids(self.tokenizer, p), to_params(sp))
                    for p, sp in zip(batch_prompts, params, strict=True)]
         for ids, _ in checked:
             self._validate(ids)
@@ -378,26 +379,3 @@ class Engine:
                     **dict(self.stats),
                     **(self.spec.stats_dict() if self.spec is not None else {}))
 
-
-def _to_params(params: SamplingParams | dict | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    try:
-        return SamplingParams(**params)
-    except TypeError as error:
-        raise InvalidRequest("sampling_params", str(error)) from None
-    except ValueError as error:
-        field = str(error).split("=", 1)[0]
-        raise InvalidRequest(field, str(error)) from None
-
-
-def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], dict):
-        return [prompts]
-    return list(prompts)

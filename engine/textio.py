@@ -1,5 +1,6 @@
-"""Text at the edges: prompts in (text, token ids or chat messages), text out (incremental
-detokenization and stop strings, matched where the text is produced)."""
+"""Text at the edges: prompts in (text, token ids or chat messages, with their sampling
+parameters), text out (incremental detokenization and stop strings, matched where the text is
+produced)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Union
 from engine.errors import InvalidRequest
 from engine.model.tokenizer import IncrementalDetokenizer
 from engine.request import Request
+from engine.state import SamplingParams
 
 PromptInput = Union[str, list[int], list[dict]]
 
@@ -79,3 +81,28 @@ class TextOutput:
         hold = max(len(s) for s in request.params.stop) - 1
         return max(request.sent_chars, len(request.text) - hold)
 
+
+def to_params(params: SamplingParams | dict | None) -> SamplingParams:
+    """A request's sampling parameters from what a caller gave (None: the defaults)."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    try:
+        return SamplingParams(**params)
+    except TypeError as error:
+        raise InvalidRequest("sampling_params", str(error)) from None
+    except ValueError as error:
+        field = str(error).split("=", 1)[0]
+        raise InvalidRequest(field, str(error)) from None
+
+
+def as_prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput]:
+    """One prompt, or a list of them, as a list."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], dict):
+        return [prompts]
+    return list(prompts)

@@ -130,7 +130,9 @@ void task_fast(const float* q, const float* k_cache, const float* v_cache,
 // (m < kMaxTreeNodes: keys past prefix + kMaxTreeNodes are visible to none, and skipped).
 // work: this thread's scratch (kTreeQueries * d queries, then len * kTreeQueries scores;
 // every score is written before it is read).
-constexpr int64_t kMaxTreeNodes = 63;  // engine/state/batch.py MAX_TREE_NODES
+// a token's tree_bits is an int64 bit set over its tree's nodes, the sign bit unused (hence
+// engine/state/batch.py's MAX_TREE_NODES)
+constexpr int64_t kMaxTreeNodes = 8 * sizeof(int64_t) - 1;
 constexpr int64_t kTreeQueries = 16;  // one lane of a vector, of an __mmask16, of sum16 each
 template <int C>
 void tree_chunk(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
@@ -264,7 +266,7 @@ extern "C" void cpu_paged_attention(
             int64_t n = std::min(len, prefix + (t - qo_indptr[i]) + 1);
             if (tree_bits != nullptr) {
                 tree_keys.assign(keys, keys + std::min(prefix, len));
-                for (int64_t j = prefix; j < len; ++j)
+                for (int64_t j = prefix; j < std::min(len, prefix + kMaxTreeNodes); ++j)
                     if ((tree_bits[t] >> (j - prefix)) & 1) tree_keys.push_back(keys[j]);
                 keys = tree_keys.data();
                 n = (int64_t)tree_keys.size();

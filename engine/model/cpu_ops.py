@@ -99,9 +99,10 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
     if attention is None:
         return None
     k_cache, v_cache, *indices, bits = attention
-    tokens, width = hidden.shape[0], layer.qkv_proj.shape[1]  # the width the kernel uses
+    tokens, width = hidden.shape[0], weights[0].shape[1]  # the width the kernel uses
     check_norm(hidden, residual, width)
     norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+    descriptors = _descriptors(layer, weights, (norm_in.weight, norm_post.weight))
     check_rope_tables(hidden, cos, sin, layer.head_dim // 2)  # [tokens, >= half] each
     slots = metadata.out_slots
     if slots.dtype != torch.int64 or tuple(slots.shape) != (tokens,):
@@ -117,8 +118,7 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, co
     cpu_kernels.library().cpu_decoder_layer(
         hidden.data_ptr(), None if residual is None else residual.data_ptr(), tokens,
         norm_in.weight.data_ptr(), norm_in.eps, norm_post.weight.data_ptr(), norm_post.eps,
-        _descriptors(layer, weights, (norm_in.weight, norm_post.weight)), cos.data_ptr(),
-        sin.data_ptr(), cos.stride(0),
+        descriptors, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         *(t.data_ptr() for t in indices), None if bits is None else bits.data_ptr(),
         metadata.prefix_lens.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim,
@@ -140,7 +140,8 @@ def _descriptors(layer, weights: tuple[BlockWeight, ...],
     params = (*weights, *norms)
     if cached is None or any(a is not b for a, b in zip(cached[0], params, strict=True)):
         _check_layer_shapes(layer, weights, norms)
-        cached = (params, (ctypes.c_int64 * 24)(*(v for w in weights for v in w.descriptor)))
+        values = [v for w in weights for v in w.descriptor]
+        cached = (params, (ctypes.c_int64 * len(values))(*values))
         _LAYER_DESCRIPTORS[layer] = cached
     return cached[1]
 
@@ -153,9 +154,8 @@ def _check_layer_shapes(layer, weights: tuple[BlockWeight, ...],
         if tuple(norm.shape) != (width,) or not norm.is_contiguous():
             raise ValueError(f"{name}.weight must be contiguous [{width}] (the kernel reads "
                              f"{width} floats from it); got {tuple(norm.shape)}")
-    q_width = layer.num_heads * layer.head_dim
-    expected = {"qkv_proj": (q_width + 2 * layer.num_kv_heads * layer.head_dim, width),
-                "o_proj": (width, q_width), "gate_up_proj": (2 * inter, width),
+    expected = {"qkv_proj": (layer.q_size + 2 * layer.kv_size, width),
+                "o_proj": (width, layer.q_size), "gate_up_proj": (2 * inter, width),
                 "down_proj": (width, inter)}
     for (name, want), weight in zip(expected.items(), weights, strict=True):
         if tuple(weight.shape) != want:

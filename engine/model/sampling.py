@@ -87,18 +87,19 @@ class SamplingTensors:
         if len(params) != len(steps):
             raise ValueError(f"{len(params)} sampling params for {len(steps)} step counters")
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
-        temperature, top_k, top_p = _filter_values(params, vocab_size)
-        rows = np.stack([np.asarray(temperature, np.float64), np.asarray(top_k, np.float64),
-                         np.asarray(top_p, np.float64), row_uniforms(seeds, steps)])
-        packed = torch.from_numpy(rows).to(device, non_blocking=True)
-        return cls(temperature=packed[0].float(), top_k=packed[1].long(),
-                   top_p=packed[2].float(), uniform=packed[3],
+        rows = _on_device([*_filter_values(params, vocab_size), row_uniforms(seeds, steps)],
+                          device)
+        return cls(temperature=rows[0], top_k=rows[1], top_p=rows[2], uniform=rows[3],
                    all_greedy=all(p.greedy for p in params),
                    filtered=needs_filter(params, vocab_size))
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+def _on_device(rows: list, device: torch.device | str) -> list[torch.Tensor]:
+    """Per-row values (temperature, top_k, top_p, then any more) in one host-to-device copy
+    (float64 holds every top_k exactly): temperature and top_p as fp32, top_k as int64, the
+    others float64."""
+    packed = torch.from_numpy(np.array(rows, dtype=np.float64)).to(device, non_blocking=True)
+    return [packed[0].float(), packed[1].long(), packed[2].float(), *packed[3:]]
 
 
 def _filter_values(params: Sequence[SamplingParams],
@@ -114,10 +115,9 @@ def filter_tensors(params: Sequence[SamplingParams], vocab_size: int,
                    device: torch.device | str = "cpu"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: temperature (fp32), top_k clamped to the vocabulary (int64; disabled = the
-    vocabulary size) and top_p (fp32), what `_filtered_logits` reads."""
-    temperature, top_k, top_p = _filter_values(params, vocab_size)
-    return (_tensor(temperature, torch.float32, device), _tensor(top_k, torch.int64, device),
-            _tensor(top_p, torch.float32, device))
+    vocabulary size) and top_p (fp32), what `_filtered_logits` reads; one copy."""
+    temperature, top_k, top_p = _on_device(list(_filter_values(params, vocab_size)), device)
+    return temperature, top_k, top_p  # (a tuple of three, as _filtered_logits takes them)
 
 
 def needs_filter(params: Sequence[SamplingParams], vocab_size: int) -> bool:
@@ -147,11 +147,17 @@ def _filtered_by_sorting(scaled: torch.Tensor, top_k: torch.Tensor,
     rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     keep_sorted = rank < top_k[:, None]
     sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # top-p 1 keeps every token (in fp32 the last tokens' mass_before can round up to 1)
-    keep_sorted &= (mass_before < top_p[:, None]) | (rank == 0) | (top_p >= 1.0)[:, None]
+    keep_sorted &= _in_nucleus(sorted_probs, rank, top_p)
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     return scaled.masked_fill(~keep, float("-inf"))
+
+
+def _in_nucleus(sorted_probs: torch.Tensor, rank: torch.Tensor,
+                top_p: torch.Tensor) -> torch.Tensor:
+    """Per sorted token: whether the mass before it is below top-p (the first token always;
+    top-p 1 every token: in fp32 the last tokens' mass before them can round up to 1)."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    return (mass_before < top_p[:, None]) | (rank == 0) | (top_p >= 1.0)[:, None]
 
 
 _CANDIDATES = 1024  # the most likely tokens a CPU filter looks at before sorting a whole row
@@ -176,8 +182,7 @@ def _filtered_among_candidates(scaled: torch.Tensor, top_k: torch.Tensor,
     if not bool(among.all()):  # a whole row's sum only where it is needed
         log_total = torch.where(among, log_total, torch.logsumexp(scaled, dim=-1))
     probs = torch.exp(values - log_total[:, None]).masked_fill_(~keep_sorted, 0.0)
-    mass_before = probs.cumsum(dim=-1) - probs
-    keep_sorted &= (mass_before < top_p[:, None]) | (rank == 0) | (top_p >= 1.0)[:, None]
+    keep_sorted &= _in_nucleus(probs, rank, top_p)
     everything = (top_k >= vocab) & (top_p >= 1.0)
     decided = among | everything | ((top_k >= vocab) & (probs.sum(dim=-1) >= top_p))
     keep = torch.zeros_like(scaled, dtype=torch.bool).scatter_(-1, order, keep_sorted)

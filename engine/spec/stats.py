@@ -108,21 +108,7 @@ class SpecStats:
         a draft row was measured to cost `draft_cost` decoded tokens' time, and drafting at
         all this step `step_cost` more (its share of what a verify pass costs beyond its rows).
         A request with a fixed cost is judged by that alone (see the module docstring)."""
-        _check_counts([drafted], [accepted])
-        _check_costs(draft_cost, step_cost)
-        entry = self._entry(rid)
-        self._total = self._total.add(drafted, accepted)
-        self._record(entry, drafted, accepted, draft_cost, step_cost)
-
-    def _record(self, entry: _Adaptive, drafted: int, accepted: int, draft_cost: float,
-                step_cost: float) -> None:
-        """One request's step, the total aside."""
-        entry.stats = entry.stats.add(drafted, accepted)
-        if self.config.adaptive:
-            fixed = entry.fixed_cost
-            cost = (draft_cost * drafted + step_cost if fixed is None
-                    else fixed * drafted)
-            self._adapt(entry, drafted, accepted, cost)
+        self._record_rows([rid], [drafted], [accepted], draft_cost, [step_cost])
 
     def record_batch(self, rids: Sequence[int] | np.ndarray, trees: DraftTrees,
                      accepted_lens: Sequence[int] | np.ndarray, draft_cost: float = 0.0,
@@ -135,16 +121,27 @@ class SpecStats:
         if not len(rids) == drafted.shape[0] == accepted.shape[0]:
             raise ValueError(f"{len(rids)} requests, {drafted.shape[0]} trees and "
                              f"{accepted.shape[0]} accepted lengths must match")
-        drafted_list, accepted_list = drafted.tolist(), accepted.tolist()
-        _check_counts(drafted_list, accepted_list)
+        drafted_list = drafted.tolist()
         share = verify_premium / max(sum(d > 0 for d in drafted_list), 1)
-        _check_costs(draft_cost, share)
-        entries = [self._entry(int(rid)) for rid in rids]  # all known before any is changed
-        self._total = self._total.add_many(drafted_list, accepted_list)
-        for entry, num_drafted, num_accepted in zip(entries, drafted_list, accepted_list,
-                                                    strict=True):
-            self._record(entry, num_drafted, num_accepted, draft_cost,
-                         share if num_drafted else 0.0)
+        self._record_rows(rids, drafted_list, accepted.tolist(), draft_cost,
+                          [share if d else 0.0 for d in drafted_list])
+
+    def _record_rows(self, rids: Sequence[int] | np.ndarray, drafted: list[int],
+                     accepted: list[int], draft_cost: float, step_costs: list[float]) -> None:
+        """Every row is checked, and every request found, before any is recorded."""
+        _check_counts(drafted, accepted)
+        for step_cost in step_costs:
+            _check_costs(draft_cost, step_cost)
+        entries = [self._entry(int(rid)) for rid in rids]
+        self._total = self._total.add_many(drafted, accepted)
+        for entry, num_drafted, num_accepted, step_cost in zip(entries, drafted, accepted,
+                                                               step_costs, strict=True):
+            entry.stats = entry.stats.add(num_drafted, num_accepted)
+            if self.config.adaptive:
+                fixed = entry.fixed_cost
+                cost = (draft_cost * num_drafted + step_cost if fixed is None
+                        else fixed * num_drafted)
+                self._adapt(entry, num_drafted, num_accepted, cost)
 
     def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, cost: float) -> None:
         """`cost`: what this step's drafting cost, in decoded tokens' time."""

@@ -45,8 +45,6 @@ class DraftTree:
 
 def stack(trees: Sequence[DraftTree]) -> DraftTrees:
     """The batch form of `trees`, in order."""
-    if all(len(t.tokens) == 1 for t in trees):  # roots only: no links to check
-        return DraftTrees.roots_only(np.array([t.tokens[0] for t in trees], dtype=INDEX_DTYPE))
     return DraftTrees.from_lists([t.tokens for t in trees], [t.parents for t in trees])
 
 

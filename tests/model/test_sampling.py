@@ -127,7 +127,7 @@ def test_a_seed_meeting_a_columns_hash_draws_no_extreme_uniform():
 
     seeds = torch.tensor([(c * _COLUMN_SALT + 1) & _MASK32 for c in range(4)])
     u = seeded_uniform(seeds, torch.zeros(4, dtype=torch.int64), 4)
-    assert (u.diagonal() != 2**-25).all()
+    assert (u.diagonal() > 2**-20).all()
     assert (row_uniforms(seeds[:2].tolist(), [0, 0]) > 2**-20).all()
 
 
@@ -137,8 +137,6 @@ def test_row_uniforms_on_the_host_are_the_hashs_first_two_columns():
     ticks = _uniform_bits(torch.tensor(seeds), torch.tensor(steps), torch.arange(2), 3)
     expected = ((ticks[:, 0] * 2**24 + ticks[:, 1]).double() + 0.5) / 2**48
     assert np.array_equal(row_uniforms(seeds, steps, salt=3), expected.numpy())
-    halves = seeded_uniform(torch.tensor(seeds), torch.tensor(steps), 2, salt=3)
-    torch.testing.assert_close(halves, (ticks.float() + 0.5) / 2**24)
 
 
 def test_sampling_without_filters_skips_them_and_draws_the_same(monkeypatch):

@@ -134,8 +134,6 @@ def test_a_verify_pass_premium_is_shared_by_the_requests_that_drafted() -> None:
     for _ in range(6):
         costly.record_batch([0, 1, 2], trees, [1, 1, 0], 0.02, verify_premium=2.7)
     assert [costly.budget(r) for r in range(3)] == [1, 1, 2]
-    with pytest.raises(ValueError, match=r"step_cost=-1.0 is not allowed"):
-        SpecStats().record(0, drafted=1, accepted=0, step_cost=-1.0)
 
 
 def test_configured_draft_cost_overrides_the_measured_one() -> None:
@@ -168,30 +166,34 @@ def test_errors() -> None:
         stats.add(3)
     with pytest.raises(ValueError, match=r"accepted=3, drafted=2 is not allowed"):
         stats.record(3, drafted=2, accepted=3)
+    with pytest.raises(ValueError, match=r"step_cost=-1.0 is not allowed"):
+        stats.record(3, drafted=1, accepted=0, step_cost=-1.0)
     with pytest.raises(ValueError, match="1 requests, 2 trees and 2 accepted lengths must"):
         stats.record_batch([3], stack([DraftTree.root_only(1)] * 2), [0, 0])
     with pytest.raises(ValueError, match="1 requests, 1 trees and 2 accepted lengths must"):
         stats.record_batch([3], stack([DraftTree.root_only(1)]), [0, 0])
 
 
-@pytest.mark.parametrize("bad", ["accepted", "unknown request", "draft cost"])
+@pytest.mark.parametrize("bad", ["accepted", "unknown request", "premium share"])
 def test_a_batch_with_a_bad_row_changes_nothing(bad) -> None:
-    """Every row is checked before any is recorded: a bad last row leaves the first rows'
-    statistics, budgets and the totals as they were."""
+    """Every row is checked before any is recorded: a bad last row leaves the first row's
+    statistics, budget and the totals as they were."""
     stats = SpecStats(SpecConfig(adapt_window=1))
     for rid in (1, 2):
         stats.add(rid)
     trees = stack([DraftTree((1, 2, 3), (-1, 0, 1)), DraftTree((1, 2), (-1, 0))])
-    rids, accepted, cost = [1, 2], [0, 0], 0.5
+    rids, accepted, premium = [1, 2], [0, 0], 0.0
     if bad == "accepted":
         accepted = [0, 2]  # more than its one draft
     elif bad == "unknown request":
         rids = [1, 9]
-    else:
-        cost = 1.5
+    else:  # only the rows that drafted share it: the first drafts nothing, the second -1.0
+        trees = stack([DraftTree.root_only(1), DraftTree((1, 2), (-1, 0))])
+        premium = -1.0
     with pytest.raises((ValueError, KeyError)):
-        stats.record_batch(rids, trees, accepted, cost)
+        stats.record_batch(rids, trees, accepted, 0.5, premium)
     assert stats.request(1) == AcceptanceStats() == stats.total()
     assert stats.budget(1) == 12
+    trees = stack([DraftTree((1, 2, 3), (-1, 0, 1)), DraftTree((1, 2), (-1, 0))])
     stats.record_batch([1, 2], trees, [0, 0], 0.5)  # a good batch: the first row's loss halves
     assert stats.budget(1) == 6 and stats.total().steps == 2
