@@ -9,8 +9,9 @@ memory as in a real step. "F.linear" is MKL on dense fp32 weights (the engine's 
 layout); "MKL packed" is MKL's pre-packed GEMM (`torch.ops.mkl._mkl_linear`), which serves only
 the one row count it was packed for. "blocks" is the engine's block kernel
 (`engine.model.blockq`) on the default file's formats, Q4_1 layers and a Q8_0 lm_head: the
-same fp32 arithmetic on weights kept in their GGUF blocks (what the engine runs on an AVX-512
-CPU).
+same fp32-accurate arithmetic on weights kept in their GGUF blocks (what the engine runs on an
+AVX-512 CPU), on AVX-512 FMAs and, where the CPU has them, on AMX tiles (the engine's default
+there).
 """
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ def per_step(run, repeats: int = 8) -> float:
     return statistics.median(times)
 
 
+def block_pass(blocks: list[BlockWeight] | None, xs: dict[int, torch.Tensor],
+               path: str) -> float:
+    """One pass of products through the block kernel on one of its paths (NaN without it)."""
+    if blocks is None:
+        return float("nan")
+    before = cpu_kernels.amx()
+    try:
+        cpu_kernels.amx(path == "AMX")
+        return per_step(lambda: [w.linear(xs[w.shape[1]]) for w in blocks])
+    finally:
+        cpu_kernels.amx(before)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
@@ -59,6 +73,9 @@ def main() -> None:
                                          kind)
         blocks = ([block(w, "Q4_1") for layer in layers for w in layer]
                   + [block(head, "Q8_0")])
+    paths = ["FMAs"]  # the block kernel's paths this CPU has
+    if blocks is not None and cpu_kernels.amx():
+        paths.append("AMX")
     rows = []
     for m in (1, 8, 13, 64, 240):  # decode, batch 8, a verify tree, prefills
         xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
@@ -68,8 +85,7 @@ def main() -> None:
         packed = per_step(lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, m)
                                    for w, p in zip(weights, packed_weights, strict=True)])
         del packed_weights
-        in_blocks = float("nan") if blocks is None else per_step(
-            lambda: [w.linear(xs[w.shape[1]]) for w in blocks])
+        in_blocks = {path: block_pass(blocks, xs, path) for path in paths}
         flops = 2 * m * sum(w.numel() for w in weights)
         rows.append((m, plain, packed, in_blocks, flops))
     weight_bytes = sum(w.numel() for w in weights) * 4
@@ -84,15 +100,18 @@ def main() -> None:
         held = sum(w.num_bytes() for w in blocks)
         print(f"the same weights in blocks: {held / 2**20:.0f} MiB "
               f"({weight_bytes / held:.1f}x fewer bytes)")
-    print("| rows | F.linear ms | GFLOP/s | weights GB/s | MKL packed ms | GFLOP/s | blocks ms "
-          "| GFLOP/s | max tokens/s, dense | max tokens/s, blocks |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    heads = "".join(f" blocks, {path} ms | GFLOP/s |" for path in paths)
+    tails = "".join(f" max tokens/s, blocks {path} |" for path in paths)
+    print(f"| rows | F.linear ms | GFLOP/s | weights GB/s | MKL packed ms | GFLOP/s |{heads} "
+          f"max tokens/s, dense |{tails}")
+    print("|---" * (7 + 3 * len(paths)) + "|")
     for m, plain, packed, in_blocks, flops in rows:
+        cells = "".join(f" {in_blocks[path] * 1e3:.1f} | {flops / in_blocks[path] / 1e9:.0f} |"
+                        for path in paths)
+        tokens = "".join(f" {m / in_blocks[path]:.0f} |" for path in paths)
         print(f"| {m} | {plain * 1e3:.1f} | {flops / plain / 1e9:.0f} | "
               f"{weight_bytes / plain / 1e9:.0f} | {packed * 1e3:.1f} | "
-              f"{flops / packed / 1e9:.0f} | {in_blocks * 1e3:.1f} | "
-              f"{flops / in_blocks / 1e9:.0f} | {m / min(plain, packed):.0f} | "
-              f"{m / in_blocks:.0f} |")
+              f"{flops / packed / 1e9:.0f} |{cells} {m / min(plain, packed):.0f} |{tokens}")
 
 
 if __name__ == "__main__":

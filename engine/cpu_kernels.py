@@ -29,10 +29,12 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "kernels.h"))
 # -ffp-contract=off: a*b + c*d is rounded as written (as torch rounds it), never fused
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+         "-mamx-tile", "-mamx-bf16",
          "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {  # name -> argument types (none returns a value); each takes a thread count last
     "blockq_linear": (_P, _I, _P, _P, _I),
+    "blockq_amx": (_I,),  # returns int64; no thread count
     "cpu_paged_attention": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
                             ctypes.c_float, _P, _I),
     "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P, _I),
@@ -86,6 +88,7 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
         for name, argtypes in SIGNATURES.items():
             function = getattr(lib, name)
             function.restype, function.argtypes = None, list(argtypes)
+        lib.blockq_amx.restype = ctypes.c_int64
     except (OSError, AttributeError) as error:  # unwritable cache, a damaged library file
         return None, KernelStatus(False, f"cannot build or load {target}: {error}")
     return lib, KernelStatus(True, f"built into {target}")
@@ -107,3 +110,12 @@ def library() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"the CPU kernels are not available: {built.reason}")
     return lib
+
+
+def amx(want: bool | None = None) -> bool:
+    """Whether the block kernel multiplies on the AMX tile unit (else AVX-512 FMAs); `want`
+    chooses (True only where the CPU and the OS allow it). The default is AMX where allowed,
+    unless ENGINE_CPU_AMX=0. Both paths are fp32-accurate and each gives a row the same result
+    in any batch, but they differ from each other in the last bits: choose before a model
+    runs, not between its passes."""
+    return bool(library().blockq_amx(-1 if want is None else int(want)))

@@ -24,10 +24,15 @@
 // is first packed in the same order of k, tile by tile ([K][rows of the tile]), so one k's
 // values are one short broadcast stream. Panels are split over OpenMP threads (the process's
 // libgomp: torch's, so torch.set_num_threads applies).
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <vector>
 
 #include "simd.h"
@@ -290,7 +295,272 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// The AMX path (Intel AMX-BF16: Sapphire Rapids and later), which serves every M where the CPU
+// and the OS allow it: a weight's quants are small integers, exact in bf16, and x is split
+// exactly into three bf16 planes (hi + mid + lo = x: each plane keeps the next 8 bits of the
+// mantissa, truncated), so the tile unit's products are exact and its sums fp32. Per block b
+// of 32 weights along K, for 16 rows of x and 16 outputs at a time,
+//   C[i][n] = sum over the planes, then over k, of plane(x[i][k]) * q[n][k]   (TDPBF16PS)
+//   y[i][n] = fma(C, d[n][b], y);  y = fma(s[i][b], m[n][b], y)   (s: x's sum over the block)
+// which is d*q + m summed in fp32 (Q4_0's m = -8d and Q8_0's m = 0 likewise), with one fixed
+// order per output whatever the other rows are: rows are independent in a tile product, and
+// the blocks, planes and scalings run in one order. So a row's result still does not depend
+// on its batch; it differs from the FMA path's in the last bits (another order of sums), and
+// a process uses one path for every call (blockq_amx).
+//
+// Pair order within a tile row (the k of the two bf16 in a dword): nibble blocks pair k = j
+// and j + 16 (a byte's two nibbles), byte blocks pair 2j and 2j + 1 (rows 2j, 2j + 1 of the
+// block's [32 k][32 n] bytes); x is packed in the same pairs. The weights' tiles are built in
+// a 2 KiB buffer per block (two tiles: outputs 0-15 and 16-31 of the panel) and used by every
+// 16-row tile of x; rows of x go in groups of kGroupTiles tiles, so a group's packed x (6
+// bytes per value) stays in L2 while every panel passes.
+
+constexpr int64_t kPlanes = 3, kAmxRows = 16, kGroupTiles = 8;
+constexpr int64_t kRing = 4;  // weight tiles built ahead: blocks b + 1 .. b + 3 while b runs
+constexpr int64_t kPlaneBytes = kAmxRows * 64;  // one tile: 16 rows of 32 bf16
+
+struct alignas(64) TileConfig {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+bool amx_supported() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        if (!((d >> 24) & 1) || !((d >> 22) & 1)) return false;  // AMX-TILE, AMX-BF16
+        // the kernel's permission for this process's threads to use tile data (Linux 5.16+)
+        return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                       18 /* XFEATURE_XTILEDATA */) == 0;
+    }();
+    return ok;
+}
+
+// -1: not chosen yet (AMX where supported, unless ENGINE_CPU_AMX=0); else 0 or 1
+std::atomic<int> amx_mode{-1};
+
+bool use_amx() {
+    int mode = amx_mode.load(std::memory_order_relaxed);
+    if (mode < 0) {
+        const char* env = std::getenv("ENGINE_CPU_AMX");
+        mode = amx_supported() && !(env && env[0] == '0' && env[1] == '\0') ? 1 : 0;
+        int unset = -1;
+        amx_mode.compare_exchange_strong(unset, mode);
+        mode = amx_mode.load();
+    }
+    return mode == 1;
+}
+
+// each 32-bit lane: its high 16 bits (a value truncated to bf16, as fp32 bits)
+inline __m512i high_half(__m512 v) {
+    return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0xFFFF0000u));
+}
+
+// rows [i0, i0 + rows) of x, block by block, as tiles: out [blocks][planes][16 rows][32
+// bf16], rows [rows, fill) zero, and their sums per block: sums [blocks][16]
+template <class F>
+void pack_planes(const float* x, int64_t K, int64_t i0, int64_t rows, int64_t fill,
+                 uint16_t* out, float* sums) {
+    const int64_t blocks = K / kBlock;
+    // bytes: the high halves of lanes 0-15 of a and then of b, in order (words 1, 3, ...)
+    alignas(64) static const uint16_t odd[32] = {
+        1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+        33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    const __m512i pick = _mm512_load_si512(odd);
+    for (int64_t b = 0; b < blocks; ++b) {
+        uint16_t* tile = out + b * kPlanes * kPlaneBytes / 2;
+        for (int64_t i = 0; i < fill; ++i) {
+            __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
+            if (i < rows) {
+                v0 = _mm512_loadu_ps(x + (i0 + i) * K + b * kBlock);
+                v1 = _mm512_loadu_ps(x + (i0 + i) * K + b * kBlock + 16);
+            }
+            sums[b * kAmxRows + i] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+            for (int64_t p = 0; p < kPlanes; ++p) {
+                const __m512i h0 = high_half(v0), h1 = high_half(v1);
+                const __m512i row = F::nibbles
+                    ? _mm512_or_si512(_mm512_srli_epi32(h0, 16), h1)  // (x[j], x[j + 16])
+                    : _mm512_permutex2var_epi16(h0, pick, h1);         // (x[2j], x[2j + 1])
+                _mm512_store_si512(tile + p * kPlaneBytes / 2 + i * 32, row);
+                v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(h0));  // exact: the bits below
+                v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(h1));
+            }
+        }
+    }
+}
+
+// block b of a panel as two tiles of B (outputs 0-15, 16-31): out [2][16 pairs][16 n] dwords
+template <class F>
+inline void expand_tiles(Panel w, int64_t b, uint32_t* out) {
+    const uint8_t* q = w.q + b * F::block_bytes;
+    for (int h = 0; h < 2; ++h) {
+        for (int64_t j = 0; j < kBlock / 2; ++j) {
+            __m512i row;
+            if constexpr (F::nibbles) {
+                // bf16 of 0..15, looked up by each word's nibble
+                alignas(64) static const uint16_t bf16_of[32] = {
+                    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+                const __m512i v = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i*)(q + j * kPanel + h * 16)));
+                // low nibble in the low word, high nibble in the high word: (v | v << 12) & mask
+                const __m512i nib = _mm512_ternarylogic_epi32(
+                    v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+                row = _mm512_permutexvar_epi16(nib, _mm512_load_si512(bf16_of));
+            } else {
+                const uint8_t* at = q + 2 * j * kPanel + h * 16;
+                const __m512i f0 = _mm512_castps_si512(_mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)at))));
+                const __m512i f1 = _mm512_castps_si512(_mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(at + kPanel)))));
+                // (bf16 of q[2j], bf16 of q[2j + 1]): f0 >> 16 | (f1 & 0xFFFF0000), exact
+                row = _mm512_ternarylogic_epi32(_mm512_srli_epi32(f0, 16), f1,
+                                                _mm512_set1_epi32((int)0xFFFF0000u), 0xF8);
+            }
+            _mm512_store_si512(out + (h * kBlock / 2 + j) * 16, row);
+        }
+    }
+}
+
+// acc [rows][32] += block b's products c [16][32] (the first `rows`) scaled by its d, plus
+// the rows' sums s [16] times its m (none for byte blocks); the first block starts acc
+inline void scale_block(const float* c, const float* s, const float* d, const float* m,
+                        bool first, int64_t rows, float* acc) {
+    const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
+    const __m512 m0 = m ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
+    const __m512 m1 = m ? _mm512_loadu_ps(m + 16) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+        __m512 y0 = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + i * kPanel);
+        __m512 y1 = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + i * kPanel + 16);
+        y0 = _mm512_fmadd_ps(_mm512_load_ps(c + i * kPanel), d0, y0);
+        y1 = _mm512_fmadd_ps(_mm512_load_ps(c + i * kPanel + 16), d1, y1);
+        if (m) {
+            const __m512 sv = _mm512_set1_ps(s[i]);
+            y0 = _mm512_fmadd_ps(sv, m0, y0);
+            y1 = _mm512_fmadd_ps(sv, m1, y1);
+        }
+        _mm512_store_ps(acc + i * kPanel, y0);
+        _mm512_store_ps(acc + i * kPanel + 16, y1);
+    }
+}
+
+// one panel against a group of tiles of packed x (tiles t0..t1 of xp, their sums), the sums of
+// products kept in acc [tiles][16][32] between blocks, then stored to y. Software-pipelined
+// through memory: weight tiles are built kRing - 1 blocks ahead of their tile products, and
+// block b - 1's products are scaled into acc after block b's run (a tile load or store waits
+// for the vector stores or loads of its buffer, which are then an iteration or more old).
+template <class F>
+void amx_panel(Panel w, int64_t blocks, const uint16_t* xp, const float* sums, int64_t t0,
+               int64_t t1, int64_t M, float* y, int64_t N, int64_t cols, float* acc,
+               float* c) {
+    constexpr int64_t kTileWords = 2 * kBlock / 2 * 16, kTileFloats = kAmxRows * kPanel;
+    alignas(64) uint32_t wt[kRing][kTileWords];
+    const int64_t group = t1 - t0;
+    auto rows_of = [&](int64_t t) { return M - t * kAmxRows < kAmxRows ? M - t * kAmxRows
+                                                                       : kAmxRows; };
+    auto scale = [&](int64_t b) {
+        for (int64_t t = t0; t < t1; ++t)
+            scale_block(c + ((b & 1) * group + t - t0) * kTileFloats,
+                        sums + (t * blocks + b) * kAmxRows, w.d + b * kPanel,
+                        w.m ? w.m + b * kPanel : nullptr, b == 0, rows_of(t),
+                        acc + (t - t0) * kTileFloats);
+    };
+    for (int64_t b = 0; b < kRing - 1 && b < blocks; ++b) expand_tiles<F>(w, b, wt[b]);
+    for (int64_t b = 0; b < blocks; ++b) {
+        prefetch_block<F>(w, b);
+        _tile_loadd(3, wt[b % kRing], 64);
+        _tile_loadd(4, wt[b % kRing] + kTileWords / 2, 64);
+        for (int64_t t = t0; t < t1; ++t) {
+            const uint16_t* a = xp + (t * blocks + b) * kPlanes * kPlaneBytes / 2;
+            float* out = c + ((b & 1) * group + t - t0) * kTileFloats;
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_loadd(0, a, 64);
+            _tile_loadd(1, a + kPlaneBytes / 2, 64);
+            _tile_loadd(2, a + kPlaneBytes, 64);
+            _tile_dpbf16ps(5, 0, 3);
+            _tile_dpbf16ps(6, 0, 4);
+            _tile_dpbf16ps(5, 1, 3);
+            _tile_dpbf16ps(6, 1, 4);
+            _tile_dpbf16ps(5, 2, 3);
+            _tile_dpbf16ps(6, 2, 4);
+            _tile_stored(5, out, kPanel * 4);
+            _tile_stored(6, out + 16, kPanel * 4);
+        }
+        if (b + kRing - 1 < blocks)
+            expand_tiles<F>(w, b + kRing - 1, wt[(b + kRing - 1) % kRing]);
+        if (b > 0) scale(b - 1);
+    }
+    scale(blocks - 1);
+    const __mmask16 lo = engine_cpu::tail_mask(cols), hi = engine_cpu::tail_mask(cols - 16);
+    for (int64_t t = t0; t < t1; ++t) {
+        const float* at = acc + (t - t0) * kTileFloats;
+        for (int64_t i = 0; i < rows_of(t); ++i) {
+            float* out = y + (t * kAmxRows + i) * N;
+            _mm512_mask_storeu_ps(out, lo, _mm512_load_ps(at + i * kPanel));
+            _mm512_mask_storeu_ps(out + 16, hi, _mm512_load_ps(at + i * kPanel + 16));
+        }
+    }
+}
+
+template <class F>
+void amx_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* d,
+                const float* m, int64_t N, float* y, int64_t threads) {
+    const int64_t panels = (N + kPanel - 1) / kPanel, blocks = K / kBlock;
+    const int64_t tiles = (M + kAmxRows - 1) / kAmxRows;
+    // x packed: tile t's block b at xp + (t * blocks + b) * planes * 512; a pointer for the
+    // same reason as packed_x's
+    thread_local std::vector<uint16_t> packed;
+    thread_local std::vector<float> summed;
+    const int64_t words = tiles * blocks * kPlanes * kPlaneBytes / 2;
+    if ((int64_t)packed.size() < words + 32) packed.resize(words + 32);
+    if ((int64_t)summed.size() < tiles * blocks * kAmxRows)
+        summed.resize(tiles * blocks * kAmxRows);
+    uint16_t* const xp = reinterpret_cast<uint16_t*>(
+        (reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t{63});
+    float* const sums = summed.data();
+    TileConfig config = {};
+    config.palette_id = 1;
+    const uint8_t rows = M < kAmxRows ? (uint8_t)M : (uint8_t)kAmxRows;  // a lone tile: M rows
+    for (int t = 0; t < 7; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = t == 3 || t == 4 ? kBlock / 2 : rows;  // 3, 4: weights; 0-2, 5, 6: x, C
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t)
+            pack_planes<F>(x, K, t * kAmxRows, M - t * kAmxRows, rows, xp + t * blocks *
+                           kPlanes * kPlaneBytes / 2, sums + t * blocks * kAmxRows);
+        _tile_loadconfig(&config);
+        // acc, then the products of two blocks: [3][group tiles][16][32]
+        float* acc = scratch(3 * kGroupTiles * kAmxRows * kPanel);
+        float* products = acc + kGroupTiles * kAmxRows * kPanel;
+        for (int64_t t0 = 0; t0 < tiles; t0 += kGroupTiles) {
+            const int64_t t1 = t0 + kGroupTiles < tiles ? t0 + kGroupTiles : tiles;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                const int64_t cols = N - p * kPanel < kPanel ? N - p * kPanel : kPanel;
+                amx_panel<F>(panel<F>(q, d, m, K, p), blocks, xp, sums, t0, t1, M,
+                             y + p * kPanel, N, cols, acc, products);
+            }
+        }
+        _tile_release();
+    }
+}
+
 }  // namespace
+
+// Whether blockq_linear runs on AMX tiles (1) or AVX-512 FMAs (0). want: -1 asks, 0 or 1
+// chooses (1 only where the CPU and OS allow it). The first call settles the default: AMX
+// where supported, unless the environment sets ENGINE_CPU_AMX=0. The two paths differ in the
+// last bits, so a process should choose before it multiplies.
+extern "C" int64_t blockq_amx(int64_t want) {
+    if (want == 0 || (want == 1 && amx_supported())) amx_mode.store((int)want);
+    return use_amx() ? 1 : 0;
+}
 
 // A matrix is described by 6 int64 values: kind (0: nibble blocks, 1: byte blocks), the
 // addresses of its quants, scales and offsets (0 for bytes), N and K (a multiple of 32); every
@@ -301,7 +571,13 @@ extern "C" void blockq_linear(const float* x, int64_t M, const int64_t* w, float
     if (M <= 0) return;  // nothing to multiply (a row count of 0 would pick the 8-row tile)
     const uint8_t* q = reinterpret_cast<const uint8_t*>(w[1]);
     const float* d = reinterpret_cast<const float*>(w[2]);
-    if (w[0] == 0)
+    const bool amx = use_amx();
+    if (w[0] == 0 && amx)
+        amx_linear<Nibbles>(x, M, w[5], q, d, reinterpret_cast<const float*>(w[3]), w[4], y,
+                            threads);
+    else if (amx)
+        amx_linear<Bytes>(x, M, w[5], q, d, nullptr, w[4], y, threads);
+    else if (w[0] == 0)
         linear<Nibbles>(x, M, w[5], q, d, reinterpret_cast<const float*>(w[3]), w[4], y,
                         threads);
     else

@@ -6,6 +6,7 @@
 
 extern "C" {
 void blockq_linear(const float* x, int64_t M, const int64_t* w, float* y, int64_t threads);
+int64_t blockq_amx(int64_t want);
 void cpu_paged_attention(const float* q, const float* k_cache, const float* v_cache,
                          const int32_t* kv_indices, const int32_t* kv_indptr,
                          const int32_t* qo_indptr, const int32_t* prefix_lens,

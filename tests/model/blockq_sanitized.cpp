@@ -1,7 +1,8 @@
 // blockq_linear under AddressSanitizer and UBSan (built and run by test_blockq_sanitized.py):
-// random shapes (N not a multiple of the 32-row panel, K of 1-6 blocks, 0-39 rows of x, both
-// formats, 1-2 threads) against a float64 product of the same weights read from the panel
-// layout, with a guard word after y. Prints "fails N"; exits 1 if any.
+// random shapes (N not a multiple of the 32-row panel, K of 1-6 blocks, 0-39 rows of x and
+// some of 120-159, both formats, 1-2 threads), on the FMA path and then on AMX tiles where the
+// CPU has them, against a float64 product of the same weights read from the panel layout,
+// with a guard word after y. Prints "fails N"; exits 1 if any.
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -12,8 +13,11 @@
 int main() {
     std::mt19937 rng(1);
     int fails = 0;
-    for (int trial = 0; trial < 300; ++trial) {
-        const int64_t N = 1 + rng() % 80, K = 32 * (1 + rng() % 6), M = rng() % 40;
+    for (int trial = 0; trial < 400; ++trial) {
+        // both paths where the CPU has AMX tiles (else the FMA path twice)
+        if (trial % 200 == 0) blockq_amx(trial == 0 ? 0 : 1);
+        const int64_t N = 1 + rng() % 80, K = 32 * (1 + rng() % 6);
+        const int64_t M = trial % 8 == 7 ? 120 + rng() % 40 : rng() % 40;  // some past 8 tiles
         const bool nibbles = rng() & 1;
         const int64_t panels = (N + 31) / 32, blocks = K / 32;
         const int64_t block_bytes = nibbles ? 16 * 32 : 32 * 32;

@@ -3,6 +3,10 @@ kernel whose products agree with F.linear on those values."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -16,6 +20,20 @@ from engine.model.blockq import BlockWeight
 from engine.model.config import ModelConfig
 
 FORMATS = sorted(blockq.FORMATS)
+
+
+@pytest.fixture(params=["fma", "amx"])
+def path(request):
+    """The block kernel on each of its two paths (AVX-512 FMAs; AMX tiles where the CPU has
+    them), the process's choice put back after."""
+    if not cpu_kernels.status().available:
+        pytest.skip(cpu_kernels.status().reason)
+    before = cpu_kernels.amx()
+    if cpu_kernels.amx(request.param == "amx") != (request.param == "amx"):
+        cpu_kernels.amx(before)
+        pytest.skip("this CPU (or OS) has no AMX tiles")
+    yield request.param
+    cpu_kernels.amx(before)
 
 
 def _raw(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -39,7 +57,7 @@ def test_dequantize_equals_gguf_bit_for_bit(type_name):
 
 @pytest.mark.cpu_kernels
 @pytest.mark.parametrize("type_name", FORMATS)
-def test_kernel_expands_every_weight_exactly(type_name):
+def test_kernel_expands_every_weight_exactly(type_name, path):
     # x = I picks out each weight alone: any difference is in the expansion, not the sums
     # in pieces: 1, 2, 5 and 8 rows (weights expanded in registers), 9 and 71 (panels
     # expanded into a buffer; 71 rows in 6 tiles of 11 or 12)
@@ -56,7 +74,7 @@ def test_kernel_expands_every_weight_exactly(type_name):
 @pytest.mark.cpu_kernels
 @pytest.mark.parametrize("type_name", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 29, 67, 243])
-def test_kernel_matches_f_linear(type_name, rows):
+def test_kernel_matches_f_linear(type_name, rows, path):
     # 37 rows of W: a panel of 32 and a short one (5 rows, padded); up to 8 x rows in
     # registers, more in tiles of at most 14 against expanded panels, K = 160: 5 blocks, a
     # whole chunk of 4 and a short one
@@ -70,26 +88,66 @@ def test_kernel_matches_f_linear(type_name, rows):
 
 @pytest.mark.cpu_kernels
 @pytest.mark.parametrize("type_name", FORMATS)
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(type_name):
-    """Every output is summed in one order whatever M is (registers up to 8 rows, expanded
-    panels in tiles past that, K in chunks): a verify pass gives a token the products a
-    decode pass would, bit for bit."""
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(type_name, path):
+    """Every output is summed in one order whatever M is (FMAs: registers up to 8 rows,
+    expanded panels in tiles past that, K in chunks; AMX: one 16-row tile alone or tiles in
+    groups of 8): a verify pass gives a token the products a decode pass would, bit for bit."""
     weight = BlockWeight.from_gguf(_raw(type_name, 37, 288, seed=3), type_name)
-    x = torch.randn(43, 288, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(150, 288, generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # the reference on one thread, whatever the session's
         whole = weight.linear(x)
-        for rows in (1, 2, 7, 8, 9, 13, 14, 15, 29):
+        for rows in (1, 2, 7, 8, 9, 13, 14, 15, 16, 17, 29, 43, 128, 129):
             assert torch.equal(weight.linear(x[:rows]), whole[:rows]), rows
-        for i in (0, 17, 42):
+        for i in (0, 17, 42, 149):
             assert torch.equal(weight.linear(x[i:i + 1]), whole[i:i + 1]), i
         # nor on the thread count (panels are split over threads; each is one thread's)
         torch.set_num_threads(2)
-        for rows in (1, 9, 43):
+        for rows in (1, 9, 43, 150):
             assert torch.equal(weight.linear(x[:rows]), whole[:rows]), rows
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.cpu_kernels
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_amx_products_are_fp32_accurate(type_name):
+    """The tile path splits x into three bf16 planes whose sum is x exactly, so its only
+    rounding is fp32 sums: against a float64 product, it is as close as the FMA path is."""
+    if not cpu_kernels.status().available:
+        pytest.skip(cpu_kernels.status().reason)
+    before = cpu_kernels.amx()
+    try:
+        if not cpu_kernels.amx(True):
+            pytest.skip("this CPU (or OS) has no AMX tiles")
+        raw = _raw(type_name, 70, 1536, seed=5)  # K of the model's down projection
+        weight = BlockWeight.from_gguf(raw, type_name)
+        x = torch.randn(21, 1536, generator=torch.Generator().manual_seed(5)) * 3
+        exact = x.double() @ _reference(raw, type_name).double().t()
+        tiles = (weight.linear(x).double() - exact).abs().max().item()
+        cpu_kernels.amx(False)
+        fmas = (weight.linear(x).double() - exact).abs().max().item()
+    finally:
+        cpu_kernels.amx(before)
+    scale = exact.abs().max().item()
+    assert tiles < 1e-6 * scale and fmas < 1e-6 * scale, (tiles, fmas, scale)
+    assert tiles <= 2 * fmas, (tiles, fmas)  # a bf16 product of x would be ~1000x worse
+
+
+@pytest.mark.cpu_kernels
+def test_the_environment_can_turn_the_tiles_off():
+    if not cpu_kernels.status().available:
+        pytest.skip(cpu_kernels.status().reason)
+    code = "from engine import cpu_kernels; print(cpu_kernels.amx())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "ENGINE_CPU_AMX": "0"}, check=True).stdout
+    assert out.strip() == "False"
+    before = cpu_kernels.amx()
+    try:
+        assert cpu_kernels.amx(False) is False and cpu_kernels.amx() is False
+    finally:
+        cpu_kernels.amx(before)
 
 
 @pytest.mark.parametrize("type_name", FORMATS)
@@ -106,7 +164,7 @@ def test_panels_give_back_the_row_layout(type_name):
 
 
 @pytest.mark.cpu_kernels
-def test_kernel_takes_batched_strided_and_empty_input():
+def test_kernel_takes_batched_strided_and_empty_input(path):
     weight = BlockWeight.from_gguf(_raw("Q4_1", 8, 64), "Q4_1")
     dense = weight.dequantize()
     x = torch.randn(2, 3, 128)[..., ::2]  # not contiguous
