@@ -29,8 +29,10 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "kernels.h"))
 # -ffp-contract=off: a*b + c*d is rounded as written (as torch rounds it), never fused
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-         "-mamx-tile", "-mamx-bf16",
          "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# the block kernel's AMX path: built where the compiler knows these (GCC 11+), used where the
+# CPU and the OS allow it; without them the library builds without that path
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {  # name -> argument types (none returns a value); each takes a thread count last
     "blockq_linear": (_P, _I, _P, _P, _I),
@@ -69,7 +71,7 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
     compiler = cxx()
     if compiler is None:
         return None, KernelStatus(False, "no C++ compiler (g++ or $CXX) on PATH")
-    digest = hashlib.sha256(" ".join((compiler, *FLAGS)).encode())
+    digest = hashlib.sha256(" ".join((compiler, *FLAGS, *AMX_FLAGS)).encode())
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     target = cache_dir() / f"engine-cpu-{digest.hexdigest()[:16]}.so"
@@ -78,9 +80,13 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
                 built = Path(scratch) / target.name
-                result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)],
-                                        capture_output=True, text=True, check=False)
-                if result.returncode != 0:
+                for flags in ((*FLAGS, *AMX_FLAGS), FLAGS):  # then without the AMX path
+                    result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o",
+                                             str(built)], capture_output=True, text=True,
+                                            check=False)
+                    if result.returncode == 0:
+                        break
+                else:
                     return None, KernelStatus(False, f"{compiler} failed on engine/csrc: "
                                                      f"{result.stderr.strip()[-500:]}")
                 os.replace(built, target)

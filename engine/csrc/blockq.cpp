@@ -316,6 +316,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
 // 16-row tile of x; rows of x go in groups of kGroupTiles tiles, so a group's packed x (6
 // bytes per value) stays in L2 while every panel passes.
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 constexpr int64_t kPlanes = 3, kAmxRows = 16, kGroupTiles = 8;
 constexpr int64_t kRing = 4;  // weight tiles built ahead: blocks b + 1 .. b + 3 while b runs
 constexpr int64_t kPlaneBytes = kAmxRows * 64;  // one tile: 16 rows of 32 bf16
@@ -551,6 +552,14 @@ void amx_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const fl
     }
 }
 
+#else  // built without the AMX path (a compiler without -mamx-tile / -mamx-bf16)
+bool amx_supported() { return false; }
+bool use_amx() { return false; }
+template <class F>
+void amx_linear(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*,
+                int64_t, float*, int64_t) {}
+#endif
+
 }  // namespace
 
 // Whether blockq_linear runs on AMX tiles (1) or AVX-512 FMAs (0). want: -1 asks, 0 or 1
@@ -558,7 +567,9 @@ void amx_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const fl
 // where supported, unless the environment sets ENGINE_CPU_AMX=0. The two paths differ in the
 // last bits, so a process should choose before it multiplies.
 extern "C" int64_t blockq_amx(int64_t want) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (want == 0 || (want == 1 && amx_supported())) amx_mode.store((int)want);
+#endif
     return use_amx() ? 1 : 0;
 }
 

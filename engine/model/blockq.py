@@ -1,12 +1,15 @@
 """GGUF block-quantized weights kept in their blocks on CPU, multiplied in fp32.
 
 A weight stored as Q4_0, Q4_1 or Q8_0 stays in its 4/8-bit blocks in memory. The kernel
-(`engine/csrc/blockq.cpp`, AVX-512) expands each block to exactly the fp32 values
-`gguf.quants.dequantize` gives, then multiplies in fp32 with fp32 activations. The numbers are
-the dequantized model's; only the bytes read per step shrink (6-9 bits per weight as held,
-not 32). The few-row products of decode and verify run at 2-4x MKL's rate for them, and long
-prefills at about MKL's. Each output row's sums run in one fixed order whatever the other rows
-are, so a row's result does not depend on the batch it is in (bit for bit).
+(`engine/csrc/blockq.cpp`) has two paths. On AVX-512 FMAs it expands each block to exactly the
+fp32 values `gguf.quants.dequantize` gives, then multiplies in fp32 with fp32 activations. On
+AMX tiles (where the CPU has them: the default there) it multiplies each block's quants, exact
+in bf16, by x split exactly into three bf16 planes, sums in fp32 and scales per block: as
+accurate as the FMAs (tested against float64), not the same bits. Either way the numbers are
+the dequantized model's; only the bytes read per step shrink (6-9 bits per weight as held, not
+32). Each output row's sums run in one fixed order whatever the other rows are, so a row's
+result does not depend on the batch it is in (bit for bit, on either path), and a process
+uses one path for every product (`engine.cpu_kernels.amx`).
 
 `BlockWeight.dequantize()` is the pure-torch reference (and what CUDA and other dtypes load).
 The kernel is built on first use (`engine.cpu_kernels`); where it cannot be, the loader

@@ -5,6 +5,7 @@ suite's compute-sanitizer run."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 from pathlib import Path
@@ -22,7 +23,8 @@ HERE = Path(__file__).parent
 def test_kernel_is_clean_under_address_sanitizer(harness, kernel, tmp_path):
     compiler = cpu_kernels.cxx()  # available kernels were built by it
     binary = tmp_path / harness.removesuffix(".cpp")
-    flags = [f for f in cpu_kernels.FLAGS if f not in ("-O3", "-shared", "-fPIC")]
+    flags = [f for f in (*cpu_kernels.FLAGS, *cpu_kernels.AMX_FLAGS)
+             if f not in ("-O3", "-shared", "-fPIC")]
     source = cpu_kernels.SOURCES[0].parent / kernel
     build = subprocess.run(
         [compiler, "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
@@ -39,3 +41,17 @@ def test_kernel_is_clean_under_address_sanitizer(harness, kernel, tmp_path):
                          env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0"}, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert run.stdout.strip().endswith("fails 0")
+
+
+@pytest.mark.cpu_kernels
+def test_kernels_build_without_the_amx_path(tmp_path):
+    """A compiler without -mamx-tile still builds the library (cpu_kernels retries without
+    the AMX flags), and blockq_amx then says 0."""
+    library = tmp_path / "without_amx.so"
+    build = subprocess.run([cpu_kernels.cxx(), *cpu_kernels.FLAGS,
+                            *map(str, cpu_kernels.SOURCES), "-o", str(library)],
+                           capture_output=True, text=True, check=False)
+    assert build.returncode == 0, build.stderr[-2000:]
+    lib = ctypes.CDLL(str(library))
+    lib.blockq_amx.restype, lib.blockq_amx.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    assert lib.blockq_amx(1) == 0 and lib.blockq_amx(-1) == 0
