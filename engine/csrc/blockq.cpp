@@ -317,7 +317,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
 // bytes per value) stays in L2 while every panel passes.
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-constexpr int64_t kPlanes = 3, kAmxRows = 16, kGroupTiles = 8;
+constexpr int64_t kPlanes = 3, kAmxRows = 16, kGroupTiles = 4;
 constexpr int64_t kRing = 4;  // weight tiles built ahead: blocks b + 1 .. b + 3 while b runs
 constexpr int64_t kPlaneBytes = kAmxRows * 64;  // one tile: 16 rows of 32 bf16
 

@@ -17,7 +17,7 @@ int main() {
         // both paths where the CPU has AMX tiles (else the FMA path twice)
         if (trial % 200 == 0) blockq_amx(trial == 0 ? 0 : 1);
         const int64_t N = 1 + rng() % 80, K = 32 * (1 + rng() % 6);
-        const int64_t M = trial % 8 == 7 ? 120 + rng() % 40 : rng() % 40;  // some past 8 tiles
+        const int64_t M = trial % 8 == 7 ? 120 + rng() % 40 : rng() % 40;  // past a tile group
         const bool nibbles = rng() & 1;
         const int64_t panels = (N + 31) / 32, blocks = K / 32;
         const int64_t block_bytes = nibbles ? 16 * 32 : 32 * 32;

@@ -91,14 +91,14 @@ def test_kernel_matches_f_linear(type_name, rows, path):
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(type_name, path):
     """Every output is summed in one order whatever M is (FMAs: registers up to 8 rows,
     expanded panels in tiles past that, K in chunks; AMX: one 16-row tile alone or tiles in
-    groups of 8): a verify pass gives a token the products a decode pass would, bit for bit."""
+    groups of 4): a verify pass gives a token the products a decode pass would, bit for bit."""
     weight = BlockWeight.from_gguf(_raw(type_name, 37, 288, seed=3), type_name)
     x = torch.randn(150, 288, generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # the reference on one thread, whatever the session's
         whole = weight.linear(x)
-        for rows in (1, 2, 7, 8, 9, 13, 14, 15, 16, 17, 29, 43, 128, 129):
+        for rows in (1, 2, 7, 8, 9, 13, 14, 15, 16, 17, 29, 43, 64, 65, 129):
             assert torch.equal(weight.linear(x[:rows]), whole[:rows]), rows
         for i in (0, 17, 42, 149):
             assert torch.equal(weight.linear(x[i:i + 1]), whole[i:i + 1]), i
@@ -133,6 +133,25 @@ def test_amx_products_are_fp32_accurate(type_name):
     scale = exact.abs().max().item()
     assert tiles < 1e-6 * scale and fmas < 1e-6 * scale, (tiles, fmas, scale)
     assert tiles <= 2 * fmas, (tiles, fmas)  # a bf16 product of x would be ~1000x worse
+
+
+@pytest.mark.cpu_kernels
+def test_a_cpu_with_amx_gets_the_tile_path():
+    """The library falls back to a build without the AMX path where the compiler lacks its
+    flags; on a CPU whose kernel reports AMX that must not happen silently."""
+    if not cpu_kernels.status().available:
+        pytest.skip(cpu_kernels.status().reason)
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    if not {"amx_tile", "amx_bf16"} <= set(flags):
+        pytest.skip("this CPU has no AMX tiles")
+    before = cpu_kernels.amx()
+    try:
+        assert cpu_kernels.amx(True), "built without the AMX path, or the OS refused it"
+    finally:
+        cpu_kernels.amx(before)
 
 
 @pytest.mark.cpu_kernels
