@@ -2,7 +2,9 @@
 with speculation, and HF transformers greedy / prompt lookup on the same prompts; accepted
 tokens per verify step; the same engine with adaptive drafting on acceptance alone (drafts
 counted free); tokens/s of the decode phase alone (steps after prefill), which speculation
-speeds up; plots docs/spec_accepted.png and docs/spec_throughput.png.
+speeds up; where the engine multiplies on AMX tiles, its plain decoding on AVX-512 FMAs too
+(the faster plain path at batch 1 there); plots docs/spec_accepted.png and
+docs/spec_throughput.png.
 
 Run: .venv/bin/python benchmarks/bench_spec.py [--max-tokens 128] [--long-max-tokens 512]
      [--quick] [--threads 1] [--only WORKLOAD] [--row-major-weights] [--no-plots]
@@ -21,6 +23,7 @@ import torch
 
 from spec_workloads import PARTS, workloads  # benchmarks/, beside this script
 
+from engine import cpu_kernels
 from engine.engine import Engine
 from engine.model import default_model_path
 from engine.state import SamplingParams
@@ -69,6 +72,21 @@ class Ours:
         self.boundaries.clear()
         self.steps.clear()
         self.decode_seconds.clear()
+
+
+class OnFmas(Ours):
+    """A plain engine on the block kernel's AVX-512 FMA path. Where the CPU has AMX tiles the
+    engine multiplies on them (a verify pass's rows cost little more than a decode's, but a
+    one-row decode costs more than on FMAs), so this is the fastest plain decoding at batch 1
+    there: speculation is also set against it. Only this engine's passes take the FMAs."""
+
+    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
+        before = cpu_kernels.amx()
+        cpu_kernels.amx(False)
+        try:
+            return super().generate(ids, max_tokens)
+        finally:
+            cpu_kernels.amx(before)
 
 
 class HF:
@@ -218,6 +236,9 @@ def run(args: argparse.Namespace) -> None:
     systems = {"ours": plain, "ours+spec": spec, "spec, acceptance only": acceptance_only,
                "HF": HF(None, hf_model),
                "HF+lookup": HF(args.lookup, hf_model)}
+    if args.device == "cpu" and blocks and cpu_kernels.usable("cpu", torch.float32) and (
+            cpu_kernels.amx()):
+        systems["ours on FMAs"] = OnFmas(False, blocks, **on)
     warm = [tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])]
     if args.device != "cpu":  # Triton compiles per shape: every kind of step, before timing
         warm += [tokenizer.apply_chat_template(chats[0]) for chats, _ in chosen.values()]
@@ -247,6 +268,8 @@ def run(args: argparse.Namespace) -> None:
               f"premium {spec.engine.spec.cost.verify_premium(1):.2f} decoded tokens a pass",
               flush=True)
         ceiling = replay(prompts, outputs)
+        if "ours on FMAs" in results:
+            rate["plain paths agree"] = results["ours on FMAs"][1] == outputs
         rows.append((name, len(prompts), max_tokens, mean_accepted, rate, same, ceiling))
         print(f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
               f"{ceiling:.2f} tokens per verify step", flush=True)
@@ -255,6 +278,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"[{name}] decode-phase speedup the adaptive proposer reaches on these outputs "
               f"if a draft row costs c decoded tokens: {speedups}", flush=True)
     print_table(rows, args)
+    print_paths(rows)
     print_parts(part_rows)
     if args.profile:
         profile_host(spec, tokenizer, chosen[args.only[0] if args.only else "copy-heavy"])
@@ -296,6 +320,20 @@ def print_table(rows: list, args: argparse.Namespace) -> None:
               f"{rate['spec, acceptance only'] / rate['ours']:.2f}x | "
               f"{rate['ours, decode phase']:.1f} / {rate['ours+spec, decode phase']:.1f} "
               f"({rate['ours+spec, decode phase'] / rate['ours, decode phase']:.2f}x) |")
+
+
+def print_paths(rows: list) -> None:
+    """Where the engine multiplies on AMX tiles: its plain decoding against the same engine on
+    AVX-512 FMAs (the faster plain path at batch 1), and speculation against both."""
+    if not rows or "ours on FMAs" not in rows[0][4]:
+        return
+    print("\n| workload | ours (AMX) tok/s | ours on FMAs tok/s | ours+spec (AMX) tok/s | "
+          "spec / no-spec on FMAs | FMA tokens == AMX tokens |")
+    print("|---|---|---|---|---|---|")
+    for name, _, _, _, rate, _, _ in rows:
+        print(f"| {name} | {rate['ours']:.1f} | {rate['ours on FMAs']:.1f} | "
+              f"{rate['ours+spec']:.1f} | {rate['ours+spec'] / rate['ours on FMAs']:.2f}x | "
+              f"{'yes' if rate['plain paths agree'] else 'no'} |")
 
 
 def print_parts(part_rows: list) -> None:
