@@ -34,9 +34,9 @@ FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
 # CPU and the OS allow it; without them the library builds without that path
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-SIGNATURES = {  # name -> argument types (none returns a value); each takes a thread count last
+SIGNATURES = {  # name -> argument types; each kernel takes a thread count last
     "blockq_linear": (_P, _I, _P, _P, _I),
-    "blockq_amx": (_I,),  # returns int64; no thread count
+    "blockq_amx": (_I,),  # a setting, not a kernel
     "cpu_paged_attention": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
                             ctypes.c_float, _P, _I),
     "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P, _I),
@@ -46,6 +46,9 @@ SIGNATURES = {  # name -> argument types (none returns a value); each takes a th
                           _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P,
                           _P, _I),
 }
+
+
+RETURNS = {"blockq_amx": ctypes.c_int64}  # the rest return nothing
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,7 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
         lib = ctypes.CDLL(str(target))
         for name, argtypes in SIGNATURES.items():
             function = getattr(lib, name)
-            function.restype, function.argtypes = None, list(argtypes)
-        lib.blockq_amx.restype = ctypes.c_int64
+            function.restype, function.argtypes = RETURNS.get(name), list(argtypes)
     except (OSError, AttributeError) as error:  # unwritable cache, a damaged library file
         return None, KernelStatus(False, f"cannot build or load {target}: {error}")
     return lib, KernelStatus(True, f"built into {target}")
