@@ -7,6 +7,7 @@ import ctypes
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -143,7 +144,8 @@ def test_a_cpu_with_amx_gets_the_tile_path():
     if not cpu_kernels.status().available:
         pytest.skip(cpu_kernels.status().reason)
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split()
     except (OSError, StopIteration):
         pytest.skip("no /proc/cpuinfo flags")
     if not {"amx_tile", "amx_bf16"} <= set(flags):
