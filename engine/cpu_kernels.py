@@ -30,8 +30,8 @@ HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "
 # -ffp-contract=off: a*b + c*d is rounded as written (as torch rounds it), never fused
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
          "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-# the block kernel's AMX path: built where the compiler knows these (GCC 11+), used where the
-# CPU and the OS allow it; without them the library builds without that path
+# the block kernel's AMX path: built where the compiler knows these (GCC 11+; build_flags
+# probes), used where the CPU and the OS allow it; without them the library has no AMX path
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {  # name -> argument types; each kernel takes a thread count last
@@ -67,6 +67,14 @@ def cxx() -> str | None:
 
 
 @functools.cache
+def build_flags(compiler: str) -> tuple[str, ...]:
+    """FLAGS, with AMX_FLAGS where the compiler takes them (an empty file built with them)."""
+    probe = subprocess.run([compiler, *AMX_FLAGS, "-x", "c++", "-fsyntax-only", "-"],
+                           input="", capture_output=True, text=True, check=False)
+    return (*FLAGS, *AMX_FLAGS) if probe.returncode == 0 else FLAGS
+
+
+@functools.cache
 def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
@@ -83,13 +91,10 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
                 built = Path(scratch) / target.name
-                for flags in ((*FLAGS, *AMX_FLAGS), FLAGS):  # then without the AMX path
-                    result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o",
-                                             str(built)], capture_output=True, text=True,
-                                            check=False)
-                    if result.returncode == 0:
-                        break
-                else:
+                result = subprocess.run([compiler, *build_flags(compiler), *map(str, SOURCES),
+                                         "-o", str(built)], capture_output=True, text=True,
+                                        check=False)
+                if result.returncode != 0:
                     return None, KernelStatus(False, f"{compiler} failed on engine/csrc: "
                                                      f"{result.stderr.strip()[-500:]}")
                 os.replace(built, target)
@@ -123,7 +128,8 @@ def library() -> ctypes.CDLL:
 def amx(want: bool | None = None) -> bool:
     """Whether the block kernel multiplies on the AMX tile unit (else AVX-512 FMAs); `want`
     chooses (True only where the CPU and the OS allow it). The default is AMX where allowed,
-    unless ENGINE_CPU_AMX=0. Both paths are fp32-accurate and each gives a row the same result
+    unless ENGINE_CPU_AMX is 0, false, off or no. The setting is the process's: a change
+    reaches every engine's next pass. Both paths are fp32-accurate and each gives a row the same result
     in any batch, but they differ from each other in the last bits: choose before a model
     runs, not between its passes."""
     return bool(library().blockq_amx(-1 if want is None else int(want)))

@@ -14,9 +14,11 @@
 // Every output is accumulated one product at a time, in one fixed order of k: for byte
 // blocks 0, 1, ..., K-1; for nibble blocks, per block, j then j + 16 for j = 0..15 (the order
 // a byte's two nibbles come in). A loaded weight vector holds 16 outputs' weights at one k
-// (an outer product: no horizontal sums). The order does not depend on M or on which path
-// runs, so row i of y is bit for bit the same whatever other rows x has: a verify pass
-// multiplies a token's activations exactly as a decode pass would.
+// (an outer product: no horizontal sums). The order does not depend on M or on which of the
+// FMA paths below runs (registers or an expanded panel), so row i of y is bit for bit the
+// same whatever other rows x has: a verify pass multiplies a token's activations exactly as a
+// decode pass would. The AMX path (its own section below) keeps that property with sums of
+// its own, which differ from these in the last bits.
 //
 // Up to 8 rows of x go against weights expanded in registers. More (verify, prefill): each
 // panel is expanded in that order, 4 blocks of K at a time, into an L1-sized buffer, and every
@@ -28,11 +30,13 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <strings.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -339,14 +343,21 @@ bool amx_supported() {
     return ok;
 }
 
-// -1: not chosen yet (AMX where supported, unless ENGINE_CPU_AMX=0); else 0 or 1
+// -1: not chosen yet (AMX where supported, unless ENGINE_CPU_AMX is 0, false, off or no);
+// else 0 or 1
 std::atomic<int> amx_mode{-1};
+
+bool off(const char* value) {
+    if (!value) return false;
+    for (const char* word : {"0", "false", "off", "no"})
+        if (strcasecmp(value, word) == 0) return true;
+    return false;
+}
 
 bool use_amx() {
     int mode = amx_mode.load(std::memory_order_relaxed);
     if (mode < 0) {
-        const char* env = std::getenv("ENGINE_CPU_AMX");
-        mode = amx_supported() && !(env && env[0] == '0' && env[1] == '\0') ? 1 : 0;
+        mode = amx_supported() && !off(std::getenv("ENGINE_CPU_AMX")) ? 1 : 0;
         int unset = -1;
         amx_mode.compare_exchange_strong(unset, mode);
         mode = amx_mode.load();
@@ -580,6 +591,10 @@ extern "C" int64_t blockq_amx(int64_t want) {
 extern "C" void blockq_linear(const float* x, int64_t M, const int64_t* w, float* y,
                               int64_t threads) {
     if (M <= 0) return;  // nothing to multiply (a row count of 0 would pick the 8-row tile)
+    if (w[5] == 0) {  // K = 0: every sum is empty
+        std::memset(y, 0, sizeof(float) * M * w[4]);
+        return;
+    }
     const uint8_t* q = reinterpret_cast<const uint8_t*>(w[1]);
     const float* d = reinterpret_cast<const float*>(w[2]);
     const bool amx = use_amx();

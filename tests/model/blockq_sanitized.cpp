@@ -1,8 +1,10 @@
 // blockq_linear under AddressSanitizer and UBSan (built and run by test_blockq_sanitized.py):
-// random shapes (N not a multiple of the 32-row panel, K of 1-6 blocks, 0-39 rows of x and
+// random shapes (N not a multiple of the 32-row panel, K of 0-6 blocks, 0-39 rows of x and
 // some of 120-159, both formats, 1-2 threads), on the FMA path and then on AMX tiles where the
 // CPU has them, against a float64 product of the same weights read from the panel layout,
-// with a guard word after y. Prints "fails N"; exits 1 if any.
+// with a guard word after y. The test force-includes tile_check.h into blockq.cpp, so every
+// tile load and store is checked too. Prints "amx 0|1", the tile accesses checked and
+// "fails N"; exits 1 if any.
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -10,13 +12,16 @@
 
 #include "kernels.h"
 
+extern "C" long engine_tiles_checked_count() __attribute__((weak));  // tile_check.h
+
 int main() {
     std::mt19937 rng(1);
     int fails = 0;
     for (int trial = 0; trial < 400; ++trial) {
         // both paths where the CPU has AMX tiles (else the FMA path twice)
-        if (trial % 200 == 0) blockq_amx(trial == 0 ? 0 : 1);
-        const int64_t N = 1 + rng() % 80, K = 32 * (1 + rng() % 6);
+        if (trial == 0) blockq_amx(0);
+        if (trial == 200) std::printf("amx %ld\n", (long)blockq_amx(1));
+        const int64_t N = 1 + rng() % 80, K = 32 * (rng() % 7);
         const int64_t M = trial % 8 == 7 ? 120 + rng() % 40 : rng() % 40;  // past a tile group
         const bool nibbles = rng() & 1;
         const int64_t panels = (N + 31) / 32, blocks = K / 32;
@@ -60,6 +65,8 @@ int main() {
                 }
             }
     }
+    if (engine_tiles_checked_count)
+        std::printf("tile accesses checked %ld\n", engine_tiles_checked_count());
     std::printf("fails %d\n", fails);
     return fails ? 1 : 0;
 }
