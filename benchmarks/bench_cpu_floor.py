@@ -1,5 +1,6 @@
-"""The matrix products of one pass of the default model on this CPU, at 1, 8, 13, 64 and 240
-rows: the time no scheduler can go below (fp32), and what it allows in tokens/s.
+"""The matrix products of one pass of the default model on this CPU, at 1-240 rows (decode,
+batches, a verify tree, prefills): the time no scheduler can go below (fp32), and what it
+allows in tokens/s; where the CPU has AMX tiles, the tiles' time over the FMAs'.
 
     python benchmarks/bench_cpu_floor.py [--threads N]
 
@@ -77,7 +78,7 @@ def main() -> None:
     if blocks is not None and cpu_kernels.amx():
         paths.append("AMX")
     rows = []
-    for m in (1, 8, 13, 64, 240):  # decode, batch 8, a verify tree, prefills
+    for m in (1, 2, 4, 6, 8, 13, 64, 240):  # decode, batches, a verify tree, prefills
         xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
         plain = per_step(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
         packed_weights = [torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), m)
@@ -102,16 +103,18 @@ def main() -> None:
               f"({weight_bytes / held:.1f}x fewer bytes)")
     heads = "".join(f" blocks, {path} ms | GFLOP/s |" for path in paths)
     tails = "".join(f" max tokens/s, blocks {path} |" for path in paths)
+    both = len(paths) == 2  # then the tiles' time over the FMAs' (where they start to win)
     print(f"| rows | F.linear ms | GFLOP/s | weights GB/s | MKL packed ms | GFLOP/s |{heads} "
-          f"max tokens/s, dense |{tails}")
-    print("|---" * (7 + 3 * len(paths)) + "|")
+          f"max tokens/s, dense |{tails}{' AMX / FMAs time |' if both else ''}")
+    print("|---" * (7 + 3 * len(paths) + both) + "|")
     for m, plain, packed, in_blocks, flops in rows:
         cells = "".join(f" {in_blocks[path] * 1e3:.1f} | {flops / in_blocks[path] / 1e9:.0f} |"
                         for path in paths)
         tokens = "".join(f" {m / in_blocks[path]:.0f} |" for path in paths)
         print(f"| {m} | {plain * 1e3:.1f} | {flops / plain / 1e9:.0f} | "
               f"{weight_bytes / plain / 1e9:.0f} | {packed * 1e3:.1f} | "
-              f"{flops / packed / 1e9:.0f} |{cells} {m / min(plain, packed):.0f} |{tokens}")
+              f"{flops / packed / 1e9:.0f} |{cells} {m / min(plain, packed):.0f} |{tokens}"
+              + (f" {in_blocks['AMX'] / in_blocks['FMAs']:.2f} |" if both else ""))
 
 
 if __name__ == "__main__":

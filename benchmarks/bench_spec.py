@@ -16,115 +16,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from spec_workloads import PARTS, workloads  # benchmarks/, beside this script
+from spec_systems import HF, OnFmas, Ours, timed  # benchmarks/, beside this script
+from spec_workloads import PARTS, workloads
 
 from engine import cpu_kernels
-from engine.engine import Engine
-from engine.model import default_model_path
-from engine.state import SamplingParams
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-
-
-class Ours:
-    """The engine at batch 1, with or without speculation; records accepted lengths."""
-
-    def __init__(self, speculative: bool, block_weights: bool = True,
-                 draft_cost: float | None = None, device: str = "cpu",
-                 dtype: str = "float32") -> None:
-        # on a GPU each engine would size its KV pool from the free memory: three would not fit
-        slots = None if device == "cpu" else 16384
-        self.engine = Engine(dtype=dtype, device=device, speculative=speculative,
-                             block_weights=block_weights, draft_cost=draft_cost,
-                             kv_cache_slots=slots)
-        self.accepted: list[int] = []
-        self.boundaries: list[int] = []  # len(accepted) after each request
-        self.steps: list[tuple[str, float]] = []  # (mode, seconds) of every step since clear()
-        self.decode_seconds: list[float] = []  # per request: its steps after prefill
-        if speculative:
-            stats = self.engine.spec.stats
-            original = stats.record_batch
-
-            def record_batch(rids, trees, accepted_lens, *costs) -> None:
-                self.accepted.extend(int(a) for a in accepted_lens)
-                original(rids, trees, accepted_lens, *costs)
-
-            stats.record_batch = record_batch
-
-    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
-        self.engine.step_times.clear()
-        out = self.engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0]
-        steps = list(self.engine.step_times)
-        if len(steps) == self.engine.step_times.maxlen:
-            raise RuntimeError("the engine's step log overflowed; ask for fewer tokens")
-        self.steps.extend(steps)
-        self.decode_seconds.append(sum(sec for mode, sec in steps if mode != "extend"))
-        self.boundaries.append(len(self.accepted))
-        return list(out.token_ids)
-
-    def clear(self) -> None:
-        self.accepted.clear()
-        self.boundaries.clear()
-        self.steps.clear()
-        self.decode_seconds.clear()
-
-
-class OnFmas(Ours):
-    """A plain engine on the block kernel's AVX-512 FMA path. Where the CPU has AMX tiles the
-    engine multiplies on them (a verify pass's rows cost little more than a decode's, but a
-    one-row decode costs more than on FMAs), so this is the fastest plain decoding at batch 1
-    there: speculation is also set against it. Only this engine's passes take the FMAs."""
-
-    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
-        before = cpu_kernels.amx()
-        cpu_kernels.amx(False)
-        try:
-            return super().generate(ids, max_tokens)
-        finally:
-            cpu_kernels.amx(before)
-
-
-class HF:
-    """HF transformers loading the same GGUF: plain greedy, or greedy with prompt lookup."""
-
-    def __init__(self, lookup: int | None, model: object) -> None:
-        self.lookup, self.model = lookup, model
-
-    @staticmethod
-    def load(device: str = "cpu", dtype: str = "float32") -> object:
-        from transformers import AutoModelForCausalLM
-
-        path = default_model_path()
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    dtype=getattr(torch, dtype)).to(device).eval()
-
-    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
-        input_ids = torch.tensor([ids], device=self.model.device)
-        extra = {} if self.lookup is None else {"prompt_lookup_num_tokens": self.lookup}
-        with torch.inference_mode():
-            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                      max_new_tokens=max_tokens, do_sample=False,
-                                      pad_token_id=self.model.config.eos_token_id, **extra)
-        return out[0, len(ids):].tolist()
-
-
-def timed(systems: dict[str, object], prompts: list[list[int]], max_tokens: int
-          ) -> dict[str, tuple[list[float], list[list[int]]]]:
-    """Per system: (seconds per prompt, outputs), one prompt at a time. The systems take
-    turns on each prompt, so a change in machine load hits them all alike."""
-    results: dict[str, tuple[list[float], list[list[int]]]] = {k: ([], []) for k in systems}
-    for ids in prompts:
-        for key, system in systems.items():
-            started = time.perf_counter()
-            output = system.generate(ids, max_tokens)
-            results[key][0].append(time.perf_counter() - started)
-            results[key][1].append(output)
-    return results
 
 
 def rates(results: dict, plain: Ours, spec: Ours, which: range | None = None) -> dict:

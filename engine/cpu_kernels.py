@@ -129,7 +129,7 @@ def amx(want: bool | None = None) -> bool:
     """Whether the block kernel multiplies on the AMX tile unit (else AVX-512 FMAs); `want`
     chooses (True only where the CPU and the OS allow it). The default is AMX where allowed,
     unless ENGINE_CPU_AMX is 0, false, off or no. The setting is the process's: a change
-    reaches every engine's next pass. Both paths are fp32-accurate and each gives a row the same result
-    in any batch, but they differ from each other in the last bits: choose before a model
-    runs, not between its passes."""
+    reaches every engine's next pass. Both paths are fp32-accurate and each gives a row the
+    same result in any batch, but they differ from each other in the last bits: choose
+    before a model runs, not between its passes."""
     return bool(library().blockq_amx(-1 if want is None else int(want)))

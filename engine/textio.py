@@ -101,8 +101,6 @@ def as_prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput
     """One prompt, or a list of them, as a list."""
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], dict):
-        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)):
+        return [prompts]  # one prompt of token ids, or one chat of messages
     return list(prompts)

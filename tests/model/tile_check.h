@@ -46,16 +46,16 @@ inline void engine_checked_loadconfig(const void* config) {
 
 extern "C" long engine_tiles_checked_count() { return engine_tiles_checked.load(); }
 
+// a tile load or store (`access`: GCC's own), its memory checked first
+#define ENGINE_CHECKED(access, what, tile, base, stride)                 \
+    do {                                                                 \
+        engine_check_tile(tile, (base), (stride), what);                 \
+        access(tile, base, stride);                                      \
+    } while (0)
 #undef _tile_loadd
-#define _tile_loadd(tile, base, stride)                                  \
-    do {                                                                 \
-        engine_check_tile(tile, (base), (stride), "load");               \
-        _tile_loadd_internal(tile, base, stride);                        \
-    } while (0)
+#define _tile_loadd(tile, base, stride) \
+    ENGINE_CHECKED(_tile_loadd_internal, "load", tile, base, stride)
 #undef _tile_stored
-#define _tile_stored(tile, base, stride)                                 \
-    do {                                                                 \
-        engine_check_tile(tile, (base), (stride), "store");              \
-        _tile_stored_internal(tile, base, stride);                       \
-    } while (0)
+#define _tile_stored(tile, base, stride) \
+    ENGINE_CHECKED(_tile_stored_internal, "store", tile, base, stride)
 #define _tile_loadconfig(config) engine_checked_loadconfig(config)
