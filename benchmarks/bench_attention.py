@@ -34,7 +34,7 @@ from engine.state import (
 
 HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
 GROUP = HQ // HKV
-SCALE = D ** -0.5
+SCALE = D**-0.5
 COLD_BYTES = 256 << 20
 DECODE = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]
 EXTEND = [(1, 0, 4096), (8, 0, 1024), (8, 2048, 512)]
@@ -42,13 +42,21 @@ VERIFY = [(1, 4096), (48, 1024), (64, 2048)]
 KV_INDEX = [(64, 2048), (256, 4096)]
 TREE = 12
 # overrides of the defaults (DECODE_CONFIG, the chosen VERIFY_CONFIGS entry, EXTEND_CONFIG)
-DECODE_SWEEP = [{"BLOCK_N": 64, "num_stages": 3}, {"BLOCK_N": 32, "num_stages": 4},
-                {"num_stages": 2}, {"BLOCK_N": 128, "num_stages": 2},
-                {"BLOCK_N": 128, "num_stages": 3}, {"num_warps": 8},
-                {"num_warps": 2}, {"PDL": True},
-                {"SKIP_MERGE": True}]  # the last leaves the merge out: what the merge costs
-EXTEND_SWEEP = [{"BLOCK_M": 128, "num_warps": 8},
-                {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}]
+DECODE_SWEEP = [
+    {"BLOCK_N": 64, "num_stages": 3},
+    {"BLOCK_N": 32, "num_stages": 4},
+    {"num_stages": 2},
+    {"BLOCK_N": 128, "num_stages": 2},
+    {"BLOCK_N": 128, "num_stages": 3},
+    {"num_warps": 8},
+    {"num_warps": 2},
+    {"PDL": True},
+    {"SKIP_MERGE": True},
+]  # the last leaves the merge out: what the merge costs
+EXTEND_SWEEP = [
+    {"BLOCK_M": 128, "num_warps": 8},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+]
 
 
 def graph_time_us(fns: list, replays: int = 20) -> float:
@@ -76,16 +84,23 @@ def graph_time_us(fns: list, replays: int = 20) -> float:
 def copy_ceiling_gbs() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
-                                 return_mode="median")
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
     return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
 class Problem:
     """`copies` independent batches of one shape over one pool, with random slot order."""
 
-    def __init__(self, mode: str, batch: int, prefix: int, new: int, kv_bytes: int,
-                 kv_heads: int = HKV, head_dim: int = D) -> None:
+    def __init__(
+        self,
+        mode: str,
+        batch: int,
+        prefix: int,
+        new: int,
+        kv_bytes: int,
+        kv_heads: int = HKV,
+        head_dim: int = D,
+    ) -> None:
         self.copies = max(1, min(32, math.ceil(COLD_BYTES / max(kv_bytes, 1))))
         rows, width = self.copies * batch, prefix + new
         table = (torch.randperm(rows * width, device="cuda") + 1).to(torch.int32)
@@ -95,8 +110,10 @@ class Problem:
         self.pool.k_cache[0].normal_()
         self.pool.v_cache[0].normal_()
         self.backend = TritonBackend(self.pool)
-        self.batches = [self._batch(mode, np.arange(c * batch, (c + 1) * batch), prefix, new,
-                                    host) for c in range(self.copies)]
+        self.batches = [
+            self._batch(mode, np.arange(c * batch, (c + 1) * batch), prefix, new, host)
+            for c in range(self.copies)
+        ]
         self.metas = [self.backend.plan(b) for b in self.batches]
         tokens = self.batches[0].new_lens.total
         self.q = [torch.randn(tokens, HQ, D, device="cuda", dtype=DTYPE) for _ in self.batches]
@@ -109,10 +126,17 @@ class Problem:
         n = rows.shape[0]
         pending = new if mode == "extend" else 1
         rules = FinishRules([1 << 20] * n, [0] * n, [-1] * n, np.zeros((n, 0), np.int64))
-        running = Running.admitted(rows, rows, [prefix + pending] * n, [prefix + pending] * n,
-                                   np.ones(n, np.int64), rules, prefix + new,
-                                   kv_lens=[prefix] * n)
-        slots = host[rows, prefix:prefix + new].reshape(-1)
+        running = Running.admitted(
+            rows,
+            rows,
+            [prefix + pending] * n,
+            [prefix + pending] * n,
+            np.ones(n, np.int64),
+            rules,
+            prefix + new,
+            kv_lens=[prefix] * n,
+        )
+        slots = host[rows, prefix : prefix + new].reshape(-1)
         if mode == "decode":
             return schedule_decode(running, slots)
         if mode == "extend":
@@ -125,29 +149,56 @@ class Problem:
         """[B, Hkv, L, D] copies of request KV (for SDPA), in key order."""
         meta, n = self.metas[i], len(self.batches[i].running)
         idx = meta.kv_indices.long().view(n, -1)
-        return (self.pool.k_cache[0][idx].transpose(1, 2).contiguous(),
-                self.pool.v_cache[0][idx].transpose(1, 2).contiguous())
+        return (
+            self.pool.k_cache[0][idx].transpose(1, 2).contiguous(),
+            self.pool.v_cache[0][idx].transpose(1, 2).contiguous(),
+        )
 
 
 def ours_decode(p: Problem, config: dict | None = None, split_scale: float = 1.0) -> list:
     """Our decode/verify kernels on each copy (split count scaled from the plan's)."""
+
     def make(i: int):
         m = p.metas[i]
         splits = max(1, round(m.extra["num_splits"] * split_scale))
-        return lambda: decode_attention(p.q[i], p.pool.k_cache[0], p.pool.v_cache[0],
-                                        m.kv_indices, m.kv_indptr, m.qo_indptr, m.prefix_lens,
-                                        m.tree_bits, p.out[i], splits, m.extra["max_q"], SCALE,
-                                        config=config)
+        return lambda: decode_attention(
+            p.q[i],
+            p.pool.k_cache[0],
+            p.pool.v_cache[0],
+            m.kv_indices,
+            m.kv_indptr,
+            m.qo_indptr,
+            m.prefix_lens,
+            m.tree_bits,
+            p.out[i],
+            splits,
+            m.extra["max_q"],
+            SCALE,
+            config=config,
+        )
+
     return [make(i) for i in range(p.copies)]
 
 
 def ours_extend(p: Problem, config: dict | None = None) -> list:
     def make(i: int):
         m = p.metas[i]
-        return lambda: extend_attention(p.q[i], p.k[i], p.v[i], p.pool.k_cache[0],
-                                        p.pool.v_cache[0], m.kv_indices, m.kv_indptr,
-                                        m.qo_indptr, m.prefix_lens, p.out[i], m.max_new_len,
-                                        SCALE, config)
+        return lambda: extend_attention(
+            p.q[i],
+            p.k[i],
+            p.v[i],
+            p.pool.k_cache[0],
+            p.pool.v_cache[0],
+            m.kv_indices,
+            m.kv_indptr,
+            m.qo_indptr,
+            m.prefix_lens,
+            p.out[i],
+            m.max_new_len,
+            SCALE,
+            config,
+        )
+
     return [make(i) for i in range(p.copies)]
 
 
@@ -162,9 +213,10 @@ def sdpa(p: Problem, mode: str, prefix: int, new: int) -> tuple[list, torch.Tens
             k, v = k.repeat_interleave(GROUP, 1), v.repeat_interleave(GROUP, 1)
             qh = q.transpose(1, 2)
             mask = causal_lower_right(new, prefix + new) if prefix else None
-            fn = (lambda qh=qh, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
-                qh, k, v, attn_mask=mask, is_causal=mask is None))
-            layout = (lambda o: o.transpose(1, 2).reshape(-1, HQ, D))
+            fn = lambda qh=qh, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
+                qh, k, v, attn_mask=mask, is_causal=mask is None
+            )
+            layout = lambda o: o.transpose(1, 2).reshape(-1, HQ, D)
         else:  # decode / verify: the G q heads of a kv head become G*new queries of it
             qh = q.view(n, new, HKV, GROUP, D).permute(0, 2, 1, 3, 4).reshape(n, HKV, -1, D)
             mask = None
@@ -172,12 +224,16 @@ def sdpa(p: Problem, mode: str, prefix: int, new: int) -> tuple[list, torch.Tens
                 bits = p.metas[i].tree_bits.view(n, new)
                 node = torch.arange(new, device="cuda")
                 tree = ((bits[:, :, None] >> node) & 1).bool().repeat_interleave(GROUP, 1)
-                mask = torch.cat([torch.ones(n, new * GROUP, prefix, dtype=torch.bool,
-                                             device="cuda"), tree], dim=2)[:, None]
-            fn = (lambda qh=qh, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
-                qh, k, v, attn_mask=mask))
-            layout = (lambda o, n=n: o.view(n, HKV, new, GROUP, D).permute(0, 2, 1, 3, 4)
-                      .reshape(-1, HQ, D))
+                mask = torch.cat(
+                    [torch.ones(n, new * GROUP, prefix, dtype=torch.bool, device="cuda"), tree],
+                    dim=2,
+                )[:, None]
+            fn = lambda qh=qh, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
+                qh, k, v, attn_mask=mask
+            )
+            layout = lambda o, n=n: (
+                o.view(n, HKV, new, GROUP, D).permute(0, 2, 1, 3, 4).reshape(-1, HQ, D)
+            )
         fns.append(fn)
         if first is None:
             first = layout(fn())
@@ -188,8 +244,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def attention_row(kind: str, shape: str, p: Problem, mode: str, prefix: int, new: int,
-                  nbytes: float, flops: float, ours_variants: dict) -> dict:
+def attention_row(
+    kind: str,
+    shape: str,
+    p: Problem,
+    mode: str,
+    prefix: int,
+    new: int,
+    nbytes: float,
+    flops: float,
+    ours_variants: dict,
+) -> dict:
     row = dict(kind=kind, shape=shape, bytes=nbytes, flops=flops)
     try:
         fns, ref = sdpa(p, mode, prefix, new)
@@ -212,8 +277,9 @@ def attention_row(kind: str, shape: str, p: Problem, mode: str, prefix: int, new
             best = (name, us)
         if name == "default":
             row["ours_us"] = us
-            row["eager_us"] = triton.testing.do_bench(fns[0], warmup=10, rep=50,
-                                                      return_mode="median") * 1e3
+            row["eager_us"] = (
+                triton.testing.do_bench(fns[0], warmup=10, rep=50, return_mode="median") * 1e3
+            )
             if ref is not None:
                 row["err"] = rel_err(p.out[0], ref)
     row["best_us"], row["best_cfg"] = (best[1], best[0]) if best else (None, "none ran")
@@ -234,8 +300,11 @@ def decode_like_rows(mode: str, shapes: list, quick: bool) -> list:
             variants.update({str(c): ours_decode(p, c) for c in DECODE_SWEEP})
         nbytes = kv_bytes + 2 * batch * new * HQ * D * 2
         flops = 4.0 * batch * new * HQ * keys * D
-        rows.append(attention_row(mode, f"B={batch} L={length}", p, mode, prefix, new, nbytes,
-                                  flops, variants))
+        rows.append(
+            attention_row(
+                mode, f"B={batch} L={length}", p, mode, prefix, new, nbytes, flops, variants
+            )
+        )
         del p
         torch.cuda.empty_cache()
     return rows
@@ -251,8 +320,19 @@ def extend_rows(quick: bool) -> list:
             variants.update({str(c): ours_extend(p, c) for c in EXTEND_SWEEP})
         visible = batch * (new * prefix + new * (new + 1) / 2)
         nbytes = kv_bytes + 2 * batch * new * HQ * D * 2
-        rows.append(attention_row("extend", f"B={batch} prefix={prefix} new={new}", p, "extend",
-                                  prefix, new, nbytes, 4.0 * HQ * D * visible, variants))
+        rows.append(
+            attention_row(
+                "extend",
+                f"B={batch} prefix={prefix} new={new}",
+                p,
+                "extend",
+                prefix,
+                new,
+                nbytes,
+                4.0 * HQ * D * visible,
+                variants,
+            )
+        )
         del p
         torch.cuda.empty_cache()
     return rows
@@ -262,18 +342,45 @@ def kv_index_rows() -> list:
     rows = []
     for batch, length in KV_INDEX:
         p = Problem("decode", batch, length - 1, 1, batch * length * 8, kv_heads=1, head_dim=16)
-        m0, rows_t = p.metas[0], [torch.arange(c * batch, (c + 1) * batch, device="cuda")
-                                  for c in range(p.copies)]
+        m0, rows_t = (
+            p.metas[0],
+            [torch.arange(c * batch, (c + 1) * batch, device="cuda") for c in range(p.copies)],
+        )
         bufs = [torch.empty_like(m.kv_indices) for m in p.metas]
-        ours = [lambda i=i: launch_kv_indices(p.pool.req_to_token, rows_t[i], m0.prefix_lens,
-                                              m0.kv_indptr, m0.qo_indptr, p.metas[i].out_slots,
-                                              bufs[i], bufs[i].numel(), length)
-                for i in range(p.copies)]
-        ref = [lambda i=i: build_kv_indices(p.pool.req_to_token, rows_t[i], m0.prefix_lens,
-                                            m0.kv_indptr, m0.qo_indptr, p.metas[i].out_slots,
-                                            batch * length) for i in range(p.copies)]
-        row = dict(kind="kv-index", shape=f"B={batch} L={length}", bytes=batch * length * 8.0,
-                   flops=0.0, sdpa_us=graph_time_us(ref), ours_us=graph_time_us(ours))
+        ours = [
+            lambda i=i: launch_kv_indices(
+                p.pool.req_to_token,
+                rows_t[i],
+                m0.prefix_lens,
+                m0.kv_indptr,
+                m0.qo_indptr,
+                p.metas[i].out_slots,
+                bufs[i],
+                bufs[i].numel(),
+                length,
+            )
+            for i in range(p.copies)
+        ]
+        ref = [
+            lambda i=i: build_kv_indices(
+                p.pool.req_to_token,
+                rows_t[i],
+                m0.prefix_lens,
+                m0.kv_indptr,
+                m0.qo_indptr,
+                p.metas[i].out_slots,
+                batch * length,
+            )
+            for i in range(p.copies)
+        ]
+        row = dict(
+            kind="kv-index",
+            shape=f"B={batch} L={length}",
+            bytes=batch * length * 8.0,
+            flops=0.0,
+            sdpa_us=graph_time_us(ref),
+            ours_us=graph_time_us(ours),
+        )
         row["best_us"], row["best_cfg"] = row["ours_us"], "default"
         row["err"] = float(not torch.equal(bufs[0], ref[0]()))
         rows.append(row)
@@ -284,36 +391,50 @@ def kv_index_rows() -> list:
 
 def print_resources() -> None:
     """The compiler's resource report for every kernel variant compiled in this run."""
-    kernels = (triton_decode._decode_split_kernel, triton_decode._merge_splits_kernel,
-               triton_extend._extend_kernel, triton_index._kv_indices_kernel)
+    kernels = (
+        triton_decode._decode_split_kernel,
+        triton_decode._merge_splits_kernel,
+        triton_extend._extend_kernel,
+        triton_index._kv_indices_kernel,
+    )
     print("\ncompiled kernels: name | constexprs | warps | stages | regs | spills | shared B")
     for fn in kernels:
         for caches in fn.device_caches.values():
             for compiled in caches[0].values():
                 meta = compiled.metadata
-                consts = {k[0] if isinstance(k, tuple) else k: v
-                          for k, v in getattr(compiled.src, "constants", {}).items()
-                          if isinstance(v, (int, bool))}
-                print(f"  {fn.__name__} | {consts} | {meta.num_warps} | {meta.num_stages} | "
-                      f"{compiled.n_regs} | {compiled.n_spills} | {meta.shared}")
+                consts = {
+                    k[0] if isinstance(k, tuple) else k: v
+                    for k, v in getattr(compiled.src, "constants", {}).items()
+                    if isinstance(v, (int, bool))
+                }
+                print(
+                    f"  {fn.__name__} | {consts} | {meta.num_warps} | {meta.num_stages} | "
+                    f"{compiled.n_regs} | {compiled.n_spills} | {meta.shared}"
+                )
 
 
 def print_table(rows: list, ceiling: float) -> None:
     print(f"\ncopy ceiling: {ceiling:.0f} GB/s (device-to-device, read + write)")
-    print("| kind | shape | torch us | torch GB/s | torch frac | torch TFLOP/s | ours us | "
-          "ours GB/s | ours frac | ours TFLOP/s | best us (cfg) | rel err | ours eager us |")
+    print(
+        "| kind | shape | torch us | torch GB/s | torch frac | torch TFLOP/s | ours us | "
+        "ours GB/s | ours frac | ours TFLOP/s | best us (cfg) | rel err | ours eager us |"
+    )
     print("|" + "---|" * 13)
     for r in rows:
+
         def stats(us):
             if us is None:
                 return "n/a | n/a | n/a | n/a"
             gbs = r["bytes"] / (us * 1e-6) / 1e9
             return f"{us:.1f} | {gbs:.0f} | {gbs / ceiling:.2f} | {r['flops'] / us / 1e6:.1f}"
+
         err = f"{r['err']:.1e}" if r.get("err") is not None else "n/a"
         best = f"{r['best_us']:.1f}" if r.get("best_us") else "n/a"
-        print(f"| {r['kind']} | {r['shape']} | {stats(r.get('sdpa_us'))} | "
-              f"{stats(r.get('ours_us'))} | {best} ({r['best_cfg']}) | {err} | "
-              f"{r.get('eager_us', float('nan')):.1f} |")
+        print(
+            f"| {r['kind']} | {r['shape']} | {stats(r.get('sdpa_us'))} | "
+            f"{stats(r.get('ours_us'))} | {best} ({r['best_cfg']}) | {err} | "
+            f"{r.get('eager_us', float('nan')):.1f} |"
+        )
 
 
 def main() -> None:

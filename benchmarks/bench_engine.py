@@ -14,11 +14,10 @@ import time
 
 import torch
 
-from engine.engine import Engine
+from engine.shell.engine import Engine
 from engine.state import SamplingParams
 
-TOPICS = ["the sea", "a mountain", "bread", "rain", "a library", "the moon", "trains",
-          "gardens"]
+TOPICS = ["the sea", "a mountain", "bread", "rain", "a library", "the moon", "trains", "gardens"]
 
 
 def copy_bandwidth(device: str) -> float:
@@ -44,29 +43,40 @@ def run_engine(engine: Engine, prompts: list, batch: int, max_tokens: int) -> di
     started = time.perf_counter()
     tokens = 0
     for first in range(0, len(prompts), batch):
-        outputs = engine.generate(prompts[first:first + batch], params)
+        outputs = engine.generate(prompts[first : first + batch], params)
         tokens += sum(len(o.token_ids) for o in outputs)
     elapsed = time.perf_counter() - started
     decode = [t for mode, t in engine.step_times if mode == "decode"]
-    return dict(tokens=tokens, seconds=elapsed,
-                decode_step=statistics.median(decode) if decode else float("nan"))
+    return dict(
+        tokens=tokens,
+        seconds=elapsed,
+        decode_step=statistics.median(decode) if decode else float("nan"),
+    )
 
 
-def hf_generate(model, tokenizer_pad: int, prompts: list[list[int]], batch: int,
-                max_tokens: int, padded: bool) -> dict:
+def hf_generate(
+    model, tokenizer_pad: int, prompts: list[list[int]], batch: int, max_tokens: int, padded: bool
+) -> dict:
     device = next(model.parameters()).device
     started = time.perf_counter()
     tokens = 0
-    groups = ([prompts[i:i + batch] for i in range(0, len(prompts), batch)] if padded
-              else [[p] for p in prompts])
+    groups = (
+        [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        if padded
+        else [[p] for p in prompts]
+    )
     for group in groups:
         width = max(len(p) for p in group)
         ids = torch.tensor([[tokenizer_pad] * (width - len(p)) + p for p in group], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group],
-                            device=device)
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                             max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             pad_token_id=tokenizer_pad)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            pad_token_id=tokenizer_pad,
+        )
         tokens += (out.shape[1] - width) * len(group)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -82,17 +92,18 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
     engine = Engine(device="cpu", dtype="float32", max_running_requests=16)
     # the same engine with every weight dequantized at load and the torch ops (no CPU kernels)
     dense = Engine(device="cpu", dtype="float32", max_running_requests=16, block_weights=False)
-    dense.runtime.model.cpu_fused = False  # this process's only dense-weight model
+    dense.runtime.model.op_set = "reference"  # this process's only dense-weight model
     dense.runner.backend.use_cpu_kernel = False  # its passes only: read by each plan
     chats = [[{"role": "user", "content": f"Write a short story about {t}."}] for t in TOPICS]
     ids = [engine.tokenizer.apply_chat_template(c) for c in chats]
     path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     pad = engine.tokenizer.eos_token_id
     rows = []
     for batch in (1, 8):
-        prompts = ids[:args.num_prompts if batch == 1 else 8]
+        prompts = ids[: args.num_prompts if batch == 1 else 8]
         ours = run_engine(engine, prompts, batch, args.max_tokens)
         plain = run_engine(dense, prompts, batch, args.max_tokens)
         with torch.inference_mode():
@@ -100,15 +111,29 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
             if batch > 1:
                 hf_runs.append(hf_generate(hf, pad, prompts, batch, args.max_tokens, True))
         best = max(hf_runs, key=lambda r: r["tokens"] / r["seconds"])
-        rows.append((batch, ours["tokens"] / ours["seconds"], best["tokens"] / best["seconds"],
-                     plain["tokens"] / plain["seconds"]))
+        rows.append(
+            (
+                batch,
+                ours["tokens"] / ours["seconds"],
+                best["tokens"] / best["seconds"],
+                plain["tokens"] / plain["seconds"],
+            )
+        )
     return rows
 
 
 def _gpu_engine(plan_ahead: bool) -> Engine:
-    return Engine(random_weights="llama3_8b", device="cuda", dtype="bfloat16",
-                  max_running_requests=64, cuda_graph_max_batch=64, max_context=1024,
-                  kv_cache_fraction=0.3, chunk_size=8192, plan_ahead=plan_ahead)
+    return Engine(
+        random_weights="llama3_8b",
+        device="cuda",
+        dtype="bfloat16",
+        max_running_requests=64,
+        cuda_graph_max_batch=64,
+        max_context=1024,
+        kv_cache_fraction=0.3,
+        chunk_size=8192,
+        plan_ahead=plan_ahead,
+    )
 
 
 def decode_steps_without_plan_ahead(args: argparse.Namespace) -> dict[int, float]:
@@ -145,9 +170,18 @@ def gpu_main(args: argparse.Namespace) -> list[tuple]:
             with torch.inference_mode():
                 run = hf_generate(hf, 0, prompts, batch, args.max_tokens, padded=True)
             hf_rate = run["tokens"] / run["seconds"]
-        rows.append((batch, ours["tokens"] / ours["seconds"], hf_rate,
-                     ours["decode_step"] * 1e3, floor * 1e3, floor / ours["decode_step"],
-                     bandwidth / 1e9, without[batch] * 1e3))
+        rows.append(
+            (
+                batch,
+                ours["tokens"] / ours["seconds"],
+                hf_rate,
+                ours["decode_step"] * 1e3,
+                floor * 1e3,
+                floor / ours["decode_step"],
+                bandwidth / 1e9,
+                without[batch] * 1e3,
+            )
+        )
     return rows
 
 
@@ -155,12 +189,18 @@ def _hf_twin(mc) -> torch.nn.Module:
     """HF LlamaForCausalLM of the same shape, random bf16 weights, on the GPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
-                         intermediate_size=mc.intermediate_size,
-                         num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
-                         num_key_value_heads=mc.num_kv_heads, rms_norm_eps=mc.rms_norm_eps,
-                         rope_theta=mc.rope_theta, max_position_embeddings=8192,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=mc.vocab_size,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_heads,
+        num_key_value_heads=mc.num_kv_heads,
+        rms_norm_eps=mc.rms_norm_eps,
+        rope_theta=mc.rope_theta,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     return model.eval()
@@ -168,8 +208,9 @@ def _hf_twin(mc) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", choices=["cpu", "cuda"],
-                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--num-prompts", type=int, default=4, help="CPU batch-1 prompts")
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -180,23 +221,33 @@ def main() -> None:
         args.max_tokens = args.max_tokens or 64
         rows = cpu_main(args)
         print(f"\nCPU, default model fp32, {args.max_tokens} new tokens per prompt")
-        print("| batch | engine tok/s | HF generate tok/s | ratio | engine, no CPU kernels "
-              "tok/s | its ratio |")
+        print(
+            "| batch | engine tok/s | HF generate tok/s | ratio | engine, no CPU kernels "
+            "tok/s | its ratio |"
+        )
         print("|---|---|---|---|---|---|")
         for batch, ours, hf, plain in rows:
-            print(f"| {batch} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x | {plain:.1f} | "
-                  f"{plain / hf:.2f}x |")
+            print(
+                f"| {batch} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x | {plain:.1f} | "
+                f"{plain / hf:.2f}x |"
+            )
     else:
         args.max_tokens = args.max_tokens or 256
         rows = gpu_main(args)
-        print(f"\nH200, random Llama-3-8B bf16, {args.prompt_len}-token prompts, "
-              f"{args.max_tokens} new tokens")
-        print("| batch | engine tok/s | HF tok/s | ratio | decode step ms | floor ms | "
-              "floor/step | copy GB/s | step ms, plan_ahead off | floor/step off |")
+        print(
+            f"\nH200, random Llama-3-8B bf16, {args.prompt_len}-token prompts, "
+            f"{args.max_tokens} new tokens"
+        )
+        print(
+            "| batch | engine tok/s | HF tok/s | ratio | decode step ms | floor ms | "
+            "floor/step | copy GB/s | step ms, plan_ahead off | floor/step off |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for batch, ours, hf, step, floor, frac, bw, off in rows:
-            print(f"| {batch} | {ours:.0f} | {hf:.0f} | {ours / hf:.1f}x | {step:.2f} | "
-                  f"{floor:.2f} | {frac:.2f} | {bw:.0f} | {off:.2f} | {floor / off:.2f} |")
+            print(
+                f"| {batch} | {ours:.0f} | {hf:.0f} | {ours / hf:.1f}x | {step:.2f} | "
+                f"{floor:.2f} | {frac:.2f} | {bw:.0f} | {off:.2f} | {floor / off:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The matrix-vector kernel (engine/model/gemv.py) against cuBLAS (F.linear), H200, bf16.
+"""The matrix-vector kernel (engine/ops/gemv.py) against cuBLAS (F.linear), H200, bf16.
 
     python3 benchmarks/bench_gemv.py [--sweep]
 
@@ -19,8 +19,13 @@ import torch.nn.functional as F
 
 from engine.model import gemv
 
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (128256, 4096)}
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
 
 
 def time_calls(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
@@ -47,11 +52,11 @@ def time_calls(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
 
 
 def configs():
-    for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8),
-                                                   (2, 3, 4)):
+    for bn, bk, warps, stages in itertools.product(
+        (4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4)
+    ):
         if bn * bk <= 16384:
-            yield dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                       all_rows=True)
+            yield dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, all_rows=True)
 
 
 def main() -> None:
@@ -64,13 +69,15 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
         copies = max(2, -(-512 * 2**20 // nbytes))
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(copies)]
+        weights = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)
+        ]
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, weights[0])
-            err = ((gemv.gemv(x, weights[0]).float() - ref.float()).norm()
-                   / ref.float().norm()).item()
+            err = (
+                (gemv.gemv(x, weights[0]).float() - ref.float()).norm() / ref.float().norm()
+            ).item()
             t_cublas = time_calls(F.linear, weights, x)
             t_ours = time_calls(gemv.gemv, weights, x)
             best = (t_ours, "default")
@@ -87,12 +94,16 @@ def main() -> None:
             results.append((name, rows, t_cublas, t_ours, best, nbytes, err))
         del weights
         torch.cuda.empty_cache()
-    print("\n| shape | rows | cuBLAS us | cuBLAS GB/s | ours us | ours GB/s | ours/cuBLAS | "
-          "best swept us | rel err |")
+    print(
+        "\n| shape | rows | cuBLAS us | cuBLAS GB/s | ours us | ours GB/s | ours/cuBLAS | "
+        "best swept us | rel err |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, rows, tc, to, best, nbytes, err in results:
-        print(f"| {name} | {rows} | {tc * 1e6:.1f} | {nbytes / tc / 1e9:.0f} | {to * 1e6:.1f} | "
-              f"{nbytes / to / 1e9:.0f} | {tc / to:.2f}x | {best[0] * 1e6:.1f} | {err:.1e} |")
+        print(
+            f"| {name} | {rows} | {tc * 1e6:.1f} | {nbytes / tc / 1e9:.0f} | {to * 1e6:.1f} | "
+            f"{nbytes / to / 1e9:.0f} | {tc / to:.2f}x | {best[0] * 1e6:.1f} | {err:.1e} |"
+        )
 
 
 if __name__ == "__main__":

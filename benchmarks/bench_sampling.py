@@ -14,19 +14,23 @@ import time
 
 import torch
 
-from engine.engine import Engine
 from engine.model.sampling import SamplingTensors, sample
+from engine.shell.engine import Engine
 from engine.state import SamplingParams
 
-REGIMES = {"greedy": {}, "temperature 1": {"temperature": 1.0},
-           "temperature 1, top-p 0.9": {"temperature": 1.0, "top_p": 0.9}}
+REGIMES = {
+    "greedy": {},
+    "temperature 1": {"temperature": 1.0},
+    "temperature 1, top-p 0.9": {"temperature": 1.0, "top_p": 0.9},
+}
 
 
 def decode_rate(engine: Engine, batch: int, tokens: int, regime: dict) -> float:
     """Generated tokens per second of the decode steps (prefill left out)."""
     prompts = [[5 + i, 17, 99, 250 + i] * 8 for i in range(batch)]
-    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **regime)
-              for i in range(batch)]
+    params = [
+        SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **regime) for i in range(batch)
+    ]
     engine.generate(prompts, params)  # warm
     engine.step_times.clear()
     engine.generate(prompts, params)
@@ -55,25 +59,43 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--random-weights", default=None,
-                        help="a preset (default: the default model on a CPU, its shape with "
-                             "random weights, smollm2_135m, on a GPU)")
+    parser.add_argument(
+        "--random-weights",
+        default=None,
+        help="a preset (default: the default model on a CPU, its shape with "
+        "random weights, smollm2_135m, on a GPU)",
+    )
     args = parser.parse_args()
     if args.random_weights is None and args.device != "cpu":
         args.random_weights = "smollm2_135m"
     torch.set_num_threads(args.threads)
-    engine = Engine(device=args.device, dtype="float32", random_weights=args.random_weights,
-                    max_running_requests=8)
+    engine = Engine(
+        device=args.device,
+        dtype="float32",
+        random_weights=args.random_weights,
+        max_running_requests=8,
+    )
     vocab = engine.runtime.vocab_size
     rows = []
     for batch in (1, 8):
-        rates = {name: decode_rate(engine, batch, args.tokens, regime)
-                 for name, regime in REGIMES.items()}
+        rates = {
+            name: decode_rate(engine, batch, args.tokens, regime)
+            for name, regime in REGIMES.items()
+        }
         for name, regime in REGIMES.items():
-            rows.append((batch, name, rates[name], rates[name] / rates["greedy"],
-                         sampler_ms(batch, vocab, regime, args.device)))
-    print(f"\n{args.device}, {args.threads} thread(s), vocabulary {vocab}, "
-          f"{args.tokens} tokens a request\n")
+            rows.append(
+                (
+                    batch,
+                    name,
+                    rates[name],
+                    rates[name] / rates["greedy"],
+                    sampler_ms(batch, vocab, regime, args.device),
+                )
+            )
+    print(
+        f"\n{args.device}, {args.threads} thread(s), vocabulary {vocab}, "
+        f"{args.tokens} tokens a request\n"
+    )
     print("| batch | sampling | decode tok/s | / greedy | sampler alone, build + sample (ms) |")
     print("|---|---|---|---|---|")
     for batch, name, rate, ratio, ms in rows:

@@ -24,8 +24,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = ["the sea", "a mountain", "bread", "rain", "a library", "the moon", "trains", "gardens"]
-PASSAGE = ("The river rises in the hills, runs past the old mill and the stone bridge, and "
-           "reaches the sea at the harbour town, where boats wait for the tide. ")
+PASSAGE = (
+    "The river rises in the hills, runs past the old mill and the stone bridge, and "
+    "reaches the sea at the harbour town, where boats wait for the tide. "
+)
 
 
 def user_message(workload: str, index: int) -> str:
@@ -55,12 +57,16 @@ class LevelResult:
         ttft = np.array([t.ttft_s for t in self.timings])
         gaps = np.array([g for t in self.timings for g in t.gaps_s] or [np.nan])
         tokens = sum(t.num_tokens for t in self.timings)
-        return {"clients": self.concurrency, "requests": self.num_requests,
-                "req_per_s": self.num_requests / self.wall_s, "tok_per_s": tokens / self.wall_s,
-                "ttft_p50_ms": 1e3 * np.percentile(ttft, 50),
-                "ttft_p99_ms": 1e3 * np.percentile(ttft, 99),
-                "itl_p50_ms": 1e3 * np.nanpercentile(gaps, 50),
-                "itl_p99_ms": 1e3 * np.nanpercentile(gaps, 99)}
+        return {
+            "clients": self.concurrency,
+            "requests": self.num_requests,
+            "req_per_s": self.num_requests / self.wall_s,
+            "tok_per_s": tokens / self.wall_s,
+            "ttft_p50_ms": 1e3 * np.percentile(ttft, 50),
+            "ttft_p99_ms": 1e3 * np.percentile(ttft, 99),
+            "itl_p50_ms": 1e3 * np.nanpercentile(gaps, 50),
+            "itl_p99_ms": 1e3 * np.nanpercentile(gaps, 99),
+        }
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
@@ -84,13 +90,20 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
 
 
 def request_body(model: str, workload: str, index: int, max_tokens: int) -> dict:
-    return {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": user_message(workload, index)}]}
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": user_message(workload, index)}],
+    }
 
 
-async def run_level(url: str, model: str, workload: str, concurrency: int, num_requests: int,
-                    max_tokens: int) -> LevelResult:
+async def run_level(
+    url: str, model: str, workload: str, concurrency: int, num_requests: int, max_tokens: int
+) -> LevelResult:
     """`concurrency` clients share a queue of `num_requests` requests, one at a time each."""
     pending = list(range(num_requests))
     timings: list[RequestTiming] = []
@@ -113,9 +126,19 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "engine", "serve", "--port", str(port), "--log-level",
-               "warning", "--device", args.device,
-               "--speculative" if args.speculative else "--no-speculative"]
+    command = [
+        sys.executable,
+        "-m",
+        "engine",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--device",
+        args.device,
+        "--speculative" if args.speculative else "--no-speculative",
+    ]
     if args.model:
         command += ["--model", args.model]
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -133,28 +156,53 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 
 def spec_acceptance(url: str) -> str:
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    values = dict(line.split(" ", 1) for line in text.splitlines()
-                  if line.startswith(("engine_spec_acceptance_rate ",
-                                      "engine_spec_accepted_tokens_total ",
-                                      "engine_spec_draft_tokens_total ")))
+    values = dict(
+        line.split(" ", 1)
+        for line in text.splitlines()
+        if line.startswith(
+            (
+                "engine_spec_acceptance_rate ",
+                "engine_spec_accepted_tokens_total ",
+                "engine_spec_draft_tokens_total ",
+            )
+        )
+    )
     return ", ".join(f"{k}={float(v):g}" for k, v in values.items())
 
 
 def print_table(rows: list[dict[str, float]], title: str) -> None:
     print(f"\n{title}")
-    header = ("clients", "requests", "req_per_s", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
-              "itl_p50_ms", "itl_p99_ms")
+    header = (
+        "clients",
+        "requests",
+        "req_per_s",
+        "tok_per_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        print("| " + " | ".join(f"{row[h]:.0f}" if h in ("clients", "requests") else
-                                f"{row[h]:.2f}" if h.endswith("per_s") else f"{row[h]:.0f}"
-                                for h in header) + " |")
+        print(
+            "| "
+            + " | ".join(
+                f"{row[h]:.0f}"
+                if h in ("clients", "requests")
+                else f"{row[h]:.2f}"
+                if h.endswith("per_s")
+                else f"{row[h]:.0f}"
+                for h in header
+            )
+            + " |"
+        )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", help="benchmark a running server instead of starting one")
     parser.add_argument("--model", help="model for the server started here; default model if unset")
     parser.add_argument("--device", default="cpu")
@@ -172,15 +220,25 @@ def main() -> int:
         asyncio.run(run_level(url, model, args.workload, 1, 1, 4))  # warm-up
         rows = []
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            result = asyncio.run(run_level(url, model, args.workload, concurrency,
-                                           concurrency * args.requests_per_client,
-                                           args.max_tokens))
+            result = asyncio.run(
+                run_level(
+                    url,
+                    model,
+                    args.workload,
+                    concurrency,
+                    concurrency * args.requests_per_client,
+                    args.max_tokens,
+                )
+            )
             rows.append(result.row())
         mode = "on" if args.speculative else "off"
-        print_table(rows, f"{model} on {args.device} ({platform.processor() or platform.machine()}"
-                          f", {os.cpu_count()} cpus), speculation {mode}, "
-                          f"workload {args.workload}, max_tokens={args.max_tokens}, greedy, "
-                          "ignore_eos")
+        print_table(
+            rows,
+            f"{model} on {args.device} ({platform.processor() or platform.machine()}"
+            f", {os.cpu_count()} cpus), speculation {mode}, "
+            f"workload {args.workload}, max_tokens={args.max_tokens}, greedy, "
+            "ignore_eos",
+        )
         print(f"speculation: {spec_acceptance(url)}")
     finally:
         if process is not None:

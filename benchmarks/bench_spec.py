@@ -19,7 +19,6 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from spec_systems import HF, OnFmas, Ours, timed  # benchmarks/, beside this script
 from spec_workloads import PARTS, workloads
 
@@ -37,8 +36,9 @@ def rates(results: dict, plain: Ours, spec: Ours, which: range | None = None) ->
         rate[key] = sum(len(outputs[i]) for i in picked) / sum(seconds[i] for i in picked)
     for key, system in (("ours", plain), ("ours+spec", spec)):
         outputs = results[key][1]
-        rate[f"{key}, decode phase"] = (sum(len(outputs[i]) - 1 for i in picked)
-                                        / sum(system.decode_seconds[i] for i in picked))
+        rate[f"{key}, decode phase"] = sum(len(outputs[i]) - 1 for i in picked) / sum(
+            system.decode_seconds[i] for i in picked
+        )
     return rate
 
 
@@ -51,16 +51,22 @@ def what_2x_needs(results: dict, plain: Ours, spec: Ours, parts: dict[str, range
     prefill = total - sum(plain.decode_seconds)
     decoding = total - prefill
     needed = decoding / (total / 2 - prefill) if total / 2 > prefill else float("inf")
-    text = (f"prefill is {prefill / total:.0%} of plain decoding's time: 2x end to end needs "
-            f"{needed:.2f}x in the decode phase")
+    text = (
+        f"prefill is {prefill / total:.0%} of plain decoding's time: 2x end to end needs "
+        f"{needed:.2f}x in the decode phase"
+    )
     for part, which in parts.items():
         alone = sum(spec.decode_seconds[i] for i in which)  # only this kind's decoding left
         text += f"; at most {total / (prefill + alone):.2f}x with {part} as measured"
     return text
 
 
-def replay(prompts: list[list[int]], outputs: list[list[int]], budget: int = 12,
-           draft_cost: float | None = None) -> float:
+def replay(
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    budget: int = 12,
+    draft_cost: float | None = None,
+) -> float:
     """Replays the real greedy outputs through a fresh proposer, no model in the loop; each
     step accepts the longest tree path that matches the output, plus the bonus token.
 
@@ -95,7 +101,7 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], budget: int = 12,
             drafted = len(tree.tokens) - 1
             stats.record(rid, drafted, accepted, draft_cost or 0.0)
             emitted = min(accepted + 1, len(output) - position)
-            proposer.extend(rid, output[position:position + emitted])
+            proposer.extend(rid, output[position : position + emitted])
             position += emitted
             steps += 1
             cost += 1 + (draft_cost or 0.0) * drafted
@@ -113,8 +119,9 @@ def step_profile(system: Ours) -> str:
     by_mode: dict[str, list[float]] = {}
     for mode, seconds in system.steps:
         by_mode.setdefault(mode, []).append(seconds * 1e3)
-    return ", ".join(f"{mode} {statistics.mean(v):.1f} ms x{len(v)}"
-                     for mode, v in sorted(by_mode.items()))
+    return ", ".join(
+        f"{mode} {statistics.mean(v):.1f} ms x{len(v)}" for mode, v in sorted(by_mode.items())
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -134,11 +141,19 @@ def run(args: argparse.Namespace) -> None:
             weight.data = weight.data.contiguous()
     tokenizer = plain.engine.tokenizer
     hf_model = HF.load(args.device, args.dtype)
-    systems = {"ours": plain, "ours+spec": spec, "spec, acceptance only": acceptance_only,
-               "HF": HF(None, hf_model),
-               "HF+lookup": HF(args.lookup, hf_model)}
-    if args.device == "cpu" and blocks and cpu_kernels.usable("cpu", torch.float32) and (
-            cpu_kernels.amx()):
+    systems = {
+        "ours": plain,
+        "ours+spec": spec,
+        "spec, acceptance only": acceptance_only,
+        "HF": HF(None, hf_model),
+        "HF+lookup": HF(args.lookup, hf_model),
+    }
+    if (
+        args.device == "cpu"
+        and blocks
+        and cpu_kernels.usable("cpu", torch.float32)
+        and (cpu_kernels.amx())
+    ):
         systems["ours on FMAs"] = OnFmas(False, blocks, **on)
     warm = [tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])]
     if args.device != "cpu":  # Triton compiles per shape: every kind of step, before timing
@@ -163,21 +178,30 @@ def run(args: argparse.Namespace) -> None:
             part_rows.append((name, part, rates(results, plain, spec, which)))
         print(f"[{name}] {what_2x_needs(results, plain, spec, parts)}", flush=True)
         mean_accepted = statistics.mean(spec.accepted) if spec.accepted else 0.0
-        print(f"[{name}] steps: plain {step_profile(plain)}; "
-              f"spec {step_profile(spec)}; measured draft cost "
-              f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row, verify "
-              f"premium {spec.engine.spec.cost.verify_premium(1):.2f} decoded tokens a pass",
-              flush=True)
+        print(
+            f"[{name}] steps: plain {step_profile(plain)}; "
+            f"spec {step_profile(spec)}; measured draft cost "
+            f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row, verify "
+            f"premium {spec.engine.spec.cost.verify_premium(1):.2f} decoded tokens a pass",
+            flush=True,
+        )
         ceiling = replay(prompts, outputs)
         if "ours on FMAs" in results:
             rate["plain paths agree"] = results["ours on FMAs"][1] == outputs
         rows.append((name, len(prompts), max_tokens, mean_accepted, rate, same, ceiling))
-        print(f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
-              f"{ceiling:.2f} tokens per verify step", flush=True)
-        speedups = ", ".join(f"{replay(prompts, outputs, draft_cost=c):.2f}x at {c}"
-                             for c in REPLAY_COSTS)
-        print(f"[{name}] decode-phase speedup the adaptive proposer reaches on these outputs "
-              f"if a draft row costs c decoded tokens: {speedups}", flush=True)
+        print(
+            f"[{name}] proposer ceiling on these outputs (no model, outputs known): "
+            f"{ceiling:.2f} tokens per verify step",
+            flush=True,
+        )
+        speedups = ", ".join(
+            f"{replay(prompts, outputs, draft_cost=c):.2f}x at {c}" for c in REPLAY_COSTS
+        )
+        print(
+            f"[{name}] decode-phase speedup the adaptive proposer reaches on these outputs "
+            f"if a draft row costs c decoded tokens: {speedups}",
+            flush=True,
+        )
     print_table(rows, args)
     print_paths(rows)
     print_parts(part_rows)
@@ -203,24 +227,33 @@ def profile_host(spec: Ours, tokenizer: object, workload: tuple[list, int]) -> N
 
 
 def print_table(rows: list, args: argparse.Namespace) -> None:
-    where = (f"{args.threads} torch thread(s)" if args.device == "cpu"
-             else torch.cuda.get_device_name(args.device))
-    print(f"\nbatch 1, {args.dtype}, {args.device} ({where}), "
-          f"HF prompt_lookup_num_tokens={args.lookup}")
-    print("| workload | prompts | max tokens | accepted/step | ours tok/s | ours+spec tok/s | "
-          "HF tok/s | HF+lookup tok/s | spec/no-spec | spec/HF-lookup | spec == no-spec | "
-          "proposer ceiling | acceptance-only adaptation / no-spec | "
-          "decode phase: ours / ours+spec tok/s (spec/no-spec) |")
+    where = (
+        f"{args.threads} torch thread(s)"
+        if args.device == "cpu"
+        else torch.cuda.get_device_name(args.device)
+    )
+    print(
+        f"\nbatch 1, {args.dtype}, {args.device} ({where}), "
+        f"HF prompt_lookup_num_tokens={args.lookup}"
+    )
+    print(
+        "| workload | prompts | max tokens | accepted/step | ours tok/s | ours+spec tok/s | "
+        "HF tok/s | HF+lookup tok/s | spec/no-spec | spec/HF-lookup | spec == no-spec | "
+        "proposer ceiling | acceptance-only adaptation / no-spec | "
+        "decode phase: ours / ours+spec tok/s (spec/no-spec) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, count, max_tokens, mean_accepted, rate, same, ceiling in rows:
-        print(f"| {name} | {count} | {max_tokens} | {mean_accepted:.2f} | {rate['ours']:.1f} | "
-              f"{rate['ours+spec']:.1f} | {rate['HF']:.1f} | {rate['HF+lookup']:.1f} | "
-              f"{rate['ours+spec'] / rate['ours']:.2f}x | "
-              f"{rate['ours+spec'] / rate['HF+lookup']:.2f}x | {'yes' if same else 'NO'} | "
-              f"{ceiling:.2f} tokens/step | "
-              f"{rate['spec, acceptance only'] / rate['ours']:.2f}x | "
-              f"{rate['ours, decode phase']:.1f} / {rate['ours+spec, decode phase']:.1f} "
-              f"({rate['ours+spec, decode phase'] / rate['ours, decode phase']:.2f}x) |")
+        print(
+            f"| {name} | {count} | {max_tokens} | {mean_accepted:.2f} | {rate['ours']:.1f} | "
+            f"{rate['ours+spec']:.1f} | {rate['HF']:.1f} | {rate['HF+lookup']:.1f} | "
+            f"{rate['ours+spec'] / rate['ours']:.2f}x | "
+            f"{rate['ours+spec'] / rate['HF+lookup']:.2f}x | {'yes' if same else 'NO'} | "
+            f"{ceiling:.2f} tokens/step | "
+            f"{rate['spec, acceptance only'] / rate['ours']:.2f}x | "
+            f"{rate['ours, decode phase']:.1f} / {rate['ours+spec, decode phase']:.1f} "
+            f"({rate['ours+spec, decode phase'] / rate['ours, decode phase']:.2f}x) |"
+        )
 
 
 def print_paths(rows: list) -> None:
@@ -228,46 +261,58 @@ def print_paths(rows: list) -> None:
     AVX-512 FMAs (the faster plain path at batch 1), and speculation against both."""
     if not rows or "ours on FMAs" not in rows[0][4]:
         return
-    print("\n| workload | ours (AMX) tok/s | ours on FMAs tok/s | ours+spec (AMX) tok/s | "
-          "spec / no-spec on FMAs | FMA tokens == AMX tokens |")
+    print(
+        "\n| workload | ours (AMX) tok/s | ours on FMAs tok/s | ours+spec (AMX) tok/s | "
+        "spec / no-spec on FMAs | FMA tokens == AMX tokens |"
+    )
     print("|---|---|---|---|---|---|")
     for name, _, _, _, rate, _, _ in rows:
-        print(f"| {name} | {rate['ours']:.1f} | {rate['ours on FMAs']:.1f} | "
-              f"{rate['ours+spec']:.1f} | {rate['ours+spec'] / rate['ours on FMAs']:.2f}x | "
-              f"{'yes' if rate['plain paths agree'] else 'no'} |")
+        print(
+            f"| {name} | {rate['ours']:.1f} | {rate['ours on FMAs']:.1f} | "
+            f"{rate['ours+spec']:.1f} | {rate['ours+spec'] / rate['ours on FMAs']:.2f}x | "
+            f"{'yes' if rate['plain paths agree'] else 'no'} |"
+        )
 
 
 def print_parts(part_rows: list) -> None:
     """The copy-heavy workloads by kind of prompt, from the same runs."""
     if not part_rows:
         return
-    print("\n| workload | prompts | ours tok/s | ours+spec tok/s | spec/no-spec | "
-          "decode phase: ours / ours+spec tok/s (spec/no-spec) |")
+    print(
+        "\n| workload | prompts | ours tok/s | ours+spec tok/s | spec/no-spec | "
+        "decode phase: ours / ours+spec tok/s (spec/no-spec) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, part, rate in part_rows:
-        print(f"| {name} | {part} | {rate['ours']:.1f} | {rate['ours+spec']:.1f} | "
-              f"{rate['ours+spec'] / rate['ours']:.2f}x | "
-              f"{rate['ours, decode phase']:.1f} / {rate['ours+spec, decode phase']:.1f} "
-              f"({rate['ours+spec, decode phase'] / rate['ours, decode phase']:.2f}x) |")
+        print(
+            f"| {name} | {part} | {rate['ours']:.1f} | {rate['ours+spec']:.1f} | "
+            f"{rate['ours+spec'] / rate['ours']:.2f}x | "
+            f"{rate['ours, decode phase']:.1f} / {rate['ours+spec, decode phase']:.1f} "
+            f"({rate['ours+spec, decode phase'] / rate['ours, decode phase']:.2f}x) |"
+        )
 
 
-def plot(accepted: dict[str, tuple[list[int], list[int]]], rows: list,
-         args: argparse.Namespace) -> None:
+def plot(
+    accepted: dict[str, tuple[list[int], list[int]]], rows: list, args: argparse.Namespace
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     DOCS.mkdir(exist_ok=True)
-    figure, all_axes = plt.subplots(len(accepted), 1, figsize=(9, 2.4 * len(accepted)),
-                                    sharey=True, squeeze=False)
+    figure, all_axes = plt.subplots(
+        len(accepted), 1, figsize=(9, 2.4 * len(accepted)), sharey=True, squeeze=False
+    )
     for axes, (name, (lens, bounds)) in zip(all_axes[:, 0], accepted.items(), strict=True):
         axes.bar(range(len(lens)), lens, width=1.0)
         for bound in bounds[:-1]:
             axes.axvline(bound - 0.5, color="grey", linewidth=0.6, linestyle=":")
         mean = statistics.mean(lens) if lens else 0.0
-        axes.set_title(f"{name}: {mean:.2f} accepted drafts per verify step "
-                       f"(dotted lines: next prompt)", fontsize=9)
+        axes.set_title(
+            f"{name}: {mean:.2f} accepted drafts per verify step (dotted lines: next prompt)",
+            fontsize=9,
+        )
         axes.set_ylabel("accepted")
     all_axes[-1, 0].set_xlabel("verify step (batch 1, draft budget 12)")
     figure.tight_layout()
@@ -292,22 +337,32 @@ def plot(accepted: dict[str, tuple[list[int], list[int]]], rows: list,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--long-max-tokens", type=int, default=512,
-                        help="max tokens of the copy-heavy, long workload")
-    parser.add_argument("--only", action="append", default=[],
-                        help="run only this workload (repeatable)")
+    parser.add_argument(
+        "--long-max-tokens",
+        type=int,
+        default=512,
+        help="max tokens of the copy-heavy, long workload",
+    )
+    parser.add_argument(
+        "--only", action="append", default=[], help="run only this workload (repeatable)"
+    )
     parser.add_argument("--quick", action="store_true", help="one or two prompts per workload")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
-    parser.add_argument("--row-major-weights", action="store_true",
-                        help="dense weights (no block kernel), stored row-major (the layout "
-                             "before column-major)")
+    parser.add_argument(
+        "--row-major-weights",
+        action="store_true",
+        help="dense weights (no block kernel), stored row-major (the layout before column-major)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (ours and HF alike)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--profile", action="store_true",
-                        help="then profile the speculative engine's host code over one "
-                             "workload (the first --only, else copy-heavy)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile the speculative engine's host code over one "
+        "workload (the first --only, else copy-heavy)",
+    )
     run(parser.parse_args())
 
 

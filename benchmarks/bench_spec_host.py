@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine import speculator
-from engine.engine import Engine
+from engine.shell.engine import Engine
 from engine.spec import NgramProposer, PassCost, SpecStats
 from engine.state import SamplingParams
 
@@ -53,8 +53,9 @@ class Timers:
         for owner, name, label in STAGES:
             setattr(owner, name, self._wrap(getattr(owner, name), label))
         for name in STATE_FUNCS:
-            setattr(speculator.state, name,
-                    self._wrap(getattr(speculator.state, name), f"state.{name}"))
+            setattr(
+                speculator.state, name, self._wrap(getattr(speculator.state, name), f"state.{name}")
+            )
 
     def _wrap(self, function: Any, label: str) -> Any:
         @functools.wraps(function)
@@ -68,11 +69,13 @@ class Timers:
                 entry = self.totals[label]
                 entry[0] += 1
                 entry[1] += time.perf_counter() - started
+
         return timed
 
 
-def run_once(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-             timers: Timers | None) -> tuple[float, int, dict[str, list[float]]]:
+def run_once(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, timers: Timers | None
+) -> tuple[float, int, dict[str, list[float]]]:
     engine.step_times.clear()
     if timers is not None:
         timers.on = True
@@ -90,8 +93,11 @@ def run_once(engine: Engine, prompts: list[list[int]], params: SamplingParams,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", default=None,
-                        help="random weights (default: smollm2_135m on a GPU, tiny on a CPU)")
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="random weights (default: smollm2_135m on a GPU, tiny on a CPU)",
+    )
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--threads", type=int, default=1)
@@ -102,14 +108,17 @@ def main() -> None:
     common = dict(random_weights=args.preset, device=args.device, max_running_requests=8)
     if args.device != "cpu":
         common["kv_cache_slots"] = 16384  # two engines share the GPU
-    engines = {"plain": Engine(speculative=False, **common),
-               "spec": Engine(speculative=True, **common)}
+    engines = {
+        "plain": Engine(speculative=False, **common),
+        "spec": Engine(speculative=True, **common),
+    }
     timers = Timers()
     vocab = engines["plain"].runtime.vocab_size
     rng = np.random.default_rng(0)
-    regimes = {"greedy": SamplingParams(max_tokens=args.tokens, ignore_eos=True),
-               "sampled": SamplingParams(max_tokens=args.tokens, ignore_eos=True,
-                                         temperature=1.0, seed=1)}
+    regimes = {
+        "greedy": SamplingParams(max_tokens=args.tokens, ignore_eos=True),
+        "sampled": SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=1),
+    }
     rows, stage_rows = [], []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [rng.integers(3, vocab, 48).tolist() for _ in range(batch)]
@@ -117,12 +126,23 @@ def main() -> None:
             results = {}
             for name, engine in engines.items():  # warm up every kind of step, then time
                 run_once(engine, prompts, params, None)
-                results[name] = run_once(engine, prompts, params,
-                                         timers if name == "spec" else None)
+                results[name] = run_once(
+                    engine, prompts, params, timers if name == "spec" else None
+                )
             (plain_s, plain_n, plain_modes), (spec_s, spec_n, spec_modes) = (
-                results["plain"], results["spec"])
-            rows.append((batch, regime, plain_n / plain_s, spec_n / spec_s,
-                         _modes(plain_modes), _modes(spec_modes)))
+                results["plain"],
+                results["spec"],
+            )
+            rows.append(
+                (
+                    batch,
+                    regime,
+                    plain_n / plain_s,
+                    spec_n / spec_s,
+                    _modes(plain_modes),
+                    _modes(spec_modes),
+                )
+            )
             for label, (calls, seconds) in sorted(timers.totals.items()):
                 stage_rows.append((batch, regime, label, int(calls), 1e3 * seconds / calls))
             timers.totals.clear()
@@ -132,17 +152,22 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for batch, regime, label, calls, ms in stage_rows:
         print(f"| {batch} | {regime} | {label} | {calls} | {ms:.3f} |")
-    print("\n| batch | regime | plain tok/s | spec tok/s | spec/plain | plain steps (ms) | "
-          "spec steps (ms) |")
+    print(
+        "\n| batch | regime | plain tok/s | spec tok/s | spec/plain | plain steps (ms) | "
+        "spec steps (ms) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for batch, regime, plain_rate, spec_rate, plain_modes, spec_modes in rows:
-        print(f"| {batch} | {regime} | {plain_rate:.0f} | {spec_rate:.0f} | "
-              f"{spec_rate / plain_rate:.2f}x | {plain_modes} | {spec_modes} |")
+        print(
+            f"| {batch} | {regime} | {plain_rate:.0f} | {spec_rate:.0f} | "
+            f"{spec_rate / plain_rate:.2f}x | {plain_modes} | {spec_modes} |"
+        )
 
 
 def _modes(modes: dict[str, list[float]]) -> str:
-    return ", ".join(f"{mode} {1e3 * statistics.mean(v):.3f} x{len(v)}"
-                     for mode, v in sorted(modes.items()))
+    return ", ".join(
+        f"{mode} {1e3 * statistics.mean(v):.3f} x{len(v)}" for mode, v in sorted(modes.items())
+    )
 
 
 if __name__ == "__main__":

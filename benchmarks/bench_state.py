@@ -25,16 +25,27 @@ MAX_CONTEXT = 1024
 
 def running_of(batch_size: int, rng: np.random.Generator) -> Running:
     """batch_size requests with PREFIX_LEN committed tokens and one pending each."""
-    rules = FinishRules(np.full(batch_size, 10**6), np.zeros(batch_size), np.full(batch_size, 2),
-                        np.full((batch_size, 2), [3, 4]))
-    return Running(np.arange(batch_size), rng.permutation(batch_size),
-                   SeqLens.full(batch_size, PREFIX_LEN), SeqLens.full(batch_size, PREFIX_LEN + 1),
-                   np.full(batch_size, 10), rng.integers(10, 1000, batch_size), rules,
-                   MAX_CONTEXT)
+    rules = FinishRules(
+        np.full(batch_size, 10**6),
+        np.zeros(batch_size),
+        np.full(batch_size, 2),
+        np.full((batch_size, 2), [3, 4]),
+    )
+    return Running(
+        np.arange(batch_size),
+        rng.permutation(batch_size),
+        SeqLens.full(batch_size, PREFIX_LEN),
+        SeqLens.full(batch_size, PREFIX_LEN + 1),
+        np.full(batch_size, 10),
+        rng.integers(10, 1000, batch_size),
+        rules,
+        MAX_CONTEXT,
+    )
 
 
-def draft_trees(run: Running,
-                rng: np.random.Generator) -> tuple[DraftTrees, np.ndarray, np.ndarray]:
+def draft_trees(
+    run: Running, rng: np.random.Generator
+) -> tuple[DraftTrees, np.ndarray, np.ndarray]:
     """One 12-node tree per request (random parents), and a random root-to-node path in each."""
     batch_size = len(run)
     sizes = SeqLens.full(batch_size, TREE_NODES)
@@ -93,10 +104,15 @@ def measure(batch_size: int, repeats: int) -> dict[str, float]:
     cpu = torch.device("cpu")
     flat_tokens, flat_parents = trees.tokens.copy(), trees.parents.copy()
     return {
-        "decode": time_us(lambda: state.decode(state.schedule_decode(run, decode_slots),
-                                               sampled), repeats),
-        "verify": time_us(lambda: state.verify(state.schedule_verify(run, trees, verify_slots),
-                                               accepted_lens, nodes, bonus), repeats),
+        "decode": time_us(
+            lambda: state.decode(state.schedule_decode(run, decode_slots), sampled), repeats
+        ),
+        "verify": time_us(
+            lambda: state.verify(
+                state.schedule_verify(run, trees, verify_slots), accepted_lens, nodes, bonus
+            ),
+            repeats,
+        ),
         "trees": time_us(lambda: DraftTrees(trees.sizes, flat_tokens, flat_parents), repeats),
         "host_meta": time_us(lambda: host_metadata(decode_batch, cpu), repeats),
         "plan_decode": time_us(lambda: backend.plan(decode_batch), repeats),
@@ -112,8 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     columns = ["decode", "verify", "trees", "host_meta", "plan_decode", "plan_verify"]
-    print(f"CPU microseconds per call (best of {args.repeats} runs; torch threads "
-          f"{args.threads})")
+    print(f"CPU microseconds per call (best of {args.repeats} runs; torch threads {args.threads})")
     ones = np.arange(256)
     print(f"calibration: one numpy add of 256 int64 = {time_us(lambda: ones + ones, 7):.2f} us")
     print(f"{'batch':>6} " + " ".join(f"{c:>12}" for c in columns) + f" {'verify/req':>11}")

@@ -11,7 +11,7 @@ import argparse
 import numpy as np
 import torch
 
-from engine.engine import Engine
+from engine.shell.engine import Engine
 from engine.state import DraftTrees, FinishRules, Running, schedule_decode, schedule_verify
 
 
@@ -30,16 +30,26 @@ def batches(engine: Engine, batch: int, context: int, nodes: int):
     slots = book.slots.alloc(batch * context)
     cols = np.tile(np.arange(context), batch)
     book.table.write(np.repeat(rows, context), cols, slots)
-    rules = FinishRules(np.full(batch, 10**6), np.zeros(batch), -np.ones(batch),
-                        np.zeros((batch, 0), dtype=np.int64))
+    rules = FinishRules(
+        np.full(batch, 10**6),
+        np.zeros(batch),
+        -np.ones(batch),
+        np.zeros((batch, 0), dtype=np.int64),
+    )
     last = np.arange(batch) + 5
-    running = Running.admitted(np.arange(batch) + 10**6, rows, np.full(batch, context + 1),
-                               np.full(batch, context + 1), last, rules, engine.max_context,
-                               kv_lens=np.full(batch, context))
+    running = Running.admitted(
+        np.arange(batch) + 10**6,
+        rows,
+        np.full(batch, context + 1),
+        np.full(batch, context + 1),
+        last,
+        rules,
+        engine.max_context,
+        kv_lens=np.full(batch, context),
+    )
     decode = schedule_decode(running, book.slots.alloc(batch))
     parents = tree_parents(nodes)
-    trees = DraftTrees.from_lists([[int(t)] + [7] * (nodes - 1) for t in last],
-                                  [parents] * batch)
+    trees = DraftTrees.from_lists([[int(t)] + [7] * (nodes - 1) for t in last], [parents] * batch)
     verify = schedule_verify(running, trees, book.slots.alloc(batch * nodes))
     return decode, verify
 
@@ -49,8 +59,9 @@ def release(engine: Engine, decode, verify) -> None:
     book = engine.book
     for batch in (decode, verify):
         book.slots.free(batch.out_slots)
-    for row, length in zip(decode.running.rows.tolist(), decode.running.kv_lens.tolist(),
-                           strict=True):
+    for row, length in zip(
+        decode.running.rows.tolist(), decode.running.kv_lens.tolist(), strict=True
+    ):
         book.slots.free(book.table.host[row, :length])
         book.table.release_row(row)
 
@@ -88,15 +99,25 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--draft-budget", type=int, default=12)
     parser.add_argument("--accepted", default="0,0.5,1,1.5,2,3,4")
-    parser.add_argument("--profile", action="store_true",
-                        help="also print the kernel breakdown of one batch-1 decode forward")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print the kernel breakdown of one batch-1 decode forward",
+    )
     args = parser.parse_args()
     nodes = args.draft_budget + 1
     rows = []
-    engine = Engine(random_weights="llama3_8b", device="cuda", dtype="bfloat16",
-                    speculative=True, draft_budget=args.draft_budget, max_running_requests=64,
-                    cuda_graph_max_batch=64, max_context=args.context + 64,
-                    kv_cache_fraction=0.3)
+    engine = Engine(
+        random_weights="llama3_8b",
+        device="cuda",
+        dtype="bfloat16",
+        speculative=True,
+        draft_budget=args.draft_budget,
+        max_running_requests=64,
+        cuda_graph_max_batch=64,
+        max_context=args.context + 64,
+        kv_cache_fraction=0.3,
+    )
     for batch in (1, 16, 64):
         decode, verify = batches(engine, batch, args.context, nodes)
         t_decode, t_verify = time_forward(engine, decode), time_forward(engine, verify)
@@ -106,8 +127,9 @@ def main() -> None:
     if args.profile:
         profile_decode(engine, args.context)
     accepted = [float(a) for a in args.accepted.split(",")]
-    print(f"\nH200, random Llama-3-8B bf16, context {args.context}, {nodes}-node trees, "
-          "CUDA graphs")
+    print(
+        f"\nH200, random Llama-3-8B bf16, context {args.context}, {nodes}-node trees, CUDA graphs"
+    )
     print("| batch | decode ms | verify ms | verify/decode |")
     print("|---|---|---|---|")
     for batch, t_decode, t_verify in rows:

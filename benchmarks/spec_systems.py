@@ -10,22 +10,32 @@ import time
 import torch
 
 from engine import cpu_kernels
-from engine.engine import Engine
 from engine.model import default_model_path
+from engine.shell.engine import Engine
 from engine.state import SamplingParams
 
 
 class Ours:
     """The engine at batch 1, with or without speculation; records accepted lengths."""
 
-    def __init__(self, speculative: bool, block_weights: bool = True,
-                 draft_cost: float | None = None, device: str = "cpu",
-                 dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        speculative: bool,
+        block_weights: bool = True,
+        draft_cost: float | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ) -> None:
         # on a GPU each engine would size its KV pool from the free memory: three would not fit
         slots = None if device == "cpu" else 16384
-        self.engine = Engine(dtype=dtype, device=device, speculative=speculative,
-                             block_weights=block_weights, draft_cost=draft_cost,
-                             kv_cache_slots=slots)
+        self.engine = Engine(
+            dtype=dtype,
+            device=device,
+            speculative=speculative,
+            block_weights=block_weights,
+            draft_cost=draft_cost,
+            kv_cache_slots=slots,
+        )
         self.accepted: list[int] = []
         self.boundaries: list[int] = []  # len(accepted) after each request
         self.steps: list[tuple[str, float]] = []  # (mode, seconds) of every step since clear()
@@ -84,21 +94,32 @@ class HF:
         from transformers import AutoModelForCausalLM
 
         path = default_model_path()
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    dtype=getattr(torch, dtype)).to(device).eval()
+        return (
+            AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+            )
+            .to(device)
+            .eval()
+        )
 
     def generate(self, ids: list[int], max_tokens: int) -> list[int]:
         input_ids = torch.tensor([ids], device=self.model.device)
         extra = {} if self.lookup is None else {"prompt_lookup_num_tokens": self.lookup}
         with torch.inference_mode():
-            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                      max_new_tokens=max_tokens, do_sample=False,
-                                      pad_token_id=self.model.config.eos_token_id, **extra)
-        return out[0, len(ids):].tolist()
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=self.model.config.eos_token_id,
+                **extra,
+            )
+        return out[0, len(ids) :].tolist()
 
 
-def timed(systems: dict[str, object], prompts: list[list[int]], max_tokens: int
-          ) -> dict[str, tuple[list[float], list[list[int]]]]:
+def timed(
+    systems: dict[str, object], prompts: list[list[int]], max_tokens: int
+) -> dict[str, tuple[list[float], list[list[int]]]]:
     """Per system: (seconds per prompt, outputs), one prompt at a time. The systems take
     turns on each prompt, so a change in machine load hits them all alike."""
     results: dict[str, tuple[list[float], list[list[int]]]] = {k: ([], []) for k in systems}

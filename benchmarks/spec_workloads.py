@@ -5,7 +5,7 @@ workloads, and the copy-heavy ones' prompts by kind."""
 from __future__ import annotations
 
 CODE = [
-    '''def parse_config(path):
+    """def parse_config(path):
     with open(path) as handle:
         lines = handle.read().splitlines()
     config = {}
@@ -13,8 +13,8 @@ CODE = [
         key, value = line.split("=", 1)
         config[key.strip()] = value.strip()
     return config
-''',
-    '''class Counter:
+""",
+    """class Counter:
     def __init__(self):
         self.count = 0
 
@@ -24,15 +24,15 @@ CODE = [
 
     def reset(self):
         self.count = 0
-''',
-    '''def mean_and_spread(values):
+""",
+    """def mean_and_spread(values):
     total = 0.0
     for value in values:
         total += value
     mean = total / len(values)
     spread = max(values) - min(values)
     return mean, spread
-''',
+""",
 ]
 RENAMES = [("config", "settings"), ("Counter", "Tally"), ("total", "running_sum")]
 PASSAGES = [
@@ -92,7 +92,7 @@ CODE_LONG = [
         lines = [f"{name}: {quantity}" for name, quantity in sorted(self.items.items())]
         return "\\n".join(lines)
 ''',
-    '''import re
+    """import re
 from collections import Counter
 
 
@@ -126,8 +126,8 @@ def summary(text):
         "top_words": top_words(text, 5),
         "average_sentence_length": average_sentence_length(text),
     }
-''',
-    '''from collections import OrderedDict
+""",
+    """from collections import OrderedDict
 
 
 class LRUCache:
@@ -162,10 +162,13 @@ class LRUCache:
         self.entries.clear()
         self.hits = 0
         self.misses = 0
-''',
+""",
 ]
-RENAMES_LONG = [("InventoryManager", "StockKeeper"), ("word_frequencies", "count_words"),
-                ("capacity", "max_entries")]
+RENAMES_LONG = [
+    ("InventoryManager", "StockKeeper"),
+    ("word_frequencies", "count_words"),
+    ("capacity", "max_entries"),
+]
 PASSAGES_LONG = [
     "The printing press was developed in the German city of Mainz around 1440 by Johannes "
     "Gutenberg. Before it, books in Europe were copied by hand, usually by monks, and a single "
@@ -202,45 +205,62 @@ PASSAGES_LONG = [
 
 
 def _summarise(passage: str) -> str:
-    return ("Summarize the following passage in a few sentences, reusing its wording:"
-            f"\n\n{passage}")
+    return f"Summarize the following passage in a few sentences, reusing its wording:\n\n{passage}"
 
 
 def _kinds(code: list[str], summaries: list[str]) -> dict[str, range]:
     """The prompts of a copy-heavy workload by kind (the code first, then the summaries)."""
-    return {f"code ({len(code)})": range(len(code)),
-            f"summaries ({len(summaries)})": range(len(code), len(code) + len(summaries))}
+    return {
+        f"code ({len(code)})": range(len(code)),
+        f"summaries ({len(summaries)})": range(len(code), len(code) + len(summaries)),
+    }
 
 
-def workloads(quick: bool, max_tokens: int, long_max_tokens: int
-              ) -> dict[str, tuple[list[list[dict]], int]]:
+def workloads(
+    quick: bool, max_tokens: int, long_max_tokens: int
+) -> dict[str, tuple[list[list[dict]], int]]:
     """name -> (chats, max tokens). copy-heavy: the code in a fenced block, as a user pastes
     code into a chat (the model then copies it); the earlier unfenced prompts, which the model
     mostly rewrites, stay as their own workload so the runs compare across sessions.
     "copy-heavy, long": the same two tasks at the length of real requests (max tokens enough
     for the whole answer)."""
-    code = [f"Rename `{old}` to `{new}` in this code and show the full updated code:\n\n"
-            f"```python\n{text}```" for text, (old, new) in zip(CODE, RENAMES, strict=True)]
-    unfenced = [f"Repeat the following code exactly, but rename {old} to {new}. Output only "
-                f"the code, no explanation.\n\n{text}"
-                for text, (old, new) in zip(CODE, RENAMES, strict=True)]
+    code = [
+        f"Rename `{old}` to `{new}` in this code and show the full updated code:\n\n"
+        f"```python\n{text}```"
+        for text, (old, new) in zip(CODE, RENAMES, strict=True)
+    ]
+    unfenced = [
+        f"Repeat the following code exactly, but rename {old} to {new}. Output only "
+        f"the code, no explanation.\n\n{text}"
+        for text, (old, new) in zip(CODE, RENAMES, strict=True)
+    ]
     summaries = [_summarise(passage) for passage in PASSAGES]
-    code_long = [f"Here is my code:\n\n```python\n{text}```\n\nPlease rename `{old}` to "
-                 f"`{new}` and give me the complete code."
-                 for text, (old, new) in zip(CODE_LONG, RENAMES_LONG, strict=True)]
+    code_long = [
+        f"Here is my code:\n\n```python\n{text}```\n\nPlease rename `{old}` to "
+        f"`{new}` and give me the complete code."
+        for text, (old, new) in zip(CODE_LONG, RENAMES_LONG, strict=True)
+    ]
     summaries_long = [_summarise(passage) for passage in PASSAGES_LONG]
-    sets = {"copy-heavy": (code + summaries, max_tokens),
-            "copy-heavy, unfenced code": (unfenced + summaries, max_tokens),
-            "copy-heavy, long": (code_long + summaries_long, long_max_tokens),
-            "nothing-to-copy": (list(CHATS), max_tokens)}
+    sets = {
+        "copy-heavy": (code + summaries, max_tokens),
+        "copy-heavy, unfenced code": (unfenced + summaries, max_tokens),
+        "copy-heavy, long": (code_long + summaries_long, long_max_tokens),
+        "nothing-to-copy": (list(CHATS), max_tokens),
+    }
     if quick:
-        sets = {"copy-heavy": (code[:1] + summaries[:1], max_tokens),
-                "nothing-to-copy": (CHATS[:1], max_tokens)}
-    return {name: ([[{"role": "user", "content": t}] for t in texts], tokens)
-            for name, (texts, tokens) in sets.items()}
+        sets = {
+            "copy-heavy": (code[:1] + summaries[:1], max_tokens),
+            "nothing-to-copy": (CHATS[:1], max_tokens),
+        }
+    return {
+        name: ([[{"role": "user", "content": t}] for t in texts], tokens)
+        for name, (texts, tokens) in sets.items()
+    }
 
 
 # the copy-heavy workloads' prompts by kind, for the per-kind table
-PARTS = {"copy-heavy": _kinds(CODE, PASSAGES),
-         "copy-heavy, unfenced code": _kinds(CODE, PASSAGES),
-         "copy-heavy, long": _kinds(CODE_LONG, PASSAGES_LONG)}
+PARTS = {
+    "copy-heavy": _kinds(CODE, PASSAGES),
+    "copy-heavy, unfenced code": _kinds(CODE, PASSAGES),
+    "copy-heavy, long": _kinds(CODE_LONG, PASSAGES_LONG),
+}

@@ -1,14 +1,31 @@
 """engine: the scheduling core of an LLM inference server, built as a state machine."""
 
-from engine.config import EngineConfig
+from engine.errors import InvalidRequest
+from engine.shell.config import EngineConfig
 from engine.state import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams"]
+__all__ = [
+    "AsyncEngine",
+    "Completion",
+    "Delta",
+    "Engine",
+    "EngineConfig",
+    "InvalidRequest",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str):  # lazy: importing engine.state must not load torch models
     if name == "Engine":
-        from engine.engine import Engine
+        from engine.shell.engine import Engine
 
         return Engine
+    if name == "AsyncEngine":
+        from engine.api import AsyncEngine
+
+        return AsyncEngine
+    if name in ("Completion", "Delta"):
+        from engine.shell import request
+
+        return getattr(request, name)
     raise AttributeError(name)

@@ -9,8 +9,8 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.engine import Engine, Prompt
-from engine.request import Delta
+from engine.shell.engine import Engine, Prompt
+from engine.shell.request import Delta
 from engine.state import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,12 @@ class AsyncEngine:
         while self.engine.has_work:  # deliver the aborts' final deltas
             self.engine.step()
 
-    def submit(self, prompt: Prompt, params: SamplingParams | dict | None = None,
-               request_id: str | None = None) -> tuple[str, _AsyncSink]:
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
+    ) -> tuple[str, _AsyncSink]:
         """Validate and queue; raises InvalidRequest at once. Call from the event loop."""
         if self._stopping.is_set():
             raise RuntimeError("the engine is shutting down")
@@ -77,8 +81,12 @@ class AsyncEngine:
         self._wake.set()
         return rid, sink
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | dict | None = None,
-                     request_id: str | None = None) -> AsyncIterator[Delta]:
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Delta]:
         """Deltas of one request. Closing the iterator early aborts the request."""
         rid, sink = self.submit(prompt, params, request_id)
         finished = False
@@ -95,8 +103,12 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | dict | None = None,
-                       request_id: str | None = None) -> dict[str, Any]:
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
         ids: list[int] = []
         text: list[str] = []
         last: Delta | None = None
@@ -105,8 +117,13 @@ class AsyncEngine:
             text.append(delta.text)
             last = delta
         assert last is not None
-        return {"request_id": last.request_id, "token_ids": ids, "text": "".join(text),
-                "finish_reason": last.finish_reason, "usage": last.usage}
+        return {
+            "request_id": last.request_id,
+            "token_ids": ids,
+            "text": "".join(text),
+            "finish_reason": last.finish_reason,
+            "usage": last.usage,
+        }
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

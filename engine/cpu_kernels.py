@@ -24,12 +24,24 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("blockq.cpp", "attention.cpp", "ops.cpp", "layer.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name
+    for name in ("blockq.cpp", "attention.cpp", "ops.cpp", "layer.cpp")
+)
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "kernels.h"))
 # -ffp-contract=off: a*b + c*d is rounded as written (as torch rounds it), never fused
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-         "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = (
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mfma",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+)
 # the block kernel's AMX path: built where the compiler knows these (GCC 11+; build_flags
 # probes), used where the CPU and the OS allow it; without them the library has no AMX path
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
@@ -37,14 +49,57 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {  # name -> argument types; each kernel takes a thread count last
     "blockq_linear": (_P, _I, _P, _P, _I),
     "blockq_amx": (_I,),  # a setting, not a kernel
-    "cpu_paged_attention": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
-                            ctypes.c_float, _P, _I),
+    "cpu_paged_attention": (
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        ctypes.c_float,
+        _P,
+        _I,
+    ),
     "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P, _I),
     "cpu_rope_qkv_store": (_P, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "cpu_silu_mul": (_P, _I, _I, _P, _I),
-    "cpu_decoder_layer": (_P, _P, _I, _P, ctypes.c_float, _P, ctypes.c_float, _P, _P, _P, _I,
-                          _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P,
-                          _P, _I),
+    "cpu_decoder_layer": (
+        _P,
+        _P,
+        _I,
+        _P,
+        ctypes.c_float,
+        _P,
+        ctypes.c_float,
+        _P,
+        _P,
+        _P,
+        _I,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+        ctypes.c_float,
+        _P,
+        _P,
+        _I,
+    ),
 }
 
 
@@ -69,8 +124,13 @@ def cxx() -> str | None:
 @functools.cache
 def build_flags(compiler: str) -> tuple[str, ...]:
     """FLAGS, with AMX_FLAGS where the compiler takes them (an empty file built with them)."""
-    probe = subprocess.run([compiler, *AMX_FLAGS, "-x", "c++", "-fsyntax-only", "-"],
-                           input="", capture_output=True, text=True, check=False)
+    probe = subprocess.run(
+        [compiler, *AMX_FLAGS, "-x", "c++", "-fsyntax-only", "-"],
+        input="",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return (*FLAGS, *AMX_FLAGS) if probe.returncode == 0 else FLAGS
 
 
@@ -91,12 +151,16 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
                 built = Path(scratch) / target.name
-                result = subprocess.run([compiler, *build_flags(compiler), *map(str, SOURCES),
-                                         "-o", str(built)], capture_output=True, text=True,
-                                        check=False)
+                result = subprocess.run(
+                    [compiler, *build_flags(compiler), *map(str, SOURCES), "-o", str(built)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 if result.returncode != 0:
-                    return None, KernelStatus(False, f"{compiler} failed on engine/csrc: "
-                                                     f"{result.stderr.strip()[-500:]}")
+                    return None, KernelStatus(
+                        False, f"{compiler} failed on engine/csrc: {result.stderr.strip()[-500:]}"
+                    )
                 os.replace(built, target)
         lib = ctypes.CDLL(str(target))
         for name, argtypes in SIGNATURES.items():
@@ -114,8 +178,7 @@ def status() -> KernelStatus:
 def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether tensors of this device and dtype run on the CPU kernels (fp32 CPU, and the
     library built); the one test every caller makes."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
-            and status().available)
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and status().available
 
 
 def library() -> ctypes.CDLL:

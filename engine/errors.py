@@ -10,7 +10,3 @@ class InvalidRequest(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
-
-
-class ModelNotFound(FileNotFoundError):
-    """The model file or directory is missing or unreadable."""

@@ -5,12 +5,12 @@
 # Logs go to $OUT when set (the device tool brings that folder back), else to a temp folder.
 set -uo pipefail
 
-GPU_TESTS=(tests/backends tests/model/test_fused.py tests/engine/test_graphs.py
-           tests/engine/test_plan_ahead.py tests/engine/test_spec_overflow.py)
+GPU_TESTS=(tests/backends tests/model/test_fused.py tests/shell/test_graphs.py
+           tests/shell/test_plan_ahead.py tests/shell/test_spec_overflow.py)
 # The original scenario (verify on a batch larger than the largest captured graph), also
 # under memcheck with the caching allocator on, so that real CUDA graphs are captured.
 # Planning ahead (a plan written while a captured replay runs) is checked the same way.
-GRAPH_MEMCHECK_TESTS=(tests/engine/test_spec_overflow.py tests/engine/test_plan_ahead.py)
+GRAPH_MEMCHECK_TESTS=(tests/shell/test_spec_overflow.py tests/shell/test_plan_ahead.py)
 BENCHES=(benchmarks/bench_attention.py benchmarks/bench_engine.py benchmarks/bench_steps.py
          benchmarks/bench_gemv.py benchmarks/bench_spec_host.py benchmarks/bench_sampling.py)
 # GPU_BENCHES="a.py b.py" runs only those (e.g. to re-check after a change, within one call)

@@ -13,8 +13,11 @@ os.environ.setdefault("ENGINE_DEBUG", "1")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cpu_kernels: needs the CPU kernels (engine/csrc); "
-                                       "skipped, with the reason, where they cannot be built")
+    config.addinivalue_line(
+        "markers",
+        "cpu_kernels: needs the CPU kernels (engine/csrc); "
+        "skipped, with the reason, where they cannot be built",
+    )
 
 
 def pytest_runtest_setup(item):

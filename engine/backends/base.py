@@ -8,10 +8,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from engine.kv import PADDING_SLOT  # noqa: F401  (padded writes go there; re-exported)
 from engine.state import Batch, Mode
-
-
 
 
 class BufferTooSmall(ValueError):
@@ -28,8 +25,15 @@ class KVPool:
     req_to_token: torch.Tensor
 
     @classmethod
-    def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, req_to_token: torch.Tensor) -> KVPool:
+    def allocate(
+        cls,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        req_to_token: torch.Tensor,
+    ) -> KVPool:
         device = req_to_token.device
         shape = (num_slots, num_kv_heads, head_dim)
         k = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers))
@@ -71,10 +75,16 @@ def host_metadata(batch: Batch, device: torch.device) -> dict:
     tree_bits = None
     if batch.trees is not None:
         tree_bits = torch.from_numpy(batch.trees.ancestor_bits.copy()).to(device)
-    return dict(mode=batch.mode, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                prefix_lens=prefix_lens, out_slots=out_slots,
-                tree_bits=tree_bits, max_new_len=batch.new_lens.max,
-                max_seq_len=batch.seq_lens.max)
+    return dict(
+        mode=batch.mode,
+        qo_indptr=qo_indptr,
+        kv_indptr=kv_indptr,
+        prefix_lens=prefix_lens,
+        out_slots=out_slots,
+        tree_bits=tree_bits,
+        max_new_len=batch.new_lens.max,
+        max_seq_len=batch.seq_lens.max,
+    )
 
 
 class AttentionBackend(abc.ABC):
@@ -87,15 +97,22 @@ class AttentionBackend(abc.ABC):
     def plan(self, batch: Batch) -> ForwardMetadata: ...
 
     @abc.abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: ForwardMetadata, scale: float | None = None,
-                kv_stored: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: ForwardMetadata,
+        scale: float | None = None,
+        kv_stored: bool = False,
+    ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the T new tokens. Writes k/v into the pool at
         metadata.out_slots (unless the caller already did: `kv_stored`, as the fused RoPE
         kernel does) and returns attention output [T, Hq, D]."""
 
     def cpu_kernel_attention(self, layer: int, metadata: ForwardMetadata) -> tuple | None:
-        """For a caller that runs a whole layer in one CPU kernel (`cpu_ops.decoder_layer`):
+        """For a caller that runs a whole layer in one CPU kernel (`engine.ops.cpu.decoder_layer`):
         this pass's attention as the CPU attention kernel's inputs (this layer's caches and
         the plan's indices), or None when the pass's attention is not that kernel's."""
         return None
@@ -108,14 +125,10 @@ def register(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBack
     def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
         _REGISTRY[name] = cls
         return cls
+
     return wrap
 
 
-def get_backend(name: str, pool: KVPool) -> AttentionBackend:
-    if name == "triton" and name not in _REGISTRY:
-        import engine.backends.triton_backend  # noqa: F401  (registers itself)
-    if name == "torch" and name not in _REGISTRY:
-        import engine.backends.torch_backend  # noqa: F401
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](pool)
+def registered() -> dict[str, Callable[[KVPool], AttentionBackend]]:
+    """The backends registered so far, by name (a copy)."""
+    return dict(_REGISTRY)

@@ -17,22 +17,30 @@ from engine.backends.base import AttentionBackend, ForwardMetadata, host_metadat
 from engine.state import Batch, Mode
 
 
-def build_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                     kv_indptr: torch.Tensor, qo_indptr: torch.Tensor,
-                     out_slots: torch.Tensor, total: int) -> torch.Tensor:
+def build_kv_indices(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    out_slots: torch.Tensor,
+    total: int,
+) -> torch.Tensor:
     """Per request: its table row up to its prefix, then its new tokens' slots."""
     device = req_to_token.device
     batch_size = rows.shape[0]
     seq_lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
-    owner = torch.repeat_interleave(torch.arange(batch_size, device=device), seq_lens,
-                                    output_size=total)
+    owner = torch.repeat_interleave(
+        torch.arange(batch_size, device=device), seq_lens, output_size=total
+    )
     offset = torch.arange(total, device=device) - kv_indptr[:-1].long()[owner]
     prefix = prefix_lens.long()[owner]
     from_table = offset < prefix
     col = torch.clamp(offset, max=req_to_token.shape[1] - 1)
     table_slots = req_to_token[rows.long()[owner], col].long()
-    new_index = torch.clamp(qo_indptr[:-1].long()[owner] + offset - prefix, min=0,
-                            max=max(out_slots.shape[0] - 1, 0))
+    new_index = torch.clamp(
+        qo_indptr[:-1].long()[owner] + offset - prefix, min=0, max=max(out_slots.shape[0] - 1, 0)
+    )
     new_slots = out_slots.long()[new_index] if out_slots.numel() else table_slots
     return torch.where(from_table, table_slots, new_slots).to(torch.int32)
 
@@ -41,11 +49,14 @@ def build_kv_indices_host(table: np.ndarray, batch: Batch) -> np.ndarray:
     """`build_kv_indices` on the host from numpy (the CPU's request table is a numpy view):
     a slice per request instead of ~15 tensor ops, ~0.5 ms a pass at batch 8."""
     parts = []
-    for row, prefix, start, new in zip(batch.running.rows.tolist(),
-                                       batch.prefix_lens.lens.tolist(),
-                                       batch.new_lens.starts().tolist(),
-                                       batch.new_lens.lens.tolist(), strict=True):
-        parts += [table[row, :prefix], batch.out_slots[start:start + new]]
+    for row, prefix, start, new in zip(
+        batch.running.rows.tolist(),
+        batch.prefix_lens.lens.tolist(),
+        batch.new_lens.starts().tolist(),
+        batch.new_lens.lens.tolist(),
+        strict=True,
+    ):
+        parts += [table[row, :prefix], batch.out_slots[start : start + new]]
     if not parts:
         return np.zeros(0, dtype=np.int32)
     return np.concatenate(parts).astype(np.int32)
@@ -58,20 +69,30 @@ class TorchBackend(AttentionBackend):
 
     def _kernel_applies(self, mode: Mode) -> bool:
         cache = self.pool.k_cache[0]
-        return (self.use_cpu_kernel and mode in (Mode.DECODE, Mode.VERIFY)
-                and cpu_kernels.usable(cache.device, cache.dtype))
+        return (
+            self.use_cpu_kernel
+            and mode in (Mode.DECODE, Mode.VERIFY)
+            and cpu_kernels.usable(cache.device, cache.dtype)
+        )
 
     def plan(self, batch: Batch) -> ForwardMetadata:
         device = self.pool.req_to_token.device
         meta = host_metadata(batch, device)
         if device.type == "cpu":
-            kv_indices = torch.from_numpy(build_kv_indices_host(
-                self.pool.req_to_token.numpy(), batch))
+            kv_indices = torch.from_numpy(
+                build_kv_indices_host(self.pool.req_to_token.numpy(), batch)
+            )
         else:
             rows = torch.from_numpy(batch.running.rows.copy()).to(device)
-            kv_indices = build_kv_indices(self.pool.req_to_token, rows, meta["prefix_lens"],
-                                          meta["kv_indptr"], meta["qo_indptr"],
-                                          meta["out_slots"], batch.seq_lens.total)
+            kv_indices = build_kv_indices(
+                self.pool.req_to_token,
+                rows,
+                meta["prefix_lens"],
+                meta["kv_indptr"],
+                meta["qo_indptr"],
+                meta["out_slots"],
+                batch.seq_lens.total,
+            )
         metadata = ForwardMetadata(kv_indices=kv_indices, **meta)
         if self._kernel_applies(batch.mode):
             # the plan's own index tensors, checked once for every layer of the pass
@@ -80,9 +101,16 @@ class TorchBackend(AttentionBackend):
             metadata.extra["padded"] = padded_layout(metadata)
         return metadata
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: ForwardMetadata, scale: float | None = None,
-                kv_stored: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: ForwardMetadata,
+        scale: float | None = None,
+        kv_stored: bool = False,
+    ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
         if not kv_stored:
             k_cache[metadata.out_slots] = k.to(k_cache.dtype)
@@ -98,8 +126,9 @@ class TorchBackend(AttentionBackend):
             return None
         return self.pool.k_cache[layer], self.pool.v_cache[layer], *indices
 
-    def forward_per_request(self, layer: int, q: torch.Tensor, metadata: ForwardMetadata,
-                            scale: float) -> torch.Tensor:
+    def forward_per_request(
+        self, layer: int, q: torch.Tensor, metadata: ForwardMetadata, scale: float
+    ) -> torch.Tensor:
         """The same attention one request at a time (the oracle for `attend_padded`);
         K/V of the new tokens must already be in the pool."""
         k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
@@ -109,7 +138,7 @@ class TorchBackend(AttentionBackend):
             q0, q1 = qo[i], qo[i + 1]
             if q1 == q0:
                 continue
-            slots = metadata.kv_indices[kv[i]:kv[i + 1]].long()
+            slots = metadata.kv_indices[kv[i] : kv[i + 1]].long()
             mask = _mask(metadata, q0, q1, prefix, slots.shape[0], q.device)
             out[q0:q1] = attend(q[q0:q1], k_cache[slots], v_cache[slots], mask, scale)
         return out
@@ -141,8 +170,9 @@ def padded_layout(metadata: ForwardMetadata) -> dict[str, torch.Tensor]:
     visible = visible & k_valid[:, None, :] & q_valid[:, :, None]
     # The real queries, read row by row from [B, Q], are the new tokens 0..T-1 in order.
     real = q_valid.flatten().nonzero().squeeze(1)
-    return dict(slots=metadata.kv_indices.long()[k_rows], q_rows=q_rows, real=real,
-                visible=visible[:, None])
+    return dict(
+        slots=metadata.kv_indices.long()[k_rows], q_rows=q_rows, real=real, visible=visible[:, None]
+    )
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -150,8 +180,13 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.flatten()).unflatten(0, slots.shape)
 
 
-def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  metadata: ForwardMetadata, scale: float) -> torch.Tensor:
+def attend_padded(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: ForwardMetadata,
+    scale: float,
+) -> torch.Tensor:
     """All requests at once, padded to the longest: [B, Hq, Qmax, Lmax] scores in fp32 with
     the same masks as `_mask` (padding keys and queries masked out)."""
     batch_size = metadata.prefix_lens.shape[0]
@@ -177,8 +212,9 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if key not in layout:
             layout[key] = visible.repeat(1, 1, group, 1)  # [B, 1, G*Q, L]
         visible = layout[key]
-    out_padded = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible,
-                                                scale=scale)
+    out_padded = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=visible, scale=scale
+    )
     # [B, Hkv, G, Q, D] -> [B, Q, Hq, D]; padding queries (all keys hidden) are never read
     out_padded = out_padded.unflatten(2, (group, num_q)).permute(0, 3, 1, 2, 4).flatten(2, 3)
     if metadata.mode == Mode.DECODE:
@@ -186,8 +222,13 @@ def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out_padded.flatten(0, 1).index_select(0, layout["real"]).to(q.dtype)
 
 
-def attend_paged_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     metadata: ForwardMetadata, scale: float) -> torch.Tensor:
+def attend_paged_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: ForwardMetadata,
+    scale: float,
+) -> torch.Tensor:
     """`attend_padded`'s result through the CPU kernel (fp32, K/V of the new tokens already
     in the pool): keys read in place, visibility from the same rules as `_mask`."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # tokens may be strided, heads not
@@ -198,28 +239,42 @@ def attend_paged_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out.zero_()
     *indices, bits = metadata.extra["cpu_kernel"]  # checked once by the plan
     cpu_kernels.library().cpu_paged_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in indices),
-        None if bits is None else bits.data_ptr(), batch_size, q.shape[0],
-        q.shape[1], k_cache.shape[1], q.shape[2], q.stride(0), scale, out.data_ptr(),
-        torch.get_num_threads())
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        *(t.data_ptr() for t in indices),
+        None if bits is None else bits.data_ptr(),
+        batch_size,
+        q.shape[0],
+        q.shape[1],
+        k_cache.shape[1],
+        q.shape[2],
+        q.stride(0),
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
 def _kernel_indices(metadata: ForwardMetadata) -> tuple:
     """The plan's index tensors as the CPU attention kernel reads them (int32, tree bits int64,
     contiguous: what the plan makes on the CPU, checked, never copied)."""
-    indices = (metadata.kv_indices, metadata.kv_indptr, metadata.qo_indptr,
-               metadata.prefix_lens)
+    indices = (metadata.kv_indices, metadata.kv_indptr, metadata.qo_indptr, metadata.prefix_lens)
     bits = metadata.tree_bits if metadata.mode == Mode.VERIFY else None
     if any(t.dtype != torch.int32 or not t.is_contiguous() for t in indices) or (
-            bits is not None and (bits.dtype != torch.int64 or not bits.is_contiguous())):
-        raise ValueError("the CPU attention kernel reads contiguous int32 indices and int64 "
-                         "tree bits; the plan made other tensors")
+        bits is not None and (bits.dtype != torch.int64 or not bits.is_contiguous())
+    ):
+        raise ValueError(
+            "the CPU attention kernel reads contiguous int32 indices and int64 "
+            "tree bits; the plan made other tensors"
+        )
     return *indices, bits
 
 
-def _mask(metadata: ForwardMetadata, q0: int, q1: int, prefix: int, kv_len: int,
-          device: torch.device) -> torch.Tensor:
+def _mask(
+    metadata: ForwardMetadata, q0: int, q1: int, prefix: int, kv_len: int, device: torch.device
+) -> torch.Tensor:
     """[n_new, kv_len] bool: which keys each new token may see."""
     key = torch.arange(kv_len, device=device)
     if metadata.mode == Mode.VERIFY:
@@ -231,8 +286,9 @@ def _mask(metadata: ForwardMetadata, q0: int, q1: int, prefix: int, kv_len: int,
     return key[None, :] <= query_pos[:, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [n, Hq, D], k/v [L, Hkv, D], mask [n, L] -> [n, Hq, D], computed in fp32 (GQA)."""
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)

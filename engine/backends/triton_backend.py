@@ -19,7 +19,6 @@ import torch
 import triton
 
 from engine.backends.base import (
-    PADDING_SLOT,
     AttentionBackend,
     BufferTooSmall,
     ForwardMetadata,
@@ -30,14 +29,18 @@ from engine.backends.triton_decode import choose_num_splits, decode_attention
 from engine.backends.triton_decode import num_sms as _num_sms
 from engine.backends.triton_extend import extend_attention
 from engine.backends.triton_index import build_kv_indices_into
-from engine.state import MAX_TREE_NODES, Batch, Mode, SeqLens
-
+from engine.state import MAX_TREE_NODES, PADDING_SLOT, Batch, Mode, SeqLens
 
 # The arrays a plan stages, in their order in the staging buffers, and their capacities as
 # functions of (max_batch, max_tokens).
-_STAGED = (("qo_indptr", lambda b, t: b + 1), ("kv_indptr", lambda b, t: b + 1),
-           ("prefix_lens", lambda b, t: b), ("rows", lambda b, t: b),
-           ("out_slots", lambda b, t: t), ("tree_bits", lambda b, t: t))
+_STAGED = (
+    ("qo_indptr", lambda b, t: b + 1),
+    ("kv_indptr", lambda b, t: b + 1),
+    ("prefix_lens", lambda b, t: b),
+    ("rows", lambda b, t: b),
+    ("out_slots", lambda b, t: t),
+    ("tree_bits", lambda b, t: t),
+)
 
 
 @attrs.frozen(eq=False)
@@ -72,8 +75,9 @@ class GraphBuffers:
 
 @register("triton")
 class TritonBackend(AttentionBackend):
-    def graph_buffers(self, max_batch: int, max_tokens: int, max_kv_tokens: int,
-                      max_tree_nodes: int = 16) -> GraphBuffers:
+    def graph_buffers(
+        self, max_batch: int, max_tokens: int, max_kv_tokens: int, max_tree_nodes: int = 16
+    ) -> GraphBuffers:
         """Buffers for captured passes of up to max_batch requests, max_tokens new tokens
         and max_kv_tokens keys in all; verify trees of at most max_tree_nodes nodes."""
         if not 1 <= max_tree_nodes <= MAX_TREE_NODES:
@@ -84,51 +88,80 @@ class TritonBackend(AttentionBackend):
             offsets[name] = size
             size += capacity(max_batch, max_tokens)
         staging_device = torch.zeros(size, dtype=torch.int64, device=device)
-        views = {name: staging_device[offsets[name]:offsets[name] + capacity(max_batch,
-                                                                               max_tokens)]
-                 for name, capacity in _STAGED}
-        return GraphBuffers(**views,
-                            kv_indices=torch.zeros(max_kv_tokens, dtype=torch.int32,
-                                                   device=device),
-                            max_tree_nodes=max_tree_nodes,
-                            staging_host=torch.zeros(size, dtype=torch.int64,
-                                                     pin_memory=device.type == "cuda"),
-                            staging_device=staging_device, offsets=offsets,
-                            staged=torch.cuda.Event() if device.type == "cuda" else None)
+        views = {
+            name: staging_device[offsets[name] : offsets[name] + capacity(max_batch, max_tokens)]
+            for name, capacity in _STAGED
+        }
+        return GraphBuffers(
+            **views,
+            kv_indices=torch.zeros(max_kv_tokens, dtype=torch.int32, device=device),
+            max_tree_nodes=max_tree_nodes,
+            staging_host=torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda"),
+            staging_device=staging_device,
+            offsets=offsets,
+            staged=torch.cuda.Event() if device.type == "cuda" else None,
+        )
 
-    def plan(self, batch: Batch, buffers: GraphBuffers | None = None,
-             padded_batch_size: int | None = None, padded_num_tokens: int | None = None,
-             num_splits: int | None = None) -> ForwardMetadata:
+    def plan(
+        self,
+        batch: Batch,
+        buffers: GraphBuffers | None = None,
+        padded_batch_size: int | None = None,
+        padded_num_tokens: int | None = None,
+        num_splits: int | None = None,
+    ) -> ForwardMetadata:
         """Metadata for one pass; with `buffers`, filled in place for a CUDA graph.
         `num_splits` overrides the decode/verify split count (tests, tuning)."""
         table = self.pool.req_to_token
         if batch.running.max_context > table.shape[1]:
-            raise ValueError(f"batch max_context {batch.running.max_context} exceeds the "
-                             f"request table width {table.shape[1]}")
+            raise ValueError(
+                f"batch max_context {batch.running.max_context} exceeds the "
+                f"request table width {table.shape[1]}"
+            )
         if buffers is not None:
-            return self._plan_into(batch, buffers, padded_batch_size, padded_num_tokens,
-                                   num_splits)
+            return self._plan_into(batch, buffers, padded_batch_size, padded_num_tokens, num_splits)
         device = table.device
         meta = host_metadata(batch, device)
         rows = torch.from_numpy(batch.running.rows.copy()).to(device)
         total = batch.seq_lens.total
         kv_indices = torch.empty(total, dtype=torch.int32, device=device)
-        build_kv_indices_into(table, rows, meta["prefix_lens"], meta["kv_indptr"],
-                              meta["qo_indptr"], meta["out_slots"], kv_indices, total,
-                              batch.seq_lens.max)
+        build_kv_indices_into(
+            table,
+            rows,
+            meta["prefix_lens"],
+            meta["kv_indptr"],
+            meta["qo_indptr"],
+            meta["out_slots"],
+            kv_indices,
+            total,
+            batch.seq_lens.max,
+        )
         max_q = triton.next_power_of_2(batch.new_lens.max) if batch.mode == Mode.VERIFY else 1
         if num_splits is None:
-            num_splits = choose_num_splits(len(batch.running), self.pool.k_cache[0].shape[1],
-                                           batch.seq_lens.max, _num_sms(device))
-        return ForwardMetadata(kv_indices=kv_indices,
-                               extra={"num_splits": num_splits, "max_q": max_q}, **meta)
+            num_splits = choose_num_splits(
+                len(batch.running),
+                self.pool.k_cache[0].shape[1],
+                batch.seq_lens.max,
+                _num_sms(device),
+            )
+        return ForwardMetadata(
+            kv_indices=kv_indices, extra={"num_splits": num_splits, "max_q": max_q}, **meta
+        )
 
-    def _plan_into(self, batch: Batch, buffers: GraphBuffers, padded_batch_size: int | None,
-                   padded_num_tokens: int | None, num_splits: int | None) -> ForwardMetadata:
+    def _plan_into(
+        self,
+        batch: Batch,
+        buffers: GraphBuffers,
+        padded_batch_size: int | None,
+        padded_num_tokens: int | None,
+        num_splits: int | None,
+    ) -> ForwardMetadata:
         mode = batch.mode
         if mode not in (Mode.DECODE, Mode.VERIFY):
-            raise ValueError(f"graph buffers serve decode and verify passes; this one is "
-                             f"{mode.value} (extend runs eagerly)")
+            raise ValueError(
+                f"graph buffers serve decode and verify passes; this one is "
+                f"{mode.value} (extend runs eagerly)"
+            )
         real = len(batch.running)
         padded = real if padded_batch_size is None else padded_batch_size
         per_request = 1 if mode == Mode.DECODE else buffers.max_tree_nodes
@@ -136,36 +169,60 @@ class TritonBackend(AttentionBackend):
         if num_tokens is None:
             num_tokens = batch.new_lens.total + (padded - real)
         if not real <= padded <= buffers.max_batch:
-            raise BufferTooSmall(f"{real} requests padded to {padded}; the graph buffers hold "
-                                 f"{buffers.max_batch} requests")
+            raise BufferTooSmall(
+                f"{real} requests padded to {padded}; the graph buffers hold "
+                f"{buffers.max_batch} requests"
+            )
         if not batch.new_lens.total <= num_tokens <= buffers.max_tokens:
-            raise BufferTooSmall(f"{batch.new_lens.total} tokens padded to {num_tokens}; the "
-                                 f"graph buffers hold {buffers.max_tokens} tokens")
+            raise BufferTooSmall(
+                f"{batch.new_lens.total} tokens padded to {num_tokens}; the "
+                f"graph buffers hold {buffers.max_tokens} tokens"
+            )
         if batch.new_lens.max > per_request:
-            raise ValueError(f"a draft tree has {batch.new_lens.max} nodes; these graph buffers "
-                             f"allow at most {per_request}")
+            raise ValueError(
+                f"a draft tree has {batch.new_lens.max} nodes; these graph buffers "
+                f"allow at most {per_request}"
+            )
         total = batch.seq_lens.total
         if total > buffers.kv_indices.numel():
-            raise BufferTooSmall(f"kv_indices holds {buffers.kv_indices.numel()} entries; this "
-                                 f"batch needs seq_lens.total = {total}")
+            raise BufferTooSmall(
+                f"kv_indices holds {buffers.kv_indices.numel()} entries; this "
+                f"batch needs seq_lens.total = {total}"
+            )
         views = self._fill(buffers, batch, padded, num_tokens)
-        build_kv_indices_into(self.pool.req_to_token, views["rows"], views["prefix_lens"],
-                              views["kv_indptr"], views["qo_indptr"], views["out_slots"],
-                              buffers.kv_indices, total, batch.seq_lens.max)
+        build_kv_indices_into(
+            self.pool.req_to_token,
+            views["rows"],
+            views["prefix_lens"],
+            views["kv_indptr"],
+            views["qo_indptr"],
+            views["out_slots"],
+            buffers.kv_indices,
+            total,
+            batch.seq_lens.max,
+        )
         if num_splits is None:
-            num_splits = choose_num_splits(padded, self.pool.k_cache[0].shape[1],
-                                           self.pool.req_to_token.shape[1],
-                                           _num_sms(buffers.kv_indices.device))
+            num_splits = choose_num_splits(
+                padded,
+                self.pool.k_cache[0].shape[1],
+                self.pool.req_to_token.shape[1],
+                _num_sms(buffers.kv_indices.device),
+            )
         views.pop("rows")
         tree_bits = views.pop("tree_bits")
         return ForwardMetadata(
-            mode=mode, kv_indices=buffers.kv_indices,
+            mode=mode,
+            kv_indices=buffers.kv_indices,
             tree_bits=tree_bits if mode == Mode.VERIFY else None,
-            max_new_len=per_request, max_seq_len=batch.seq_lens.max,
-            extra={"num_splits": num_splits, "max_q": per_request, "graph": True}, **views)
+            max_new_len=per_request,
+            max_seq_len=batch.seq_lens.max,
+            extra={"num_splits": num_splits, "max_q": per_request, "graph": True},
+            **views,
+        )
 
-    def _fill(self, buffers: GraphBuffers, batch: Batch, padded: int,
-              num_tokens: int) -> dict[str, torch.Tensor]:
+    def _fill(
+        self, buffers: GraphBuffers, batch: Batch, padded: int, num_tokens: int
+    ) -> dict[str, torch.Tensor]:
         """Copy the padded host arrays into the buffers; return views of the used parts.
         Padding requests own no keys and no tokens; padding tokens belong to no request."""
         zeros = np.zeros(padded - len(batch.running), dtype=np.int64)
@@ -175,8 +232,12 @@ class TritonBackend(AttentionBackend):
             "kv_indptr": batch.seq_lens.concat(no_tokens).indptr(),
             "prefix_lens": np.concatenate([batch.prefix_lens.lens, zeros]),
             "rows": np.concatenate([batch.running.rows, zeros]),
-            "out_slots": np.concatenate([batch.out_slots, np.full(
-                num_tokens - batch.new_lens.total, PADDING_SLOT, dtype=np.int64)]),
+            "out_slots": np.concatenate(
+                [
+                    batch.out_slots,
+                    np.full(num_tokens - batch.new_lens.total, PADDING_SLOT, dtype=np.int64),
+                ]
+            ),
         }
         bits = batch.trees.ancestor_bits if batch.trees is not None else np.zeros(0, np.int64)
         host["tree_bits"] = np.concatenate([bits, np.zeros(num_tokens - bits.shape[0], np.int64)])
@@ -187,16 +248,24 @@ class TritonBackend(AttentionBackend):
         views, end = {}, 0
         for name, array in host.items():
             start = buffers.offsets[name]
-            packed[start:start + array.shape[0]] = array
+            packed[start : start + array.shape[0]] = array
             end = max(end, start + array.shape[0])
-            views[name] = getattr(buffers, name)[:array.shape[0]]
+            views[name] = getattr(buffers, name)[: array.shape[0]]
         buffers.staging_device[:end].copy_(buffers.staging_host[:end], non_blocking=True)
         _record_staging(buffers)
         return views
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: ForwardMetadata, scale: float | None = None,
-                kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: ForwardMetadata,
+        scale: float | None = None,
+        kv_stored: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """See AttentionBackend.forward; `out`, when given, receives the output in place."""
         k_cache, v_cache = self.pool.k_cache[layer], self.pool.v_cache[layer]
         num_tokens = metadata.out_slots.shape[0]
@@ -204,8 +273,9 @@ class TritonBackend(AttentionBackend):
         if out is None:
             out = torch.empty_like(q)
         elif out.shape[0] < num_tokens or out.shape[1:] != q.shape[1:]:
-            raise BufferTooSmall(f"out has shape {tuple(out.shape)}; this pass needs "
-                                 f"{(num_tokens, *q.shape[1:])}")
+            raise BufferTooSmall(
+                f"out has shape {tuple(out.shape)}; this pass needs {(num_tokens, *q.shape[1:])}"
+            )
         if num_tokens == 0:
             return out
         k_new, v_new = k.to(k_cache.dtype), v.to(v_cache.dtype)
@@ -215,14 +285,34 @@ class TritonBackend(AttentionBackend):
         q_cache = q.to(k_cache.dtype)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         if metadata.mode == Mode.EXTEND:
-            return extend_attention(q_cache, k_new, v_new, k_cache, v_cache,
-                                    metadata.kv_indices, metadata.kv_indptr,
-                                    metadata.qo_indptr, metadata.prefix_lens, out,
-                                    metadata.max_new_len, scale)
-        return decode_attention(q_cache, k_cache, v_cache, metadata.kv_indices,
-                                metadata.kv_indptr, metadata.qo_indptr, metadata.prefix_lens,
-                                metadata.tree_bits, out, metadata.extra["num_splits"],
-                                metadata.extra["max_q"], scale)
+            return extend_attention(
+                q_cache,
+                k_new,
+                v_new,
+                k_cache,
+                v_cache,
+                metadata.kv_indices,
+                metadata.kv_indptr,
+                metadata.qo_indptr,
+                metadata.prefix_lens,
+                out,
+                metadata.max_new_len,
+                scale,
+            )
+        return decode_attention(
+            q_cache,
+            k_cache,
+            v_cache,
+            metadata.kv_indices,
+            metadata.kv_indptr,
+            metadata.qo_indptr,
+            metadata.prefix_lens,
+            metadata.tree_bits,
+            out,
+            metadata.extra["num_splits"],
+            metadata.extra["max_q"],
+            scale,
+        )
 
 
 def _wait_for_staging(buffers: GraphBuffers) -> None:
@@ -235,18 +325,24 @@ def _record_staging(buffers: GraphBuffers) -> None:
         buffers.staged.record()
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                  num_tokens: int) -> None:
+def _check_shapes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, num_tokens: int
+) -> None:
     head_dim = k_cache.shape[2]
     if q.shape[0] != num_tokens or k.shape[0] != num_tokens or v.shape[0] != num_tokens:
-        raise ValueError(f"q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens; the "
-                         f"plan has {num_tokens}")
+        raise ValueError(
+            f"q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens; the plan has {num_tokens}"
+        )
     if k.shape[1:] != k_cache.shape[1:] or v.shape[1:] != k_cache.shape[1:]:
-        raise ValueError(f"k/v must be [T, {k_cache.shape[1]}, {head_dim}]; got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k/v must be [T, {k_cache.shape[1]}, {head_dim}]; got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[2] != head_dim or q.shape[1] % k_cache.shape[1]:
-        raise ValueError(f"q must be [T, Hq, {head_dim}] with Hq a multiple of "
-                         f"{k_cache.shape[1]} kv heads; got {tuple(q.shape)}")
+        raise ValueError(
+            f"q must be [T, Hq, {head_dim}] with Hq a multiple of "
+            f"{k_cache.shape[1]} kv heads; got {tuple(q.shape)}"
+        )
     if head_dim not in (16, 32, 64, 128, 256):
         raise ValueError(f"head_dim {head_dim} is not supported; allowed 16/32/64/128/256")
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.backends.triton_extend import _online_softmax_step
+from engine.backends.triton_extend import online_softmax_step
 
 TARGET_PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 128
@@ -25,14 +25,19 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}
 # Verify (BLOCK_M 64 rows) is sensitive to how its programs fill the waves: each config with
 # the programs an H200 SM holds at once (compiler report: 148 registers and 49 KB shared -> 3;
 # 218 registers and 83 KB -> 2). The one whose last wave is fullest wins (measured).
-VERIFY_CONFIGS = (({"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "PDL": False}, 3),
-                  ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}, 2))
-INTERPRETER_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1,  # small tests, all paths
-                      "PDL": False}
+VERIFY_CONFIGS = (
+    ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "PDL": False}, 3),
+    ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}, 2),
+)
+INTERPRETER_CONFIG = {
+    "BLOCK_N": 16,
+    "num_warps": 4,
+    "num_stages": 1,  # small tests, all paths
+    "PDL": False,
+}
 
 
-def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int,
-                      num_sms: int) -> int:
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Enough programs to fill the chip a few times over, each split at least
     MIN_KEYS_PER_SPLIT keys long (batch 1, long context: many splits). With two programs per
     SM already, no split: measured faster than two splits plus the merge."""
@@ -55,16 +60,35 @@ def num_sms(device: torch.device) -> int:
 
 def choose_verify_config(programs: int, num_sms: int) -> dict:
     """The verify config whose programs fill their waves best (ties: the first)."""
+
     def wave_fill(per_sm: int) -> float:
         waves = programs / (per_sm * num_sms)
         return waves / max(1, -(-programs // (per_sm * num_sms)))
+
     return max(VERIFY_CONFIGS, key=lambda entry: wave_fill(entry[1]))[0]
 
 
 @triton.jit
-def _attend_keys(q_block, k_cache, v_cache, kv_indices, kv_start, start, hi, head_base,
-                 stride_ct, sm_scale_log2, bits, prefix, m_i, l_i, acc,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TREE: tl.constexpr):
+def _attend_keys(
+    q_block,
+    k_cache,
+    v_cache,
+    kv_indices,
+    kv_start,
+    start,
+    hi,
+    head_base,
+    stride_ct,
+    sm_scale_log2,
+    bits,
+    prefix,
+    m_i,
+    l_i,
+    acc,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    TREE: tl.constexpr,
+):
     """One block of keys [start, start + BLOCK_N): gather K/V by slot, online softmax.
     MASKED: the block may pass `hi` or (TREE) reach the draft tree's keys."""
     keys = start + tl.arange(0, BLOCK_N)
@@ -86,19 +110,48 @@ def _attend_keys(q_block, k_cache, v_cache, kv_indices, kv_start, start, hi, hea
         shift = tl.where(in_tree, node, 0).to(tl.int64)
         ancestor = ((bits[:, None] >> shift[None, :]) & 1) != 0
         visible = visible & (ancestor | (~in_tree)[None, :])
-    return _online_softmax_step(q_block, k_block, v_block, visible, m_i, l_i, acc,
-                                sm_scale_log2, MASKED)
+    return online_softmax_step(
+        q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED
+    )
 
 
 @triton.jit
-def _decode_split_kernel(q, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens,
-                         tree_bits, partial, lse, out, sm_scale_log2, num_splits, num_tokens,
-                         out_capacity, stride_qt, stride_qh, stride_ct, stride_ch,
-                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                         stride_ot, stride_oh,
-                         GROUP: tl.constexpr, MAX_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TREE: tl.constexpr,
-                         DIRECT: tl.constexpr, PDL: tl.constexpr):
+def _decode_split_kernel(
+    q,
+    k_cache,
+    v_cache,
+    kv_indices,
+    kv_indptr,
+    qo_indptr,
+    prefix_lens,
+    tree_bits,
+    partial,
+    lse,
+    out,
+    sm_scale_log2,
+    num_splits,
+    num_tokens,
+    out_capacity,
+    stride_qt,
+    stride_qh,
+    stride_ct,
+    stride_ch,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    MAX_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TREE: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
+):
     if PDL:
         gdc_launch_dependents()  # the merge may start now; it waits for this grid to finish
     req = tl.program_id(0)
@@ -116,8 +169,11 @@ def _decode_split_kernel(q, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, 
     row_ok = (q_local < num_q) & (q_local < MAX_Q)
     dims = tl.arange(0, HEAD_DIM)
     tok64 = token.to(tl.int64)[:, None]
-    q_block = tl.load(q + tok64 * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                      mask=row_ok[:, None], other=0.0)
+    q_block = tl.load(
+        q + tok64 * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     if TREE:  # keys below the prefix are visible to every tree node; the rest by ancestry
         prefix = tl.load(prefix_lens + req)
         bits = tl.load(tree_bits + token, mask=row_ok, other=0)
@@ -134,39 +190,115 @@ def _decode_split_kernel(q, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     head_base = kv_head * stride_ch + dims[None, :]
     for start in range(lo, full_end, BLOCK_N):  # whole blocks every query sees: no masks
-        m_i, l_i, acc = _attend_keys(q_block, k_cache, v_cache, kv_indices, kv_start, start, hi,
-                                     head_base, stride_ct, sm_scale_log2, bits, prefix, m_i,
-                                     l_i, acc, BLOCK_N, False, TREE)
+        m_i, l_i, acc = _attend_keys(
+            q_block,
+            k_cache,
+            v_cache,
+            kv_indices,
+            kv_start,
+            start,
+            hi,
+            head_base,
+            stride_ct,
+            sm_scale_log2,
+            bits,
+            prefix,
+            m_i,
+            l_i,
+            acc,
+            BLOCK_N,
+            False,
+            TREE,
+        )
     for start in range(full_end, hi, BLOCK_N):  # the ragged end and the tree's keys
-        m_i, l_i, acc = _attend_keys(q_block, k_cache, v_cache, kv_indices, kv_start, start, hi,
-                                     head_base, stride_ct, sm_scale_log2, bits, prefix, m_i,
-                                     l_i, acc, BLOCK_N, True, TREE)
+        m_i, l_i, acc = _attend_keys(
+            q_block,
+            k_cache,
+            v_cache,
+            kv_indices,
+            kv_start,
+            start,
+            hi,
+            head_base,
+            stride_ct,
+            sm_scale_log2,
+            bits,
+            prefix,
+            m_i,
+            l_i,
+            acc,
+            BLOCK_N,
+            True,
+            TREE,
+        )
 
     has_keys = l_i > 0.0
     result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if DIRECT:  # one split: the result is the output
         out_ptrs = out + tok64 * stride_ot + head[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptrs, result.to(out.dtype.element_ty),
-                 mask=(row_ok & (token < out_capacity))[:, None])
+        tl.store(
+            out_ptrs,
+            result.to(out.dtype.element_ty),
+            mask=(row_ok & (token < out_capacity))[:, None],
+        )
     else:
         part_ok = row_ok & (token < num_tokens)
         part_ptrs = partial + tok64 * stride_pt + head[:, None] * stride_ph + split * stride_ps
         tl.store(part_ptrs + dims[None, :], result, mask=part_ok[:, None])
-        log_sum = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)),
-                           float("-inf"))
+        log_sum = tl.where(
+            has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")
+        )
         tl.store(lse + token * stride_lt + head * stride_lh + split, log_sum, mask=part_ok)
     if req == tl.num_programs(0) - 1:  # tokens no request owns (graph padding): zeros
-        _zero_padding(partial, lse, out, qo_start + num_q, num_tokens, out_capacity, split,
-                      q_local, head, rows < (BLOCK_M // GROUP) * GROUP, stride_pt, stride_ph,
-                      stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-                      BLOCK_M // GROUP, BLOCK_M, HEAD_DIM, DIRECT)
+        _zero_padding(
+            partial,
+            lse,
+            out,
+            qo_start + num_q,
+            num_tokens,
+            out_capacity,
+            split,
+            q_local,
+            head,
+            rows < (BLOCK_M // GROUP) * GROUP,
+            stride_pt,
+            stride_ph,
+            stride_ps,
+            stride_lt,
+            stride_lh,
+            stride_ot,
+            stride_oh,
+            BLOCK_M // GROUP,
+            BLOCK_M,
+            HEAD_DIM,
+            DIRECT,
+        )
 
 
 @triton.jit
-def _zero_padding(partial, lse, out, first_pad, num_tokens, out_capacity, split, q_local, head,
-                  in_step, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot,
-                  stride_oh, TOKENS_PER_STEP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr):
+def _zero_padding(
+    partial,
+    lse,
+    out,
+    first_pad,
+    num_tokens,
+    out_capacity,
+    split,
+    q_local,
+    head,
+    in_step,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    TOKENS_PER_STEP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
     """Zero outputs for the padding tokens (split-KV: empty partials the merge turns to 0)."""
     dims = tl.arange(0, HEAD_DIM)
     for first in range(first_pad, num_tokens, TOKENS_PER_STEP):
@@ -175,21 +307,43 @@ def _zero_padding(partial, lse, out, first_pad, num_tokens, out_capacity, split,
         pad64 = pad.to(tl.int64)[:, None]
         if DIRECT:
             out_ptrs = out + pad64 * stride_ot + head[:, None] * stride_oh + dims[None, :]
-            tl.store(out_ptrs, tl.zeros([BLOCK_M, HEAD_DIM], out.dtype.element_ty),
-                     mask=(pad_ok & (pad < out_capacity))[:, None])
+            tl.store(
+                out_ptrs,
+                tl.zeros([BLOCK_M, HEAD_DIM], out.dtype.element_ty),
+                mask=(pad_ok & (pad < out_capacity))[:, None],
+            )
         else:
             part_ptrs = partial + pad64 * stride_pt + head[:, None] * stride_ph
-            tl.store(part_ptrs + split * stride_ps + dims[None, :],
-                     tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=pad_ok[:, None])
-            tl.store(lse + pad * stride_lt + head * stride_lh + split,
-                     tl.full([BLOCK_M], float("-inf"), tl.float32), mask=pad_ok)
+            tl.store(
+                part_ptrs + split * stride_ps + dims[None, :],
+                tl.zeros([BLOCK_M, HEAD_DIM], tl.float32),
+                mask=pad_ok[:, None],
+            )
+            tl.store(
+                lse + pad * stride_lt + head * stride_lh + split,
+                tl.full([BLOCK_M], float("-inf"), tl.float32),
+                mask=pad_ok,
+            )
 
 
 @triton.jit
-def _merge_splits_kernel(partial, lse, out, num_splits, out_capacity,
-                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                         stride_ot, stride_oh, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PDL: tl.constexpr):
+def _merge_splits_kernel(
+    partial,
+    lse,
+    out,
+    num_splits,
+    out_capacity,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     if PDL:
         gdc_wait()  # every split program has finished and its stores are visible
     token = tl.program_id(0)
@@ -197,8 +351,9 @@ def _merge_splits_kernel(partial, lse, out, num_splits, out_capacity,
     splits = tl.arange(0, BLOCK_S)
     split_ok = splits < num_splits
     dims = tl.arange(0, HEAD_DIM)
-    log_sums = tl.load(lse + token * stride_lt + head * stride_lh + splits, mask=split_ok,
-                       other=float("-inf"))
+    log_sums = tl.load(
+        lse + token * stride_lt + head * stride_lh + splits, mask=split_ok, other=float("-inf")
+    )
     top = tl.max(log_sums, 0)
     weights = tl.math.exp2(log_sums - tl.where(top == float("-inf"), 0.0, top))
     total = tl.sum(weights, 0)
@@ -206,15 +361,26 @@ def _merge_splits_kernel(partial, lse, out, num_splits, out_capacity,
     parts = tl.load(part_ptrs + dims[None, :], mask=split_ok[:, None], other=0.0)
     merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     out_ptrs = out + token.to(tl.int64) * stride_ot + head * stride_oh + dims
-    tl.store(out_ptrs, merged.to(out.dtype.element_ty), mask=(dims < HEAD_DIM) &
-             (token < out_capacity))
+    tl.store(
+        out_ptrs, merged.to(out.dtype.element_ty), mask=(dims < HEAD_DIM) & (token < out_capacity)
+    )
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     kv_indices: torch.Tensor, kv_indptr: torch.Tensor, qo_indptr: torch.Tensor,
-                     prefix_lens: torch.Tensor, tree_bits: torch.Tensor | None,
-                     out: torch.Tensor, num_splits: int, max_q: int, sm_scale: float,
-                     config: dict | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_bits: torch.Tensor | None,
+    out: torch.Tensor,
+    num_splits: int,
+    max_q: int,
+    sm_scale: float,
+    config: dict | None = None,
+) -> torch.Tensor:
     """Decode (tree_bits None: every key below seq_len visible) or verify (tree mask) into out.
 
     Grid: (requests, kv heads, num_splits) then (tokens, q heads): no host value beyond the
@@ -237,25 +403,65 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial, lse = out, out  # unused: one split writes the output itself
         part_strides, lse_strides = (0, 0, 0), (0, 0)
     else:
-        partial = torch.empty((num_tokens, num_q_heads, num_splits, head_dim),
-                              dtype=torch.float32, device=q.device)
-        lse = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32,
-                          device=q.device)
+        partial = torch.empty(
+            (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty(
+            (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
+        )
         part_strides, lse_strides = partial.stride()[:3], lse.stride()[:2]
     group = num_q_heads // num_kv_heads
     pdl = bool(cfg["PDL"]) and not direct and q.device.type == "cuda"
     _decode_split_kernel[(num_requests, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens,
-        tree_bits if tree_bits is not None else kv_indptr, partial, lse, out,
-        sm_scale * 1.4426950408889634, num_splits, num_tokens, out.shape[0], q.stride(0),
-        q.stride(1), k_cache.stride(0), k_cache.stride(1), *part_strides, *lse_strides,
-        out.stride(0), out.stride(1), GROUP=group, MAX_Q=max_q,
-        BLOCK_M=max(16, triton.next_power_of_2(max_q * group)), BLOCK_N=cfg["BLOCK_N"],
-        HEAD_DIM=head_dim, TREE=tree_bits is not None, DIRECT=direct, PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q,
+        k_cache,
+        v_cache,
+        kv_indices,
+        kv_indptr,
+        qo_indptr,
+        prefix_lens,
+        tree_bits if tree_bits is not None else kv_indptr,
+        partial,
+        lse,
+        out,
+        sm_scale * 1.4426950408889634,
+        num_splits,
+        num_tokens,
+        out.shape[0],
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        *part_strides,
+        *lse_strides,
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        MAX_Q=max_q,
+        BLOCK_M=max(16, triton.next_power_of_2(max_q * group)),
+        BLOCK_N=cfg["BLOCK_N"],
+        HEAD_DIM=head_dim,
+        TREE=tree_bits is not None,
+        DIRECT=direct,
+        PDL=pdl,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     if not direct and not cfg.get("SKIP_MERGE", False):  # skipping: benchmark diagnostics only
         _merge_splits_kernel[(num_tokens, num_q_heads)](
-            partial, lse, out, num_splits, out.shape[0], *part_strides, *lse_strides,
-            out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+            partial,
+            lse,
+            out,
+            num_splits,
+            out.shape[0],
+            *part_strides,
+            *lse_strides,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            PDL=pdl,
+            num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
+        )
     return out

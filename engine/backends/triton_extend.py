@@ -17,8 +17,9 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages"
 
 
 @triton.jit
-def _online_softmax_step(q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2,
-                         MASKED: tl.constexpr):
+def online_softmax_step(
+    q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED: tl.constexpr
+):
     scores = tl.dot(q_block, tl.trans(k_block)) * sm_scale_log2
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
@@ -32,12 +33,34 @@ def _online_softmax_step(q_block, k_block, v_block, visible, m_i, l_i, acc, sm_s
 
 
 @triton.jit
-def _extend_kernel(q, k, v, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens,
-                   out, out_capacity, sm_scale_log2,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_ct, stride_ch, stride_ot, stride_oh,
-                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr):
+def _extend_kernel(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    kv_indices,
+    kv_indptr,
+    qo_indptr,
+    prefix_lens,
+    out,
+    out_capacity,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_ch,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest blocks start first
     req = tl.program_id(1)
     head = tl.program_id(2)
@@ -52,8 +75,11 @@ def _extend_kernel(q, k, v, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, 
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < num_new
         token = (qo_start + rows).to(tl.int64)
-        q_block = tl.load(q + token[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                          mask=row_ok[:, None], other=0.0)
+        q_block = tl.load(
+            q + token[:, None] * stride_qt + head * stride_qh + dims[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -65,46 +91,85 @@ def _extend_kernel(q, k, v, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, 
             offs = slots[:, None] * stride_ct + cache_head
             k_block = tl.load(k_cache + offs, mask=key_ok[:, None], other=0.0)
             v_block = tl.load(v_cache + offs, mask=key_ok[:, None], other=0.0)
-            m_i, l_i, acc = _online_softmax_step(q_block, k_block, v_block, key_ok[None, :],
-                                                 m_i, l_i, acc, sm_scale_log2, MASKED=True)
+            m_i, l_i, acc = online_softmax_step(
+                q_block,
+                k_block,
+                v_block,
+                key_ok[None, :],
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                MASKED=True,
+            )
         for start in range(0, first, BLOCK_N):  # stage 2a: new keys below the diagonal block
             keys = qo_start + start + tl.arange(0, BLOCK_N)
-            k_block = tl.load(k + keys.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
-                              + dims[None, :])
-            v_block = tl.load(v + keys.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh
-                              + dims[None, :])
-            m_i, l_i, acc = _online_softmax_step(q_block, k_block, v_block, row_ok[:, None],
-                                                 m_i, l_i, acc, sm_scale_log2, MASKED=False)
+            k_block = tl.load(
+                k + keys.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+            )
+            v_block = tl.load(
+                v + keys.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
+            )
+            m_i, l_i, acc = online_softmax_step(
+                q_block,
+                k_block,
+                v_block,
+                row_ok[:, None],
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                MASKED=False,
+            )
         last = tl.minimum(first + BLOCK_M, num_new)
         for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
             local = start + tl.arange(0, BLOCK_N)
             key_ok = local < num_new
             keys = (qo_start + local).to(tl.int64)
-            k_block = tl.load(k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                              mask=key_ok[:, None], other=0.0)
-            v_block = tl.load(v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                              mask=key_ok[:, None], other=0.0)
+            k_block = tl.load(
+                k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                mask=key_ok[:, None],
+                other=0.0,
+            )
+            v_block = tl.load(
+                v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                mask=key_ok[:, None],
+                other=0.0,
+            )
             visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
-            m_i, l_i, acc = _online_softmax_step(q_block, k_block, v_block, visible,
-                                                 m_i, l_i, acc, sm_scale_log2, MASKED=True)
+            m_i, l_i, acc = online_softmax_step(
+                q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
+            )
         result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         store_ok = row_ok & (token < out_capacity)
         out_ptrs = out + token[:, None] * stride_ot + head * stride_oh + dims[None, :]
         tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
 
 
-def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
-                     qo_indptr: torch.Tensor, prefix_lens: torch.Tensor, out: torch.Tensor,
-                     max_new_len: int, sm_scale: float,
-                     config: dict | None = None) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    out: torch.Tensor,
+    max_new_len: int,
+    sm_scale: float,
+    config: dict | None = None,
+) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves, into out.
     k/v are the new tokens' K/V in the cache dtype, [T, Hkv, D]."""
     base = INTERPRETER_CONFIG if q.device.type == "cpu" else EXTEND_CONFIG
     cfg = {**base, **(config or {})}
     if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
-        raise ValueError(f"BLOCK_M={cfg['BLOCK_M']} must be a multiple of "
-                         f"BLOCK_N={cfg['BLOCK_N']} (stage 2a reads whole key blocks)")
+        raise ValueError(
+            f"BLOCK_M={cfg['BLOCK_M']} must be a multiple of "
+            f"BLOCK_N={cfg['BLOCK_N']} (stage 2a reads whole key blocks)"
+        )
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests = qo_indptr.shape[0] - 1
     if num_tokens == 0 or num_requests == 0:
@@ -112,10 +177,33 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     group = num_q_heads // k_cache.shape[1]
     grid = (triton.cdiv(max_new_len, cfg["BLOCK_M"]), num_requests, num_q_heads)
     _extend_kernel[grid](
-        q, k, v, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens, out,
-        out.shape[0], sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
-        out.stride(0), out.stride(1), GROUP=group, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=head_dim, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        kv_indices,
+        kv_indptr,
+        qo_indptr,
+        prefix_lens,
+        out,
+        out.shape[0],
+        sm_scale * 1.4426950408889634,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        HEAD_DIM=head_dim,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     return out

@@ -17,9 +17,19 @@ MAX_CHUNKS_PER_REQUEST = 64  # grid-stride beyond this: the grid stays small for
 
 
 @triton.jit
-def _kv_indices_kernel(req_to_token, table_row_stride, table_width, rows, prefix_lens,
-                       kv_indptr, qo_indptr, out_slots, kv_indices, kv_capacity,
-                       BLOCK: tl.constexpr):
+def _kv_indices_kernel(
+    req_to_token,
+    table_row_stride,
+    table_width,
+    rows,
+    prefix_lens,
+    kv_indptr,
+    qo_indptr,
+    out_slots,
+    kv_indices,
+    kv_capacity,
+    BLOCK: tl.constexpr,
+):
     req = tl.program_id(0)
     kv_start = tl.load(kv_indptr + req)
     seq_len = tl.load(kv_indptr + req + 1) - kv_start
@@ -38,31 +48,69 @@ def _kv_indices_kernel(req_to_token, table_row_stride, table_width, rows, prefix
         tl.store(kv_indices + dest, value, mask=in_seq & (dest < kv_capacity))
 
 
-def launch_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                      kv_indptr: torch.Tensor, qo_indptr: torch.Tensor, out_slots: torch.Tensor,
-                      kv_indices: torch.Tensor, kv_capacity: int, max_seq_len: int) -> None:
+def launch_kv_indices(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    out_slots: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_capacity: int,
+    max_seq_len: int,
+) -> None:
     """Launch without the host check (tests use it to see the kernel's own store mask)."""
     num_requests = rows.shape[0]
     if num_requests == 0 or max_seq_len == 0:
         return
     chunks = min(triton.cdiv(max_seq_len, KV_INDEX_BLOCK), MAX_CHUNKS_PER_REQUEST)
     _kv_indices_kernel[(num_requests, chunks)](
-        req_to_token, req_to_token.stride(0), req_to_token.shape[1], rows, prefix_lens,
-        kv_indptr, qo_indptr, out_slots, kv_indices, kv_capacity, BLOCK=KV_INDEX_BLOCK)
+        req_to_token,
+        req_to_token.stride(0),
+        req_to_token.shape[1],
+        rows,
+        prefix_lens,
+        kv_indptr,
+        qo_indptr,
+        out_slots,
+        kv_indices,
+        kv_capacity,
+        BLOCK=KV_INDEX_BLOCK,
+    )
 
 
-def build_kv_indices_into(req_to_token: torch.Tensor, rows: torch.Tensor,
-                          prefix_lens: torch.Tensor, kv_indptr: torch.Tensor,
-                          qo_indptr: torch.Tensor, out_slots: torch.Tensor,
-                          kv_indices: torch.Tensor, total: int, max_seq_len: int) -> torch.Tensor:
+def build_kv_indices_into(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    out_slots: torch.Tensor,
+    kv_indices: torch.Tensor,
+    total: int,
+    max_seq_len: int,
+) -> torch.Tensor:
     """Fill kv_indices[:total] (request i: its table row up to its prefix, then the slots of
     its new tokens). `total` is the snapshot's exact seq_lens total; returns that view."""
     if kv_indices.dtype != torch.int32 or kv_indices.dim() != 1 or not kv_indices.is_contiguous():
-        raise ValueError(f"kv_indices must be a contiguous 1-D int32 tensor; got "
-                         f"{kv_indices.dtype} of shape {tuple(kv_indices.shape)}")
+        raise ValueError(
+            f"kv_indices must be a contiguous 1-D int32 tensor; got "
+            f"{kv_indices.dtype} of shape {tuple(kv_indices.shape)}"
+        )
     if kv_indices.numel() < total:
-        raise BufferTooSmall(f"kv_indices holds {kv_indices.numel()} entries; this batch needs "
-                             f"seq_lens.total = {total}")
-    launch_kv_indices(req_to_token, rows, prefix_lens, kv_indptr, qo_indptr, out_slots,
-                      kv_indices, kv_indices.numel(), max_seq_len)
+        raise BufferTooSmall(
+            f"kv_indices holds {kv_indices.numel()} entries; this batch needs "
+            f"seq_lens.total = {total}"
+        )
+    launch_kv_indices(
+        req_to_token,
+        rows,
+        prefix_lens,
+        kv_indptr,
+        qo_indptr,
+        out_slots,
+        kv_indices,
+        kv_indices.numel(),
+        max_seq_len,
+    )
     return kv_indices[:total]

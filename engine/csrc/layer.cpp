@@ -1,6 +1,6 @@
 // One decoder layer of a decode or verify pass in a single call, for a layer whose four
 // matrices are block weights: the same kernels, in the same order, as the per-op path
-// (engine/model/cpu_ops.py), without ~10 Python round trips per layer.
+// (engine/ops/cpu.py), without ~10 Python round trips per layer.
 //   normed, residual = rms_norm(hidden (+ residual))
 //   qkv = normed @ W_qkv; rotate q, k in place; store k, v at the tokens' slots
 //   attn = paged attention of q over the pool

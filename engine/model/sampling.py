@@ -50,8 +50,9 @@ def _uniform_bits(seeds: Any, steps: Any, columns: Any, salt: int) -> Any:
     return _mix32((key[:, None] ^ _mix32(columns * _COLUMN_SALT + 1)[None, :]) + _MEET) >> 8
 
 
-def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, width: int,
-                   salt: int = 0) -> torch.Tensor:
+def seeded_uniform(
+    seeds: torch.Tensor, steps: torch.Tensor, width: int, salt: int = 0
+) -> torch.Tensor:
     """[B, width] fp32 uniforms in (0, 1), a pure function of (seed, step, column, salt), on
     the seeds' device (`row_uniforms` combines the first two columns on the host). `salt`
     separates independent streams of one step."""
@@ -63,8 +64,12 @@ def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, width: int,
 def row_uniforms(seeds: Sequence[int], steps: Sequence[int], salt: int = 0) -> np.ndarray:
     """One float64 uniform in (0, 1) per row with 48 bits: `seeded_uniform`'s first two
     columns as one number. Computed on the host: on a GPU the hash is ~70 tiny kernels."""
-    bits = _uniform_bits(np.asarray(seeds, dtype=np.int64), np.asarray(steps, dtype=np.int64),
-                         np.arange(2, dtype=np.int64), salt)
+    bits = _uniform_bits(
+        np.asarray(seeds, dtype=np.int64),
+        np.asarray(steps, dtype=np.int64),
+        np.arange(2, dtype=np.int64),
+        salt,
+    )
     return ((bits[:, 0] << 24) + bits[:, 1] + 0.5) / float(1 << 48)
 
 
@@ -82,16 +87,25 @@ class SamplingTensors:
     filtered: bool = True  # some row keeps fewer tokens than the vocabulary (needs_filter)
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], steps: Sequence[int], vocab_size: int,
-              device: torch.device | str = "cpu") -> SamplingTensors:
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        steps: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingTensors:
         if len(params) != len(steps):
             raise ValueError(f"{len(params)} sampling params for {len(steps)} step counters")
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
-        rows = _on_device([*_filter_values(params, vocab_size), row_uniforms(seeds, steps)],
-                          device)
-        return cls(temperature=rows[0], top_k=rows[1], top_p=rows[2], uniform=rows[3],
-                   all_greedy=all(p.greedy for p in params),
-                   filtered=needs_filter(params, vocab_size))
+        rows = _on_device([*_filter_values(params, vocab_size), row_uniforms(seeds, steps)], device)
+        return cls(
+            temperature=rows[0],
+            top_k=rows[1],
+            top_p=rows[2],
+            uniform=rows[3],
+            all_greedy=all(p.greedy for p in params),
+            filtered=needs_filter(params, vocab_size),
+        )
 
 
 def _on_device(rows: list, device: torch.device | str) -> list[torch.Tensor]:
@@ -102,18 +116,21 @@ def _on_device(rows: list, device: torch.device | str) -> list[torch.Tensor]:
     return [packed[0].float(), packed[1].long(), packed[2].float(), *packed[3:]]
 
 
-def _filter_values(params: Sequence[SamplingParams],
-                   vocab_size: int) -> tuple[list[float], list[int], list[float]]:
+def _filter_values(
+    params: Sequence[SamplingParams], vocab_size: int
+) -> tuple[list[float], list[int], list[float]]:
     """Per row: temperature, top_k clamped to the vocabulary (disabled = the vocabulary
     size) and top_p."""
-    return ([float(p.temperature) for p in params],
-            [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params],
-            [float(p.top_p) for p in params])
+    return (
+        [float(p.temperature) for p in params],
+        [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params],
+        [float(p.top_p) for p in params],
+    )
 
 
-def filter_tensors(params: Sequence[SamplingParams], vocab_size: int,
-                   device: torch.device | str = "cpu"
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def filter_tensors(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: temperature (fp32), top_k clamped to the vocabulary (int64; disabled = the
     vocabulary size) and top_p (fp32), what `_filtered_logits` reads; one copy."""
     temperature, top_k, top_p = _on_device(list(_filter_values(params, vocab_size)), device)
@@ -127,8 +144,13 @@ def needs_filter(params: Sequence[SamplingParams], vocab_size: int) -> bool:
     return any(0 <= p.top_k < vocab_size or p.top_p < 1.0 for p in params)
 
 
-def _filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+def _filtered_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    filtered: bool = True,
+) -> torch.Tensor:
     """Logits / temperature with tokens outside top-k or the top-p nucleus set to -inf
     (the most likely token is always kept). Greedy rows (temperature 0) use temperature 1.
     `filtered` False: no row filters (`needs_filter`), the scaled logits are returned."""
@@ -141,8 +163,9 @@ def _filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     return _filtered_by_sorting(scaled, top_k, top_p)
 
 
-def _filtered_by_sorting(scaled: torch.Tensor, top_k: torch.Tensor,
-                         top_p: torch.Tensor) -> torch.Tensor:
+def _filtered_by_sorting(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     keep_sorted = rank < top_k[:, None]
@@ -152,8 +175,9 @@ def _filtered_by_sorting(scaled: torch.Tensor, top_k: torch.Tensor,
     return scaled.masked_fill(~keep, float("-inf"))
 
 
-def _in_nucleus(sorted_probs: torch.Tensor, rank: torch.Tensor,
-                top_p: torch.Tensor) -> torch.Tensor:
+def _in_nucleus(
+    sorted_probs: torch.Tensor, rank: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Per sorted token: whether the mass before it is below top-p (the first token always;
     top-p 1 every token: in fp32 the last tokens' mass before them can round up to 1)."""
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -163,8 +187,9 @@ def _in_nucleus(sorted_probs: torch.Tensor, rank: torch.Tensor,
 _CANDIDATES = 1024  # the most likely tokens a CPU filter looks at before sorting a whole row
 
 
-def _filtered_among_candidates(scaled: torch.Tensor, top_k: torch.Tensor,
-                               top_p: torch.Tensor) -> torch.Tensor:
+def _filtered_among_candidates(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """`_filtered_logits` from each row's `_CANDIDATES` largest logits, where they decide it
     (on a CPU, sorting a 49k vocabulary took ~3 ms a row; the candidates ~0.4): a row keeps
     everything, or its top-k is among them, or (top-k off) they hold at least its top-p
@@ -193,13 +218,17 @@ def _filtered_among_candidates(scaled: torch.Tensor, top_k: torch.Tensor,
     return filtered
 
 
-def probs_for_verify(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+def probs_for_verify(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    filtered: bool = True,
+) -> torch.Tensor:
     """The target distribution [B, V] fp32 each row samples from; a greedy row (temperature
     0) is one-hot at its argmax. Used for rejection sampling in speculative decoding.
     `filtered`: as for `_filtered_logits`."""
-    probs = torch.softmax(_filtered_logits(logits, temperature, top_k, top_p, filtered),
-                          dim=-1)
+    probs = torch.softmax(_filtered_logits(logits, temperature, top_k, top_p, filtered), dim=-1)
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where((temperature > 0)[:, None], probs, one_hot)
 
@@ -234,7 +263,11 @@ def sample(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     greedy = greedy_tokens(logits)
     if sampling.all_greedy:
         return greedy
-    probs = torch.softmax(_filtered_logits(logits, sampling.temperature, sampling.top_k,
-                                           sampling.top_p, sampling.filtered), dim=-1)
+    probs = torch.softmax(
+        _filtered_logits(
+            logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.filtered
+        ),
+        dim=-1,
+    )
     drawn = sample_from_probs(probs, sampling.uniform)
     return torch.where(sampling.temperature > 0, drawn, greedy)

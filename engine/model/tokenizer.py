@@ -48,8 +48,9 @@ class Tokenizer:
         """The chat template rendered with the assistant's generation prompt appended."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt")
-        return self.hf.apply_chat_template(list(messages), tokenize=False,
-                                           add_generation_prompt=True)
+        return self.hf.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         # The template writes any BOS itself, so encoding adds no special tokens.
@@ -124,11 +125,12 @@ class IncrementalDetokenizer:
 
     CONTEXT_IDS = 6
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_ids[-self.CONTEXT_IDS:])
+        self.ids = list(prompt_ids[-self.CONTEXT_IDS :])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
@@ -139,20 +141,20 @@ class IncrementalDetokenizer:
     def add(self, new_ids: Iterable[int]) -> str:
         """Append ids; return the text they completed (possibly empty)."""
         self.ids.extend(int(i) for i in new_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
-        delta = full_text[len(prefix_text):]
+        delta = full_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
 
     def flush(self) -> str:
         """At the end of a stream: whatever is still held back (e.g. a lone partial byte)."""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.ids[self.prefix_offset:])
-        delta = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from engine.server.app import BackgroundServer, add_serve_arguments, create_app, serve
+from engine.server.app import BackgroundServer, create_app, serve
 
-__all__ = ["BackgroundServer", "add_serve_arguments", "create_app", "serve"]
+__all__ = ["BackgroundServer", "create_app", "serve"]

@@ -6,7 +6,6 @@ SIGINT / SIGTERM: stop accepting, abort the requests in flight, stop the engine,
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import signal
@@ -21,13 +20,13 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.api import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.model.loader import DEFAULT_GGUF_NAME
 from engine.server.errors import install_error_handlers
 from engine.server.metrics import ServerMetrics
 from engine.server.routes import router
 from engine.server.runs import ServerState
+from engine.shell.config import EngineConfig
+from engine.shell.engine import Engine
 
 GRACEFUL_SHUTDOWN_S = 10
 
@@ -42,10 +41,12 @@ def model_name_of(config: EngineConfig) -> str:
 def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
     """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
     aengine = AsyncEngine(engine)
-    state = ServerState(aengine=aengine,
-                        model_name=served_model_name or model_name_of(engine.config),
-                        max_context=engine.max_context,
-                        metrics=ServerMetrics(engine, engine.config.speculative))
+    state = ServerState(
+        aengine=aengine,
+        model_name=served_model_name or model_name_of(engine.config),
+        max_context=engine.max_context,
+        metrics=ServerMetrics(engine, engine.config.speculative),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,8 +77,9 @@ class GracefulServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        originals = {sig: signal.signal(sig, self.handle_exit)
-                     for sig in (signal.SIGINT, signal.SIGTERM)}
+        originals = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             yield
         finally:
@@ -90,45 +92,31 @@ class GracefulServer(uvicorn.Server):
 
 
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> GracefulServer:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        lifespan="on",
+    )
     return GracefulServer(config, app.state.server)
 
 
-def serve(model: str | None, host: str, port: int, speculative: bool,
-          log_level: str = "info", served_model_name: str | None = None,
-          **engine_overrides: Any) -> None:
+def serve(
+    model: str | None,
+    host: str,
+    port: int,
+    speculative: bool,
+    log_level: str = "info",
+    served_model_name: str | None = None,
+    **engine_overrides: Any,
+) -> None:
     """`engine serve`: load the model, serve until SIGINT / SIGTERM, then return."""
     engine = Engine(model, speculative=speculative, **engine_overrides)
     app = create_app(engine, served_model_name)
     make_server(app, host, port, log_level).run()
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `engine serve`: every EngineConfig field (--model, --speculative, ...) plus
-    the server's own."""
-    from engine.cli import _add_engine_options
-
-    _add_engine_options(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model id clients send and /v1/models lists; default: the model "
-                        "file's name")
-    parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
-
-
-def run_serve_command(args: argparse.Namespace) -> int:
-    """The CLI's `engine serve` handler: serve until a signal, then exit 0."""
-    from engine.cli import engine_overrides
-
-    overrides = engine_overrides(args)
-    model = overrides.pop("model", None)
-    speculative = bool(overrides.pop("speculative", False))
-    serve(model, args.host, args.port, speculative, args.log_level, args.served_model_name,
-          **overrides)
-    return 0
 
 
 class BackgroundServer:
@@ -141,8 +129,9 @@ class BackgroundServer:
         self.port = self._socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server(app, "127.0.0.1", self.port, log_level)
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
-                                        name="uvicorn", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, name="uvicorn", daemon=True
+        )
 
     def start(self, timeout_s: float = 60.0) -> BackgroundServer:
         self._thread.start()

@@ -14,8 +14,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 class OpenAIError(Exception):
     """An error answered with an HTTP status and an OpenAI error body."""
 
-    def __init__(self, status_code: int, message: str, param: str | None = None,
-                 code: str | None = None, error_type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -24,25 +30,32 @@ class OpenAIError(Exception):
         self.error_type = error_type
 
     def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status_code, content=error_body(
-            self.message, self.error_type, self.param, self.code))
+        return JSONResponse(
+            status_code=self.status_code,
+            content=error_body(self.message, self.error_type, self.param, self.code),
+        )
 
 
-def error_body(message: str, error_type: str, param: str | None,
-               code: str | None) -> dict[str, Any]:
+def error_body(
+    message: str, error_type: str, param: str | None, code: str | None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
     """'body.messages.0.role' -> 'messages.0.role'; pydantic's union-branch names are dropped."""
-    parts = [str(part) for part in loc[1:] if not _is_union_branch(part)] if loc[:1] == ("body",) \
+    parts = (
+        [str(part) for part in loc[1:] if not _is_union_branch(part)]
+        if loc[:1] == ("body",)
         else [str(part) for part in loc]
+    )
     return ".".join(parts) or None
 
 
 def _is_union_branch(part: Any) -> bool:
-    return isinstance(part, str) and (part.startswith(("list[", "function-")) or part in
-                                      ("str", "int", "float", "bool"))
+    return isinstance(part, str) and (
+        part.startswith(("list[", "function-")) or part in ("str", "int", "float", "bool")
+    )
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:

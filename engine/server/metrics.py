@@ -46,12 +46,16 @@ class _EngineCollector:
             yield CounterMetricFamily(name, help_text, value=snapshot.get(key, 0))
         drafted = snapshot.get("spec_draft_tokens_total", 0)
         rate = snapshot.get("spec_accepted_tokens_total", 0) / drafted if drafted else 0.0
-        yield GaugeMetricFamily("engine_spec_acceptance_rate",
-                                "Accepted / drafted speculative tokens since start", value=rate)
-        yield GaugeMetricFamily("engine_spec_draft_cost",
-                                "Time of one draft row in decoded tokens' time, as adaptive "
-                                "drafting last weighed it",
-                                value=snapshot.get("spec_draft_cost", 0.0))
+        yield GaugeMetricFamily(
+            "engine_spec_acceptance_rate",
+            "Accepted / drafted speculative tokens since start",
+            value=rate,
+        )
+        yield GaugeMetricFamily(
+            "engine_spec_draft_cost",
+            "Time of one draft row in decoded tokens' time, as adaptive drafting last weighed it",
+            value=snapshot.get("spec_draft_cost", 0.0),
+        )
 
 
 class ServerMetrics:
@@ -63,27 +67,51 @@ class ServerMetrics:
         self.snapshot: dict[str, Any] = engine.metrics()
         self._last_step: object = None
         registry = self.registry
-        self.step_seconds = Histogram("engine_step_seconds", "Time of one engine step by mode",
-                                      ["mode"], buckets=STEP_BUCKETS_S, registry=registry)
-        self.ttft_seconds = Histogram("engine_time_to_first_token_seconds",
-                                      "From request arrival to its first generated token",
-                                      buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.itl_seconds = Histogram("engine_inter_token_latency_seconds",
-                                     "Between two streamed deltas of one request",
-                                     buckets=STEP_BUCKETS_S, registry=registry)
-        self.request_seconds = Histogram("engine_request_seconds", "From arrival to finish",
-                                         buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.requests_finished = Counter("engine_http_requests_finished",
-                                         "HTTP generation requests by finish reason",
-                                         ["endpoint", "finish_reason"], registry=registry)
-        self.requests_rejected = Counter("engine_http_requests_rejected",
-                                         "Requests answered with an error status", ["status"],
-                                         registry=registry)
-        self.http_in_flight = Gauge("engine_http_requests_in_flight",
-                                    "Generation requests the server is answering",
-                                    registry=registry)  # reads ServerState.in_flight
-        Gauge("engine_speculative_enabled", "1 when speculative decoding is on",
-              registry=registry).set(1 if speculative else 0)
+        self.step_seconds = Histogram(
+            "engine_step_seconds",
+            "Time of one engine step by mode",
+            ["mode"],
+            buckets=STEP_BUCKETS_S,
+            registry=registry,
+        )
+        self.ttft_seconds = Histogram(
+            "engine_time_to_first_token_seconds",
+            "From request arrival to its first generated token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.itl_seconds = Histogram(
+            "engine_inter_token_latency_seconds",
+            "Between two streamed deltas of one request",
+            buckets=STEP_BUCKETS_S,
+            registry=registry,
+        )
+        self.request_seconds = Histogram(
+            "engine_request_seconds",
+            "From arrival to finish",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.requests_finished = Counter(
+            "engine_http_requests_finished",
+            "HTTP generation requests by finish reason",
+            ["endpoint", "finish_reason"],
+            registry=registry,
+        )
+        self.requests_rejected = Counter(
+            "engine_http_requests_rejected",
+            "Requests answered with an error status",
+            ["status"],
+            registry=registry,
+        )
+        self.http_in_flight = Gauge(
+            "engine_http_requests_in_flight",
+            "Generation requests the server is answering",
+            registry=registry,
+        )  # reads ServerState.in_flight
+        Gauge(
+            "engine_speculative_enabled", "1 when speculative decoding is on", registry=registry
+        ).set(1 if speculative else 0)
         registry.register(_EngineCollector(self))
 
     def _new_steps(self) -> list[tuple[str, float]]:
@@ -92,7 +120,7 @@ class ServerMetrics:
         step_times = list(self._engine.step_times)  # one C-level copy: safe beside the loop thread
         for index in range(len(step_times) - 1, -1, -1):
             if step_times[index] is self._last_step:
-                return step_times[index + 1:]
+                return step_times[index + 1 :]
         return step_times
 
     def refresh(self) -> None:

@@ -73,8 +73,9 @@ class CompletionRequest(_SamplingFields):
     def _one_prompt(cls, prompt: Any) -> str | list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ValueError(f"prompt is a batch of {len(prompt)} prompts; send one prompt "
-                                 "per request (n=1)")
+                raise ValueError(
+                    f"prompt is a batch of {len(prompt)} prompts; send one prompt per request (n=1)"
+                )
             prompt = prompt[0]
         if len(prompt) == 0:
             raise ValueError("prompt is empty; send at least one character or token")
@@ -100,8 +101,11 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart]
 
     def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(
-            part.text for part in self.content)
+        text = (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(part.text for part in self.content)
+        )
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
@@ -117,8 +121,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def usage_body(usage: Any) -> dict[str, int]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
 
 
 class ResponseShape:
@@ -131,13 +138,22 @@ class ResponseShape:
         self.created_s = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created_s,
-                "model": self.model, "choices": choices}
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created_s,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def full(self, text: str, finish_reason: str | None, usage: Any) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -145,8 +161,9 @@ class ResponseShape:
         body["usage"] = usage_body(usage)
         return body
 
-    def chunk(self, text: str | None, finish_reason: str | None = None,
-              role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, role: bool = False
+    ) -> dict[str, Any]:
         """One stream chunk: new text (None = an empty delta), or the finish reason."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}

@@ -28,12 +28,19 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _sampling_params(body: CompletionRequest | ChatCompletionRequest,
-                     max_tokens: int) -> SamplingParams:
+def _sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int
+) -> SamplingParams:
     try:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              max_tokens=max_tokens, stop=body.stop_strings,
-                              ignore_eos=body.ignore_eos, seed=body.seed)
+        return SamplingParams(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            max_tokens=max_tokens,
+            stop=body.stop_strings,
+            ignore_eos=body.ignore_eos,
+            seed=body.seed,
+        )
     except ValueError as exc:
         field = re.match(r"^(\w+)=", str(exc))
         param = field.group(1) if field else None
@@ -42,11 +49,20 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest,
 
 def _check_servable(state: ServerState, model: str) -> None:
     if state.draining:
-        raise OpenAIError(503, "the server is shutting down; retry on another replica", None,
-                          "shutting_down", "server_error")
+        raise OpenAIError(
+            503,
+            "the server is shutting down; retry on another replica",
+            None,
+            "shutting_down",
+            "server_error",
+        )
     if model != state.model_name:
-        raise OpenAIError(400, f"model {model!r} is not served here; use {state.model_name!r}",
-                          "model", "model_not_found")
+        raise OpenAIError(
+            400,
+            f"model {model!r} is not served here; use {state.model_name!r}",
+            "model",
+            "model_not_found",
+        )
 
 
 async def _first_delta(deltas: AsyncIterator[Any], chat: bool) -> Any:
@@ -58,8 +74,9 @@ async def _first_delta(deltas: AsyncIterator[Any], chat: bool) -> Any:
         field = "messages" if chat and exc.field == "prompt" else exc.field
         raise OpenAIError(400, f"{field}: {exc.message}", field, "invalid_value") from exc
     if first is None:
-        raise OpenAIError(500, "the engine ended the request without a result", None, None,
-                          "server_error")
+        raise OpenAIError(
+            500, "the engine ended the request without a result", None, None, "server_error"
+        )
     return first
 
 
@@ -82,8 +99,9 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _sse(shape: ResponseShape, first: Any, deltas: AsyncIterator[Any],
-               include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse(
+    shape: ResponseShape, first: Any, deltas: AsyncIterator[Any], include_usage: bool
+) -> AsyncIterator[bytes]:
     async with aclosing(deltas):
         if shape.chat:
             yield _event(shape.chunk("", role=True), include_usage)
@@ -110,8 +128,13 @@ async def _collect(shape: ResponseShape, first: Any, deltas: AsyncIterator[Any])
     return shape.full("".join(pieces), last.finish_reason, last.usage)
 
 
-async def _generate(request: Request, body: CompletionRequest | ChatCompletionRequest,
-                    prompt: Any, max_tokens: int | None, chat: bool) -> Response:
+async def _generate(
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompt: Any,
+    max_tokens: int | None,
+    chat: bool,
+) -> Response:
     state = _state(request)
     _check_servable(state, body.model)
     params = _sampling_params(body, max_tokens if max_tokens is not None else state.max_context)
@@ -121,8 +144,9 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     deltas = run_request(state, request, endpoint, prompt, params, request_id)
     first = await _first_delta(deltas, chat)
     if body.stream:
-        return SSEResponse(_sse(shape, first, deltas, body.include_usage),
-                           headers={"Cache-Control": "no-cache"})
+        return SSEResponse(
+            _sse(shape, first, deltas, body.include_usage), headers={"Cache-Control": "no-cache"}
+        )
     return JSONResponse(await _collect(shape, first, deltas))
 
 
@@ -140,9 +164,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     state = _state(request)
-    return {"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": _SERVER_START_S,
-        "owned_by": "engine", "max_model_len": state.max_context}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": _SERVER_START_S,
+                "owned_by": "engine",
+                "max_model_len": state.max_context,
+            }
+        ],
+    }
 
 
 @router.get("/health")

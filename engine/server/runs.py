@@ -47,8 +47,9 @@ async def _abort_on_disconnect(request: Request, state: ServerState, request_id:
             return
 
 
-def _observe(metrics: ServerMetrics, endpoint: str, delta: Any, arrival_s: float,
-             last_s: float | None) -> float | None:
+def _observe(
+    metrics: ServerMetrics, endpoint: str, delta: Any, arrival_s: float, last_s: float | None
+) -> float | None:
     """Records TTFT or inter-token latency, and the finish; returns the new last-token time."""
     now_s = time.perf_counter()
     if delta.finish_reason is not None:
@@ -63,8 +64,9 @@ def _observe(metrics: ServerMetrics, endpoint: str, delta: Any, arrival_s: float
     return now_s
 
 
-async def run_request(state: ServerState, request: Request, endpoint: str, prompt: Any,
-                      params: Any, request_id: str) -> AsyncIterator[Any]:
+async def run_request(
+    state: ServerState, request: Request, endpoint: str, prompt: Any, params: Any, request_id: str
+) -> AsyncIterator[Any]:
     """The deltas of one request. The engine's InvalidRequest surfaces on the first step.
 
     The request is aborted if the client disconnects, or if the consumer stops before the final

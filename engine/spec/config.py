@@ -5,11 +5,7 @@ from __future__ import annotations
 import attrs
 
 from engine.state.batch import MAX_TREE_NODES
-from engine.state.params import _check, _is_int
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+from engine.state.params import check_field, is_int, is_number
 
 
 @attrs.frozen
@@ -60,41 +56,67 @@ class SpecConfig:
 
     def __attrs_post_init__(self) -> None:
         depth = self.max_trie_depth
-        _check("max_trie_depth", depth, _is_int(depth) and 2 <= depth <= 64,
-               "an integer in [2, 64]")
+        check_field(
+            "max_trie_depth", depth, is_int(depth) and 2 <= depth <= 64, "an integer in [2, 64]"
+        )
         budget = self.draft_budget
-        _check("draft_budget", budget, _is_int(budget) and 0 <= budget < MAX_TREE_NODES,
-               f"an integer in [0, {MAX_TREE_NODES - 1}] (a tree holds at most "
-               f"{MAX_TREE_NODES} nodes with its root)")
+        check_field(
+            "draft_budget",
+            budget,
+            is_int(budget) and 0 <= budget < MAX_TREE_NODES,
+            f"an integer in [0, {MAX_TREE_NODES - 1}] (a tree holds at most "
+            f"{MAX_TREE_NODES} nodes with its root)",
+        )
         low, high = self.min_breadth, self.max_breadth
-        _check("min_breadth", low, _is_int(low) and low >= 1, "an integer >= 1")
-        _check("max_breadth", high, _is_int(high) and high >= low,
-               f"an integer >= min_breadth={low}")
+        check_field("min_breadth", low, is_int(low) and low >= 1, "an integer >= 1")
+        check_field(
+            "max_breadth", high, is_int(high) and high >= low, f"an integer >= min_breadth={low}"
+        )
         cap, floor = self.capacity, 4 * depth * depth
-        _check("capacity", cap, _is_int(cap) and cap >= floor,
-               f"an integer >= 4 * max_trie_depth**2 = {floor} (the newest windows must fit)")
+        check_field(
+            "capacity",
+            cap,
+            is_int(cap) and cap >= floor,
+            f"an integer >= 4 * max_trie_depth**2 = {floor} (the newest windows must fit)",
+        )
         first, last = self.min_match, self.max_match
-        _check("min_match", first, _is_int(first) and 1 <= first < depth,
-               f"an integer in [1, max_trie_depth - 1 = {depth - 1}]")
-        _check("max_match", last, _is_int(last) and first <= last < depth,
-               f"an integer in [min_match={first}, max_trie_depth - 1 = {depth - 1}]")
+        check_field(
+            "min_match",
+            first,
+            is_int(first) and 1 <= first < depth,
+            f"an integer in [1, max_trie_depth - 1 = {depth - 1}]",
+        )
+        check_field(
+            "max_match",
+            last,
+            is_int(last) and first <= last < depth,
+            f"an integer in [min_match={first}, max_trie_depth - 1 = {depth - 1}]",
+        )
         self._check_adaptive()
 
     def _check_adaptive(self) -> None:
-        _check("adaptive", self.adaptive, isinstance(self.adaptive, bool), "a bool")
+        check_field("adaptive", self.adaptive, isinstance(self.adaptive, bool), "a bool")
         window = self.adapt_window
-        _check("adapt_window", window, _is_int(window) and window >= 1, "an integer >= 1")
+        check_field("adapt_window", window, is_int(window) and window >= 1, "an integer >= 1")
         shrink, grow = self.shrink_below, self.grow_at_least
-        _check("shrink_below", shrink, _is_number(shrink) and shrink >= 0, "a number >= 0")
-        _check("grow_at_least", grow, _is_number(grow) and grow > shrink,
-               f"a number > shrink_below={shrink}")
+        check_field("shrink_below", shrink, is_number(shrink) and shrink >= 0, "a number >= 0")
+        check_field(
+            "grow_at_least",
+            grow,
+            is_number(grow) and grow > shrink,
+            f"a number > shrink_below={shrink}",
+        )
         probe = self.probe_interval
-        _check("probe_interval", probe, _is_int(probe) and probe >= 1, "an integer >= 1")
+        check_field("probe_interval", probe, is_int(probe) and probe >= 1, "an integer >= 1")
         cost = self.draft_cost
-        _check("draft_cost", cost, cost is None or (_is_number(cost) and 0 <= cost <= 1),
-               "None (measured) or a number in [0, 1]")
+        check_field(
+            "draft_cost",
+            cost,
+            cost is None or (is_number(cost) and 0 <= cost <= 1),
+            "None (measured) or a number in [0, 1]",
+        )
         loss = self.shrink_after_loss
-        _check("shrink_after_loss", loss, _is_number(loss) and loss > 0, "a number > 0")
+        check_field("shrink_after_loss", loss, is_number(loss) and loss > 0, "a number > 0")
 
     def breadth(self, match_len: int) -> int:
         """Children kept per node for a match of `match_len` tokens (shorter: more)."""

@@ -52,8 +52,10 @@ class PassCost:
         """One forward pass of `rows` query rows (requests plus their draft nodes); `verify`:
         a verify pass (trees), else a decode pass."""
         if rows < 1 or not math.isfinite(seconds) or seconds < 0:
-            raise ValueError(f"rows={rows}, seconds={seconds} is not a pass; need rows >= 1 "
-                             f"and a finite time >= 0")
+            raise ValueError(
+                f"rows={rows}, seconds={seconds} is not a pass; need rows >= 1 "
+                f"and a finite time >= 0"
+            )
         kind = int(bool(verify))
         features = np.array([1.0, float(rows), float(kind)])
         self._normal[kind] = self.decay * self._normal[kind] + np.outer(features, features)

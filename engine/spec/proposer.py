@@ -82,8 +82,9 @@ class NgramProposer:
         return history
 
     # --- drafting -----------------------------------------------------------------------
-    def propose(self, rid: int, context: Sequence[int] | None = None,
-                budget: int | None = None) -> DraftTree:
+    def propose(
+        self, rid: int, context: Sequence[int] | None = None, budget: int | None = None
+    ) -> DraftTree:
         """A draft tree rooted at the last token of `context` (default: the request's history)
         with at most `budget` drafts (default: config.draft_budget)."""
         history = self._history(rid)
@@ -96,8 +97,12 @@ class NgramProposer:
         drafts, parents, match_len = grown
         return DraftTree([int(tokens[-1]), *drafts], [-1, *parents], match_len)
 
-    def propose_batch(self, rids: Sequence[int], budgets: Sequence[int] | None = None,
-                      total_drafts: int | None = None) -> DraftTrees:
+    def propose_batch(
+        self,
+        rids: Sequence[int],
+        budgets: Sequence[int] | None = None,
+        total_drafts: int | None = None,
+    ) -> DraftTrees:
         """The batch form of one tree per request of `rids`, in order (each rooted at its
         request's last known token, which must be its pending token). `total_drafts`: at
         most this many drafts in all, handed out in order, so that what one request's tree
@@ -115,8 +120,9 @@ class NgramProposer:
             if nobody:
                 continue
             budget = self._checked_budget(None if budgets is None else int(budgets[i]))
-            parts = self._draft(history, history.tokens,
-                               budget if left is None else min(budget, left))
+            parts = self._draft(
+                history, history.tokens, budget if left is None else min(budget, left)
+            )
             if parts is not None:
                 grown.append((i, parts))
                 if left is not None:
@@ -132,12 +138,15 @@ class NgramProposer:
         if budget is None:
             return self.config.draft_budget
         if not 0 <= budget <= self.config.draft_budget:
-            raise ValueError(f"budget={budget} is not allowed; budget must be in "
-                             f"[0, draft_budget={self.config.draft_budget}]")
+            raise ValueError(
+                f"budget={budget} is not allowed; budget must be in "
+                f"[0, draft_budget={self.config.draft_budget}]"
+            )
         return budget
 
-    def _draft(self, history: _RequestHistory, tokens: Sequence[int],
-              budget: int) -> tuple[list[int], list[int], int] | None:
+    def _draft(
+        self, history: _RequestHistory, tokens: Sequence[int], budget: int
+    ) -> tuple[list[int], list[int], int] | None:
         """(drafts, their local parents, match length) below the longest matching suffix of
         `tokens`, or None where nothing is drafted (no budget, or no match)."""
         if budget == 0:
@@ -157,10 +166,11 @@ class NgramProposer:
         # no longer one has (a window holding a longer suffix and its next token holds the
         # shorter suffix and that token too, and is no older), so the search ends at once.
         if len(tokens) < cfg.min_match or not any(
-                _continues(source, tokens[len(tokens) - cfg.min_match:]) for source in tries):
+            _continues(source, tokens[len(tokens) - cfg.min_match :]) for source in tries
+        ):
             return None, -1, 0
         for match_len in range(min(cfg.max_match, len(tokens)), cfg.min_match - 1, -1):
-            suffix = tokens[len(tokens) - match_len:]
+            suffix = tokens[len(tokens) - match_len :]
             for source in tries:
                 node = source.find(suffix)
                 if node >= 0 and source.first_child[node] >= 0:

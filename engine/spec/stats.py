@@ -52,10 +52,13 @@ class AcceptanceStats:
         histogram = list(self.histogram)
         for taken in accepted:
             histogram[taken] += 1
-        return AcceptanceStats(self.steps + len(drafted),
-                               self.drafting_steps + sum(d > 0 for d in drafted),
-                               self.drafted + sum(drafted), self.accepted + sum(accepted),
-                               tuple(histogram))
+        return AcceptanceStats(
+            self.steps + len(drafted),
+            self.drafting_steps + sum(d > 0 for d in drafted),
+            self.drafted + sum(drafted),
+            self.accepted + sum(accepted),
+            tuple(histogram),
+        )
 
 
 class _Adaptive:
@@ -85,8 +88,11 @@ class SpecStats:
         if rid in self._requests:
             raise KeyError(f"request {rid} already has speculation statistics")
         fixed = self.config.draft_cost
-        self._requests[rid] = _Adaptive(self.config.draft_budget, self.config.adapt_window,
-                                        0.0 if fixed is None and timing_free else fixed)
+        self._requests[rid] = _Adaptive(
+            self.config.draft_budget,
+            self.config.adapt_window,
+            0.0 if fixed is None and timing_free else fixed,
+        )
 
     def remove(self, rid: int) -> None:
         self._entry(rid)
@@ -102,45 +108,66 @@ class SpecStats:
     def total(self) -> AcceptanceStats:
         return self._total
 
-    def record(self, rid: int, drafted: int, accepted: int, draft_cost: float = 0.0,
-               step_cost: float = 0.0) -> None:
+    def record(
+        self, rid: int, drafted: int, accepted: int, draft_cost: float = 0.0, step_cost: float = 0.0
+    ) -> None:
         """One verify step of `rid`: its tree had `drafted` drafts, `accepted` were accepted;
         a draft row was measured to cost `draft_cost` decoded tokens' time, and drafting at
         all this step `step_cost` more (its share of what a verify pass costs beyond its rows).
         A request with a fixed cost is judged by that alone (see the module docstring)."""
         self._record_rows([rid], [drafted], [accepted], draft_cost, [step_cost])
 
-    def record_batch(self, rids: Sequence[int] | np.ndarray, trees: DraftTrees,
-                     accepted_lens: Sequence[int] | np.ndarray, draft_cost: float = 0.0,
-                     verify_premium: float = 0.0) -> None:
+    def record_batch(
+        self,
+        rids: Sequence[int] | np.ndarray,
+        trees: DraftTrees,
+        accepted_lens: Sequence[int] | np.ndarray,
+        draft_cost: float = 0.0,
+        verify_premium: float = 0.0,
+    ) -> None:
         """One verify pass: `rids` in batch order, their trees and accepted lengths, the
         measured draft cost, and what the pass cost beyond its rows in decoded tokens
         (`PassCost.verify_premium`), shared by the requests that drafted in it."""
         drafted = trees.sizes.lens - 1
         accepted = np.asarray(accepted_lens).reshape(-1)
         if not len(rids) == drafted.shape[0] == accepted.shape[0]:
-            raise ValueError(f"{len(rids)} requests, {drafted.shape[0]} trees and "
-                             f"{accepted.shape[0]} accepted lengths must match")
+            raise ValueError(
+                f"{len(rids)} requests, {drafted.shape[0]} trees and "
+                f"{accepted.shape[0]} accepted lengths must match"
+            )
         drafted_list = drafted.tolist()
         share = verify_premium / max(sum(d > 0 for d in drafted_list), 1)
-        self._record_rows(rids, drafted_list, accepted.tolist(), draft_cost,
-                          [share if d else 0.0 for d in drafted_list])
+        self._record_rows(
+            rids,
+            drafted_list,
+            accepted.tolist(),
+            draft_cost,
+            [share if d else 0.0 for d in drafted_list],
+        )
 
-    def _record_rows(self, rids: Sequence[int] | np.ndarray, drafted: list[int],
-                     accepted: list[int], draft_cost: float, step_costs: list[float]) -> None:
+    def _record_rows(
+        self,
+        rids: Sequence[int] | np.ndarray,
+        drafted: list[int],
+        accepted: list[int],
+        draft_cost: float,
+        step_costs: list[float],
+    ) -> None:
         """Every row is checked, and every request found, before any is recorded."""
         _check_counts(drafted, accepted)
         for step_cost in step_costs:
             _check_costs(draft_cost, step_cost)
         entries = [self._entry(int(rid)) for rid in rids]
         self._total = self._total.add_many(drafted, accepted)
-        for entry, num_drafted, num_accepted, step_cost in zip(entries, drafted, accepted,
-                                                               step_costs, strict=True):
+        for entry, num_drafted, num_accepted, step_cost in zip(
+            entries, drafted, accepted, step_costs, strict=True
+        ):
             entry.stats = entry.stats.add(num_drafted, num_accepted)
             if self.config.adaptive:
                 fixed = entry.fixed_cost
-                cost = (draft_cost * num_drafted + step_cost if fixed is None
-                        else fixed * num_drafted)
+                cost = (
+                    draft_cost * num_drafted + step_cost if fixed is None else fixed * num_drafted
+                )
                 self._adapt(entry, num_drafted, num_accepted, cost)
 
     def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, cost: float) -> None:
@@ -167,7 +194,8 @@ class SpecStats:
         elif loss > cfg.shrink_after_loss or (full and mean < cfg.shrink_below):
             entry.budget //= 2
         elif entry.budget < cfg.draft_budget and (
-                accepted == drafted == entry.budget or (full and mean >= grow_at)):
+            accepted == drafted == entry.budget or (full and mean >= grow_at)
+        ):
             entry.budget = min(cfg.draft_budget, 2 * entry.budget)
         else:
             return
@@ -184,8 +212,10 @@ class SpecStats:
 def _check_counts(drafted: Sequence[int], accepted: Sequence[int]) -> None:
     for num_drafted, num_accepted in zip(drafted, accepted, strict=True):
         if not 0 <= num_accepted <= num_drafted < MAX_TREE_NODES:
-            raise ValueError(f"accepted={num_accepted}, drafted={num_drafted} is not "
-                             f"allowed; need 0 <= accepted <= drafted < {MAX_TREE_NODES}")
+            raise ValueError(
+                f"accepted={num_accepted}, drafted={num_drafted} is not "
+                f"allowed; need 0 <= accepted <= drafted < {MAX_TREE_NODES}"
+            )
 
 
 def _check_costs(draft_cost: float, step_cost: float) -> None:

@@ -17,8 +17,10 @@ from engine.state.seqlens import INDEX_DTYPE, SeqLens
 def _check_tree(tree: DraftTree, _attribute: object, _value: object) -> None:
     size = len(tree.tokens)
     if size < 1 or len(tree.parents) != size:
-        raise ValueError(f"a draft tree needs a root and one parent per token; got "
-                         f"{size} tokens and {len(tree.parents)} parents")
+        raise ValueError(
+            f"a draft tree needs a root and one parent per token; got "
+            f"{size} tokens and {len(tree.parents)} parents"
+        )
     if size > MAX_TREE_NODES:
         raise ValueError(f"a draft tree has {size} nodes; at most {MAX_TREE_NODES} are allowed")
     if tree.parents[0] != -1:
@@ -51,8 +53,10 @@ def stack(trees: Sequence[DraftTree]) -> DraftTrees:
 def unstack(trees: DraftTrees) -> list[DraftTree]:
     """One `DraftTree` per request (for tests and inspection)."""
     bounds = trees.sizes.indptr().tolist()
-    return [DraftTree(trees.tokens[a:b].tolist(), trees.parents[a:b].tolist())
-            for a, b in itertools.pairwise(bounds)]
+    return [
+        DraftTree(trees.tokens[a:b].tolist(), trees.parents[a:b].tolist())
+        for a, b in itertools.pairwise(bounds)
+    ]
 
 
 def parent_flat(trees: DraftTrees) -> np.ndarray:

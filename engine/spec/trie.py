@@ -28,8 +28,10 @@ class Trie:
 
     def __init__(self, depth: int, capacity: int) -> None:
         if depth < 1 or capacity < 4 * depth * depth:
-            raise ValueError(f"a trie needs depth >= 1 and capacity >= 4 * depth**2; got "
-                             f"depth={depth}, capacity={capacity}")
+            raise ValueError(
+                f"a trie needs depth >= 1 and capacity >= 4 * depth**2; got "
+                f"depth={depth}, capacity={capacity}"
+            )
         self.depth = depth
         self.capacity = capacity
         self.tick = 0  # the tick the next token gets
@@ -70,8 +72,12 @@ class Trie:
         tick = self.tick
         self.tick = tick + 1
         opened.append(ROOT)  # the window starting at this token
-        children, count, stamp, child_total = (self._children, self.count, self.stamp,
-                                               self.child_total)
+        children, count, stamp, child_total = (
+            self._children,
+            self.count,
+            self.stamp,
+            self.child_total,
+        )
         grown = []
         age = len(opened) - 1
         for parent in opened:
@@ -138,15 +144,21 @@ class Trie:
     def _compact(self, keep: np.ndarray) -> None:
         """Keep the nodes in `keep` (closed under ancestors) and renumber them."""
         new_id = np.cumsum(keep) - 1
-        columns = {name: np.frombuffer(getattr(self, name), dtype=np.int64)[keep]
-                   for name in ("token", "count", "stamp")}
+        columns = {
+            name: np.frombuffer(getattr(self, name), dtype=np.int64)[keep]
+            for name in ("token", "count", "stamp")
+        }
         old_parent = self._parents()[keep]
         parent = np.where(old_parent >= 0, new_id[np.maximum(old_parent, 0)], -1)
         size = int(keep.sum())
         child_total = np.bincount(parent[1:], weights=columns["count"][1:], minlength=size)
         first_child, next_sibling = _links(parent, size)
-        for name, values in (*columns.items(), ("child_total", child_total),
-                             ("first_child", first_child), ("next_sibling", next_sibling)):
+        for name, values in (
+            *columns.items(),
+            ("child_total", child_total),
+            ("first_child", first_child),
+            ("next_sibling", next_sibling),
+        ):
             setattr(self, name, array("q", values.astype(np.int64).tobytes()))
         keys = (parent[1:] << _TOKEN_BITS) | columns["token"][1:]
         self._children = dict(zip(keys.tolist(), range(1, size), strict=True))

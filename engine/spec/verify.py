@@ -27,11 +27,14 @@ class VerifyOutcome:
 
     def __attrs_post_init__(self) -> None:
         if self.accepted_nodes.shape[0] != self.accepted_lens.total:
-            raise ValueError(f"{self.accepted_nodes.shape[0]} accepted nodes; accepted_lens "
-                             f"sum to {self.accepted_lens.total}")
+            raise ValueError(
+                f"{self.accepted_nodes.shape[0]} accepted nodes; accepted_lens "
+                f"sum to {self.accepted_lens.total}"
+            )
         if self.bonus.shape[0] != len(self.accepted_lens):
-            raise ValueError(f"{self.bonus.shape[0]} bonus tokens for "
-                             f"{len(self.accepted_lens)} requests")
+            raise ValueError(
+                f"{self.bonus.shape[0]} bonus tokens for {len(self.accepted_lens)} requests"
+            )
 
     def emitted(self, trees: DraftTrees) -> list[list[int]]:
         """The tokens each request emits: its accepted drafts, then the bonus."""
@@ -39,15 +42,16 @@ class VerifyOutcome:
         bounds = self.accepted_lens.indptr()
         out = []
         for i in range(len(self.accepted_lens)):
-            nodes = self.accepted_nodes[bounds[i]:bounds[i + 1]]
+            nodes = self.accepted_nodes[bounds[i] : bounds[i + 1]]
             out.append([*trees.tokens[starts[i] + nodes].tolist(), int(self.bonus[i])])
         return out
 
 
 def _outcome(paths: list[list[int]], bonus: np.ndarray) -> VerifyOutcome:
     nodes = [node for path in paths for node in path]
-    return VerifyOutcome(SeqLens([len(p) for p in paths]), np.array(nodes, dtype=INDEX_DTYPE),
-                         bonus)
+    return VerifyOutcome(
+        SeqLens([len(p) for p in paths]), np.array(nodes, dtype=INDEX_DTYPE), bonus
+    )
 
 
 def _as_numpy(values: object) -> np.ndarray:
@@ -67,8 +71,9 @@ def verify_greedy(trees: DraftTrees, target: object) -> VerifyOutcome:
     argmax = argmax.reshape(-1)
     total = trees.sizes.total
     if argmax.shape[0] != total:
-        raise ValueError(f"the target gives {argmax.shape[0]} entries; the trees have {total} "
-                         "nodes")
+        raise ValueError(
+            f"the target gives {argmax.shape[0]} entries; the trees have {total} nodes"
+        )
     matches = np.flatnonzero((parents >= 0) & (trees.tokens == argmax[np.maximum(parents, 0)]))
     # The first matching child (lowest index) of every parent that has one.
     chosen = np.full(total, -1, dtype=INDEX_DTYPE)
@@ -100,18 +105,23 @@ def request_rng(rid: int, seed: int | None) -> np.random.Generator:
     return np.random.default_rng([0, rid])
 
 
-def verify_sampling(trees: DraftTrees, target_probs: object,
-                    rngs: Sequence[np.random.Generator]) -> VerifyOutcome:
+def verify_sampling(
+    trees: DraftTrees, target_probs: object, rngs: Sequence[np.random.Generator]
+) -> VerifyOutcome:
     """Rejection sampling with draft probability 1: at each node try its children in order,
     accepting token x with probability p(x) / (mass not yet rejected); on rejection remove x.
     If every child is rejected, the bonus is sampled from what remains. `target_probs`:
     [total, vocab] (temperature, top-k and top-p already applied); `rngs`: one per request."""
-    probs = target_probs if isinstance(target_probs, torch.Tensor) else torch.as_tensor(
-        np.asarray(target_probs))
+    probs = (
+        target_probs
+        if isinstance(target_probs, torch.Tensor)
+        else torch.as_tensor(np.asarray(target_probs))
+    )
     total = trees.sizes.total
     if probs.ndim != 2 or probs.shape[0] != total:
-        raise ValueError(f"target_probs has shape {tuple(probs.shape)}; the trees need "
-                         f"[{total}, vocab]")
+        raise ValueError(
+            f"target_probs has shape {tuple(probs.shape)}; the trees need [{total}, vocab]"
+        )
     if len(rngs) != len(trees.sizes):
         raise ValueError(f"{len(rngs)} generators for {len(trees.sizes)} requests")
     parents = parent_flat(trees)
@@ -125,8 +135,15 @@ def verify_sampling(trees: DraftTrees, target_probs: object,
     paths, final_nodes, rejected = [], [], []
     starts = trees.sizes.starts()
     for request, rng in enumerate(rngs):
-        path, final, tried = _walk(int(starts[request]), trees.tokens, child_probs, row_mass,
-                                   first_child, next_sibling, rng)
+        path, final, tried = _walk(
+            int(starts[request]),
+            trees.tokens,
+            child_probs,
+            row_mass,
+            first_child,
+            next_sibling,
+            rng,
+        )
         paths.append(path)
         final_nodes.append(final)
         rejected.append(tried)
@@ -135,9 +152,15 @@ def verify_sampling(trees: DraftTrees, target_probs: object,
     return _outcome(paths, bonus)
 
 
-def _walk(start: int, tokens: np.ndarray, child_probs: np.ndarray, row_mass: np.ndarray,
-          first_child: np.ndarray, next_sibling: np.ndarray,
-          rng: np.random.Generator) -> tuple[list[int], int, list[int]]:
+def _walk(
+    start: int,
+    tokens: np.ndarray,
+    child_probs: np.ndarray,
+    row_mass: np.ndarray,
+    first_child: np.ndarray,
+    next_sibling: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[list[int], int, list[int]]:
     """One request's accepted path (local ids), the node whose residual gives the bonus, and
     the tokens rejected there."""
     path: list[int] = []
@@ -162,8 +185,9 @@ def _walk(start: int, tokens: np.ndarray, child_probs: np.ndarray, row_mass: np.
         local = child
 
 
-def _sample_residual(probs: torch.Tensor, nodes: np.ndarray, rejected: list[list[int]],
-                     uniforms: np.ndarray) -> np.ndarray:
+def _sample_residual(
+    probs: torch.Tensor, nodes: np.ndarray, rejected: list[list[int]], uniforms: np.ndarray
+) -> np.ndarray:
     """Per request, a token from its node's distribution with the rejected tokens removed,
     by inverse CDF at its uniform draw."""
     if nodes.size == 0:
@@ -179,8 +203,10 @@ def _sample_residual(probs: torch.Tensor, nodes: np.ndarray, rejected: list[list
     mass = cdf[:, -1]
     if bool((mass <= 0).any()):
         empty = torch.nonzero(mass <= 0).flatten().tolist()
-        raise ValueError(f"requests {empty} have no probability mass left to sample a bonus "
-                         "token from; target rows must sum to > 0")
+        raise ValueError(
+            f"requests {empty} have no probability mass left to sample a bonus "
+            "token from; target rows must sum to > 0"
+        )
     target = torch.as_tensor(uniforms, device=device) * mass
     picked = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
     picked = picked.clamp(max=rows.shape[1] - 1)

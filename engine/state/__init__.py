@@ -1,6 +1,6 @@
 """Values and pure transitions: no I/O, no CUDA, no KV allocation."""
 
-from engine.state.batch import MAX_TREE_NODES, Batch, DraftTrees, Mode
+from engine.state.batch import MAX_TREE_NODES, PADDING_SLOT, Batch, DraftTrees, Mode
 from engine.state.finish import FinishReason, first_finish
 from engine.state.params import SamplingParams
 from engine.state.running import FinishRules, Running
@@ -17,17 +17,40 @@ from engine.state.transitions import (
     finish,
     merge,
     retract,
+    same_layout,
     schedule_decode,
     schedule_extend,
-    same_layout,
     schedule_verify,
     verify,
 )
 
 __all__ = [
-    "MAX_TREE_NODES", "Batch", "DraftTrees", "Mode", "FinishReason", "first_finish",
-    "SamplingParams", "FinishRules", "Running", "SeqLens", "frozen_array", "Effects", "Result",
-    "abandon", "abort", "assume_decoded", "decode", "decode_writes", "extend", "finish",
-    "merge", "retract", "same_layout", "schedule_decode", "schedule_extend", "schedule_verify",
+    "MAX_TREE_NODES",
+    "PADDING_SLOT",
+    "Batch",
+    "DraftTrees",
+    "Mode",
+    "FinishReason",
+    "first_finish",
+    "SamplingParams",
+    "FinishRules",
+    "Running",
+    "SeqLens",
+    "frozen_array",
+    "Effects",
+    "Result",
+    "abandon",
+    "abort",
+    "assume_decoded",
+    "decode",
+    "decode_writes",
+    "extend",
+    "finish",
+    "merge",
+    "retract",
+    "same_layout",
+    "schedule_decode",
+    "schedule_extend",
+    "schedule_verify",
     "verify",
 ]

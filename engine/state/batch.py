@@ -14,7 +14,11 @@ import attrs
 import numpy as np
 
 from engine.state.running import Running
-from engine.state.seqlens import DEBUG, INDEX_DTYPE, SeqLens, frozen_array
+from engine.state.seqlens import DEBUG, INDEX_DTYPE, SeqLens, freeze, frozen_array
+
+# The KV slot that padded entries (a CUDA graph's padding tokens) write to: never handed to a
+# request, so the pools hold capacity + 1 slots.
+PADDING_SLOT = 0
 
 MAX_TREE_NODES = 63  # ancestor masks are int64 bit sets
 
@@ -24,11 +28,6 @@ class Mode(enum.Enum):
     EXTEND = "extend"
     DECODE = "decode"
     VERIFY = "verify"
-
-
-def _readonly(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array
 
 
 @attrs.frozen(eq=False)
@@ -48,20 +47,23 @@ class DraftTrees:
     def __attrs_post_init__(self) -> None:
         total = self.sizes.total
         if self.tokens.shape[0] != total or self.parents.shape[0] != total:
-            raise ValueError(f"draft trees have {self.tokens.shape[0]} tokens and "
-                             f"{self.parents.shape[0]} parents; sizes sum to {total}")
+            raise ValueError(
+                f"draft trees have {self.tokens.shape[0]} tokens and "
+                f"{self.parents.shape[0]} parents; sizes sum to {total}"
+            )
         if len(self.sizes) and (self.sizes.lens < 1).any():
             raise ValueError("every draft tree has at least its root")
         if total and int(self.tokens.min()) < 0:
             raise ValueError("draft tree tokens must be token ids >= 0")
         if self.sizes.max > MAX_TREE_NODES:
-            raise ValueError(f"a draft tree has {self.sizes.max} nodes; at most "
-                             f"{MAX_TREE_NODES} are allowed")
+            raise ValueError(
+                f"a draft tree has {self.sizes.max} nodes; at most {MAX_TREE_NODES} are allowed"
+            )
         if total == len(self.sizes):  # roots only (sizes >= 1: checked): nothing to walk
             if (self.parents != -1).any():
                 raise ValueError("node 0 of every draft tree must be its root (parent -1)")
-            object.__setattr__(self, "depths", _readonly(np.zeros(total, INDEX_DTYPE)))
-            object.__setattr__(self, "ancestor_bits", _readonly(np.ones(total, np.int64)))
+            object.__setattr__(self, "depths", freeze(np.zeros(total, INDEX_DTYPE)))
+            object.__setattr__(self, "ancestor_bits", freeze(np.ones(total, np.int64)))
             return
         local = self.sizes.offsets_within()
         is_root = local == 0
@@ -71,15 +73,18 @@ class DraftTrees:
         if ((self.parents[rest] < 0) | (self.parents[rest] >= local[rest])).any():
             raise ValueError("every non-root node's parent must be an earlier node of its tree")
         depths, bits = _depths_and_ancestors(self.sizes, self.parents, local)
-        object.__setattr__(self, "depths", _readonly(depths))
-        object.__setattr__(self, "ancestor_bits", _readonly(bits))
+        object.__setattr__(self, "depths", freeze(depths))
+        object.__setattr__(self, "ancestor_bits", freeze(bits))
 
     @classmethod
-    def from_lists(cls, tokens: Sequence[Sequence[int]],
-                   parents: Sequence[Sequence[int]]) -> DraftTrees:
+    def from_lists(
+        cls, tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
+    ) -> DraftTrees:
         if [len(t) for t in tokens] != [len(p) for p in parents]:
-            raise ValueError(f"draft trees have {[len(t) for t in tokens]} tokens and "
-                             f"{[len(p) for p in parents]} parents; each tree needs one each")
+            raise ValueError(
+                f"draft trees have {[len(t) for t in tokens]} tokens and "
+                f"{[len(p) for p in parents]} parents; each tree needs one each"
+            )
         sizes = SeqLens([len(t) for t in tokens])
         flat_tokens = np.fromiter((x for t in tokens for x in t), dtype=INDEX_DTYPE)
         flat_parents = np.fromiter((x for p in parents for x in p), dtype=INDEX_DTYPE)
@@ -91,8 +96,9 @@ class DraftTrees:
         return cls(SeqLens.full(n, 1), root_tokens, np.full(n, -1, dtype=INDEX_DTYPE))
 
 
-def _depths_and_ancestors(sizes: SeqLens, parents: np.ndarray,
-                          local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _depths_and_ancestors(
+    sizes: SeqLens, parents: np.ndarray, local: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Depth of each node and its ancestor-or-self set as bits over local node indices.
 
     Pointer jumping: each node holds the bits of the path from it up to (excluding) `jump`,
@@ -129,17 +135,24 @@ class Batch:
             raise ValueError(f"new_lens has {len(self.new_lens)} entries; the batch has {n}")
         total = self.new_lens.total
         if self.input_ids.shape[0] != total or self.out_slots.shape[0] != total:
-            raise ValueError(f"{total} new tokens need as many input ids and slots; got "
-                             f"{self.input_ids.shape[0]} ids and {self.out_slots.shape[0]} slots")
+            raise ValueError(
+                f"{total} new tokens need as many input ids and slots; got "
+                f"{self.input_ids.shape[0]} ids and {self.out_slots.shape[0]} slots"
+            )
         mode = Mode.IDLE if total == 0 else Mode.EXTEND
         if self.trees is None:
             # kv_lens <= token_lens per request, so n pending tokens in all means one each.
-            if (total == n and total and self.new_lens.max == 1
-                    and run.token_lens.total - run.kv_lens.total == n):
+            if (
+                total == n
+                and total
+                and self.new_lens.max == 1
+                and run.token_lens.total - run.kv_lens.total == n
+            ):
                 mode = Mode.DECODE  # n tokens, at most 1 each: exactly 1 each, all pending
             elif n and (self.new_lens.lens > (room := run.pending_lens)).any():
-                raise ValueError(f"new tokens {self.new_lens} exceed the pending tokens "
-                                 f"{room.tolist()}")
+                raise ValueError(
+                    f"new tokens {self.new_lens} exceed the pending tokens {room.tolist()}"
+                )
         else:
             if self.trees.sizes is not self.new_lens and self.trees.sizes != self.new_lens:
                 raise ValueError("a verify pass computes exactly the draft trees' nodes")
@@ -150,8 +163,9 @@ class Batch:
         seq = run.token_lens if mode == Mode.DECODE else run.kv_lens + self.new_lens
         # Without trees, seq <= token_lens <= max_context already (new <= pending).
         if n and (self.trees is not None or DEBUG) and seq.max > run.max_context:
-            raise ValueError(f"a request reaches {seq.max} tokens; max_context is "
-                             f"{run.max_context}")
+            raise ValueError(
+                f"a request reaches {seq.max} tokens; max_context is {run.max_context}"
+            )
         if DEBUG and seq.total != self.running.kv_lens.total + total:
             raise ValueError(f"stale total: seq_lens {seq} != prefix + new {total}")
         object.__setattr__(self, "seq_lens", seq)
@@ -166,21 +180,22 @@ class Batch:
     def positions(self) -> np.ndarray:
         """Position of each new token: prefix length plus offset (or tree depth)."""
         within = self.trees.depths if self.trees is not None else self.new_lens.offsets_within()
-        return _readonly(np.repeat(self.prefix_lens.lens, self.new_lens.lens) + within)
+        return freeze(np.repeat(self.prefix_lens.lens, self.new_lens.lens) + within)
 
     @property
     def samples(self) -> np.ndarray:
         """Whether each request yields a next token (an extend chunk short of the end: no)."""
         if self.trees is not None:
-            return _readonly(np.ones(len(self.running), dtype=bool))
-        return _readonly((self.seq_lens.lens == self.running.token_lens.lens)
-                         & (self.new_lens.lens > 0))
+            return freeze(np.ones(len(self.running), dtype=bool))
+        return freeze(
+            (self.seq_lens.lens == self.running.token_lens.lens) & (self.new_lens.lens > 0)
+        )
 
     @property
     def logit_rows(self) -> np.ndarray:
         """Flat index of the new token whose logits are sampled, for requests that sample
         (the last token of the chunk); every tree node's logits are kept when verifying."""
         if self.trees is not None:
-            return _readonly(np.arange(self.new_lens.total, dtype=INDEX_DTYPE))
+            return freeze(np.arange(self.new_lens.total, dtype=INDEX_DTYPE))
         ends = self.new_lens.indptr()[1:] - 1
-        return _readonly(ends[self.samples])
+        return freeze(ends[self.samples])

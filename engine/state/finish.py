@@ -32,21 +32,33 @@ def no_finish(size: int) -> np.ndarray:
     return reasons
 
 
-def first_finish(tokens: np.ndarray, valid: np.ndarray, num_output_before: np.ndarray,
-                 token_lens_before: np.ndarray, rules: FinishRules,
-                 max_context: int) -> tuple[np.ndarray, np.ndarray]:
+def first_finish(
+    tokens: np.ndarray,
+    valid: np.ndarray,
+    num_output_before: np.ndarray,
+    token_lens_before: np.ndarray,
+    rules: FinishRules,
+    max_context: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """For (batch, k) tokens appended in order (`valid`: a prefix of each row), where each
     request stops. Returns (kept, reason): how many tokens each request keeps (all of its
     valid ones when it does not finish) and its FinishReason code."""
     counts = SeqLens(valid.sum(axis=1))
-    return first_finish_flat(tokens[valid], counts, num_output_before, token_lens_before,
-                             rules, max_context)
+    return first_finish_flat(
+        tokens[valid], counts, num_output_before, token_lens_before, rules, max_context
+    )
 
 
-def first_finish_flat(tokens: np.ndarray, counts: SeqLens, num_output_before: np.ndarray,
-                      token_lens_before: np.ndarray, rules: FinishRules, max_context: int,
-                      owner: np.ndarray | None = None,
-                      step: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def first_finish_flat(
+    tokens: np.ndarray,
+    counts: SeqLens,
+    num_output_before: np.ndarray,
+    token_lens_before: np.ndarray,
+    rules: FinishRules,
+    max_context: int,
+    owner: np.ndarray | None = None,
+    step: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """The finish check over flat tokens, `counts[i]` of them for request i (CSR).
 
     A stop token (EOS unless it is -1, or a stop id) counts once min_new outputs are reached;

@@ -5,7 +5,8 @@ from __future__ import annotations
 import attrs
 
 
-def _check(field: str, value: object, ok: bool, allowed: str) -> None:
+def check_field(field: str, value: object, ok: bool, allowed: str) -> None:
+    """Raise ValueError naming the field, its value and what is allowed, unless `ok`."""
     if not ok:
         raise ValueError(f"{field}={value!r} is not allowed; {field} must be {allowed}")
 
@@ -20,8 +21,14 @@ def _as_tuple(value: object) -> object:
         return value
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int that is not a bool (True is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @attrs.frozen
@@ -44,28 +51,50 @@ class SamplingParams:
 
     def __attrs_post_init__(self) -> None:
         t = self.temperature
-        _check("temperature", t, isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0,
-               "a number >= 0 (0 means greedy)")
+        check_field(
+            "temperature",
+            t,
+            isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0,
+            "a number >= 0 (0 means greedy)",
+        )
         p = self.top_p
-        _check("top_p", p, isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1,
-               "in (0, 1]")
+        check_field(
+            "top_p",
+            p,
+            isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1,
+            "in (0, 1]",
+        )
         k = self.top_k
-        _check("top_k", k, _is_int(k) and (k == -1 or k >= 1), "-1 (disabled) or an integer >= 1")
+        check_field(
+            "top_k", k, is_int(k) and (k == -1 or k >= 1), "-1 (disabled) or an integer >= 1"
+        )
         m = self.max_tokens
-        _check("max_tokens", m, _is_int(m) and m >= 1, "an integer >= 1")
+        check_field("max_tokens", m, is_int(m) and m >= 1, "an integer >= 1")
         n = self.min_tokens
-        _check("min_tokens", n, _is_int(n) and 0 <= n <= m, f"an integer in [0, max_tokens={m}]")
-        _check("stop", self.stop, isinstance(self.stop, tuple)
-               and all(isinstance(s, str) and s for s in self.stop),
-               "a list of non-empty strings")
+        check_field(
+            "min_tokens", n, is_int(n) and 0 <= n <= m, f"an integer in [0, max_tokens={m}]"
+        )
+        check_field(
+            "stop",
+            self.stop,
+            isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+            "a list of non-empty strings",
+        )
         ids = self.stop_token_ids
-        _check("stop_token_ids", ids, isinstance(ids, tuple)
-               and all(_is_int(i) and i >= 0 for i in ids),
-               "a list of integers >= 0")
-        _check("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "a bool")
+        check_field(
+            "stop_token_ids",
+            ids,
+            isinstance(ids, tuple) and all(is_int(i) and i >= 0 for i in ids),
+            "a list of integers >= 0",
+        )
+        check_field("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "a bool")
         s = self.seed
-        _check("seed", s, s is None or (_is_int(s) and 0 <= s < 2**63),
-               "None or an integer in [0, 2**63)")
+        check_field(
+            "seed",
+            s,
+            s is None or (is_int(s) and 0 <= s < 2**63),
+            "None or an integer in [0, 2**63)",
+        )
 
     @property
     def greedy(self) -> bool:

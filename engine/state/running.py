@@ -13,15 +13,18 @@ import attrs
 import numpy as np
 
 from engine.state.params import SamplingParams
-from engine.state.seqlens import (DEBUG, INDEX_DTYPE, SeqLens, frozen_array, index_array,
-                                   is_frozen)
+from engine.state.seqlens import DEBUG, INDEX_DTYPE, SeqLens, frozen_array, index_array, is_frozen
 
 __all__ = ["DEBUG", "FinishRules", "Running"]
 
 
 def _stop_matrix(values: object) -> np.ndarray:
-    if (type(values) is np.ndarray and values.ndim == 2 and values.dtype == INDEX_DTYPE
-            and is_frozen(values)):
+    if (
+        type(values) is np.ndarray
+        and values.ndim == 2
+        and values.dtype == INDEX_DTYPE
+        and is_frozen(values)
+    ):
         return values
     array = np.array(values, dtype=INDEX_DTYPE, copy=True)
     if array.ndim == 1:  # empty: no stop ids (widened to the batch below); else one each
@@ -58,16 +61,21 @@ class FinishRules:
         width = max((len(p.stop_token_ids) for p in params), default=0)
         stop_ids = np.full((len(params), width), -1, dtype=INDEX_DTYPE)
         for row, p in enumerate(params):
-            stop_ids[row, :len(p.stop_token_ids)] = p.stop_token_ids
-        return cls([p.max_tokens for p in params], [p.min_tokens for p in params],
-                   [-1 if p.ignore_eos else eos_id for p in params], stop_ids)
+            stop_ids[row, : len(p.stop_token_ids)] = p.stop_token_ids
+        return cls(
+            [p.max_tokens for p in params],
+            [p.min_tokens for p in params],
+            [-1 if p.ignore_eos else eos_id for p in params],
+            stop_ids,
+        )
 
     def __len__(self) -> int:
         return int(self.max_new.shape[0])
 
     def select(self, indices: np.ndarray) -> FinishRules:
-        return FinishRules(self.max_new[indices], self.min_new[indices], self.eos[indices],
-                           self.stop_ids[indices])
+        return FinishRules(
+            self.max_new[indices], self.min_new[indices], self.eos[indices], self.stop_ids[indices]
+        )
 
     def concat(self, other: FinishRules) -> FinishRules:
         width = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
@@ -75,10 +83,12 @@ class FinishRules:
         def pad(m: np.ndarray) -> np.ndarray:
             return np.pad(m, ((0, 0), (0, width - m.shape[1])), constant_values=-1)
 
-        return FinishRules(np.concatenate([self.max_new, other.max_new]),
-                           np.concatenate([self.min_new, other.min_new]),
-                           np.concatenate([self.eos, other.eos]),
-                           np.concatenate([pad(self.stop_ids), pad(other.stop_ids)]))
+        return FinishRules(
+            np.concatenate([self.max_new, other.max_new]),
+            np.concatenate([self.min_new, other.min_new]),
+            np.concatenate([self.eos, other.eos]),
+            np.concatenate([pad(self.stop_ids), pad(other.stop_ids)]),
+        )
 
 
 @attrs.frozen(eq=False)
@@ -96,15 +106,22 @@ class Running:
 
     def __attrs_post_init__(self) -> None:
         n = self.rids.shape[0]
-        sizes = (self.rows.shape[0], len(self.kv_lens), len(self.token_lens),
-                 self.prompt_lens.shape[0], self.last_tokens.shape[0], len(self.rules))
+        sizes = (
+            self.rows.shape[0],
+            len(self.kv_lens),
+            len(self.token_lens),
+            self.prompt_lens.shape[0],
+            self.last_tokens.shape[0],
+            len(self.rules),
+        )
         if any(size != n for size in sizes):
             raise ValueError(f"Running columns disagree on the batch size: {n} vs {sizes}")
         if n and not (self.kv_lens.lens <= self.token_lens.lens).all():
             raise ValueError(f"kv_lens {self.kv_lens} exceed token_lens {self.token_lens}")
         if n and self.token_lens.max > self.max_context:
-            raise ValueError(f"a request has {self.token_lens.max} tokens; "
-                             f"max_context is {self.max_context}")
+            raise ValueError(
+                f"a request has {self.token_lens.max} tokens; max_context is {self.max_context}"
+            )
         if DEBUG:
             for lens in (self.kv_lens, self.token_lens):
                 if lens.total != int(lens.lens.sum()):
@@ -118,31 +135,54 @@ class Running:
     # --- construction -------------------------------------------------------------------
     @classmethod
     def empty(cls, max_context: int) -> Running:
-        return cls([], [], SeqLens.empty(), SeqLens.empty(), [], [], FinishRules.empty(),
-                   max_context)
+        return cls(
+            [], [], SeqLens.empty(), SeqLens.empty(), [], [], FinishRules.empty(), max_context
+        )
 
     @classmethod
-    def admitted(cls, rids: Sequence[int], rows: Sequence[int], token_lens: Sequence[int],
-                 prompt_lens: Sequence[int], last_tokens: Sequence[int], rules: FinishRules,
-                 max_context: int, kv_lens: Sequence[int] | None = None) -> Running:
+    def admitted(
+        cls,
+        rids: Sequence[int],
+        rows: Sequence[int],
+        token_lens: Sequence[int],
+        prompt_lens: Sequence[int],
+        last_tokens: Sequence[int],
+        rules: FinishRules,
+        max_context: int,
+        kv_lens: Sequence[int] | None = None,
+    ) -> Running:
         """Requests entering with no KV committed yet (kv_lens 0, or a reused prefix)."""
         kv = SeqLens(np.zeros(len(rids), dtype=INDEX_DTYPE) if kv_lens is None else kv_lens)
-        return cls(rids, rows, kv, SeqLens(token_lens), prompt_lens, last_tokens, rules,
-                   max_context)
+        return cls(
+            rids, rows, kv, SeqLens(token_lens), prompt_lens, last_tokens, rules, max_context
+        )
 
     @classmethod
-    def _of_valid(cls, rids: np.ndarray, rows: np.ndarray, kv_lens: SeqLens,
-                  token_lens: SeqLens, prompt_lens: np.ndarray, last_tokens: np.ndarray,
-                  rules: FinishRules, max_context: int) -> Running:
+    def _of_valid(
+        cls,
+        rids: np.ndarray,
+        rows: np.ndarray,
+        kv_lens: SeqLens,
+        token_lens: SeqLens,
+        prompt_lens: np.ndarray,
+        last_tokens: np.ndarray,
+        rules: FinishRules,
+        max_context: int,
+    ) -> Running:
         """A transition's next Running whose invariants hold by construction (kv_lens grew by
         computed tokens, token_lens stayed below max_context by the finish check) from
         read-only columns: skips the re-checks, which still run under ENGINE_DEBUG."""
         if DEBUG:
-            return cls(rids, rows, kv_lens, token_lens, prompt_lens, last_tokens, rules,
-                       max_context)
+            return cls(
+                rids, rows, kv_lens, token_lens, prompt_lens, last_tokens, rules, max_context
+            )
         value = object.__new__(cls)
-        for name, column in (("rids", rids), ("rows", rows), ("prompt_lens", prompt_lens),
-                             ("last_tokens", last_tokens)):
+        for name, column in (
+            ("rids", rids),
+            ("rows", rows),
+            ("prompt_lens", prompt_lens),
+            ("last_tokens", last_tokens),
+        ):
             object.__setattr__(value, name, frozen_array(column))
         object.__setattr__(value, "kv_lens", kv_lens)
         object.__setattr__(value, "token_lens", token_lens)
@@ -175,9 +215,16 @@ class Running:
         idx = index_array(indices)
         if idx.dtype == bool:
             idx = np.flatnonzero(idx)
-        return Running(self.rids[idx], self.rows[idx], self.kv_lens.select(idx),
-                       self.token_lens.select(idx), self.prompt_lens[idx],
-                       self.last_tokens[idx], self.rules.select(idx), self.max_context)
+        return Running(
+            self.rids[idx],
+            self.rows[idx],
+            self.kv_lens.select(idx),
+            self.token_lens.select(idx),
+            self.prompt_lens[idx],
+            self.last_tokens[idx],
+            self.rules.select(idx),
+            self.max_context,
+        )
 
     def merge(self, other: Running) -> Running:
         """This batch followed by `other`; lengths and sums stay exact."""
@@ -187,9 +234,13 @@ class Running:
             return other if len(self) == 0 else self
         if np.intersect1d(self.rids, other.rids).size:
             raise ValueError("cannot merge batches that share a request")
-        return Running(np.concatenate([self.rids, other.rids]),
-                       np.concatenate([self.rows, other.rows]),
-                       self.kv_lens.concat(other.kv_lens), self.token_lens.concat(other.token_lens),
-                       np.concatenate([self.prompt_lens, other.prompt_lens]),
-                       np.concatenate([self.last_tokens, other.last_tokens]),
-                       self.rules.concat(other.rules), self.max_context)
+        return Running(
+            np.concatenate([self.rids, other.rids]),
+            np.concatenate([self.rows, other.rows]),
+            self.kv_lens.concat(other.kv_lens),
+            self.token_lens.concat(other.token_lens),
+            np.concatenate([self.prompt_lens, other.prompt_lens]),
+            np.concatenate([self.last_tokens, other.last_tokens]),
+            self.rules.concat(other.rules),
+            self.max_context,
+        )

@@ -6,8 +6,8 @@ so no code path can leave it stale (the bug family this project exists to remove
 
 from __future__ import annotations
 
-import os
 import functools
+import os
 from collections.abc import Sequence
 
 import attrs
@@ -30,8 +30,13 @@ def is_frozen(array: np.ndarray) -> bool:
 def frozen_array(values: object, dtype: type = INDEX_DTYPE) -> np.ndarray:
     """A read-only 1-D array of `values`: `values` itself when it already is one that nothing
     can write, else a read-only copy (a snapshot never shares a writeable buffer)."""
-    if (type(values) is np.ndarray and not values.flags.writeable and values.ndim == 1
-            and values.dtype == dtype and (values.base is None or is_frozen(values.base))):
+    if (
+        type(values) is np.ndarray
+        and not values.flags.writeable
+        and values.ndim == 1
+        and values.dtype == dtype
+        and (values.base is None or is_frozen(values.base))
+    ):
         return values
     array = np.array(values, dtype=dtype, copy=True)
     array.flags.writeable = False
@@ -150,8 +155,10 @@ class SeqLens:
         delta = np.asarray(deltas, dtype=INDEX_DTYPE)
         lens = self.lens + delta
         if lens.shape != self.lens.shape:
-            raise ValueError(f"grow needs one delta per request ({len(self)}) or a scalar; "
-                             f"got shape {delta.shape}")
+            raise ValueError(
+                f"grow needs one delta per request ({len(self)}) or a scalar; "
+                f"got shape {delta.shape}"
+            )
         growing = delta.ndim == 0 and int(delta) >= 0  # lengths only grow: nothing to check
         return SeqLens._of_valid(freeze(lens), check=DEBUG or not growing)
 
@@ -166,7 +173,8 @@ class SeqLens:
 
     def concat(self, *others: SeqLens) -> SeqLens:
         return SeqLens._of_valid(
-            freeze(np.concatenate([self.lens, *(other.lens for other in others)])))
+            freeze(np.concatenate([self.lens, *(other.lens for other in others)]))
+        )
 
     # --- device mirrors: derived here and nowhere else ------------------------------------
     def lens_to(self, device: object) -> object:

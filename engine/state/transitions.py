@@ -76,12 +76,16 @@ class Effects:
         """rid -> tokens gained (for the shell's per-request histories)."""
         bounds = self.emitted_lens.indptr().tolist()
         tokens = self.emitted_tokens.tolist()
-        return {rid: tokens[bounds[i]:bounds[i + 1]]
-                for i, rid in enumerate(self.emitted_rids.tolist())}
+        return {
+            rid: tokens[bounds[i] : bounds[i + 1]]
+            for i, rid in enumerate(self.emitted_rids.tolist())
+        }
 
     def finished(self) -> dict[int, FinishReason]:
-        return {int(r): FinishReason(int(c))
-                for r, c in zip(self.finished_rids, self.finished_reasons, strict=True)}
+        return {
+            int(r): FinishReason(int(c))
+            for r, c in zip(self.finished_rids, self.finished_reasons, strict=True)
+        }
 
 
 _EFFECT_DEFAULTS = tuple((field.name, field.default) for field in attrs.fields(Effects))
@@ -94,8 +98,12 @@ class Result:
 
 
 # --- scheduling: Running + inputs -> the Batch of one forward pass ---------------------------
-def schedule_extend(running: Running, chunk_lens: Sequence[int] | np.ndarray,
-                    input_ids: np.ndarray, slots: np.ndarray) -> Batch:
+def schedule_extend(
+    running: Running,
+    chunk_lens: Sequence[int] | np.ndarray,
+    input_ids: np.ndarray,
+    slots: np.ndarray,
+) -> Batch:
     """The next chunk of each request's pending tokens (a whole prompt, or part of it)."""
     return Batch(running, SeqLens(chunk_lens), input_ids, slots)
 
@@ -158,8 +166,7 @@ def decode_writes(batch: Batch) -> Effects:
     still runs, so the next pass can be planned meanwhile (`assume_decoded`); applying it
     again with the full effects rewrites the same entries."""
     if batch.mode not in (Mode.DECODE, Mode.IDLE):
-        raise ValueError(f"decode_writes() is for decode passes; this pass is "
-                         f"{batch.mode.value}")
+        raise ValueError(f"decode_writes() is for decode passes; this pass is {batch.mode.value}")
     rows, cols, slots = _decode_table(batch)
     return Effects._of_valid(table_rows=rows, table_cols=cols, table_slots=slots)
 
@@ -170,24 +177,37 @@ def assume_decoded(batch: Batch) -> Running:
     plan the next pass while this one runs. The engine uses that plan only if the committed
     Running has the same requests, rows and lengths (`same_layout`)."""
     if batch.mode not in (Mode.DECODE, Mode.IDLE):
-        raise ValueError(f"assume_decoded() is for decode passes; this pass is "
-                         f"{batch.mode.value}")
+        raise ValueError(f"assume_decoded() is for decode passes; this pass is {batch.mode.value}")
     run = batch.running
-    return Running._of_valid(run.rids, run.rows, batch.seq_lens,
-                             run.token_lens + batch.new_lens, run.prompt_lens, run.last_tokens,
-                             run.rules, run.max_context)
+    return Running._of_valid(
+        run.rids,
+        run.rows,
+        batch.seq_lens,
+        run.token_lens + batch.new_lens,
+        run.prompt_lens,
+        run.last_tokens,
+        run.rules,
+        run.max_context,
+    )
 
 
 def same_layout(first: Running, second: Running) -> bool:
     """Same requests in the same order, on the same rows, with the same committed lengths:
     a pass planned for one serves the other (only the pending tokens may differ)."""
-    return (len(first) == len(second) and np.array_equal(first.rids, second.rids)
-            and np.array_equal(first.rows, second.rows)
-            and np.array_equal(first.kv_lens.lens, second.kv_lens.lens))
+    return (
+        len(first) == len(second)
+        and np.array_equal(first.rids, second.rids)
+        and np.array_equal(first.rows, second.rows)
+        and np.array_equal(first.kv_lens.lens, second.kv_lens.lens)
+    )
 
 
-def verify(batch: Batch, accepted_lens: Sequence[int] | np.ndarray, accepted_nodes: np.ndarray,
-           bonus: np.ndarray) -> Result:
+def verify(
+    batch: Batch,
+    accepted_lens: Sequence[int] | np.ndarray,
+    accepted_nodes: np.ndarray,
+    bonus: np.ndarray,
+) -> Result:
     """Commit a verify pass: per request the accepted path (local node ids below the root,
     root to leaf, CSR by `accepted_lens`) and the bonus token the target chose after it."""
     trees = batch.trees
@@ -200,9 +220,11 @@ def verify(batch: Batch, accepted_lens: Sequence[int] | np.ndarray, accepted_nod
     if bonus.size and int(bonus.min()) < 0:
         raise ValueError(f"bonus tokens must be token ids >= 0; got {bonus.tolist()[:16]}")
     if len(accepted) != len(run) or nodes.shape[0] != accepted.total or bonus.shape[0] != len(run):
-        raise ValueError(f"verify needs {len(run)} accepted lengths and bonus tokens and "
-                         f"accepted_lens.total nodes; got {len(accepted)}, {bonus.shape[0]}, "
-                         f"{nodes.shape[0]}")
+        raise ValueError(
+            f"verify needs {len(run)} accepted lengths and bonus tokens and "
+            f"accepted_lens.total nodes; got {len(accepted)}, {bonus.shape[0]}, "
+            f"{nodes.shape[0]}"
+        )
     # The path of request i: its root, then its accepted nodes (flat, CSR by path_lens).
     path_lens = accepted.grow(1)
     path_indptr = path_lens.indptr()
@@ -216,28 +238,54 @@ def verify(batch: Batch, accepted_lens: Sequence[int] | np.ndarray, accepted_nod
     path_flat = trees.sizes.starts()[path_owner] + path_local
     draft_flat = path_flat[is_draft]
     if (trees.parents[draft_flat] != path_local[:-1][is_draft[1:]]).any():
-        raise ValueError("accepted nodes must form a path from the root, each the child of "
-                         "the last")
+        raise ValueError(
+            "accepted nodes must form a path from the root, each the child of the last"
+        )
     rejected = np.ones(trees.sizes.total, dtype=bool)
     rejected[path_flat] = False
     # Emitted: each accepted draft's token, then the bonus token (one per path entry).
     emitted = np.empty(path_lens.total, dtype=INDEX_DTYPE)
     emitted[:-1] = trees.tokens[path_flat[1:]]
     emitted[path_indptr[1:] - 1] = bonus
-    table = (freeze(run.rows[path_owner]), freeze(run.kv_lens.lens[path_owner] + depth),
-             freeze(batch.out_slots[path_flat]))
-    return _commit(run, run.kv_lens + path_lens, freeze(emitted), path_lens, table,
-                   freeze(batch.out_slots[rejected]), path_owner, depth)
+    table = (
+        freeze(run.rows[path_owner]),
+        freeze(run.kv_lens.lens[path_owner] + depth),
+        freeze(batch.out_slots[path_flat]),
+    )
+    return _commit(
+        run,
+        run.kv_lens + path_lens,
+        freeze(emitted),
+        path_lens,
+        table,
+        freeze(batch.out_slots[rejected]),
+        path_owner,
+        depth,
+    )
 
 
-def _commit(run: Running, kv_lens: SeqLens, tokens: np.ndarray, counts: SeqLens,
-            table: tuple[np.ndarray, np.ndarray, np.ndarray], free_slots: np.ndarray,
-            owner: np.ndarray | None = None, depth: np.ndarray | None = None) -> Result:
+def _commit(
+    run: Running,
+    kv_lens: SeqLens,
+    tokens: np.ndarray,
+    counts: SeqLens,
+    table: tuple[np.ndarray, np.ndarray, np.ndarray],
+    free_slots: np.ndarray,
+    owner: np.ndarray | None = None,
+    depth: np.ndarray | None = None,
+) -> Result:
     """Append the tokens each request emits (flat `tokens`, CSR by `counts`; `owner`/`depth`
     when the caller has them), apply the finish check, and drop finished requests."""
-    kept, reason = first_finish_flat(tokens, counts, run.num_output, run.token_lens.lens,
-                                     run.rules, run.max_context, owner,
-                                     None if depth is None else depth + 1)
+    kept, reason = first_finish_flat(
+        tokens,
+        counts,
+        run.num_output,
+        run.token_lens.lens,
+        run.rules,
+        run.max_context,
+        owner,
+        None if depth is None else depth + 1,
+    )
     if kept is not counts.lens:  # a request stopped inside its tokens: keep its prefix only
         owner = counts.segment_ids() if owner is None else owner
         depth = counts.offsets_within() if depth is None else depth
@@ -250,36 +298,67 @@ def _commit(run: Running, kv_lens: SeqLens, tokens: np.ndarray, counts: SeqLens,
         last_tokens = tokens
     else:
         ends = counts.indptr()[1:] - 1
-        last_tokens = (tokens[ends] if everyone else
-                       np.where(has_new, tokens[np.maximum(ends, 0)] if tokens.size else 0,
-                                run.last_tokens))
-    emitted = dict(table_rows=table[0], table_cols=table[1], table_slots=table[2],
-                   free_slots=free_slots,
-                   emitted_rids=run.rids if everyone else freeze(run.rids[has_new]),
-                   emitted_lens=counts if everyone else counts.select(has_new),
-                   emitted_tokens=tokens)
+        last_tokens = (
+            tokens[ends]
+            if everyone
+            else np.where(
+                has_new, tokens[np.maximum(ends, 0)] if tokens.size else 0, run.last_tokens
+            )
+        )
+    emitted = dict(
+        table_rows=table[0],
+        table_cols=table[1],
+        table_slots=table[2],
+        free_slots=free_slots,
+        emitted_rids=run.rids if everyone else freeze(run.rids[has_new]),
+        emitted_lens=counts if everyone else counts.select(has_new),
+        emitted_tokens=tokens,
+    )
     return _close(run, reason, kv_lens, run.token_lens + counts, last_tokens, emitted)
 
 
-def _close(run: Running, reason: np.ndarray, kv_lens: SeqLens, token_lens: SeqLens,
-           last_tokens: np.ndarray, emitted: dict) -> Result:
+def _close(
+    run: Running,
+    reason: np.ndarray,
+    kv_lens: SeqLens,
+    token_lens: SeqLens,
+    last_tokens: np.ndarray,
+    emitted: dict,
+) -> Result:
     """The next Running (finished requests dropped) and the effects: what was emitted, and
     the rows of finished requests released with everything committed to them."""
     if reason is no_finish(len(run)) or not reason.any():  # NONE is 0: nobody leaves
-        after = Running._of_valid(run.rids, run.rows, kv_lens, token_lens, run.prompt_lens,
-                                  last_tokens, run.rules, run.max_context)
+        after = Running._of_valid(
+            run.rids,
+            run.rows,
+            kv_lens,
+            token_lens,
+            run.prompt_lens,
+            last_tokens,
+            run.rules,
+            run.max_context,
+        )
         return Result(after, Effects._of_valid(**emitted))
     done = reason != FinishReason.NONE
     live = np.flatnonzero(~done)
-    after = Running(run.rids[live], run.rows[live], kv_lens.select(live),
-                    token_lens.select(live), run.prompt_lens[live], last_tokens[live],
-                    run.rules.select(live), run.max_context)
+    after = Running(
+        run.rids[live],
+        run.rows[live],
+        kv_lens.select(live),
+        token_lens.select(live),
+        run.prompt_lens[live],
+        last_tokens[live],
+        run.rules.select(live),
+        run.max_context,
+    )
     # A finished request keeps no KV: its row is released with everything committed to it.
-    effects = Effects._of_valid(release_rows=freeze(run.rows[done]),
-                                release_lens=kv_lens.select(done),
-                                finished_rids=freeze(run.rids[done]),
-                                finished_reasons=freeze(reason[done].astype(INDEX_DTYPE)),
-                                **emitted)
+    effects = Effects._of_valid(
+        release_rows=freeze(run.rows[done]),
+        release_lens=kv_lens.select(done),
+        finished_rids=freeze(run.rids[done]),
+        finished_reasons=freeze(reason[done].astype(INDEX_DTYPE)),
+        **emitted,
+    )
     return Result(after, effects)
 
 
@@ -298,21 +377,26 @@ def _leave(running: Running, indices: Sequence[int] | np.ndarray) -> tuple[Runni
 def retract(running: Running, indices: Sequence[int] | np.ndarray) -> Result:
     """Requests leave under memory pressure: every slot freed; they wait to be recomputed."""
     rest, gone = _leave(running, indices)
-    effects = Effects(release_rows=running.rows[gone], release_lens=running.kv_lens.select(gone),
-                      retracted_rids=running.rids[gone])
+    effects = Effects(
+        release_rows=running.rows[gone],
+        release_lens=running.kv_lens.select(gone),
+        retracted_rids=running.rids[gone],
+    )
     return Result(rest, effects)
 
 
-def finish(running: Running, indices: Sequence[int] | np.ndarray,
-           reason: FinishReason) -> Result:
+def finish(running: Running, indices: Sequence[int] | np.ndarray, reason: FinishReason) -> Result:
     """Requests leave with `reason` (a stop string matched, or an abort); every slot freed."""
     if reason == FinishReason.NONE:
         raise ValueError("finish() needs a reason: STOP, LENGTH or ABORT")
     rest, gone = _leave(running, indices)
     rids = running.rids[gone]
-    effects = Effects(release_rows=running.rows[gone], release_lens=running.kv_lens.select(gone),
-                      finished_rids=rids,
-                      finished_reasons=np.full(rids.shape[0], int(reason), dtype=np.int8))
+    effects = Effects(
+        release_rows=running.rows[gone],
+        release_lens=running.kv_lens.select(gone),
+        finished_rids=rids,
+        finished_reasons=np.full(rids.shape[0], int(reason), dtype=np.int8),
+    )
     return Result(rest, effects)
 
 
@@ -328,8 +412,12 @@ def abandon(batch: Batch, written: bool = False) -> Effects:
     if not written:
         return Effects(free_slots=batch.out_slots)
     writes = decode_writes(batch)
-    return Effects(table_rows=writes.table_rows, table_cols=writes.table_cols,
-                   table_slots=np.zeros_like(writes.table_slots), free_slots=batch.out_slots)
+    return Effects(
+        table_rows=writes.table_rows,
+        table_cols=writes.table_cols,
+        table_slots=np.zeros_like(writes.table_slots),
+        free_slots=batch.out_slots,
+    )
 
 
 def merge(first: Running, second: Running) -> Running:

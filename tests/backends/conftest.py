@@ -11,5 +11,6 @@ if HERE not in sys.path:
 
 def pytest_configure(config) -> None:
     # The Triton interpreter trips a NumPy deprecation on every scalar it indexes with.
-    config.addinivalue_line("filterwarnings",
-                            "ignore::DeprecationWarning:triton.runtime.interpreter")
+    config.addinivalue_line(
+        "filterwarnings", "ignore::DeprecationWarning:triton.runtime.interpreter"
+    )

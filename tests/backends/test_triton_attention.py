@@ -22,8 +22,12 @@ from hypothesis import strategies as st
 from engine.backends.torch_backend import TorchBackend
 from engine.backends.triton_backend import TritonBackend
 
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @st.composite
@@ -31,10 +35,16 @@ def shapes(draw: st.DrawFn, max_new: int) -> dict:
     batch = draw(st.integers(1, MAX_BATCH))
     prefix = draw(st.lists(st.integers(0, MAX_PREFIX), min_size=batch, max_size=batch))
     new = draw(st.lists(st.integers(1, max_new), min_size=batch, max_size=batch))
-    return dict(prefix_lens=prefix, new_lens=new, num_kv_heads=draw(st.sampled_from([1, 2])),
-                group=draw(st.sampled_from([1, 3, 4])), head_dim=draw(st.sampled_from([64, 128])),
-                dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**31 - 1)),
-                num_splits=draw(st.sampled_from([None, 1, 2, 3])))
+    return dict(
+        prefix_lens=prefix,
+        new_lens=new,
+        num_kv_heads=draw(st.sampled_from([1, 2])),
+        group=draw(st.sampled_from([1, 3, 4])),
+        head_dim=draw(st.sampled_from([64, 128])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        num_splits=draw(st.sampled_from([None, 1, 2, 3])),
+    )
 
 
 def check_against_reference(mode: str, shape: dict) -> None:
@@ -76,17 +86,37 @@ def test_verify_matches_reference(shape: dict) -> None:
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_zero_prefix_single_token(mode: str, group: int) -> None:
     """A request with no prefix and a single new token (its only key is itself)."""
-    check_against_reference(mode, dict(prefix_lens=[0], new_lens=[1], num_kv_heads=1,
-                                       group=group, head_dim=64, dtype=DTYPES[0], seed=group,
-                                       num_splits=None))
+    check_against_reference(
+        mode,
+        dict(
+            prefix_lens=[0],
+            new_lens=[1],
+            num_kv_heads=1,
+            group=group,
+            head_dim=64,
+            dtype=DTYPES[0],
+            seed=group,
+            num_splits=None,
+        ),
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_splits_more_than_keys(head_dim: int) -> None:
     """More splits than key blocks: the empty splits must merge away without NaN."""
-    check_against_reference("decode", dict(prefix_lens=[3, 70, 0], new_lens=[1, 1, 1],
-                                           num_kv_heads=2, group=4, head_dim=head_dim,
-                                           dtype=DTYPES[-1], seed=7, num_splits=5))
+    check_against_reference(
+        "decode",
+        dict(
+            prefix_lens=[3, 70, 0],
+            new_lens=[1, 1, 1],
+            num_kv_heads=2,
+            group=4,
+            head_dim=head_dim,
+            dtype=DTYPES[-1],
+            seed=7,
+            num_splits=5,
+        ),
+    )
 
 
 def test_rejects_unsupported_head_dim() -> None:

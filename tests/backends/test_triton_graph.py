@@ -22,8 +22,7 @@ from engine.backends import BufferTooSmall
 from engine.backends.torch_backend import TorchBackend
 from engine.backends.triton_backend import TritonBackend
 from engine.backends.triton_decode import decode_attention
-from engine.kv import PADDING_SLOT
-from engine.state import schedule_decode, schedule_verify
+from engine.state import PADDING_SLOT, schedule_decode, schedule_verify
 
 DTYPE = DTYPES[-1]
 
@@ -34,17 +33,30 @@ def padded(tensor: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
     return torch.cat([tensor, extra.to(tensor.device, tensor.dtype)])
 
 
-def run_padded(mode: str, prefix: list[int], new: list[int], batch_size: int, tokens: int,
-               num_splits: int | None) -> None:
+def run_padded(
+    mode: str,
+    prefix: list[int],
+    new: list[int],
+    batch_size: int,
+    tokens: int,
+    num_splits: int | None,
+) -> None:
     case = make_case(mode, prefix, new, 2, 3, 64, DTYPE, seed=sum(prefix) + len(new))
     ref_pool = clone_pool(case.pool)
-    ref = TorchBackend(ref_pool).forward(0, case.q, case.k, case.v,
-                                         TorchBackend(ref_pool).plan(case.batch))
+    ref = TorchBackend(ref_pool).forward(
+        0, case.q, case.k, case.v, TorchBackend(ref_pool).plan(case.batch)
+    )
     backend = TritonBackend(case.pool)
-    buffers = backend.graph_buffers(max_batch=8, max_tokens=40, max_kv_tokens=1024,
-                                    max_tree_nodes=8)
-    meta = backend.plan(case.batch, buffers=buffers, padded_batch_size=batch_size,
-                        padded_num_tokens=tokens, num_splits=num_splits)
+    buffers = backend.graph_buffers(
+        max_batch=8, max_tokens=40, max_kv_tokens=1024, max_tree_nodes=8
+    )
+    meta = backend.plan(
+        case.batch,
+        buffers=buffers,
+        padded_batch_size=batch_size,
+        padded_num_tokens=tokens,
+        num_splits=num_splits,
+    )
     real = case.q.shape[0]
     q, k, v = (padded(t, tokens, seed) for seed, t in enumerate((case.q, case.k, case.v)))
     out = torch.full_like(q, float("nan"))
@@ -73,8 +85,12 @@ def test_plans_at_one_padded_size_share_addresses_and_launch_shape() -> None:
     running, slots = case.batch.running, case.batch.out_slots
     backend = TritonBackend(case.pool)
     buffers = backend.graph_buffers(max_batch=8, max_tokens=8, max_kv_tokens=256)
-    plans = [backend.plan(schedule_decode(running.select(idx), slots[idx]), buffers=buffers,
-                          padded_batch_size=4) for idx in ([0, 2], [1, 3, 4])]
+    plans = [
+        backend.plan(
+            schedule_decode(running.select(idx), slots[idx]), buffers=buffers, padded_batch_size=4
+        )
+        for idx in ([0, 2], [1, 3, 4])
+    ]
     for name in ("qo_indptr", "kv_indptr", "kv_indices", "prefix_lens", "out_slots"):
         first, second = getattr(plans[0], name), getattr(plans[1], name)
         assert first.data_ptr() == second.data_ptr() and first.shape == second.shape, name
@@ -114,15 +130,15 @@ def test_replay_with_a_new_plan(mode: str) -> None:
     case = make_case(mode, [7, 30, 2, 19, 64], [3, 1, 2, 4, 1], 2, 4, 64, DTYPE, seed=25)
     ref_pool = clone_pool(case.pool)
     backend = TritonBackend(case.pool)
-    buffers = backend.graph_buffers(max_batch=8, max_tokens=32, max_kv_tokens=512,
-                                    max_tree_nodes=8)
+    buffers = backend.graph_buffers(max_batch=8, max_tokens=32, max_kv_tokens=512, max_tree_nodes=8)
     batches = [_sub_batch(case.batch, idx) for idx in ([0, 2], [1, 3, 4])]
     tokens = 4 if mode == "decode" else 16
-    static = [torch.zeros(tokens, *t.shape[1:], dtype=t.dtype, device=t.device)
-              for t in (case.q, case.k, case.v)]
+    static = [
+        torch.zeros(tokens, *t.shape[1:], dtype=t.dtype, device=t.device)
+        for t in (case.q, case.k, case.v)
+    ]
     out = torch.zeros_like(static[0])
-    meta = backend.plan(batches[0], buffers=buffers, padded_batch_size=4,
-                        padded_num_tokens=tokens)
+    meta = backend.plan(batches[0], buffers=buffers, padded_batch_size=4, padded_num_tokens=tokens)
     backend.forward(0, *static, meta, out=out)  # compiles outside any capture
     graph = _capture(lambda: backend.forward(0, *static, meta, out=out))
     second = batches[1]
@@ -130,13 +146,12 @@ def test_replay_with_a_new_plan(mode: str) -> None:
     flat = _token_index(case.batch, [1, 3, 4])
     for target, source in zip(static, (case.q, case.k, case.v), strict=True):
         target.zero_()
-        target[:flat.shape[0]] = source[flat]
+        target[: flat.shape[0]] = source[flat]
     out.fill_(float("nan"))
     graph() if graph is not None else backend.forward(0, *static, meta, out=out)
     ref_backend = TorchBackend(ref_pool)
-    ref = ref_backend.forward(0, case.q[flat], case.k[flat], case.v[flat],
-                              ref_backend.plan(second))
-    assert relative_error(out[:flat.shape[0]], ref) < TOLERANCE[DTYPE]
+    ref = ref_backend.forward(0, case.q[flat], case.k[flat], case.v[flat], ref_backend.plan(second))
+    assert relative_error(out[: flat.shape[0]], ref) < TOLERANCE[DTYPE]
     assert not out.isnan().any()
 
 
@@ -186,9 +201,21 @@ def test_programmatic_launch_merge_matches_reference(mode: str) -> None:
     out = torch.full_like(case.q, float("nan"))
 
     def run() -> None:
-        decode_attention(case.q, case.pool.k_cache[0], case.pool.v_cache[0], meta.kv_indices,
-                         meta.kv_indptr, meta.qo_indptr, meta.prefix_lens, meta.tree_bits, out,
-                         6, meta.extra["max_q"], 128 ** -0.5, config={"PDL": True})
+        decode_attention(
+            case.q,
+            case.pool.k_cache[0],
+            case.pool.v_cache[0],
+            meta.kv_indices,
+            meta.kv_indptr,
+            meta.qo_indptr,
+            meta.prefix_lens,
+            meta.tree_bits,
+            out,
+            6,
+            meta.extra["max_q"],
+            128**-0.5,
+            config={"PDL": True},
+        )
 
     run()
     assert relative_error(out, ref) < TOLERANCE[DTYPE]

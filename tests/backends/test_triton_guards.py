@@ -22,8 +22,14 @@ def index_inputs(case) -> dict:
     backend = TorchBackend(case.pool)
     meta = backend.plan(case.batch)
     rows = torch.from_numpy(case.batch.running.rows.copy()).to(case.q.device)
-    return dict(req_to_token=case.pool.req_to_token, rows=rows, prefix_lens=meta.prefix_lens,
-                kv_indptr=meta.kv_indptr, qo_indptr=meta.qo_indptr, out_slots=meta.out_slots)
+    return dict(
+        req_to_token=case.pool.req_to_token,
+        rows=rows,
+        prefix_lens=meta.prefix_lens,
+        kv_indptr=meta.kv_indptr,
+        qo_indptr=meta.qo_indptr,
+        out_slots=meta.out_slots,
+    )
 
 
 @pytest.mark.parametrize("mode", ["extend", "verify"])
@@ -33,8 +39,9 @@ def test_kv_indices_match_reference(mode: str) -> None:
     total = case.batch.seq_lens.total
     ref = build_kv_indices(**args, total=total)
     buffer = torch.full((total + GUARD,), SENTINEL, dtype=torch.int32, device=case.q.device)
-    got = build_kv_indices_into(**args, kv_indices=buffer, total=total,
-                                max_seq_len=case.batch.seq_lens.max)
+    got = build_kv_indices_into(
+        **args, kv_indices=buffer, total=total, max_seq_len=case.batch.seq_lens.max
+    )
     assert torch.equal(got, ref)
     assert (buffer[total:] == SENTINEL).all()
 
@@ -45,8 +52,12 @@ def test_kv_indices_buffer_one_too_small_is_reported_and_untouched() -> None:
     total = case.batch.seq_lens.total
     backing = torch.full((total + GUARD,), SENTINEL, dtype=torch.int32, device=case.q.device)
     with pytest.raises(BufferTooSmall, match=f"seq_lens.total = {total}"):
-        build_kv_indices_into(**args, kv_indices=backing[:total - 1], total=total,
-                              max_seq_len=case.batch.seq_lens.max)
+        build_kv_indices_into(
+            **args,
+            kv_indices=backing[: total - 1],
+            total=total,
+            max_seq_len=case.batch.seq_lens.max,
+        )
     assert (backing == SENTINEL).all()
 
 
@@ -57,10 +68,11 @@ def test_kv_index_kernel_masks_stores_at_capacity() -> None:
     total = case.batch.seq_lens.total
     ref = build_kv_indices(**args, total=total)
     backing = torch.full((total + GUARD,), SENTINEL, dtype=torch.int32, device=case.q.device)
-    launch_kv_indices(**args, kv_indices=backing, kv_capacity=total - 1,
-                      max_seq_len=case.batch.seq_lens.max)
-    assert torch.equal(backing[:total - 1], ref[:total - 1])
-    assert (backing[total - 1:] == SENTINEL).all()
+    launch_kv_indices(
+        **args, kv_indices=backing, kv_capacity=total - 1, max_seq_len=case.batch.seq_lens.max
+    )
+    assert torch.equal(backing[: total - 1], ref[: total - 1])
+    assert (backing[total - 1 :] == SENTINEL).all()
 
 
 @pytest.mark.parametrize("mode", ["decode", "extend", "verify"])
@@ -70,16 +82,18 @@ def test_output_one_row_too_small_is_reported_and_untouched(mode: str) -> None:
     before = clone_pool(case.pool)
     metadata = backend.plan(case.batch)
     tokens = case.q.shape[0]
-    backing = torch.full((tokens + GUARD, *case.q.shape[1:]), 3.0, dtype=case.q.dtype,
-                         device=case.q.device)
+    backing = torch.full(
+        (tokens + GUARD, *case.q.shape[1:]), 3.0, dtype=case.q.dtype, device=case.q.device
+    )
     with pytest.raises(BufferTooSmall, match="out has shape"):
-        backend.forward(0, case.q, case.k, case.v, metadata, out=backing[:tokens - 1])
+        backend.forward(0, case.q, case.k, case.v, metadata, out=backing[: tokens - 1])
     assert (backing == 3.0).all()
     assert torch.equal(case.pool.k_cache[0], before.k_cache[0])
 
 
-@pytest.mark.parametrize("mode,num_splits", [("decode", 1), ("decode", 3), ("verify", 1),
-                                             ("verify", 2), ("extend", 1)])
+@pytest.mark.parametrize(
+    "mode,num_splits", [("decode", 1), ("decode", 3), ("verify", 1), ("verify", 2), ("extend", 1)]
+)
 def test_attention_kernels_mask_stores_at_capacity(mode: str, num_splits: int) -> None:
     """The kernels launched directly with an output one row short: the row past it and the
     guard band keep their bytes, the rows inside match the reference."""
@@ -92,17 +106,40 @@ def test_attention_kernels_mask_stores_at_capacity(mode: str, num_splits: int) -
     k_cache.index_copy_(0, meta.out_slots, case.k)
     v_cache.index_copy_(0, meta.out_slots, case.v)
     tokens = case.q.shape[0]
-    backing = torch.full((tokens + GUARD, *case.q.shape[1:]), 3.0, dtype=case.q.dtype,
-                         device=case.q.device)
-    out = backing[:tokens - 1]
+    backing = torch.full(
+        (tokens + GUARD, *case.q.shape[1:]), 3.0, dtype=case.q.dtype, device=case.q.device
+    )
+    out = backing[: tokens - 1]
     if mode == "extend":
-        extend_attention(case.q, case.k, case.v, k_cache, v_cache, meta.kv_indices,
-                         meta.kv_indptr, meta.qo_indptr, meta.prefix_lens, out,
-                         meta.max_new_len, case.q.shape[-1] ** -0.5)
+        extend_attention(
+            case.q,
+            case.k,
+            case.v,
+            k_cache,
+            v_cache,
+            meta.kv_indices,
+            meta.kv_indptr,
+            meta.qo_indptr,
+            meta.prefix_lens,
+            out,
+            meta.max_new_len,
+            case.q.shape[-1] ** -0.5,
+        )
     else:
-        decode_attention(case.q, k_cache, v_cache, meta.kv_indices, meta.kv_indptr,
-                         meta.qo_indptr, meta.prefix_lens, meta.tree_bits, out, num_splits,
-                         meta.extra["max_q"], case.q.shape[-1] ** -0.5)
-    assert (backing[tokens - 1:] == 3.0).all()
-    error = (out.double() - ref[:tokens - 1].double()).norm() / ref[:tokens - 1].double().norm()
+        decode_attention(
+            case.q,
+            k_cache,
+            v_cache,
+            meta.kv_indices,
+            meta.kv_indptr,
+            meta.qo_indptr,
+            meta.prefix_lens,
+            meta.tree_bits,
+            out,
+            num_splits,
+            meta.extra["max_q"],
+            case.q.shape[-1] ** -0.5,
+        )
+    assert (backing[tokens - 1 :] == 3.0).all()
+    error = (out.double() - ref[: tokens - 1].double()).norm() / ref[: tokens - 1].double().norm()
     assert error < 1e-2

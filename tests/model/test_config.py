@@ -7,12 +7,25 @@ import pytest
 from engine.model import ModelConfig, ModelConfigError
 
 HF_LLAMA31 = {
-    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    "max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": 128000,
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
     "eos_token_id": [128001, 128008, 128009],
 }
 
@@ -40,17 +53,27 @@ def test_to_hf_round_trips():
 
 
 def test_from_gguf_metadata():
-    meta = {"general.architecture": "llama", "llama.block_count": 30,
-            "llama.context_length": 8192, "llama.embedding_length": 576,
-            "llama.feed_forward_length": 1536, "llama.attention.head_count": 9,
-            "llama.attention.head_count_kv": 3, "llama.rope.freq_base": 100000.0,
-            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.dimension_count": 64,
-            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    meta = {
+        "general.architecture": "llama",
+        "llama.block_count": 30,
+        "llama.context_length": 8192,
+        "llama.embedding_length": 576,
+        "llama.feed_forward_length": 1536,
+        "llama.attention.head_count": 9,
+        "llama.attention.head_count_kv": 3,
+        "llama.rope.freq_base": 100000.0,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "llama.rope.dimension_count": 64,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
     config = ModelConfig.from_gguf(meta, vocab_size=49152)
     assert (config.vocab_size, config.head_dim, config.num_layers) == (49152, 64, 30)
     assert config.tie_word_embeddings and config.eos_token_id == 2
-    linear = ModelConfig.from_gguf({**meta, "llama.rope.scaling.type": "linear",
-                                    "llama.rope.scaling.factor": 4.0}, vocab_size=10)
+    linear = ModelConfig.from_gguf(
+        {**meta, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+        vocab_size=10,
+    )
     assert linear.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     with pytest.raises(ModelConfigError, match="only 'llama'"):
         ModelConfig.from_gguf({**meta, "general.architecture": "qwen2"}, vocab_size=10)
@@ -73,9 +96,11 @@ def test_invalid_configs_raise_clear_errors():
 
 def test_llama3_8b_preset_shape():
     config = ModelConfig.llama3_8b()
-    per_layer = (config.hidden_size * (config.q_size + 2 * config.kv_size)
-                 + config.q_size * config.hidden_size
-                 + 3 * config.hidden_size * config.intermediate_size)
+    per_layer = (
+        config.hidden_size * (config.q_size + 2 * config.kv_size)
+        + config.q_size * config.hidden_size
+        + 3 * config.hidden_size * config.intermediate_size
+    )
     params = config.vocab_size * config.hidden_size * 2 + config.num_layers * per_layer
     assert 8.0e9 < params < 8.1e9
 
@@ -87,8 +112,10 @@ def test_smollm2_preset_is_the_default_models_shape():
     from engine.model.loader import gguf_metadata
 
     reader = GGUFReader(str(default_model_path()))
-    config = ModelConfig.from_gguf(gguf_metadata(reader),
-                                   vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
-                                   tie_word_embeddings=True)
+    config = ModelConfig.from_gguf(
+        gguf_metadata(reader),
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        tie_word_embeddings=True,
+    )
     assert "output.weight" not in {t.name for t in reader.tensors}  # tied, as the preset says
     assert ModelConfig.smollm2_135m() == config

@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from engine.backends import KVPool, get_backend
-from engine.kv import KVBook
 from engine.model import default_model_path, load_model, load_tokenizer
+from engine.shell.kv import KVBook
 from engine.state import FinishRules, Running, schedule_extend
 
 pytest.importorskip("accelerate")
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "List three colours of the rainbow."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "List three colours of the rainbow."},
+    ],
     [{"role": "user", "content": "Write a haiku about the sea."}],
 ]
 
@@ -33,8 +35,9 @@ def hf_model():
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -42,7 +45,11 @@ def test_config_read_from_gguf(ours, hf_model):
     _, config, tokenizer = ours
     hf = hf_model.config
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
-        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads)
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+    )
     assert config.tie_word_embeddings and config.vocab_size == hf.vocab_size
     assert config.eos_token_id == tokenizer.eos_token_id == 2
 
@@ -50,8 +57,9 @@ def test_config_read_from_gguf(ours, hf_model):
 def test_chat_template_matches_hf(ours):
     _, _, tokenizer = ours
     for chat in CHATS:
-        direct = tokenizer.hf.apply_chat_template(chat, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)
+        direct = tokenizer.hf.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         assert tokenizer.apply_chat_template(chat) == list(direct)
 
 
@@ -59,12 +67,19 @@ def test_prompt_logits_match_hf(ours, hf_model):
     model, config, tokenizer = ours
     ids = tokenizer.apply_chat_template(CHATS[0])
     book = KVBook(len(ids), 1, len(ids))
-    pool = KVPool.allocate(config.num_layers, len(ids) + 1, config.num_kv_heads,
-                           config.head_dim, torch.float32, book.table.device)
+    pool = KVPool.allocate(
+        config.num_layers,
+        len(ids) + 1,
+        config.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        book.table.device,
+    )
     backend = get_backend("torch", pool)
     rules = FinishRules([1], [0], [-1], np.zeros((1, 0), dtype=np.int64))
-    running = Running.admitted([0], [book.table.alloc_row()], [len(ids)], [len(ids)], [ids[-1]],
-                               rules, len(ids))
+    running = Running.admitted(
+        [0], [book.table.alloc_row()], [len(ids)], [len(ids)], [ids[-1]], rules, len(ids)
+    )
     batch = schedule_extend(running, [len(ids)], np.asarray(ids), book.slots.alloc(len(ids)))
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), backend.plan(batch), backend)
@@ -84,10 +99,14 @@ def hf_greedy(ours, hf_model):
         prompt = tokenizer.apply_chat_template(chat)
         input_ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                    max_new_tokens=32, do_sample=False,
-                                    pad_token_id=tokenizer.eos_token_id)
-        outputs.append((prompt, out[0, len(prompt):].tolist()))
+            out = hf_model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=32,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        outputs.append((prompt, out[0, len(prompt) :].tolist()))
     return outputs
 
 
@@ -102,7 +121,7 @@ def test_greedy_matches_hf_generate(ours, hf_greedy, greedy_runner):
 
 def test_engine_generate_matches_hf_generate(hf_greedy):
     """The whole engine (scheduler, runner, transitions, stop at EOS) equals HF greedy."""
-    from engine.engine import Engine
+    from engine.shell.engine import Engine
     from engine.state import SamplingParams
 
     engine = Engine(device="cpu", dtype="float32")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import LlamaModel, ModelConfig
-from engine.model.llama import apply_rope
+from engine.ops.reference import apply_rope
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +26,15 @@ def _dense_reference(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     for layer in model.layers:
         q, k, v = F.linear(layer.input_layernorm(hidden), layer.qkv_proj).split(
-            [config.q_size, config.kv_size, config.kv_size], dim=-1)
+            [config.q_size, config.kv_size, config.kv_size], dim=-1
+        )
         q = apply_rope(q.view(n, config.num_heads, -1), cos, sin).transpose(0, 1)
         group = config.num_heads // config.num_kv_heads
         k = apply_rope(k.view(n, config.num_kv_heads, -1), cos, sin).repeat_interleave(group, 1)
         v = v.view(n, config.num_kv_heads, -1).repeat_interleave(group, 1)
-        attn = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
-                                              attn_mask=causal)
+        attn = F.scaled_dot_product_attention(
+            q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=causal
+        )
         hidden = hidden + F.linear(attn.transpose(0, 1).reshape(n, -1), layer.o_proj)
         gate, up = F.linear(layer.post_attention_layernorm(hidden), layer.gate_up_proj).chunk(2, -1)
         hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj)
@@ -51,8 +53,7 @@ def test_forward_matches_dense_reference(tiny, chunked_logits):
 def test_chunked_prefill_gives_the_same_logits(tiny, chunked_logits):
     ids = list(np.random.default_rng(1).integers(0, tiny.config.vocab_size, 30))
     whole = chunked_logits(tiny, ids, [30])
-    torch.testing.assert_close(chunked_logits(tiny, ids, [7, 1, 22]), whole, atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(chunked_logits(tiny, ids, [7, 1, 22]), whole, atol=1e-5, rtol=1e-5)
 
 
 def test_batched_greedy_equals_each_alone(tiny, greedy_runner):

@@ -16,13 +16,18 @@ from engine.model import (
     ModelNotFoundError,
     default_model_path,
     load_model,
+    loader,
     save_hf_checkpoint,
 )
-from engine.model import loader
 from engine.model.loader import gguf_to_hf_name, unpermute_rotary
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def _hf_logits(directory, ids: torch.Tensor) -> torch.Tensor:
@@ -33,19 +38,22 @@ def _hf_logits(directory, ids: torch.Tensor) -> torch.Tensor:
         return hf(ids[None]).logits[0]
 
 
-@pytest.mark.parametrize("config", [
-    ModelConfig.tiny(),
-    ModelConfig.tiny(tie_word_embeddings=True, rope_scaling=LLAMA3_SCALING),
-    ModelConfig.tiny(rope_scaling={"type": "linear", "factor": 2.0}, num_kv_heads=4),
-], ids=["untied", "tied-llama3-rope", "linear-rope-mha"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        ModelConfig.tiny(),
+        ModelConfig.tiny(tie_word_embeddings=True, rope_scaling=LLAMA3_SCALING),
+        ModelConfig.tiny(rope_scaling={"type": "linear", "factor": 2.0}, num_kv_heads=4),
+    ],
+    ids=["untied", "tied-llama3-rope", "linear-rope-mha"],
+)
 def test_safetensors_round_trip_matches_hf(tmp_path, config, chunked_logits):
     model = LlamaModel(config).init_random(seed=7)
     save_hf_checkpoint(model, tmp_path, num_shards=2)
     assert len(list(tmp_path.glob("*.safetensors"))) == 2
     loaded, loaded_config = load_model(tmp_path)
     assert loaded_config == config
-    for (name, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters(),
-                                 strict=True):
+    for (name, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     ids = torch.arange(3, 83) % config.vocab_size  # 80 positions: past the llama3 old context
     ours = chunked_logits(loaded, ids.tolist(), [80])
@@ -62,8 +70,11 @@ def test_rope_scaling_changes_logits():
 
 def test_unpermute_rotary_inverts_llama_cpp_permute():
     def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
-        return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2,
-                                *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape))
+        return (
+            weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape)
+        )
 
     weights = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)
     permuted = llama_cpp_permute(weights, 6)
@@ -75,7 +86,8 @@ def test_gguf_names_map_to_hf():
     assert gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert gguf_to_hf_name("blk.12.attn_k.weight") == "model.layers.12.self_attn.k_proj.weight"
     assert gguf_to_hf_name("blk.0.ffn_norm.weight") == (
-        "model.layers.0.post_attention_layernorm.weight")
+        "model.layers.0.post_attention_layernorm.weight"
+    )
     with pytest.raises(ModelLoadError, match="unexpected GGUF tensor"):
         gguf_to_hf_name("blk.0.attn_q.bias")
 

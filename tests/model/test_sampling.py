@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.sampling import SamplingTensors, _filtered_logits, _uniform_bits, \
-    probs_for_verify, row_uniforms, sample, sample_from_probs, seeded_uniform
+from engine.model.sampling import (
+    SamplingTensors,
+    _filtered_logits,
+    _uniform_bits,
+    probs_for_verify,
+    row_uniforms,
+    sample,
+    sample_from_probs,
+    seeded_uniform,
+)
 from engine.state import SamplingParams
 
 VOCAB = 50
@@ -33,8 +41,12 @@ def test_all_greedy_is_argmax():
 
 def test_greedy_rows_stay_argmax_in_a_mixed_batch():
     logits = _logits(4)
-    params = [SamplingParams(), SamplingParams(temperature=1.5, seed=3), SamplingParams(),
-              SamplingParams(temperature=0.7)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.5, seed=3),
+        SamplingParams(),
+        SamplingParams(temperature=0.7),
+    ]
     sampling = _tensors(params)
     assert not sampling.all_greedy
     tokens = sample(logits, sampling)
@@ -54,12 +66,16 @@ def test_seeded_stream_is_reproducible_and_independent_of_the_batch():
     seeded = SamplingParams(temperature=1.0, seed=1234)
     alone = [sample(logits[1:2], _tensors([seeded], [step])).item() for step in range(20)]
     others = [SamplingParams(temperature=1.0, seed=9), SamplingParams(temperature=0.5)]
-    in_batch = [sample(logits, _tensors([others[0], seeded, others[1]], [7, step, 3]))[1].item()
-                for step in range(20)]
+    in_batch = [
+        sample(logits, _tensors([others[0], seeded, others[1]], [7, step, 3]))[1].item()
+        for step in range(20)
+    ]
     assert alone == in_batch
     assert len(set(alone)) > 1  # steps advance the stream
-    other_seed = [sample(logits[1:2], _tensors([SamplingParams(temperature=1.0, seed=99)],
-                                               [step])).item() for step in range(20)]
+    other_seed = [
+        sample(logits[1:2], _tensors([SamplingParams(temperature=1.0, seed=99)], [step])).item()
+        for step in range(20)
+    ]
     assert other_seed != alone
 
 
@@ -68,19 +84,22 @@ def _four_token_logits() -> torch.Tensor:
 
 
 def test_top_p_keeps_the_smallest_nucleus():
-    probs = probs_for_verify(_four_token_logits(), torch.tensor([1.0]), torch.tensor([4]),
-                             torch.tensor([0.7]))
+    probs = probs_for_verify(
+        _four_token_logits(), torch.tensor([1.0]), torch.tensor([4]), torch.tensor([0.7])
+    )
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    full = probs_for_verify(_four_token_logits(), torch.tensor([1.0]), torch.tensor([4]),
-                            torch.tensor([1.0]))
+    full = probs_for_verify(
+        _four_token_logits(), torch.tensor([1.0]), torch.tensor([4]), torch.tensor([1.0])
+    )
     torch.testing.assert_close(full, torch.tensor([[0.5, 0.3, 0.1, 0.1]]))
 
 
 def test_top_p_samples_stay_in_the_nucleus_with_its_mass():
     draws = 4000
     logits = _four_token_logits().expand(draws, 4)
-    sampling = SamplingTensors.build([SamplingParams(temperature=1.0, top_p=0.7, seed=5)] * draws,
-                                     list(range(draws)), 4)
+    sampling = SamplingTensors.build(
+        [SamplingParams(temperature=1.0, top_p=0.7, seed=5)] * draws, list(range(draws)), 4
+    )
     tokens = sample(logits, sampling)
     assert set(tokens.tolist()) == {0, 1}
     share = (tokens == 0).float().mean().item()
@@ -91,8 +110,9 @@ def test_top_p_samples_stay_in_the_nucleus_with_its_mass():
 def test_temperature_one_matches_softmax_frequencies():
     draws = 6000
     logits = _four_token_logits().expand(draws, 4)
-    sampling = SamplingTensors.build([SamplingParams(temperature=1.0, seed=11)] * draws,
-                                     list(range(draws)), 4)
+    sampling = SamplingTensors.build(
+        [SamplingParams(temperature=1.0, seed=11)] * draws, list(range(draws)), 4
+    )
     counts = torch.bincount(sample(logits, sampling), minlength=4).float() / draws
     expected = torch.tensor([0.5, 0.3, 0.1, 0.1])
     sigma = torch.sqrt(expected * (1 - expected) / draws)
@@ -101,8 +121,9 @@ def test_temperature_one_matches_softmax_frequencies():
 
 def test_top_k_and_temperature_in_verify_probs():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]])
-    probs = probs_for_verify(logits, torch.tensor([0.5, 0.0]), torch.tensor([2, 4]),
-                             torch.tensor([1.0, 1.0]))
+    probs = probs_for_verify(
+        logits, torch.tensor([0.5, 0.0]), torch.tensor([2, 4]), torch.tensor([1.0, 1.0])
+    )
     expected = torch.softmax(torch.tensor([4.0, 2.0]), dim=0)
     torch.testing.assert_close(probs[0, :2], expected)
     assert probs[0, 2:].abs().sum() == 0
@@ -169,8 +190,9 @@ def test_top_p_one_keeps_every_token_where_fp32_mass_rounds_up():
     batch goes through the filter)."""
     logits = torch.zeros(2, 1000)
     logits[:, 0] = 30.0
-    filtered = _filtered_logits(logits, torch.ones(2), torch.tensor([1000, 1000]),
-                                torch.tensor([1.0, 0.5]))
+    filtered = _filtered_logits(
+        logits, torch.ones(2), torch.tensor([1000, 1000]), torch.tensor([1.0, 0.5])
+    )
     assert torch.isfinite(filtered[0]).all()
     assert torch.isfinite(filtered[1]).sum() == 1
 
@@ -191,8 +213,11 @@ def test_the_cpu_filter_among_candidates_keeps_what_sorting_keeps(batch_seed, mo
     temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0, 1.0])
     sorted_rows = []
     by_sorting = sampling._filtered_by_sorting
-    monkeypatch.setattr(sampling, "_filtered_by_sorting",
-                        lambda s, k, p: sorted_rows.append(len(s)) or by_sorting(s, k, p))
+    monkeypatch.setattr(
+        sampling,
+        "_filtered_by_sorting",
+        lambda s, k, p: sorted_rows.append(len(s)) or by_sorting(s, k, p),
+    )
     fast = _filtered_logits(logits, temperature, top_k, top_p)
     assert sorted_rows == [2]  # rows 4 and 5 only
     monkeypatch.setattr(sampling, "_CANDIDATES", vocab)  # no row has more: always sorted
@@ -205,8 +230,13 @@ def test_the_cpu_filter_among_candidates_keeps_what_sorting_keeps(batch_seed, mo
 
 
 def test_zero_probability_tokens_are_never_drawn():
-    probs = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
-                          [1e-30, 0.0, 1.0, 0.0, 0.0, 0.0]]).repeat(2000, 1)
+    probs = torch.tensor(
+        [
+            [0.0, 0.5, 0.0, 0.0, 0.5, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+            [1e-30, 0.0, 1.0, 0.0, 0.0, 0.0],
+        ]
+    ).repeat(2000, 1)
     rows = probs.shape[0]
     tokens = sample_from_probs(probs, torch.from_numpy(row_uniforms(range(rows), [0] * rows)))
     assert (probs[torch.arange(rows), tokens] > 0).all()

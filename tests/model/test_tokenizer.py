@@ -13,8 +13,12 @@ from engine.model import (
 )
 from engine.model.tokenizer import _from_gguf, tokenizer_cache_dir
 
-TEXTS = ["Hello, world!", "  spaced   out 3 and 42", "Héllo 🚀 日本語\n\tend",
-         "<|im_start|>user\nhi<|im_end|>"]
+TEXTS = [
+    "Hello, world!",
+    "  spaced   out 3 and 42",
+    "Héllo 🚀 日本語\n\tend",
+    "<|im_start|>user\nhi<|im_end|>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,8 @@ def test_encode_decode_and_ids(tokenizer):
     assert tokenizer.decode(ids) == "Hello, world!"
     assert tokenizer.eos_token_id == 2 and tokenizer.vocab_size == 49152
     assert tokenizer.decode([2]) == "" and tokenizer.decode([2], skip_special_tokens=False) == (
-        "<|im_end|>")
+        "<|im_end|>"
+    )
 
 
 def test_chat_template_ends_with_the_assistant_prompt(tokenizer):
@@ -42,11 +47,14 @@ def test_chat_template_ends_with_the_assistant_prompt(tokenizer):
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
-@pytest.mark.parametrize("text", [
-    "Plain ASCII, with punctuation... and numbers 12345.",
-    "Accents: café, naïve, Žluťoučký kůň; CJK: 日本語のテキスト; emoji: 🙂🚀👩‍👩‍👧",
-    "  leading spaces\nand\ttabs\n\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Plain ASCII, with punctuation... and numbers 12345.",
+        "Accents: café, naïve, Žluťoučký kůň; CJK: 日本語のテキスト; emoji: 🙂🚀👩‍👩‍👧",
+        "  leading spaces\nand\ttabs\n\n",
+    ],
+)
 def test_incremental_deltas_rebuild_the_text(tokenizer, text):
     ids = tokenizer.encode(text)
     for prompt in ([], tokenizer.encode("Prompt:")):
@@ -75,11 +83,13 @@ def test_disk_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
     fresh = Tokenizer(_from_gguf(path))  # converts from the GGUF and saves
     assert (tokenizer_cache_dir(path) / "tokenizer.json").is_file()
     from transformers import AutoTokenizer
+
     real = AutoTokenizer.from_pretrained
 
     def from_cache_only(source, *args, **kwargs):  # a GGUF conversion now fails the test
         assert "gguf_file" not in kwargs, "the cached tokenizer was not used"
         return real(source, *args, **kwargs)
+
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_cache_only)
     cached = Tokenizer(_from_gguf(path))
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🚀"}]
@@ -88,9 +98,13 @@ def test_disk_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
         ids = fresh.encode(text)
         assert cached.encode(text) == ids
         assert cached.decode(ids, skip_special_tokens=False) == fresh.decode(
-            ids, skip_special_tokens=False)
+            ids, skip_special_tokens=False
+        )
     assert (cached.eos_token_id, cached.bos_token_id, cached.vocab_size) == (
-        fresh.eos_token_id, fresh.bos_token_id, fresh.vocab_size)
+        fresh.eos_token_id,
+        fresh.bos_token_id,
+        fresh.vocab_size,
+    )
 
 
 def test_cache_can_be_turned_off(monkeypatch):

@@ -10,11 +10,13 @@ SAMPLINGS = {"greedy": {"temperature": 0.0}, "sampled": SAMPLED}
 
 
 @pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
-def test_completion_streamed_equals_non_streamed_equals_generate(served: Served,
-                                                                 sampling: str) -> None:
+def test_completion_streamed_equals_non_streamed_equals_generate(
+    served: Served, sampling: str
+) -> None:
     client = served.client()
-    kwargs = dict(model=served.model, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
-                  **SAMPLINGS[sampling])
+    kwargs = dict(
+        model=served.model, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS, **SAMPLINGS[sampling]
+    )
     full = client.completions.create(**kwargs)
     chunks = list(client.completions.create(stream=True, **kwargs))
     reference = served.references[f"completion/{sampling}"]
@@ -36,8 +38,9 @@ def test_completion_streamed_equals_non_streamed_equals_generate(served: Served,
 @pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
 def test_chat_streamed_equals_non_streamed_equals_generate(served: Served, sampling: str) -> None:
     client = served.client()
-    kwargs = dict(model=served.model, messages=CHAT_MESSAGES, max_tokens=MAX_TOKENS,
-                  **SAMPLINGS[sampling])
+    kwargs = dict(
+        model=served.model, messages=CHAT_MESSAGES, max_tokens=MAX_TOKENS, **SAMPLINGS[sampling]
+    )
     full = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     reference = served.references[f"chat/{sampling}"]
@@ -54,9 +57,16 @@ def test_chat_streamed_equals_non_streamed_equals_generate(served: Served, sampl
 
 
 def test_stream_include_usage_sends_a_final_usage_chunk(served: Served) -> None:
-    chunks = list(served.client().chat.completions.create(
-        model=served.model, messages=CHAT_MESSAGES, max_tokens=4, stream=True,
-        stream_options={"include_usage": True}, extra_body={"top_k": 5, "ignore_eos": True}))
+    chunks = list(
+        served.client().chat.completions.create(
+            model=served.model,
+            messages=CHAT_MESSAGES,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"top_k": 5, "ignore_eos": True},
+        )
+    )
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 4
     assert all(c.usage is None for c in chunks[:-1])
@@ -76,17 +86,25 @@ def test_sse_wire_format_ends_with_done(served: Served) -> None:
 def test_stop_string_ends_the_text_with_finish_reason_stop(served: Served) -> None:
     reference = served.references["completion/greedy"].text
     stop = reference.strip().split()[1]
-    full = served.client().completions.create(model=served.model, prompt=COMPLETION_PROMPT,
-                                              max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    full = served.client().completions.create(
+        model=served.model,
+        prompt=COMPLETION_PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stop=[stop],
+    )
     assert full.choices[0].finish_reason == "stop"
-    assert full.choices[0].text == reference[:reference.index(stop)]
+    assert full.choices[0].text == reference[: reference.index(stop)]
 
 
 def test_token_id_prompt_matches_text_prompt(served: Served) -> None:
     reference = served.references["completion/greedy"]
     full = served.client().completions.create(
-        model=served.model, prompt=list(reference.prompt_token_ids), max_tokens=MAX_TOKENS,
-        temperature=0)
+        model=served.model,
+        prompt=list(reference.prompt_token_ids),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
     assert full.choices[0].text == reference.text
 
 
@@ -100,10 +118,18 @@ def test_models_and_health(served: Served) -> None:
 def test_metrics_lists_engine_and_latency_series(served: Served) -> None:
     served.client().completions.create(model=served.model, prompt="Hi", max_tokens=2)
     text = httpx.get(f"{served.url}/metrics").text
-    for name in ("engine_requests_running", "engine_requests_waiting", "engine_kv_slots_used",
-                 "engine_kv_slots_free", "engine_generation_tokens_total",
-                 "engine_spec_accepted_tokens_total", "engine_spec_acceptance_rate",
-                 "engine_spec_draft_cost",
-                 "engine_step_seconds_bucket", "engine_time_to_first_token_seconds_bucket",
-                 "engine_inter_token_latency_seconds_bucket", "engine_speculative_enabled 0.0"):
+    for name in (
+        "engine_requests_running",
+        "engine_requests_waiting",
+        "engine_kv_slots_used",
+        "engine_kv_slots_free",
+        "engine_generation_tokens_total",
+        "engine_spec_accepted_tokens_total",
+        "engine_spec_acceptance_rate",
+        "engine_spec_draft_cost",
+        "engine_step_seconds_bucket",
+        "engine_time_to_first_token_seconds_bucket",
+        "engine_inter_token_latency_seconds_bucket",
+        "engine_speculative_enabled 0.0",
+    ):
         assert name in text, name

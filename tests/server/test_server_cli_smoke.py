@@ -42,10 +42,16 @@ def _wait_ready(process: subprocess.Popen, url: str) -> None:
     raise AssertionError("engine serve did not answer /health")
 
 
-def _stream_until_end(client: openai.OpenAI, model: str, reasons: list[str | None],
-                      started: threading.Event) -> None:
-    stream = client.completions.create(model=model, prompt="Count slowly:", max_tokens=2000,
-                                       stream=True, extra_body={"ignore_eos": True})
+def _stream_until_end(
+    client: openai.OpenAI, model: str, reasons: list[str | None], started: threading.Event
+) -> None:
+    stream = client.completions.create(
+        model=model,
+        prompt="Count slowly:",
+        max_tokens=2000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for chunk in stream:
         started.set()
         reasons.append(chunk.choices[0].finish_reason)
@@ -56,15 +62,34 @@ def test_engine_serve_subprocess_answers_and_exits_cleanly_on_sigterm(served: Se
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "engine", "serve", "--port", str(port), "--device", "cpu",
-         "--max-context", str(MAX_CONTEXT), "--speculative", "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "serve",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--max-context",
+            str(MAX_CONTEXT),
+            "--speculative",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_ready(process, url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        reply = client.chat.completions.create(model=model, messages=CHAT_MESSAGES,
-                                               max_tokens=MAX_TOKENS, temperature=0)
+        reply = client.chat.completions.create(
+            model=model, messages=CHAT_MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+        )
         assert reply.choices[0].message.content == served.references["chat/greedy"].text
         metrics = httpx.get(f"{url}/metrics").text
         assert "engine_speculative_enabled 1.0" in metrics
@@ -73,8 +98,9 @@ def test_engine_serve_subprocess_answers_and_exits_cleanly_on_sigterm(served: Se
 
         reasons: list[str | None] = []
         started = threading.Event()
-        streamer = threading.Thread(target=_stream_until_end,
-                                    args=(client, model, reasons, started), daemon=True)
+        streamer = threading.Thread(
+            target=_stream_until_end, args=(client, model, reasons, started), daemon=True
+        )
         streamer.start()
         assert started.wait(120), "the long stream produced no chunk"
         process.send_signal(signal.SIGTERM)

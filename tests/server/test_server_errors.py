@@ -22,8 +22,12 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"model": "gpt-4"}, "model", "gpt-4"),
     ("/v1/completions", {"prompt": [7] * 3000}, "prompt", "max_context"),
     ("/v1/completions", {"prompt": "lorem ipsum " * 1500}, "prompt", "max_context"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 3000}]},
-     "messages", "max_context"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x " * 3000}]},
+        "messages",
+        "max_context",
+    ),
     ("/v1/completions", {"max_tokens": -5}, "max_tokens", "-5"),
     ("/v1/chat/completions", {"max_tokens": -1}, "max_tokens", "-1"),
     ("/v1/completions", {"temperature": 2.5}, "temperature", "2.5"),
@@ -35,15 +39,23 @@ BAD_BODIES = [
     ("/v1/completions", {"top_k": 0}, "top_k", "top_k=0"),
     ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
     ("/v1/completions", {"prompt": None}, "prompt", "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
-     "messages.0.role", "robot"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "x"}]},
+        "messages.0.role",
+        "robot",
+    ),
     ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop"),
 ]
 
 
 def _post(served: Served, path: str, content: bytes) -> httpx.Response:
-    return httpx.post(served.url + path, content=content, timeout=120,
-                      headers={"content-type": "application/json"})
+    return httpx.post(
+        served.url + path,
+        content=content,
+        timeout=120,
+        headers={"content-type": "application/json"},
+    )
 
 
 def _assert_still_serving(served: Served, path: str) -> None:
@@ -53,17 +65,19 @@ def _assert_still_serving(served: Served, path: str) -> None:
 
 
 @pytest.mark.parametrize(("path", "change", "param", "words"), BAD_BODIES)
-def test_bad_field_gets_400_naming_it(served: Served, path: str, change: dict, param: str,
-                                      words: str) -> None:
+def test_bad_field_gets_400_naming_it(
+    served: Served, path: str, change: dict, param: str, words: str
+) -> None:
     _assert_rejected(served, path, {**_valid(served, path), **change}, param, words)
 
 
-@pytest.mark.parametrize(("path", "change", "param", "words"),
-                         [BAD_BODIES[i] for i in (0, 2, 4, 5, 10)])
+@pytest.mark.parametrize(
+    ("path", "change", "param", "words"), [BAD_BODIES[i] for i in (0, 2, 4, 5, 10)]
+)
 def test_bad_field_of_a_stream_request_gets_400_before_any_event(
-        served: Served, path: str, change: dict, param: str, words: str) -> None:
-    _assert_rejected(served, path, {**_valid(served, path), **change, "stream": True}, param,
-                     words)
+    served: Served, path: str, change: dict, param: str, words: str
+) -> None:
+    _assert_rejected(served, path, {**_valid(served, path), **change, "stream": True}, param, words)
 
 
 def _assert_rejected(served: Served, path: str, body: dict, param: str, words: str) -> None:
@@ -89,9 +103,12 @@ def test_malformed_json_gets_400(served: Served, raw: bytes) -> None:
 def test_missing_field_is_named(served: Served) -> None:
     response = _post(served, "/v1/chat/completions", json.dumps({"model": served.model}).encode())
     assert response.status_code == 400
-    assert response.json()["error"] == {"message": "messages is required",
-                                        "type": "invalid_request_error",
-                                        "param": "messages", "code": "invalid_value"}
+    assert response.json()["error"] == {
+        "message": "messages is required",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "invalid_value",
+    }
 
 
 def test_openai_client_raises_bad_request_and_the_next_call_works(served: Served) -> None:

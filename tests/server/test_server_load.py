@@ -19,8 +19,12 @@ SETTLE_POLLS = 400
 def scrape(served: Served) -> dict[str, float]:
     """Unlabelled samples of /metrics, by sample name."""
     text = httpx.get(f"{served.url}/metrics", timeout=30).text
-    return {sample.name: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if not sample.labels}
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
 
 
 def settle(served: Served) -> dict[str, float]:
@@ -28,8 +32,11 @@ def settle(served: Served) -> dict[str, float]:
     applied at the engine's next step); returns the last scrape."""
     for _ in range(SETTLE_POLLS):
         metrics = scrape(served)
-        if (metrics["engine_requests_running"] == 0 and metrics["engine_requests_waiting"] == 0
-                and metrics["engine_kv_slots_used"] == 0):
+        if (
+            metrics["engine_requests_running"] == 0
+            and metrics["engine_requests_waiting"] == 0
+            and metrics["engine_kv_slots_used"] == 0
+        ):
             return metrics
         time.sleep(0.05)
     return metrics
@@ -41,30 +48,44 @@ def assert_all_slots_free(served: Served, metrics: dict[str, float]) -> None:
     assert metrics["engine_kv_slots_free"] == metrics["engine_kv_slots_total"] > 0
     assert metrics["engine_http_requests_in_flight"] == 0
     engine_metrics = served.engine.metrics()
-    for field, name in (("kv_slots_used", "engine_kv_slots_used"),
-                        ("kv_slots_free", "engine_kv_slots_free"),
-                        ("num_running", "engine_requests_running")):
+    for field, name in (
+        ("kv_slots_used", "engine_kv_slots_used"),
+        ("kv_slots_free", "engine_kv_slots_free"),
+        ("num_running", "engine_requests_running"),
+    ):
         assert _field(engine_metrics, field) == metrics[name], field
     served.engine.check()  # slot conservation and request-table integrity, from the engine
 
 
 def _field(engine_metrics: object, field: str) -> float:
-    return engine_metrics[field] if isinstance(engine_metrics, dict) else getattr(engine_metrics,
-                                                                                  field)
+    return (
+        engine_metrics[field]
+        if isinstance(engine_metrics, dict)
+        else getattr(engine_metrics, field)
+    )
 
 
 def _body(served: Served, index: int, max_tokens: int = LOAD_MAX_TOKENS) -> dict:
-    return {"model": served.model, "prompt": f"Story number {index}: once upon a time",
-            "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    return {
+        "model": served.model,
+        "prompt": f"Story number {index}: once upon a time",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def test_32_concurrent_streaming_clients(served: Served) -> None:
     async def one(client: openai.AsyncOpenAI, index: int) -> tuple[str, str, int]:
         stream = await client.completions.create(
-            model=served.model, prompt=f"Story number {index}: once upon a time",
-            max_tokens=LOAD_MAX_TOKENS, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
+            model=served.model,
+            prompt=f"Story number {index}: once upon a time",
+            max_tokens=LOAD_MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         chunks = [chunk async for chunk in stream]
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         return text, chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens
@@ -95,8 +116,9 @@ async def _stay(client: httpx.AsyncClient, url: str, body: dict) -> tuple[str, i
     return reason, tokens
 
 
-async def _leave_after_events(client: httpx.AsyncClient, url: str, body: dict,
-                              num_events: int) -> None:
+async def _leave_after_events(
+    client: httpx.AsyncClient, url: str, body: dict, num_events: int
+) -> None:
     async with client.stream("POST", url, json=body) as response:
         seen = 0
         async for line in response.aiter_lines():
@@ -105,8 +127,7 @@ async def _leave_after_events(client: httpx.AsyncClient, url: str, body: dict,
                 return  # leaving the block closes the connection mid-stream
 
 
-async def _leave_at_once(client: httpx.AsyncClient, url: str, body: dict,
-                         delay_s: float) -> None:
+async def _leave_at_once(client: httpx.AsyncClient, url: str, body: dict, delay_s: float) -> None:
     """Cancels the request after delay_s, whether it is waiting, streaming or done."""
     task = asyncio.ensure_future(_stay(client, url, body))
     await asyncio.sleep(delay_s)
@@ -162,7 +183,10 @@ def test_a_disconnect_mid_stream_aborts_the_request_and_frees_its_slots(served: 
 
 def scrape_abort_count(served: Served) -> float:
     text = httpx.get(f"{served.url}/metrics", timeout=30).text
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples
-               if sample.name == "engine_http_requests_finished_total"
-               and sample.labels.get("finish_reason") == "abort")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "engine_http_requests_finished_total"
+        and sample.labels.get("finish_reason") == "abort"
+    )

@@ -15,17 +15,37 @@ def test_defaults_are_valid_and_documented() -> None:
         assert f"{field.name} (" in SpecConfig.__doc__, f"{field.name} has no documented default"
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("max_trie_depth", 1), ("max_trie_depth", 65), ("max_trie_depth", 8.0),
-    ("draft_budget", -1), ("draft_budget", 63), ("draft_budget", True),
-    ("min_breadth", 0), ("max_breadth", 0),
-    ("capacity", 100), ("capacity", None),
-    ("min_match", 0), ("min_match", 16), ("max_match", 1), ("max_match", 16),
-    ("adaptive", 1), ("adapt_window", 0), ("shrink_below", -0.1), ("shrink_below", "0.5"),
-    ("grow_at_least", 0.5), ("probe_interval", 0),
-    ("draft_cost", -0.1), ("draft_cost", 1.5), ("draft_cost", "0.1"), ("draft_cost", float("nan")),
-    ("shrink_after_loss", 0), ("shrink_after_loss", None),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_trie_depth", 1),
+        ("max_trie_depth", 65),
+        ("max_trie_depth", 8.0),
+        ("draft_budget", -1),
+        ("draft_budget", 63),
+        ("draft_budget", True),
+        ("min_breadth", 0),
+        ("max_breadth", 0),
+        ("capacity", 100),
+        ("capacity", None),
+        ("min_match", 0),
+        ("min_match", 16),
+        ("max_match", 1),
+        ("max_match", 16),
+        ("adaptive", 1),
+        ("adapt_window", 0),
+        ("shrink_below", -0.1),
+        ("shrink_below", "0.5"),
+        ("grow_at_least", 0.5),
+        ("probe_interval", 0),
+        ("draft_cost", -0.1),
+        ("draft_cost", 1.5),
+        ("draft_cost", "0.1"),
+        ("draft_cost", float("nan")),
+        ("shrink_after_loss", 0),
+        ("shrink_after_loss", None),
+    ],
+)
 def test_invalid_field_is_named(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"^{field}={value!r} is not allowed; {field} must be"):
         SpecConfig(**{field: value})

@@ -116,8 +116,7 @@ def test_old_passes_are_forgotten() -> None:
     assert cost.fit()[1] == pytest.approx(0.0, abs=1e-9)
 
 
-@pytest.mark.parametrize(("rows", "seconds"), [(0, 0.01), (1, -0.01), (1, math.nan),
-                                               (1, math.inf)])
+@pytest.mark.parametrize(("rows", "seconds"), [(0, 0.01), (1, -0.01), (1, math.nan), (1, math.inf)])
 def test_bad_pass_is_refused(rows: int, seconds: float) -> None:
     with pytest.raises(ValueError, match="is not a pass"):
         PassCost().observe(rows, seconds)

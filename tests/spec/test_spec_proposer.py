@@ -17,8 +17,13 @@ def propose(history: list[int], budget: int | None = None, **config: int) -> Dra
 
 def test_longest_match_then_recency_among_equal_counts() -> None:
     # "1 2" is followed by 3 twice; after "1 2 3" come 4 (older) and 6 (newer), once each.
-    tree = propose([1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 1, 2], max_trie_depth=6, min_match=1,
-                   max_match=3, capacity=144)
+    tree = propose(
+        [1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 1, 2],
+        max_trie_depth=6,
+        min_match=1,
+        max_match=3,
+        capacity=144,
+    )
     assert tree == DraftTree((2, 3, 6, 4, 7, 5, 1, 1), (-1, 0, 1, 1, 2, 3, 4, 5), match_len=2)
 
 
@@ -27,7 +32,8 @@ def test_frequency_ranks_first_and_budget_cuts_best_first() -> None:
     history = [5, 1, 9, 5, 1, 9, 5, 2, 9, 5]
     config = {"max_trie_depth": 4, "min_match": 1, "max_match": 1, "capacity": 64}
     assert propose(history, **config) == DraftTree(
-        (5, 1, 9, 5, 2, 9, 5), (-1, 0, 1, 2, 0, 4, 5), match_len=1)
+        (5, 1, 9, 5, 2, 9, 5), (-1, 0, 1, 2, 0, 4, 5), match_len=1
+    )
     assert propose(history, budget=3, **config) == DraftTree((5, 1, 9, 5), (-1, 0, 1, 2), 1)
     assert propose(history, budget=4, **config).tokens == (5, 1, 9, 5, 2)
     assert propose(history, budget=0, **config) == DraftTree.root_only(5)
@@ -41,8 +47,7 @@ def test_a_longer_match_wins_over_a_more_frequent_short_one() -> None:
 
 def test_breadth_limits_the_children_kept() -> None:
     history = [0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0]
-    tree = propose(history, max_trie_depth=3, min_match=1, max_match=1, max_breadth=3,
-                   capacity=36)
+    tree = propose(history, max_trie_depth=3, min_match=1, max_match=1, max_breadth=3, capacity=36)
     assert tree == DraftTree((0, 5, 4, 3, 0, 0, 0), (-1, 0, 0, 0, 1, 2, 3), match_len=1)
 
 
@@ -53,8 +58,7 @@ def test_no_match_gives_the_root_only() -> None:
 
 
 def test_corpus_is_used_when_it_matches_longer() -> None:
-    proposer = NgramProposer(SpecConfig(max_trie_depth=6, min_match=1, max_match=3,
-                                        capacity=144))
+    proposer = NgramProposer(SpecConfig(max_trie_depth=6, min_match=1, max_match=3, capacity=144))
     proposer.add_corpus([10, 11, 12, 13, 14])
     proposer.add_corpus([20, 21])
     proposer.add_request(1, [12, 30, 11, 12])
@@ -95,19 +99,33 @@ def test_extend_context_and_remove() -> None:
 
 def occurs(history: list[int], gram: list[int]) -> bool:
     n = len(gram)
-    return any(history[i:i + n] == gram for i in range(len(history) - n + 1))
+    return any(history[i : i + n] == gram for i in range(len(history) - n + 1))
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=80),
-       st.lists(st.lists(st.integers(0, 3), max_size=5), max_size=4),
-       st.integers(0, 12), st.integers(3, 6), st.integers(1, 3), st.integers(1, 4))
-def test_every_tree_respects_budget_and_is_seen(prompt: list[int], chunks: list[list[int]],
-                                                budget: int, depth: int, min_match: int,
-                                                max_breadth: int) -> None:
-    config = SpecConfig(max_trie_depth=depth, min_match=min(min_match, depth - 1),
-                        max_match=depth - 1,
-                        max_breadth=max_breadth, capacity=4 * depth * depth)
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=80),
+    st.lists(st.lists(st.integers(0, 3), max_size=5), max_size=4),
+    st.integers(0, 12),
+    st.integers(3, 6),
+    st.integers(1, 3),
+    st.integers(1, 4),
+)
+def test_every_tree_respects_budget_and_is_seen(
+    prompt: list[int],
+    chunks: list[list[int]],
+    budget: int,
+    depth: int,
+    min_match: int,
+    max_breadth: int,
+) -> None:
+    config = SpecConfig(
+        max_trie_depth=depth,
+        min_match=min(min_match, depth - 1),
+        max_match=depth - 1,
+        max_breadth=max_breadth,
+        capacity=4 * depth * depth,
+    )
     proposer = NgramProposer(config)
     proposer.add_request(0, prompt)
     history = list(prompt)
@@ -120,7 +138,7 @@ def test_every_tree_respects_budget_and_is_seen(prompt: list[int], chunks: list[
         if len(tree.tokens) == 1:
             continue
         assert config.min_match <= tree.match_len <= depth - 1
-        suffix = history[len(history) - tree.match_len:]
+        suffix = history[len(history) - tree.match_len :]
         for node in range(1, len(tree.tokens)):
             path = []
             walk = node
@@ -130,22 +148,31 @@ def test_every_tree_respects_budget_and_is_seen(prompt: list[int], chunks: list[
             assert len(suffix) + len(path) <= depth
             assert occurs(history, suffix + path[::-1]), "a draft path never occurred"
         for node in range(len(tree.tokens)):
-            sibling_tokens = [token for token, parent in zip(tree.tokens, tree.parents, strict=True)
-                              if parent == node]
+            sibling_tokens = [
+                token
+                for token, parent in zip(tree.tokens, tree.parents, strict=True)
+                if parent == node
+            ]
             assert len(sibling_tokens) == len(set(sibling_tokens))
             assert len(sibling_tokens) <= config.breadth(tree.match_len)
 
 
 @settings(max_examples=60, deadline=None)
-@given(history=st.lists(st.integers(0, 5), min_size=1, max_size=80),
-       corpus=st.lists(st.integers(0, 5), max_size=40),
-       min_match=st.integers(1, 3), extra=st.integers(0, 4), capacity=st.sampled_from([256, 512]))
-def test_a_suffix_without_a_shorter_match_has_no_longer_one(history, corpus, min_match, extra,
-                                                           capacity) -> None:
+@given(
+    history=st.lists(st.integers(0, 5), min_size=1, max_size=80),
+    corpus=st.lists(st.integers(0, 5), max_size=40),
+    min_match=st.integers(1, 3),
+    extra=st.integers(0, 4),
+    capacity=st.sampled_from([256, 512]),
+)
+def test_a_suffix_without_a_shorter_match_has_no_longer_one(
+    history, corpus, min_match, extra, capacity
+) -> None:
     """The proposer stops when the shortest suffix has no continuation. Searched longest
     first without that stop (as before it), every match is the same, eviction included."""
-    config = SpecConfig(max_trie_depth=8, min_match=min_match, max_match=min_match + extra,
-                        capacity=capacity)
+    config = SpecConfig(
+        max_trie_depth=8, min_match=min_match, max_match=min_match + extra, capacity=capacity
+    )
     proposer = NgramProposer(config)
     if corpus:
         proposer.add_corpus(corpus)

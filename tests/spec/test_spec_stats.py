@@ -12,8 +12,9 @@ def test_histogram_means_and_totals() -> None:
     stats = SpecStats(SpecConfig(adaptive=False))
     stats.add(1)
     stats.add(2)
-    stats.record_batch([1, 2], stack([DraftTree((1, 2, 3), (-1, 0, 1)),
-                                      DraftTree.root_only(4)]), [2, 0])
+    stats.record_batch(
+        [1, 2], stack([DraftTree((1, 2, 3), (-1, 0, 1)), DraftTree.root_only(4)]), [2, 0]
+    )
     stats.record(1, drafted=4, accepted=1)
     one = stats.request(1)
     assert (one.steps, one.drafting_steps, one.drafted, one.accepted) == (2, 2, 6, 3)
@@ -27,8 +28,9 @@ def test_histogram_means_and_totals() -> None:
 
 
 def test_budget_shrinks_to_root_only_probes_and_grows_back() -> None:
-    config = SpecConfig(draft_budget=8, adapt_window=4, shrink_below=0.5, grow_at_least=1.5,
-                        probe_interval=3)
+    config = SpecConfig(
+        draft_budget=8, adapt_window=4, shrink_below=0.5, grow_at_least=1.5, probe_interval=3
+    )
     stats = SpecStats(config)
     stats.add(0)
     budgets = []
@@ -63,8 +65,9 @@ def test_a_rejected_probe_returns_to_root_only_at_once() -> None:
 
 
 def test_a_window_of_half_accepted_drafts_grows_the_budget() -> None:
-    stats = SpecStats(SpecConfig(draft_budget=8, adapt_window=2, shrink_below=0.5,
-                                 grow_at_least=1.5))
+    stats = SpecStats(
+        SpecConfig(draft_budget=8, adapt_window=2, shrink_below=0.5, grow_at_least=1.5)
+    )
     stats.add(0)
     stats.record(0, drafted=8, accepted=0)
     stats.record(0, drafted=8, accepted=1)  # mean 0.5 >= shrink_below: stays
@@ -121,8 +124,9 @@ def test_a_verify_pass_premium_is_shared_by_the_requests_that_drafted() -> None:
     shared = SpecStats(config)
     for rid in range(3):
         shared.add(rid)
-    trees = stack([DraftTree((5, 6, 7), (-1, 0, 1)), DraftTree((5, 6, 7), (-1, 0, 1)),
-                   DraftTree.root_only(5)])
+    trees = stack(
+        [DraftTree((5, 6, 7), (-1, 0, 1)), DraftTree((5, 6, 7), (-1, 0, 1)), DraftTree.root_only(5)]
+    )
     for _ in range(6):
         shared.record_batch([0, 1, 2], trees, [1, 1, 0], 0.02, verify_premium=1.5)
     assert [shared.budget(r) for r in range(3)] == [2, 2, 2]

@@ -33,8 +33,14 @@ def test_hand_built_links_positions_and_mask() -> None:
     assert positions(trees, SeqLens([4, 10])).tolist() == [4, 10, 11, 11, 12, 12, 12]
     mask = ancestor_mask(trees).astype(int)
     assert mask.tolist() == [
-        [1, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 0, 1, 0, 0, 1]]
+        [1, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 1],
+    ]
     assert unstack(trees) == [DraftTree.root_only(7), DraftTree(tree.tokens, tree.parents)]
 
 

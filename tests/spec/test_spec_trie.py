@@ -12,7 +12,7 @@ from engine.spec.trie import ROOT, Trie
 
 def occurrences(history: list[int], gram: list[int]) -> int:
     n = len(gram)
-    return sum(history[i:i + n] == gram for i in range(len(history) - n + 1))
+    return sum(history[i : i + n] == gram for i in range(len(history) - n + 1))
 
 
 def all_grams(trie: Trie) -> dict[tuple[int, ...], int]:
@@ -37,20 +37,24 @@ def check_structure(trie: Trie) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=10),
-       st.integers(2, 5))
+@given(
+    st.lists(st.integers(0, 3), max_size=40),
+    st.lists(st.integers(0, 3), max_size=10),
+    st.integers(2, 5),
+)
 def test_counts_equal_occurrences(prompt: list[int], more: list[int], depth: int) -> None:
     trie = Trie(depth, capacity=10_000)
     trie.add(prompt)
     trie.add(more)  # extending a stream continues its open windows
     history = prompt + more
     grams = all_grams(trie)
-    expected = {tuple(history[i:i + n]) for n in range(1, depth + 1)
-                for i in range(len(history) - n + 1)}
+    expected = {
+        tuple(history[i : i + n]) for n in range(1, depth + 1) for i in range(len(history) - n + 1)
+    }
     assert set(grams) == expected
     for gram, node in grams.items():
         assert trie.count[node] == occurrences(history, list(gram))
-        last_start = max(i for i in range(len(history)) if history[i:i + len(gram)] == list(gram))
+        last_start = max(i for i in range(len(history)) if history[i : i + len(gram)] == list(gram))
         assert trie.stamp[node] == last_start
     check_structure(trie)
 
@@ -75,9 +79,9 @@ def test_eviction_keeps_the_recent_windows() -> None:
     trie.add(history[300:])
     assert trie.num_nodes <= capacity
     for start in range(len(history) - 8, len(history)):
-        assert trie.find(history[start:start + depth]) >= 0, f"window at {start} was evicted"
+        assert trie.find(history[start : start + depth]) >= 0, f"window at {start} was evicted"
     for start in range(400):
-        assert trie.find(history[start:start + 1]) < 0, f"old window at {start} was kept"
+        assert trie.find(history[start : start + 1]) < 0, f"old window at {start} was kept"
     check_structure(trie)
 
 
@@ -97,7 +101,7 @@ def test_eviction_keeps_structure_and_open_windows(history: list[int], depth: in
     capacity = 4 * depth * depth
     trie = Trie(depth, capacity)
     for start in range(0, len(history), 7):
-        trie.add(history[start:start + 7])
+        trie.add(history[start : start + 7])
     assert trie.num_nodes <= capacity
     check_structure(trie)
     for gram, node in all_grams(trie).items():

@@ -22,13 +22,16 @@ def outcome_lists(trees: list[DraftTree], argmax: list[int]) -> tuple[list, list
     return result.accepted_lens.tolist(), result.accepted_nodes.tolist(), result.bonus.tolist()
 
 
-@pytest.mark.parametrize(("argmax", "accepted", "bonus"), [
-    ([6, 8, 0, 0, 0, 0], [1, 3], 0),  # root -> 1:6 -> 3:8, a leaf: bonus from node 3
-    ([6, 6, 0, 0, 3, 0], [1, 4], 3),  # at node 1 the argmax is 6: the second child
-    ([7, 6, 9, 0, 0, 4], [2, 5], 4),  # the root's second child, then its child
-    ([6, 2, 0, 0, 0, 0], [1], 2),  # node 1's children both rejected: bonus 2 from node 1
-    ([3, 8, 9, 0, 0, 0], [], 3),  # nothing accepted: bonus is the root's argmax
-])
+@pytest.mark.parametrize(
+    ("argmax", "accepted", "bonus"),
+    [
+        ([6, 8, 0, 0, 0, 0], [1, 3], 0),  # root -> 1:6 -> 3:8, a leaf: bonus from node 3
+        ([6, 6, 0, 0, 3, 0], [1, 4], 3),  # at node 1 the argmax is 6: the second child
+        ([7, 6, 9, 0, 0, 4], [2, 5], 4),  # the root's second child, then its child
+        ([6, 2, 0, 0, 0, 0], [1], 2),  # node 1's children both rejected: bonus 2 from node 1
+        ([3, 8, 9, 0, 0, 0], [], 3),  # nothing accepted: bonus is the root's argmax
+    ],
+)
 def test_hand_built_paths(argmax: list[int], accepted: list[int], bonus: int) -> None:
     assert outcome_lists([TREE], argmax) == ([len(accepted)], accepted, [bonus])
 
@@ -80,8 +83,16 @@ def test_equals_sequential_reference(cases: list[tuple[DraftTree, list[int]]]) -
 def test_outcome_commits_through_the_state_verify() -> None:
     trees = [TREE, DraftTree.root_only(3)]
     token_lens = np.array([10, 4])
-    running = Running([11, 12], [0, 1], SeqLens(token_lens - 1), SeqLens(token_lens), [8, 2],
-                      [5, 3], FinishRules([100, 100], [0, 0], [-1, -1], np.zeros((2, 0))), 64)
+    running = Running(
+        [11, 12],
+        [0, 1],
+        SeqLens(token_lens - 1),
+        SeqLens(token_lens),
+        [8, 2],
+        [5, 3],
+        FinishRules([100, 100], [0, 0], [-1, -1], np.zeros((2, 0))),
+        64,
+    )
     batch = schedule_verify(running, stack(trees), np.arange(1, 8))
     result = verify_greedy(batch.trees, np.array([6, 6, 0, 0, 3, 0, 1]))
     after = verify(batch, result.accepted_lens, result.accepted_nodes, result.bonus)

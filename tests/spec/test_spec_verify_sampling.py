@@ -74,7 +74,7 @@ def test_reproducible_per_request() -> None:
     assert run(None) == run(None)
     assert run(5) != run(6) and run(5) != run(None)
     # A request's draws depend on its own generator only, not on its batch neighbours.
-    alone = verify_sampling(stack(trees[:1]), probs[:len(TEMPLATE.tokens)], [request_rng(9, 5)])
+    alone = verify_sampling(stack(trees[:1]), probs[: len(TEMPLATE.tokens)], [request_rng(9, 5)])
     assert alone.emitted(stack(trees[:1]))[0] == run(5)[0]
     assert len({tuple(tokens) for tokens in run(None)}) > 5
 
@@ -98,11 +98,13 @@ def test_rejected_tokens_never_come_back_as_bonus() -> None:
     probs[:, 1] = 1.0
     probs[0] = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.5, 0.0])
     trees = [TEMPLATE] * 200
-    result = verify_sampling(stack(trees), probs.repeat(200, 1),
-                             [request_rng(r, None) for r in range(200)])
+    result = verify_sampling(
+        stack(trees), probs.repeat(200, 1), [request_rng(r, None) for r in range(200)]
+    )
     emitted = result.emitted(stack(trees))
-    rejected_at_root = [tokens for tokens, n in zip(emitted, result.accepted_lens.tolist(),
-                                                    strict=True) if n == 0]
+    rejected_at_root = [
+        tokens for tokens, n in zip(emitted, result.accepted_lens.tolist(), strict=True) if n == 0
+    ]
     assert 60 < len(rejected_at_root) < 140
     assert all(tokens == [4] for tokens in rejected_at_root)
     assert all(tokens[:2] == [2, 1] for tokens in emitted if tokens != [4])
@@ -115,8 +117,7 @@ def test_shape_errors() -> None:
     with pytest.raises(ValueError, match="2 generators for 1 requests"):
         verify_sampling(trees, torch.ones(8, VOCAB), [request_rng(0, 0)] * 2)
     with pytest.raises(ValueError, match=r"requests \[0\] have no probability mass left"):
-        verify_sampling(stack([DraftTree.root_only(0)]), torch.zeros(1, VOCAB),
-                        [request_rng(0, 0)])
+        verify_sampling(stack([DraftTree.root_only(0)]), torch.zeros(1, VOCAB), [request_rng(0, 0)])
 
 
 @st.composite
@@ -124,8 +125,13 @@ def trees_with_probs(draw: st.DrawFn) -> tuple[DraftTree, np.ndarray]:
     size = draw(st.integers(1, 10))
     parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, size)]
     tokens = draw(st.lists(st.integers(0, 3), min_size=size, max_size=size))
-    rows = draw(st.lists(st.lists(st.sampled_from([0.0, 0.1, 0.5, 1.0]), min_size=4,
-                                  max_size=4).filter(any), min_size=size, max_size=size))
+    rows = draw(
+        st.lists(
+            st.lists(st.sampled_from([0.0, 0.1, 0.5, 1.0]), min_size=4, max_size=4).filter(any),
+            min_size=size,
+            max_size=size,
+        )
+    )
     return DraftTree(tokens, parents), np.array(rows)
 
 
@@ -139,7 +145,7 @@ def test_accepted_and_bonus_tokens_are_possible(cases: list, seed: int) -> None:
     bounds = result.accepted_lens.indptr()
     for i, (tree, rows) in enumerate(cases):
         node = 0
-        for child in result.accepted_nodes[bounds[i]:bounds[i + 1]].tolist():
+        for child in result.accepted_nodes[bounds[i] : bounds[i + 1]].tolist():
             assert tree.parents[child] == node and rows[node, tree.tokens[child]] > 0
             node = child
         bonus = int(result.bonus[i])

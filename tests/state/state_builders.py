@@ -26,21 +26,26 @@ class Rule:
 
 rules_strategy = st.builds(
     lambda max_new, min_frac, eos, stops: Rule(max_new, min(max_new, min_frac), eos, stops),
-    st.integers(1, 20), st.integers(0, 4), st.integers(-1, VOCAB - 1),
-    st.lists(st.integers(0, VOCAB - 1), max_size=2, unique=True).map(tuple))
+    st.integers(1, 20),
+    st.integers(0, 4),
+    st.integers(-1, VOCAB - 1),
+    st.lists(st.integers(0, VOCAB - 1), max_size=2, unique=True).map(tuple),
+)
 
 
 def finish_rules(rules: Sequence[Rule]) -> FinishRules:
     width = max((len(r.stops) for r in rules), default=0)
     stops = np.full((len(rules), width), -1, dtype=np.int64)
     for i, rule in enumerate(rules):
-        stops[i, :len(rule.stops)] = rule.stops
-    return FinishRules([r.max_new for r in rules], [r.min_new for r in rules],
-                       [r.eos for r in rules], stops)
+        stops[i, : len(rule.stops)] = rule.stops
+    return FinishRules(
+        [r.max_new for r in rules], [r.min_new for r in rules], [r.eos for r in rules], stops
+    )
 
 
-def ref_finish(tokens: Sequence[int], rule: Rule, num_output: int, token_len: int,
-               max_context: int) -> tuple[int, FinishReason]:
+def ref_finish(
+    tokens: Sequence[int], rule: Rule, num_output: int, token_len: int, max_context: int
+) -> tuple[int, FinishReason]:
     """Append `tokens` one by one; (how many are kept, why the request stopped)."""
     for kept, token in enumerate(tokens, start=1):
         num_output += 1
@@ -53,19 +58,35 @@ def ref_finish(tokens: Sequence[int], rule: Rule, num_output: int, token_len: in
     return len(tokens), FinishReason.NONE
 
 
-def running_of(rids: Sequence[int], rows: Sequence[int], kv_lens: Sequence[int],
-               token_lens: Sequence[int], prompt_lens: Sequence[int],
-               last_tokens: Sequence[int], rules: Sequence[Rule], max_context: int) -> Running:
-    return Running(rids, rows, SeqLens(kv_lens), SeqLens(token_lens), prompt_lens, last_tokens,
-                   finish_rules(rules), max_context)
+def running_of(
+    rids: Sequence[int],
+    rows: Sequence[int],
+    kv_lens: Sequence[int],
+    token_lens: Sequence[int],
+    prompt_lens: Sequence[int],
+    last_tokens: Sequence[int],
+    rules: Sequence[Rule],
+    max_context: int,
+) -> Running:
+    return Running(
+        rids,
+        rows,
+        SeqLens(kv_lens),
+        SeqLens(token_lens),
+        prompt_lens,
+        last_tokens,
+        finish_rules(rules),
+        max_context,
+    )
 
 
 @st.composite
 def tree_lists(draw: st.DrawFn, root: int, max_size: int = 8) -> tuple[list[int], list[int]]:
     """(tokens, parents) of one random draft tree rooted at `root`."""
     size = draw(st.integers(1, max_size))
-    tokens = [root] + draw(st.lists(st.integers(0, VOCAB - 1), min_size=size - 1,
-                                    max_size=size - 1))
+    tokens = [root] + draw(
+        st.lists(st.integers(0, VOCAB - 1), min_size=size - 1, max_size=size - 1)
+    )
     parents = [-1] + [draw(st.integers(0, node - 1)) for node in range(1, size)]
     return tokens, parents
 
@@ -109,7 +130,7 @@ class SnapshotRecorder:
             arrays = arrays_of(value)
             self.kept.append((value, {name: a.copy() for name, a in arrays.items()}))
             check_totals(value)
-        del self.kept[:-self.keep]
+        del self.kept[: -self.keep]
 
     def check(self) -> None:
         for value, saved in self.kept:

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from state_builders import Rule, running_of
 
 from engine import state
-from engine.kv import PADDING_SLOT, KVBook, OutOfSlots, RequestTable, SlotAllocator
+from engine.shell.kv import KVBook, OutOfSlots, RequestTable, SlotAllocator
+from engine.state import PADDING_SLOT
 
 
 @settings(max_examples=60, deadline=None)

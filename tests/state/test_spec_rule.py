@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from state_builders import VOCAB, Rule, check_totals, finish_rules, ref_finish, rules_strategy
 
 from engine import state
-from engine.kv import KVBook
+from engine.shell.kv import KVBook
 from engine.spec import NgramProposer, SpecConfig, verify_greedy
 from engine.spec.tree import parent_flat
 from engine.state import FinishReason, Running
@@ -24,16 +24,20 @@ tokens_st = st.integers(0, VOCAB - 1)
 class SpecMachine(RuleBasedStateMachine):
     """Requests that only ever speculate (a prefill, then verify steps), with retraction."""
 
-    @initialize(capacity=st.integers(MAX_CONTEXT + 8, 96), num_rows=st.integers(1, 4),
-                table_seed=st.integers(0, 2**16))
+    @initialize(
+        capacity=st.integers(MAX_CONTEXT + 8, 96),
+        num_rows=st.integers(1, 4),
+        table_seed=st.integers(0, 2**16),
+    )
     def setup(self, capacity: int, num_rows: int, table_seed: int) -> None:
         # The synthetic target: its next token is a function of the last two (so text repeats
         # and n-gram drafts get accepted), from a small vocabulary.
         self.table = np.random.default_rng(table_seed).integers(0, VOCAB, (VOCAB, VOCAB))
         self.book = KVBook(capacity, num_rows, MAX_CONTEXT)
         self.running = Running.empty(MAX_CONTEXT)
-        self.proposer = NgramProposer(SpecConfig(draft_budget=DRAFT_BUDGET, max_trie_depth=8,
-                                                 min_match=1, max_match=3))
+        self.proposer = NgramProposer(
+            SpecConfig(draft_budget=DRAFT_BUDGET, max_trie_depth=8, min_match=1, max_match=3)
+        )
         self.prompts: dict[int, list[int]] = {}
         self.rules: dict[int, Rule] = {}
         self.tokens: dict[int, list[int]] = {}  # prompt + outputs, as the effects told
@@ -52,8 +56,9 @@ class SpecMachine(RuleBasedStateMachine):
         tokens = list(prompt)
         while True:
             token = self._next(tokens)
-            _, reason = ref_finish([token], rule, len(tokens) - len(prompt), len(tokens),
-                                   MAX_CONTEXT)
+            _, reason = ref_finish(
+                [token], rule, len(tokens) - len(prompt), len(tokens), MAX_CONTEXT
+            )
             tokens.append(token)
             if reason != FinishReason.NONE:
                 return tokens, reason
@@ -76,10 +81,18 @@ class SpecMachine(RuleBasedStateMachine):
         """Admit `rid` (new or retracted) and compute all its known tokens in one pass."""
         known = self.tokens[rid]
         rules = finish_rules([self.rules[rid]])
-        entering = Running.admitted([rid], [self.book.table.alloc_row()], [len(known)],
-                                    [len(self.prompts[rid])], [known[-1]], rules, MAX_CONTEXT)
-        batch = state.schedule_extend(entering, [len(known)], np.asarray(known),
-                                      self.book.slots.alloc(len(known)))
+        entering = Running.admitted(
+            [rid],
+            [self.book.table.alloc_row()],
+            [len(known)],
+            [len(self.prompts[rid])],
+            [known[-1]],
+            rules,
+            MAX_CONTEXT,
+        )
+        batch = state.schedule_extend(
+            entering, [len(known)], np.asarray(known), self.book.slots.alloc(len(known))
+        )
         check_totals(batch)
         result = state.extend(batch, [self._next(known)])
         self._apply(result)
@@ -140,8 +153,7 @@ class SpecMachine(RuleBasedStateMachine):
         check_totals(batch)
         outcome = verify_greedy(trees, self._target_argmax(trees))
         self.accepted += outcome.accepted_lens.total
-        result = state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes,
-                              outcome.bonus)
+        result = state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus)
         self.running = result.running
         self._apply(result)
 
@@ -173,7 +185,7 @@ class SpecMachine(RuleBasedStateMachine):
             if rid in self.finished:
                 assert tokens == expected and self.finished[rid] == reason
             else:
-                assert tokens == expected[:len(tokens)]
+                assert tokens == expected[: len(tokens)]
             if rid in self.proposer:
                 assert self.proposer.history(rid) == tokens
 
@@ -192,8 +204,11 @@ class SpecMachine(RuleBasedStateMachine):
 
 
 SpecMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=25, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=60,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestSpecMachine = SpecMachine.TestCase
 
 

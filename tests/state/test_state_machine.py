@@ -7,14 +7,21 @@ import attrs
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine, initialize, invariant, precondition, rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from state_builders import (
-    VOCAB, Rule, SnapshotRecorder, check_totals, finish_rules, path_to, ref_finish,
-    rules_strategy, tree_lists)
+    VOCAB,
+    Rule,
+    SnapshotRecorder,
+    check_totals,
+    finish_rules,
+    path_to,
+    ref_finish,
+    rules_strategy,
+    tree_lists,
+)
 
 from engine import state
-from engine.kv import KVBook, OutOfSlots
+from engine.shell.kv import KVBook, OutOfSlots
 from engine.state import DraftTrees, FinishReason, Running
 
 MAX_CONTEXT = 40
@@ -110,8 +117,13 @@ class StateCoreMachine(RuleBasedStateMachine):
 
     def _ref_emit(self, rid: int, tokens: list[int]) -> None:
         request = self.ref[rid]
-        kept, reason = ref_finish(tokens, request.rule, len(request.tokens) - request.prompt_len,
-                                  len(request.tokens), MAX_CONTEXT)
+        kept, reason = ref_finish(
+            tokens,
+            request.rule,
+            len(request.tokens) - request.prompt_len,
+            len(request.tokens),
+            MAX_CONTEXT,
+        )
         request.tokens.extend(tokens[:kept])
         if reason != FinishReason.NONE:
             self.ref_finished[rid] = reason
@@ -132,8 +144,9 @@ class StateCoreMachine(RuleBasedStateMachine):
         self.history[rid] = list(prompt)
         self._admit(rid)
 
-    @precondition(lambda self: self.book is not None and self.waiting
-                  and self.book.table.num_free_rows > 0)
+    @precondition(
+        lambda self: self.book is not None and self.waiting and self.book.table.num_free_rows > 0
+    )
     @rule()
     def readmit(self) -> None:
         """A retracted request comes back with every known token pending and no KV."""
@@ -143,9 +156,15 @@ class StateCoreMachine(RuleBasedStateMachine):
     def _admit(self, rid: int) -> None:
         request = self.ref[rid]
         row = self.book.table.alloc_row()
-        entering = Running.admitted([rid], [row], [len(request.tokens)], [request.prompt_len],
-                                    [request.tokens[-1]], finish_rules([request.rule]),
-                                    MAX_CONTEXT)
+        entering = Running.admitted(
+            [rid],
+            [row],
+            [len(request.tokens)],
+            [request.prompt_len],
+            [request.tokens[-1]],
+            finish_rules([request.rule]),
+            MAX_CONTEXT,
+        )
         self.running = state.merge(self.running, entering)
         self.recorder.record(entering, self.running)
 
@@ -164,16 +183,22 @@ class StateCoreMachine(RuleBasedStateMachine):
         if slots is None:
             return
         rids = sub.rids.tolist()
-        ids = [self.ref[r].tokens[kv:kv + n] for r, kv, n in zip(rids, sub.kv_lens.tolist(),
-                                                                 chunks.tolist(), strict=True)]
+        ids = [
+            self.ref[r].tokens[kv : kv + n]
+            for r, kv, n in zip(rids, sub.kv_lens.tolist(), chunks.tolist(), strict=True)
+        ]
         batch = state.schedule_extend(sub, chunks, np.concatenate(ids), slots)
         self.recorder.record(batch)
-        sampled = data.draw(st.lists(tokens_st, min_size=int(batch.samples.sum()),
-                                     max_size=int(batch.samples.sum())))
+        sampled = data.draw(
+            st.lists(
+                tokens_st, min_size=int(batch.samples.sum()), max_size=int(batch.samples.sum())
+            )
+        )
         result = state.extend(batch, sampled)
         draws = iter(sampled)
-        for rid, own, samples in zip(rids, np.split(slots, np.cumsum(chunks)[:-1]),
-                                     batch.samples.tolist(), strict=True):
+        for rid, own, samples in zip(
+            rids, np.split(slots, np.cumsum(chunks)[:-1]), batch.samples.tolist(), strict=True
+        ):
             self.ref[rid].slots.extend(own.tolist())
             if samples:
                 self._ref_emit(rid, [next(draws)])
@@ -199,8 +224,9 @@ class StateCoreMachine(RuleBasedStateMachine):
         count = len(batch.running)
         sampled = data.draw(st.lists(tokens_st, min_size=count, max_size=count))
         result = state.decode(batch, sampled)
-        for rid, slot, token in zip(batch.running.rids.tolist(), batch.out_slots.tolist(),
-                                    sampled, strict=True):
+        for rid, slot, token in zip(
+            batch.running.rids.tolist(), batch.out_slots.tolist(), sampled, strict=True
+        ):
             self.ref[rid].slots.append(slot)
             self._ref_emit(rid, [token])
         return result
@@ -225,8 +251,9 @@ class StateCoreMachine(RuleBasedStateMachine):
         nodes = np.array([n for path in paths for n in path], dtype=np.int64)
         result = state.verify(batch, [len(p) for p in paths], nodes, bonus)
         own_slots = np.split(slots, draft.sizes.indptr()[1:-1])
-        for rid, (tokens, _), path, own, extra in zip(sub.rids.tolist(), trees, paths, own_slots,
-                                                      bonus, strict=True):
+        for rid, (tokens, _), path, own, extra in zip(
+            sub.rids.tolist(), trees, paths, own_slots, bonus, strict=True
+        ):
             accepted = set([0, *path])
             self.ref[rid].slots.extend(own[[0, *path]].tolist())
             self.ref_free |= {s for n, s in enumerate(own.tolist()) if n not in accepted}
@@ -280,13 +307,16 @@ class StateCoreMachine(RuleBasedStateMachine):
         self._leave([data.draw(st.integers(0, len(self.running) - 1))], None)
 
     @precondition(lambda self: self.book is not None and len(self.running) > 0)
-    @rule(data=st.data(), reason=st.sampled_from([FinishReason.ABORT, FinishReason.LENGTH,
-                                                  FinishReason.STOP]))
+    @rule(
+        data=st.data(),
+        reason=st.sampled_from([FinishReason.ABORT, FinishReason.LENGTH, FinishReason.STOP]),
+    )
     def finish(self, data: st.DataObject, reason: FinishReason) -> None:
         """Abort, finish by length, or a stop string matched by the shell."""
         self._drop_plan()
-        indices = data.draw(st.lists(st.integers(0, len(self.running) - 1), min_size=1,
-                                     max_size=3, unique=True))
+        indices = data.draw(
+            st.lists(st.integers(0, len(self.running) - 1), min_size=1, max_size=3, unique=True)
+        )
         self._leave(indices, reason)
 
     # --- invariants -------------------------------------------------------------------------
@@ -305,14 +335,24 @@ class StateCoreMachine(RuleBasedStateMachine):
         assert set(self.book.slots.free_slots().tolist()) == self.ref_free
         run = self.running
         assert sorted(run.rids.tolist()) == sorted(
-            r for r in self.ref if r not in self.ref_finished and r not in self.waiting)
+            r for r in self.ref if r not in self.ref_finished and r not in self.waiting
+        )
         for rid, row, kv, token_len, prompt_len, last in zip(
-                run.rids.tolist(), run.rows.tolist(), run.kv_lens.tolist(),
-                run.token_lens.tolist(), run.prompt_lens.tolist(), run.last_tokens.tolist(),
-                strict=True):
+            run.rids.tolist(),
+            run.rows.tolist(),
+            run.kv_lens.tolist(),
+            run.token_lens.tolist(),
+            run.prompt_lens.tolist(),
+            run.last_tokens.tolist(),
+            strict=True,
+        ):
             request = self.ref[rid]
             assert (kv, token_len, prompt_len, last) == (
-                len(request.slots), len(request.tokens), request.prompt_len, request.tokens[-1])
+                len(request.slots),
+                len(request.tokens),
+                request.prompt_len,
+                request.tokens[-1],
+            )
             assert self.book.table.host[row, :kv].tolist() == request.slots
             assert not self.book.table.host[row, kv:].any(), "stale slots past the row's length"
 
@@ -336,6 +376,9 @@ class StateCoreMachine(RuleBasedStateMachine):
 
 
 StateCoreMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=200,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestStateCore = StateCoreMachine.TestCase

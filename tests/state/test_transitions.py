@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from state_builders import (
-    VOCAB, Rule, check_totals, path_to, ref_finish, rules_strategy, running_of, tree_lists)
+    VOCAB,
+    Rule,
+    check_totals,
+    path_to,
+    ref_finish,
+    rules_strategy,
+    running_of,
+    tree_lists,
+)
 
 from engine import state
 from engine.state import DraftTrees, FinishReason, Mode, Running
@@ -17,8 +25,9 @@ fast = settings(max_examples=60, deadline=None)
 
 
 @st.composite
-def runnings(draw: st.DrawFn, min_pending: int = 1, max_pending: int = 6,
-             max_size: int = 5) -> tuple[Running, list[Rule]]:
+def runnings(
+    draw: st.DrawFn, min_pending: int = 1, max_pending: int = 6, max_size: int = 5
+) -> tuple[Running, list[Rule]]:
     """A Running of distinct requests; rids 10.., rows shuffled, every request pending >= 1."""
     size = draw(st.integers(0, max_size))
     rules = draw(st.lists(rules_strategy, min_size=size, max_size=size))
@@ -37,12 +46,14 @@ def fresh_slots(count: int, start: int = 100) -> np.ndarray:
     return np.arange(start, start + count, dtype=np.int64)
 
 
-def check_emitted(run: Running, rules: list[Rule], index: int, offered: list[int],
-                  effects: state.Effects) -> tuple[int, FinishReason]:
+def check_emitted(
+    run: Running, rules: list[Rule], index: int, offered: list[int], effects: state.Effects
+) -> tuple[int, FinishReason]:
     """Request `index` was offered `offered` tokens: effects must match the reference."""
     rid = int(run.rids[index])
-    kept, reason = ref_finish(offered, rules[index], int(run.num_output[index]),
-                              run.token_lens[index], run.max_context)
+    kept, reason = ref_finish(
+        offered, rules[index], int(run.num_output[index]), run.token_lens[index], run.max_context
+    )
     assert effects.emitted().get(rid, []) == offered[:kept]
     assert effects.finished().get(rid, FinishReason.NONE) == reason
     return kept, reason
@@ -57,13 +68,15 @@ def test_extend_commits_chunks_and_samples_only_at_the_end(case, chunk_cap, data
     ids = np.arange(chunks.sum()) % VOCAB
     batch = state.schedule_extend(run, chunks, ids, slots)
     assert batch.seq_lens.tolist() == (run.kv_lens.lens + chunks).tolist()
-    assert batch.positions.tolist() == [kv + j for kv, n in zip(run.kv_lens.tolist(), chunks)
-                                        for j in range(n)]
+    assert batch.positions.tolist() == [
+        kv + j for kv, n in zip(run.kv_lens.tolist(), chunks, strict=True) for j in range(n)
+    ]
     samples = (chunks == run.pending_lens).tolist()
     assert batch.samples.tolist() == samples
     assert batch.logit_rows.tolist() == (np.cumsum(chunks) - 1)[samples].tolist()
-    sampled = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=sum(samples),
-                                 max_size=sum(samples)))
+    sampled = data.draw(
+        st.lists(st.integers(0, VOCAB - 1), min_size=sum(samples), max_size=sum(samples))
+    )
     result = state.extend(batch, sampled)
     check_totals(result)
     eff = result.effects
@@ -76,11 +89,16 @@ def test_extend_commits_chunks_and_samples_only_at_the_end(case, chunk_cap, data
         offered = [next(draws)] if samples[i] else []
         kept, reason = check_emitted(run, rules, i, offered, eff)
         if reason == FinishReason.NONE:
-            live.append((int(run.rids[i]), run.kv_lens[i] + int(chunks[i]),
-                         run.token_lens[i] + kept))
+            live.append(
+                (int(run.rids[i]), run.kv_lens[i] + int(chunks[i]), run.token_lens[i] + kept)
+            )
     after = result.running
-    assert list(zip(after.rids.tolist(), after.kv_lens.tolist(), after.token_lens.tolist(),
-                    strict=True)) == live
+    assert (
+        list(
+            zip(after.rids.tolist(), after.kv_lens.tolist(), after.token_lens.tolist(), strict=True)
+        )
+        == live
+    )
 
 
 @fast
@@ -93,8 +111,9 @@ def test_extend_rejects_chunks_past_the_pending_tokens(case, data):
     chunks[data.draw(st.integers(0, len(run) - 1))] += 1
     with pytest.raises(ValueError, match="exceed the pending tokens"):
         state.schedule_extend(run, chunks, np.zeros(chunks.sum()), fresh_slots(chunks.sum()))
-    batch = state.schedule_extend(run, run.pending_lens, np.zeros(run.pending_lens.sum()),
-                                  fresh_slots(run.pending_lens.sum()))
+    batch = state.schedule_extend(
+        run, run.pending_lens, np.zeros(run.pending_lens.sum()), fresh_slots(run.pending_lens.sum())
+    )
     with pytest.raises(ValueError, match="requests sample this pass"):
         state.extend(batch, np.zeros(len(run) + 1))
 
@@ -114,10 +133,14 @@ def test_decode_gives_every_request_one_token(case, data):
     for i in range(len(run)):
         check_emitted(run, rules, i, [sampled[i]], result.effects)
     done = set(result.effects.finished_rids.tolist())
-    assert result.effects.release_rows.tolist() == [r for r, rid in zip(run.rows.tolist(),
-                                                    run.rids.tolist(), strict=True) if rid in done]
-    assert result.effects.release_lens.tolist() == [kv + 1 for kv, rid in zip(
-        run.kv_lens.tolist(), run.rids.tolist(), strict=True) if rid in done]
+    assert result.effects.release_rows.tolist() == [
+        r for r, rid in zip(run.rows.tolist(), run.rids.tolist(), strict=True) if rid in done
+    ]
+    assert result.effects.release_lens.tolist() == [
+        kv + 1
+        for kv, rid in zip(run.kv_lens.tolist(), run.rids.tolist(), strict=True)
+        if rid in done
+    ]
     assert (result.running.pending_lens == 1).all()
 
 
@@ -199,15 +222,17 @@ def test_verify_commits_the_accepted_path_and_frees_the_rest(case):
     eff = result.effects
     own = np.split(slots, draft.sizes.indptr()[1:-1]) if len(run) else []
     want_table, want_free = [], []
-    for i, ((tokens, parents), path) in enumerate(zip(trees, paths, strict=True)):
-        assert draft.depths[draft.sizes.starts()[i] + np.array(path, dtype=int)].tolist() == \
-            list(range(1, len(path) + 1))
+    for i, ((tokens, _parents), path) in enumerate(zip(trees, paths, strict=True)):
+        assert draft.depths[draft.sizes.starts()[i] + np.array(path, dtype=int)].tolist() == list(
+            range(1, len(path) + 1)
+        )
         kv, row = run.kv_lens[i], int(run.rows[i])
         want_table += [(row, kv + d, int(own[i][n])) for d, n in enumerate([0, *path])]
         want_free += [int(s) for n, s in enumerate(own[i]) if n not in {0, *path}]
         check_emitted(run, rules, i, [tokens[n] for n in path] + [bonus[i]], eff)
-    got = list(zip(eff.table_rows.tolist(), eff.table_cols.tolist(), eff.table_slots.tolist(),
-                   strict=True))
+    got = list(
+        zip(eff.table_rows.tolist(), eff.table_cols.tolist(), eff.table_slots.tolist(), strict=True)
+    )
     assert got == want_table
     assert eff.free_slots.tolist() == want_free
     assert len(eff.free_slots) + len(eff.table_slots) == len(slots)
@@ -277,13 +302,19 @@ def test_verify_needs_trees_rooted_at_the_pending_tokens():
 @given(case=runnings(), data=st.data())
 def test_retract_finish_abort_release_every_slot(case, data):
     run, _ = case
-    indices = data.draw(st.lists(st.integers(0, max(len(run) - 1, 0)), max_size=len(run),
-                                 unique=True))
-    reason = data.draw(st.sampled_from([None, FinishReason.STOP, FinishReason.LENGTH,
-                                        FinishReason.ABORT]))
-    result = (state.retract(run, indices) if reason is None else
-              state.abort(run, indices) if reason == FinishReason.ABORT else
-              state.finish(run, indices, reason))
+    indices = data.draw(
+        st.lists(st.integers(0, max(len(run) - 1, 0)), max_size=len(run), unique=True)
+    )
+    reason = data.draw(
+        st.sampled_from([None, FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT])
+    )
+    result = (
+        state.retract(run, indices)
+        if reason is None
+        else state.abort(run, indices)
+        if reason == FinishReason.ABORT
+        else state.finish(run, indices, reason)
+    )
     gone = sorted(indices)
     check_totals(result)
     eff = result.effects
@@ -300,8 +331,9 @@ def test_retract_finish_abort_release_every_slot(case, data):
 
 
 def test_leaving_needs_a_reason_and_valid_distinct_indices():
-    run = running_of([1, 2], [0, 1], [2, 2], [3, 3], [3, 3], [1, 1],
-                     [Rule(5, 0, -1, ())] * 2, MAX_CONTEXT)
+    run = running_of(
+        [1, 2], [0, 1], [2, 2], [3, 3], [3, 3], [1, 1], [Rule(5, 0, -1, ())] * 2, MAX_CONTEXT
+    )
     with pytest.raises(ValueError, match="needs a reason"):
         state.finish(run, [0], FinishReason.NONE)
     with pytest.raises(IndexError, match="out of range"):
@@ -315,13 +347,22 @@ def test_leaving_needs_a_reason_and_valid_distinct_indices():
 def test_filter_and_merge_keep_lengths_and_sums_exact(first, second, data):
     a, _ = first
     b = second[0].select(np.arange(len(second[0])))
-    b = Running(b.rids + 100, b.rows + 100, b.kv_lens, b.token_lens, b.prompt_lens,
-                b.last_tokens, b.rules, b.max_context)
+    b = Running(
+        b.rids + 100,
+        b.rows + 100,
+        b.kv_lens,
+        b.token_lens,
+        b.prompt_lens,
+        b.last_tokens,
+        b.rules,
+        b.max_context,
+    )
     merged = state.merge(a, b)
     assert merged.kv_lens.tolist() == a.kv_lens.tolist() + b.kv_lens.tolist()
     assert merged.token_lens.total == a.token_lens.total + b.token_lens.total
-    assert merged.rules.stop_ids.shape[1] == max(a.rules.stop_ids.shape[1],
-                                                 b.rules.stop_ids.shape[1])
+    assert merged.rules.stop_ids.shape[1] == max(
+        a.rules.stop_ids.shape[1], b.rules.stop_ids.shape[1]
+    )
     keep = data.draw(st.lists(st.integers(0, len(merged) - 1), unique=True)) if len(merged) else []
     kept = merged.select(keep)
     assert kept.rids.tolist() == merged.rids[np.array(keep, dtype=int)].tolist()

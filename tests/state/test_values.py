@@ -35,8 +35,9 @@ def test_seqlens_ops_match_python_lists(lens, data):
     picks = picks if lens else []
     assert seq.select(picks).tolist() == [lens[i] for i in picks]  # [] included
     mask = data.draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens)))
-    assert seq.select(np.array(mask, dtype=bool)).total == sum(n for n, m in zip(lens, mask,
-                                                                                  strict=True) if m)
+    assert seq.select(np.array(mask, dtype=bool)).total == sum(
+        n for n, m in zip(lens, mask, strict=True) if m
+    )
     other = data.draw(lens_lists)
     joined = seq.concat(SeqLens(other))
     assert joined.tolist() == lens + other and joined.total == sum(lens) + sum(other)
@@ -72,12 +73,28 @@ def test_finish_rules_select_concat_and_empty_stop_ids():
 
 
 BAD_PARAMS = [
-    ("temperature", -0.5), ("temperature", float("nan")), ("temperature", True),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2), ("top_k", 2.0),
-    ("max_tokens", 0), ("max_tokens", 1.0), ("min_tokens", -1), ("min_tokens", 65),
-    ("stop", [""]), ("stop", [3]), ("stop", 5), ("stop_token_ids", [-1]),
-    ("stop_token_ids", ["a"]), ("stop_token_ids", 5), ("ignore_eos", 1), ("seed", -1),
-    ("seed", 2**63), ("seed", 1.5),
+    ("temperature", -0.5),
+    ("temperature", float("nan")),
+    ("temperature", True),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_k", 0),
+    ("top_k", -2),
+    ("top_k", 2.0),
+    ("max_tokens", 0),
+    ("max_tokens", 1.0),
+    ("min_tokens", -1),
+    ("min_tokens", 65),
+    ("stop", [""]),
+    ("stop", [3]),
+    ("stop", 5),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", ["a"]),
+    ("stop_token_ids", 5),
+    ("ignore_eos", 1),
+    ("seed", -1),
+    ("seed", 2**63),
+    ("seed", 1.5),
 ]
 
 
@@ -88,8 +105,17 @@ def test_sampling_params_name_the_bad_field(field, value):
 
 
 def test_sampling_params_accept_good_values():
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_tokens=5, min_tokens=5,
-                            stop="END", stop_token_ids=[2, 7], ignore_eos=True, seed=3)
+    params = SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        max_tokens=5,
+        min_tokens=5,
+        stop="END",
+        stop_token_ids=[2, 7],
+        ignore_eos=True,
+        seed=3,
+    )
     assert params.stop == ("END",) and params.stop_token_ids == (2, 7) and not params.greedy
     assert SamplingParams().greedy
 
@@ -99,8 +125,13 @@ def finish_cases(draw: st.DrawFn):
     size = draw(st.integers(1, 5))
     width = draw(st.integers(1, 6))
     rules = draw(st.lists(rules_strategy, min_size=size, max_size=size))
-    tokens = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=width, max_size=width),
-                           min_size=size, max_size=size))
+    tokens = draw(
+        st.lists(
+            st.lists(st.integers(0, VOCAB - 1), min_size=width, max_size=width),
+            min_size=size,
+            max_size=size,
+        )
+    )
     valid = draw(st.lists(st.integers(0, width), min_size=size, max_size=size))
     num_output = draw(st.lists(st.integers(0, 20), min_size=size, max_size=size))
     token_lens = [n + draw(st.integers(1, 10)) for n in num_output]
@@ -115,19 +146,25 @@ def test_first_finish_matches_the_reference(case):
     rules, tokens, valid, num_output, token_lens, max_context = case
     width = len(tokens[0])
     valid_mask = np.arange(width)[None, :] < np.array(valid)[:, None]
-    kept, reason = first_finish(np.array(tokens), valid_mask, np.array(num_output),
-                                np.array(token_lens), finish_rules(rules), max_context)
+    kept, reason = first_finish(
+        np.array(tokens),
+        valid_mask,
+        np.array(num_output),
+        np.array(token_lens),
+        finish_rules(rules),
+        max_context,
+    )
     for i, rule in enumerate(rules):
-        want = ref_finish(tokens[i][:valid[i]], rule, num_output[i], token_lens[i], max_context)
+        want = ref_finish(tokens[i][: valid[i]], rule, num_output[i], token_lens[i], max_context)
         assert (int(kept[i]), FinishReason(int(reason[i]))) == want
 
 
 def test_min_tokens_delays_eos_and_ignore_eos_disables_it():
-    rules = finish_rules([Rule(10, 3, 1, ()), Rule(10, 0, -1, (1,)),
-                          Rule(10, 0, -1, ())])
+    rules = finish_rules([Rule(10, 3, 1, ()), Rule(10, 0, -1, (1,)), Rule(10, 0, -1, ())])
     tokens = np.array([[1, 1, 1, 1]] * 3)
-    kept, reason = first_finish(tokens, np.ones((3, 4), dtype=bool), np.zeros(3, dtype=int),
-                                np.full(3, 5), rules, 100)
+    kept, reason = first_finish(
+        tokens, np.ones((3, 4), dtype=bool), np.zeros(3, dtype=int), np.full(3, 5), rules, 100
+    )
     assert kept.tolist() == [3, 1, 4]
     assert reason.tolist() == [FinishReason.STOP, FinishReason.STOP, FinishReason.NONE]
 
@@ -142,8 +179,7 @@ def test_effects_without_emitted_tokens_read_as_empty():
 def test_a_request_with_no_new_tokens_never_samples():
     """Regression: with all its tokens committed and a 0-token chunk, a request used to
     'sample' the logit row of the token before it (its neighbour's, or row -1)."""
-    run = running_of([1, 2], [0, 1], [3, 1], [3, 3], [3, 3], [1, 1],
-                     [Rule(5, 0, -1, ())] * 2, 16)
+    run = running_of([1, 2], [0, 1], [3, 1], [3, 3], [3, 3], [1, 1], [Rule(5, 0, -1, ())] * 2, 16)
     batch = state.schedule_extend(run, [0, 2], [4, 5], [7, 8])
     assert batch.samples.tolist() == [False, True]
     assert batch.logit_rows.tolist() == [1]

@@ -1,0 +1,148 @@
+"""A Triton matrix-vector kernel for the linear layers of batch-1 decode.
+
+At batch 1 a decode step's projections are matrix-vector products: all the time is spent
+streaming the weight matrix once. cuBLAS picks split-K GEMM tiles for the narrower of them
+(qkv and o_proj at Llama-3-8B's shape ran at 3.2 and 2.7 TB/s on an H200, plus a split-K
+reduce launch), against ~4.2 TB/s for a copy. This kernel gives each program `BLOCK_N` whole
+weight rows (contiguous in memory), walks them in `BLOCK_K` steps with the loads pipelined,
+and keeps every row of x in registers: one launch, no reduction pass, fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4  # x rows the kernel accepts
+# `linear` takes the kernel for one row and weights up to MAX_WEIGHT_ELEMENTS. Measured on the
+# H200 (bench_gemv.py, docs/benchmarks.md): at one row qkv (25M elements) runs at 1.05-1.07x
+# and o_proj (17M) at 1.10-1.11x cuBLAS's speed, but gate_up (117M) at 0.99x and down (59M)
+# at 0.90x, where cuBLAS already streams at ~4 TB/s; at 2 and 4 rows the kernel re-reads the
+# weights per row and falls to 0.24-0.74x, so those stay with cuBLAS.
+LINEAR_ROWS = 1
+MAX_WEIGHT_ELEMENTS = 32 * 2**20
+
+
+@triton.jit
+def _gemv_kernel(
+    x,
+    w,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = cols < N
+    w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                in_k = ks < K
+                tile = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
+                xs = tl.load(x + m * stride_xm + ks, mask=in_k, other=0.0)
+                acc += tl.sum(tile.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
+            tl.store(out + m * stride_om + cols, acc.to(out.dtype.element_ty), mask=in_n)
+
+
+@triton.jit
+def _gemv_rows_kernel(
+    x,
+    w,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """All x rows at once: each weight tile is loaded once for every row."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    in_n = cols < N
+    in_m = rows < M
+    w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        in_k = ks < K
+        tile = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
+        xs = tl.load(
+            x + rows[:, None] * stride_xm + ks[None, :],
+            mask=in_m[:, None] & in_k[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(xs.to(tl.float32)[:, None, :] * tile.to(tl.float32)[None, :, :], axis=2)
+    tl.store(
+        out + rows[:, None] * stride_om + cols[None, :],
+        acc.to(out.dtype.element_ty),
+        mask=in_m[:, None] & in_n[None, :],
+    )
+
+
+# Launch parameters: the fastest of the swept configurations for qkv and o_proj at one row on
+# the H200 (`benchmarks/bench_gemv.py --sweep`).
+GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, for 1 <= M <= MAX_ROWS (as F.linear
+    without bias). `config` overrides the launch parameters (benchmarks)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"gemv needs x [M, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    rows, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"gemv serves 1 to {MAX_ROWS} rows; got {rows} (use F.linear)")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(
+            f"gemv needs unit stride along K; got x strides {x.stride()}, "
+            f"weight strides {weight.stride()}"
+        )
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    params = dict(GEMV_CONFIG, **(config or {}))
+    kernel = _gemv_rows_kernel if params.pop("all_rows", False) else _gemv_kernel
+    grid = (triton.cdiv(n, params["BLOCK_N"]),)
+    kernel[grid](
+        x,
+        weight,
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=triton.next_power_of_2(rows),
+        **params,
+    )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight), with the matrix-vector kernel where it is the faster (on CUDA,
+    one row, the narrower projections)."""
+    if (
+        x.is_cuda
+        and x.shape[0] == LINEAR_ROWS
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and weight.numel() <= MAX_WEIGHT_ELEMENTS
+    ):
+        return gemv(x, weight)
+    return torch.nn.functional.linear(x, weight)

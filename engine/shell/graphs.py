@@ -1,0 +1,170 @@
+"""Decode and verify passes replayed from captured CUDA graphs.
+
+One graph per padded batch size P (decode: P tokens; verify: P * max_tree_nodes tokens),
+sharing one memory pool and one set of static backend buffers. Before each replay the backend
+plans into those buffers (outside the graph) and the inputs are copied into static tensors;
+padding requests own nothing and padding tokens write K/V to the padding slot. On a machine
+without CUDA the same static path runs eagerly (`capture=False`), so it is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+
+import numpy as np
+import torch
+
+from engine.state import (
+    PADDING_SLOT,
+    Batch,
+    FinishRules,
+    Mode,
+    Running,
+    schedule_decode,
+    schedule_verify,
+)
+from engine.state.batch import DraftTrees
+
+
+def default_batch_sizes(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 8))
+    return sorted({s for s in sizes if s <= max_batch} | {max_batch})
+
+
+class _Graph:
+    """Static inputs and outputs of one captured pass shape."""
+
+    def __init__(self, batch_size: int, num_tokens: int, device: torch.device) -> None:
+        self.batch_size, self.num_tokens = batch_size, num_tokens
+        # ids and positions in one tensor, so one host-to-device copy fills both
+        self.inputs = torch.zeros((2, num_tokens), dtype=torch.int64, device=device)
+        self.input_ids, self.positions = self.inputs[0], self.inputs[1]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+
+class GraphRunner:
+    """Captures (or, without CUDA, mimics) decode or verify passes for batch sizes up to
+    `max_batch`; `prepare(batch)` then `replay(...)` give logits for every new token of the
+    batch."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: object,
+        mode: Mode,
+        max_batch: int,
+        max_tree_nodes: int = 1,
+        capture: bool = True,
+    ) -> None:
+        if mode not in (Mode.DECODE, Mode.VERIFY):
+            raise ValueError(f"graphs serve decode and verify passes, not {mode.value}")
+        self.model, self.backend, self.mode = model, backend, mode
+        self.per_request = 1 if mode == Mode.DECODE else max_tree_nodes
+        self.sizes = default_batch_sizes(max_batch)
+        device = backend.pool.req_to_token.device
+        max_tokens = max_batch * self.per_request
+        max_context = backend.pool.req_to_token.shape[1]
+        self.buffers = backend.graph_buffers(
+            max_batch, max_tokens, max_batch * max_context, max_tree_nodes=max(self.per_request, 1)
+        )
+        self.graphs = {size: _Graph(size, size * self.per_request, device) for size in self.sizes}
+        # Capture allocates from torch's caching allocator; without it (as under memcheck with
+        # PYTORCH_NO_CUDA_MEMORY_CACHING=1) the same static path runs uncaptured.
+        self.capture = (
+            capture
+            and device.type == "cuda"
+            and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0")
+        )
+        self._staging = torch.zeros(
+            (2, max_tokens), dtype=torch.int64, pin_memory=device.type == "cuda"
+        )
+        self._staged: torch.cuda.Event | None = None
+        if self.capture:
+            self._capture_all(device)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def accepts(self, batch: Batch) -> bool:
+        return (
+            batch.mode == self.mode
+            and len(batch.running) <= self.max_batch
+            and batch.new_lens.max <= self.per_request
+        )
+
+    def _forward(self, graph: _Graph, metadata: object) -> torch.Tensor:
+        hidden = self.model(graph.input_ids, graph.positions, metadata, self.backend)
+        return self.model.logits(hidden)
+
+    def _plan(self, graph: _Graph, batch: Batch) -> object:
+        return self.backend.plan(
+            batch,
+            buffers=self.buffers,
+            padded_batch_size=graph.batch_size,
+            padded_num_tokens=graph.num_tokens,
+        )
+
+    def _capture_all(self, device: torch.device) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
+            graph = self.graphs[size]
+            metadata = self._plan(graph, self._dummy_batch(size))
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: autotuning and lazy init outside the capture
+                    self._forward(graph, metadata)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph.graph, pool=pool, stream=stream):
+                graph.logits = self._forward(graph, metadata)
+            torch.cuda.synchronize(device)
+
+    def _dummy_batch(self, size: int) -> Batch:
+        """`size` one-token requests writing to the padding slot (used only to capture)."""
+        rules = FinishRules(
+            np.ones(size), np.zeros(size), -np.ones(size), np.zeros((size, 0), dtype=np.int64)
+        )
+        running = Running.admitted(
+            np.arange(size),
+            np.arange(size),
+            np.ones(size),
+            np.ones(size),
+            np.zeros(size),
+            rules,
+            self.backend.pool.req_to_token.shape[1],
+        )
+        slots = np.full(size, PADDING_SLOT)
+        if self.mode == Mode.DECODE:
+            return schedule_decode(running, slots)
+        return schedule_verify(running, DraftTrees.roots_only(np.zeros(size)), slots)
+
+    def prepare(self, batch: Batch) -> tuple[_Graph, object]:
+        """Plan `batch` into the static buffers of the graph that will replay it. Runs on the
+        stream after any pass already launched, so it may overlap that pass's execution."""
+        graph = self.graphs[self.sizes[bisect.bisect_left(self.sizes, len(batch.running))]]
+        return graph, self._plan(graph, batch)
+
+    @torch.inference_mode()
+    def replay(self, graph: _Graph, metadata: object, batch: Batch) -> torch.Tensor:
+        """Logits [batch.new_lens.total, vocab] of every new token of `batch`, which must have
+        the layout of the batch `prepare` planned (its input ids may differ)."""
+        count = batch.new_lens.total
+        staged = self._staging[:, : graph.num_tokens]
+        if self._staged is not None:
+            self._staged.synchronize()  # the last copy must have read the staging buffer
+        host = staged.numpy()
+        host[0, :count] = batch.input_ids
+        host[1, :count] = batch.positions
+        host[:, count:] = 0
+        graph.inputs.copy_(staged, non_blocking=True)
+        if self.capture:
+            self._staged = self._staged or torch.cuda.Event()
+            self._staged.record()
+        if self.capture:
+            graph.graph.replay()
+            return graph.logits[:count]
+        return self._forward(graph, metadata)[:count]

@@ -1,0 +1,127 @@
+"""Shell-side request records and the values handed back to callers."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from typing import Any
+
+import attrs
+
+from engine.spec.stats import AcceptanceStats
+from engine.state import FinishReason, SamplingParams
+
+_next_id = itertools.count(1)
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class Delta:
+    """New output of one request: tokens and text since the last delta."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    speculation: AcceptanceStats | None = None  # in the last delta, as in Completion
+
+
+@attrs.frozen
+class Completion:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    usage: Usage
+    # this request's verify steps, drafts and accepted drafts (with speculative decoding)
+    speculation: AcceptanceStats | None = None
+
+
+@attrs.define(eq=False)
+class Request:
+    """What the shell keeps per request. The state core never reads this object: it reads
+    the columnar `Running` snapshot; token histories here only grow (append-only)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    uid: int = attrs.field(factory=lambda: next(_next_id))
+    output_ids: list[int] = attrs.field(factory=list)
+    text: str = ""
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    finish_reason: FinishReason = FinishReason.NONE
+    detok: Any = None
+    sink: queue.SimpleQueue | None = None  # deltas for stream()/AsyncEngine; None: collect only
+    stopped_by_string: bool = False
+    speculation: AcceptanceStats | None = None  # set when it finishes, with speculation on
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known: prompt plus output (without building the joined list)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop], joining the two lists only where the slice spans both."""
+        split = len(self.prompt_ids)
+        if stop <= split:
+            return self.prompt_ids[start:stop]
+        if start >= split:
+            return self.output_ids[start - split : stop - split]
+        return self.prompt_ids[start:] + self.output_ids[: stop - split]
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason != FinishReason.NONE
+
+    def completion(self) -> Completion:
+        return Completion(
+            self.request_id,
+            tuple(self.prompt_ids),
+            tuple(self.output_ids),
+            self.text,
+            self.finish_reason.openai or "abort",
+            self.usage(),
+            self.speculation,
+        )
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_ids), len(self.output_ids))
+
+    def take_delta(self, text_limit: int | None = None) -> Delta | None:
+        """The output not yet handed out, text up to `text_limit` characters (None when there
+        is nothing new and the request is not finished)."""
+        end = len(self.text) if text_limit is None or self.done else text_limit
+        new_ids = tuple(self.output_ids[self.sent_tokens :])
+        new_text = self.text[self.sent_chars : end]
+        if not new_ids and not new_text and not self.done:
+            return None
+        self.sent_tokens, self.sent_chars = len(self.output_ids), max(self.sent_chars, end)
+        reason = self.finish_reason.openai
+        return Delta(
+            self.request_id,
+            new_ids,
+            new_text,
+            reason,
+            self.usage() if self.done else None,
+            self.speculation,
+        )

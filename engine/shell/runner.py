@@ -1,0 +1,85 @@
+"""The runner: one snapshot in, one forward pass, logits for the rows that sample out."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+
+from engine.backends import AttentionBackend
+from engine.shell.graphs import GraphRunner
+from engine.state import Batch, Mode
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        device: torch.device,
+        graph_max_batch: int = 0,
+        max_tree_nodes: int = 0,
+        capture: bool = True,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.graphs: list[GraphRunner] = []
+        if graph_max_batch and hasattr(backend, "graph_buffers"):
+            self.graphs.append(
+                GraphRunner(model, backend, Mode.DECODE, graph_max_batch, capture=capture)
+            )
+            if max_tree_nodes:
+                self.graphs.append(
+                    GraphRunner(
+                        model,
+                        backend,
+                        Mode.VERIFY,
+                        graph_max_batch,
+                        max_tree_nodes,
+                        capture=capture,
+                    )
+                )
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.tensor(array, device=self.device)
+
+    @torch.inference_mode()
+    def prepare(self, batch: Batch) -> Prepared:
+        """Plan the pass (backend metadata; for a graph, its static buffers) ahead of `launch`.
+        Decode and verify passes small enough replay a captured graph; the rest run eagerly."""
+        for graph in self.graphs:
+            if graph.accepts(batch):
+                return Prepared(batch, graph, *graph.prepare(batch))
+        return Prepared(batch, None, None, self.backend.plan(batch))
+
+    @torch.inference_mode()
+    def launch(self, prepared: Prepared, batch: Batch) -> torch.Tensor:
+        """fp32 logits [len(batch.logit_rows), vocab] for the rows `batch.logit_rows` names.
+        `batch` has the layout `prepared` was planned for; its input ids may be newer."""
+        every_row = batch.mode in (Mode.DECODE, Mode.VERIFY)  # logit_rows is all of them
+        if prepared.runner is not None:
+            logits = prepared.runner.replay(prepared.graph, prepared.metadata, batch)
+            return logits if every_row else logits[self._tensor(batch.logit_rows)]
+        hidden = self.model(
+            self._tensor(batch.input_ids),
+            self._tensor(batch.positions),
+            prepared.metadata,
+            self.backend,
+        )
+        return self.model.logits(hidden if every_row else hidden[self._tensor(batch.logit_rows)])
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """prepare + launch: fp32 logits for the rows `batch.logit_rows` names."""
+        return self.launch(self.prepare(batch), batch)
+
+
+@attrs.frozen(eq=False)
+class Prepared:
+    """A planned pass: the batch it was planned for, and the graph (or None: eager) with the
+    backend metadata that will run it."""
+
+    batch: Batch
+    runner: GraphRunner | None
+    graph: object
+    metadata: object

@@ -1,0 +1,179 @@
+"""Builds what an Engine runs on from its config: device, model, tokenizer, KV pool, backend."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from engine import cpu_kernels
+from engine.backends import KVPool, get_backend
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model.loader import load_model
+from engine.model.sampling import SamplingTensors, greedy_tokens, sample
+from engine.model.tokenizer import Tokenizer, load_tokenizer
+from engine.shell.config import EngineConfig
+from engine.shell.kv import KVBook
+from engine.shell.runner import ModelRunner
+from engine.state import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_CONTEXT = 8192
+
+
+@attrs.define
+class Runtime:
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model: LlamaModel
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    max_context: int
+    num_slots: int
+    backend_name: str
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        if self.tokenizer is None:
+            return self.model_config.eos_token_id or -1
+        eos = self.tokenizer.eos_token_id
+        return -1 if eos is None else int(eos)
+
+    def make_runner(self, book: KVBook) -> ModelRunner:
+        mc = self.model_config
+        pool = KVPool.allocate(
+            mc.num_layers,
+            self.num_slots + 1,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            book.table.device,
+        )
+        cfg = self.config
+        graph_max_batch = min(cfg.cuda_graph_max_batch, cfg.max_running_requests)
+        if self.device.type != "cuda":
+            graph_max_batch = 0
+        tree_nodes = cfg.draft_budget + 1 if cfg.speculative else 0
+        return ModelRunner(
+            self.model,
+            get_backend(self.backend_name, pool),
+            self.device,
+            graph_max_batch,
+            tree_nodes,
+        )
+
+    def sampling_inputs(
+        self, params: list[SamplingParams], uids: np.ndarray, steps: list[int]
+    ) -> SamplingTensors | None:
+        """The rows' sampling tensors on the device (None: all greedy). Built before the pass
+        is launched: their host-to-device copies then do not wait for the pass."""
+        if all(p.greedy for p in params):
+            return None
+        seeded = [
+            p if p.seed is not None else attrs.evolve(p, seed=self._seed(int(u)))
+            for p, u in zip(params, uids, strict=True)
+        ]
+        return SamplingTensors.build(seeded, steps, self.vocab_size, self.device)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, inputs: SamplingTensors | None) -> torch.Tensor:
+        """One token per row, on the logits' device (the caller reads them when it needs
+        them, so the host can work meanwhile)."""
+        return greedy_tokens(logits) if inputs is None else sample(logits, inputs)
+
+    def _seed(self, uid: int) -> int:
+        # Requests without a seed draw from the engine seed and their own id: reproducible
+        # for one engine, different across requests.
+        return (self.config.random_seed * 1_000_003 + uid) % (2**63)
+
+    def make_speculator(self, config: EngineConfig) -> Any:
+        from engine.shell.speculator import Speculator
+
+        return Speculator(self, config)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but no CUDA device is available; use 'cpu'")
+    return device
+
+
+def build_runtime(config: EngineConfig) -> Runtime:
+    device = _device(config.device)
+    dtype = (
+        _DTYPES[config.dtype]
+        if config.dtype != "auto"
+        else torch.bfloat16
+        if device.type == "cuda"
+        else torch.float32
+    )
+    backend = (
+        config.attention_backend
+        if config.attention_backend != "auto"
+        else "triton"
+        if device.type == "cuda"
+        else "torch"
+    )
+    # Random weights come without a tokenizer: prompts are token ids, outputs have no text.
+    tokenizer = None if config.random_weights else load_tokenizer(config.model)
+    if config.random_weights:
+        presets = {
+            "llama3_8b": ModelConfig.llama3_8b,
+            "smollm2_135m": ModelConfig.smollm2_135m,
+            "tiny": ModelConfig.tiny,
+        }
+        if config.random_weights not in presets:
+            raise ValueError(
+                f"random_weights={config.random_weights!r}; choose one of {sorted(presets)}"
+            )
+        model_config = presets[config.random_weights]()
+        model = LlamaModel(model_config, dtype, device).init_random(config.random_seed)
+    else:
+        # the flag only matters where the loader can keep blocks: the cache key says so
+        blocks = config.block_weights and cpu_kernels.usable(device, dtype)
+        model, model_config = _load_shared(config.model, dtype, str(device), blocks)
+    max_context = config.max_context or min(
+        model_config.max_position_embeddings, DEFAULT_MAX_CONTEXT
+    )
+    slots = config.kv_cache_slots or _slots_from_budget(config, model_config, dtype, device)
+    return Runtime(
+        config, device, dtype, model, model_config, tokenizer, max_context, slots, backend
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def _load_shared(
+    path: str | None, dtype: torch.dtype, device: str, block_weights: bool
+) -> tuple[LlamaModel, ModelConfig]:
+    """Weights are never written after loading, so engines in one process share them."""
+    return load_model(path, dtype, device, block_weights=block_weights)
+
+
+def _slots_from_budget(
+    config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    per_slot = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.kv_cache_fraction)
+    else:
+        budget = config.kv_cache_bytes
+    slots = budget // per_slot
+    if slots < 16:
+        raise ValueError(
+            f"the KV budget of {budget} bytes holds {slots} tokens "
+            f"({per_slot} bytes each); raise kv_cache_bytes or kv_cache_fraction"
+        )
+    return int(slots)

@@ -1,0 +1,114 @@
+"""Text at the edges: prompts in (text, token ids or chat messages, with their sampling
+parameters), text out (incremental detokenization and stop strings, matched where the text is
+produced)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import InvalidRequest
+from engine.model.tokenizer import IncrementalDetokenizer
+from engine.shell.request import Request
+from engine.state import SamplingParams
+
+PromptInput = str | list[int] | list[dict]
+
+
+def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
+    """Token ids of a prompt: a string, a list of token ids, or chat messages."""
+    if tokenizer is None and not (
+        isinstance(prompt, (list, tuple))
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        raise InvalidRequest(
+            "prompt",
+            "this engine has no tokenizer (random weights); give the prompt as a list of token ids",
+        )
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, (list, tuple)):
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if all(isinstance(m, dict) for m in prompt):
+            if not prompt:
+                raise InvalidRequest("messages", "is empty; give at least one message")
+            for i, message in enumerate(prompt):
+                if not isinstance(message.get("role"), str) or not isinstance(
+                    message.get("content"), str
+                ):
+                    raise InvalidRequest(f"messages[{i}]", "needs a string 'role' and 'content'")
+            return list(tokenizer.apply_chat_template(list(prompt)))
+    raise InvalidRequest(
+        "prompt",
+        f"must be a string, a list of token ids or a list of chat "
+        f"messages; got {type(prompt).__name__}",
+    )
+
+
+class TextOutput:
+    """Turns each request's output ids into text as they arrive and applies stop strings.
+
+    Text that could still be the start of a stop string is held back from streaming, so the
+    streamed text always equals the final text.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def update(self, request: Request, new_ids: list[int]) -> bool:
+        """Extend request.text by its output ids just gained (`new_ids`, already appended to
+        request.output_ids); True when a stop string matched."""
+        if self.tokenizer is None:
+            return False
+        if request.detok is None:
+            request.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+        old_len = len(request.text)
+        request.text += request.detok.add(new_ids)
+        stops = request.params.stop
+        if not stops:
+            return False
+        search_from = max(0, old_len - max(len(s) for s in stops) + 1)
+        hits = [request.text.find(s, search_from) for s in stops]
+        hits = [h for h in hits if h >= 0]
+        if not hits:
+            return False
+        request.text = request.text[: min(hits)]
+        request.stopped_by_string = True
+        return True
+
+    def finish(self, request: Request) -> None:
+        """Flush what the detokenizer held back (unless a stop string cut the text)."""
+        if request.detok is not None and not request.stopped_by_string:
+            request.text += request.detok.flush()
+
+    @staticmethod
+    def streamable_chars(request: Request) -> int:
+        """How much of request.text may be streamed now."""
+        if request.done or not request.params.stop:
+            return len(request.text)
+        hold = max(len(s) for s in request.params.stop) - 1
+        return max(request.sent_chars, len(request.text) - hold)
+
+
+def to_params(params: SamplingParams | dict | None) -> SamplingParams:
+    """A request's sampling parameters from what a caller gave (None: the defaults)."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    try:
+        return SamplingParams(**params)
+    except TypeError as error:
+        raise InvalidRequest("sampling_params", str(error)) from None
+    except ValueError as error:
+        field = str(error).split("=", 1)[0]
+        raise InvalidRequest(field, str(error)) from None
+
+
+def as_prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput]:
+    """One prompt, or a list of them, as a list."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)):
+        return [prompts]  # one prompt of token ids, or one chat of messages
+    return list(prompts)

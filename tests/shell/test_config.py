@@ -1,0 +1,58 @@
+"""EngineConfig: every field validated with a message naming it; the CLI's flags parse them."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cli import build_parser
+from engine.shell.config import EngineConfig
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("dtype", "float64"),
+        ("attention_backend", "flash"),
+        ("max_context", 0),
+        ("kv_cache_fraction", 0.0),
+        ("kv_cache_fraction", 1.5),
+        ("chunk_size", -1),
+        ("max_running_requests", 2.0),
+        ("cuda_graph_max_batch", -1),
+        ("draft_budget", 0),
+        ("draft_cost", -0.5),
+        ("draft_cost", 2),
+        ("draft_cost", True),
+        ("draft_cost", "0.1"),
+        # a bool is not a count, and a fraction must be a number (these passed, or raised a
+        # TypeError that named nothing)
+        ("max_running_requests", True),
+        ("kv_cache_slots", True),
+        ("kv_cache_fraction", "0.5"),
+        ("kv_cache_fraction", float("nan")),
+        ("kv_cache_fraction", True),
+    ],
+)
+def test_invalid_field_is_named(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}={value!r} is not allowed"):
+        EngineConfig(**{field: value})
+
+
+def test_replace_refuses_unknown_options_and_lists_the_known_ones() -> None:
+    config = EngineConfig().replace(draft_cost=0.15)
+    assert config.draft_cost == 0.15 and EngineConfig().draft_cost is None
+    with pytest.raises(
+        TypeError,
+        match=r"unknown engine option\(s\) \['draft_costs'\]; known: .*"
+        r"draft_cost",
+    ):
+        EngineConfig().replace(draft_costs=0.1)
+
+
+def test_cli_flags_parse_to_the_config_types() -> None:
+    args = build_parser().parse_args(
+        ["generate", "hi", "--draft-cost", "0.25", "--draft-budget", "6", "--no-block-weights"]
+    )
+    overrides = EngineConfig.overrides_from(args)
+    assert overrides == {"draft_cost": 0.25, "draft_budget": 6, "block_weights": False}
+    assert EngineConfig().replace(**overrides).draft_cost == 0.25

@@ -1,0 +1,93 @@
+"""The static (CUDA-graph) decode and verify path equals the eager path, padding included.
+
+On CPU the graph runner runs its static-buffer path without capturing (capture=False), with
+the Triton backend in the interpreter; on CUDA the same test captures real graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.shell.engine import Engine
+from engine.shell.graphs import GraphRunner, default_batch_sizes
+from engine.state import Mode, SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _engine(**overrides) -> Engine:
+    return Engine(
+        random_weights="tiny",
+        attention_backend="triton",
+        device=DEVICE,
+        dtype="float32",
+        kv_cache_slots=512,
+        max_context=128,
+        cuda_graph_max_batch=0,
+        **overrides,
+    )
+
+
+def _prompts(count: int) -> list[list[int]]:
+    # Repeating patterns, so the n-gram proposer finds drafts in the speculative case.
+    return [[(7 * i + j % (3 + i)) % 250 + 3 for j in range(9 + 5 * i)] for i in range(count)]
+
+
+def _count_replays(engine: Engine) -> list:
+    """Every graph replay of `engine` appends its mode (proof the static path ran)."""
+    replays: list = []
+    for graph in engine.runner.graphs:
+        real = graph.replay
+
+        def replay(*args, real=real, mode=graph.mode):
+            replays.append(mode)
+            return real(*args)
+
+        graph.replay = replay
+    return replays
+
+
+def _with_graphs(engine: Engine, max_batch: int, tree_nodes: int = 0) -> Engine:
+    runner = engine.runner
+    capture = DEVICE == "cuda"
+    runner.graphs = [
+        GraphRunner(runner.model, runner.backend, Mode.DECODE, max_batch, capture=capture)
+    ]
+    if tree_nodes:
+        runner.graphs.append(
+            GraphRunner(
+                runner.model, runner.backend, Mode.VERIFY, max_batch, tree_nodes, capture=capture
+            )
+        )
+    return engine
+
+
+def test_batch_sizes_cover_every_batch_up_to_the_maximum():
+    assert default_batch_sizes(1) == [1]
+    assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_batch_sizes(64)[-1] == 64
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_graph_path_equals_eager_path_with_padding_and_overflow(speculative):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _prompts(3)  # 3 requests: padded to 4 in graph mode
+    eager = _engine(speculative=speculative, draft_budget=4).generate(prompts, params)
+    graphed = _with_graphs(
+        _engine(speculative=speculative, draft_budget=4), 4, tree_nodes=5 if speculative else 0
+    )
+    replays = _count_replays(graphed)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in eager]
+    assert replays, "no pass took the graph path"
+    # More requests than the largest graph: those steps take the eager path.
+    overflow = _with_graphs(
+        _engine(speculative=speculative, draft_budget=4), 2, tree_nodes=5 if speculative else 0
+    )
+    overflow_replays = _count_replays(overflow)
+    assert [o.token_ids for o in overflow.generate(prompts, params)] == [o.token_ids for o in eager]
+    if not speculative:  # equal lengths: all three leave together, every pass is eager
+        assert not overflow_replays, "3 requests over graphs of 2 took a graph"
+    for engine in (graphed, overflow):
+        engine.check()
+        assert engine.book.slots.num_free == engine.book.slots.capacity

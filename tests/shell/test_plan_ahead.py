@@ -1,0 +1,287 @@
+"""Planning each decode pass while the previous one runs (`plan_ahead`) changes no output and
+loses no slot: requests finishing at different steps, stop tokens, seeded sampling, aborts
+and retraction, on the torch backend and on the static (CUDA-graph) path of the Triton one.
+On CUDA the graph path captures real graphs, and the plan overlaps a running replay."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.shell.engine import Engine
+from engine.shell.graphs import GraphRunner
+from engine.state import Mode, SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _prompts(count: int) -> list[list[int]]:
+    return [[(11 * i + 3 * j) % 240 + 5 for j in range(4 + 3 * i)] for i in range(count)]
+
+
+def _params(count: int, stop_token: int | None = None) -> list[SamplingParams]:
+    """Staggered lengths (requests leave at different steps), one stop token, one sampler."""
+    params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(count)]
+    if stop_token is not None:
+        params[0] = SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(stop_token,))
+    params[-1] = SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=7)
+    return params
+
+
+def _run(engine: Engine, prompts: list, params: list, abort_at: int | None = None) -> list:
+    """Submit all, step to the end checking slot conservation after every step."""
+    requests = [engine._submit(p, q, None, None) for p, q in zip(prompts, params, strict=True)]
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        engine.check()
+        steps += 1
+        if steps == abort_at:
+            engine.abort(requests[min(1, len(requests) - 1)].request_id)
+    outputs = [(r.output_ids, r.finish_reason) for r in requests]
+    engine.check()
+    assert engine.book.slots.num_free == engine.book.slots.capacity
+    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+    return outputs
+
+
+def _tiny(backend: str, **overrides) -> Engine:
+    """A tiny random-weight engine with a small pool (a pool sized from free GPU memory
+    would exhaust compute-sanitizer's shadow memory)."""
+    settings = dict(
+        random_weights="tiny",
+        attention_backend=backend,
+        device=DEVICE,
+        dtype="float32",
+        max_context=128,
+        cuda_graph_max_batch=0,
+        kv_cache_slots=256,
+    )
+    return Engine(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize("abort_at", [None, 5])
+def test_plan_ahead_changes_no_output_torch_backend(abort_at):
+    prompts = _prompts(5)
+    probe = _tiny("torch", plan_ahead=False)
+    free_run = probe.generate(prompts[:1], SamplingParams(max_tokens=30, ignore_eos=True))
+    stop = free_run[0].token_ids[8]
+    params = _params(5, stop)
+    reference = _run(probe, prompts, params, abort_at)
+    ahead = _tiny("torch")
+    got = _run(ahead, prompts, params, abort_at)
+    assert got == reference
+    assert ahead.stats["plans_ahead_used"] > 5
+    assert ahead.stats["plans_ahead_dropped"] >= 3  # each early leaver voids one plan
+    assert probe.stats["plans_ahead_used"] == 0
+
+
+def test_plan_ahead_under_retraction_keeps_outputs():
+    prompts, params = _prompts(4), _params(4)
+    reference = _run(_tiny("torch", plan_ahead=False), prompts, params)
+    tight = _tiny("torch", kv_cache_slots=48, max_running_requests=4)
+    assert _run(tight, prompts, params) == reference
+    assert tight.stats["retractions"] > 0, "the pool was meant to force retraction"
+
+
+def test_plan_ahead_continues_while_requests_wait_for_a_row():
+    """Requests that cannot be admitted (every row taken) do not stop planning ahead; when
+    a row frees, the plan is dropped and the next request is admitted at once."""
+    prompts, params = _prompts(5), _params(5)
+    reference = _run(_tiny("torch", plan_ahead=False, max_running_requests=2), prompts, params)
+    engine = _tiny("torch", max_running_requests=2)
+    take = engine.ahead.take
+    used_while_waiting = []
+
+    def recording_take(running):
+        prepared = take(running)
+        if prepared is not None and engine.waiting:
+            used_while_waiting.append(len(engine.waiting))
+        return prepared
+
+    engine.ahead.take = recording_take
+    assert _run(engine, prompts, params) == reference
+    assert len(used_while_waiting) > 8
+
+
+def test_plan_ahead_on_the_graph_path():
+    """Six requests over graphs of at most four: the first passes run eagerly, and as requests
+    leave, plans move to the captured (static-buffer) path."""
+    prompts, params = _prompts(6), _params(6)
+    reference = _run(_tiny("triton", plan_ahead=False), prompts, params)
+    engine = _tiny("triton")
+    runner = engine.runner
+    graph = GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=DEVICE == "cuda")
+    runner.graphs = [graph]
+    replays, real_replay = [], graph.replay
+    graph.replay = lambda *args: replays.append(1) or real_replay(*args)
+    planned_on_graph, real_take = [], engine.ahead.take
+
+    def recording_take(running):
+        prepared = real_take(running)
+        if prepared is not None:
+            planned_on_graph.append(prepared.runner is not None)
+        return prepared
+
+    engine.ahead.take = recording_take
+    assert _run(engine, prompts, params) == reference
+    assert engine.stats["plans_ahead_used"] > 5
+    assert replays, "no pass took the graph path"
+    assert any(planned_on_graph), "no plan made ahead ran on the graph path"
+    assert not all(planned_on_graph), "no plan made ahead ran eagerly"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_plan_ahead_with_speculation(backend):
+    """With speculation, a step where nothing was drafted plans the next decode pass: the
+    next step uses it when it drafts nothing either, and a verify pass drops it (its slots go
+    to the tree). Outputs are those of speculation without planning ahead (and, greedy, of
+    plain decoding); no slot is lost, under retraction too."""
+    # repeated prompts, so that verify passes come between decode steps
+    prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
+    params = _params(4)
+    greedy = [SamplingParams(max_tokens=24, ignore_eos=True)] * 4
+    for pool in (256, 40):
+        plain = _run(_tiny(backend, kv_cache_slots=pool), prompts, greedy)
+        # (a seeded sampler's draws under speculation depend on its batch: the same pool)
+        reference = _run(
+            _tiny(backend, plan_ahead=False, speculative=True, kv_cache_slots=pool), prompts, params
+        )
+        engine = _tiny(backend, speculative=True, kv_cache_slots=pool)
+        planned_at_entry, verify_after_plan = [], []
+        run_verify, verify = engine.spec.run_verify, engine.spec._verify
+
+        def recording_run(shell):
+            planned_at_entry.append(engine.ahead.prepared is not None)
+            return run_verify(shell)
+
+        def recording_verify(*args):
+            assert engine.ahead.prepared is None, "a verify pass ran while a plan held slots"
+            verify_after_plan.append(planned_at_entry[-1])
+            return verify(*args)
+
+        engine.spec.run_verify, engine.spec._verify = recording_run, recording_verify
+        assert _run(engine, prompts, params) == reference
+        assert engine.stats["plans_ahead_used"] > 2
+        assert any(verify_after_plan), "no verify pass followed a plan"
+        greedy_engine = _tiny(backend, speculative=True, kv_cache_slots=pool)
+        assert _run(greedy_engine, prompts, greedy) == plain
+        assert greedy_engine.stats["plans_ahead_used"] > 5
+        if pool == 40:
+            assert greedy_engine.stats["retractions"] > 0, "the pool was meant to retract"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host-device synchronisation exists only on CUDA")
+def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch):
+    """The plan is made while the last pass runs: nothing in it may synchronise with the
+    device (a table write once copied from pageable memory, which waited for the pass)."""
+    engine = _tiny("triton", cuda_graph_max_batch=4)
+    prepare_next = engine._prepare_next
+    planned = []
+
+    def strict(batch):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            planned.append(prepare_next(batch))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return planned[-1]
+
+    monkeypatch.setattr(engine, "_prepare_next", strict)
+    engine.generate(_prompts(3), SamplingParams(max_tokens=8, ignore_eos=True))
+    assert any(planned) and engine.stats["plans_ahead_used"] > 3
+
+
+@pytest.mark.parametrize("failing", ["prepare", "launch", "fetch"])
+def test_a_failure_around_a_plan_loses_no_slot(failing):
+    """A pass that fails while planning ahead, launching a prepared plan or reading its
+    tokens: the step raises, and after abort_all (what the serving loop does) every slot and
+    row is back and the engine serves the next request as before."""
+    engine = _tiny("torch")
+    prompts, params = _prompts(3), _params(3)
+    # "fetch": the device tokens of the 4th pass fail when read (a device error surfaces there)
+    target = engine if failing == "fetch" else engine.runner
+    name = {"prepare": "prepare", "launch": "launch", "fetch": "_launch_and_sample"}[failing]
+    real, calls = getattr(target, name), []
+
+    class Unreadable:
+        def cpu(self):
+            raise RuntimeError("injected failure")
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            if failing == "fetch":
+                real(*args, **kwargs)
+                return Unreadable()
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    setattr(target, name, flaky)
+    for prompt, param in zip(prompts, params, strict=True):
+        engine.submit(prompt, param)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        while engine.has_work:
+            engine.step()
+    setattr(target, name, real)
+    table = engine.book.table.host
+    for row, committed in zip(
+        engine.running.rows.tolist(), engine.running.kv_lens.tolist(), strict=True
+    ):  # early table writes of the failed pass undone
+        assert not table[row, committed:].any(), "a slot left past a row's committed length"
+    engine.check()
+    engine.abort_all()
+    while engine.has_work:
+        engine.step()
+    engine.check()
+    assert engine.book.slots.num_free == engine.book.slots.capacity
+    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+    again = engine.generate(prompts[:1], params[:1])[0]
+    reference = _tiny("torch", plan_ahead=False).generate(prompts[:1], params[:1])[0]
+    assert again.token_ids == reference.token_ids
+
+
+@st.composite
+def workloads(draw):
+    count = draw(st.integers(1, 6))
+    prompts = [draw(st.lists(st.integers(5, 250), min_size=1, max_size=14)) for _ in range(count)]
+    params = []
+    for _ in range(count):
+        stop = draw(st.lists(st.integers(5, 250), max_size=2))
+        temperature = draw(st.sampled_from([0.0, 0.0, 0.9]))
+        params.append(
+            SamplingParams(
+                max_tokens=draw(st.integers(1, 12)),
+                ignore_eos=True,
+                stop_token_ids=tuple(stop),
+                temperature=temperature,
+                seed=draw(st.integers(0, 99)),
+            )
+        )
+    settings_ = dict(
+        max_running_requests=draw(st.integers(1, 4)),
+        kv_cache_slots=draw(st.sampled_from([40, 64, 256])),
+        speculative=draw(st.booleans()),
+    )
+    abort_at = draw(st.sampled_from([None, 2, 5]))
+    return prompts, params, settings_, abort_at
+
+
+@settings(
+    max_examples=int(
+        os.environ.get("PLAN_AHEAD_EXAMPLES", os.environ.get("ENGINE_TEST_EXAMPLES", "12"))
+    ),
+    deadline=None,
+)
+@given(workload=workloads())
+def test_plan_ahead_changes_nothing_on_random_workloads(workload):
+    """Random prompts, lengths, stop tokens, samplers, row limits, pool sizes, aborts and
+    speculation: the same outputs and finish reasons with and without planning ahead, no slot
+    lost."""
+    prompts, params, settings_, abort_at = workload
+    reference = _run(_tiny("torch", plan_ahead=False, **settings_), prompts, params, abort_at)
+    assert _run(_tiny("torch", **settings_), prompts, params, abort_at) == reference

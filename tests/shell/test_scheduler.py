@@ -1,0 +1,72 @@
+"""The scheduling policy's pure decisions: chunked prefill plans and FCFS admission."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.shell.scheduler import count_admissible, newest, plan_extend
+from engine.state import FinishRules, Running
+
+
+def _running(kv_lens, token_lens) -> Running:
+    n = len(kv_lens)
+    rules = FinishRules([99] * n, [0] * n, [-1] * n, np.zeros((n, 0), dtype=np.int64))
+    return Running.admitted(
+        range(n), range(n), token_lens, token_lens, [1] * n, rules, 512, kv_lens=kv_lens
+    )
+
+
+def test_extend_plan_chunks_pending_tokens_under_the_budget_in_order():
+    running = _running([0, 10, 4, 0], [30, 11, 20, 5])  # pending 30, 1, 16, 5
+    plan = plan_extend(running, token_budget=40)
+    assert plan.indices.tolist() == [0, 2]  # request 1 only decodes; request 3 waits
+    assert plan.chunk_lens.tolist() == [30, 10]
+    assert plan.num_tokens == 40
+    assert plan_extend(_running([3, 7], [4, 8]), 40) is None  # all ready to decode
+
+
+def test_admission_is_fcfs_and_counts_each_requests_next_step():
+    # 10 free slots, nothing running: 4 + 1 and 4 + 1 fit; the third does not.
+    assert (
+        count_admissible([4, 4, 4], free_rows=8, free_slots=10, reserved_slots=0, token_budget=100)
+        == 2
+    )
+    # A request is never admitted when only its prompt fits: its first decode would retract
+    # it again (the livelock this rule prevents).
+    assert (
+        count_admissible([9], free_rows=8, free_slots=10, reserved_slots=1, token_budget=100) == 0
+    )
+    assert (
+        count_admissible([8], free_rows=8, free_slots=10, reserved_slots=1, token_budget=100) == 1
+    )
+    # With speculation each request's next step needs room for its draft tree too...
+    assert count_admissible([4, 4], 8, 20, 0, 100, step_slots=13) == 1
+    # ...except the first with nothing running: room for one more token is enough (its
+    # drafts are cut to the pool), or a request the pool holds would wait forever.
+    assert count_admissible([30], 8, 40, 0, 100, step_slots=13) == 1
+    assert count_admissible([39], 8, 40, 0, 100, step_slots=13) == 1  # 39 + 1 fill the pool
+    assert count_admissible([40], 8, 40, 0, 100, step_slots=13) == 0
+    assert count_admissible([27], 8, 40, 1, 100, step_slots=13) == 0
+    # Rows, and the budget after the first request, also bound admission.
+    assert (
+        count_admissible([1, 1, 1], free_rows=2, free_slots=99, reserved_slots=0, token_budget=100)
+        == 2
+    )
+    assert count_admissible([50, 60], 8, 999, 0, token_budget=40) == 1
+
+
+def test_the_newest_request_is_retracted_first():
+    assert newest(np.array([5, 9, 2])) == 1
+
+
+def test_request_token_views_equal_the_joined_history():
+    from engine.shell.request import Request
+    from engine.state import SamplingParams
+
+    request = Request("r", [1, 2, 3], SamplingParams(), output_ids=[4, 5])
+    joined = request.all_ids
+    assert request.num_tokens == len(joined) and request.last_token == joined[-1]
+    for start in range(len(joined) + 1):
+        for stop in range(start, len(joined) + 1):
+            assert request.token_slice(start, stop) == joined[start:stop]
+    assert Request("q", [7], SamplingParams()).last_token == 7
