@@ -12,16 +12,18 @@ from engine.state.seqlens import SeqLens
 
 
 class FinishReason(enum.IntEnum):
-    """Why a request left. NONE marks requests that keep running."""
+    """Why a request left. NONE marks requests that keep running; ERROR, requests whose pass
+    failed (the engine goes on with the others)."""
 
     NONE = 0
     STOP = 1
     LENGTH = 2
     ABORT = 3
+    ERROR = 4
 
     @property
     def openai(self) -> str | None:
-        return {0: None, 1: "stop", 2: "length", 3: "abort"}[int(self)]
+        return {0: None, 1: "stop", 2: "length", 3: "abort", 4: "error"}[int(self)]
 
 
 @functools.lru_cache(maxsize=64)

@@ -388,7 +388,7 @@ def retract(running: Running, indices: Sequence[int] | np.ndarray) -> Result:
 def finish(running: Running, indices: Sequence[int] | np.ndarray, reason: FinishReason) -> Result:
     """Requests leave with `reason` (a stop string matched, or an abort); every slot freed."""
     if reason == FinishReason.NONE:
-        raise ValueError("finish() needs a reason: STOP, LENGTH or ABORT")
+        raise ValueError("finish() needs a reason: STOP, LENGTH, ABORT or ERROR")
     rest, gone = _leave(running, indices)
     rids = running.rids[gone]
     effects = Effects(
