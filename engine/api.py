@@ -7,11 +7,10 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
 
 from engine.shell.engine import Engine, Prompt
-from engine.shell.request import Delta
-from engine.state import SamplingParams
+from engine.shell.request import Completion, Delta
+from engine.state import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +50,11 @@ class AsyncEngine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def healthy(self) -> bool:
+        """The loop runs and the engine's passes are not failing in a row."""
+        return self.running and self.engine.healthy
+
     def _run(self) -> None:
         while not self._stopping.is_set():
             if not self.engine.has_work:
@@ -58,14 +62,26 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                self.engine.step()
-            except Exception as error:  # keep serving: fail the in-flight requests, go on
-                log.exception("engine step failed; aborting the running requests")
+                self.engine.step()  # a failed pass ends its own requests with "error"
+            except Exception as error:  # outside any pass: end every request, go on
+                log.exception("an engine step failed; every request ends with 'error'")
                 self.loop_error = error
-                self.engine.abort_all()
-        self.engine.abort_all()
-        while self.engine.has_work:  # deliver the aborts' final deltas
-            self.engine.step()
+                self.engine.health.failed(error)
+                if not self._end_all(FinishReason.ERROR):
+                    return
+        self._end_all(FinishReason.ABORT)
+
+    def _end_all(self, reason: FinishReason) -> bool:
+        """End every request with `reason`. If that fails too, close their streams with
+        ERROR without touching the pool, and return False: the loop cannot go on."""
+        try:
+            self.engine.abort_all(reason)
+            return True
+        except Exception as error:
+            log.exception("ending the requests failed; closing their streams")
+            self.loop_error = error
+            self.engine.close_streams(error)
+            return False
 
     def submit(
         self,
@@ -108,22 +124,9 @@ class AsyncEngine:
         prompt: Prompt,
         params: SamplingParams | dict | None = None,
         request_id: str | None = None,
-    ) -> dict[str, Any]:
-        ids: list[int] = []
-        text: list[str] = []
-        last: Delta | None = None
-        async for delta in self.stream(prompt, params, request_id):
-            ids.extend(delta.token_ids)
-            text.append(delta.text)
-            last = delta
-        assert last is not None
-        return {
-            "request_id": last.request_id,
-            "token_ids": ids,
-            "text": "".join(text),
-            "finish_reason": last.finish_reason,
-            "usage": last.usage,
-        }
+    ) -> Completion:
+        """The request's Completion, as `Engine.generate` gives it."""
+        return Completion.of_deltas([d async for d in self.stream(prompt, params, request_id)])
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

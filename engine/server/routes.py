@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import InvalidRequest
-from engine.server.errors import OpenAIError
+from engine.server.errors import OpenAIError, error_body
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape
 from engine.server.runs import ServerState, run_request
 from engine.state import SamplingParams
@@ -109,6 +109,10 @@ async def _sse(
         while delta is not None:
             if delta.text:
                 yield _event(shape.chunk(delta.text), include_usage)
+            if delta.finish_reason == "error":  # what OpenAI's and vLLM's streams send
+                failure = _engine_failure(delta)
+                yield _event(error_body(failure.message, failure.error_type, None, None), False)
+                break
             if delta.finish_reason is not None:
                 yield _event(shape.chunk(None, delta.finish_reason), include_usage)
                 if include_usage:
@@ -125,7 +129,20 @@ async def _collect(shape: ResponseShape, first: Any, deltas: AsyncIterator[Any])
         async for delta in deltas:
             pieces.append(delta.text)
             last = delta
+    if last.finish_reason == "error":
+        raise _engine_failure(last)
     return shape.full("".join(pieces), last.finish_reason, last.usage)
+
+
+def _engine_failure(delta: Any) -> OpenAIError:
+    """The request's pass failed in the engine (the engine serves the others on)."""
+    return OpenAIError(
+        500,
+        f"the engine failed while running this request: {delta.error}",
+        None,
+        None,
+        "server_error",
+    )
 
 
 async def _generate(
@@ -185,6 +202,14 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "shutting down"}, status_code=503)
     if not state.aengine.running:
         return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+    if not state.aengine.healthy:
+        health = state.aengine.engine.health
+        body = {
+            "status": "unhealthy",
+            "failed_in_a_row": health.failed_in_a_row,
+            "last_error": health.last_error,
+        }
+        return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

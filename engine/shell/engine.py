@@ -6,7 +6,10 @@ One thread runs `step()`. Other threads only `submit` and `abort` through a thre
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,13 +22,16 @@ from engine.errors import InvalidRequest
 from engine.shell import scheduler
 from engine.shell.ahead import PlanAhead
 from engine.shell.config import EngineConfig
+from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
 from engine.shell.kv import KVBook
 from engine.shell.request import Completion, Delta, Request
 from engine.shell.runtime import Runtime, build_runtime
+from engine.shell.speculator import Speculator
 from engine.shell.textio import PromptInput, TextOutput, as_prompt_list, prompt_to_ids, to_params
 from engine.state import FinishReason, FinishRules, Running, SamplingParams
 
 Prompt = PromptInput
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -50,8 +56,12 @@ class Engine:
         self.text = TextOutput(self.tokenizer)
         self.stats = collections.Counter()
         self.step_times: collections.deque = collections.deque(maxlen=1024)
-        self.spec = rt.make_speculator(self.config) if self.config.speculative else None
+        self.spec = Speculator(rt, self.config) if self.config.speculative else None
         self.ahead = PlanAhead(self.book, self.runner, self.stats)  # the next decode pass
+        self._ids_lock = threading.Lock()
+        self._ids_in_use: set[str] = set()  # request ids not finished (submit checks them)
+        self.health = Health()
+        self.faults: Faults | None = None  # a test tool: passes fail where it says
 
     # --- submission (any thread) ------------------------------------------------------------
     def submit(
@@ -74,10 +84,6 @@ class Engine:
         params = to_params(params)
         ids = prompt_to_ids(self.tokenizer, prompt)
         self._validate(ids)
-        if request_id is not None and request_id in self.by_request_id:
-            raise InvalidRequest(
-                "request_id", f"{request_id!r} is already in use by a request that has not finished"
-            )
         return self._enqueue(ids, params, request_id, sink)
 
     def _enqueue(
@@ -87,10 +93,18 @@ class Engine:
         request_id: str | None,
         sink: queue.SimpleQueue | None,
     ) -> Request:
-        """Queue a request whose prompt and parameters are already validated."""
+        """Queue a request whose prompt and parameters are already validated. Its id is
+        taken atomically: of two submits with one id, the second is refused."""
         request = Request(request_id or "", ids, params, sink=sink)
         if not request.request_id:
             request.request_id = f"req-{request.uid}"
+        with self._ids_lock:
+            if request.request_id in self._ids_in_use:
+                raise InvalidRequest(
+                    "request_id",
+                    f"{request.request_id!r} is already in use by a request that has not finished",
+                )
+            self._ids_in_use.add(request.request_id)
         self._inbox.put(("add", request))
         return request
 
@@ -133,8 +147,36 @@ class Engine:
         if not len(self.running):
             return
         plan = scheduler.plan_extend(self.running, self.config.chunk_size)
-        mode = self._run_extend(plan) if plan is not None else self._run_decode()
+        try:
+            mode = self._run_extend(plan) if plan is not None else self._run_decode()
+        except PassFailed as failure:
+            log.error(
+                "a pass failed; its %d requests end with 'error'",
+                len(failure.uids),
+                exc_info=failure.cause,
+            )
+            self.health.failed(failure.cause)
+            self._fail(failure.uids, failure.cause)
+            mode = "error"
+        else:
+            if mode != "retract":
+                self.health.succeeded()
         self.step_times.append((mode, time.perf_counter() - started))
+
+    def _fail(self, uids: np.ndarray, error: BaseException) -> None:
+        """Finish the requests of a failed pass with ERROR (their slots are freed)."""
+        indices = []
+        for uid in uids.tolist():
+            request = self.requests.get(uid)
+            if request is None or request.done:
+                continue
+            request.error = describe(error)
+            if uid in self.running.rids:
+                indices.append(self.running.index_of(uid))
+            else:  # it left the batch in the commit that failed: its slots are free
+                self._finish_request(request, FinishReason.ERROR)
+        if indices:
+            self._commit(state.finish(self.running, indices, FinishReason.ERROR))
 
     def _drain_inbox(self) -> None:
         while not self._inbox.empty():
@@ -149,15 +191,16 @@ class Engine:
             else:
                 self._abort_now(item)
 
-    def abort_all(self) -> None:
-        """Abort every request, waiting or running (shutdown, or a failed step)."""
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End every request, waiting or running: ABORT at shutdown, ERROR when the loop
+        itself failed."""
         self.ahead.drop()
         self._drain_inbox()
         for request in list(self.waiting):
             self.waiting.remove(request)
-            self._finish_request(request, FinishReason.ABORT)
+            self._finish_request(request, reason)
         if len(self.running):
-            self._commit(state.abort(self.running, np.arange(len(self.running))))
+            self._commit(state.finish(self.running, np.arange(len(self.running)), reason))
 
     def _abort_now(self, request_id: str) -> None:
         request = self.by_request_id.get(request_id)
@@ -241,14 +284,50 @@ class Engine:
         batch = state.schedule_extend(
             sub, plan.chunk_lens, input_ids, self.book.slots.alloc(plan.num_tokens)
         )
-        sampled = self._forward_and_sample(batch)
-        self._commit(state.extend(batch, sampled), rest=rest)
+        with self._open(batch) as open_pass:
+            sampled = self._fetch(self._launch(batch))
+            self._commit_pass(open_pass, state.extend(batch, sampled), rest=rest)
         return "extend"
 
     def _run_decode(self) -> str:
-        if self.spec is not None:
-            return self.spec.run_verify(self)
-        return self._decode_step()
+        if self.spec is None:
+            return self._decode_step()
+        started = time.perf_counter()
+        running, spec = self.running, self.spec
+        # Drafts fit the pool's free slots (a plan's held slots count: a verify pass drops
+        # the plan), handed out in batch order. A tree that did not fit would make the step
+        # retract a request (or finish one alone in the pool) where a decode pass goes on.
+        trees = spec.propose(running, self.book.slots.num_free + self.ahead.num_held)
+        if trees.sizes.total > len(running):
+            return self._verify_step(trees, started)
+        # Nothing drafted: a root-only verify is a decode, and the decode pass is cheaper
+        # (it may have been planned during the last pass). The statistics are recorded while
+        # it runs: after its launch, so a step that retracts instead records nothing.
+        mode = self._decode_step(during=lambda: spec.record_plain(running.rids, trees))
+        if mode == "decode":
+            spec.observe(len(running), started)
+        return mode
+
+    def _verify_step(self, trees: state.DraftTrees, started: float) -> str:
+        assert self.spec is not None
+        self.ahead.drop()  # a pass planned as a decode: its slots go to the verify pass
+        if not self._reserve(lambda: trees.sizes.total):
+            return "retract"
+        running = self.running
+        batch = state.schedule_verify(running, trees, self.book.slots.alloc(trees.sizes.total))
+        with self._open(batch) as open_pass:
+            logits = self._forward(batch)
+            uids = running.rids.tolist()
+            params = [self.requests[u].params for u in uids]
+            self._hit("verify")
+            outcome = self.spec.verify(batch, params, logits)
+            self.spec.record(uids, trees, outcome.accepted_lens.lens)
+            result = state.verify(
+                batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
+            )
+            self._commit_pass(open_pass, result)
+        self.spec.observe(trees.sizes.total, started, verify=True)  # propose to commit
+        return "verify"
 
     def _decode_step(self, during: Any = None) -> str:
         """One decode pass; `during()`, if given, runs on the host while the device runs it
@@ -260,81 +339,98 @@ class Engine:
             if not self._reserve(lambda: len(self.running)):
                 return "retract"
             batch = state.schedule_decode(self.running, self.book.slots.alloc(len(self.running)))
-        tokens = self._launch_and_sample(batch, prepared)
-        try:
+        with self._open(batch) as open_pass:
+            tokens = self._launch(batch, prepared)
             if during is not None:
                 during()
-            written = self._prepare_next(batch)  # host work while the device runs this pass
-            sampled = tokens.cpu().numpy()
-        except BaseException:  # the early table writes, if any, are undone with the slots
-            self.book.apply(state.abandon(batch, written=True))
-            raise
-        self._commit(state.decode(batch, sampled), table_written=written)
+            self._prepare_next(open_pass)  # host work while the device runs this pass
+            sampled = self._fetch(tokens)
+            self._commit_pass(open_pass, state.decode(batch, sampled))
         self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
 
     # --- planning the next decode pass while this one runs ----------------------------------
-    def _prepare_next(self, batch: state.Batch) -> bool:
-        """Plan the decode pass after `batch` while it runs (`PlanAhead`), unless the next
-        step will change the batch anyway. Returns whether `batch`'s table writes were
-        applied (its commit then skips them). With speculation, `batch` is a step where
-        nothing was drafted; the next one is most often the same (the plan is used), and a
-        verify pass instead drops the plan."""
+    def _prepare_next(self, open_pass: OpenPass) -> None:
+        """Plan the decode pass after `open_pass`'s while it runs (`PlanAhead`), unless the
+        next step will change the batch anyway; its table writes are then applied early. With
+        speculation, the pass is a step where nothing was drafted; the next one is most often
+        the same (the plan is used), and a verify pass instead drops the plan."""
         if not self.config.plan_ahead or not self._inbox.empty() or self._admissible():
-            return False  # the next step changes the batch: a plan would be dropped
-        return self.ahead.plan(batch)
+            return  # the next step changes the batch: a plan would be dropped
+        open_pass.table_written = True  # until the plan says otherwise: undone if it fails
+        open_pass.table_written = self.ahead.plan(open_pass.batch)
 
     # --- one forward pass and its tokens ------------------------------------------------------
-    def _forward(self, batch: state.Batch) -> torch.Tensor:
-        """Logits of the pass; if it fails, the slots handed to it go back to the pool."""
+    @contextlib.contextmanager
+    def _open(self, batch: state.Batch) -> Iterator[OpenPass]:
+        """The one way a pass runs once its slots are handed out: it commits, or its slots go
+        back to the pool (and a plan made during it is dropped), and a failure surfaces as
+        `PassFailed` naming the pass's requests."""
+        open_pass = OpenPass(batch)
         try:
+            yield open_pass
+        except BaseException as error:
+            undo = open_pass.abandon()
+            if undo is not None:
+                self.book.apply(undo)
+            self.ahead.drop()
+            if isinstance(error, Exception):
+                raise PassFailed(batch.running.rids, error) from error
+            raise
+
+    def _hit(self, point: str) -> None:
+        if self.faults is not None:
+            self.faults.hit(point)
+
+    def _forward(self, batch: state.Batch, prepared: Any = None) -> torch.Tensor:
+        self._hit("forward")
+        if prepared is None:
             return self.runner.forward(batch)
-        except BaseException:
-            self.book.apply(state.abandon(batch))
-            raise
+        return self.runner.launch(prepared, batch)
 
-    def _launch_and_sample(self, batch: state.Batch, prepared: Any = None) -> torch.Tensor:
-        """Launch the pass and its sampling; the tokens stay on the device until `_fetch`.
-        If either fails, the slots handed to the pass go back to the pool."""
-        try:
-            inputs = None  # all greedy: no per-request work
-            if self._sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
-                uids = batch.running.rids[batch.samples]
-                params = [self.requests[int(u)].params for u in uids]
-                steps = [len(self.requests[int(u)].output_ids) for u in uids]
-                inputs = self.runtime.sampling_inputs(params, uids, steps)
-            logits = (
-                self.runner.forward(batch)
-                if prepared is None
-                else self.runner.launch(prepared, batch)
-            )
-            return self.runtime.sample(logits, inputs)
-        except BaseException:
-            self.book.apply(state.abandon(batch))
-            raise
+    def _launch(self, batch: state.Batch, prepared: Any = None) -> torch.Tensor:
+        """Launch the pass and its sampling; the tokens stay on the device until `_fetch`."""
+        inputs = None  # all greedy: no per-request work
+        if self._sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
+            uids = batch.running.rids[batch.samples]
+            params = [self.requests[int(u)].params for u in uids]
+            steps = [len(self.requests[int(u)].output_ids) for u in uids]
+            inputs = self.runtime.sampling_inputs(params, uids, steps)
+        return self.runtime.sample(self._forward(batch, prepared), inputs)
 
-    def _fetch(self, batch: state.Batch, tokens: torch.Tensor) -> np.ndarray:
-        try:
-            return tokens.cpu().numpy()
-        except BaseException:
-            self.book.apply(state.abandon(batch))
-            raise
-
-    def _forward_and_sample(self, batch: state.Batch) -> np.ndarray:
-        return self._fetch(batch, self._launch_and_sample(batch))
+    def _fetch(self, tokens: torch.Tensor) -> np.ndarray:
+        """The pass's tokens on the host (where a device error surfaces)."""
+        self._hit("sample")
+        return tokens.cpu().numpy()
 
     # --- effects -> resources and outputs ---------------------------------------------------------
-    def _commit(
+    def _commit_pass(
+        self, open_pass: OpenPass, result: state.Result, rest: Running | None = None
+    ) -> None:
+        """Commit a pass's transition; from here its slots belong to its requests."""
+        self._hit("commit")
+        self._apply(result, rest, open_pass.table_written)
+        open_pass.committed = True
+        self._emit(result.effects)
+
+    def _commit(self, result: state.Result, rest: Running | None = None) -> None:
+        """Apply a transition that runs no pass (admission, retraction, finish, abort)."""
+        self._apply(result, rest)
+        self._emit(result.effects)
+
+    def _apply(
         self, result: state.Result, rest: Running | None = None, table_written: bool = False
     ) -> None:
-        """Apply a transition: its effects to the KV book, its tokens to the requests.
-        `rest`: the running requests that were not part of the transition's batch;
-        `table_written`: its table writes were applied early (`PlanAhead.plan`)."""
-        effects = result.effects
-        self.book.apply(effects, table_written)
+        """A transition's effects to the KV book, its snapshot in place. `rest`: the running
+        requests that were not part of the transition's batch; `table_written`: its table
+        writes were applied early (`PlanAhead.plan`)."""
+        self.book.apply(result.effects, table_written)
         self.running = (
             result.running if rest is None or not len(rest) else state.merge(rest, result.running)
         )
+
+    def _emit(self, effects: state.Effects) -> None:
+        """A transition's tokens and finishes to its requests and their streams."""
         finished = effects.finished()
         emitted = effects.emitted()
         stopped: list[int] = []  # a stop string matched: they leave with STOP below
@@ -367,6 +463,8 @@ class Engine:
         self.requests.pop(request.uid, None)
         self.by_request_id.pop(request.request_id, None)
         self._sampling_uids.discard(request.uid)
+        with self._ids_lock:
+            self._ids_in_use.discard(request.request_id)
 
     def _publish(self, request: Request) -> None:
         if request.sink is None:
@@ -409,23 +507,57 @@ class Engine:
     def stream(
         self, prompt: Prompt, params: SamplingParams | dict | None = None
     ) -> Iterator[Delta]:
+        """Deltas of one request, stepping the engine while it waits. Closing the iterator
+        early (or dropping it) aborts the request and frees its slots at once."""
         sink: queue.SimpleQueue = queue.SimpleQueue()
-        self.submit(prompt, params, sink=sink)
-        while True:
-            while sink.empty():
-                self.step()
-            delta = sink.get()
-            yield delta
-            if delta.finish_reason is not None:
-                return
+        request_id = self.submit(prompt, params, sink=sink)
+        finished = False
+        try:
+            while True:
+                while sink.empty():
+                    self.step()
+                delta = sink.get()
+                # set before yielding: a consumer that stops after the final delta closes
+                # the generator at the yield, and a finished request needs no abort
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+                self._drain_inbox()
+                self.ahead.drop_unless_fits(self.running)
 
     def check(self) -> None:
         """Slot conservation and table integrity, now (raises AssertionError). The slots of
         a pass planned ahead count as in flight."""
         self.book.check(self.running, self.ahead.held_slots)
 
+    def close_streams(self, error: BaseException) -> None:
+        """Last resort when the loop cannot go on: every open request, queued or running,
+        gets its final delta with ERROR; the pool is left as it is (the engine is dead)."""
+        while not self._inbox.empty():
+            kind, item = self._inbox.get()
+            if kind == "add":
+                self.requests[item.uid] = item
+        for request in list(self.requests.values()):
+            if request.done:
+                continue
+            request.finish_reason, request.error = FinishReason.ERROR, describe(error)
+            try:
+                self._publish(request)
+            except Exception:  # one broken sink must not keep the others open
+                log.exception("closing the stream of %s failed", request.request_id)
+
+    @property
+    def healthy(self) -> bool:
+        """False after several passes failed in a row (`failures.UNHEALTHY_AFTER`)."""
+        return self.health.healthy
+
     def metrics(self) -> dict[str, Any]:
         return dict(
+            pass_failures=self.health.failures,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_slots_total=self.book.slots.capacity,

@@ -34,6 +34,8 @@ class Delta:
     finish_reason: str | None = None
     usage: Usage | None = None
     speculation: AcceptanceStats | None = None  # in the last delta, as in Completion
+    error: str | None = None  # finish_reason "error": what failed
+    prompt_token_ids: tuple[int, ...] | None = None  # in the last delta
 
 
 @attrs.frozen
@@ -46,6 +48,24 @@ class Completion:
     usage: Usage
     # this request's verify steps, drafts and accepted drafts (with speculative decoding)
     speculation: AcceptanceStats | None = None
+    error: str | None = None  # finish_reason "error": what failed
+
+    @classmethod
+    def of_deltas(cls, deltas: list[Delta]) -> Completion:
+        """The completion a request's deltas add up to (the last one is final)."""
+        last = deltas[-1]
+        if last.finish_reason is None or last.usage is None or last.prompt_token_ids is None:
+            raise ValueError("the last delta of a completion must be the final one")
+        return cls(
+            last.request_id,
+            last.prompt_token_ids,
+            tuple(t for d in deltas for t in d.token_ids),
+            "".join(d.text for d in deltas),
+            last.finish_reason,
+            last.usage,
+            last.speculation,
+            last.error,
+        )
 
 
 @attrs.define(eq=False)
@@ -66,6 +86,7 @@ class Request:
     sink: queue.SimpleQueue | None = None  # deltas for stream()/AsyncEngine; None: collect only
     stopped_by_string: bool = False
     speculation: AcceptanceStats | None = None  # set when it finishes, with speculation on
+    error: str | None = None  # set when its pass failed (finish reason ERROR)
 
     @property
     def all_ids(self) -> list[int]:
@@ -102,6 +123,7 @@ class Request:
             self.finish_reason.openai or "abort",
             self.usage(),
             self.speculation,
+            self.error,
         )
 
     def usage(self) -> Usage:
@@ -124,4 +146,6 @@ class Request:
             reason,
             self.usage() if self.done else None,
             self.speculation,
+            self.error,
+            tuple(self.prompt_ids) if self.done else None,
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import attrs
 import numpy as np
@@ -94,11 +93,6 @@ class Runtime:
         # Requests without a seed draw from the engine seed and their own id: reproducible
         # for one engine, different across requests.
         return (self.config.random_seed * 1_000_003 + uid) % (2**63)
-
-    def make_speculator(self, config: EngineConfig) -> Any:
-        from engine.shell.speculator import Speculator
-
-        return Speculator(self, config)
 
 
 def _device(name: str) -> torch.device:

@@ -1,10 +1,11 @@
-"""The shell's speculative step: propose draft trees, verify them in one forward pass, and
-commit the accepted paths through the state core's verify transition."""
+"""Speculation's per-request state for the engine's step: `propose` draft trees, `verify`
+them against a verify pass's logits, `record` what was accepted. The engine runs the pass
+and commits it through the state core's verify transition."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,33 +13,32 @@ import torch
 from engine import state
 from engine.model.sampling import filter_tensors, greedy_tokens, needs_filter, probs_for_verify
 from engine.shell.config import EngineConfig
+from engine.shell.runtime import Runtime
 from engine.spec import (
     AcceptanceStats,
     NgramProposer,
     PassCost,
     SpecConfig,
     SpecStats,
+    VerifyOutcome,
     request_rng,
     verify_greedy,
     verify_sampling,
 )
-from engine.state import Running
-
-if TYPE_CHECKING:
-    from engine.shell.engine import Engine
-    from engine.shell.runtime import Runtime
+from engine.state import DraftTrees, Running
 
 
 class Speculator:
     """Per-request proposer state, acceptance statistics and verify generators."""
 
     def __init__(self, runtime: Runtime, config: EngineConfig) -> None:
-        self.runtime = runtime
+        self.vocab_size = runtime.vocab_size
         self.config = SpecConfig(draft_budget=config.draft_budget, draft_cost=config.draft_cost)
         self.proposer = NgramProposer(self.config)
         self.stats = SpecStats(self.config)
         self.cost = PassCost()  # what a draft row costs here, from the passes below
         self.last_draft_cost = 0.0  # measured (or configured) at the last verify pass's batch
+        self._premium = 0.0  # the last verify pass's premium over a decode (`PassCost`)
         self._rngs: dict[int, np.random.Generator] = {}
 
     # --- request lifetime (history must end with the pending token) ---------------------------
@@ -78,52 +78,33 @@ class Speculator:
         fixed = self.config.draft_cost
         return self.cost.draft_cost(batch) if fixed is None else fixed
 
-    def run_verify(self, engine: Engine) -> str:
-        started = time.perf_counter()
-        running = engine.running
-        uids = running.rids.tolist()
-        # The batch's drafts fit the pool's free slots (a plan's held slots count: a verify
-        # pass drops the plan), handed out in batch order: admission order, a request back
-        # from retraction last. A tree that did not fit would make the step retract a request
-        # (or finish one alone in the pool) where a decode pass lets it go on.
-        free = engine.book.slots.num_free + engine.ahead.num_held
-        trees = self.proposer.propose_batch(
-            uids, self.budgets(running).tolist(), total_drafts=max(free - len(running), 0)
+    def propose(self, running: Running, free_slots: int) -> DraftTrees:
+        """A draft tree per request (a root alone where nothing matches); its drafts, all
+        trees together, fit in `free_slots` beside one token per request."""
+        return self.proposer.propose_batch(
+            running.rids.tolist(),
+            self.budgets(running).tolist(),
+            total_drafts=max(free_slots - len(running), 0),
         )
-        if trees.sizes.total == len(running):
-            # Nothing drafted anywhere: a root-only verify is a decode, and the decode pass
-            # is cheaper (its graphs are not sized for draft trees). It may have been planned
-            # during the last pass (PlanAhead). The statistics are recorded while the pass
-            # runs: after its launch, so a step that retracts instead records nothing.
-            mode = engine._decode_step(
-                during=lambda: self.stats.record_batch(
-                    uids, trees, np.zeros(len(running), np.int64)
-                )
-            )
-            if mode == "decode":
-                self._observe(len(running), started)
-            return mode
-        engine.ahead.drop()  # a pass planned as a decode: its slots go to the verify pass
-        if not engine._reserve(lambda: trees.sizes.total):
-            return "retract"
-        batch = state.schedule_verify(running, trees, engine.book.slots.alloc(trees.sizes.total))
-        logits = engine._forward(batch)
-        # The costs depend on earlier passes only: fitted while this one runs on a device
-        self.last_draft_cost = self.draft_cost(len(running))
-        # (0 with a configured cost: the passes are not timed then, and nothing is fitted)
-        premium = self.cost.verify_premium(len(running))
-        outcome = self._verify(batch, uids, [engine.requests[u].params for u in uids], logits)
-        self.stats.record_batch(
-            uids, trees, outcome.accepted_lens.lens, self.last_draft_cost, premium
-        )
-        engine._commit(
-            state.verify(batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus)
-        )
-        # timed as the decode step: propose to commit
-        self._observe(trees.sizes.total, started, verify=True)
-        return "verify"
 
-    def _observe(self, rows: int, started: float, verify: bool = False) -> None:
+    def verify(self, batch: state.Batch, params: list, logits: torch.Tensor) -> VerifyOutcome:
+        """Each tree's accepted path and bonus token, from the verify pass's logits."""
+        # The costs depend on earlier passes only: fitted here, before the walk waits for the
+        # device (0 premium with a configured cost: nothing is timed or fitted then)
+        self.last_draft_cost = self.draft_cost(len(batch.running))
+        self._premium = self.cost.verify_premium(len(batch.running))
+        uids = batch.running.rids.tolist()
+        return self._verify(batch, uids, params, logits)
+
+    def record(self, uids: list[int], trees: DraftTrees, accepted: np.ndarray) -> None:
+        """A verify step's drafts and accepted counts, weighed at the costs `verify` used."""
+        self.stats.record_batch(uids, trees, accepted, self.last_draft_cost, self._premium)
+
+    def record_plain(self, uids: np.ndarray, trees: DraftTrees) -> None:
+        """A step where nothing was drafted (it ran as a decode pass)."""
+        self.stats.record_batch(uids.tolist(), trees, np.zeros(len(uids), np.int64))
+
+    def observe(self, rows: int, started: float, verify: bool = False) -> None:
         """Fit the pass's time, unless the cost is fixed (configured, or not adapting)."""
         if self.config.draft_cost is None and self.config.adaptive:
             self.cost.observe(rows, time.perf_counter() - started, verify)
@@ -138,11 +119,9 @@ class Speculator:
         sizes = trees.sizes.lens_to(logits.device)
         filters = [
             t.repeat_interleave(sizes, output_size=trees.sizes.total)
-            for t in filter_tensors(params, self.runtime.vocab_size, logits.device)
+            for t in filter_tensors(params, self.vocab_size, logits.device)
         ]
-        probs = probs_for_verify(
-            logits, *filters, filtered=needs_filter(params, self.runtime.vocab_size)
-        )
+        probs = probs_for_verify(logits, *filters, filtered=needs_filter(params, self.vocab_size))
         rngs = [self._rng(u, p.seed) for u, p in zip(uids, params, strict=True)]
         return verify_sampling(trees, probs, rngs)
 

@@ -153,18 +153,18 @@ def test_plan_ahead_with_speculation(backend):
         )
         engine = _tiny(backend, speculative=True, kv_cache_slots=pool)
         planned_at_entry, verify_after_plan = [], []
-        run_verify, verify = engine.spec.run_verify, engine.spec._verify
+        run_decode, verify = engine._run_decode, engine.spec.verify
 
-        def recording_run(shell):
+        def recording_run():
             planned_at_entry.append(engine.ahead.prepared is not None)
-            return run_verify(shell)
+            return run_decode()
 
         def recording_verify(*args):
             assert engine.ahead.prepared is None, "a verify pass ran while a plan held slots"
             verify_after_plan.append(planned_at_entry[-1])
             return verify(*args)
 
-        engine.spec.run_verify, engine.spec._verify = recording_run, recording_verify
+        engine._run_decode, engine.spec.verify = recording_run, recording_verify
         assert _run(engine, prompts, params) == reference
         assert engine.stats["plans_ahead_used"] > 2
         assert any(verify_after_plan), "no verify pass followed a plan"
@@ -199,13 +199,13 @@ def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch):
 @pytest.mark.parametrize("failing", ["prepare", "launch", "fetch"])
 def test_a_failure_around_a_plan_loses_no_slot(failing):
     """A pass that fails while planning ahead, launching a prepared plan or reading its
-    tokens: the step raises, and after abort_all (what the serving loop does) every slot and
-    row is back and the engine serves the next request as before."""
+    tokens: the requests of that pass end with "error", their slots and rows are back (the
+    early table writes undone), and the engine serves the next request as before."""
     engine = _tiny("torch")
     prompts, params = _prompts(3), _params(3)
     # "fetch": the device tokens of the 4th pass fail when read (a device error surfaces there)
     target = engine if failing == "fetch" else engine.runner
-    name = {"prepare": "prepare", "launch": "launch", "fetch": "_launch_and_sample"}[failing]
+    name = {"prepare": "prepare", "launch": "launch", "fetch": "_launch"}[failing]
     real, calls = getattr(target, name), []
 
     class Unreadable:
@@ -222,22 +222,21 @@ def test_a_failure_around_a_plan_loses_no_slot(failing):
         return real(*args, **kwargs)
 
     setattr(target, name, flaky)
-    for prompt, param in zip(prompts, params, strict=True):
-        engine.submit(prompt, param)
-    with pytest.raises(RuntimeError, match="injected failure"):
-        while engine.has_work:
-            engine.step()
-    setattr(target, name, real)
-    table = engine.book.table.host
-    for row, committed in zip(
-        engine.running.rows.tolist(), engine.running.kv_lens.tolist(), strict=True
-    ):  # early table writes of the failed pass undone
-        assert not table[row, committed:].any(), "a slot left past a row's committed length"
-    engine.check()
-    engine.abort_all()
+    requests = [engine._submit(p, q, None, None) for p, q in zip(prompts, params, strict=True)]
     while engine.has_work:
         engine.step()
-    engine.check()
+        engine.check()
+        table = engine.book.table.host
+        for row, committed in zip(
+            engine.running.rows.tolist(), engine.running.kv_lens.tolist(), strict=True
+        ):  # early table writes of a failed pass undone
+            assert not table[row, committed:].any(), "a slot left past a row's committed length"
+    setattr(target, name, real)
+    reasons = [r.completion().finish_reason for r in requests]
+    assert "error" in reasons and all(r in ("error", "length", "stop") for r in reasons)
+    failed = [r for r in requests if r.finish_reason.openai == "error"]
+    assert all("injected failure" in r.error for r in failed)
+    assert engine.health.failures == 1 and engine.healthy
     assert engine.book.slots.num_free == engine.book.slots.capacity
     assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
     again = engine.generate(prompts[:1], params[:1])[0]

@@ -162,13 +162,13 @@ def _run_checked(
     (at most `max_steps`: a livelock fails instead of hanging). Returns the requests and
     what each speculative step ran ("verify", "decode" or "retract")."""
     modes: list[str] = []
-    run_verify = engine.spec.run_verify
+    run_decode = engine._run_decode
 
-    def recording(shell: Engine) -> str:
-        modes.append(run_verify(shell))
+    def recording() -> str:
+        modes.append(run_decode())
         return modes[-1]
 
-    engine.spec.run_verify = recording
+    engine._run_decode = recording
     uids = [engine.submit(p, params) for p in prompts]
     engine._drain_inbox()
     requests = [engine.by_request_id[u] for u in uids]
