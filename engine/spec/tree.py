@@ -5,13 +5,17 @@ inputs derived from it as pure values (links between nodes, positions, a dense a
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
 
 from engine.state.batch import MAX_TREE_NODES, DraftTrees
 from engine.state.seqlens import INDEX_DTYPE, SeqLens
+
+
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
 
 
 def _check_tree(tree: DraftTree, _attribute: object, _value: object) -> None:
@@ -36,8 +40,8 @@ class DraftTree:
     local index of node i's parent (root: -1) and precedes i. `match_len` is the suffix length
     the draft was found with (0: no match, a root-only tree)."""
 
-    tokens: tuple[int, ...] = attrs.field(converter=tuple)
-    parents: tuple[int, ...] = attrs.field(converter=tuple, validator=_check_tree)
+    tokens: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    parents: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_check_tree)
     match_len: int = 0
 
     @classmethod

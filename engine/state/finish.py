@@ -72,13 +72,15 @@ def first_finish_flat(
     first_stop_step = rules.min_new - num_output_before
     last_step = np.minimum(rules.max_new - num_output_before, max_context - token_lens_before)
     eos, stop_ids = rules.eos, rules.stop_ids
+    # Each token's request and 1-based step in it; with one token each, token i is the
+    # first of request i (no owner array needed).
+    token_owner: np.ndarray | None = None
+    token_step: np.ndarray | int = 1
     if not one_each:
-        owner = counts.segment_ids() if owner is None else owner
-        step = counts.offsets_within() + 1 if step is None else step
-        first_stop_step, last_step = first_stop_step[owner], last_step[owner]
-        eos, stop_ids = eos[owner], stop_ids[owner]
-    else:
-        step = 1
+        token_owner = counts.segment_ids() if owner is None else owner
+        token_step = counts.offsets_within() + 1 if step is None else step
+        first_stop_step, last_step = first_stop_step[token_owner], last_step[token_owner]
+        eos, stop_ids = eos[token_owner], stop_ids[token_owner]
     # Token ids are >= 0 and an ignored EOS is -1 (stop-id padding too), so a plain compare
     # never matches an ignored EOS or padding.
     is_stop = tokens == eos
@@ -87,15 +89,17 @@ def first_finish_flat(
     else:  # a few columns: one compare each is cheaper than a 2-D compare and reduce
         for column in range(stop_ids.shape[1]):
             is_stop |= tokens == stop_ids[:, column]
-    stop_hit = is_stop & (step >= first_stop_step)
-    hit = stop_hit | (step >= last_step)
+    stop_hit = is_stop & (token_step >= first_stop_step)
+    hit = stop_hit | (token_step >= last_step)
     if not hit.any():
         return counts.lens, no_finish(len(counts))
     reason = np.zeros(len(counts), dtype=np.int8)
     hits = np.flatnonzero(hit)
-    leaving, first = np.unique(hits if one_each else owner[hits], return_index=True)
+    leaving, first = np.unique(
+        hits if token_owner is None else token_owner[hits], return_index=True
+    )
     first_hit = hits[first]
     kept = counts.lens.copy()
-    kept[leaving] = 1 if one_each else step[first_hit]
+    kept[leaving] = 1 if isinstance(token_step, int) else token_step[first_hit]
     reason[leaving] = np.where(stop_hit[first_hit], FinishReason.STOP, FinishReason.LENGTH)
     return kept, reason

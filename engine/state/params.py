@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 
@@ -15,9 +17,11 @@ def _as_tuple(value: object) -> object:
     """A string or an iterable as a tuple; anything else is kept for the validator to name."""
     if isinstance(value, str):
         return (value,)
+    if not isinstance(value, Iterable):
+        return value
     try:
         return tuple(value)
-    except TypeError:
+    except TypeError:  # e.g. a 0-d array: iterable by type, not by value
         return value
 
 
