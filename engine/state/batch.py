@@ -13,8 +13,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from engine.state.debug import DEBUG
 from engine.state.running import Running
-from engine.state.seqlens import DEBUG, INDEX_DTYPE, SeqLens, freeze, frozen_array
+from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array
 
 # The KV slot that padded entries (a CUDA graph's padding tokens) write to: never handed to a
 # request, so the pools hold capacity + 1 slots.

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from engine.state.debug import DEBUG, trusted
 from engine.state.params import SamplingParams
-from engine.state.seqlens import DEBUG, INDEX_DTYPE, SeqLens, frozen_array, index_array, is_frozen
+from engine.state.seqlens import INDEX_DTYPE, SeqLens, frozen_array, index_array, is_frozen
 
 __all__ = ["DEBUG", "FinishRules", "Running"]
 
@@ -158,7 +159,7 @@ class Running:
         )
 
     @classmethod
-    def _of_valid(
+    def of_valid(
         cls,
         rids: np.ndarray,
         rows: np.ndarray,
@@ -172,23 +173,17 @@ class Running:
         """A transition's next Running whose invariants hold by construction (kv_lens grew by
         computed tokens, token_lens stayed below max_context by the finish check) from
         read-only columns: skips the re-checks, which still run under ENGINE_DEBUG."""
-        if DEBUG:
-            return cls(
-                rids, rows, kv_lens, token_lens, prompt_lens, last_tokens, rules, max_context
-            )
-        value = object.__new__(cls)
-        for name, column in (
-            ("rids", rids),
-            ("rows", rows),
-            ("prompt_lens", prompt_lens),
-            ("last_tokens", last_tokens),
-        ):
-            object.__setattr__(value, name, frozen_array(column))
-        object.__setattr__(value, "kv_lens", kv_lens)
-        object.__setattr__(value, "token_lens", token_lens)
-        object.__setattr__(value, "rules", rules)
-        object.__setattr__(value, "max_context", max_context)
-        return value
+        return trusted(
+            cls,
+            rids=rids,
+            rows=rows,
+            kv_lens=kv_lens,
+            token_lens=token_lens,
+            prompt_lens=prompt_lens,
+            last_tokens=last_tokens,
+            rules=rules,
+            max_context=max_context,
+        )
 
     # --- reading ------------------------------------------------------------------------
     def __len__(self) -> int:

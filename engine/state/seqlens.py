@@ -7,23 +7,37 @@ so no code path can leave it stale (the bug family this project exists to remove
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
+from engine.state.debug import DEBUG, trusted
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEBUG",
+    "INDEX_DTYPE",
+    "SeqLens",
+    "freeze",
+    "frozen_array",
+    "index_array",
+    "is_frozen",
+]
+
 INDEX_DTYPE = np.int64
-# Expensive invariant checks (full scans that transitions already guarantee) run only here.
-DEBUG = os.environ.get("ENGINE_DEBUG", "0") not in ("", "0")
 
 
 def is_frozen(array: np.ndarray) -> bool:
     """Whether nothing can write `array`: neither it nor any array whose memory it views."""
-    while array is not None:
-        if type(array) is not np.ndarray or array.flags.writeable:
+    viewed: object = array
+    while viewed is not None:
+        if type(viewed) is not np.ndarray or viewed.flags.writeable:
             return False
-        array = array.base
+        viewed = viewed.base
     return True
 
 
@@ -38,7 +52,7 @@ def frozen_array(values: object, dtype: type = INDEX_DTYPE) -> np.ndarray:
         and (values.base is None or is_frozen(values.base))
     ):
         return values
-    array = np.array(values, dtype=dtype, copy=True)
+    array: np.ndarray = np.array(values, dtype=dtype, copy=True)
     array.flags.writeable = False
     return array if array.ndim == 1 else array.reshape(-1)
 
@@ -50,10 +64,8 @@ def freeze(array: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _full(cls: type, size: int, value: int) -> SeqLens:
-    full = cls._of_valid(np.full(size, value, dtype=INDEX_DTYPE))
-    object.__setattr__(full, "_max", value if size else 0)
-    return full
+def _full(size: int, value: int) -> SeqLens:
+    return SeqLens.of_valid(freeze(np.full(size, value, dtype=INDEX_DTYPE)))
 
 
 def _to_lens(values: object) -> np.ndarray:
@@ -75,7 +87,8 @@ class SeqLens:
 
     lens: np.ndarray = attrs.field(converter=_to_lens)
     total: int = attrs.field(init=False)
-    _max: int = attrs.field(init=False, default=-1)  # the largest length, once asked (-1: not yet)
+    # The largest length, once asked (-1: not yet). A cache: not part of the value.
+    _max: int = attrs.field(init=False, default=-1, eq=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "total", int(self.lens.sum()))
@@ -91,19 +104,13 @@ class SeqLens:
         decode step asks for ones(batch size) every step)."""
         if value < 0:
             raise ValueError(f"lengths must be >= 0; got {value}")
-        return _full(cls, int(size), int(value))
+        return _full(int(size), int(value))
 
     @classmethod
-    def _of_valid(cls, lens: np.ndarray, check: bool = DEBUG) -> SeqLens:
-        """From int64 1-D lengths known to be >= 0 (sums, picks or joins of SeqLens lengths),
-        or checked here: skips the attrs conversion, never the total, computed here."""
-        if check and lens.size and int(lens.min()) < 0:
-            raise ValueError(f"lengths must be >= 0; got {lens.tolist()[:16]}")
-        value = object.__new__(cls)
-        object.__setattr__(value, "lens", frozen_array(lens))
-        object.__setattr__(value, "total", int(lens.sum()))
-        object.__setattr__(value, "_max", -1)
-        return value
+    def of_valid(cls, lens: np.ndarray) -> SeqLens:
+        """From read-only int64 1-D lengths known to be >= 0 (sums, picks or joins of SeqLens
+        lengths): skips the conversion and the check, never the total, computed here."""
+        return trusted(cls, lens=lens, total=int(lens.sum()))
 
     # --- reading ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -160,30 +167,30 @@ class SeqLens:
                 f"got shape {delta.shape}"
             )
         growing = delta.ndim == 0 and int(delta) >= 0  # lengths only grow: nothing to check
-        return SeqLens._of_valid(freeze(lens), check=DEBUG or not growing)
+        return SeqLens.of_valid(freeze(lens)) if growing else SeqLens(freeze(lens))
 
     def __add__(self, other: SeqLens) -> SeqLens:
         if len(other) != len(self):
             raise ValueError(f"cannot add SeqLens of {len(other)} requests to {len(self)}")
-        return SeqLens._of_valid(freeze(self.lens + other.lens))
+        return SeqLens.of_valid(freeze(self.lens + other.lens))
 
     def select(self, indices: Sequence[int] | np.ndarray) -> SeqLens:
         """The lengths at `indices` (a bool mask or integer indices), in that order."""
-        return SeqLens._of_valid(freeze(self.lens[index_array(indices)]))
+        return SeqLens.of_valid(freeze(self.lens[index_array(indices)]))
 
     def concat(self, *others: SeqLens) -> SeqLens:
-        return SeqLens._of_valid(
+        return SeqLens.of_valid(
             freeze(np.concatenate([self.lens, *(other.lens for other in others)]))
         )
 
     # --- device mirrors: derived here and nowhere else ------------------------------------
-    def lens_to(self, device: object) -> object:
+    def lens_to(self, device: torch.device | str) -> torch.Tensor:
         """The lengths as an int32 torch tensor on `device`."""
         import torch
 
         return torch.from_numpy(self.lens.astype(np.int32)).to(device, non_blocking=True)
 
-    def indptr_to(self, device: object) -> object:
+    def indptr_to(self, device: torch.device | str) -> torch.Tensor:
         """indptr() as an int32 torch tensor on `device` (its last entry is the total)."""
         import torch
 

@@ -13,9 +13,10 @@ import attrs
 import numpy as np
 
 from engine.state.batch import Batch, DraftTrees, Mode
+from engine.state.debug import DEBUG, trusted
 from engine.state.finish import FinishReason, first_finish_flat, no_finish
 from engine.state.running import Running
-from engine.state.seqlens import DEBUG, INDEX_DTYPE, SeqLens, freeze, frozen_array
+from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array
 
 _EMPTY = frozen_array([])
 _NO_LENS = SeqLens.empty()
@@ -56,21 +57,11 @@ class Effects:
             raise ValueError("each finished request needs a reason")
 
     @classmethod
-    def _of_valid(cls, **columns: np.ndarray | SeqLens) -> Effects:
+    def of_valid(cls, **columns: np.ndarray | SeqLens) -> Effects:
         """Effects a transition assembled from read-only arrays (snapshot columns, or arrays it
-        made and froze): taken as they are. Under ENGINE_DEBUG every array is checked to be
-        read-only already, and the shape checks run."""
-        if DEBUG:
-            for name, column in columns.items():
-                if isinstance(column, np.ndarray) and frozen_array(column) is not column:
-                    raise AssertionError(f"a transition passed a writeable {name} array")
-            return cls(**columns)
-        value = object.__new__(cls)
-        for name, default in _EFFECT_DEFAULTS:
-            object.__setattr__(value, name, columns.pop(name, default))
-        if columns:
-            raise TypeError(f"unknown Effects fields {sorted(columns)}")
-        return value
+        made and froze): taken as they are; the fields left out keep their defaults. Under
+        ENGINE_DEBUG each array is checked to be read-only already, and the shape checks run."""
+        return trusted(cls, **columns)
 
     def emitted(self) -> dict[int, list[int]]:
         """rid -> tokens gained (for the shell's per-request histories)."""
@@ -86,9 +77,6 @@ class Effects:
             int(r): FinishReason(int(c))
             for r, c in zip(self.finished_rids, self.finished_reasons, strict=True)
         }
-
-
-_EFFECT_DEFAULTS = tuple((field.name, field.default) for field in attrs.fields(Effects))
 
 
 @attrs.frozen(eq=False)
@@ -138,7 +126,7 @@ def extend(batch: Batch, sampled: np.ndarray) -> Result:
     if batch.trees is not None:
         raise ValueError("a verify pass is committed with verify(), not extend()")
     samples = batch.samples
-    counts = SeqLens._of_valid(freeze(samples.astype(INDEX_DTYPE)))
+    counts = SeqLens.of_valid(freeze(samples.astype(INDEX_DTYPE)))
     sampled = freeze(_sampled(sampled, counts.total, "sample").copy())
     run = batch.running
     table = (freeze(np.repeat(run.rows, batch.new_lens.lens)), batch.positions, batch.out_slots)
@@ -168,7 +156,7 @@ def decode_writes(batch: Batch) -> Effects:
     if batch.mode not in (Mode.DECODE, Mode.IDLE):
         raise ValueError(f"decode_writes() is for decode passes; this pass is {batch.mode.value}")
     rows, cols, slots = _decode_table(batch)
-    return Effects._of_valid(table_rows=rows, table_cols=cols, table_slots=slots)
+    return Effects.of_valid(table_rows=rows, table_cols=cols, table_slots=slots)
 
 
 def assume_decoded(batch: Batch) -> Running:
@@ -179,7 +167,7 @@ def assume_decoded(batch: Batch) -> Running:
     if batch.mode not in (Mode.DECODE, Mode.IDLE):
         raise ValueError(f"assume_decoded() is for decode passes; this pass is {batch.mode.value}")
     run = batch.running
-    return Running._of_valid(
+    return Running.of_valid(
         run.rids,
         run.rows,
         batch.seq_lens,
@@ -290,28 +278,25 @@ def _commit(
         owner = counts.segment_ids() if owner is None else owner
         depth = counts.offsets_within() if depth is None else depth
         tokens = freeze(tokens[depth < kept[owner]])
-        counts = SeqLens._of_valid(freeze(kept))
-    one_each = counts.total == len(run) and counts.max == 1
-    has_new = None if one_each else counts.lens > 0
-    everyone = one_each or bool(has_new.all())
-    if one_each:
-        last_tokens = tokens
+        counts = SeqLens.of_valid(freeze(kept))
+    if counts.total == len(run) and counts.max == 1:  # one token each (decode): no gathers
+        last_tokens, emitted_rids, emitted_lens = tokens, run.rids, counts
     else:
+        has_new = counts.lens > 0
         ends = counts.indptr()[1:] - 1
-        last_tokens = (
-            tokens[ends]
-            if everyone
-            else np.where(
-                has_new, tokens[np.maximum(ends, 0)] if tokens.size else 0, run.last_tokens
-            )
-        )
-    emitted = dict(
+        if has_new.all():
+            last_tokens, emitted_rids, emitted_lens = freeze(tokens[ends]), run.rids, counts
+        else:
+            ended = tokens[np.maximum(ends, 0)] if tokens.size else 0
+            last_tokens = freeze(np.where(has_new, ended, run.last_tokens))
+            emitted_rids, emitted_lens = freeze(run.rids[has_new]), counts.select(has_new)
+    emitted: dict[str, np.ndarray | SeqLens] = dict(
         table_rows=table[0],
         table_cols=table[1],
         table_slots=table[2],
         free_slots=free_slots,
-        emitted_rids=run.rids if everyone else freeze(run.rids[has_new]),
-        emitted_lens=counts if everyone else counts.select(has_new),
+        emitted_rids=emitted_rids,
+        emitted_lens=emitted_lens,
         emitted_tokens=tokens,
     )
     return _close(run, reason, kv_lens, run.token_lens + counts, last_tokens, emitted)
@@ -323,12 +308,12 @@ def _close(
     kv_lens: SeqLens,
     token_lens: SeqLens,
     last_tokens: np.ndarray,
-    emitted: dict,
+    emitted: dict[str, np.ndarray | SeqLens],
 ) -> Result:
     """The next Running (finished requests dropped) and the effects: what was emitted, and
     the rows of finished requests released with everything committed to them."""
     if reason is no_finish(len(run)) or not reason.any():  # NONE is 0: nobody leaves
-        after = Running._of_valid(
+        after = Running.of_valid(
             run.rids,
             run.rows,
             kv_lens,
@@ -338,7 +323,7 @@ def _close(
             run.rules,
             run.max_context,
         )
-        return Result(after, Effects._of_valid(**emitted))
+        return Result(after, Effects.of_valid(**emitted))
     done = reason != FinishReason.NONE
     live = np.flatnonzero(~done)
     after = Running(
@@ -352,7 +337,7 @@ def _close(
         run.max_context,
     )
     # A finished request keeps no KV: its row is released with everything committed to it.
-    effects = Effects._of_valid(
+    effects = Effects.of_valid(
         release_rows=freeze(run.rows[done]),
         release_lens=kv_lens.select(done),
         finished_rids=freeze(run.rids[done]),
