@@ -5,7 +5,7 @@
 # Logs go to $OUT when set (the device tool brings that folder back), else to a temp folder.
 set -uo pipefail
 
-GPU_TESTS=(tests/backends tests/model/test_fused.py tests/shell/test_graphs.py
+GPU_TESTS=(tests/backends tests/ops/test_fused.py tests/shell/test_graphs.py
            tests/shell/test_plan_ahead.py tests/shell/test_spec_overflow.py)
 # The original scenario (verify on a batch larger than the largest captured graph), also
 # under memcheck with the caching allocator on, so that real CUDA graphs are captured.
