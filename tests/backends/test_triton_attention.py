@@ -16,7 +16,7 @@ from backend_cases import (
     make_case,
     relative_error,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.backends.torch_backend import TorchBackend
@@ -28,6 +28,8 @@ SETTINGS = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
+SPLITS = [None, 1, 2, 3]
+HEAD_DIMS = [64, 128]
 
 
 @st.composite
@@ -40,14 +42,43 @@ def shapes(draw: st.DrawFn, max_new: int) -> dict:
         new_lens=new,
         num_kv_heads=draw(st.sampled_from([1, 2])),
         group=draw(st.sampled_from([1, 3, 4])),
-        head_dim=draw(st.sampled_from([64, 128])),
+        head_dim=draw(st.sampled_from(HEAD_DIMS)),
         dtype=draw(st.sampled_from(DTYPES)),
         seed=draw(st.integers(0, 2**31 - 1)),
-        num_splits=draw(st.sampled_from([None, 1, 2, 3])),
+        num_splits=draw(st.sampled_from(SPLITS)),
     )
 
 
+def covering_examples(max_new: int):
+    """Explicit examples, run before the drawn ones on every run: each split count, each
+    dtype with each head size, each group and KV head count, on a ragged batch (a long
+    prefix, none, a short one; the longest new part the test allows)."""
+    combos = [(dtype, head_dim) for head_dim in HEAD_DIMS for dtype in DTYPES]
+    count = max(len(SPLITS), len(combos))
+    cases = [
+        dict(
+            prefix_lens=[MAX_PREFIX, 0, 17][: 1 + i % 3],  # batches of 1, 2, 3, 1, ...
+            new_lens=[max_new, 1, min(3, max_new)][: 1 + i % 3],
+            num_kv_heads=1 + i % 2,
+            group=[1, 3, 4][i % 3],
+            head_dim=combos[i % len(combos)][1],
+            dtype=combos[i % len(combos)][0],
+            seed=i,
+            num_splits=SPLITS[i % len(SPLITS)],
+        )
+        for i in range(count)
+    ]
+
+    def decorate(test):
+        for case in reversed(cases):
+            test = example(case)(test)
+        return test
+
+    return decorate
+
+
 def check_against_reference(mode: str, shape: dict) -> None:
+    shape = dict(shape)  # an explicit example's dict is reused: leave it whole
     num_splits = shape.pop("num_splits")
     case = make_case(mode, **shape)
     ref_pool, tri_pool = clone_pool(case.pool), clone_pool(case.pool)
@@ -65,18 +96,21 @@ def check_against_reference(mode: str, shape: dict) -> None:
 
 
 @SETTINGS
+@covering_examples(max_new=1)
 @given(shapes(max_new=1))
 def test_decode_matches_reference(shape: dict) -> None:
     check_against_reference("decode", shape)
 
 
 @SETTINGS
+@covering_examples(max_new=MAX_NEW)
 @given(shapes(max_new=MAX_NEW))
 def test_extend_matches_reference(shape: dict) -> None:
     check_against_reference("extend", shape)
 
 
 @SETTINGS
+@covering_examples(max_new=MAX_TREE)
 @given(shapes(max_new=MAX_TREE))
 def test_verify_matches_reference(shape: dict) -> None:
     check_against_reference("verify", shape)

@@ -45,6 +45,11 @@ def _raw(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return quantize(values, getattr(gguf.GGMLQuantizationType, type_name))
 
 
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Seeded inputs: every run checks the same values against its tolerances."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
 def _reference(raw: np.ndarray, type_name: str) -> torch.Tensor:
     qtype = getattr(gguf.GGMLQuantizationType, type_name)
     return torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).copy())
@@ -83,7 +88,7 @@ def test_kernel_matches_f_linear(type_name, rows, path):
     # whole chunk of 4 and a short one
     raw = _raw(type_name, 37, 160, seed=rows)
     weight = BlockWeight.from_gguf(raw, type_name)
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    x = _randn(rows, 160, seed=rows)
     expected = torch.nn.functional.linear(x, _reference(raw, type_name))
     torch.testing.assert_close(weight.linear(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(blockq.linear(x, weight), expected, rtol=1e-5, atol=1e-5)
@@ -96,7 +101,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(type_name, path):
     expanded panels in tiles past that, K in chunks; AMX: one 16-row tile alone or tiles in
     groups of 4): a verify pass gives a token the products a decode pass would, bit for bit."""
     weight = BlockWeight.from_gguf(_raw(type_name, 37, 288, seed=3), type_name)
-    x = torch.randn(150, 288, generator=torch.Generator().manual_seed(3))
+    x = _randn(150, 288, seed=3)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # the reference on one thread, whatever the session's
@@ -126,7 +131,7 @@ def test_amx_products_are_fp32_accurate(type_name):
             pytest.skip("this CPU (or OS) has no AMX tiles")
         raw = _raw(type_name, 70, 1536, seed=5)  # K of the model's down projection
         weight = BlockWeight.from_gguf(raw, type_name)
-        x = torch.randn(21, 1536, generator=torch.Generator().manual_seed(5)) * 3
+        x = _randn(21, 1536, seed=5) * 3
         exact = x.double() @ _reference(raw, type_name).double().t()
         tiles = (weight.linear(x).double() - exact).abs().max().item()
         cpu_kernels.amx(False)
@@ -204,7 +209,7 @@ def test_panels_give_back_the_row_layout(type_name):
 def test_kernel_takes_batched_strided_and_empty_input(path):
     weight = BlockWeight.from_gguf(_raw("Q4_1", 8, 64), "Q4_1")
     dense = weight.dequantize()
-    x = torch.randn(2, 3, 128)[..., ::2]  # not contiguous
+    x = _randn(2, 3, 128, seed=11)[..., ::2]  # not contiguous
     torch.testing.assert_close(weight.linear(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
     assert weight.linear(torch.empty(0, 64)).shape == (0, 8)
 
@@ -215,16 +220,16 @@ def test_fused_rows_keep_their_order():
     fused = BlockWeight.cat(parts)
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     assert torch.equal(fused.dequantize()[5:8], parts[1].dequantize())
-    x = torch.randn(3, 64)
+    x = _randn(3, 64, seed=12)
     torch.testing.assert_close(fused.linear(x), torch.cat([p.linear(x) for p in parts], -1))
 
 
 def test_bad_input_is_refused_with_what_is_allowed():
     weight = BlockWeight.from_gguf(_raw("Q8_0", 4, 64), "Q8_0")
     with pytest.raises(ValueError, match="fp32 CPU input"):
-        weight.linear(torch.randn(2, 64, dtype=torch.float16))
+        weight.linear(_randn(2, 64, seed=13, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
-        weight.linear(torch.randn(2, 32))
+        weight.linear(_randn(2, 32, seed=14))
     with pytest.raises(ValueError, match="supported: Q4_0, Q4_1, Q8_0"):
         BlockWeight.from_gguf(_raw("Q8_0", 4, 64), "Q5_K")
     with pytest.raises(ValueError, match="do not fit"):
@@ -245,7 +250,7 @@ def test_without_the_kernel_linear_says_why(monkeypatch):
     )
     weight = BlockWeight.from_gguf(_raw("Q4_1", 4, 64), "Q4_1")
     with pytest.raises(RuntimeError, match=r"CPU kernels are not available: no C\+\+ compiler"):
-        weight.linear(torch.randn(1, 64))
+        weight.linear(_randn(1, 64, seed=15))
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +287,7 @@ def test_a_model_with_block_weights_runs_and_saves_dense(tmp_path):
         dense = model.dense_weight(name)
         raw = quantize(dense.contiguous().numpy(), gguf.GGMLQuantizationType.Q4_1)
         blocks[name] = BlockWeight.from_gguf(raw, "Q4_1")
-    hidden = torch.randn(5, 64)
+    hidden = _randn(5, 64, seed=16)
     model.use_block_weights(blocks)
     assert isinstance(model.layers[0].qkv_proj, BlockWeight)
     assert "layers.0.qkv_proj" not in dict(model.named_parameters())
@@ -311,11 +316,14 @@ def test_engine_gives_the_same_tokens_with_and_without_the_cpu_kernels(monkeypat
         "def add(a, b):",
     ]
     params = SamplingParams(max_tokens=24)
-    fast = Engine(device="cpu", dtype="float32", speculative=True)
+    # a configured draft cost: the trees (and so the verify passes run) do not follow timings
+    fast = Engine(device="cpu", dtype="float32", speculative=True, draft_cost=0.1)
     assert fast.runtime.model.block_weights and fast.runtime.model.op_set == "cpu"
     with_kernels = [o.token_ids for o in fast.generate(prompts, params)]
     assert fast.spec.stats.total().drafting_steps > 0  # verify passes with real trees
-    plain = Engine(device="cpu", dtype="float32", speculative=True, block_weights=False)
+    plain = Engine(
+        device="cpu", dtype="float32", speculative=True, draft_cost=0.1, block_weights=False
+    )
     # the model is shared (cached) with later engines: patched for this test only
     monkeypatch.setattr(plain.runtime.model, "op_set", "reference")
     monkeypatch.setattr(TorchBackend, "use_cpu_kernel", False)
