@@ -17,6 +17,10 @@ from engine.shell.graphs import GraphRunner
 from engine.state import Mode, SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# A configured draft cost: with speculation, which steps verify and which decode (and so the
+# plans used and dropped, the retractions, a seeded sampler's batches) do not follow the
+# machine's timings, as a measured cost would make them.
+DRAFT_COST = 0.1
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -60,6 +64,7 @@ def _tiny(backend: str, **overrides) -> Engine:
         max_context=128,
         cuda_graph_max_batch=0,
         kv_cache_slots=256,
+        draft_cost=DRAFT_COST,
     )
     return Engine(**{**settings, **overrides})
 
@@ -183,13 +188,13 @@ def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch):
     prepare_next = engine._prepare_next
     planned = []
 
-    def strict(batch):
+    def strict(open_pass):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            planned.append(prepare_next(batch))
+            prepare_next(open_pass)
+            planned.append(open_pass.table_written)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        return planned[-1]
 
     monkeypatch.setattr(engine, "_prepare_next", strict)
     engine.generate(_prompts(3), SamplingParams(max_tokens=8, ignore_eos=True))
@@ -270,9 +275,9 @@ def workloads(draw):
     return prompts, params, settings_, abort_at
 
 
-@settings(
+@settings(  # a large space, drawn the same every run: 20 workloads, two engines each
     max_examples=int(
-        os.environ.get("PLAN_AHEAD_EXAMPLES", os.environ.get("ENGINE_TEST_EXAMPLES", "12"))
+        os.environ.get("PLAN_AHEAD_EXAMPLES", os.environ.get("ENGINE_TEST_EXAMPLES", "20"))
     ),
     deadline=None,
 )

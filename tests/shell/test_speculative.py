@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.shell.engine import Engine
+from engine.spec.cost import Fit, PassCost
 from engine.state import SamplingParams
 
 CODE = """class Counter:
@@ -38,6 +39,12 @@ CHAT_PROMPT = [{"role": "user", "content": "List three colors."}]
 PROMPTS = [*COPY_PROMPTS, CHAT_PROMPT]
 GREEDY = SamplingParams(max_tokens=40)
 TINY_VOCAB = 256
+# A configured draft cost (in decoded tokens' time) for the tests that are not about its
+# measurement: their trees, and so their passes, retractions and acceptance counts, do not
+# follow the machine's timings.
+DRAFT_COST = 0.1
+# The pass times the measuring tests feed the cost model instead of wall-clock time.
+SYNTHETIC = Fit(fixed=0.030, per_row=0.004, verify_premium=0.010)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,6 +59,18 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def spec_engine() -> Engine:
     """Shares the default model's weights with the session's `default_engine`."""
+    return Engine(
+        dtype="float32",
+        device="cpu",
+        max_running_requests=16,
+        speculative=True,
+        draft_cost=DRAFT_COST,
+    )
+
+
+@pytest.fixture(scope="module")
+def measured_engine() -> Engine:
+    """As `spec_engine`, but measuring its draft cost (the tests control what it measures)."""
     return Engine(dtype="float32", device="cpu", max_running_requests=16, speculative=True)
 
 
@@ -66,7 +85,8 @@ def _accepted(engine: Engine) -> int:
 
 
 def _tiny(**overrides) -> Engine:
-    return Engine(random_weights="tiny", dtype="float32", device="cpu", **overrides)
+    settings = dict(random_weights="tiny", dtype="float32", device="cpu", draft_cost=DRAFT_COST)
+    return Engine(**{**settings, **overrides})
 
 
 def _repetitive_prompts(seed: int, count: int) -> list[list[int]]:
@@ -80,32 +100,53 @@ def _repetitive_prompts(seed: int, count: int) -> list[list[int]]:
     return prompts
 
 
+def _synthetic_timings(engine: Engine, monkeypatch) -> list[tuple[int, bool]]:
+    """A fresh cost model for `engine` that is fed SYNTHETIC's time for each pass the engine
+    times, in place of the wall-clock seconds; returns the (rows, verify) of those passes."""
+    cost, observed = PassCost(), []
+    observe = cost.observe
+
+    def synthetic(rows: int, seconds: float, verify: bool = False) -> None:
+        observed.append((rows, verify))
+        fixed, per_row, premium = SYNTHETIC
+        observe(rows, fixed + per_row * rows + premium * verify, verify)
+
+    monkeypatch.setattr(cost, "observe", synthetic)
+    monkeypatch.setattr(engine.spec, "cost", cost)
+    return observed
+
+
 # --- (a) the default model -------------------------------------------------------------------
 def test_default_model_batch_1_equals_plain_greedy(
-    spec_engine, references, assert_all_free, monkeypatch
+    measured_engine, references, assert_all_free, monkeypatch
 ):
+    spec = measured_engine.spec
+    observed = _synthetic_timings(measured_engine, monkeypatch)
     judged = []  # (the draft cost a verify pass was judged with, the fit it came from)
-    draft_cost = spec_engine.spec.draft_cost
+    draft_cost = spec.draft_cost
     monkeypatch.setattr(
-        spec_engine.spec,
+        spec,
         "draft_cost",
-        lambda batch: (
-            judged.append((draft_cost(batch), spec_engine.spec.cost.fit())) or judged[-1][0]
-        ),
+        lambda batch: judged.append((draft_cost(batch), spec.cost.fit())) or judged[-1][0],
     )
-    before = _accepted(spec_engine)
+    before = _accepted(measured_engine)
     for prompt, reference in zip(PROMPTS, references, strict=True):
-        assert spec_engine.generate([prompt], GREEDY)[0].token_ids == reference
-    assert _accepted(spec_engine) > before, "copy-heavy prompts should accept some drafts"
-    assert_all_free(spec_engine)
-    # adaptive drafting weighed the drafts with a cost fitted from these passes (decode and
-    # verify passes of several row counts), and the metric reports the one it used
-    used, (fixed, per_row, _) = judged[-1]  # None (unfitted) fails here
-    assert per_row > 0  # on the CPU a verify pass's rows cost several decodes
+        assert measured_engine.generate([prompt], GREEDY)[0].token_ids == reference
+    assert _accepted(measured_engine) > before, "copy-heavy prompts should accept some drafts"
+    assert_all_free(measured_engine)
+    # the engine timed its decode passes (one row each, at batch 1) and verify passes of
+    # several row counts: enough to tell the three parts of a pass's time apart
+    assert {rows for rows, verify in observed if not verify} == {1}
+    assert len({rows for rows, verify in observed if verify}) > 1
+    # adaptive drafting weighed the drafts with the cost fitted from these passes' times (the
+    # synthetic ones, recovered), and the metric reports the one it used
+    used, fit = judged[-1]
+    assert fit == pytest.approx(SYNTHETIC, rel=1e-6)  # None (unfitted) fails here
     # the metric is the cost the last verify pass (batch 1) was judged with: its fit's
     # per_row / (fixed + per_row)
-    assert spec_engine.metrics()["spec_draft_cost"] == used
-    assert used == pytest.approx(per_row / (fixed + per_row), rel=1e-12)
+    assert measured_engine.metrics()["spec_draft_cost"] == used
+    assert used == pytest.approx(fit.per_row / (fit.fixed + fit.per_row), rel=1e-12)
+    assert used == pytest.approx(SYNTHETIC.per_row / (SYNTHETIC.fixed + SYNTHETIC.per_row))
 
 
 def test_default_model_mixed_batch_equals_plain_greedy(spec_engine, references, assert_all_free):
@@ -252,7 +293,12 @@ def test_a_request_near_the_pools_size_runs_as_without_speculation(prompt_len, a
 def test_default_model_retraction_with_speculation(references, assert_all_free):
     # Alone, each request fits (at most ~130 + 40 tokens plus a 13-node tree); together not.
     tight = Engine(
-        dtype="float32", device="cpu", speculative=True, kv_cache_slots=200, max_running_requests=3
+        dtype="float32",
+        device="cpu",
+        speculative=True,
+        draft_cost=DRAFT_COST,
+        kv_cache_slots=200,
+        max_running_requests=3,
     )
     outputs = _outputs(_run_checked(tight, PROMPTS, GREEDY)[0])
     assert outputs == references
@@ -301,28 +347,29 @@ def test_seeded_sampling_with_speculation_is_reproducible(spec_engine):
     assert runs[0] == runs[1]
 
 
-def test_seeded_sampling_does_not_depend_on_the_measured_draft_cost(spec_engine, monkeypatch):
+def test_seeded_sampling_does_not_depend_on_the_measured_draft_cost(measured_engine, monkeypatch):
     # The measured cost comes from timings; a seeded request's budget must not follow it,
     # or its trees, and so its tokens, would change from run to run.
     seeded = SamplingParams(max_tokens=48, temperature=0.3, seed=5)
     runs, seeded_costs, greedy_costs = [], [], []
-    original = spec_engine.spec.stats._adapt  # given what a request's drafting step cost
+    spec = measured_engine.spec
+    original = spec.stats._adapt  # given what a request's drafting step cost
 
     def recording(seen: list[float]):
         return lambda entry, d, a, cost: (seen.append((d, cost)), original(entry, d, a, cost))
 
     for measured in (0.0, 1.0):
-        monkeypatch.setattr(spec_engine.spec.cost, "draft_cost", lambda batch, c=measured: c)
-        monkeypatch.setattr(spec_engine.spec.cost, "verify_premium", lambda batch, c=measured: c)
+        monkeypatch.setattr(spec.cost, "draft_cost", lambda batch, c=measured: c)
+        monkeypatch.setattr(spec.cost, "verify_premium", lambda batch, c=measured: c)
         seen: list[float] = []
-        monkeypatch.setattr(spec_engine.spec.stats, "_adapt", recording(seen))
-        runs.append([c.token_ids for c in spec_engine.generate(COPY_PROMPTS[:2], seeded)])
+        monkeypatch.setattr(spec.stats, "_adapt", recording(seen))
+        runs.append([c.token_ids for c in measured_engine.generate(COPY_PROMPTS[:2], seeded)])
         seeded_costs.append({cost for _, cost in seen})
         seen = []
-        monkeypatch.setattr(spec_engine.spec.stats, "_adapt", recording(seen))
-        spec_engine.generate(COPY_PROMPTS[:1], SamplingParams(max_tokens=24))
+        monkeypatch.setattr(spec.stats, "_adapt", recording(seen))
+        measured_engine.generate(COPY_PROMPTS[:1], SamplingParams(max_tokens=24))
         greedy_costs.append(list(seen))
-        monkeypatch.setattr(spec_engine.spec.stats, "_adapt", original)
+        monkeypatch.setattr(spec.stats, "_adapt", original)
     assert runs[0] == runs[1]
     assert seeded_costs == [{0.0}, {0.0}]  # judged as if drafts were free, whatever is measured
     # greedy requests follow it: alone in its passes, a step of d drafts costs d * c plus the
