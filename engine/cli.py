@@ -106,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     EngineConfig.add_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="TCP port to listen on; 0: a free one, printed once it listens",
+    )
     serve.add_argument(
         "--served-model-name",
         default=None,
@@ -135,9 +140,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculative,
         args.log_level,
         args.served_model_name,
+        _report_listening,
         **overrides,
     )
     return 0
+
+
+def _report_listening(url: str) -> None:
+    """One line on stdout once the server accepts connections, with the port it got (the one
+    to connect to where --port 0 asked for a free one): `engine serve: listening on URL`."""
+    print(f"engine serve: listening on {url}", flush=True)
 
 
 def _missing_server(error: ImportError) -> int:

@@ -12,7 +12,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +66,33 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
 
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server that aborts in-flight requests when it starts shutting down, and returns
-    normally after a signal instead of re-raising it (so the process exits with status 0)."""
+    normally after a signal instead of re-raising it (so the process exits with status 0).
+    `on_listening(url)`, if given, is called once it accepts connections, with the URL of the
+    port it listens on (the port it got, where it was asked for port 0)."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        on_listening: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self._state = state
+        self._on_listening = on_listening
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self._on_listening is not None:
+            self._on_listening(self.url)
+
+    @property
+    def url(self) -> str:
+        """The URL of the port listened on (the first, where the host has several)."""
+        port = self.servers[0].sockets[0].getsockname()[1]
+        host = self.config.host
+        return f"{'https' if self.config.is_ssl else 'http'}://" + (
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        )
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -91,7 +113,13 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> GracefulServer:
+def make_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    on_listening: Callable[[str], None] | None = None,
+) -> GracefulServer:
     config = uvicorn.Config(
         app,
         host=host,
@@ -101,7 +129,7 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> 
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="on",
     )
-    return GracefulServer(config, app.state.server)
+    return GracefulServer(config, app.state.server, on_listening)
 
 
 def serve(
@@ -111,12 +139,21 @@ def serve(
     speculative: bool,
     log_level: str = "info",
     served_model_name: str | None = None,
+    on_listening: Callable[[str], None] | None = None,
     **engine_overrides: Any,
 ) -> None:
-    """`engine serve`: load the model, serve until SIGINT / SIGTERM, then return."""
+    """`engine serve`: load the model, serve until SIGINT / SIGTERM, then return. Port 0
+    listens on a free port; `on_listening(url)` is called with its URL once it accepts."""
     engine = Engine(model, speculative=speculative, **engine_overrides)
     app = create_app(engine, served_model_name)
-    make_server(app, host, port, log_level).run()
+    server = make_server(app, host, port, log_level, on_listening)
+    # One socket, bound here: port 0 becomes one port (a host name resolving to several
+    # addresses would otherwise get a different free port on each)
+    listener = server.config.bind_socket()
+    try:
+        server.run(sockets=[listener])
+    finally:
+        listener.close()
 
 
 class BackgroundServer:

@@ -7,11 +7,9 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -19,27 +17,45 @@ import openai
 from serverkit import CHAT_MESSAGES, MAX_CONTEXT, MAX_TOKENS, Served
 
 REPO = Path(__file__).resolve().parents[2]
-READY_POLLS = 600
+LISTENING = re.compile(r"^engine serve: listening on (http://127\.0\.0\.1:(\d+))$")
+# Bounds on waits for the subprocess (a hang fails instead of blocking the suite)
+START_WAIT_S = 600
 EXIT_WAIT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+class Output:
+    """Reads the subprocess's merged stdout and stderr on a thread to its end, and notes the
+    URL of the `listening on` line (`engine serve --port 0` prints the port it got)."""
 
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self.port = 0
+        self.listening = threading.Event()
+        self._process = process
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
 
-def _wait_ready(process: subprocess.Popen, url: str) -> None:
-    for _ in range(READY_POLLS):
-        if process.poll() is not None:
-            raise AssertionError(f"engine serve exited with {process.returncode} while starting")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError("engine serve did not answer /health")
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            self.lines.append(line)
+            found = LISTENING.match(line.rstrip("\n"))
+            if found and self.url is None:
+                self.url, self.port = found.group(1), int(found.group(2))
+                self.listening.set()
+        self.listening.set()  # the output ended: wake the waiter
+
+    def wait_listening(self) -> str:
+        assert self.listening.wait(START_WAIT_S), "engine serve printed no listening line"
+        assert self.url is not None, (
+            f"engine serve exited with {self._process.wait()} while starting:\n" + self.text()
+        )
+        assert self.port > 0, self.url  # the port it got, not the 0 it was asked for
+        return self.url
+
+    def text(self, join_s: float = EXIT_WAIT_S) -> str:
+        self._thread.join(join_s)
+        return "".join(self.lines)
 
 
 def _stream_until_end(
@@ -58,8 +74,6 @@ def _stream_until_end(
 
 
 def test_engine_serve_subprocess_answers_and_exits_cleanly_on_sigterm(served: Served) -> None:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [
@@ -68,12 +82,14 @@ def test_engine_serve_subprocess_answers_and_exits_cleanly_on_sigterm(served: Se
             "engine",
             "serve",
             "--port",
-            str(port),
+            "0",  # a free port, bound by the server: it prints the one it got
             "--device",
             "cpu",
             "--max-context",
             str(MAX_CONTEXT),
             "--speculative",
+            "--draft-cost",  # configured: its drafts do not follow the machine's timings
+            "0.1",
             "--log-level",
             "warning",
         ],
@@ -83,8 +99,10 @@ def test_engine_serve_subprocess_answers_and_exits_cleanly_on_sigterm(served: Se
         stderr=subprocess.STDOUT,
         text=True,
     )
+    output = Output(process)
     try:
-        _wait_ready(process, url)
+        url = output.wait_listening()
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # it accepts already
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(
@@ -104,15 +122,16 @@ def test_engine_serve_subprocess_answers_and_exits_cleanly_on_sigterm(served: Se
         streamer.start()
         assert started.wait(120), "the long stream produced no chunk"
         process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=EXIT_WAIT_S)
+        process.wait(timeout=EXIT_WAIT_S)
         streamer.join(EXIT_WAIT_S)
     finally:
         if process.poll() is None:
             process.kill()
-            process.communicate()
-    assert process.returncode == 0, output
+            process.wait()
+    text = output.text()
+    assert process.returncode == 0, text
     assert reasons[-1] == "abort", reasons[-5:]
-    assert "Traceback" not in output, output
+    assert "Traceback" not in text, text
     try:
         httpx.get(f"{url}/health", timeout=2)
         raise AssertionError("the port still answers after shutdown")
