@@ -8,10 +8,15 @@ file. The library links the process's libgomp (torch's, one thread pool); caller
 `torch.get_num_threads()` with every call, because an OpenMP thread count set in one thread
 does not reach another (the engine may run in a thread of its own). Where the CPU has no
 AVX-512 or there is no compiler, `status()` says why and the callers keep their torch paths.
+
+`ThreadGovernor` chooses that count pass by pass from the CPUs the process may use less the
+CPU time others take on them: OpenMP threads spin at their barriers (libgomp's default), so
+one thread too many, descheduled behind a busy neighbour, stalls every barrier of the pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -19,6 +24,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,3 +204,102 @@ def amx(want: bool | None = None) -> bool:
     same result in any batch, but they differ from each other in the last bits: choose
     before a model runs, not between its passes."""
     return bool(library().blockq_amx(-1 if want is None else int(want)))
+
+
+def threads_for(requested: int, cpus: int, others: float) -> int:
+    """The thread count a pass should use: `requested` (torch's count), at most the `cpus`
+    the process may run on, less the CPUs that `others` (CPU seconds per second that other
+    processes, and this process's other Python threads, took on them) keep busy, rounded
+    (half a CPU taken counts as one); at least 1. Spinning OpenMP threads share a CPU badly:
+    on 2 CPUs with one busy neighbour, 2 threads decode at a tenth of 1 thread's speed."""
+    return max(1, min(requested, cpus - int(others + 0.5)))
+
+
+def _busy_seconds(cpus: set[int]) -> float:
+    """CPU seconds spent on `cpus` since boot, idle and iowait aside (steal counted: a
+    hypervisor's other guest takes the CPU as a neighbour would)."""
+    total = 0
+    with open("/proc/stat", "rb") as stat:
+        for line in stat:
+            if not line.startswith(b"cpu"):
+                break
+            name, *fields = line.split()
+            if name != b"cpu" and int(name[3:]) in cpus:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+                total += user + nice + system + irq + softirq + steal
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _own_compute_seconds() -> float:
+    """CPU seconds of this process, less its Python threads other than the caller's: the
+    caller's thread and the native threads (the OpenMP pool) that run its passes. A server's
+    HTTP thread is one of the others."""
+    total = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
+    me = threading.get_ident()
+    for thread in threading.enumerate():
+        if thread.ident is not None and thread.ident != me:
+            try:
+                total -= time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, ProcessLookupError):  # it ended in the meantime
+                pass
+    return total
+
+
+@dataclass
+class _Sample:
+    at: float  # monotonic seconds
+    busy: float  # _busy_seconds of the CPUs
+    own: float  # _own_compute_seconds
+    cpus: frozenset[int]
+
+
+class ThreadGovernor:
+    """The thread count for the caller's next CPU pass, from the load of the last
+    `interval` seconds or more: `threads()` around each step sets torch's count (which the
+    kernels are passed) to `threads_for(torch's count, CPUs of the affinity mask, others'
+    CPU use on them)`, and back afterwards. Sampling costs a read of /proc/stat once an
+    interval; the first step (no sample yet) takes the affinity mask alone. Use it from one
+    thread (the engine's)."""
+
+    def __init__(self, interval: float = 0.25, *, clock: Callable[[], float] = time.monotonic,
+                 busy: Callable[[set[int]], float] = _busy_seconds,
+                 own: Callable[[], float] = _own_compute_seconds,
+                 affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0)) -> None:
+        self.interval = interval
+        self._clock, self._busy, self._own, self._affinity = clock, busy, own, affinity
+        self._sample: _Sample | None = None
+        self.others = 0.0  # CPUs' worth that others took in the last window
+        self.cpus = len(self._affinity())
+
+    def _take(self) -> _Sample:
+        cpus = frozenset(self._affinity())
+        return _Sample(self._clock(), self._busy(set(cpus)), self._own(), cpus)
+
+    def choose(self, requested: int) -> int:
+        """The count for the next pass (sampling the load when an interval has passed)."""
+        now = self._clock()
+        if self._sample is None:
+            self._sample = self._take()
+            self.cpus = len(self._sample.cpus)
+        elif now - self._sample.at >= self.interval:
+            last, self._sample = self._sample, self._take()
+            if last.cpus == self._sample.cpus:  # else the counters measured other CPUs
+                elapsed = self._sample.at - last.at
+                taken = (self._sample.busy - last.busy) - (self._sample.own - last.own)
+                self.others = max(0.0, taken / elapsed)
+            self.cpus = len(self._sample.cpus)
+        return threads_for(requested, self.cpus, self.others)
+
+    @contextlib.contextmanager
+    def threads(self) -> Iterator[int]:
+        """torch's thread count (the kernels' too) set to `choose(torch's count)` within."""
+        requested = torch.get_num_threads()
+        chosen = self.choose(requested)
+        if chosen == requested:
+            yield chosen
+            return
+        torch.set_num_threads(chosen)
+        try:
+            yield chosen
+        finally:
+            torch.set_num_threads(requested)
