@@ -1,0 +1,125 @@
+"""The engine as a model: hypothesis mixes submissions (greedy and sampled, long prompts that
+chunk, a pool small enough to retract), aborts, streams closed early, speculation, and faults
+injected into forwards, sampling, verify walks and commits. After every step each slot is
+free or owned; at the end every request has finished and the pool is whole."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine import SamplingParams
+from engine.shell.engine import Engine
+from engine.shell.failures import FAULT_POINTS, Faults
+
+MAX_CONTEXT = 64
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: Engine | None = None
+        self.requests: list = []
+
+    @initialize(
+        speculative=st.booleans(),
+        slots=st.sampled_from([48, 64, 400]),
+        chunk=st.sampled_from([6, 64]),
+        plan_ahead=st.booleans(),
+    )
+    def start(self, speculative: bool, slots: int, chunk: int, plan_ahead: bool) -> None:
+        self.engine = Engine(
+            random_weights="tiny",
+            device="cpu",
+            dtype="float32",
+            max_context=MAX_CONTEXT,
+            kv_cache_slots=slots,
+            chunk_size=chunk,
+            max_running_requests=4,
+            speculative=speculative,
+            plan_ahead=plan_ahead,
+            draft_budget=6,
+            draft_cost=0.1,
+        )
+        self.engine.faults = Faults.at()
+
+    def _params(self, max_tokens: int, sampled: bool, seed: int) -> SamplingParams:
+        if sampled:
+            return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=seed)
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    def _prompt(self, length: int, seed: int) -> list[int]:
+        motif = np.random.default_rng(seed).integers(3, 250, size=5).tolist()
+        return (motif * (length // 5 + 1))[:length]  # recurring: the proposer drafts from it
+
+    @rule(
+        count=st.integers(1, 3),
+        length=st.integers(1, 36),
+        max_tokens=st.integers(1, 16),
+        sampled=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def submit(self, count: int, length: int, max_tokens: int, sampled: bool, seed: int) -> None:
+        for i in range(count):
+            params = self._params(max_tokens + i, sampled, seed + i)
+            prompt = self._prompt(length + 3 * i, seed + i)
+            self.requests.append(self.engine._submit(prompt, params, None, None))
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        request = data.draw(st.sampled_from(self.requests))
+        self.engine.abort(request.request_id)
+
+    @rule(point=st.sampled_from(FAULT_POINTS), after=st.integers(1, 3))
+    def arm_fault(self, point: str, after: int) -> None:
+        faults = self.engine.faults
+        faults.plan[point] = faults.plan.get(point, frozenset()) | {faults.calls[point] + after}
+
+    @rule(length=st.integers(1, 20), seed=st.integers(0, 2**16))
+    def disconnect(self, length: int, seed: int) -> None:
+        """A streaming consumer that goes away after its first delta."""
+        stream = self.engine.stream(self._prompt(length, seed), self._params(12, False, seed))
+        first = next(stream)
+        stream.close()
+        assert first.request_id not in self.engine.by_request_id or first.finish_reason
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps: int) -> None:
+        for _ in range(steps):
+            self.engine.step()
+            self.engine.check()
+
+    @invariant()
+    def every_slot_is_free_or_owned(self) -> None:
+        if self.engine is not None:
+            self.engine.check()
+
+    def teardown(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        for _ in range(2000):  # bounded: a livelock fails instead of hanging
+            if not engine.has_work:
+                break
+            engine.step()
+            engine.check()
+        assert not engine.has_work, "the engine did not finish its work"
+        assert all(r.done for r in self.requests), "a request never finished"
+        for request in self.requests:
+            reason = request.completion().finish_reason
+            assert reason in ("stop", "length", "abort", "error")
+            assert (reason == "error") == (request.error is not None)
+            event(f"a request ended with {reason}")
+        event(f"retractions: {min(engine.stats['retractions'], 1)}+")
+        assert engine.book.slots.num_free == engine.book.slots.capacity
+        assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+        engine.faults = None  # and it serves on
+        after = engine.generate([self._prompt(8, 0)], self._params(3, False, 0))[0]
+        assert after.finish_reason == "length" and len(after.token_ids) == 3
+
+
+EngineMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
+TestEngineMachine = EngineMachine.TestCase
