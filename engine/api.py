@@ -67,15 +67,15 @@ class AsyncEngine:
                 log.exception("an engine step failed; every request ends with 'error'")
                 self.loop_error = error
                 self.engine.health.failed(error)
-                if not self._end_all(FinishReason.ERROR):
+                if not self._end_all(FinishReason.ERROR, error):
                     return
         self._end_all(FinishReason.ABORT)
 
-    def _end_all(self, reason: FinishReason) -> bool:
+    def _end_all(self, reason: FinishReason, error: BaseException | None = None) -> bool:
         """End every request with `reason`. If that fails too, close their streams with
         ERROR without touching the pool, and return False: the loop cannot go on."""
         try:
-            self.engine.abort_all(reason)
+            self.engine.abort_all(reason, error)
             return True
         except Exception as error:
             log.exception("ending the requests failed; closing their streams")
@@ -92,6 +92,8 @@ class AsyncEngine:
         """Validate and queue; raises InvalidRequest at once. Call from the event loop."""
         if self._stopping.is_set():
             raise RuntimeError("the engine is shutting down")
+        if self._thread is not None and not self._thread.is_alive():
+            raise RuntimeError(f"the engine loop stopped after a failure: {self.loop_error}")
         sink = _AsyncSink(asyncio.get_running_loop())
         rid = self.engine.submit(prompt, params, request_id=request_id, sink=sink)
         self._wake.set()

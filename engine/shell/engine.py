@@ -9,7 +9,6 @@ import collections
 import contextlib
 import logging
 import queue
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,11 +22,13 @@ from engine.shell import scheduler
 from engine.shell.ahead import PlanAhead
 from engine.shell.config import EngineConfig
 from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
+from engine.shell.inbox import Inbox, validate_prompt
 from engine.shell.kv import KVBook
+from engine.shell.outputs import Outputs
 from engine.shell.request import Completion, Delta, Request
 from engine.shell.runtime import Runtime, build_runtime
 from engine.shell.speculator import Speculator
-from engine.shell.textio import PromptInput, TextOutput, as_prompt_list, prompt_to_ids, to_params
+from engine.shell.textio import PromptInput, as_prompt_list, prompt_to_ids, to_params
 from engine.state import FinishReason, FinishRules, Running, SamplingParams
 
 Prompt = PromptInput
@@ -49,17 +50,14 @@ class Engine:
         self.runner = rt.make_runner(self.book)
         self.running = Running.empty(rt.max_context)
         self.waiting: collections.deque[Request] = collections.deque()
-        self.requests: dict[int, Request] = {}
-        self.by_request_id: dict[str, Request] = {}
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sampling_uids: set[int] = set()  # requests with temperature > 0
-        self.text = TextOutput(self.tokenizer)
+        self.inbox = Inbox()  # submissions and aborts from any thread
         self.stats = collections.Counter()
         self.step_times: collections.deque = collections.deque(maxlen=1024)
         self.spec = Speculator(rt, self.config) if self.config.speculative else None
+        self.outputs = Outputs(self.tokenizer, self.inbox, self.stats, self.spec)
+        self.requests = self.outputs.requests  # in flight, by uid (the loop's thread only)
+        self.by_request_id = self.outputs.by_request_id
         self.ahead = PlanAhead(self.book, self.runner, self.stats)  # the next decode pass
-        self._ids_lock = threading.Lock()
-        self._ids_in_use: set[str] = set()  # request ids not finished (submit checks them)
         self.health = Health()
         self.faults: Faults | None = None  # a test tool: passes fail where it says
 
@@ -84,59 +82,19 @@ class Engine:
         params = to_params(params)
         ids = prompt_to_ids(self.tokenizer, prompt)
         self._validate(ids)
-        return self._enqueue(ids, params, request_id, sink)
-
-    def _enqueue(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        request_id: str | None,
-        sink: queue.SimpleQueue | None,
-    ) -> Request:
-        """Queue a request whose prompt and parameters are already validated. Its id is
-        taken atomically: of two submits with one id, the second is refused."""
-        request = Request(request_id or "", ids, params, sink=sink)
-        if not request.request_id:
-            request.request_id = f"req-{request.uid}"
-        with self._ids_lock:
-            if request.request_id in self._ids_in_use:
-                raise InvalidRequest(
-                    "request_id",
-                    f"{request.request_id!r} is already in use by a request that has not finished",
-                )
-            self._ids_in_use.add(request.request_id)
-        self._inbox.put(("add", request))
-        return request
+        return self.inbox.add(ids, params, request_id, sink)
 
     def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; its slots are freed at the next step."""
-        self._inbox.put(("abort", request_id))
+        self.inbox.abort(request_id)
 
     def _validate(self, ids: list[int]) -> None:
-        vocab = self.runtime.vocab_size
-        if not ids:
-            raise InvalidRequest("prompt", "is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(
-                "prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
-        if len(ids) >= self.max_context:
-            raise InvalidRequest(
-                "prompt",
-                f"prompt has {len(ids)} tokens; max_context is "
-                f"{self.max_context} (room for one output token is needed)",
-            )
-        if len(ids) + 1 > self.book.slots.capacity:
-            raise InvalidRequest(
-                "prompt",
-                f"prompt has {len(ids)} tokens; the KV pool holds {self.book.slots.capacity}",
-            )
+        validate_prompt(ids, self.runtime.vocab_size, self.max_context, self.book.slots.capacity)
 
     # --- the loop (one thread) ----------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(len(self.running) or self.waiting or not self._inbox.empty())
+        return bool(len(self.running) or self.waiting or not self.inbox.empty)
 
     def step(self) -> None:
         """Advance every request by one forward pass (or admit/abort only)."""
@@ -174,31 +132,31 @@ class Engine:
             if uid in self.running.rids:
                 indices.append(self.running.index_of(uid))
             else:  # it left the batch in the commit that failed: its slots are free
-                self._finish_request(request, FinishReason.ERROR)
+                self.outputs.finish(request, FinishReason.ERROR)
         if indices:
             self._commit(state.finish(self.running, indices, FinishReason.ERROR))
 
     def _drain_inbox(self) -> None:
-        while not self._inbox.empty():
-            kind, item = self._inbox.get()
+        for kind, item in self.inbox.drain():
             if kind == "add":
-                self.requests[item.uid] = item
-                if not item.params.greedy:
-                    self._sampling_uids.add(item.uid)
-                self.by_request_id[item.request_id] = item
+                self.outputs.add(item)
                 self.waiting.append(item)
-                self.stats["prompt_tokens"] += len(item.prompt_ids)
             else:
                 self._abort_now(item)
 
-    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
-        """End every request, waiting or running: ABORT at shutdown, ERROR when the loop
-        itself failed."""
+    def abort_all(
+        self, reason: FinishReason = FinishReason.ABORT, error: BaseException | None = None
+    ) -> None:
+        """End every request, waiting or running: ABORT at shutdown, ERROR (with `error`)
+        when the loop itself failed."""
         self.ahead.drop()
         self._drain_inbox()
+        if error is not None:
+            for request in self.requests.values():
+                request.error = describe(error)
         for request in list(self.waiting):
             self.waiting.remove(request)
-            self._finish_request(request, reason)
+            self.outputs.finish(request, reason)
         if len(self.running):
             self._commit(state.finish(self.running, np.arange(len(self.running)), reason))
 
@@ -208,7 +166,7 @@ class Engine:
             return
         if request in self.waiting:
             self.waiting.remove(request)
-            self._finish_request(request, FinishReason.ABORT)
+            self.outputs.finish(request, FinishReason.ABORT)
             return
         index = self.running.index_of(request.uid)
         self._commit(state.abort(self.running, [index]))
@@ -355,7 +313,7 @@ class Engine:
         next step will change the batch anyway; its table writes are then applied early. With
         speculation, the pass is a step where nothing was drafted; the next one is most often
         the same (the plan is used), and a verify pass instead drops the plan."""
-        if not self.config.plan_ahead or not self._inbox.empty() or self._admissible():
+        if not self.config.plan_ahead or not self.inbox.empty or self._admissible():
             return  # the next step changes the batch: a plan would be dropped
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
@@ -391,7 +349,7 @@ class Engine:
     def _launch(self, batch: state.Batch, prepared: Any = None) -> torch.Tensor:
         """Launch the pass and its sampling; the tokens stay on the device until `_fetch`."""
         inputs = None  # all greedy: no per-request work
-        if self._sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
+        if self.outputs.sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
             uids = batch.running.rids[batch.samples]
             params = [self.requests[int(u)].params for u in uids]
             steps = [len(self.requests[int(u)].output_ids) for u in uids]
@@ -430,48 +388,11 @@ class Engine:
         )
 
     def _emit(self, effects: state.Effects) -> None:
-        """A transition's tokens and finishes to its requests and their streams."""
-        finished = effects.finished()
-        emitted = effects.emitted()
-        stopped: list[int] = []  # a stop string matched: they leave with STOP below
-        for uid, tokens in emitted.items():
-            request = self.requests[uid]
-            request.output_ids.extend(tokens)
-            self.stats["generated_tokens"] += len(tokens)
-            if self.spec is not None:
-                self.spec.extend(uid, tokens)
-            if self.text.update(request, tokens):
-                if uid in finished:  # the text was cut at a stop string: that is why it ended
-                    finished[uid] = FinishReason.STOP
-                else:
-                    stopped.append(uid)
-        for uid, reason in finished.items():
-            self._finish_request(self.requests[uid], reason)
-        for uid in self.requests.keys() & set(emitted) - set(finished) - set(stopped):
-            self._publish(self.requests[uid])
+        """A transition's tokens and finishes to its requests; a stop string's end commits."""
+        stopped = self.outputs.emit(effects)
         if stopped:
             indices = [self.running.index_of(uid) for uid in stopped]
             self._commit(state.finish(self.running, indices, FinishReason.STOP))
-
-    def _finish_request(self, request: Request, reason: FinishReason) -> None:
-        request.finish_reason = reason
-        self.text.finish(request)
-        self.stats["finished"] += 1
-        if self.spec is not None:
-            request.speculation = self.spec.remove(request.uid)
-        self._publish(request)
-        self.requests.pop(request.uid, None)
-        self.by_request_id.pop(request.request_id, None)
-        self._sampling_uids.discard(request.uid)
-        with self._ids_lock:
-            self._ids_in_use.discard(request.request_id)
-
-    def _publish(self, request: Request) -> None:
-        if request.sink is None:
-            return
-        delta = request.take_delta(self.text.streamable_chars(request))
-        if delta is not None:
-            request.sink.put(delta)
 
     # --- convenience API (drives the loop itself) ---------------------------------------------
     def generate(
@@ -499,7 +420,7 @@ class Engine:
         ]
         for ids, _ in checked:
             self._validate(ids)
-        requests = [self._enqueue(ids, sp, None, None) for ids, sp in checked]
+        requests = [self.inbox.add(ids, sp, None, None) for ids, sp in checked]
         while not all(r.done for r in requests):
             self.step()
         return [r.completion() for r in requests]
@@ -535,20 +456,9 @@ class Engine:
         self.book.check(self.running, self.ahead.held_slots)
 
     def close_streams(self, error: BaseException) -> None:
-        """Last resort when the loop cannot go on: every open request, queued or running,
-        gets its final delta with ERROR; the pool is left as it is (the engine is dead)."""
-        while not self._inbox.empty():
-            kind, item = self._inbox.get()
-            if kind == "add":
-                self.requests[item.uid] = item
-        for request in list(self.requests.values()):
-            if request.done:
-                continue
-            request.finish_reason, request.error = FinishReason.ERROR, describe(error)
-            try:
-                self._publish(request)
-            except Exception:  # one broken sink must not keep the others open
-                log.exception("closing the stream of %s failed", request.request_id)
+        """Last resort when the loop cannot go on: every open request gets its final delta
+        with ERROR; the pool is left as it is (the engine is dead)."""
+        self.outputs.close_all(describe(error))
 
     @property
     def healthy(self) -> bool:

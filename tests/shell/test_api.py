@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 
+import attrs
 import pytest
 
 from engine.api import AsyncEngine
 from engine.shell.engine import Engine
+from engine.shell.request import Completion
 from engine.state import SamplingParams
 
 
@@ -62,3 +64,66 @@ def test_a_finished_stream_is_not_aborted_and_an_abandoned_one_is():
     assert aengine.loop_error is None
     engine.check()
     assert engine.book.slots.num_free == engine.book.slots.capacity
+
+
+def test_async_generate_gives_what_engine_generate_gives():
+    import engine as package
+
+    assert package.AsyncEngine is AsyncEngine and package.Completion is Completion
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    expected = _engine().generate([[5, 6, 7]], params)[0]
+    aengine = AsyncEngine(_engine()).start()
+    try:
+        got = asyncio.run(aengine.generate([5, 6, 7], params, request_id=expected.request_id))
+    finally:
+        aengine.stop()
+    assert isinstance(got, Completion)
+    assert attrs.evolve(got, speculation=None) == attrs.evolve(expected, speculation=None)
+
+
+def test_a_step_failing_outside_a_pass_ends_requests_with_error_and_serving_goes_on():
+    engine = _engine()
+    aengine = AsyncEngine(engine).start()
+    real_admit, calls = engine._admit, []
+
+    def admit_failing_once() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("admission broke")
+        real_admit()
+
+    engine._admit = admit_failing_once
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    try:
+        failed = asyncio.run(aengine.generate([5, 6, 7], params))
+        served = asyncio.run(aengine.generate([5, 6, 7], params))
+    finally:
+        aengine.stop()
+    assert failed.finish_reason == "error" and "admission broke" in failed.error
+    assert served.finish_reason == "length" and len(served.token_ids) == 3
+    assert isinstance(aengine.loop_error, RuntimeError)
+    engine.check()
+
+
+def test_when_ending_the_requests_fails_too_their_streams_still_close():
+    """The loop cannot go on (ending the requests raised): every open stream still gets a
+    final delta instead of hanging."""
+    engine = _engine()
+    aengine = AsyncEngine(engine)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken")
+
+    engine._admit = broken
+    engine.abort_all = broken
+
+    async def one() -> Completion:
+        aengine.start()
+        return await asyncio.wait_for(aengine.generate([5, 6, 7], {"max_tokens": 3}), 60)
+
+    try:
+        out = asyncio.run(one())
+    finally:
+        aengine.stop()
+    assert out.finish_reason == "error" and "broken" in out.error
+    assert not aengine.running and not aengine.healthy

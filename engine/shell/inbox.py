@@ -1,0 +1,79 @@
+"""The engine's any-thread side: requests validated and queued, aborts queued, and the request
+ids in use (taken atomically at submission, given back when a request finishes). The loop
+thread drains the queue at each step."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from engine.errors import InvalidRequest
+from engine.shell.request import Request
+from engine.state import SamplingParams
+
+
+def validate_prompt(ids: list[int], vocab_size: int, max_context: int, pool_slots: int) -> None:
+    """Raise InvalidRequest unless the engine can run this prompt to one output token."""
+    if not ids:
+        raise InvalidRequest("prompt", "is empty; give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(
+            "prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+    if len(ids) >= max_context:
+        raise InvalidRequest(
+            "prompt",
+            f"prompt has {len(ids)} tokens; max_context is {max_context} (room for one "
+            "output token is needed)",
+        )
+    if len(ids) + 1 > pool_slots:
+        raise InvalidRequest(
+            "prompt", f"prompt has {len(ids)} tokens; the KV pool holds {pool_slots}"
+        )
+
+
+class Inbox:
+    """Thread-safe: `add` and `abort` from any thread, `drain` from the loop's."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids_lock = threading.Lock()
+        self._ids_in_use: set[str] = set()  # ids of requests not finished
+
+    @property
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def add(
+        self, ids: list[int], params: SamplingParams, request_id: str | None, sink: Any = None
+    ) -> Request:
+        """Queue a request whose prompt and parameters are validated. Its id is taken
+        atomically: of two submits with one id, the second is refused."""
+        request = Request(request_id or "", ids, params, sink=sink)
+        if not request.request_id:
+            request.request_id = f"req-{request.uid}"
+        with self._ids_lock:
+            if request.request_id in self._ids_in_use:
+                raise InvalidRequest(
+                    "request_id",
+                    f"{request.request_id!r} is already in use by a request that has not finished",
+                )
+            self._ids_in_use.add(request.request_id)
+        self._queue.put(("add", request))
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self._queue.put(("abort", request_id))
+
+    def release(self, request_id: str) -> None:
+        """The request finished: its id may be used again."""
+        with self._ids_lock:
+            self._ids_in_use.discard(request_id)
+
+    def drain(self) -> Iterator[tuple[str, Any]]:
+        """("add", Request) and ("abort", request_id) in the order they came."""
+        while not self._queue.empty():
+            yield self._queue.get()

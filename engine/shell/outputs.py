@@ -1,0 +1,91 @@
+"""The loop's side toward callers: the requests in flight, their tokens and text as passes
+commit, their streams, and their end (statistics, stream's final delta, id given back)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any
+
+from engine import state
+from engine.shell.inbox import Inbox
+from engine.shell.request import Request
+from engine.shell.textio import TextOutput
+from engine.state import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+class Outputs:
+    """Requests by uid and by id; `emit` hands a transition's tokens and finishes to them."""
+
+    def __init__(self, tokenizer: Any, inbox: Inbox, stats: collections.Counter, spec: Any) -> None:
+        self.requests: dict[int, Request] = {}
+        self.by_request_id: dict[str, Request] = {}
+        self.sampling_uids: set[int] = set()  # requests with temperature > 0
+        self.text = TextOutput(tokenizer)
+        self.inbox, self.stats, self.spec = inbox, stats, spec
+
+    def add(self, request: Request) -> None:
+        self.requests[request.uid] = request
+        self.by_request_id[request.request_id] = request
+        if not request.params.greedy:
+            self.sampling_uids.add(request.uid)
+        self.stats["prompt_tokens"] += len(request.prompt_ids)
+
+    def emit(self, effects: state.Effects) -> list[int]:
+        """A transition's tokens and finishes to its requests and their streams. Returns the
+        uids still running whose text a stop string ended: the caller finishes them."""
+        finished = effects.finished()
+        emitted = effects.emitted()
+        stopped: list[int] = []
+        for uid, tokens in emitted.items():
+            request = self.requests[uid]
+            request.output_ids.extend(tokens)
+            self.stats["generated_tokens"] += len(tokens)
+            if self.spec is not None:
+                self.spec.extend(uid, tokens)
+            if self.text.update(request, tokens):
+                if uid in finished:  # the text was cut at a stop string: that is why it ended
+                    finished[uid] = FinishReason.STOP
+                else:
+                    stopped.append(uid)
+        for uid, reason in finished.items():
+            self.finish(self.requests[uid], reason)
+        for uid in self.requests.keys() & set(emitted) - set(finished) - set(stopped):
+            self.publish(self.requests[uid])
+        return stopped
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        request.finish_reason = reason
+        self.text.finish(request)
+        self.stats["finished"] += 1
+        if self.spec is not None:
+            request.speculation = self.spec.remove(request.uid)
+        self.publish(request)
+        self.requests.pop(request.uid, None)
+        self.by_request_id.pop(request.request_id, None)
+        self.sampling_uids.discard(request.uid)
+        self.inbox.release(request.request_id)
+
+    def publish(self, request: Request) -> None:
+        if request.sink is None:
+            return
+        delta = request.take_delta(self.text.streamable_chars(request))
+        if delta is not None:
+            request.sink.put(delta)
+
+    def close_all(self, message: str) -> None:
+        """Last resort when the loop cannot go on: every open request, queued or running,
+        gets its final delta with ERROR; nothing else is touched."""
+        for kind, item in self.inbox.drain():
+            if kind == "add":
+                self.requests[item.uid] = item
+        for request in list(self.requests.values()):
+            if request.done:
+                continue
+            request.finish_reason, request.error = FinishReason.ERROR, message
+            try:
+                self.publish(request)
+            except Exception:  # one broken sink must not keep the others open
+                log.exception("closing the stream of %s failed", request.request_id)
