@@ -72,7 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ]
     params = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:1], dict(params, max_tokens=4))  # warm-up
-    requests = [engine._submit(p, params, None, None) for p in prompts]
+    requests = [engine.submit(p, params) for p in prompts]
     started, before = time.perf_counter(), engine.stats["generated_tokens"]
     with tqdm(total=len(requests) * args.max_tokens, unit="tok", disable=args.quiet) as bar:
         while engine.has_work:  # only these requests are in flight after the warm-up
