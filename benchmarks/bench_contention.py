@@ -3,9 +3,10 @@ idle and with one busy process beside them, side by side in one run.
 
     python benchmarks/bench_contention.py [--tokens 64] [--reps 3] [--neighbours 1]
 
-Default model, greedy, fp32, batch 1. Systems: `engine` (as it is), `engine+gov` (each step
-inside `cpu_kernels.ThreadGovernor().threads()`: torch's and the kernels' thread count cut to
-the CPUs that others leave free; what the proposed `Engine.step` change does) and `HF`. The
+Default model, greedy, fp32, batch 1. Systems: `engine fixed` (torch's thread count, the
+kernels' too, as set: the CPU count), `engine gov` (each step inside a
+`cpu_kernels.ThreadGovernor`'s `threads()`: that count cut to the CPUs others leave free; the
+engine's own governor where it has one, `Engine.cpu_threads`) and `HF`. The
 neighbour is a pure-Python busy loop (one process per --neighbours, pinned to nothing) that
 this script starts and stops, and that stops itself after --neighbour-limit seconds anyway.
 The systems take turns, one generate each, --reps times per phase (a system past --budget
@@ -65,22 +66,30 @@ class Others:
         self.value = max(0.0, (busy - busy0) / (at - at0))
 
 
-def engine_system(engine: Engine, ids: list[int], governor: cpu_kernels.ThreadGovernor | None):
-    def generate(tokens: int) -> int:
-        if governor is None:
-            engine.__dict__.pop("step", None)
-        else:
-            def step() -> None:
-                with governor.threads():
-                    Engine.step(engine)
+def engine_system(engine: Engine, ids: list[int], governed: bool):
+    """The engine's generate with a governor around each step, or with torch's count as it is.
+    An engine that governs its own steps (`Engine.cpu_threads`) keeps its governor or has it
+    off; one that does not gets `ThreadGovernor().threads()` around its steps here."""
+    own = getattr(engine, "cpu_threads", None)
+    governor = own or cpu_kernels.ThreadGovernor()
 
+    def step() -> None:
+        with governor.threads():
+            Engine.step(engine)
+
+    def generate(tokens: int) -> int:
+        if own is not None:
+            engine.cpu_threads = own if governed else None
+        elif governed:
             engine.step = step  # the instance's steps only; Engine.generate calls self.step
         try:
             out = engine.generate([ids], SamplingParams(max_tokens=tokens, ignore_eos=True))
         finally:
             engine.__dict__.pop("step", None)
+            if own is not None:
+                engine.cpu_threads = own
         return len(out[0].token_ids)
-    return generate
+    return generate, governor
 
 
 def hf_system(model: torch.nn.Module, ids: list[int], pad: int):
@@ -137,9 +146,8 @@ def main() -> None:
 
     engine = Engine(device="cpu", dtype="float32")
     ids = engine.tokenizer.apply_chat_template(PROMPT)
-    governor = cpu_kernels.ThreadGovernor()
-    systems = {"engine": engine_system(engine, ids, None),
-               "engine+gov": engine_system(engine, ids, governor)}
+    systems = {"engine fixed": engine_system(engine, ids, False)[0]}
+    systems["engine gov"], governor = engine_system(engine, ids, True)
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
@@ -168,10 +176,10 @@ def main() -> None:
           f"{args.neighbours} busy neighbour(s) in the busy phase")
     print(f"others' CPU use (not this process, not the neighbour): idle phase "
           f"{idle_others:.2f} CPUs, busy phase {busy_others:.2f} CPUs")
-    print(f"{'system':<12}{'idle tok/s':>12}{'busy tok/s':>12}{'busy/idle':>11}"
+    print(f"{'system':<14}{'idle tok/s':>12}{'busy tok/s':>12}{'busy/idle':>11}"
           + (f"{'busy/HF busy':>14}" if "HF" in systems else ""))
     for name in systems:
-        line = f"{name:<12}{idle[name]:>12.1f}{busy[name]:>12.1f}{busy[name] / idle[name]:>11.2f}"
+        line = f"{name:<14}{idle[name]:>12.1f}{busy[name]:>12.1f}{busy[name] / idle[name]:>11.2f}"
         if "HF" in systems:
             line += f"{busy[name] / busy['HF']:>14.2f}"
         print(line)
