@@ -258,8 +258,9 @@ class ThreadGovernor:
     `interval` seconds or more: `threads()` around each step sets torch's count (which the
     kernels are passed) to `threads_for(torch's count, CPUs of the affinity mask, others'
     CPU use on them)`, and back afterwards. Sampling costs a read of /proc/stat once an
-    interval; the first step (no sample yet) takes the affinity mask alone. Use it from one
-    thread (the engine's)."""
+    interval; the first step (no sample yet) takes the affinity mask alone; where there is no
+    /proc/stat or affinity mask (not Linux) it keeps torch's count. Use it from one thread
+    (the engine's)."""
 
     def __init__(self, interval: float = 0.25, *, clock: Callable[[], float] = time.monotonic,
                  busy: Callable[[set[int]], float] = _busy_seconds,
@@ -269,7 +270,11 @@ class ThreadGovernor:
         self._clock, self._busy, self._own, self._affinity = clock, busy, own, affinity
         self._sample: _Sample | None = None
         self.others = 0.0  # CPUs' worth that others took in the last window
-        self.cpus = len(self._affinity())
+        self.blind = False  # no /proc/stat or affinity mask here (not Linux): torch's count
+        try:
+            self.cpus = len(self._affinity())
+        except (AttributeError, OSError):
+            self.blind, self.cpus = True, os.cpu_count() or 1
 
     def _take(self) -> _Sample:
         cpus = frozenset(self._affinity())
@@ -277,17 +282,25 @@ class ThreadGovernor:
 
     def choose(self, requested: int) -> int:
         """The count for the next pass (sampling the load when an interval has passed)."""
+        if self.blind:
+            return requested
         now = self._clock()
-        if self._sample is None:
-            self._sample = self._take()
-            self.cpus = len(self._sample.cpus)
-        elif now - self._sample.at >= self.interval:
+        try:
+            if self._sample is None:
+                self._sample = self._take()
+                self.cpus = len(self._sample.cpus)
+                return threads_for(requested, self.cpus, self.others)
+            if now - self._sample.at < self.interval:
+                return threads_for(requested, self.cpus, self.others)
             last, self._sample = self._sample, self._take()
-            if last.cpus == self._sample.cpus:  # else the counters measured other CPUs
-                elapsed = self._sample.at - last.at
-                taken = (self._sample.busy - last.busy) - (self._sample.own - last.own)
-                self.others = max(0.0, taken / elapsed)
-            self.cpus = len(self._sample.cpus)
+        except (AttributeError, OSError, ValueError):
+            self.blind = True
+            return requested
+        if last.cpus == self._sample.cpus:  # else the counters measured other CPUs
+            elapsed = self._sample.at - last.at
+            taken = (self._sample.busy - last.busy) - (self._sample.own - last.own)
+            self.others = max(0.0, taken / elapsed)
+        self.cpus = len(self._sample.cpus)
         return threads_for(requested, self.cpus, self.others)
 
     @contextlib.contextmanager
