@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import state
+from engine import cpu_kernels, state
 from engine.errors import InvalidRequest
 from engine.shell import scheduler
 from engine.shell.ahead import PlanAhead
@@ -60,6 +60,9 @@ class Engine:
         self.ahead = PlanAhead(self.book, self.runner, self.stats)  # the next decode pass
         self.health = Health()
         self.faults: Faults | None = None  # a test tool: passes fail where it says
+        # on the CPU, each step's thread count (torch's, which the kernels are passed): at most
+        # the CPUs others leave free, since a spinning OpenMP team stalls behind a busy neighbour
+        self.cpu_threads = cpu_kernels.ThreadGovernor() if rt.device.type == "cpu" else None
 
     # --- submission (any thread) ------------------------------------------------------------
     def submit(
@@ -106,7 +109,8 @@ class Engine:
             return
         plan = scheduler.plan_extend(self.running, self.config.chunk_size)
         try:
-            mode = self._run_extend(plan) if plan is not None else self._run_decode()
+            with self.cpu_threads.threads() if self.cpu_threads else contextlib.nullcontext():
+                mode = self._run_extend(plan) if plan is not None else self._run_decode()
         except PassFailed as failure:
             log.error(
                 "a pass failed; its %d requests end with 'error'",
