@@ -30,8 +30,9 @@ import torch
 from engine import Engine, SamplingParams, cpu_kernels
 from engine.model import default_model_path
 
-BUSY = ("import sys, time\nend = time.time() + float(sys.argv[1])\n"
-        "while time.time() < end:\n    pass\n")
+BUSY = (
+    "import sys, time\nend = time.time() + float(sys.argv[1])\nwhile time.time() < end:\n    pass\n"
+)
 PROMPT = [{"role": "user", "content": "Write a short story about the sea."}]
 
 
@@ -89,6 +90,7 @@ def engine_system(engine: Engine, ids: list[int], governed: bool):
             if own is not None:
                 engine.cpu_threads = own
         return len(out[0].token_ids)
+
     return generate, governor
 
 
@@ -97,15 +99,22 @@ def hf_system(model: torch.nn.Module, ids: list[int], pad: int):
 
     def generate(tokens: int) -> int:
         with torch.inference_mode():
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                 do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens,
-                                 pad_token_id=pad)
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                pad_token_id=pad,
+            )
         return out.shape[1] - input_ids.shape[1]
+
     return generate
 
 
-def phase(systems: dict, tokens: int, reps: int, exclude: list[int], budget: float
-          ) -> tuple[dict, float]:
+def phase(
+    systems: dict, tokens: int, reps: int, exclude: list[int], budget: float
+) -> tuple[dict, float]:
     """Median tokens/s per system, the systems taking turns; and the others' CPU use. A
     system that has taken `budget` seconds in the phase is not run again (the run's bound)."""
     speeds: dict[str, list[float]] = {name: [] for name in systems}
@@ -128,18 +137,28 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--neighbours", type=int, default=1)
-    parser.add_argument("--budget", type=float, default=15.0,
-                        help="seconds per system and phase after which it is not repeated")
-    parser.add_argument("--neighbour-limit", type=float, default=240.0,
-                        help="seconds after which a neighbour stops by itself")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=15.0,
+        help="seconds per system and phase after which it is not repeated",
+    )
+    parser.add_argument(
+        "--neighbour-limit",
+        type=float,
+        default=240.0,
+        help="seconds after which a neighbour stops by itself",
+    )
     parser.add_argument("--no-hf", action="store_true")
     args = parser.parse_args()
 
     load = os.getloadavg()
     cpus = sorted(os.sched_getaffinity(0))
-    print(f"{len(cpus)} CPUs usable of {os.cpu_count()}; load average before loading "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; torch threads {torch.get_num_threads()}; "
-          f"kernels: {cpu_kernels.status().reason}")
+    print(
+        f"{len(cpus)} CPUs usable of {os.cpu_count()}; load average before loading "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; torch threads {torch.get_num_threads()}; "
+        f"kernels: {cpu_kernels.status().reason}"
+    )
     with Others([]) as before:
         time.sleep(1.0)
     print(f"others' CPU use over 1 s before starting: {before.value:.2f} CPUs")
@@ -152,19 +171,23 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         path = default_model_path()
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
         systems["HF"] = hf_system(model, ids, engine.tokenizer.eos_token_id)
     for generate in systems.values():  # warm-up: kernels built, first-call costs paid
         generate(4)
 
     idle, idle_others = phase(systems, args.tokens, args.reps, [], args.budget)
-    neighbours = [subprocess.Popen([sys.executable, "-c", BUSY, str(args.neighbour_limit)])
-                  for _ in range(args.neighbours)]
+    neighbours = [
+        subprocess.Popen([sys.executable, "-c", BUSY, str(args.neighbour_limit)])
+        for _ in range(args.neighbours)
+    ]
     try:
         time.sleep(0.3)  # running before the first pass
-        busy, busy_others = phase(systems, args.tokens, args.reps, [p.pid for p in neighbours],
-                                   args.budget)
+        busy, busy_others = phase(
+            systems, args.tokens, args.reps, [p.pid for p in neighbours], args.budget
+        )
         chosen = governor.choose(torch.get_num_threads())
         print(f"governor under load: others {governor.others:.2f} CPUs -> {chosen} thread(s)")
     finally:
@@ -172,12 +195,18 @@ def main() -> None:
             p.kill()
             p.wait()
 
-    print(f"\n{args.tokens} tokens, batch 1, greedy, fp32, median of {args.reps}; "
-          f"{args.neighbours} busy neighbour(s) in the busy phase")
-    print(f"others' CPU use (not this process, not the neighbour): idle phase "
-          f"{idle_others:.2f} CPUs, busy phase {busy_others:.2f} CPUs")
-    print(f"{'system':<14}{'idle tok/s':>12}{'busy tok/s':>12}{'busy/idle':>11}"
-          + (f"{'busy/HF busy':>14}" if "HF" in systems else ""))
+    print(
+        f"\n{args.tokens} tokens, batch 1, greedy, fp32, median of {args.reps}; "
+        f"{args.neighbours} busy neighbour(s) in the busy phase"
+    )
+    print(
+        f"others' CPU use (not this process, not the neighbour): idle phase "
+        f"{idle_others:.2f} CPUs, busy phase {busy_others:.2f} CPUs"
+    )
+    print(
+        f"{'system':<14}{'idle tok/s':>12}{'busy tok/s':>12}{'busy/idle':>11}"
+        + (f"{'busy/HF busy':>14}" if "HF" in systems else "")
+    )
     for name in systems:
         line = f"{name:<14}{idle[name]:>12.1f}{busy[name]:>12.1f}{busy[name] / idle[name]:>11.2f}"
         if "HF" in systems:

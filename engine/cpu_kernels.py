@@ -262,10 +262,15 @@ class ThreadGovernor:
     /proc/stat or affinity mask (not Linux) it keeps torch's count. Use it from one thread
     (the engine's)."""
 
-    def __init__(self, interval: float = 0.25, *, clock: Callable[[], float] = time.monotonic,
-                 busy: Callable[[set[int]], float] = _busy_seconds,
-                 own: Callable[[], float] = _own_compute_seconds,
-                 affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0)) -> None:
+    def __init__(
+        self,
+        interval: float = 0.25,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        busy: Callable[[set[int]], float] = _busy_seconds,
+        own: Callable[[], float] = _own_compute_seconds,
+        affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0),
+    ) -> None:
         self.interval = interval
         self._clock, self._busy, self._own, self._affinity = clock, busy, own, affinity
         self._sample: _Sample | None = None
