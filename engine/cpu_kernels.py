@@ -54,61 +54,21 @@ FLAGS = (
 # probes), used where the CPU and the OS allow it; without them the library has no AMX path
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+# one kernel's argument types a line or two, as in its C signature
+# fmt: off
 SIGNATURES = {  # name -> argument types; each kernel takes a thread count last
     "blockq_linear": (_P, _I, _P, _P, _I),
     "blockq_amx": (_I,),  # a setting, not a kernel
-    "cpu_paged_attention": (
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _I,
-        _I,
-        _I,
-        _I,
-        _I,
-        _I,
-        ctypes.c_float,
-        _P,
-        _I,
-    ),
+    "cpu_paged_attention": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
+                            ctypes.c_float, _P, _I),
     "cpu_rms_norm": (_P, _P, _P, _I, _I, ctypes.c_float, _P, _P, _I),
     "cpu_rope_qkv_store": (_P, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "cpu_silu_mul": (_P, _I, _I, _P, _I),
-    "cpu_decoder_layer": (
-        _P,
-        _P,
-        _I,
-        _P,
-        ctypes.c_float,
-        _P,
-        ctypes.c_float,
-        _P,
-        _P,
-        _P,
-        _I,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _I,
-        _I,
-        _I,
-        _I,
-        ctypes.c_float,
-        _P,
-        _P,
-        _I,
-    ),
+    "cpu_decoder_layer": (_P, _P, _I, _P, ctypes.c_float, _P, ctypes.c_float, _P, _P, _P, _I,
+                          _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P,
+                          _P, _I),
 }
+# fmt: on
 
 
 RETURNS = {"blockq_amx": ctypes.c_int64}  # the rest return nothing
