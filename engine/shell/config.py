@@ -84,6 +84,27 @@ class EngineConfig:
     chunk_size: int = _field(
         1024, "prefill token budget per step; longer prompts are chunked", _positive
     )
+    prefix_cache: bool = _field(
+        True,
+        "reuse the KV of cached prefixes across requests (a radix tree of committed "
+        "tokens, LRU-evicted when slots run out)",
+    )
+    schedule_policy: str = _field(
+        "lpm",
+        "order of admission: 'lpm' (longest cached prefix first; with the prefix cache) "
+        "or 'fcfs' (first come, first served)",
+        _one_of("lpm", "fcfs"),
+    )
+    max_waited_out: int = _field(
+        32,
+        "lpm: a waiting request passed over by this many admissions goes first",
+        _positive,
+    )
+    mixed_passes: bool = _field(
+        True,
+        "a pass carries the running requests' decode tokens with prefill chunks (false: "
+        "prefill chunks pause decoding)",
+    )
     cuda_graph_max_batch: int = _field(
         64,
         "decode/verify batches up to this size replay "

@@ -18,6 +18,7 @@ _next_id = itertools.count(1)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -87,6 +88,8 @@ class Request:
     stopped_by_string: bool = False
     speculation: AcceptanceStats | None = None  # set when it finishes, with speculation on
     error: str | None = None  # set when its pass failed (finish reason ERROR)
+    cached_tokens: int | None = None  # prompt tokens matched in the prefix cache at admission
+    waited_out: int = 0  # admissions that passed it over while it waited (its age, for LPM)
 
     @property
     def all_ids(self) -> list[int]:
@@ -127,7 +130,8 @@ class Request:
         )
 
     def usage(self) -> Usage:
-        return Usage(len(self.prompt_ids), len(self.output_ids))
+        cached = min(self.cached_tokens or 0, len(self.prompt_ids))
+        return Usage(len(self.prompt_ids), len(self.output_ids), cached)
 
     def take_delta(self, text_limit: int | None = None) -> Delta | None:
         """The output not yet handed out, text up to `text_limit` characters (None when there
