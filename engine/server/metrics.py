@@ -19,6 +19,20 @@ _GAUGES = {  # Engine.metrics() key -> (metric name, help)
     "kv_slots_free": ("engine_kv_slots_free", "KV cache slots free to hand out"),
     "kv_slots_total": ("engine_kv_slots_total", "KV cache slots in the pool (no padding slot)"),
 }
+_OPTIONAL_GAUGES = {  # read with .get: an engine without a prefix cache has none of them
+    "prefix_cache_slots": (
+        "engine_prefix_cache_slots",
+        "KV slots held by the prefix cache (locked or evictable)",
+    ),
+    "prefix_cache_locked_slots": (
+        "engine_prefix_cache_locked_slots",
+        "KV slots of the prefix cache locked by running requests",
+    ),
+    "prefix_cache_hit_rate": (
+        "engine_prefix_cache_hit_rate",
+        "Cached / looked-up prompt tokens of the prefix cache since start",
+    ),
+}
 _COUNTERS = {  # Engine.metrics() key -> (metric name without _total, help)
     "generated_tokens": ("engine_generation_tokens", "Tokens generated"),
     "prompt_tokens": ("engine_prompt_tokens", "Prompt tokens submitted"),
@@ -27,13 +41,30 @@ _COUNTERS = {  # Engine.metrics() key -> (metric name without _total, help)
     "spec_steps_total": ("engine_spec_verify_steps", "Speculative verify steps"),
     "spec_draft_tokens_total": ("engine_spec_draft_tokens", "Speculative draft tokens verified"),
     "spec_accepted_tokens_total": ("engine_spec_accepted_tokens", "Draft tokens accepted"),
+    "cached_prompt_tokens": (
+        "engine_prefix_cache_hit_tokens",
+        "Prompt tokens whose KV came from the prefix cache",
+    ),
+    "matched_prompt_tokens_queried": (
+        "engine_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache at admission",
+    ),
+    "prefix_cache_evicted_slots": (
+        "engine_prefix_cache_evicted_slots",
+        "KV slots the prefix cache evicted to make room",
+    ),
+    "prefix_cache_evictions": (
+        "engine_prefix_cache_evictions",
+        "Eviction rounds that freed cached slots",
+    ),
 }
 
 
 class _EngineCollector:
     """Yields the engine's gauges and counters from the last snapshot taken by refresh().
 
-    Counters the engine has not started yet (no retraction, speculation off) read 0."""
+    Counters the engine has not started yet (no retraction, speculation off) and prefix cache
+    figures of an engine without one read 0."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
@@ -42,6 +73,8 @@ class _EngineCollector:
         snapshot = self._metrics.snapshot
         for key, (name, help_text) in _GAUGES.items():
             yield GaugeMetricFamily(name, help_text, value=snapshot[key])
+        for key, (name, help_text) in _OPTIONAL_GAUGES.items():
+            yield GaugeMetricFamily(name, help_text, value=snapshot.get(key, 0))
         for key, (name, help_text) in _COUNTERS.items():
             yield CounterMetricFamily(name, help_text, value=snapshot.get(key, 0))
         drafted = snapshot.get("spec_draft_tokens_total", 0)

@@ -120,11 +120,14 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_tokens
 
 
-def usage_body(usage: Any) -> dict[str, int]:
+def usage_body(usage: Any) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` counts prompt tokens whose KV the prefix cache
+    supplied."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 

@@ -1,6 +1,9 @@
-"""Completions and chat, streamed and not, against Engine.generate; models, health, metrics."""
+"""Completions and chat, streamed and not, against Engine.generate; usage, models, health,
+metrics."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -73,6 +76,38 @@ def test_stream_include_usage_sends_a_final_usage_chunk(served: Served) -> None:
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
+def _assert_cached_tokens_reported(usage: dict) -> None:
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert type(cached) is int and 0 <= cached <= usage["prompt_tokens"], usage
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_usage_reports_cached_prompt_tokens_streamed_and_not(served: Served, endpoint: str) -> None:
+    body = {"model": served.model, "max_tokens": 3, "temperature": 0}
+    if endpoint == "completions":
+        body["prompt"] = COMPLETION_PROMPT
+    else:
+        body["messages"] = CHAT_MESSAGES
+    url = f"{served.url}/v1/{endpoint}"
+    full = httpx.post(url, json=body, timeout=120)
+    assert full.status_code == 200, full.text
+    _assert_cached_tokens_reported(full.json()["usage"])
+
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=stream, timeout=120) as response:
+        raw = response.read().decode()
+    events = [json.loads(event[len("data: ") :]) for event in raw.split("\n\n")[:-2]]
+    assert events[-1]["choices"] == []
+    _assert_cached_tokens_reported(events[-1]["usage"])
+
+
+def test_openai_client_parses_cached_tokens(served: Served) -> None:
+    full = served.client().chat.completions.create(
+        model=served.model, messages=CHAT_MESSAGES, max_tokens=2
+    )
+    assert isinstance(full.usage.prompt_tokens_details.cached_tokens, int)
+
+
 def test_sse_wire_format_ends_with_done(served: Served) -> None:
     body = {"model": served.model, "prompt": COMPLETION_PROMPT, "max_tokens": 3, "stream": True}
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as response:
@@ -131,5 +166,12 @@ def test_metrics_lists_engine_and_latency_series(served: Served) -> None:
         "engine_time_to_first_token_seconds_bucket",
         "engine_inter_token_latency_seconds_bucket",
         "engine_speculative_enabled 0.0",
+        "engine_prefix_cache_slots",
+        "engine_prefix_cache_locked_slots",
+        "engine_prefix_cache_hit_rate",
+        "engine_prefix_cache_hit_tokens_total",
+        "engine_prefix_cache_queried_tokens_total",
+        "engine_prefix_cache_evicted_slots_total",
+        "engine_prefix_cache_evictions_total",
     ):
         assert name in text, name
