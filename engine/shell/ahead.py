@@ -40,10 +40,10 @@ class PlanAhead:
         """Plan the pass after decode pass `batch` (which is running). Returns whether
         `batch`'s table writes were applied (False: the pool had no room; nothing done)."""
         following = state.assume_decoded(batch)
-        if self.book.slots.num_free < len(following):
+        if self.book.num_available < len(following):
             return False
         self.book.apply(state.decode_writes(batch))
-        nxt = state.schedule_decode(following, self.book.slots.alloc(len(following)))
+        nxt = state.schedule_decode(following, self.book.alloc(len(following)))
         try:
             self.prepared = self.runner.prepare(nxt)
         except BaseException:

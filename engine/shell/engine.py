@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import queue
 import time
@@ -33,6 +34,7 @@ from engine.state import FinishReason, FinishRules, Running, SamplingParams
 
 Prompt = PromptInput
 log = logging.getLogger(__name__)
+ADMIT_WINDOW = 128  # waiting requests one admission considers (and LPM orders), from the front
 
 
 class Engine:
@@ -45,7 +47,11 @@ class Engine:
         self.tokenizer = rt.tokenizer
         self.max_context = rt.max_context
         self.book = KVBook(
-            rt.num_slots, self.config.max_running_requests, rt.max_context, rt.device
+            rt.num_slots,
+            self.config.max_running_requests,
+            rt.max_context,
+            rt.device,
+            prefix_cache=self.config.prefix_cache,
         )
         self.runner = rt.make_runner(self.book)
         self.running = Running.empty(rt.max_context)
@@ -107,7 +113,9 @@ class Engine:
         self.ahead.drop_unless_fits(self.running)  # requests came or left: free its slots
         if not len(self.running):
             return
-        plan = scheduler.plan_extend(self.running, self.config.chunk_size)
+        plan = scheduler.plan_extend(
+            self.running, self.config.chunk_size, self.config.mixed_passes
+        )
         try:
             with self.cpu_threads.threads() if self.cpu_threads else contextlib.nullcontext():
                 mode = self._run_extend(plan) if plan is not None else self._run_decode()
@@ -175,27 +183,49 @@ class Engine:
         index = self.running.index_of(request.uid)
         self._commit(state.abort(self.running, [index]))
 
-    def _admissible(self) -> int:
-        """How many waiting requests `_admit` would take now. The slots of a pass planned
-        ahead count as free: admitting drops that plan."""
-        if not self.waiting:
+    def _candidates(self) -> tuple[list[Request], list[tuple[int, int]]]:
+        """The first ADMIT_WINDOW waiting requests in the order admission tries them, each
+        with its cached prefix (length, evictable slots in it; `KVBook.peek`) short of its
+        last token, which it always computes. FCFS; or with `schedule_policy` 'lpm', longest
+        cached prefix first, those passed over `max_waited_out` times before all others."""
+        head = list(itertools.islice(self.waiting, ADMIT_WINDOW))
+        if self.book.cache is None:
+            return head, [(0, 0)] * len(head)
+        peeks = [self.book.peek(r.id_array()[:-1]) for r in head]
+        if self.config.schedule_policy == "lpm" and len(head) > 1:
+            aged = [r.waited_out >= self.config.max_waited_out for r in head]
+            order = scheduler.admission_order([length for length, _ in peeks], aged)
+            head, peeks = [head[i] for i in order], [peeks[i] for i in order]
+        return head, peeks
+
+    def _admissible(self, candidates: Any = None) -> int:
+        """How many waiting requests `_admit` takes now (in `_candidates` order). The slots
+        of a pass planned ahead count as free: admitting drops that plan."""
+        if not self.waiting or not self.book.table.num_free_rows:
             return 0
+        order, peeks = candidates if candidates is not None else self._candidates()
         step_slots = 1 + (self.config.draft_budget if self.spec else 0)
         return scheduler.count_admissible(
-            (r.num_tokens for r in self.waiting),
+            (r.num_tokens - length for r, (length, _) in zip(order, peeks, strict=True)),
             self.book.table.num_free_rows,
-            self.book.slots.num_free + self.ahead.num_held,
+            self.book.num_available + self.ahead.num_held,
             len(self.running) * step_slots,
             self.config.chunk_size,
             step_slots,
+            (unlocked for _, unlocked in peeks),
         )
 
     def _admit(self) -> None:
-        count = self._admissible()
+        """Admit waiting requests while rows and slots last: each starts with its longest
+        cached prefix, locked for it."""
+        candidates = self._candidates()
+        count = self._admissible(candidates)
         if count == 0:
             return
         self.ahead.drop()
-        entering = [self.waiting.popleft() for _ in range(count)]
+        entering = candidates[0][:count]
+        prefixes = [self.book.acquire(r.uid, r.id_array()[:-1]) for r in entering]
+        self._note_admitted(entering, prefixes)
         rows = [self.book.table.alloc_row() for _ in entering]
         rules = FinishRules.of([r.params for r in entering], self.runtime.eos_id)
         admitted = Running.admitted(
@@ -206,19 +236,37 @@ class Engine:
             [r.last_token for r in entering],
             rules,
             self.max_context,
+            kv_lens=[p.size for p in prefixes],
         )
-        self.running = state.merge(self.running, admitted)
+        self._commit(state.admit(self.running, admitted, np.concatenate(prefixes)))
         if self.spec is not None:
             for r in entering:  # a seeded sampling request's trees must not follow timings
                 self.spec.add_request(
                     r.uid, r.all_ids, r.params.seed is not None and not r.params.greedy
                 )
 
+    def _note_admitted(self, entering: list[Request], prefixes: list[np.ndarray]) -> None:
+        """Take the admitted requests off the queue; count their cache hits, and for each
+        request left waiting, the admissions behind it in the queue that went first."""
+        admitted = {r.uid for r in entering}
+        behind = len(entering)
+        for request in self.waiting:
+            if request.uid in admitted:
+                behind -= 1
+            elif behind:
+                request.waited_out += behind
+        self.waiting = collections.deque(r for r in self.waiting if r.uid not in admitted)
+        for request, prefix in zip(entering, prefixes, strict=True):
+            if request.cached_tokens is None:
+                request.cached_tokens = int(prefix.size)
+            self.stats["matched_prompt_tokens_queried"] += request.num_tokens
+            self.stats["cached_prompt_tokens"] += int(prefix.size)
+
     def _reserve(self, tokens_needed: Any) -> bool:
         """Make `tokens_needed()` slots free by retracting the newest requests.
 
         Returns False when the step's own batch changed (the caller re-plans)."""
-        while tokens_needed() > self.book.slots.num_free:
+        while tokens_needed() > self.book.num_available:
             index = scheduler.newest(self.running.rids)
             request = self.requests[int(self.running.rids[index])]
             if len(self.running) == 1:
@@ -244,12 +292,25 @@ class Engine:
             ]
         )
         batch = state.schedule_extend(
-            sub, plan.chunk_lens, input_ids, self.book.slots.alloc(plan.num_tokens)
+            sub, plan.chunk_lens, input_ids, self.book.alloc(plan.num_tokens)
         )
         with self._open(batch) as open_pass:
             sampled = self._fetch(self._launch(batch))
             self._commit_pass(open_pass, state.extend(batch, sampled), rest=rest)
+        if self.book.cache is not None:
+            self._share_prefills(sub.rids[plan.chunk_lens > 1])
         return "extend"
+
+    def _share_prefills(self, uids: np.ndarray) -> None:
+        """Prompts that prefilled a chunk enter the prefix cache as far as they got, so that
+        requests admitted meanwhile match them before they finish."""
+        running = self.running
+        idx = np.flatnonzero(
+            np.isin(running.rids, uids) & (running.kv_lens.lens > running.shared_lens)
+        )
+        if idx.size:
+            self.ahead.drop()
+            self._commit(state.share(running, idx))
 
     def _run_decode(self) -> str:
         if self.spec is None:
@@ -259,7 +320,7 @@ class Engine:
         # Drafts fit the pool's free slots (a plan's held slots count: a verify pass drops
         # the plan), handed out in batch order. A tree that did not fit would make the step
         # retract a request (or finish one alone in the pool) where a decode pass goes on.
-        trees = spec.propose(running, self.book.slots.num_free + self.ahead.num_held)
+        trees = spec.propose(running, self.book.num_available + self.ahead.num_held)
         if trees.sizes.total > len(running):
             return self._verify_step(trees, started)
         # Nothing drafted: a root-only verify is a decode, and the decode pass is cheaper
@@ -276,7 +337,7 @@ class Engine:
         if not self._reserve(lambda: trees.sizes.total):
             return "retract"
         running = self.running
-        batch = state.schedule_verify(running, trees, self.book.slots.alloc(trees.sizes.total))
+        batch = state.schedule_verify(running, trees, self.book.alloc(trees.sizes.total))
         with self._open(batch) as open_pass:
             logits = self._forward(batch)
             uids = running.rids.tolist()
@@ -300,7 +361,7 @@ class Engine:
         else:
             if not self._reserve(lambda: len(self.running)):
                 return "retract"
-            batch = state.schedule_decode(self.running, self.book.slots.alloc(len(self.running)))
+            batch = state.schedule_decode(self.running, self.book.alloc(len(self.running)))
         with self._open(batch) as open_pass:
             tokens = self._launch(batch, prepared)
             if during is not None:
@@ -386,10 +447,26 @@ class Engine:
         """A transition's effects to the KV book, its snapshot in place. `rest`: the running
         requests that were not part of the transition's batch; `table_written`: its table
         writes were applied early (`PlanAhead.plan`)."""
-        self.book.apply(result.effects, table_written)
+        self.book.apply(result.effects, table_written, self._history(result.effects))
         self.running = (
             result.running if rest is None or not len(rest) else state.merge(rest, result.running)
         )
+
+    def _history(self, effects: state.Effects | None = None) -> Any:
+        """(uid, n) -> the first n tokens of a request, for the KV book: those its record
+        holds, then those `effects` emit to it (applied to the book before the record)."""
+        emitted: dict[int, list[int]] | None = None
+
+        def history(uid: int, n: int) -> list[int]:
+            nonlocal emitted
+            request = self.requests[uid]
+            ids = request.token_slice(0, min(n, request.num_tokens))
+            if len(ids) < n and effects is not None:
+                emitted = effects.emitted() if emitted is None else emitted
+                ids = ids + emitted.get(uid, [])[: n - len(ids)]
+            return ids
+
+        return history
 
     def _emit(self, effects: state.Effects) -> None:
         """A transition's tokens and finishes to its requests; a stop string's end commits."""
@@ -457,7 +534,7 @@ class Engine:
     def check(self) -> None:
         """Slot conservation and table integrity, now (raises AssertionError). The slots of
         a pass planned ahead count as in flight."""
-        self.book.check(self.running, self.ahead.held_slots)
+        self.book.check(self.running, self.ahead.held_slots, self._history())
 
     def close_streams(self, error: BaseException) -> None:
         """Last resort when the loop cannot go on: every open request gets its final delta
@@ -470,13 +547,29 @@ class Engine:
         return self.health.healthy
 
     def metrics(self) -> dict[str, Any]:
+        cache, book = self.book.cache, self.book
+        queried = self.stats["matched_prompt_tokens_queried"]
+        prefix = (
+            {}
+            if cache is None
+            else dict(
+                prefix_cache_slots=cache.num_slots,
+                prefix_cache_locked_slots=cache.num_locked,
+                prefix_cache_evicted_slots=book.evicted_slots,
+                prefix_cache_evictions=book.evictions,
+                prefix_cache_hit_rate=self.stats["cached_prompt_tokens"] / queried
+                if queried
+                else 0.0,
+            )
+        )
         return dict(
             pass_failures=self.health.failures,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_slots_total=self.book.slots.capacity,
             kv_slots_free=self.book.slots.num_free,
-            kv_slots_used=self.book.slots.capacity - self.book.slots.num_free,
+            kv_slots_used=self.book.slots.capacity - self.book.num_available,
             **dict(self.stats),
+            **prefix,
             **(self.spec.stats_dict() if self.spec is not None else {}),
         )

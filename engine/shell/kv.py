@@ -1,4 +1,5 @@
-"""The shell's mutable KV bookkeeping: a token-level slot allocator and the request table.
+"""The shell's mutable KV bookkeeping: a token-level slot allocator, the request table and
+the prefix cache.
 
 This is the only place slots change hands. `apply(effects)` turns a transition's effects into
 changes here, in the order `Effects` documents; `check(...)` verifies conservation any time.
@@ -8,11 +9,16 @@ out are 1..capacity and the KV pool tensors have capacity + 1 entries.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 import torch
 
+from engine.shell.radix import RadixCache
 from engine.state import PADDING_SLOT, Effects, Running
 from engine.state.seqlens import DEBUG
+
+_NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
 class OutOfSlots(RuntimeError):
@@ -105,19 +111,78 @@ class RequestTable:
             self.device.index_put_((rows_d, cols_d), slots_d.to(torch.int32))
 
 
+History = Callable[[int, int], Sequence[int]]  # (request id, n) -> its first n tokens known
+
+
 class KVBook:
-    """Allocator + request table, and the one place effects are applied."""
+    """Allocator, request table and prefix cache (`cache`, None when off), and the one place
+    effects are applied. Every slot is exactly one of: free; owned by one running request
+    alone (its row after its shared prefix); in the cache, locked by the running requests
+    whose shared prefix holds it, or evictable. Evictable slots count as available: `alloc`
+    evicts least recently used ones when the free slots do not suffice."""
 
     def __init__(
-        self, capacity: int, num_rows: int, max_context: int, device: torch.device | str = "cpu"
+        self,
+        capacity: int,
+        num_rows: int,
+        max_context: int,
+        device: torch.device | str = "cpu",
+        prefix_cache: bool = False,
     ) -> None:
         self.slots = SlotAllocator(capacity)
         self.table = RequestTable(num_rows, max_context, device)
+        self.cache = RadixCache() if prefix_cache else None
+        self.evicted_slots = 0  # slots evicted from the cache, since start
+        self.evictions = 0  # evictions that freed slots
 
-    def apply(self, effects: Effects, table_written: bool = False) -> None:
+    # --- slots ------------------------------------------------------------------------------
+    @property
+    def num_available(self) -> int:
+        """Slots `alloc` can hand out: free ones and evictable cached ones."""
+        return self.slots.num_free + (0 if self.cache is None else self.cache.num_evictable)
+
+    def alloc(self, count: int) -> np.ndarray:
+        """`count` slots, evicting cached ones (LRU) first if too few are free."""
+        short = count - self.slots.num_free
+        if short > 0 and self.cache is not None and self.cache.num_evictable:
+            freed = self.cache.evict(short)
+            self.slots.free(freed)
+            self.evicted_slots += int(freed.size)
+            self.evictions += 1
+        return self.slots.alloc(count)
+
+    # --- the prefix cache -------------------------------------------------------------------
+    def peek(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        """How many leading `tokens` are cached, and how many of those slots are evictable
+        now (locking them takes them out of `num_available`). Nothing changes."""
+        if self.cache is None:
+            return 0, 0
+        match = self.cache.match(tokens, touch=False)
+        return match.length, match.num_unlocked
+
+    def acquire(self, holder: int, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The slots of the longest cached prefix of `tokens`, locked for `holder` (a request
+        being admitted) until its row is released (`apply`) or `unacquire`."""
+        if self.cache is None:
+            return _NO_SLOTS
+        match = self.cache.match(tokens)
+        if match.length:
+            self.cache.lock(holder, match.handle)
+        return match.slots
+
+    def unacquire(self, holder: int) -> None:
+        """Give back what `acquire` locked for a request that was not admitted after all."""
+        if self.cache is not None and self.cache.held_length(holder):
+            self.cache.unlock(holder)
+
+    # --- effects ------------------------------------------------------------------------------
+    def apply(
+        self, effects: Effects, table_written: bool = False, history: History | None = None
+    ) -> None:
         """Apply effects in their documented order. `table_written`: their table writes were
         already applied (the engine applies a decode pass's writes early, `decode_writes`);
-        with ENGINE_DEBUG that is checked rather than assumed."""
+        with ENGINE_DEBUG that is checked rather than assumed. `history` gives the tokens of
+        the requests whose KV enters the prefix cache."""
         if not table_written:
             self.table.write(effects.table_rows, effects.table_cols, effects.table_slots)
         elif DEBUG and not np.array_equal(
@@ -125,32 +190,130 @@ class KVBook:
         ):
             raise AssertionError("table writes said to be applied early are missing")
         self.slots.free(effects.free_slots)
-        for row, length in zip(
-            effects.release_rows.tolist(), effects.release_lens.tolist(), strict=True
+        for rid, row, length in zip(
+            effects.share_rids.tolist(),
+            effects.share_rows.tolist(),
+            effects.share_lens.tolist(),
+            strict=True,
         ):
-            self.slots.free(self.table.host[row, :length])
-            self.table.release_row(row)
+            self._share(rid, row, length, history)
+        for rid, row, length, shared, cached in zip(
+            effects.release_rids.tolist(),
+            effects.release_rows.tolist(),
+            effects.release_lens.tolist(),
+            effects.release_shared.tolist(),
+            effects.release_cached.tolist(),
+            strict=True,
+        ):
+            self._release(rid, row, length, shared, cached, history)
 
-    def check(self, running: Running, in_flight: np.ndarray | None = None) -> None:
-        """Slot conservation: free + owned (+ in flight) == capacity, nothing owned twice,
-        and each row holds exactly its request's slots up to its committed length."""
+    def _share(self, rid: int, row: int, length: int, history: History | None) -> None:
+        if self.cache is None:
+            raise ValueError("a share effect needs the prefix cache")
+        cached = self._insert(rid, row, length, history)
+        match = self.cache.match(cached)
+        if match.length != cached.size:
+            raise AssertionError("a prefix just inserted is not cached")
+        row_slots = self.table.host[row, : match.length]
+        moved = np.flatnonzero(row_slots != match.slots)  # positions the cache already held
+        self.table.write(np.full(moved.size, row), moved, match.slots[moved])
+        self.unacquire(rid)
+        self.cache.lock(rid, match.handle)
+
+    def _release(
+        self, rid: int, row: int, length: int, shared: int, cached: bool, history: History | None
+    ) -> None:
+        if self.cache is None:
+            self.slots.free(self.table.host[row, shared:length])
+        else:
+            kept = self._insert(rid, row, length, history).size if cached else shared
+            self.slots.free(self.table.host[row, kept:length])
+            self.unacquire(rid)
+        self.table.release_row(row)
+
+    def _insert(self, rid: int, row: int, length: int, history: History | None) -> np.ndarray:
+        """Put the committed tokens of request `rid` (on `row`) into the cache, as far as
+        they are known; its slots where the cache held the position already are freed.
+        Returns the tokens inserted."""
+        assert self.cache is not None
+        if history is None:
+            raise ValueError("caching a request's KV needs its tokens (history)")
+        tokens = np.asarray(history(rid, length), dtype=np.int64)[:length]
+        duplicates = self.cache.insert(tokens, self.table.host[row, : tokens.size])
+        self.slots.free(duplicates)
+        return tokens
+
+    # --- checks -------------------------------------------------------------------------------
+    def check(
+        self,
+        running: Running,
+        in_flight: np.ndarray | None = None,
+        history: History | None = None,
+    ) -> None:
+        """Slot conservation: free + owned (+ in flight) + cached == capacity, each slot with
+        one kind of owner; each row holds its request's shared prefix (the cache's slots for
+        those tokens, when `history` is given) and then its own slots up to its committed
+        length; the cache's lock holders are exactly the requests with a shared prefix."""
         owned = [
-            self.table.host[row, :length]
-            for row, length in zip(running.rows.tolist(), running.kv_lens.tolist(), strict=True)
+            self.table.host[row, shared:length]
+            for row, shared, length in zip(
+                running.rows.tolist(),
+                running.shared_lens.tolist(),
+                running.kv_lens.tolist(),
+                strict=True,
+            )
         ]
         if in_flight is not None:
             owned.append(np.asarray(in_flight, dtype=np.int64))
         owned_flat = np.concatenate(owned) if owned else np.zeros(0, dtype=np.int64)
+        cached = np.zeros(0, dtype=np.int64) if self.cache is None else self.cache.cached_slots()
         if np.unique(owned_flat).size != owned_flat.size:
             raise AssertionError("a KV slot is owned twice")
         if (owned_flat == PADDING_SLOT).any():
             raise AssertionError("a request owns the padding slot")
-        if self.slots._is_free[owned_flat].any():
-            raise AssertionError("a KV slot is both free and owned")
-        if self.slots.num_free + owned_flat.size != self.slots.capacity:
+        if self.slots._is_free[owned_flat].any() or self.slots._is_free[cached].any():
+            raise AssertionError("a KV slot is both free and owned (or cached)")
+        if np.intersect1d(owned_flat, cached).size:
+            raise AssertionError("a KV slot is both owned by a request and in the prefix cache")
+        if self.slots.num_free + owned_flat.size + cached.size != self.slots.capacity:
             raise AssertionError(
-                f"slots leaked: {self.slots.num_free} free + {owned_flat.size} "
-                f"owned != capacity {self.slots.capacity}"
+                f"slots leaked: {self.slots.num_free} free + {owned_flat.size} owned + "
+                f"{cached.size} cached != capacity {self.slots.capacity}"
             )
         if self.table.num_free_rows + len(running) != self.table.host.shape[0]:
             raise AssertionError("request-table rows leaked or double-owned")
+        self._check_shared(running, history)
+
+    def _check_shared(self, running: Running, history: History | None) -> None:
+        holding = {
+            rid: shared
+            for rid, shared in zip(running.rids.tolist(), running.shared_lens.tolist(), strict=True)
+            if shared
+        }
+        if self.cache is None:
+            if holding:
+                raise AssertionError("requests hold shared prefixes without a prefix cache")
+            return
+        self.cache.check()
+        if self.cache.holders() != holding:
+            raise AssertionError(
+                f"the cache's lock holders {self.cache.holders()} are not the running "
+                f"requests' shared prefixes {holding}"
+            )
+        if history is None:
+            return
+        for rid, row, shared in zip(
+            running.rids.tolist(),
+            running.rows.tolist(),
+            running.shared_lens.tolist(),
+            strict=True,
+        ):
+            if not shared:
+                continue
+            match = self.cache.match(np.asarray(history(rid, shared)), touch=False)
+            if match.length != shared or not np.array_equal(
+                self.table.host[row, :shared], match.slots
+            ):
+                raise AssertionError(
+                    f"request {rid}'s row does not start with its cached prefix's slots"
+                )

@@ -78,6 +78,7 @@ class Match:
 
     slots: np.ndarray
     handle: Handle
+    num_unlocked: int = 0  # of those slots, how many nobody locks (evictable now)
 
     @property
     def length(self) -> int:
@@ -118,16 +119,27 @@ class RadixCache:
         node = self._holders.get(holder)
         return 0 if node is None else node.end
 
-    def match(self, tokens: IntSequence) -> Match:
+    def holders(self) -> dict[Hashable, int]:
+        """Each holder and the length of the prefix it locks."""
+        return {holder: node.end for holder, node in self._holders.items()}
+
+    def cached_slots(self) -> np.ndarray:
+        return np.fromiter(self._cached, dtype=INDEX_DTYPE, count=len(self._cached))
+
+    def match(self, tokens: IntSequence, touch: bool = True) -> Match:
+        """The longest cached prefix of `tokens`. `touch`: count it as a use (LRU); a peek
+        (to order waiting requests) does not."""
         key = _token_array(tokens)
-        self._clock += 1
         path, matched = self._descend(key)
-        for node in path:
-            node.last_access = self._clock
+        if touch:
+            self._clock += 1
+            for node in path:
+                node.last_access = self._clock
         pieces = [node.slots[:count] for node, count in zip(path, matched, strict=True)]
         slots = freeze(np.concatenate(pieces)) if pieces else self._root.slots
         deepest = path[-1] if path else self._root
-        return Match(slots, Handle(deepest, int(slots.size)))
+        unlocked = sum(c for n, c in zip(path, matched, strict=True) if n.lock_count == 0)
+        return Match(slots, Handle(deepest, int(slots.size)), unlocked)
 
     def insert(self, tokens: IntSequence, slots: IntSequence) -> np.ndarray:
         """Cache a committed sequence. Returns the caller's slots that duplicate ones the tree

@@ -7,6 +7,7 @@ import queue
 from typing import Any
 
 import attrs
+import numpy as np
 
 from engine.spec.stats import AcceptanceStats
 from engine.state import FinishReason, SamplingParams
@@ -90,10 +91,17 @@ class Request:
     error: str | None = None  # set when its pass failed (finish reason ERROR)
     cached_tokens: int | None = None  # prompt tokens matched in the prefix cache at admission
     waited_out: int = 0  # admissions that passed it over while it waited (its age, for LPM)
+    _ids: Any = attrs.field(default=None, init=False, repr=False)  # cache of id_array()
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def id_array(self) -> np.ndarray:
+        """all_ids as an array (kept while the request gains no token)."""
+        if self._ids is None or self._ids.size != self.num_tokens:
+            self._ids = np.array(self.all_ids, dtype=np.int64)
+        return self._ids
 
     @property
     def num_tokens(self) -> int:

@@ -6,7 +6,7 @@ the decisions. Prefill first (FCFS, chunked under a token budget), then decode o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -26,21 +26,41 @@ class ExtendPlan:
         return int(self.chunk_lens.sum())
 
 
-def plan_extend(running: Running, token_budget: int) -> ExtendPlan | None:
-    """Chunks for requests with more than one pending token, in batch order, under budget.
-
-    A chunk that leaves exactly one pending token is completed by the next decode step, so
-    the batch never needs a separate "last chunk" path.
+def plan_extend(running: Running, token_budget: int, mixed: bool = True) -> ExtendPlan | None:
+    """Chunks for the requests still prefilling their prompt, in batch order, under the token
+    budget; None when there are none (the step decodes or verifies). A request prefills while
+    it has more than one pending token, or has not sampled yet: one whose prompt was cached
+    but for its last token samples its first token in an extend pass too, as it would without
+    the cache (with speculation, a verify pass would draw it differently). `mixed`: the pass
+    also carries every other request's pending token (its decode), outside the budget, so
+    running requests keep emitting while prompts prefill; otherwise they wait.
     """
     pending = running.pending_lens
-    candidates = np.flatnonzero(pending > 1)
+    first = running.token_lens.lens == running.prompt_lens
+    candidates = np.flatnonzero((pending > 1) | first)
     if candidates.size == 0:
         return None
     wanted = pending[candidates]
     before = np.concatenate([[0], np.cumsum(wanted)[:-1]])
     chunk = np.clip(token_budget - before, 0, wanted)
     take = chunk > 0
-    return ExtendPlan(candidates[take], chunk[take])
+    indices, chunk_lens = candidates[take], chunk[take]
+    if mixed:
+        decodes = np.flatnonzero((pending == 1) & ~first)
+        indices = np.concatenate([indices, decodes])
+        chunk_lens = np.concatenate([chunk_lens, np.ones(decodes.size, dtype=chunk_lens.dtype)])
+        order = np.argsort(indices, kind="stable")  # batch order
+        indices, chunk_lens = indices[order], chunk_lens[order]
+    return ExtendPlan(indices, chunk_lens)
+
+
+def admission_order(cached: Sequence[int], aged: Sequence[bool]) -> list[int]:
+    """Longest cached prefix first (SGLang's LPM): indices into the waiting queue. `cached`:
+    each request's cached prefix length; `aged`: requests passed over too often, which go
+    first, in queue order. Ties keep queue order."""
+    first = [i for i in range(len(cached)) if aged[i]]
+    rest = sorted((i for i in range(len(cached)) if not aged[i]), key=lambda i: -cached[i])
+    return first + rest
 
 
 def count_admissible(
@@ -50,8 +70,9 @@ def count_admissible(
     reserved_slots: int,
     token_budget: int,
     step_slots: int = 1,
+    locked_slots: Iterable[int] | None = None,
 ) -> int:
-    """How many waiting requests (FCFS, a prefix of the queue) to admit now.
+    """How many waiting requests (a prefix of the queue, in admission order) to admit now.
 
     A request is admitted while a row is free and its pending tokens plus its own next step
     (`step_slots`: 1, or 1 + the draft budget) fit in the free slots left after reserving
@@ -61,16 +82,23 @@ def count_admissible(
     ones must fit within it. With nothing running, the first request needs room for its
     tokens and one more only: a request the pool can hold must never wait for room that
     will not come (with speculation its drafts are cut to the slots there are).
+
+    With the prefix cache, `pending_tokens` leave out each request's cached prefix, and
+    `locked_slots` are the evictable slots of that prefix (counted in `free_slots`), which
+    locking it takes out of the room. Two requests matching the same evictable prefix count
+    it twice: the estimate errs toward admitting fewer, never toward a retraction.
     """
     admitted = 0
     room = free_slots - reserved_slots
     budget = token_budget
+    locked = iter(locked_slots) if locked_slots is not None else None
     for tokens in pending_tokens:
         step = 1 if admitted == 0 and reserved_slots == 0 else step_slots
-        if admitted >= free_rows or tokens + step > room or (admitted and tokens > budget):
+        cost = tokens + step + (next(locked) if locked is not None else 0)
+        if admitted >= free_rows or cost > room or (admitted and tokens > budget):
             break
         admitted += 1
-        room -= tokens + step
+        room -= cost
         budget -= tokens
     return admitted
 

@@ -1,8 +1,9 @@
 """The requests that hold KV, as one columnar immutable value.
 
 Per request: its id, its request-table row, `kv_lens` (tokens whose KV is committed; equal to
-the slots it owns and to the filled prefix of its table row), `token_lens` (tokens known:
-prompt plus output), and the columns the finish check reads.
+the filled prefix of its table row), `shared_lens` (how many of those slots, from the start of
+the row, belong to the prefix cache and are locked by the request; the rest it owns alone),
+`token_lens` (tokens known: prompt plus output), and the columns the finish check reads.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ class FinishRules:
         )
 
 
+def _optional_lens(values: object) -> np.ndarray | None:
+    return None if values is None else frozen_array(values)
+
+
 @attrs.frozen(eq=False)
 class Running:
     """Requests holding KV, in batch order. Every column has one entry per request."""
@@ -104,9 +109,13 @@ class Running:
     last_tokens: np.ndarray = attrs.field(converter=frozen_array)
     rules: FinishRules
     max_context: int
+    # leading slots of each row that the prefix cache holds (None: no shared slots)
+    shared_lens: np.ndarray = attrs.field(default=None, converter=_optional_lens)
 
     def __attrs_post_init__(self) -> None:
         n = self.rids.shape[0]
+        if self.shared_lens is None:
+            object.__setattr__(self, "shared_lens", frozen_array(np.zeros(n, INDEX_DTYPE)))
         sizes = (
             self.rows.shape[0],
             len(self.kv_lens),
@@ -114,11 +123,16 @@ class Running:
             self.prompt_lens.shape[0],
             self.last_tokens.shape[0],
             len(self.rules),
+            self.shared_lens.shape[0],
         )
         if any(size != n for size in sizes):
             raise ValueError(f"Running columns disagree on the batch size: {n} vs {sizes}")
         if n and not (self.kv_lens.lens <= self.token_lens.lens).all():
             raise ValueError(f"kv_lens {self.kv_lens} exceed token_lens {self.token_lens}")
+        if n and ((self.shared_lens < 0) | (self.shared_lens > self.kv_lens.lens)).any():
+            raise ValueError(
+                f"shared_lens {self.shared_lens.tolist()} must be within 0..kv_lens {self.kv_lens}"
+            )
         if n and self.token_lens.max > self.max_context:
             raise ValueError(
                 f"a request has {self.token_lens.max} tokens; max_context is {self.max_context}"
@@ -152,10 +166,19 @@ class Running:
         max_context: int,
         kv_lens: Sequence[int] | None = None,
     ) -> Running:
-        """Requests entering with no KV committed yet (kv_lens 0, or a reused prefix)."""
+        """Requests entering with no KV committed yet (kv_lens 0), or with a cached prefix
+        of `kv_lens` tokens whose slots the prefix cache holds (shared)."""
         kv = SeqLens(np.zeros(len(rids), dtype=INDEX_DTYPE) if kv_lens is None else kv_lens)
         return cls(
-            rids, rows, kv, SeqLens(token_lens), prompt_lens, last_tokens, rules, max_context
+            rids,
+            rows,
+            kv,
+            SeqLens(token_lens),
+            prompt_lens,
+            last_tokens,
+            rules,
+            max_context,
+            kv.lens,
         )
 
     @classmethod
@@ -169,6 +192,7 @@ class Running:
         last_tokens: np.ndarray,
         rules: FinishRules,
         max_context: int,
+        shared_lens: np.ndarray,
     ) -> Running:
         """A transition's next Running whose invariants hold by construction (kv_lens grew by
         computed tokens, token_lens stayed below max_context by the finish check) from
@@ -183,6 +207,7 @@ class Running:
             last_tokens=last_tokens,
             rules=rules,
             max_context=max_context,
+            shared_lens=shared_lens,
         )
 
     # --- reading ------------------------------------------------------------------------
@@ -192,6 +217,11 @@ class Running:
     @property
     def num_output(self) -> np.ndarray:
         return self.token_lens.lens - self.prompt_lens
+
+    @property
+    def own_lens(self) -> np.ndarray:
+        """Committed slots each request owns alone (after its shared prefix)."""
+        return self.kv_lens.lens - self.shared_lens
 
     @property
     def pending_lens(self) -> np.ndarray:
@@ -219,6 +249,7 @@ class Running:
             self.last_tokens[idx],
             self.rules.select(idx),
             self.max_context,
+            self.shared_lens[idx],
         )
 
     def merge(self, other: Running) -> Running:
@@ -238,4 +269,5 @@ class Running:
             np.concatenate([self.last_tokens, other.last_tokens]),
             self.rules.concat(other.rules),
             self.max_context,
+            np.concatenate([self.shared_lens, other.shared_lens]),
         )

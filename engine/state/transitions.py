@@ -20,6 +20,11 @@ from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array
 
 _EMPTY = frozen_array([])
 _NO_LENS = SeqLens.empty()
+_NO_FLAGS = frozen_array(np.zeros(0, dtype=bool), bool)
+
+
+def _flags(values: object) -> np.ndarray:
+    return frozen_array(values, bool)
 
 
 @attrs.frozen(eq=False)
@@ -28,7 +33,14 @@ class Effects:
 
     1. write `table_slots` into the request table at (`table_rows`, `table_cols`);
     2. free `free_slots` (slots that never entered the table: rejected drafts);
-    3. for each released row, free its first `release_lens` table slots and release the row.
+    3. share: for each `share_rids` request (on row `share_rows`), its first `share_lens`
+       committed tokens enter the prefix cache; where the cache already holds a slot for a
+       position, the row takes that slot and frees its own; its lock moves to the new prefix;
+    4. release each `release_rows` row (of request `release_rids`): its first `release_lens`
+       slots, of which the first `release_shared` are the prefix cache's and locked by it.
+       With the cache on and `release_cached` set, its committed tokens enter the cache (as
+       in 3; its own slots become the cache's); otherwise its own slots are freed. Then its
+       lock is released and the row given back.
     `emitted_*` are the tokens each request gained (CSR over `emitted_rids`);
     `finished_*` the requests that left with a reason; `retracted_rids` those sent back to wait.
     """
@@ -39,6 +51,12 @@ class Effects:
     free_slots: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
     release_rows: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
     release_lens: SeqLens = _NO_LENS
+    release_rids: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
+    release_shared: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
+    release_cached: np.ndarray = attrs.field(default=_NO_FLAGS, converter=_flags)
+    share_rids: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
+    share_rows: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
+    share_lens: SeqLens = _NO_LENS
     emitted_rids: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
     emitted_lens: SeqLens = _NO_LENS
     emitted_tokens: np.ndarray = attrs.field(default=_EMPTY, converter=frozen_array)
@@ -49,8 +67,21 @@ class Effects:
     def __attrs_post_init__(self) -> None:
         if not (self.table_rows.shape == self.table_cols.shape == self.table_slots.shape):
             raise ValueError("table writes need one row, column and slot each")
-        if self.release_rows.shape[0] != len(self.release_lens):
-            raise ValueError("each released row needs its length")
+        released = self.release_rows.shape[0]
+        if not (
+            len(self.release_lens)
+            == self.release_rids.shape[0]
+            == self.release_shared.shape[0]
+            == self.release_cached.shape[0]
+            == released
+        ):
+            raise ValueError("each released row needs its request, length, shared length and flag")
+        if released and (
+            (self.release_shared < 0) | (self.release_shared > self.release_lens.lens)
+        ).any():
+            raise ValueError("a released row's shared slots must be within its length")
+        if not (self.share_rids.shape[0] == self.share_rows.shape[0] == len(self.share_lens)):
+            raise ValueError("each shared row needs its request and length")
         if self.emitted_tokens.shape[0] != self.emitted_lens.total:
             raise ValueError("emitted tokens must match emitted_lens.total")
         if self.finished_rids.shape != self.finished_reasons.shape:
@@ -176,6 +207,7 @@ def assume_decoded(batch: Batch) -> Running:
         run.last_tokens,
         run.rules,
         run.max_context,
+        run.shared_lens,
     )
 
 
@@ -322,6 +354,7 @@ def _close(
             last_tokens,
             run.rules,
             run.max_context,
+            run.shared_lens,
         )
         return Result(after, Effects.of_valid(**emitted))
     done = reason != FinishReason.NONE
@@ -335,11 +368,15 @@ def _close(
         last_tokens[live],
         run.rules.select(live),
         run.max_context,
+        run.shared_lens[live],
     )
     # A finished request keeps no KV: its row is released with everything committed to it.
     effects = Effects.of_valid(
         release_rows=freeze(run.rows[done]),
         release_lens=kv_lens.select(done),
+        release_rids=freeze(run.rids[done]),
+        release_shared=freeze(run.shared_lens[done]),
+        release_cached=freeze(np.ones(int(done.sum()), dtype=bool)),
         finished_rids=freeze(run.rids[done]),
         finished_reasons=freeze(reason[done].astype(INDEX_DTYPE)),
         **emitted,
@@ -360,25 +397,37 @@ def _leave(running: Running, indices: Sequence[int] | np.ndarray) -> tuple[Runni
 
 
 def retract(running: Running, indices: Sequence[int] | np.ndarray) -> Result:
-    """Requests leave under memory pressure: every slot freed; they wait to be recomputed."""
+    """Requests leave under memory pressure: their committed tokens go to the prefix cache
+    (with it on; evictable, since nobody locks them) or their slots are freed; they wait, and
+    match their prefix again when they come back."""
     rest, gone = _leave(running, indices)
     effects = Effects(
-        release_rows=running.rows[gone],
-        release_lens=running.kv_lens.select(gone),
-        retracted_rids=running.rids[gone],
+        retracted_rids=running.rids[gone], **_releases(running, gone, cached=True)
     )
     return Result(rest, effects)
 
 
+def _releases(running: Running, gone: np.ndarray, cached: bool) -> dict[str, object]:
+    """The release columns for the requests of `running` at mask `gone`."""
+    return dict(
+        release_rows=running.rows[gone],
+        release_lens=running.kv_lens.select(gone),
+        release_rids=running.rids[gone],
+        release_shared=running.shared_lens[gone],
+        release_cached=np.full(int(gone.sum()), cached),
+    )
+
+
 def finish(running: Running, indices: Sequence[int] | np.ndarray, reason: FinishReason) -> Result:
-    """Requests leave with `reason` (a stop string matched, or an abort); every slot freed."""
+    """Requests leave with `reason` (a stop string matched, an abort, an error); each row is
+    released (`Effects`, step 4)."""
     if reason == FinishReason.NONE:
         raise ValueError("finish() needs a reason: STOP, LENGTH, ABORT or ERROR")
     rest, gone = _leave(running, indices)
     rids = running.rids[gone]
+    # A failed request's KV is not trusted for reuse; every other end caches what it committed.
     effects = Effects(
-        release_rows=running.rows[gone],
-        release_lens=running.kv_lens.select(gone),
+        **_releases(running, gone, cached=reason != FinishReason.ERROR),
         finished_rids=rids,
         finished_reasons=np.full(rids.shape[0], int(reason), dtype=np.int8),
     )
@@ -407,3 +456,52 @@ def abandon(batch: Batch, written: bool = False) -> Effects:
 
 def merge(first: Running, second: Running) -> Running:
     return first.merge(second)
+
+
+# --- the prefix cache ---------------------------------------------------------------------
+def admit(running: Running, entering: Running, prefix_slots: np.ndarray) -> Result:
+    """`entering` requests join `running`. Each starts with the cached prefix it matched
+    (`entering.shared_lens` tokens, whose slots, flat in batch order, are `prefix_slots`,
+    locked for it by the shell when it matched): they are written at the start of its row."""
+    if not np.array_equal(entering.shared_lens, entering.kv_lens.lens):
+        raise ValueError("an entering request's committed KV is its shared prefix, no more")
+    slots = frozen_array(prefix_slots)
+    prefix = entering.kv_lens
+    if slots.shape[0] != prefix.total:
+        raise ValueError(f"{prefix.total} prefix tokens need as many slots; got {slots.shape[0]}")
+    effects = Effects(
+        table_rows=np.repeat(entering.rows, prefix.lens),
+        table_cols=prefix.offsets_within(),
+        table_slots=slots,
+    )
+    return Result(running.merge(entering), effects)
+
+
+def share(running: Running, indices: Sequence[int] | np.ndarray) -> Result:
+    """The requests at `indices` hand their committed KV so far to the prefix cache (a prompt
+    prefilled in chunks: later requests can match it before this one finishes). They keep it
+    locked: their shared length becomes their committed length."""
+    idx = np.asarray(indices, dtype=INDEX_DTYPE).reshape(-1)
+    if idx.size and (idx.min() < 0 or idx.max() >= len(running)):
+        raise IndexError(f"indices {idx.tolist()} out of range for a batch of {len(running)}")
+    if np.unique(idx).size != idx.size:
+        raise ValueError(f"indices {idx.tolist()} name a request twice")
+    shared = running.shared_lens.copy()
+    shared[idx] = running.kv_lens.lens[idx]
+    after = Running.of_valid(
+        running.rids,
+        running.rows,
+        running.kv_lens,
+        running.token_lens,
+        running.prompt_lens,
+        running.last_tokens,
+        running.rules,
+        running.max_context,
+        freeze(shared),
+    )
+    effects = Effects(
+        share_rids=running.rids[idx],
+        share_rows=running.rows[idx],
+        share_lens=running.kv_lens.select(idx),
+    )
+    return Result(after, effects)

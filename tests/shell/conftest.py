@@ -28,7 +28,7 @@ def _assert_all_free(engine: Engine) -> None:
     """No request left anywhere, and every KV slot and table row back in the pool."""
     assert not engine.has_work
     engine.check()
-    assert engine.book.slots.num_free == engine.book.slots.capacity
+    assert engine.book.num_available == engine.book.slots.capacity
     assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
 
 

@@ -63,7 +63,7 @@ def test_a_finished_stream_is_not_aborted_and_an_abandoned_one_is():
     # delta is dropped, not raised in the engine thread (which would kill the loop).
     assert aengine.loop_error is None
     engine.check()
-    assert engine.book.slots.num_free == engine.book.slots.capacity
+    assert engine.book.num_available == engine.book.slots.capacity
 
 
 def test_async_generate_gives_what_engine_generate_gives():

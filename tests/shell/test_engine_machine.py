@@ -114,7 +114,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert (reason == "error") == (request.error is not None)
             event(f"a request ended with {reason}")
         event(f"retractions: {min(engine.stats['retractions'], 1)}+")
-        assert engine.book.slots.num_free == engine.book.slots.capacity
+        assert engine.book.num_available == engine.book.slots.capacity
         assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
         engine.faults = None  # and it serves on
         after = engine.generate([self._prompt(8, 0)], self._params(3, False, 0))[0]

@@ -35,7 +35,7 @@ def all_free(engine: Engine) -> bool:
     engine.check()
     return (
         not engine.has_work
-        and engine.book.slots.num_free == engine.book.slots.capacity
+        and engine.book.num_available == engine.book.slots.capacity
         and engine.book.table.num_free_rows == engine.book.table.host.shape[0]
     )
 

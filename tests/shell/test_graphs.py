@@ -90,4 +90,4 @@ def test_graph_path_equals_eager_path_with_padding_and_overflow(speculative):
         assert not overflow_replays, "3 requests over graphs of 2 took a graph"
     for engine in (graphed, overflow):
         engine.check()
-        assert engine.book.slots.num_free == engine.book.slots.capacity
+        assert engine.book.num_available == engine.book.slots.capacity

@@ -48,7 +48,7 @@ def _run(engine: Engine, prompts: list, params: list, abort_at: int | None = Non
             engine.abort(requests[min(1, len(requests) - 1)].request_id)
     outputs = [(r.output_ids, r.finish_reason) for r in requests]
     engine.check()
-    assert engine.book.slots.num_free == engine.book.slots.capacity
+    assert engine.book.num_available == engine.book.slots.capacity
     assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
     return outputs
 
@@ -242,7 +242,7 @@ def test_a_failure_around_a_plan_loses_no_slot(failing):
     failed = [r for r in requests if r.finish_reason.openai == "error"]
     assert all("injected failure" in r.error for r in failed)
     assert engine.health.failures == 1 and engine.healthy
-    assert engine.book.slots.num_free == engine.book.slots.capacity
+    assert engine.book.num_available == engine.book.slots.capacity
     assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
     again = engine.generate(prompts[:1], params[:1])[0]
     reference = _tiny("torch", plan_ahead=False).generate(prompts[:1], params[:1])[0]

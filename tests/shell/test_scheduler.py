@@ -1,28 +1,47 @@
-"""The scheduling policy's pure decisions: chunked prefill plans and FCFS admission."""
+"""The scheduling policy's pure decisions: chunked and mixed pass plans, admission, LPM."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.shell.scheduler import count_admissible, newest, plan_extend
+from engine.shell.scheduler import admission_order, count_admissible, newest, plan_extend
 from engine.state import FinishRules, Running
 
 
-def _running(kv_lens, token_lens) -> Running:
+def _running(kv_lens, token_lens, prompt_lens=None) -> Running:
+    """Requests past their first sample (prompt_lens 1) unless `prompt_lens` says so."""
     n = len(kv_lens)
     rules = FinishRules([99] * n, [0] * n, [-1] * n, np.zeros((n, 0), dtype=np.int64))
+    prompt_lens = [1] * n if prompt_lens is None else prompt_lens
     return Running.admitted(
-        range(n), range(n), token_lens, token_lens, [1] * n, rules, 512, kv_lens=kv_lens
+        range(n), range(n), token_lens, prompt_lens, [1] * n, rules, 512, kv_lens=kv_lens
     )
 
 
 def test_extend_plan_chunks_pending_tokens_under_the_budget_in_order():
     running = _running([0, 10, 4, 0], [30, 11, 20, 5])  # pending 30, 1, 16, 5
-    plan = plan_extend(running, token_budget=40)
-    assert plan.indices.tolist() == [0, 2]  # request 1 only decodes; request 3 waits
+    plan = plan_extend(running, token_budget=40, mixed=False)
+    assert plan.indices.tolist() == [0, 2]  # request 1 waits for its decode; request 3 too
     assert plan.chunk_lens.tolist() == [30, 10]
     assert plan.num_tokens == 40
     assert plan_extend(_running([3, 7], [4, 8]), 40) is None  # all ready to decode
+
+
+def test_a_mixed_plan_carries_every_decode_outside_the_budget():
+    running = _running([0, 10, 4, 0, 6], [30, 11, 20, 5, 7])  # pending 30, 1, 16, 5, 1
+    plan = plan_extend(running, token_budget=40)
+    assert plan.indices.tolist() == [0, 1, 2, 4]  # batch order; request 3 waits
+    assert plan.chunk_lens.tolist() == [30, 1, 10, 1]
+    assert plan_extend(_running([3, 7], [4, 8]), 40) is None  # only decodes: a decode pass
+
+
+def test_a_request_whose_prompt_was_cached_samples_its_first_token_in_an_extend_pass():
+    # Request 0's prompt of 9 was cached but for its last token; request 1 is decoding.
+    running = _running([8, 6], [9, 7], prompt_lens=[9, 3])
+    plan = plan_extend(running, token_budget=40)
+    assert plan.indices.tolist() == [0, 1] and plan.chunk_lens.tolist() == [1, 1]
+    plan = plan_extend(running, token_budget=40, mixed=False)
+    assert plan.indices.tolist() == [0] and plan.chunk_lens.tolist() == [1]
 
 
 def test_admission_is_fcfs_and_counts_each_requests_next_step():
@@ -53,6 +72,19 @@ def test_admission_is_fcfs_and_counts_each_requests_next_step():
         == 2
     )
     assert count_admissible([50, 60], 8, 999, 0, token_budget=40) == 1
+
+
+def test_admission_counts_the_evictable_slots_a_cached_prefix_locks():
+    # 10 slots available, 6 of them evictable cached ones that the first request's prefix
+    # would lock: its 3 pending tokens + 1 + 6 locked fit; a second one's 3 + 1 do not.
+    assert count_admissible([3, 3], 8, 10, 0, 100, locked_slots=[6, 0]) == 1
+    assert count_admissible([3, 3], 8, 10, 0, 100, locked_slots=[0, 0]) == 2
+    assert count_admissible([3], 8, 10, 0, 100, locked_slots=[7]) == 0
+
+
+def test_lpm_orders_by_cached_prefix_and_aged_requests_go_first():
+    assert admission_order([0, 50, 10, 50], [False] * 4) == [1, 3, 2, 0]  # ties: queue order
+    assert admission_order([0, 50, 10, 50], [False, False, True, False]) == [2, 1, 3, 0]
 
 
 def test_the_newest_request_is_retracted_first():

@@ -55,7 +55,7 @@ def test_verify_beyond_the_largest_graph_equals_greedy_and_frees_everything():
     if CUDA:
         assert metrics["spec_steps_total"] >= 100
     spec_engine.check()
-    assert spec_engine.book.slots.num_free == spec_engine.book.slots.capacity
+    assert spec_engine.book.num_available == spec_engine.book.slots.capacity
 
 
 def test_steps_without_any_draft_run_as_plain_decode(monkeypatch):

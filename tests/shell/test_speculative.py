@@ -180,7 +180,7 @@ def test_tiny_model_random_prompts_equal_plain_greedy():
             assert spec.generate([prompts[i]], params[i])[0].token_ids == expected[i]
     assert _accepted(spec) > 0
     spec.check()
-    assert spec.book.slots.num_free == spec.book.slots.capacity
+    assert spec.book.num_available == spec.book.slots.capacity
 
 
 def test_tiny_model_context_limit_with_speculation():

@@ -62,7 +62,8 @@ def running_columns(draw: st.DrawFn) -> dict[str, list[int]]:
     return dict(
         rids=draw(st.lists(st.integers(0, 10**6), min_size=size, max_size=size, unique=True)),
         rows=draw(st.permutations(range(size))),
-        kv_lens=[draw(st.integers(0, n)) for n in token_lens],
+        kv_lens=(kv_lens := [draw(st.integers(0, n)) for n in token_lens]),
+        shared_lens=[draw(st.integers(0, n)) for n in kv_lens],
         token_lens=token_lens,
         prompt_lens=[draw(st.integers(1, n)) for n in token_lens],
         last_tokens=draw(st.lists(st.integers(0, VOCAB - 1), min_size=size, max_size=size)),
@@ -83,6 +84,7 @@ def test_running_fast_equals_checked(columns, data):
         columns["last_tokens"],
         rules,
         MAX_CONTEXT,
+        columns["shared_lens"],
     )
     with production_mode():
         quick = Running.of_valid(
@@ -94,6 +96,7 @@ def test_running_fast_equals_checked(columns, data):
             frozen_array(columns["last_tokens"]),
             rules,
             MAX_CONTEXT,
+            frozen_array(columns["shared_lens"]),
         )
     assert_same(quick, checked)
     check_trusted(quick)  # what ENGINE_DEBUG adds: the checked rebuild agrees
@@ -104,6 +107,7 @@ def effects_columns(draw: st.DrawFn) -> dict[str, object]:
     """Consistent Effects columns (any subset of them), as lists and lists of lengths."""
     writes = draw(st.integers(0, 6))
     released = draw(st.integers(0, 4))
+    shared = draw(st.integers(0, 3))
     emitted_lens = draw(st.lists(st.integers(0, 3), max_size=4))
     finished = draw(st.integers(0, 4))
     columns: dict[str, object] = dict(
@@ -112,7 +116,17 @@ def effects_columns(draw: st.DrawFn) -> dict[str, object]:
         table_slots=draw(st.lists(st.integers(1, 999), min_size=writes, max_size=writes)),
         free_slots=draw(ids),
         release_rows=draw(st.lists(st.integers(0, 9), min_size=released, max_size=released)),
-        release_lens=draw(st.lists(st.integers(0, 64), min_size=released, max_size=released)),
+        release_lens=(
+            release_lens := draw(
+                st.lists(st.integers(0, 64), min_size=released, max_size=released)
+            )
+        ),
+        release_rids=draw(st.lists(st.integers(0, 99), min_size=released, max_size=released)),
+        release_shared=[draw(st.integers(0, n)) for n in release_lens],
+        release_cached=draw(st.lists(st.booleans(), min_size=released, max_size=released)),
+        share_rids=draw(st.lists(st.integers(0, 99), min_size=shared, max_size=shared)),
+        share_rows=draw(st.lists(st.integers(0, 9), min_size=shared, max_size=shared)),
+        share_lens=draw(st.lists(st.integers(0, 64), min_size=shared, max_size=shared)),
         emitted_rids=draw(
             st.lists(st.integers(0, 99), min_size=len(emitted_lens), max_size=len(emitted_lens))
         ),
@@ -130,7 +144,8 @@ def effects_columns(draw: st.DrawFn) -> dict[str, object]:
     groups = [
         ("table_rows", "table_cols", "table_slots"),
         ("free_slots",),
-        ("release_rows", "release_lens"),
+        ("release_rows", "release_lens", "release_rids", "release_shared", "release_cached"),
+        ("share_rids", "share_rows", "share_lens"),
         ("emitted_rids", "emitted_lens", "emitted_tokens"),
         ("finished_rids", "finished_reasons"),
         ("retracted_rids",),
@@ -141,11 +156,16 @@ def effects_columns(draw: st.DrawFn) -> dict[str, object]:
 
 
 def as_fields(columns: dict[str, object], array: object) -> dict[str, object]:
-    """Lengths as SeqLens, the rest through `array`."""
-    return {
-        name: SeqLens(value) if name.endswith("_lens") else array(value)
-        for name, value in columns.items()
-    }
+    """Lengths as SeqLens, flags as bool arrays, the rest through `array`."""
+
+    def field(name: str, value: object) -> object:
+        if name.endswith("_lens"):
+            return SeqLens(value)
+        if name == "release_cached" and array is frozen_array:
+            return frozen_array(value, bool)
+        return array(value)
+
+    return {name: field(name, value) for name, value in columns.items()}
 
 
 @fast
@@ -180,6 +200,6 @@ def test_under_engine_debug_a_broken_trusted_value_is_caught():
     with pytest.raises(ValueError, match="exceed"):
         one = frozen_array([1])
         rules = finish_rules([Rule(max_new=8, min_new=0, eos=-1, stops=())])
-        Running.of_valid(one, one, SeqLens([5]), SeqLens([4]), one, one, rules, 64)
+        Running.of_valid(one, one, SeqLens([5]), SeqLens([4]), one, one, rules, 64, one)
     with pytest.raises(ValueError, match="emitted tokens"):
         Effects.of_valid(emitted_tokens=frozen_array([3]))
