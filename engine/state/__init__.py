@@ -19,10 +19,10 @@ from engine.state.transitions import (
     merge,
     retract,
     same_layout,
-    share,
     schedule_decode,
     schedule_extend,
     schedule_verify,
+    share,
     verify,
 )
 

@@ -8,6 +8,7 @@ pool. Every length that changes is a `SeqLens`, so its total changes with it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -76,9 +77,10 @@ class Effects:
             == released
         ):
             raise ValueError("each released row needs its request, length, shared length and flag")
-        if released and (
-            (self.release_shared < 0) | (self.release_shared > self.release_lens.lens)
-        ).any():
+        if (
+            released
+            and ((self.release_shared < 0) | (self.release_shared > self.release_lens.lens)).any()
+        ):
             raise ValueError("a released row's shared slots must be within its length")
         if not (self.share_rids.shape[0] == self.share_rows.shape[0] == len(self.share_lens)):
             raise ValueError("each shared row needs its request and length")
@@ -401,13 +403,11 @@ def retract(running: Running, indices: Sequence[int] | np.ndarray) -> Result:
     (with it on; evictable, since nobody locks them) or their slots are freed; they wait, and
     match their prefix again when they come back."""
     rest, gone = _leave(running, indices)
-    effects = Effects(
-        retracted_rids=running.rids[gone], **_releases(running, gone, cached=True)
-    )
+    effects = Effects(retracted_rids=running.rids[gone], **_releases(running, gone, cached=True))
     return Result(rest, effects)
 
 
-def _releases(running: Running, gone: np.ndarray, cached: bool) -> dict[str, object]:
+def _releases(running: Running, gone: np.ndarray, cached: bool) -> dict[str, Any]:
     """The release columns for the requests of `running` at mask `gone`."""
     return dict(
         release_rows=running.rows[gone],

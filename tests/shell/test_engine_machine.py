@@ -1,7 +1,11 @@
 """The engine as a model: hypothesis mixes submissions (greedy and sampled, long prompts that
-chunk, a pool small enough to retract), aborts, streams closed early, speculation, and faults
-injected into forwards, sampling, verify walks and commits. After every step each slot is
-free or owned; at the end every request has finished and the pool is whole."""
+chunk, prompts from a few shared families, multi-turn continuations of finished requests, a
+pool small enough to evict cached prefixes and retract), aborts (also mid-prefill of a matched
+prefix), streams closed early, speculation, mixed or extend-only passes, and faults injected
+into forwards, sampling, verify walks and commits. After every step each slot is free, owned
+by one request, or cached with a lock count equal to its holders, and every row starts with
+its request's cached prefix; at the end every request has finished, nothing is locked, and
+the pool is whole."""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from engine import SamplingParams
 from engine.shell.engine import Engine
 from engine.shell.failures import FAULT_POINTS, Faults
 
-MAX_CONTEXT = 64
+MAX_CONTEXT = 96
+FAMILIES = 3  # shared prompt prefixes ("system prompts")
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -28,9 +33,25 @@ class EngineMachine(RuleBasedStateMachine):
         slots=st.sampled_from([48, 64, 400]),
         chunk=st.sampled_from([6, 64]),
         plan_ahead=st.booleans(),
+        prefix_cache=st.sampled_from([True, True, True, False]),
+        mixed=st.booleans(),
+        policy=st.sampled_from(["lpm", "fcfs"]),
     )
-    def start(self, speculative: bool, slots: int, chunk: int, plan_ahead: bool) -> None:
+    def start(
+        self,
+        speculative: bool,
+        slots: int,
+        chunk: int,
+        plan_ahead: bool,
+        prefix_cache: bool,
+        mixed: bool,
+        policy: str,
+    ) -> None:
         self.engine = Engine(
+            prefix_cache=prefix_cache,
+            mixed_passes=mixed,
+            schedule_policy=policy,
+            max_waited_out=3,
             random_weights="tiny",
             device="cpu",
             dtype="float32",
@@ -66,6 +87,34 @@ class EngineMachine(RuleBasedStateMachine):
             params = self._params(max_tokens + i, sampled, seed + i)
             prompt = self._prompt(length + 3 * i, seed + i)
             self.requests.append(self.engine._submit(prompt, params, None, None))
+
+    @rule(
+        family=st.integers(0, FAMILIES - 1),
+        shared=st.integers(4, 30),
+        own=st.integers(0, 8),
+        max_tokens=st.integers(1, 12),
+        sampled=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def submit_family(
+        self, family: int, shared: int, own: int, max_tokens: int, sampled: bool, seed: int
+    ) -> None:
+        """A prompt that starts with one of a few shared prefixes (cut anywhere)."""
+        prompt = self._prompt(30, 1000 + family)[:shared] + self._prompt(own, seed)
+        params = self._params(max_tokens, sampled, seed)
+        self.requests.append(self.engine._submit(prompt, params, None, None))
+
+    @precondition(lambda self: any(r.done and r.error is None for r in self.requests))
+    @rule(data=st.data(), extra=st.integers(1, 8), max_tokens=st.integers(1, 8))
+    def continue_conversation(self, data: st.DataObject, extra: int, max_tokens: int) -> None:
+        """The next turn: a finished request's prompt and output, and a new message."""
+        done = [r for r in self.requests if r.done and r.error is None]
+        previous = data.draw(st.sampled_from(done))
+        prompt = previous.all_ids + self._prompt(extra, len(self.requests))
+        if len(prompt) + max_tokens > MAX_CONTEXT:
+            return
+        params = self._params(max_tokens, False, 0)
+        self.requests.append(self.engine._submit(prompt, params, None, None))
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -116,10 +165,17 @@ class EngineMachine(RuleBasedStateMachine):
         event(f"retractions: {min(engine.stats['retractions'], 1)}+")
         assert engine.book.num_available == engine.book.slots.capacity
         assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+        if engine.book.cache is not None:
+            assert engine.book.cache.num_locked == 0 and not engine.book.cache.holders()
+            event(
+                "cached prompt tokens: "
+                + ("some" if engine.stats["cached_prompt_tokens"] else "none")
+            )
+            event("evictions: " + ("some" if engine.book.evictions else "none"))
         engine.faults = None  # and it serves on
         after = engine.generate([self._prompt(8, 0)], self._params(3, False, 0))[0]
         assert after.finish_reason == "length" and len(after.token_ids) == 3
 
 
-EngineMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
+EngineMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
 TestEngineMachine = EngineMachine.TestCase

@@ -117,9 +117,7 @@ def effects_columns(draw: st.DrawFn) -> dict[str, object]:
         free_slots=draw(ids),
         release_rows=draw(st.lists(st.integers(0, 9), min_size=released, max_size=released)),
         release_lens=(
-            release_lens := draw(
-                st.lists(st.integers(0, 64), min_size=released, max_size=released)
-            )
+            release_lens := draw(st.lists(st.integers(0, 64), min_size=released, max_size=released))
         ),
         release_rids=draw(st.lists(st.integers(0, 99), min_size=released, max_size=released)),
         release_shared=[draw(st.integers(0, n)) for n in release_lens],

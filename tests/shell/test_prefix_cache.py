@@ -1,0 +1,254 @@
+"""The prefix cache in the engine: greedy output with it equals greedy output without it (on
+multi-turn conversations, with speculation, with mixed or extend-only passes), and every way a
+request holding a cached prefix leaves gives its lock back and loses no slot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import SamplingParams
+from engine.shell.engine import Engine
+from engine.shell.failures import Faults
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly and politely."
+
+
+def tiny(**overrides) -> Engine:
+    settings = dict(
+        random_weights="tiny",
+        device="cpu",
+        dtype="float32",
+        max_context=128,
+        kv_cache_slots=512,
+        max_running_requests=8,
+        draft_cost=0.1,
+    )
+    return Engine(**(settings | overrides))
+
+
+def family(seed: int, length: int) -> list[int]:
+    """A prompt within the tiny vocabulary; one seed: one shared prefix."""
+    return np.random.default_rng(seed).integers(3, 250, size=length).tolist()
+
+
+def settled(engine: Engine) -> None:
+    """Every request done, every slot free or cached and unlocked, every row back."""
+    engine.check()
+    assert not engine.has_work
+    assert engine.book.num_available == engine.book.slots.capacity
+    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+    if engine.book.cache is not None:
+        assert engine.book.cache.num_locked == 0 and not engine.book.cache.holders()
+
+
+def run(engine: Engine, steps: int = 10_000) -> None:
+    for _ in range(steps):
+        if not engine.has_work:
+            return
+        engine.step()
+        engine.check()
+    raise AssertionError("the engine did not finish")
+
+
+def converse(engine: Engine, turns: list[str], conversations: int) -> list[list[tuple]]:
+    """`conversations` chats of len(turns) turns (each resends the whole history, as a chat
+    client does); returns each turn's tokens per conversation, and checks the pool."""
+    tok = engine.tokenizer
+    histories = [[{"role": "system", "content": SYSTEM}] for _ in range(conversations)]
+    outputs: list[list[tuple]] = [[] for _ in range(conversations)]
+    for turn, text in enumerate(turns):
+        prompts = []
+        for i, history in enumerate(histories):
+            history.append({"role": "user", "content": f"{text} (conversation {i})"})
+            prompts.append(list(history))
+        completions = engine.generate(prompts, GREEDY)
+        for i, completion in enumerate(completions):
+            outputs[i].append(completion.token_ids)
+            histories[i].append({"role": "assistant", "content": tok.decode(completion.token_ids)})
+            if engine.book.cache is not None and turn:
+                assert 0 < completion.usage.cached_tokens < completion.usage.prompt_tokens
+            if engine.book.cache is None:
+                assert completion.usage.cached_tokens == 0
+        engine.check()
+    settled(engine)
+    return outputs
+
+
+TURNS = ["Name a fruit.", "What color is it?", "Where does it grow?"]
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_greedy_with_the_cache_equals_greedy_without_on_multi_turn_chats(make_engine, speculative):
+    on = make_engine(speculative=speculative, max_running_requests=8)
+    off = make_engine(speculative=speculative, max_running_requests=8, prefix_cache=False)
+    assert converse(on, TURNS, 3) == converse(off, TURNS, 3)
+    assert on.metrics()["cached_prompt_tokens"] > 0
+    assert "prefix_cache_slots" not in off.metrics()
+
+
+def test_mixed_passes_keep_decoding_while_a_prompt_prefills_and_change_no_token(make_engine):
+    long_prompt = "Tell me a story. " + "The sea was calm and the sky was grey. " * 12
+    outputs = {}
+    for mixed in (True, False):
+        engine = make_engine(mixed_passes=mixed, chunk_size=16)
+        first = engine._submit("Count from one to ten:", dict(max_tokens=40), None, None)
+        while not first.output_ids:
+            engine.step()
+        second = engine._submit(long_prompt, dict(max_tokens=8, ignore_eos=True), None, None)
+        engine.step()  # admits the long prompt: its chunks take several passes
+        emitted = []
+        while engine.running.pending_lens.max() > 1:  # the long prompt is prefilling
+            before = len(first.output_ids)
+            engine.step()
+            engine.check()
+            emitted.append(len(first.output_ids) - before)
+        assert len(emitted) >= 4
+        if mixed:
+            assert all(n == 1 for n in emitted)  # a token every pass
+        else:
+            assert all(n == 0 for n in emitted[:-1])  # paused until the prompt is done
+        run(engine)
+        settled(engine)
+        outputs[mixed] = (first.output_ids, second.output_ids)
+    assert outputs[True] == outputs[False]
+
+
+def test_mixed_and_extend_only_passes_give_the_same_greedy_tokens():
+    prompts = [family(i, 10 + 9 * i) for i in range(6)]
+    results = []
+    for mixed in (True, False):
+        engine = tiny(mixed_passes=mixed, chunk_size=8)
+        results.append([c.token_ids for c in engine.generate(prompts, GREEDY)])
+        settled(engine)
+    assert results[0] == results[1]
+
+
+def test_a_shared_system_prompt_is_computed_once_and_matched_by_later_requests():
+    engine = tiny(chunk_size=64)
+    system = family(7, 60)
+    prompts = [system + family(100 + i, 5) for i in range(6)]
+    reference = tiny(prefix_cache=False).generate(prompts, GREEDY)
+    completions = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in completions] == [r.token_ids for r in reference]
+    # The first request prefills the system prompt; it enters the cache after that chunk and
+    # every request admitted later starts from it.
+    assert completions[0].usage.cached_tokens == 0
+    assert all(c.usage.cached_tokens >= 60 for c in completions[1:])
+    metrics = engine.metrics()
+    assert metrics["cached_prompt_tokens"] >= 5 * 60
+    assert 0 < metrics["prefix_cache_hit_rate"] < 1
+    settled(engine)
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_keeps_arrival_order():
+    system = family(3, 40)
+    for policy, expected_first in (("lpm", "cached"), ("fcfs", "cold")):
+        engine = tiny(schedule_policy=policy, max_running_requests=1)
+        engine.generate([system + [9]], SamplingParams(max_tokens=1))  # cache the system prompt
+        cold = engine.submit(family(4, 40), GREEDY)
+        cached = engine.submit(system + [11, 12], GREEDY)
+        engine.step()  # one row: one of them is admitted
+        admitted = {engine.requests[int(uid)].request_id for uid in engine.running.rids}
+        assert admitted == {cached if expected_first == "cached" else cold}
+        run(engine)
+        settled(engine)
+
+
+def test_lpm_does_not_starve_a_request_without_a_cached_prefix():
+    system = family(3, 30)
+    engine = tiny(max_running_requests=1, max_waited_out=2)
+    engine.generate([system + [9]], SamplingParams(max_tokens=1))
+    cold_id = engine.submit(family(4, 30), SamplingParams(max_tokens=2, ignore_eos=True))
+    order = []
+    for i in range(6):
+        engine.submit(system + [20 + i], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+        order.extend(engine.requests[int(u)].request_id for u in engine.running.rids)
+    first_seen = list(dict.fromkeys(order))
+    assert first_seen.index(cold_id) == 2  # passed over twice, then first
+    settled(engine)
+
+
+# --- every way out gives the lock back -------------------------------------------------------
+def test_retraction_under_a_tiny_pool_releases_locks_and_evicts_before_retracting():
+    system = family(11, 30)
+    prompts = [system + family(200 + i, 4) for i in range(6)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    reference = tiny(prefix_cache=False, kv_cache_slots=4000).generate(prompts, params)
+    engine = tiny(kv_cache_slots=96, max_running_requests=4)
+    for _ in range(2):  # the second time, the first's KV is cached
+        completions = engine.generate(prompts, params)
+        assert [c.token_ids for c in completions] == [r.token_ids for r in reference]
+        settled(engine)
+    assert engine.book.evictions > 0
+    assert engine.stats["retractions"] > 0  # 4 requests of 54 tokens do not fit in 96 slots
+
+
+def test_an_abort_mid_prefill_of_a_matched_prefix_caches_what_was_committed():
+    system = family(12, 40)
+    engine = tiny(chunk_size=8)
+    engine.generate([system + [5]], SamplingParams(max_tokens=1))
+    rid = engine.submit(system + family(13, 30), GREEDY)
+    engine.step()  # admitted with the 40 cached tokens; its first chunk of 8 runs
+    request = engine.by_request_id[rid]
+    index = engine.running.index_of(request.uid)
+    assert engine.running.shared_lens[index] >= 40
+    assert engine.running.pending_lens[index] > 1  # still prefilling
+    committed = int(engine.running.kv_lens.lens[index])
+    engine.abort(rid)
+    engine.step()
+    settled(engine)
+    assert engine.book.peek(request.id_array())[0] == committed  # its progress stays cached
+
+
+def test_a_failed_pass_releases_the_locks_of_its_requests_and_caches_nothing_new():
+    system = family(14, 40)
+    engine = tiny()
+    engine.generate([system + [5]], SamplingParams(max_tokens=1))
+    cached_before = engine.book.cache.num_slots
+    engine.faults = Faults.at(forward=[1])
+    completion = engine.generate([system + [6, 7, 8]], GREEDY)[0]
+    assert completion.finish_reason == "error"
+    settled(engine)
+    assert engine.book.cache.num_slots == cached_before
+
+
+def test_requests_that_prefill_one_prompt_together_end_up_sharing_its_slots():
+    prompt = family(15, 50)
+    engine = tiny(chunk_size=16)
+    for _ in range(3):
+        engine.submit(prompt + [7], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()  # all three admitted cold: each prefills the same tokens
+    while engine.running.pending_lens.max() > 1:
+        engine.step()
+        engine.check()  # each row starts with the cache's slots for its shared prefix
+    rows = engine.book.table.host[engine.running.rows, :50]
+    assert (rows == rows[0]).all()  # one copy of the prompt's KV
+    run(engine)
+    settled(engine)
+
+
+def test_speculative_drafts_never_enter_the_cache():
+    prompt = [5, 17, 23, 42, 9] * 6
+    engine = tiny(speculative=True)
+    completion = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert completion.speculation is not None and completion.speculation.drafted > 0
+    settled(engine)
+    # Only the committed tokens are cached (the last output token has no KV yet).
+    committed = list(completion.prompt_token_ids + completion.token_ids)[:-1]
+    assert engine.book.cache.num_slots == len(committed)
+    assert engine.book.peek(committed)[0] == len(committed)
+
+
+def test_a_closed_stream_releases_its_lock():
+    system = family(16, 30)
+    engine = tiny()
+    engine.generate([system + [5]], SamplingParams(max_tokens=1))
+    stream = engine.stream(system + [6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+    next(stream)
+    assert engine.book.cache.holders()
+    stream.close()
+    settled(engine)
