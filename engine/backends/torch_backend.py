@@ -8,6 +8,8 @@ run `engine/csrc/attention.cpp`, which reads K/V where they lie in the pool (no 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -98,7 +100,7 @@ class TorchBackend(AttentionBackend):
             # the plan's own index tensors, checked once for every layer of the pass
             metadata.extra["cpu_kernel"] = _kernel_indices(metadata)
         elif batch.new_lens.total:
-            metadata.extra["padded"] = padded_layout(metadata)
+            metadata.extra["padded"] = padded_layouts(metadata)
         return metadata
 
     def forward(
@@ -144,22 +146,53 @@ class TorchBackend(AttentionBackend):
         return out
 
 
-def _padded_index(indptr: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_index(
+    starts: torch.Tensor, lens: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, width] flat positions of each request's entries (0 where padded) and validity."""
-    lens = (indptr[1:] - indptr[:-1]).long()
-    offsets = torch.arange(width, device=indptr.device)
+    offsets = torch.arange(width, device=starts.device)
     valid = offsets[None, :] < lens[:, None]
-    return torch.where(valid, indptr[:-1].long()[:, None] + offsets[None, :], 0), valid
+    return torch.where(valid, starts[:, None] + offsets[None, :], 0), valid
 
 
-def padded_layout(metadata: ForwardMetadata) -> dict[str, torch.Tensor]:
+def padded_layouts(metadata: ForwardMetadata) -> list[dict[str, Any]]:
+    """The padded layouts of a pass (`padded_layout`): one, or in an extend pass that mixes
+    one-token requests (decodes) with prefill chunks, one for each kind, so that a decode is
+    not padded to the chunk's length."""
+    new_lens = (metadata.qo_indptr[1:] - metadata.qo_indptr[:-1]).long()
+    if metadata.mode != Mode.EXTEND:
+        return [padded_layout(metadata)]
+    single = new_lens == 1
+    if bool(single.all()) or not bool(single.any()):
+        return [padded_layout(metadata)]
+    return [
+        padded_layout(metadata, single.nonzero().squeeze(1)),
+        padded_layout(metadata, (~single).nonzero().squeeze(1)),
+    ]
+
+
+def padded_layout(
+    metadata: ForwardMetadata, requests: torch.Tensor | None = None
+) -> dict[str, Any]:
     """What every layer's padded attention shares, computed once per pass: each request's
-    key slots [B, L], its query rows [B, Q] (and which are real), and the visibility mask
-    [B, 1, Q, L] (the same rules as `_mask`; padding keys and queries see nothing)."""
-    q_rows, q_valid = _padded_index(metadata.qo_indptr, metadata.max_new_len)
-    k_rows, k_valid = _padded_index(metadata.kv_indptr, metadata.max_seq_len)
+    key slots [B, L], its query rows [B, Q], the flat rows of the real queries (`rows`, in
+    the order [B, Q] reads them; all of them in order when `requests` is None), and the
+    visibility mask [B, 1, Q, L] (the same rules as `_mask`; padding keys and queries see
+    nothing). `requests`: only these requests (indices)."""
+    qo, kv = metadata.qo_indptr.long(), metadata.kv_indptr.long()
+    q_starts, q_lens = qo[:-1], qo[1:] - qo[:-1]
+    k_starts, k_lens = kv[:-1], kv[1:] - kv[:-1]
+    prefix = metadata.prefix_lens.long()
+    q_width, k_width = metadata.max_new_len, metadata.max_seq_len
+    if requests is not None:
+        q_starts, q_lens, k_starts, k_lens, prefix = (
+            t[requests] for t in (q_starts, q_lens, k_starts, k_lens, prefix)
+        )
+        q_width, k_width = int(q_lens.max()), int(k_lens.max())
+    q_rows, q_valid = _padded_index(q_starts, q_lens, q_width)
+    k_rows, k_valid = _padded_index(k_starts, k_lens, k_width)
     key_pos = torch.arange(k_rows.shape[1], device=q_rows.device)[None, None, :]
-    prefix = metadata.prefix_lens.long()[:, None, None]
+    prefix = prefix[:, None, None]
     if metadata.mode == Mode.VERIFY:
         bits = metadata.tree_bits[q_rows]  # [B, Q]
         node = (key_pos - prefix).clamp(min=0)
@@ -168,10 +201,14 @@ def padded_layout(metadata: ForwardMetadata) -> dict[str, torch.Tensor]:
         query_pos = prefix + torch.arange(q_rows.shape[1], device=q_rows.device)[None, :, None]
         visible = key_pos <= query_pos
     visible = visible & k_valid[:, None, :] & q_valid[:, :, None]
-    # The real queries, read row by row from [B, Q], are the new tokens 0..T-1 in order.
-    real = q_valid.flatten().nonzero().squeeze(1)
+    real = q_valid.flatten().nonzero().squeeze(1)  # the real queries among [B, Q]'s rows
     return dict(
-        slots=metadata.kv_indices.long()[k_rows], q_rows=q_rows, real=real, visible=visible[:, None]
+        slots=metadata.kv_indices.long()[k_rows],
+        q_rows=q_rows,
+        real=real,
+        rows=q_rows.flatten()[real],
+        visible=visible[:, None],
+        whole=requests is None,
     )
 
 
@@ -187,12 +224,30 @@ def attend_padded(
     metadata: ForwardMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """All requests at once, padded to the longest: [B, Hq, Qmax, Lmax] scores in fp32 with
-    the same masks as `_mask` (padding keys and queries masked out)."""
+    """All requests at once, padded to the longest (per kind of request in a mixed pass):
+    [B, Hq, Qmax, Lmax] scores in fp32 with the same masks as `_mask` (padding keys and
+    queries masked out)."""
     batch_size = metadata.prefix_lens.shape[0]
     if q.shape[0] == 0 or batch_size == 0:
         return torch.zeros_like(q)
-    layout = metadata.extra.get("padded") or padded_layout(metadata)
+    layouts = metadata.extra.get("padded") or padded_layouts(metadata)
+    if len(layouts) == 1:
+        return _attend_layout(q, k_cache, v_cache, metadata, scale, layouts[0])
+    out = torch.empty_like(q)
+    for layout in layouts:
+        out[layout["rows"]] = _attend_layout(q, k_cache, v_cache, metadata, scale, layout)
+    return out
+
+
+def _attend_layout(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: ForwardMetadata,
+    scale: float,
+    layout: dict[str, Any],
+) -> torch.Tensor:
+    """`attend_padded` over one layout: the outputs of its real queries, in its row order."""
     num_kv_heads = k_cache.shape[1]
     group = q.shape[1] // num_kv_heads
     slots = layout["slots"]  # [B, L]; index_select is ~3x faster than k_cache[slots] on CPU
@@ -200,7 +255,8 @@ def attend_padded(
     values = _gather(v_cache, slots).float().transpose(1, 2)
     # GQA without copying K/V per q head (q heads h = kv * group + g, as repeat_interleave):
     # the G q heads of a kv head are G x Q queries of one attention over that head's keys.
-    if metadata.mode == Mode.DECODE:  # one query per request, in order: no gather
+    decode = metadata.mode == Mode.DECODE and layout["whole"]
+    if decode:  # one query per request, in order: no gather
         queries = q.float().unsqueeze(1).unflatten(2, (num_kv_heads, group))
     else:
         queries = q.float()[layout["q_rows"]].unflatten(2, (num_kv_heads, group))
@@ -217,7 +273,7 @@ def attend_padded(
     )
     # [B, Hkv, G, Q, D] -> [B, Q, Hq, D]; padding queries (all keys hidden) are never read
     out_padded = out_padded.unflatten(2, (group, num_q)).permute(0, 3, 1, 2, 4).flatten(2, 3)
-    if metadata.mode == Mode.DECODE:
+    if decode:
         return out_padded[:, 0].to(q.dtype)
     return out_padded.flatten(0, 1).index_select(0, layout["real"]).to(q.dtype)
 
