@@ -6,7 +6,8 @@
 set -uo pipefail
 
 GPU_TESTS=(tests/backends tests/ops/test_fused.py tests/shell/test_graphs.py
-           tests/shell/test_plan_ahead.py tests/shell/test_spec_overflow.py)
+           tests/shell/test_plan_ahead.py tests/shell/test_spec_overflow.py
+           tests/shell/test_prefix_cache.py)
 # The original scenario (verify on a batch larger than the largest captured graph), also
 # under memcheck with the caching allocator on, so that real CUDA graphs are captured.
 # Planning ahead (a plan written while a captured replay runs) is checked the same way.

@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.shell.engine import Engine
 from engine.shell.failures import Faults
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tiny model: Triton on a GPU
 SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly and politely."
 
 
 def tiny(**overrides) -> Engine:
     settings = dict(
         random_weights="tiny",
-        device="cpu",
+        device=DEVICE,
         dtype="float32",
         max_context=128,
         kv_cache_slots=512,
