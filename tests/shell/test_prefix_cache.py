@@ -1,12 +1,13 @@
-"""The prefix cache in the engine: greedy output with it equals greedy output without it (on
-multi-turn conversations, with speculation, with mixed or extend-only passes), and every way a
-request holding a cached prefix leaves gives its lock back and loses no slot."""
+"""The prefix cache in the engine (tiny random model; on a GPU through Triton): greedy output
+with it equals greedy output without it, LPM admission, and every way a request holding a
+cached prefix leaves gives its lock back and loses no slot. The default model's multi-turn
+chats: test_prefix_cache_model.py."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
+from engine_checks import run, settled
 
 from engine import SamplingParams
 from engine.shell.engine import Engine
@@ -14,7 +15,6 @@ from engine.shell.failures import Faults
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tiny model: Triton on a GPU
-SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly and politely."
 
 
 def tiny(**overrides) -> Engine:
@@ -33,88 +33,6 @@ def tiny(**overrides) -> Engine:
 def family(seed: int, length: int) -> list[int]:
     """A prompt within the tiny vocabulary; one seed: one shared prefix."""
     return np.random.default_rng(seed).integers(3, 250, size=length).tolist()
-
-
-def settled(engine: Engine) -> None:
-    """Every request done, every slot free or cached and unlocked, every row back."""
-    engine.check()
-    assert not engine.has_work
-    assert engine.book.num_available == engine.book.slots.capacity
-    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
-    if engine.book.cache is not None:
-        assert engine.book.cache.num_locked == 0 and not engine.book.cache.holders()
-
-
-def run(engine: Engine, steps: int = 10_000) -> None:
-    for _ in range(steps):
-        if not engine.has_work:
-            return
-        engine.step()
-        engine.check()
-    raise AssertionError("the engine did not finish")
-
-
-def converse(engine: Engine, turns: list[str], conversations: int) -> list[list[tuple]]:
-    """`conversations` chats of len(turns) turns (each resends the whole history, as a chat
-    client does); returns each turn's tokens per conversation, and checks the pool."""
-    tok = engine.tokenizer
-    histories = [[{"role": "system", "content": SYSTEM}] for _ in range(conversations)]
-    outputs: list[list[tuple]] = [[] for _ in range(conversations)]
-    for turn, text in enumerate(turns):
-        prompts = []
-        for i, history in enumerate(histories):
-            history.append({"role": "user", "content": f"{text} (conversation {i})"})
-            prompts.append(list(history))
-        completions = engine.generate(prompts, GREEDY)
-        for i, completion in enumerate(completions):
-            outputs[i].append(completion.token_ids)
-            histories[i].append({"role": "assistant", "content": tok.decode(completion.token_ids)})
-            if engine.book.cache is not None and turn:
-                assert 0 < completion.usage.cached_tokens < completion.usage.prompt_tokens
-            if engine.book.cache is None:
-                assert completion.usage.cached_tokens == 0
-        engine.check()
-    settled(engine)
-    return outputs
-
-
-TURNS = ["Name a fruit.", "What color is it?", "Where does it grow?"]
-
-
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
-def test_greedy_with_the_cache_equals_greedy_without_on_multi_turn_chats(make_engine, speculative):
-    on = make_engine(speculative=speculative, max_running_requests=8)
-    off = make_engine(speculative=speculative, max_running_requests=8, prefix_cache=False)
-    assert converse(on, TURNS, 3) == converse(off, TURNS, 3)
-    assert on.metrics()["cached_prompt_tokens"] > 0
-    assert "prefix_cache_slots" not in off.metrics()
-
-
-def test_mixed_passes_keep_decoding_while_a_prompt_prefills_and_change_no_token(make_engine):
-    long_prompt = "Tell me a story. " + "The sea was calm and the sky was grey. " * 12
-    outputs = {}
-    for mixed in (True, False):
-        engine = make_engine(mixed_passes=mixed, chunk_size=16)
-        first = engine._submit("Count from one to ten:", dict(max_tokens=40), None, None)
-        while not first.output_ids:
-            engine.step()
-        second = engine._submit(long_prompt, dict(max_tokens=8, ignore_eos=True), None, None)
-        engine.step()  # admits the long prompt: its chunks take several passes
-        emitted = []
-        while engine.running.pending_lens.max() > 1:  # the long prompt is prefilling
-            before = len(first.output_ids)
-            engine.step()
-            engine.check()
-            emitted.append(len(first.output_ids) - before)
-        assert len(emitted) >= 4
-        if mixed:
-            assert all(n == 1 for n in emitted)  # a token every pass
-        else:
-            assert all(n == 0 for n in emitted[:-1])  # paused until the prompt is done
-        run(engine)
-        settled(engine)
-        outputs[mixed] = (first.output_ids, second.output_ids)
-    assert outputs[True] == outputs[False]
 
 
 def test_mixed_and_extend_only_passes_give_the_same_greedy_tokens():
