@@ -1,10 +1,18 @@
-"""Engines on the default model, shared per session (weights and tokenizer load once)."""
+"""Engines on the default model, shared per session (weights and tokenizer load once); the
+shared checks (engine_checks.py) importable under --import-mode=importlib."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 
 from engine.shell.engine import Engine
+
+HERE = str(Path(__file__).parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 CHAT_PROMPTS = [
     [{"role": "user", "content": "Write one sentence about the sea."}],

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 from engine_checks import run, settled
-from test_prefix_cache import GREEDY
 
+from engine import SamplingParams
 from engine.shell.engine import Engine
 
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly and politely."
 
 
