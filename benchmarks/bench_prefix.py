@@ -216,7 +216,8 @@ def pool_slots(name: str, args: argparse.Namespace) -> int:
 
 def run_one(name: str, setting: bool, args: argparse.Namespace, max_context: int) -> dict:
     title, workload, option = WORKLOADS[name]
-    overrides = {k: getattr(args, k) for k in ("device", "dtype", "random_weights", "chunk_size")}
+    names = ("device", "dtype", "random_weights", "chunk_size", "mixed_chunk_size")
+    overrides = {k: getattr(args, k) for k in names}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     options = {"prefix_cache": True, "mixed_passes": True, option: setting}
     engine = Engine(
@@ -311,6 +312,7 @@ def main() -> None:
     add("--device", default=None)
     add("--dtype", default=None)
     add("--chunk-size", type=int, default=None)
+    add("--mixed-chunk-size", type=int, default=None)
     add("--max-context", type=int, default=None, help="default: the longest request, >= 8192")
     add("--kv-cache-slots", type=int, default=None, help="default: each workload unshared")
     add("--workloads", default="a,b,c")

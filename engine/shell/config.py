@@ -105,6 +105,12 @@ class EngineConfig:
         "a pass carries the running requests' decode tokens with prefill chunks (false: "
         "prefill chunks pause decoding)",
     )
+    mixed_chunk_size: int = _field(
+        256,
+        "prefill token budget of a mixed pass (one that also carries running requests' "
+        "decodes): bounds their time between two tokens while a long prompt prefills",
+        _positive,
+    )
     cuda_graph_max_batch: int = _field(
         64,
         "decode/verify batches up to this size replay "

@@ -113,7 +113,10 @@ class Engine:
         self.ahead.drop_unless_fits(self.running)  # requests came or left: free its slots
         if not len(self.running):
             return
-        plan = scheduler.plan_extend(self.running, self.config.chunk_size, self.config.mixed_passes)
+        config = self.config
+        plan = scheduler.plan_extend(
+            self.running, config.chunk_size, config.mixed_passes, config.mixed_chunk_size
+        )
         try:
             with self.cpu_threads.threads() if self.cpu_threads else contextlib.nullcontext():
                 mode = self._run_extend(plan) if plan is not None else self._run_decode()

@@ -26,20 +26,27 @@ class ExtendPlan:
         return int(self.chunk_lens.sum())
 
 
-def plan_extend(running: Running, token_budget: int, mixed: bool = True) -> ExtendPlan | None:
+def plan_extend(
+    running: Running, token_budget: int, mixed: bool = True, mixed_budget: int | None = None
+) -> ExtendPlan | None:
     """Chunks for the requests still prefilling their prompt, in batch order, under the token
     budget; None when there are none (the step decodes or verifies). A request prefills while
     it has more than one pending token, or has not sampled yet: one whose prompt was cached
     but for its last token samples its first token in an extend pass too, as it would without
     the cache (with speculation, a verify pass would draw it differently). `mixed`: the pass
     also carries every other request's pending token (its decode), outside the budget, so
-    running requests keep emitting while prompts prefill; otherwise they wait.
+    running requests keep emitting while prompts prefill; otherwise they wait. A pass that
+    carries decodes prefills at most `mixed_budget` tokens (when given): the decodes wait for
+    the whole pass, so its length is their gap between two tokens.
     """
     pending = running.pending_lens
     first = running.token_lens.lens == running.prompt_lens
-    candidates = np.flatnonzero((pending > 1) | first)
+    prefilling = (pending > 1) | first
+    candidates = np.flatnonzero(prefilling)
     if candidates.size == 0:
         return None
+    if mixed and mixed_budget is not None and candidates.size < len(running):
+        token_budget = min(token_budget, mixed_budget)
     wanted = pending[candidates]
     before = np.concatenate([[0], np.cumsum(wanted)[:-1]])
     chunk = np.clip(token_budget - before, 0, wanted)

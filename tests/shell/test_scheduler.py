@@ -35,6 +35,14 @@ def test_a_mixed_plan_carries_every_decode_outside_the_budget():
     assert plan_extend(_running([3, 7], [4, 8]), 40) is None  # only decodes: a decode pass
 
 
+def test_a_mixed_plan_prefills_at_most_its_own_budget_while_requests_decode():
+    decoding = _running([0, 10], [30, 11])  # pending 30, then a decode
+    assert plan_extend(decoding, 40, mixed_budget=8).chunk_lens.tolist() == [8, 1]
+    assert plan_extend(decoding, 40, mixed=False, mixed_budget=8).chunk_lens.tolist() == [30]
+    alone = _running([0], [30])  # nobody decodes: the whole budget
+    assert plan_extend(alone, 40, mixed_budget=8).chunk_lens.tolist() == [30]
+
+
 def test_a_request_whose_prompt_was_cached_samples_its_first_token_in_an_extend_pass():
     # Request 0's prompt of 9 was cached but for its last token; request 1 is decoding.
     running = _running([8, 6], [9, 7], prompt_lens=[9, 3])
