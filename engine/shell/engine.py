@@ -458,11 +458,13 @@ class Engine:
         holds, then those `effects` emit to it (applied to the book before the record)."""
         emitted: dict[int, list[int]] | None = None
 
-        def history(uid: int, n: int) -> list[int]:
+        def history(uid: int, n: int) -> np.ndarray | list[int]:
             nonlocal emitted
             request = self.requests[uid]
-            ids = request.token_slice(0, min(n, request.num_tokens))
-            if len(ids) < n and effects is not None:
+            if n <= request.num_tokens:
+                return request.id_array()[:n]
+            ids = request.all_ids
+            if effects is not None:
                 emitted = effects.emitted() if emitted is None else emitted
                 ids = ids + emitted.get(uid, [])[: n - len(ids)]
             return ids

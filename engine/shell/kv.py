@@ -111,7 +111,7 @@ class RequestTable:
             self.device.index_put_((rows_d, cols_d), slots_d.to(torch.int32))
 
 
-History = Callable[[int, int], Sequence[int]]  # (request id, n) -> its first n tokens known
+History = Callable[[int, int], Sequence[int] | np.ndarray]  # (request id, n) -> its first n tokens
 
 
 class KVBook:
