@@ -1,5 +1,6 @@
 """Concurrency and disconnects: 32 streaming clients, then 200 requests of which a random third
-leave early; afterwards every KV slot is free and /metrics says so."""
+leave early; afterwards every KV slot is free or held, unlocked, by the prefix cache, and
+/metrics says so."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ def unsettled(metrics: dict[str, float]) -> list[str]:
         "requests running": metrics["engine_requests_running"] == 0,
         "requests waiting": metrics["engine_requests_waiting"] == 0,
         "KV slots used": metrics["engine_kv_slots_used"] == 0,
-        "KV slots not free": metrics["engine_kv_slots_free"] == metrics["engine_kv_slots_total"],
+        "KV slots neither free nor cached": metrics["engine_kv_slots_free"]
+        + metrics["engine_prefix_cache_slots"]
+        == metrics["engine_kv_slots_total"],
+        "cached slots locked": metrics["engine_prefix_cache_locked_slots"] == 0,
         "HTTP requests in flight": metrics["engine_http_requests_in_flight"] == 0,
     }
     return [name for name, settled in checks.items() if not settled]
