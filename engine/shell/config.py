@@ -12,6 +12,8 @@ from engine.state.params import is_int, is_number
 
 
 def _field(default: Any, help: str, validator: Any = None) -> Any:
+    if validator is None and isinstance(default, bool):
+        validator = _bool  # a switch is a bool: "no" or 0 would be taken for what they are not
     return attrs.field(default=default, metadata={"help": help}, validator=validator)
 
 
@@ -30,6 +32,11 @@ def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(
             f"{attribute.name}={value!r} is not allowed; it must be a number in (0, 1]"
         )
+
+
+def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be True or False")
 
 
 def _one_of(*allowed: str) -> Any:

@@ -31,6 +31,12 @@ from engine.shell.config import EngineConfig
         ("kv_cache_fraction", "0.5"),
         ("kv_cache_fraction", float("nan")),
         ("kv_cache_fraction", True),
+        ("prefix_cache", "no"),
+        ("mixed_passes", 0),
+        ("speculative", None),
+        ("schedule_policy", "lifo"),
+        ("max_waited_out", 0),
+        ("mixed_chunk_size", 0),
     ],
 )
 def test_invalid_field_is_named(field: str, value: object) -> None:
@@ -56,3 +62,11 @@ def test_cli_flags_parse_to_the_config_types() -> None:
     overrides = EngineConfig.overrides_from(args)
     assert overrides == {"draft_cost": 0.25, "draft_budget": 6, "block_weights": False}
     assert EngineConfig().replace(**overrides).draft_cost == 0.25
+    args = build_parser().parse_args(
+        ["generate", "hi", "--no-prefix-cache", "--no-mixed-passes", "--schedule-policy", "fcfs"]
+    )
+    assert EngineConfig.overrides_from(args) == {
+        "prefix_cache": False,
+        "mixed_passes": False,
+        "schedule_policy": "fcfs",
+    }
