@@ -10,11 +10,13 @@ the pool is whole."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine import SamplingParams
+from engine.errors import InvalidRequest
 from engine.shell.engine import Engine
 from engine.shell.failures import FAULT_POINTS, Faults
 
@@ -114,6 +116,10 @@ class EngineMachine(RuleBasedStateMachine):
         if len(prompt) + max_tokens > MAX_CONTEXT:
             return
         params = self._params(max_tokens, False, 0)
+        if len(prompt) >= self.engine.book.slots.capacity:  # refused whole, nothing held
+            with pytest.raises(InvalidRequest, match="the KV pool holds"):
+                self.engine._submit(prompt, params, None, None)
+            return
         self.requests.append(self.engine._submit(prompt, params, None, None))
 
     @precondition(lambda self: self.requests)
