@@ -1,9 +1,24 @@
-"""Checks the engine tests share: a run to the end with the pool checked at every step, and an
-engine left with nothing running and nothing locked."""
+"""What the engine tests share: a tiny random-weights engine, a run to the end with the pool
+checked at every step, and the check that an engine holds nothing any more."""
 
 from __future__ import annotations
 
 from engine.shell.engine import Engine
+
+
+def tiny(**overrides) -> Engine:
+    """The tiny random model in fp32 on the CPU (unless `device` says otherwise), a small
+    pool and a configured draft cost (none is fitted from timings in tests)."""
+    settings = dict(
+        random_weights="tiny",
+        device="cpu",
+        dtype="float32",
+        max_context=128,
+        kv_cache_slots=512,
+        max_running_requests=8,
+        draft_cost=0.1,
+    )
+    return Engine(**(settings | overrides))
 
 
 def settled(engine: Engine) -> None:

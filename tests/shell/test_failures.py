@@ -6,24 +6,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from engine_checks import tiny
 
 from engine import SamplingParams
 from engine.errors import InvalidRequest
 from engine.shell.engine import Engine
 from engine.shell.failures import FAULT_POINTS, UNHEALTHY_AFTER, Faults
-
-
-def tiny(**overrides) -> Engine:
-    settings = dict(
-        random_weights="tiny",
-        device="cpu",
-        dtype="float32",
-        max_context=128,
-        kv_cache_slots=512,
-        max_running_requests=8,
-        draft_cost=0.1,  # configured: no cost is fitted from timings here
-    )
-    return Engine(**(settings | overrides))
 
 
 def repetitive(i: int) -> list[int]:

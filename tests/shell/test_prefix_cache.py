@@ -5,6 +5,7 @@ chats: test_prefix_cache_model.py."""
 
 from __future__ import annotations
 
+import engine_checks
 import numpy as np
 import torch
 from engine_checks import run, settled
@@ -18,16 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tiny model: Trito
 
 
 def tiny(**overrides) -> Engine:
-    settings = dict(
-        random_weights="tiny",
-        device=DEVICE,
-        dtype="float32",
-        max_context=128,
-        kv_cache_slots=512,
-        max_running_requests=8,
-        draft_cost=0.1,
-    )
-    return Engine(**(settings | overrides))
+    return engine_checks.tiny(**({"device": DEVICE} | overrides))
 
 
 def family(seed: int, length: int) -> list[int]:
