@@ -82,6 +82,7 @@ class SamplingTensors:
     temperature: torch.Tensor  # [B] fp32, 0 = greedy
     top_k: torch.Tensor  # [B] int64 in [1, V]
     top_p: torch.Tensor  # [B] fp32 in (0, 1]
+    min_p: torch.Tensor  # [B] fp32 in [0, 1]
     uniform: torch.Tensor  # [B] fp64 in (0, 1): row_uniforms(seed, tokens sampled before)
     all_greedy: bool
     filtered: bool = True  # some row keeps fewer tokens than the vocabulary (needs_filter)
@@ -102,46 +103,48 @@ class SamplingTensors:
             temperature=rows[0],
             top_k=rows[1],
             top_p=rows[2],
-            uniform=rows[3],
+            min_p=rows[3],
+            uniform=rows[4],
             all_greedy=all(p.greedy for p in params),
             filtered=needs_filter(params, vocab_size),
         )
 
 
 def _on_device(rows: list, device: torch.device | str) -> list[torch.Tensor]:
-    """Per-row values (temperature, top_k, top_p, then any more) in one host-to-device copy
-    (float64 holds every top_k exactly): temperature and top_p as fp32, top_k as int64, the
-    others float64."""
+    """Per-row values (temperature, top_k, top_p, min_p, then any more) in one host-to-device
+    copy (float64 holds every top_k exactly): temperature, top_p and min_p as fp32, top_k as
+    int64, the others float64."""
     packed = torch.from_numpy(np.array(rows, dtype=np.float64)).to(device, non_blocking=True)
-    return [packed[0].float(), packed[1].long(), packed[2].float(), *packed[3:]]
+    return [packed[0].float(), packed[1].long(), packed[2].float(), packed[3].float(), *packed[4:]]
 
 
 def _filter_values(
     params: Sequence[SamplingParams], vocab_size: int
-) -> tuple[list[float], list[int], list[float]]:
+) -> tuple[list[float], list[int], list[float], list[float]]:
     """Per row: temperature, top_k clamped to the vocabulary (disabled = the vocabulary
-    size) and top_p."""
+    size), top_p and min_p."""
     return (
         [float(p.temperature) for p in params],
         [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params],
         [float(p.top_p) for p in params],
+        [float(p.min_p) for p in params],
     )
 
 
 def filter_tensors(
     params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: temperature (fp32), top_k clamped to the vocabulary (int64; disabled = the
-    vocabulary size) and top_p (fp32), what `_filtered_logits` reads; one copy."""
-    temperature, top_k, top_p = _on_device(list(_filter_values(params, vocab_size)), device)
-    return temperature, top_k, top_p  # (a tuple of three, as _filtered_logits takes them)
+    vocabulary size), top_p and min_p (fp32), what `_filtered_logits` reads; one copy."""
+    temperature, top_k, top_p, min_p = _on_device(list(_filter_values(params, vocab_size)), device)
+    return temperature, top_k, top_p, min_p
 
 
 def needs_filter(params: Sequence[SamplingParams], vocab_size: int) -> bool:
-    """Whether some row sets top-k below the vocabulary or top-p below 1. Without one, the
-    filter (a sort of every row's logits: most of a sampled step's time on a CPU) is
-    skipped."""
-    return any(0 <= p.top_k < vocab_size or p.top_p < 1.0 for p in params)
+    """Whether some row sets top-k below the vocabulary, top-p below 1 or min-p above 0.
+    Without one, the filter (a sort of every row's logits: most of a sampled step's time on
+    a CPU) is skipped."""
+    return any(0 <= p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0 for p in params)
 
 
 def _filtered_logits(
@@ -150,17 +153,25 @@ def _filtered_logits(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     filtered: bool = True,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logits / temperature with tokens outside top-k or the top-p nucleus set to -inf
-    (the most likely token is always kept). Greedy rows (temperature 0) use temperature 1.
-    `filtered` False: no row filters (`needs_filter`), the scaled logits are returned."""
+    """Logits / temperature with tokens outside top-k or the top-p nucleus, or below min-p
+    times the most likely token's probability, set to -inf (the most likely token is always
+    kept). Greedy rows (temperature 0) use temperature 1. `filtered` False: no row filters
+    (`needs_filter`), the scaled logits are returned."""
     safe_temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits.float() / safe_temperature[:, None]
     if not filtered:
         return scaled
     if scaled.device.type == "cpu" and scaled.shape[-1] > _CANDIDATES:
-        return _filtered_among_candidates(scaled, top_k, top_p)
-    return _filtered_by_sorting(scaled, top_k, top_p)
+        kept = _filtered_among_candidates(scaled, top_k, top_p)
+    else:
+        kept = _filtered_by_sorting(scaled, top_k, top_p)
+    if min_p is not None and bool((min_p > 0).any()):
+        # p(x) >= min_p * p(best)  <=>  logit(x) >= logit(best) + log(min_p)
+        floor = kept.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+        kept = kept.masked_fill(kept < floor, -math.inf)
+    return kept
 
 
 def _filtered_by_sorting(
@@ -223,12 +234,15 @@ def probs_for_verify(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
     filtered: bool = True,
 ) -> torch.Tensor:
     """The target distribution [B, V] fp32 each row samples from; a greedy row (temperature
     0) is one-hot at its argmax. Used for rejection sampling in speculative decoding.
     `filtered`: as for `_filtered_logits`."""
-    probs = torch.softmax(_filtered_logits(logits, temperature, top_k, top_p, filtered), dim=-1)
+    probs = torch.softmax(
+        _filtered_logits(logits, temperature, top_k, top_p, filtered, min_p), dim=-1
+    )
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where((temperature > 0)[:, None], probs, one_hot)
 
@@ -265,9 +279,102 @@ def sample(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
         return greedy
     probs = torch.softmax(
         _filtered_logits(
-            logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.filtered
+            logits,
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            sampling.filtered,
+            sampling.min_p,
         ),
         dim=-1,
     )
     drawn = sample_from_probs(probs, sampling.uniform)
     return torch.where(sampling.temperature > 0, drawn, greedy)
+
+
+# --- before sampling: biases and penalties; after it: log-probabilities ----------------------
+@attrs.frozen(eq=False)
+class LogitsEdit:
+    """Sparse changes to rows of logits before sampling, as `SamplingParams` defines them:
+    each row's `logit_bias` added, then its repetition penalty on every token it has seen
+    (positive logits divided, negative ones multiplied), then its frequency and presence
+    penalties on its output tokens' counts. Built on the host (`LogitsEdit.of`), one copy."""
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, values (added)
+    repeat: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, factors
+    penalty: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, values (added)
+
+    @classmethod
+    def of(
+        cls,
+        rows: Sequence[tuple[SamplingParams, np.ndarray, np.ndarray]],
+        device: torch.device | str = "cpu",
+    ) -> LogitsEdit:
+        """`rows`: per logits row, its parameters, the tokens it has seen (prompt and
+        output, each once) and its output tokens (with repeats)."""
+        parts: list[list[np.ndarray]] = [[] for _ in range(9)]
+        for row, (params, seen, output) in enumerate(rows):
+            if params.logit_bias:
+                tokens, values = zip(*params.logit_bias, strict=True)
+                _append(parts[0:3], row, np.array(tokens), np.array(values, dtype=np.float64))
+            if params.repetition_penalty != 1.0 and seen.size:
+                factors = np.full(seen.size, params.repetition_penalty, dtype=np.float64)
+                _append(parts[3:6], row, seen, factors)
+            if (params.frequency_penalty or params.presence_penalty) and output.size:
+                tokens, counts = np.unique(output, return_counts=True)
+                values = -(params.frequency_penalty * counts + params.presence_penalty)
+                _append(parts[6:9], row, tokens, values.astype(np.float64))
+        sizes = [sum(p.size for p in parts[i]) for i in (0, 3, 6)]
+        flat = [
+            np.concatenate(p) if p else np.zeros(0, dtype=np.float64) for p in parts
+        ]  # 3 x (rows, tokens, values), as float64: one copy holds every id exactly
+        packed = torch.from_numpy(np.concatenate(flat).astype(np.float64)).to(device)
+        pieces = list(packed.split([n for n in sizes for _ in range(3)]))
+        triples = [
+            (pieces[i].long(), pieces[i + 1].long(), pieces[i + 2].float()) for i in (0, 3, 6)
+        ]
+        return cls(*triples)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The edited logits (fp32, a new tensor)."""
+        out = logits.float().clone()
+        rows, tokens, values = self.bias
+        if rows.numel():
+            out.index_put_((rows, tokens), values, accumulate=True)
+        rows, tokens, factors = self.repeat
+        if rows.numel():
+            seen = out[rows, tokens]
+            out[rows, tokens] = torch.where(seen > 0, seen / factors, seen * factors)
+        rows, tokens, values = self.penalty
+        if rows.numel():
+            out.index_put_((rows, tokens), values, accumulate=True)
+        return out
+
+
+def _append(parts: list[list[np.ndarray]], row: int, tokens: np.ndarray, values: np.ndarray):
+    parts[0].append(np.full(tokens.size, row, dtype=np.float64))
+    parts[1].append(tokens.astype(np.float64))
+    parts[2].append(values)
+
+
+@attrs.frozen(eq=False)
+class Logprobs:
+    """Per row: the chosen token's log-probability, and the `top` most likely tokens with
+    theirs (fp32 log-softmax of the logits the row sampled from, before temperature and
+    filtering), still on the device."""
+
+    chosen: torch.Tensor  # [R] fp32
+    top_ids: torch.Tensor  # [R, top] int64
+    top_values: torch.Tensor  # [R, top] fp32
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, tokens: torch.Tensor, top: int) -> Logprobs:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, tokens.long()[:, None]).squeeze(1)
+        values, ids = (
+            logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], tokens[:, None][:, :0])
+        )
+        return cls(chosen, ids.long(), values)
+
+    def to_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.chosen.cpu().numpy(), self.top_ids.cpu().numpy(), self.top_values.cpu().numpy()

@@ -23,8 +23,9 @@ from engine.shell import scheduler
 from engine.shell.ahead import PlanAhead
 from engine.shell.config import EngineConfig
 from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
-from engine.shell.inbox import Inbox, validate_prompt
+from engine.shell.inbox import Inbox, validate_params, validate_prompt
 from engine.shell.kv import KVBook
+from engine.shell.logits import LogitsWork, Sampled
 from engine.shell.outputs import Outputs
 from engine.shell.request import Completion, Delta, Request
 from engine.shell.runtime import Runtime, build_runtime
@@ -62,6 +63,8 @@ class Engine:
         self.spec = Speculator(rt, self.config) if self.config.speculative else None
         self.outputs = Outputs(self.tokenizer, self.inbox, self.stats, self.spec)
         self.requests = self.outputs.requests  # in flight, by uid (the loop's thread only)
+        self.logits = LogitsWork(self.requests)  # penalties before sampling, logprobs after
+        self._logprobs: dict | None = None  # the last pass's, until its tokens are emitted
         self.by_request_id = self.outputs.by_request_id
         self.ahead = PlanAhead(self.book, self.runner, self.stats)  # the next decode pass
         self.health = Health()
@@ -89,16 +92,21 @@ class Engine:
         sink: queue.SimpleQueue | None,
     ) -> Request:
         params = to_params(params)
+        if params.n != 1:
+            raise InvalidRequest(
+                "n", f"n={params.n}: submit and stream take one sample; generate() takes n"
+            )
         ids = prompt_to_ids(self.tokenizer, prompt)
-        self._validate(ids)
+        self._validate(ids, params)
         return self.inbox.add(ids, params, request_id, sink)
 
     def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; its slots are freed at the next step."""
         self.inbox.abort(request_id)
 
-    def _validate(self, ids: list[int]) -> None:
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
         validate_prompt(ids, self.runtime.vocab_size, self.max_context, self.book.slots.capacity)
+        validate_params(params, len(ids), self.runtime.vocab_size, self.max_context)
 
     # --- the loop (one thread) ----------------------------------------------------------------
     @property
@@ -340,11 +348,23 @@ class Engine:
         running = self.running
         batch = state.schedule_verify(running, trees, self.book.alloc(trees.sizes.total))
         with self._open(batch) as open_pass:
-            logits = self._forward(batch)
             uids = running.rids.tolist()
+            logits = self.logits.edit_tree(
+                self._forward(batch), trees, uids, self.outputs.edited_uids
+            )
             params = [self.requests[u].params for u in uids]
             self._hit("verify")
             outcome = self.spec.verify(batch, params, logits)
+            pending = self.logits.tree_logprobs(
+                logits,
+                trees,
+                uids,
+                outcome.accepted_lens.lens,
+                outcome.accepted_nodes,
+                outcome.bonus,
+                self.outputs.logprob_uids,
+            )
+            self._logprobs = None if pending is None else pending.host()
             self.spec.record(uids, trees, outcome.accepted_lens.lens)
             result = state.verify(
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
@@ -412,20 +432,26 @@ class Engine:
             return self.runner.forward(batch)
         return self.runner.launch(prepared, batch)
 
-    def _launch(self, batch: state.Batch, prepared: Any = None) -> torch.Tensor:
-        """Launch the pass and its sampling; the tokens stay on the device until `_fetch`."""
+    def _launch(self, batch: state.Batch, prepared: Any = None) -> Sampled:
+        """Launch the pass and its sampling (each request's bias and penalties first, its
+        logprobs after, where asked); the tokens stay on the device until `_fetch`."""
+        outputs = self.outputs
         inputs = None  # all greedy: no per-request work
-        if self.outputs.sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
-            uids = batch.running.rids[batch.samples]
-            params = [self.requests[int(u)].params for u in uids]
-            steps = [len(self.requests[int(u)].output_ids) for u in uids]
-            inputs = self.runtime.sampling_inputs(params, uids, steps)
-        return self.runtime.sample(self._forward(batch, prepared), inputs)
+        uids = batch.running.rids[batch.samples].tolist()
+        if outputs.sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
+            params = [self.requests[u].params for u in uids]
+            steps = [len(self.requests[u].output_ids) for u in uids]
+            inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
+        logits = self.logits.edit(self._forward(batch, prepared), uids, outputs.edited_uids)
+        tokens = self.runtime.sample(logits, inputs)
+        return Sampled(tokens, self.logits.logprobs(logits, tokens, uids, outputs.logprob_uids))
 
-    def _fetch(self, tokens: torch.Tensor) -> np.ndarray:
-        """The pass's tokens on the host (where a device error surfaces)."""
+    def _fetch(self, sampled: Sampled) -> np.ndarray:
+        """The pass's tokens on the host (where a device error surfaces), and its logprobs."""
         self._hit("sample")
-        return tokens.cpu().numpy()
+        tokens = sampled.tokens.cpu().numpy()
+        self._logprobs = None if sampled.logprobs is None else sampled.logprobs.host()
+        return tokens
 
     # --- effects -> resources and outputs ---------------------------------------------------------
     def _commit_pass(
@@ -473,7 +499,8 @@ class Engine:
 
     def _emit(self, effects: state.Effects) -> None:
         """A transition's tokens and finishes to its requests; a stop string's end commits."""
-        stopped = self.outputs.emit(effects)
+        logprobs, self._logprobs = self._logprobs, None
+        stopped = self.outputs.emit(effects, logprobs)
         if stopped:
             indices = [self.running.index_of(uid) for uid in stopped]
             self._commit(state.finish(self.running, indices, FinishReason.STOP))
@@ -484,7 +511,8 @@ class Engine:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | dict | list | None = None,
     ) -> list[Completion]:
-        """Results in input order; one params value or one per prompt."""
+        """Results in input order; one params value or one per prompt. A prompt whose params
+        have n > 1 gives n completions in a row (sample 0 to n - 1)."""
         batch_prompts = as_prompt_list(prompts)
         params = (
             list(sampling_params)
@@ -502,9 +530,13 @@ class Engine:
             (prompt_to_ids(self.tokenizer, p), to_params(sp))
             for p, sp in zip(batch_prompts, params, strict=True)
         ]
-        for ids, _ in checked:
-            self._validate(ids)
-        requests = [self.inbox.add(ids, sp, None, None) for ids, sp in checked]
+        for ids, sp in checked:
+            self._validate(ids, sp)
+        requests = [
+            self.inbox.add(ids, sp.sample(i), None, None)
+            for ids, sp in checked
+            for i in range(sp.n)
+        ]
         while not all(r.done for r in requests):
             self.step()
         return [r.completion() for r in requests]

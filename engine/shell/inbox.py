@@ -35,6 +35,28 @@ def validate_prompt(ids: list[int], vocab_size: int, max_context: int, pool_slot
         )
 
 
+def validate_params(
+    params: SamplingParams, num_prompt: int, vocab_size: int, max_context: int
+) -> None:
+    """Raise InvalidRequest unless the parameters fit this prompt, vocabulary and context."""
+    room = max_context - num_prompt
+    if params.max_tokens > room:
+        raise InvalidRequest(
+            "max_tokens",
+            f"max_tokens={params.max_tokens} does not fit: the prompt has {num_prompt} tokens "
+            f"and max_context is {max_context}, which leaves room for {room}",
+        )
+    for field, ids in (
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+        ("stop_token_ids", list(params.stop_token_ids)),
+    ):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(
+                field, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
+
+
 class Inbox:
     """Thread-safe: `add` and `abort` from any thread, `drain` from the loop's."""
 

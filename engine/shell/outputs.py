@@ -9,7 +9,7 @@ from typing import Any
 
 from engine import state
 from engine.shell.inbox import Inbox
-from engine.shell.request import Request
+from engine.shell.request import Request, TokenLogprob
 from engine.shell.textio import TextOutput
 from engine.state import FinishReason
 
@@ -23,6 +23,8 @@ class Outputs:
         self.requests: dict[int, Request] = {}
         self.by_request_id: dict[str, Request] = {}
         self.sampling_uids: set[int] = set()  # requests with temperature > 0
+        self.edited_uids: set[int] = set()  # requests with penalties or a logit bias
+        self.logprob_uids: set[int] = set()  # requests that asked for logprobs
         self.text = TextOutput(tokenizer)
         self.inbox, self.stats, self.spec = inbox, stats, spec
 
@@ -31,17 +33,26 @@ class Outputs:
         self.by_request_id[request.request_id] = request
         if not request.params.greedy:
             self.sampling_uids.add(request.uid)
+        if request.params.penalized:
+            self.edited_uids.add(request.uid)
+        if request.params.logprobs is not None:
+            self.logprob_uids.add(request.uid)
         self.stats["prompt_tokens"] += len(request.prompt_ids)
 
-    def emit(self, effects: state.Effects) -> list[int]:
-        """A transition's tokens and finishes to its requests and their streams. Returns the
-        uids still running whose text a stop string ended: the caller finishes them."""
+    def emit(
+        self, effects: state.Effects, logprobs: dict[int, list[TokenLogprob]] | None = None
+    ) -> list[int]:
+        """A transition's tokens (with their `logprobs`, for requests that asked) and
+        finishes to its requests and their streams. Returns the uids still running whose
+        text a stop string ended: the caller finishes them."""
         finished = effects.finished()
         emitted = effects.emitted()
         stopped: list[int] = []
         for uid, tokens in emitted.items():
             request = self.requests[uid]
             request.output_ids.extend(tokens)
+            if request.logprobs is not None and logprobs is not None:
+                request.logprobs.extend(logprobs.get(uid, [])[: len(tokens)])
             self.stats["generated_tokens"] += len(tokens)
             if self.spec is not None:
                 self.spec.extend(uid, tokens)
@@ -66,6 +77,8 @@ class Outputs:
         self.requests.pop(request.uid, None)
         self.by_request_id.pop(request.request_id, None)
         self.sampling_uids.discard(request.uid)
+        self.edited_uids.discard(request.uid)
+        self.logprob_uids.discard(request.uid)
         self.inbox.release(request.request_id)
 
     def publish(self, request: Request) -> None:

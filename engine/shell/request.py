@@ -27,6 +27,16 @@ class Usage:
 
 
 @attrs.frozen
+class TokenLogprob:
+    """An output token's log-probability and the most likely tokens at its position with
+    theirs (`SamplingParams.logprobs` of them)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
 class Delta:
     """New output of one request: tokens and text since the last delta."""
 
@@ -38,6 +48,7 @@ class Delta:
     speculation: AcceptanceStats | None = None  # in the last delta, as in Completion
     error: str | None = None  # finish_reason "error": what failed
     prompt_token_ids: tuple[int, ...] | None = None  # in the last delta
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked
 
 
 @attrs.frozen
@@ -51,6 +62,7 @@ class Completion:
     # this request's verify steps, drafts and accepted drafts (with speculative decoding)
     speculation: AcceptanceStats | None = None
     error: str | None = None  # finish_reason "error": what failed
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked
 
     @classmethod
     def of_deltas(cls, deltas: list[Delta]) -> Completion:
@@ -67,6 +79,9 @@ class Completion:
             last.usage,
             last.speculation,
             last.error,
+            None
+            if last.logprobs is None
+            else tuple(lp for d in deltas for lp in (d.logprobs or ())),
         )
 
 
@@ -91,7 +106,21 @@ class Request:
     error: str | None = None  # set when its pass failed (finish reason ERROR)
     cached_tokens: int | None = None  # prompt tokens matched in the prefix cache at admission
     waited_out: int = 0  # admissions that passed it over while it waited (its age, for LPM)
+    logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
     _ids: Any = attrs.field(default=None, init=False, repr=False)  # cache of id_array()
+    _prompt_seen: Any = attrs.field(default=None, init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    def seen_and_output(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens it has seen (prompt and output, each once) and its output tokens, for
+        the repetition, frequency and presence penalties."""
+        if self._prompt_seen is None:
+            self._prompt_seen = np.unique(np.array(self.prompt_ids, dtype=np.int64))
+        output = np.array(self.output_ids, dtype=np.int64)
+        return np.union1d(self._prompt_seen, output), output
 
     @property
     def all_ids(self) -> list[int]:
@@ -135,6 +164,7 @@ class Request:
             self.usage(),
             self.speculation,
             self.error,
+            None if self.logprobs is None else tuple(self.logprobs),
         )
 
     def usage(self) -> Usage:
@@ -149,6 +179,11 @@ class Request:
         new_text = self.text[self.sent_chars : end]
         if not new_ids and not new_text and not self.done:
             return None
+        logprobs = (
+            None
+            if self.logprobs is None
+            else tuple(self.logprobs[self.sent_tokens : len(self.output_ids)])
+        )
         self.sent_tokens, self.sent_chars = len(self.output_ids), max(self.sent_chars, end)
         reason = self.finish_reason.openai
         return Delta(
@@ -160,4 +195,5 @@ class Request:
             self.speculation,
             self.error,
             tuple(self.prompt_ids) if self.done else None,
+            logprobs,
         )

@@ -35,12 +35,37 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's limit)
+MAX_N = 64  # samples of one prompt
+
+
+def _as_bias(value: object) -> object:
+    """logit_bias as sorted (token id, bias) pairs, from a dict (JSON keys are strings) or
+    pairs; anything else is kept for the validator to name."""
+    if isinstance(value, dict):
+        try:
+            return tuple(sorted((int(k), v) for k, v in value.items()))
+        except (TypeError, ValueError):
+            return value
+    return _as_tuple(value)
+
+
 @attrs.frozen
 class SamplingParams:
     """How one request samples and when it stops.
 
     temperature 0 is greedy. top_k -1 keeps every token. Stop strings are matched on the
     produced text by the engine; stop token ids and EOS are checked by the state core.
+
+    Before sampling, each row's logits get `logit_bias` added and the penalties applied as
+    vLLM defines them: `repetition_penalty` divides positive logits (multiplies negative
+    ones) of every token in the prompt or the output; `frequency_penalty` subtracts itself
+    times a token's count in the output and `presence_penalty` itself once for a token in the
+    output. Then temperature, top-k, top-p and `min_p` (tokens below min_p times the most
+    likely token's probability are dropped). `logprobs` (None: off) returns, per output
+    token, its log-probability under the logits after bias and penalties (before temperature
+    and filtering), and that many most likely alternatives (0..20). `n` samples of the prompt
+    are drawn (seeded: sample i from the seed and i).
     """
 
     temperature: float = 0.0
@@ -52,6 +77,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
     ignore_eos: bool = False
     seed: int | None = None
+    n: int = 1
+    logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
 
     def __attrs_post_init__(self) -> None:
         t = self.temperature
@@ -100,6 +132,60 @@ class SamplingParams:
             "None or an integer in [0, 2**63)",
         )
 
+        check_field(
+            "n", self.n, is_int(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]"
+        )
+        lp = self.logprobs
+        check_field(
+            "logprobs",
+            lp,
+            lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
+        )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            check_field(name, value, is_number(value) and -2 <= value <= 2, "a number in [-2, 2]")
+        r = self.repetition_penalty
+        check_field(
+            "repetition_penalty", r, is_number(r) and 0 < r <= 2, "a number in (0, 2] (1: off)"
+        )
+        check_field(
+            "min_p", self.min_p, is_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"
+        )
+        bias = self.logit_bias
+        check_field(
+            "logit_bias",
+            bias,
+            isinstance(bias, tuple)
+            and all(
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and is_int(pair[0])
+                and pair[0] >= 0
+                and is_number(pair[1])
+                and -100 <= pair[1] <= 100
+                for pair in bias
+            )
+            and len({pair[0] for pair in bias}) == len(bias),
+            "a map of token ids >= 0 to numbers in [-100, 100]",
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits change before sampling (penalties or a bias)."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    def sample(self, index: int) -> SamplingParams:
+        """The parameters of sample `index` of `n`: one sample each, seeded from the seed
+        and the index (sample 0 keeps the seed)."""
+        seed = None if self.seed is None else (self.seed + index * 0x9E3779B97F4A7C15) % 2**63
+        return attrs.evolve(self, n=1, seed=seed)

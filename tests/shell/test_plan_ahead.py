@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from engine.shell.engine import Engine
 from engine.shell.graphs import GraphRunner
+from engine.shell.logits import Sampled
 from engine.state import Mode, SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -222,7 +223,7 @@ def test_a_failure_around_a_plan_loses_no_slot(failing):
         if len(calls) == 4:
             if failing == "fetch":
                 real(*args, **kwargs)
-                return Unreadable()
+                return Sampled(Unreadable())
             raise RuntimeError("injected failure")
         return real(*args, **kwargs)
 

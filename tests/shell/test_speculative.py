@@ -185,7 +185,8 @@ def test_tiny_model_random_prompts_equal_plain_greedy():
 
 def test_tiny_model_context_limit_with_speculation():
     prompts = _repetitive_prompts(11, 4)
-    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    # each fills the context exactly (a max_tokens beyond the room left is refused)
+    params = [SamplingParams(max_tokens=48 - len(p), ignore_eos=True) for p in prompts]
     plain, spec = _tiny(max_context=48), _tiny(max_context=48, speculative=True)
     expected = plain.generate(prompts, params)
     got = spec.generate(prompts, params)
