@@ -21,6 +21,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         error_type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -28,11 +29,13 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.error_type = error_type
+        self.headers = headers or {}
 
     def response(self) -> JSONResponse:
         return JSONResponse(
             status_code=self.status_code,
             content=error_body(self.message, self.error_type, self.param, self.code),
+            headers=self.headers,
         )
 
 
@@ -71,6 +74,11 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         message = f"{param} is required" if param else "a JSON object request body is required"
     elif first["type"] == "model_attributes_type" and param is None:
         message = "request body must be a JSON object"
+    elif first["type"] == "extra_forbidden":
+        message = (
+            f"{param} is not supported by this server; remove it (no field is taken and ignored)"
+        )
+        return OpenAIError(400, message, param, "unsupported_parameter")
     elif first["type"] == "value_error":
         pass  # our own validators' messages already name the field and the allowed values
     elif "input" in first and not isinstance(first["input"], (dict, list)):

@@ -3,39 +3,53 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.shell.request import Usage
+from engine.state.params import MAX_LOGPROBS, MAX_N
 
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """A body whose unknown fields are refused (400 naming the field), as OpenAI does: a
+    field we would not honour is never taken and ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields of /v1/completions and /v1/chat/completions: OpenAI's, plus top_k and ignore_eos."""
+class _SamplingFields(_Strict):
+    """Fields of /v1/completions and /v1/chat/completions: OpenAI's, and vLLM's top_k,
+    min_p, repetition_penalty, min_tokens, stop_token_ids and ignore_eos. Structured output
+    (response_format, tools) is not among them: a request that carries it is refused."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: int = -1
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n={n} is not supported; only n=1 is")
-        return n
+    user: str | None = None  # the end user's id: logged with --log-requests
 
     @field_validator("top_k")
     @classmethod
@@ -67,36 +81,44 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError(
-                    f"prompt is a batch of {len(prompt)} prompts; send one prompt per request (n=1)"
-                )
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise ValueError("prompt is empty; send at least one character or token")
-        if isinstance(prompt, list) and any(token_id < 0 for token_id in prompt):
-            raise ValueError("prompt token ids must be >= 0")
-        return prompt
+    def _prompts(cls, prompt: Any) -> list[str | list[int]]:
+        """One prompt or a batch of them, as a list of prompts."""
+        batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        batch = prompt if batched else [prompt]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"prompt is a batch of {len(batch)}; at most {MAX_PROMPTS} at once")
+        for one in batch:
+            if len(one) == 0:
+                raise ValueError("prompt is empty; send at least one character or token")
+            if isinstance(one, list) and any(token_id < 0 for token_id in one):
+                raise ValueError("prompt token ids must be >= 0")
+        return batch
 
-    @field_validator("echo")
+    @field_validator("logprobs")
     @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo=true is not supported")
-        return echo
+    def _not_with_echo(cls, logprobs: int | None, info: Any) -> int | None:
+        if logprobs is not None and info.data.get("echo"):
+            raise ValueError(
+                "logprobs with echo is not supported (the prompt's logprobs are not computed)"
+            )
+        return logprobs
+
+    @property
+    def logprob_count(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or the alternatives asked for."""
+        return self.logprobs
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -112,6 +134,20 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: Any) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return top
+
+    @property
+    def logprob_count(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or the alternatives asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -131,13 +167,28 @@ def usage_body(usage: Any) -> dict[str, Any]:
     }
 
 
-class ResponseShape:
-    """Builds the response and chunk bodies of one request: its id, model and creation time."""
+def combined_usage(usages: list[Any], n: int) -> Usage:
+    """One response's usage over its choices (n per prompt, prompt by prompt): each prompt
+    counted once, every choice's completion tokens."""
+    firsts = usages[::n]
+    return Usage(
+        sum(u.prompt_tokens for u in firsts),
+        sum(u.completion_tokens for u in usages),
+        sum(u.cached_tokens for u in firsts),
+    )
 
-    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+
+class ResponseShape:
+    """Builds the response and chunk bodies of one request: its id, model and creation time;
+    `token_text` spells a token id for logprobs."""
+
+    def __init__(
+        self, chat: bool, request_id: str, model: str, token_text: Callable[[int], str]
+    ) -> None:
         self.chat = chat
         self.request_id = request_id
         self.model = model
+        self.token_text = token_text
         self.created_s = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,35 +200,89 @@ class ResponseShape:
             "choices": choices,
         }
 
-    def full(self, text: str, finish_reason: str | None, usage: Any) -> dict[str, Any]:
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
+        """One choice of a whole response; `logprobs`: its tokens' entries, or None."""
+        body = self.logprobs_body(logprobs, 0)
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+            message = {"role": "assistant", "content": text}
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": body,
                 "finish_reason": finish_reason,
             }
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion", [choice])
+        return {"index": index, "text": text, "logprobs": body, "finish_reason": finish_reason}
+
+    def full(self, choices: list[dict[str, Any]], usage: Any) -> dict[str, Any]:
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage_body(usage)
         return body
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, role: bool = False
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: Any = None,
+        text_offset: int = 0,
     ) -> dict[str, Any]:
-        """One stream chunk: new text (None = an empty delta), or the finish reason."""
+        """One stream chunk of choice `index`: new text (None = an empty delta) with its
+        tokens' logprobs, or the finish reason."""
+        body = self.logprobs_body(logprobs, text_offset)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": body,
+                "finish_reason": finish_reason,
+            }
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "text": text or "",
+            "logprobs": body,
+            "finish_reason": finish_reason,
+        }
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, usage: Any) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
         body["usage"] = usage_body(usage)
         return body
+
+    def logprobs_body(self, entries: Any, text_offset: int) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for `entries` (TokenLogprob), or None without them: chat's
+        `content` list, or the completions' parallel lists (`text_offset` from the first
+        token's offset in the choice's text)."""
+        if entries is None:
+            return None
+        spell = self.token_text
+        if self.chat:
+
+            def item(token: int, logprob: float) -> dict[str, Any]:
+                text = spell(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {
+                "content": [
+                    item(e.token_id, e.logprob) | {"top_logprobs": [item(t, v) for t, v in e.top]}
+                    for e in entries
+                ]
+            }
+        tokens = [spell(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{spell(t): v for t, v in e.top} for e in entries],
+            "text_offset": offsets,
+        }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -10,13 +11,19 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import attrs
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import InvalidRequest
 from engine.server.errors import OpenAIError, error_body
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape
+from engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    combined_usage,
+)
 from engine.server.runs import ServerState, run_request
 from engine.state import SamplingParams
 
@@ -29,17 +36,28 @@ def _state(request: Request) -> ServerState:
 
 
 def _sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
 ) -> SamplingParams:
+    """Every sampling field of the body, in the engine's terms (max_tokens None: up to the
+    context limit)."""
     try:
         return SamplingParams(
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
+            min_p=body.min_p,
             max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
             stop=body.stop_strings,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             seed=body.seed,
+            n=body.n,
+            logprobs=body.logprob_count,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=tuple((body.logit_bias or {}).items()),
         )
     except ValueError as exc:
         field = re.match(r"^(\w+)=", str(exc))
@@ -99,39 +117,102 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+@attrs.frozen(eq=False)
+class _Run:
+    """One choice in flight: its index, first delta, the rest, and the text it starts with
+    (the prompt, with echo)."""
+
+    index: int
+    first: Any
+    deltas: AsyncIterator[Any]
+    echo: str = ""
+
+
 async def _sse(
-    shape: ResponseShape, first: Any, deltas: AsyncIterator[Any], include_usage: bool
+    shape: ResponseShape, runs: list[_Run], include_usage: bool, n: int
 ) -> AsyncIterator[bytes]:
-    async with aclosing(deltas):
-        if shape.chat:
-            yield _event(shape.chunk("", role=True), include_usage)
-        delta = first
-        while delta is not None:
-            if delta.text:
-                yield _event(shape.chunk(delta.text), include_usage)
+    """The chunks of every choice as they come, then the usage (when asked) and [DONE]."""
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: _Run) -> None:
+        try:
+            delta = run.first
+            while delta is not None:
+                await events.put((run.index, delta))
+                if delta.finish_reason is not None:
+                    break
+                delta = await anext(run.deltas, None)
+        except OpenAIError as error:  # its deadline passed: the request was aborted
+            await events.put((run.index, error))
+        finally:
+            await events.put((run.index, None))
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    usages: list[Any] = [None] * len(runs)
+    offsets = [len(run.echo) for run in runs]
+    try:
+        for run in runs:
+            if shape.chat:
+                yield _event(shape.chunk(run.index, "", role=True), include_usage)
+            if run.echo:
+                yield _event(shape.chunk(run.index, run.echo), include_usage)
+        remaining = len(runs)
+        while remaining:
+            index, item = await events.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, OpenAIError):
+                yield _event(
+                    error_body(item.message, item.error_type, item.param, item.code), False
+                )
+                break
+            delta = item
+            if delta.text or delta.logprobs:
+                chunk = shape.chunk(
+                    index, delta.text, logprobs=delta.logprobs, text_offset=offsets[index]
+                )
+                offsets[index] += len(delta.text)
+                yield _event(chunk, include_usage)
             if delta.finish_reason == "error":  # what OpenAI's and vLLM's streams send
                 failure = _engine_failure(delta)
                 yield _event(error_body(failure.message, failure.error_type, None, None), False)
                 break
             if delta.finish_reason is not None:
-                yield _event(shape.chunk(None, delta.finish_reason), include_usage)
-                if include_usage:
-                    yield _event(shape.usage_chunk(delta.usage), include_usage)
-                break
-            delta = await anext(deltas, None)
+                usages[index] = delta.usage
+                yield _event(shape.chunk(index, None, delta.finish_reason), include_usage)
+        else:
+            if include_usage:
+                yield _event(shape.usage_chunk(combined_usage(usages, n)), include_usage)
         yield b"data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for run in runs:
+            await run.deltas.aclose()  # a choice cut short is aborted: its slots are freed
 
 
-async def _collect(shape: ResponseShape, first: Any, deltas: AsyncIterator[Any]) -> dict[str, Any]:
-    pieces = [first.text]
-    last = first
-    async with aclosing(deltas):
-        async for delta in deltas:
-            pieces.append(delta.text)
-            last = delta
-    if last.finish_reason == "error":
-        raise _engine_failure(last)
-    return shape.full("".join(pieces), last.finish_reason, last.usage)
+async def _collect(shape: ResponseShape, runs: list[_Run], n: int) -> dict[str, Any]:
+    """The whole response: every choice's text, finish reason and logprobs."""
+
+    async def one(run: _Run) -> tuple[dict[str, Any], Any]:
+        pieces, last, logprobs = (
+            [run.echo, run.first.text],
+            run.first,
+            list(run.first.logprobs or ()),
+        )
+        async with aclosing(run.deltas):
+            async for delta in run.deltas:
+                pieces.append(delta.text)
+                logprobs.extend(delta.logprobs or ())
+                last = delta
+        if last.finish_reason == "error":
+            raise _engine_failure(last)
+        entries = logprobs if last.logprobs is not None or run.first.logprobs is not None else None
+        return shape.choice(run.index, "".join(pieces), last.finish_reason, entries), last.usage
+
+    done = await asyncio.gather(*(one(run) for run in runs))
+    return shape.full([choice for choice, _ in done], combined_usage([u for _, u in done], n))
 
 
 def _engine_failure(delta: Any) -> OpenAIError:
@@ -148,23 +229,67 @@ def _engine_failure(delta: Any) -> OpenAIError:
 async def _generate(
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
-    prompt: Any,
+    prompts: list[Any],
     max_tokens: int | None,
     chat: bool,
 ) -> Response:
+    """Every prompt's n choices (index: prompt by prompt, then sample), as one response."""
     state = _state(request)
     _check_servable(state, body.model)
-    params = _sampling_params(body, max_tokens if max_tokens is not None else state.max_context)
+    params = _sampling_params(body, max_tokens)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    shape = ResponseShape(chat, request_id, state.model_name)
+    engine = state.aengine.engine
+    shape = ResponseShape(chat, request_id, state.model_name, _speller(engine.tokenizer))
     endpoint = "chat" if chat else "completions"
-    deltas = run_request(state, request, endpoint, prompt, params, request_id)
-    first = await _first_delta(deltas, chat)
+    echo = [
+        _echo_text(engine.tokenizer, prompt) if getattr(body, "echo", False) else ""
+        for prompt in prompts
+    ]
+    total = len(prompts) * params.n
+
+    async def start(index: int) -> _Run:
+        prompt, sample = divmod(index, params.n)
+        one_id = request_id if total == 1 else f"{request_id}-{index}"
+        deltas = run_request(
+            state, request, endpoint, prompts[prompt], params.sample(sample), one_id
+        )
+        try:
+            return _Run(index, await _first_delta(deltas, chat), deltas, echo[prompt])
+        except BaseException:
+            await deltas.aclose()
+            raise
+
+    # Each prompt's first sample, then (its prompt's KV cached by then) the other samples.
+    first_samples = [p * params.n for p in range(len(prompts))]
+    others = [i for i in range(total) if i % params.n]
+    runs: list[_Run] = []
+    for group in (first_samples, others):
+        started = await asyncio.gather(*(start(i) for i in group), return_exceptions=True)
+        runs.extend(r for r in started if isinstance(r, _Run))
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:  # one invalid prompt refuses the whole request: the others end too
+            for run in runs:
+                await run.deltas.aclose()
+            raise failed[0]
+    runs.sort(key=lambda run: run.index)
     if body.stream:
         return SSEResponse(
-            _sse(shape, first, deltas, body.include_usage), headers={"Cache-Control": "no-cache"}
+            _sse(shape, runs, body.include_usage, params.n), headers={"Cache-Control": "no-cache"}
         )
-    return JSONResponse(await _collect(shape, first, deltas))
+    return JSONResponse(await _collect(shape, runs, params.n))
+
+
+def _speller(tokenizer: Any) -> Any:
+    """A token id's text for logprobs ("token_id:N" without a tokenizer, as vLLM spells it)."""
+    if tokenizer is None:
+        return lambda token: f"token_id:{token}"
+    return lambda token: tokenizer.decode([token])
+
+
+def _echo_text(tokenizer: Any, prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "" if tokenizer is None else tokenizer.decode(prompt)
 
 
 @router.post("/v1/completions")
@@ -175,7 +300,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     messages = [message.as_dict() for message in body.messages]
-    return await _generate(request, body, messages, body.max_new_tokens, chat=True)
+    return await _generate(request, body, [messages], body.max_new_tokens, chat=True)
 
 
 @router.get("/v1/models")

@@ -97,16 +97,17 @@ class Engine:
                 "n", f"n={params.n}: submit and stream take one sample; generate() takes n"
             )
         ids = prompt_to_ids(self.tokenizer, prompt)
-        self._validate(ids, params)
-        return self.inbox.add(ids, params, request_id, sink)
+        return self.inbox.add(ids, self._validate(ids, params), request_id, sink)
 
     def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; its slots are freed at the next step."""
         self.inbox.abort(request_id)
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        """The request's parameters as it runs (see `validate_params`); InvalidRequest if the
+        prompt or they do not fit."""
         validate_prompt(ids, self.runtime.vocab_size, self.max_context, self.book.slots.capacity)
-        validate_params(params, len(ids), self.runtime.vocab_size, self.max_context)
+        return validate_params(params, len(ids), self.runtime.vocab_size, self.max_context)
 
     # --- the loop (one thread) ----------------------------------------------------------------
     @property
@@ -526,12 +527,11 @@ class Engine:
                 f"{len(batch_prompts)} prompts; give one, or one per prompt",
             )
         # Validate everything first, so a bad prompt rejects the call before anything runs.
+        prompt_ids = [prompt_to_ids(self.tokenizer, p) for p in batch_prompts]
         checked = [
-            (prompt_to_ids(self.tokenizer, p), to_params(sp))
-            for p, sp in zip(batch_prompts, params, strict=True)
+            (ids, self._validate(ids, to_params(sp)))
+            for ids, sp in zip(prompt_ids, params, strict=True)
         ]
-        for ids, sp in checked:
-            self._validate(ids, sp)
         requests = [
             self.inbox.add(ids, sp.sample(i), None, None)
             for ids, sp in checked

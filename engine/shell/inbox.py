@@ -9,6 +9,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
+
 from engine.errors import InvalidRequest
 from engine.shell.request import Request
 from engine.state import SamplingParams
@@ -37,9 +39,18 @@ def validate_prompt(ids: list[int], vocab_size: int, max_context: int, pool_slot
 
 def validate_params(
     params: SamplingParams, num_prompt: int, vocab_size: int, max_context: int
-) -> None:
-    """Raise InvalidRequest unless the parameters fit this prompt, vocabulary and context."""
+) -> SamplingParams:
+    """The parameters for this prompt (max_tokens None: the room the context leaves); raise
+    InvalidRequest unless they fit the prompt, the vocabulary and the context."""
     room = max_context - num_prompt
+    if params.max_tokens is None:
+        params = attrs.evolve(params, max_tokens=room)
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequest(
+            "min_tokens",
+            f"min_tokens={params.min_tokens} exceeds the {params.max_tokens} tokens the "
+            "context leaves",
+        )
     if params.max_tokens > room:
         raise InvalidRequest(
             "max_tokens",
@@ -55,6 +66,7 @@ def validate_params(
             raise InvalidRequest(
                 field, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
             )
+    return params
 
 
 class Inbox:

@@ -71,7 +71,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: up to the context limit (set at submission)
     min_tokens: int = 0
     stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
@@ -105,10 +105,15 @@ class SamplingParams:
             "top_k", k, is_int(k) and (k == -1 or k >= 1), "-1 (disabled) or an integer >= 1"
         )
         m = self.max_tokens
-        check_field("max_tokens", m, is_int(m) and m >= 1, "an integer >= 1")
+        check_field(
+            "max_tokens", m, m is None or (is_int(m) and m >= 1), "an integer >= 1 (or None)"
+        )
         n = self.min_tokens
         check_field(
-            "min_tokens", n, is_int(n) and 0 <= n <= m, f"an integer in [0, max_tokens={m}]"
+            "min_tokens",
+            n,
+            is_int(n) and 0 <= n <= (m if m is not None else n),
+            f"an integer in [0, max_tokens={m}]",
         )
         check_field(
             "stop",

@@ -268,3 +268,54 @@ def test_a_pick_that_lands_on_a_dead_token_falls_back_to_the_most_likely():
     assert sample_from_probs(probs, torch.tensor([1.0], dtype=torch.float64)).item() == 1
     assert sample_from_probs(probs, torch.tensor([0.5], dtype=torch.float64)).item() == 1
     assert sample_from_probs(probs, torch.tensor([0.95], dtype=torch.float64)).item() == 2
+
+
+# --- bias and penalties (checked on the logits), min_p, logprobs -------------------------------
+def test_logits_edit_applies_bias_then_repetition_then_frequency_and_presence():
+    from engine.model.sampling import LogitsEdit
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    params = SamplingParams(
+        logit_bias={4: 1.5},
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+    )
+    seen = np.array([0, 1, 4])  # prompt and output tokens, once each
+    output = np.array([1, 4, 4])  # token 1 once, token 4 twice
+    edited = LogitsEdit.of([(params, seen, output)]).apply(logits)
+    expected = torch.tensor(
+        [
+            [
+                2.0 / 2,  # seen, positive: divided
+                -1.0 * 2 - (0.5 * 1 + 0.25),  # seen, negative: multiplied; once in the output
+                0.5,  # never seen
+                3.0,
+                (1.0 + 1.5) / 2 - (0.5 * 2 + 0.25),  # biased, then seen, then twice in the output
+            ]
+        ]
+    )
+    torch.testing.assert_close(edited, expected)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]]))  # a new tensor
+    untouched = LogitsEdit.of([(SamplingParams(), seen, output)]).apply(logits)
+    assert torch.equal(untouched, logits)
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = probs_for_verify(
+        logits, torch.tensor([1.0]), torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.25])
+    )
+    # 0.25 * 0.5 = 0.125: 0.05 goes, 0.15 stays
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+
+
+def test_logprobs_are_the_log_softmax_at_the_drawn_token_with_the_top_alternatives():
+    from engine.model.sampling import Logprobs
+
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
+    values = Logprobs.of(logits, torch.tensor([2, 0]), 2)
+    reference = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(values.chosen, reference[[0, 1], [2, 0]])
+    assert values.top_ids.tolist() == [[1, 2], [2, 0]]
+    torch.testing.assert_close(values.top_values, reference.gather(1, values.top_ids))

@@ -64,7 +64,7 @@ def _stream_until_end(
     stream = client.completions.create(
         model=model,
         prompt="Count slowly:",
-        max_tokens=2000,
+        max_tokens=1000,  # the context (1,024) leaves room for 1,021
         stream=True,
         extra_body={"ignore_eos": True},
     )

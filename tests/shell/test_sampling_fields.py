@@ -1,0 +1,147 @@
+"""The sampling fields in the engine (default model, fp32): logprobs against HF's logits, with
+and without speculation; n samples; penalties and biases in decode and verify passes alike;
+seeded sampling with penalties whatever the batch; parameters that do not fit are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_checks import settled
+
+from engine import SamplingParams
+from engine.errors import InvalidRequest
+from engine.model import default_model_path
+
+pytest.importorskip("accelerate")
+
+PROMPT = [{"role": "user", "content": "Repeat after me: the cat sat on the mat, the cat sat."}]
+COPY = "a b c d e f g h a b c d e f g h a b c d e f g h a b c d"
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def _reference_logprobs(hf_model, completion) -> torch.Tensor:
+    """HF's log-softmax at each output position: [len(output), vocab]."""
+    ids = list(completion.prompt_token_ids) + list(completion.token_ids)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    start = len(completion.prompt_token_ids) - 1
+    return torch.log_softmax(logits[start : start + len(completion.token_ids)], dim=-1)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_logprobs_equal_hf_log_softmax(make_engine, hf_model, speculative):
+    engine = make_engine(speculative=speculative, draft_cost=0.1)
+    params = SamplingParams(max_tokens=24, logprobs=3, ignore_eos=True)
+    completions = engine.generate([PROMPT, COPY], params)
+    for completion in completions:
+        reference = _reference_logprobs(hf_model, completion)
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for position, (token, entry) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            assert entry.token_id == token
+            assert abs(entry.logprob - reference[position, token].item()) < 1e-4
+            top_values, top_ids = reference[position].topk(3)
+            assert [t for t, _ in entry.top] == top_ids.tolist()
+            assert (
+                max(abs(v - r) for (_, v), r in zip(entry.top, top_values.tolist(), strict=True))
+                < 1e-4
+            )
+    if speculative:  # the copy prompt's drafts were accepted: their logprobs were checked
+        assert completions[1].speculation.accepted > 0
+    settled(engine)
+
+
+def test_streamed_logprobs_add_up_to_the_completions(default_engine):
+    params = SamplingParams(max_tokens=10, logprobs=1)
+    whole = default_engine.generate([PROMPT], params)[0]
+    deltas = list(default_engine.stream(PROMPT, params))
+    streamed = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token_id for lp in streamed] == list(whole.token_ids)
+    # the second run reads the prompt's KV from the prefix cache: equal up to rounding
+    assert (
+        max(abs(a.logprob - b.logprob) for a, b in zip(streamed, whole.logprobs, strict=True))
+        < 1e-4
+    )
+
+
+def test_n_seeded_samples_are_reproducible_and_differ(default_engine):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=4)
+    first = default_engine.generate([PROMPT], params)
+    again = default_engine.generate([PROMPT], params)
+    assert len(first) == 4
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert len({c.token_ids for c in first}) > 1
+    # sample 0 is the seed's own draw
+    alone = default_engine.generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=1.0, seed=7)
+    )
+    assert alone[0].token_ids == first[0].token_ids
+    with pytest.raises(InvalidRequest, match="n=4"):
+        default_engine.submit(PROMPT, params)
+
+
+PENALTIES = [
+    dict(frequency_penalty=1.2),
+    dict(presence_penalty=2.0),
+    dict(repetition_penalty=1.6),
+    dict(logit_bias=" dog"),  # a bias of 6 on the token " dog"
+]
+
+
+def test_penalties_change_greedy_output_the_same_with_and_without_speculation(make_engine):
+    plain = make_engine()
+    spec = make_engine(speculative=True, draft_cost=0.1)
+    dog = plain.tokenizer.encode(" dog")[0]
+    unpenalized = plain.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    accepted = 0
+    for penalty in PENALTIES:
+        if "logit_bias" in penalty:
+            penalty = dict(logit_bias={dog: 6.0})
+        params = SamplingParams(max_tokens=24, ignore_eos=True, **penalty)
+        want = plain.generate([PROMPT], params)[0]
+        got = spec.generate([PROMPT], params)[0]
+        assert got.token_ids == want.token_ids, penalty
+        assert want.token_ids != unpenalized.token_ids, penalty
+        accepted += got.speculation.accepted
+    assert accepted > 0  # verify passes applied them to accepted drafts too
+    settled(plain)
+    settled(spec)
+
+
+def test_a_strong_bias_decides_every_token(default_engine):
+    token = default_engine.tokenizer.encode(" sea")[0]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logit_bias={token: 100})
+    assert default_engine.generate([PROMPT], params)[0].token_ids == (token,) * 6
+
+
+def test_seeded_sampling_with_penalties_does_not_depend_on_the_batch(default_engine):
+    params = SamplingParams(
+        max_tokens=16, temperature=0.9, seed=11, frequency_penalty=0.7, repetition_penalty=1.2
+    )
+    alone = default_engine.generate([PROMPT], params)[0]
+    others = SamplingParams(max_tokens=20, temperature=1.0, presence_penalty=0.5)
+    batched = default_engine.generate([COPY, PROMPT, "Hello"], [others, params, others])[1]
+    assert batched.token_ids == alone.token_ids
+
+
+def test_max_tokens_none_fills_the_context_and_too_many_are_refused(make_engine):
+    engine = make_engine(max_context=64)
+    ids = engine.tokenizer.encode("Count: one two three")
+    done = engine.generate([ids], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert len(ids) + len(done.token_ids) == 64 and done.finish_reason == "length"
+    with pytest.raises(InvalidRequest, match="leaves room for"):
+        engine.submit(ids, SamplingParams(max_tokens=64 - len(ids) + 1))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        engine.submit(ids, SamplingParams(max_tokens=8, logit_bias={10**7: 1.0}))
+    settled(engine)
