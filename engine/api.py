@@ -1,12 +1,12 @@
 """Asyncio front: the engine loop runs in one background thread; coroutines only submit,
-stream and abort."""
+stream and abort. Submissions not yet admitted can be bounded (`QueueFull` beyond the bound)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.shell.engine import Engine, Prompt
 from engine.shell.request import Completion, Delta
@@ -15,14 +15,28 @@ from engine.state import FinishReason, SamplingParams
 log = logging.getLogger(__name__)
 
 
-class _AsyncSink:
-    """A sink the engine thread puts deltas into; they arrive on the event loop's queue."""
+class QueueFull(Exception):
+    """A submission found `max_waiting` requests already waiting to be admitted."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, max_waiting: int) -> None:
+        super().__init__(f"{max_waiting} requests are already waiting to be admitted")
+        self.max_waiting = max_waiting
+
+
+class _AsyncSink:
+    """A sink the engine thread puts deltas into; they arrive on the event loop's queue.
+    `on_final(sink)` is called (in the engine thread) when the final delta is put."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_final: Callable[[_AsyncSink], None]
+    ) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._on_final = on_final
 
     def put(self, delta: Delta) -> None:
+        if delta.finish_reason is not None:
+            self._on_final(self)
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
         except RuntimeError:  # the consumer's event loop is closed: nobody is left to read
@@ -31,10 +45,20 @@ class _AsyncSink:
 
 
 class AsyncEngine:
-    """Owns the thread that calls `engine.step()`; everything else goes through the inbox."""
+    """Owns the thread that calls `engine.step()`; everything else goes through the inbox.
 
-    def __init__(self, engine: Engine) -> None:
+    With `max_waiting`, a submission is refused (`QueueFull`) while that many of the requests
+    submitted here are not yet admitted: queued in the inbox or waiting in the engine. A request
+    stops counting once admitted (a retracted one, sent back to waiting, does not count again)
+    or finished."""
+
+    def __init__(self, engine: Engine, max_waiting: int | None = None) -> None:
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting}; use an integer >= 1, or None (no bound)")
         self.engine = engine
+        self.max_waiting = max_waiting
+        self._unadmitted: set[_AsyncSink] = set()  # one per request not yet admitted
+        self._unadmitted_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -49,6 +73,11 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_unadmitted(self) -> int:
+        """Requests submitted here and not yet admitted (what `max_waiting` bounds)."""
+        return len(self._unadmitted)
 
     @property
     def healthy(self) -> bool:
@@ -69,7 +98,28 @@ class AsyncEngine:
                 self.engine.health.failed(error)
                 if not self._end_all(FinishReason.ERROR, error):
                     return
+            self._release_admitted()
         self._end_all(FinishReason.ABORT)
+
+    def _release_admitted(self) -> None:
+        """After a step (in the loop thread, which owns the engine's queues): requests the
+        engine has taken from its inbox and no longer holds waiting stop counting."""
+        with self._unadmitted_lock:
+            if not self._unadmitted:
+                return
+            tracked = set(self._unadmitted)
+        waiting = {request.sink for request in self.engine.waiting}
+        admitted = {
+            request.sink
+            for request in self.engine.requests.values()
+            if request.sink in tracked and request.sink not in waiting
+        }
+        with self._unadmitted_lock:
+            self._unadmitted -= admitted
+
+    def _release(self, sink: _AsyncSink) -> None:
+        with self._unadmitted_lock:
+            self._unadmitted.discard(sink)
 
     def _end_all(self, reason: FinishReason, error: BaseException | None = None) -> bool:
         """End every request with `reason`. If that fails too, close their streams with
@@ -89,13 +139,22 @@ class AsyncEngine:
         params: SamplingParams | dict | None = None,
         request_id: str | None = None,
     ) -> tuple[str, _AsyncSink]:
-        """Validate and queue; raises InvalidRequest at once. Call from the event loop."""
+        """Validate and queue; raises InvalidRequest, or QueueFull past `max_waiting`, at
+        once. Call from the event loop."""
         if self._stopping.is_set():
             raise RuntimeError("the engine is shutting down")
         if self._thread is not None and not self._thread.is_alive():
             raise RuntimeError(f"the engine loop stopped after a failure: {self.loop_error}")
-        sink = _AsyncSink(asyncio.get_running_loop())
-        rid = self.engine.submit(prompt, params, request_id=request_id, sink=sink)
+        sink = _AsyncSink(asyncio.get_running_loop(), self._release)
+        with self._unadmitted_lock:  # counted before it is queued: none slips past the bound
+            if self.max_waiting is not None and len(self._unadmitted) >= self.max_waiting:
+                raise QueueFull(self.max_waiting)
+            self._unadmitted.add(sink)
+        try:
+            rid = self.engine.submit(prompt, params, request_id=request_id, sink=sink)
+        except BaseException:
+            self._release(sink)
+            raise
         self._wake.set()
         return rid, sink
 

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.shell.config import EngineConfig
+
+if TYPE_CHECKING:
+    from engine.server.options import ServerOptions
+
+# what the `server` extra installs (and what it pulls in), by top-level module name
+SERVER_EXTRA_MODULES = frozenset(
+    {"fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client"}
+)
 
 
 def _sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -120,16 +129,93 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    _server_options(serve)
     serve.set_defaults(func=cmd_serve)
     return parser
 
 
+def _at_least(minimum: float, kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is below {minimum}")
+        return value
+
+    return parse
+
+
+def _server_options(serve: argparse.ArgumentParser) -> None:
+    """The flags of ServerOptions (importable without the server extra)."""
+    from engine.server.options import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=_at_least(0, int),
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="requests submitted and not yet admitted; past it a request gets HTTP 429 with "
+        f"Retry-After; 0: no bound (default: {DEFAULT_MAX_WAITING_REQUESTS})",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=_at_least(1e-3, float),
+        default=None,
+        metavar="SECONDS",
+        help="a request still running this long after it arrived is aborted: HTTP 408, or an "
+        "error event in a stream that has begun (default: none)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_at_least(1, int),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get HTTP 413 (default: {DEFAULT_MAX_BODY_BYTES})",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="every endpoint but /health then needs 'Authorization: Bearer KEY', else HTTP "
+        "401 (default: the environment variable ENGINE_API_KEY, else none)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default="",
+        metavar="ORIGINS",
+        help="comma-separated origins CORS allows, '*' for any (default: none, no CORS)",
+    )
+    serve.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="one log line per request: id, prompt and completion tokens, TTFT, finish reason",
+    )
+    serve.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="the request log lines also carry the prompt (implies --log-requests)",
+    )
+
+
+def server_options_from(args: argparse.Namespace) -> ServerOptions:
+    """The ServerOptions the flags of `_server_options` give (the API key from the
+    environment variable ENGINE_API_KEY where --api-key is not given)."""
+    from engine.server.options import ServerOptions
+
+    return ServerOptions(
+        max_waiting_requests=args.max_waiting_requests or None,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key or os.environ.get("ENGINE_API_KEY") or None,
+        allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+        log_requests=args.log_requests,
+        log_prompts=args.log_prompts,
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM, then exit 0."""
-    try:
-        from engine.server import serve
-    except ImportError as error:
-        return _missing_server(error)
+    from engine.server import serve
+
     overrides = EngineConfig.overrides_from(args)
     model = overrides.pop("model", None)
     speculative = bool(overrides.pop("speculative", False))
@@ -141,6 +227,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.log_level,
         args.served_model_name,
         _report_listening,
+        server_options_from(args),
         **overrides,
     )
     return 0
@@ -152,6 +239,17 @@ def _report_listening(url: str) -> None:
     print(f"engine serve: listening on {url}", flush=True)
 
 
+def _server_extra_missing() -> ImportError | None:
+    """The ImportError of a module of the server extra, if one is not installed."""
+    try:
+        import engine.server.app  # noqa: F401
+    except ImportError as error:
+        if (error.name or "").split(".")[0] in SERVER_EXTRA_MODULES:
+            return error
+        raise
+    return None
+
+
 def _missing_server(error: ImportError) -> int:
     print(
         f"engine serve needs the server extra (pip install 'engine[server]'): {error}",
@@ -161,6 +259,11 @@ def _missing_server(error: ImportError) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # before parsing: the hint, whatever the arguments
+        missing = _server_extra_missing()
+        if missing is not None:
+            return _missing_server(missing)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

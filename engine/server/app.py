@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import threading
@@ -18,13 +19,16 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from engine.api import AsyncEngine
 from engine.model.loader import DEFAULT_GGUF_NAME
 from engine.server.errors import install_error_handlers
+from engine.server.guards import BodyLimit, RequireAPIKey
 from engine.server.metrics import ServerMetrics
+from engine.server.options import ServerOptions
 from engine.server.routes import router
-from engine.server.runs import ServerState
+from engine.server.runs import ServerState, request_log
 from engine.shell.config import EngineConfig
 from engine.shell.engine import Engine
 
@@ -38,14 +42,18 @@ def model_name_of(config: EngineConfig) -> str:
     return Path(config.model).stem if config.model else Path(DEFAULT_GGUF_NAME).stem
 
 
-def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
+def create_app(
+    engine: Engine, served_model_name: str | None = None, options: ServerOptions | None = None
+) -> FastAPI:
     """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
-    aengine = AsyncEngine(engine)
+    options = options or ServerOptions()
+    aengine = AsyncEngine(engine, max_waiting=options.max_waiting_requests)
     state = ServerState(
         aengine=aengine,
         model_name=served_model_name or model_name_of(engine.config),
         max_context=engine.max_context,
         metrics=ServerMetrics(engine, engine.config.speculative),
+        options=options,
     )
 
     @contextlib.asynccontextmanager
@@ -61,7 +69,23 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.include_router(router)
+    _add_middleware(app, options, state.metrics)
     return app
+
+
+def _add_middleware(app: FastAPI, options: ServerOptions, metrics: ServerMetrics) -> None:
+    """Outermost first: CORS (a browser's preflight carries no key), the API key, the body
+    limit (an unauthorized body is never read)."""
+    app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, metrics=metrics)
+    if options.api_key is not None:
+        app.add_middleware(RequireAPIKey, api_key=options.api_key, metrics=metrics)
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(options.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
 
 
 class GracefulServer(uvicorn.Server):
@@ -140,12 +164,16 @@ def serve(
     log_level: str = "info",
     served_model_name: str | None = None,
     on_listening: Callable[[str], None] | None = None,
+    options: ServerOptions | None = None,
     **engine_overrides: Any,
 ) -> None:
     """`engine serve`: load the model, serve until SIGINT / SIGTERM, then return. Port 0
     listens on a free port; `on_listening(url)` is called with its URL once it accepts."""
+    options = options or ServerOptions()
+    if options.logs_requests:
+        _log_requests_to_stderr()
     engine = Engine(model, speculative=speculative, **engine_overrides)
-    app = create_app(engine, served_model_name)
+    app = create_app(engine, served_model_name, options)
     server = make_server(app, host, port, log_level, on_listening)
     # One socket, bound here: port 0 becomes one port (a host name resolving to several
     # addresses would otherwise get a different free port on each)
@@ -154,6 +182,16 @@ def serve(
         server.run(sockets=[listener])
     finally:
         listener.close()
+
+
+def _log_requests_to_stderr() -> None:
+    """The request log lines on stderr, beside uvicorn's own, whatever `--log-level` says."""
+    if not request_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        request_log.addHandler(handler)
+    request_log.setLevel(logging.INFO)
+    request_log.propagate = False
 
 
 class BackgroundServer:

@@ -142,6 +142,11 @@ class ServerMetrics:
             "Generation requests the server is answering",
             registry=registry,
         )  # reads ServerState.in_flight
+        self.requests_queued = Gauge(
+            "engine_http_requests_queued",
+            "Generation requests submitted and not yet admitted (--max-waiting-requests)",
+            registry=registry,
+        )  # reads AsyncEngine.num_unadmitted
         Gauge(
             "engine_speculative_enabled", "1 when speculative decoding is on", registry=registry
         ).set(1 if speculative else 0)
