@@ -2,6 +2,11 @@
 several client concurrencies, against `engine serve` started here (or an existing --url).
 
     .venv/bin/python benchmarks/bench_server.py --device cpu [--speculative]
+    .venv/bin/python benchmarks/bench_server.py --device cpu --sampling-modes
+
+`--sampling-modes` runs each concurrency three times in one server, sampled at temperature
+0.8: plain, with logprobs (5 alternatives per token), and with frequency, presence and
+repetition penalties, and prints their throughput side by side (ratios to plain).
 """
 
 from __future__ import annotations
@@ -73,23 +78,60 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
     sent_s = time.perf_counter()
     arrivals_s: list[float] = []
     num_tokens = 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    async with client.stream("POST", f"{url}{path}", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            if choice.get("delta", {}).get("content") or choice.get("text"):
                 arrivals_s.append(time.perf_counter())
             if chunk.get("usage"):
                 num_tokens = chunk["usage"]["completion_tokens"]
     if not arrivals_s:
+        if num_tokens and "prompt" in body:  # random weights: tokens without text
+            return RequestTiming(float("nan"), (), num_tokens)
         raise RuntimeError(f"request produced no text: {body}")
     gaps = tuple(np.diff(arrivals_s).tolist())
     return RequestTiming(arrivals_s[0] - sent_s, gaps, num_tokens)
 
 
-def request_body(model: str, workload: str, index: int, max_tokens: int) -> dict:
+SAMPLING_MODES = {  # the fields each --sampling-modes run adds to a request
+    "plain": {"temperature": 0.8},
+    "logprobs": {"temperature": 0.8, "logprobs": True, "top_logprobs": 5},
+    "penalties": {
+        "temperature": 0.8,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.1,
+    },
+}
+
+
+RANDOM_PROMPT_TOKENS = 64  # random weights have no tokenizer: prompts are token ids
+
+
+def request_body(
+    model: str, workload: str, index: int, max_tokens: int, fields: dict | None = None
+) -> dict:
+    if model.startswith("random-"):
+        rng = np.random.default_rng(index)
+        fields = {k: v for k, v in (fields or {}).items() if k != "top_logprobs"} | (
+            {"logprobs": 5} if (fields or {}).get("logprobs") else {}
+        )
+        return {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "prompt": rng.integers(3, 250, RANDOM_PROMPT_TOKENS).tolist(),  # any preset's vocab
+            "seed": index,
+            **fields,
+        }
     return {
         "model": model,
         "max_tokens": max_tokens,
@@ -98,11 +140,19 @@ def request_body(model: str, workload: str, index: int, max_tokens: int) -> dict
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": user_message(workload, index)}],
+        "seed": index,
+        **(fields or {}),
     }
 
 
 async def run_level(
-    url: str, model: str, workload: str, concurrency: int, num_requests: int, max_tokens: int
+    url: str,
+    model: str,
+    workload: str,
+    concurrency: int,
+    num_requests: int,
+    max_tokens: int,
+    fields: dict | None = None,
 ) -> LevelResult:
     """`concurrency` clients share a queue of `num_requests` requests, one at a time each."""
     pending = list(range(num_requests))
@@ -112,7 +162,7 @@ async def run_level(
     async def client_loop(client: httpx.AsyncClient) -> None:
         while pending:
             index = pending.pop()
-            body = request_body(model, workload, index, max_tokens)
+            body = request_body(model, workload, index, max_tokens, fields)
             timings.append(await one_request(client, url, body))
 
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -141,6 +191,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     ]
     if args.model:
         command += ["--model", args.model]
+    if args.random_weights:
+        command += ["--random-weights", args.random_weights]
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline_s = time.monotonic() + args.start_timeout_s
@@ -199,6 +251,42 @@ def print_table(rows: list[dict[str, float]], title: str) -> None:
         )
 
 
+def compare_sampling(url: str, model: str, args: argparse.Namespace) -> None:
+    """Each concurrency in each sampling mode, in turns (plain, logprobs, penalties, plain,
+    ...), best of two rounds per mode; throughput and the ratio to plain."""
+    levels = [int(c) for c in args.concurrency.split(",")]
+    best: dict[tuple[str, int], float] = {}
+    for _ in range(2):
+        for concurrency in levels:
+            for mode, fields in SAMPLING_MODES.items():
+                num_requests = concurrency * args.requests_per_client
+                result = asyncio.run(
+                    run_level(
+                        url,
+                        model,
+                        args.workload,
+                        concurrency,
+                        num_requests,
+                        args.max_tokens,
+                        fields,
+                    )
+                )
+                tok_s = result.row()["tok_per_s"]
+                best[mode, concurrency] = max(best.get((mode, concurrency), 0.0), tok_s)
+    print(
+        f"\n{model} on {args.device} ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cpus), workload {args.workload}, max_tokens={args.max_tokens}, "
+        "temperature 0.8, ignore_eos; output tok/s, best of two rounds"
+    )
+    print("| clients | " + " | ".join(SAMPLING_MODES) + " | logprobs / plain | penalties / plain |")
+    print("|---|" + "---|" * (len(SAMPLING_MODES) + 2))
+    for c in levels:
+        plain = best["plain", c]
+        cells = [f"{best[m, c]:.1f}" for m in SAMPLING_MODES]
+        ratios = [f"{best[m, c] / plain:.2f}x" for m in ("logprobs", "penalties")]
+        print(f"| {c} | " + " | ".join(cells + ratios) + " |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -207,17 +295,30 @@ def main() -> int:
     parser.add_argument("--model", help="model for the server started here; default model if unset")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--speculative", action="store_true", help="serve with n-gram speculation")
+    parser.add_argument(
+        "--random-weights",
+        help="serve random weights of this preset (e.g. llama3_8b): token-id prompts through "
+        "/v1/completions, no text (time to first token is not measured)",
+    )
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--workload", choices=["stories", "copy"], default="stories")
     parser.add_argument("--start-timeout-s", type=float, default=600)
+    parser.add_argument(
+        "--sampling-modes",
+        action="store_true",
+        help="plain sampling against logprobs and penalties, side by side",
+    )
     args = parser.parse_args()
 
     process, url = (None, args.url) if args.url else start_server(args)
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         asyncio.run(run_level(url, model, args.workload, 1, 1, 4))  # warm-up
+        if args.sampling_modes:
+            compare_sampling(url, model, args)
+            return 0
         rows = []
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             result = asyncio.run(
