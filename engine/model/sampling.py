@@ -328,7 +328,7 @@ class LogitsEdit:
         flat = [
             np.concatenate(p) if p else np.zeros(0, dtype=np.float64) for p in parts
         ]  # 3 x (rows, tokens, values), as float64: one copy holds every id exactly
-        packed = torch.from_numpy(np.concatenate(flat).astype(np.float64)).to(device)
+        packed = host_to_device(np.concatenate(flat).astype(np.float64), device)
         pieces = list(packed.split([n for n in sizes for _ in range(3)]))
         triples = [
             (pieces[i].long(), pieces[i + 1].long(), pieces[i + 2].float()) for i in (0, 3, 6)
@@ -349,6 +349,15 @@ class LogitsEdit:
         if rows.numel():
             out.index_put_((rows, tokens), values, accumulate=True)
         return out
+
+
+def host_to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """`array` on `device`. To a GPU through pinned memory, asynchronously: a copy from
+    pageable memory would first wait for every kernel queued (the pass these values follow)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _append(parts: list[list[np.ndarray]], row: int, tokens: np.ndarray, values: np.ndarray):
