@@ -1,4 +1,5 @@
-"""Command line: `engine generate`, `engine bench`, `engine serve` (help from EngineConfig)."""
+"""Command line: `engine generate`, `engine bench`, `engine serve` (help from EngineConfig),
+`engine replay`."""
 
 from __future__ import annotations
 
@@ -97,6 +98,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from engine.shell.replay import Mismatch, TraceError, replay_file
+
+    try:
+        report = replay_file(args.trace)
+    except (OSError, TraceError) as error:
+        print(f"engine replay: {error}", file=sys.stderr)
+        return 2
+    except Mismatch as mismatch:
+        print(mismatch)
+        return 1
+    print(f"replayed {report.steps} steps, all effects equal ({report.seconds:.3f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _server_options(serve)
     serve.set_defaults(func=cmd_serve)
+    replay = sub.add_parser(
+        "replay",
+        help="run a trace's transitions again (no model, no device), checking every "
+        "invariant and effect; prints the first step that differs",
+    )
+    replay.add_argument("trace", help="a file written with --trace")
+    replay.set_defaults(func=cmd_replay)
     return parser
 
 

@@ -12,6 +12,7 @@ pool (`state.abandon`). Nothing here decides *whether* to plan: that is the engi
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import numpy as np
 
@@ -22,8 +23,12 @@ from engine.state import Running
 
 
 class PlanAhead:
-    def __init__(self, book: KVBook, runner: ModelRunner, stats: collections.Counter) -> None:
-        self.book, self.runner, self.stats = book, runner, stats
+    """`machine`: what the transitions are called on (`engine.state`, or a trace recorder)."""
+
+    def __init__(
+        self, book: KVBook, runner: ModelRunner, stats: collections.Counter, machine: Any = state
+    ) -> None:
+        self.book, self.runner, self.stats, self.machine = book, runner, stats, machine
         self.prepared: Prepared | None = None
 
     @property
@@ -39,15 +44,15 @@ class PlanAhead:
     def plan(self, batch: state.Batch) -> bool:
         """Plan the pass after decode pass `batch` (which is running). Returns whether
         `batch`'s table writes were applied (False: the pool had no room; nothing done)."""
-        following = state.assume_decoded(batch)
+        following = self.machine.assume_decoded(batch)
         if self.book.num_available < len(following):
             return False
-        self.book.apply(state.decode_writes(batch))
-        nxt = state.schedule_decode(following, self.book.alloc(len(following)))
+        self.book.apply(self.machine.decode_writes(batch))
+        nxt = self.machine.schedule_decode(following, self.book.alloc(len(following)))
         try:
             self.prepared = self.runner.prepare(nxt)
         except BaseException:
-            self.book.apply(state.abandon(nxt))
+            self.book.apply(self.machine.abandon(nxt))
             raise
         return True
 
@@ -68,6 +73,6 @@ class PlanAhead:
     def drop(self) -> None:
         """Give the plan's slots back (requests came or left, or the engine is stopping)."""
         if self.prepared is not None:
-            self.book.apply(state.abandon(self.prepared.batch))
+            self.book.apply(self.machine.abandon(self.prepared.batch))
             self.prepared = None
             self.stats["plans_ahead_dropped"] += 1

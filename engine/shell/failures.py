@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -49,11 +50,12 @@ class OpenPass:
     table_written: bool = False
     committed: bool = False
 
-    def abandon(self) -> state.Effects | None:
-        """The effects that give the pass's slots back, or None once it is committed."""
+    def abandon(self, machine: Any = state) -> state.Effects | None:
+        """The effects that give the pass's slots back, or None once it is committed.
+        `machine`: what the transition is called on (`engine.state`, or a trace recorder)."""
         if self.committed:
             return None
-        return state.abandon(self.batch, written=self.table_written)
+        return machine.abandon(self.batch, written=self.table_written)
 
 
 @attrs.define

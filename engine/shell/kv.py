@@ -134,6 +134,8 @@ class KVBook:
         self.cache = RadixCache() if prefix_cache else None
         self.evicted_slots = 0  # slots evicted from the cache, since start
         self.evictions = 0  # evictions that freed slots
+        # told of every Effects before it is applied (a trace records them: shell/trace.py)
+        self.on_apply: Callable[[Effects], None] | None = None
 
     # --- slots ------------------------------------------------------------------------------
     @property
@@ -183,6 +185,8 @@ class KVBook:
         already applied (the engine applies a decode pass's writes early, `decode_writes`);
         with ENGINE_DEBUG that is checked rather than assumed. `history` gives the tokens of
         the requests whose KV enters the prefix cache."""
+        if self.on_apply is not None:
+            self.on_apply(effects)
         if not table_written:
             self.table.write(effects.table_rows, effects.table_cols, effects.table_slots)
         elif DEBUG and not np.array_equal(

@@ -1,0 +1,204 @@
+"""Scheduler traces: a real CPU run (tiny random model) with speculation, aborts, retractions,
+evictions, prefix reuse and failed passes is recorded and replays clean; a trace edited at
+one step fails at that step, naming it; `engine replay` prints either."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_checks import tiny
+
+from engine.cli import main
+from engine.shell.config import EngineConfig
+from engine.shell.failures import Faults
+from engine.shell.replay import Mismatch, TraceError, replay_file
+
+
+def family(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 250, size=length).tolist()
+
+
+def record(path: Path, **overrides) -> float:
+    """A busy run written to `path`: two prompt families sharing prefixes, copy-heavy
+    prompts (drafts match), a pool small enough to evict and retract, an abort, a stop
+    token, and (by default) a failed forward and a failed commit. Returns its seconds."""
+    settings = dict(
+        trace_path=str(path),
+        speculative=True,
+        kv_cache_slots=240,
+        chunk_size=24,
+        max_running_requests=6,
+    )
+    engine = tiny(**(settings | overrides))
+    engine.faults = Faults.at(forward=[50], commit=[35])
+    system = family(1, 40)
+    prompts = [system + family(10 + i, 4 + i) for i in range(4)]
+    prompts += [family(20 + i, 6) * 4 for i in range(4)]  # repeats: drafts are accepted
+    started = time.perf_counter()
+    ids = [
+        engine.submit(p, dict(max_tokens=40 + 8 * (i % 3), ignore_eos=i % 2 == 0))
+        for i, p in enumerate(prompts)
+    ]
+    for step in range(2000):
+        if not engine.has_work:
+            break
+        if step == 10:
+            engine.abort(ids[0])
+        if step == 12:  # a follow-up that matches a finished request's prompt and output
+            engine.submit(prompts[0] + family(99, 3), dict(max_tokens=8))
+        engine.step()
+        engine.check()
+    assert not engine.has_work
+    return time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> tuple[Path, float]:
+    path = tmp_path_factory.mktemp("trace") / "run.jsonl"
+    return path, record(path)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()[1:]]
+
+
+def write(path: Path, header: str, edited: list[dict]) -> None:
+    path.write_text(header + "".join(json.dumps(r) + "\n" for r in edited))
+
+
+def test_a_recorded_run_replays_clean_and_faster(trace):
+    path, seconds = trace
+    ops = [r["op"] for r in records(path)]
+    # the run went through every kind of step
+    for op in (
+        "admit",
+        "share",
+        "schedule_extend",
+        "extend",
+        "schedule_decode",
+        "decode",
+        "decode_writes",
+        "assume_decoded",
+        "schedule_verify",
+        "verify",
+        "retract",
+        "finish",
+        "abandon",
+    ):
+        assert op in ops, op
+    all_records = records(path)
+    assert any(sum(r["prefix_lens"]) for r in all_records if r["op"] == "admit")
+    assert any(r.get("evicted") for r in all_records)
+    assert any(r["reason"] == "ABORT" for r in all_records if r["op"] == "finish")
+    assert any(r.get("applied") is False for r in all_records)  # the failed commit
+    assert any(sum(r["accepted_lens"]) for r in all_records if r["op"] == "verify")
+    report = replay_file(str(path))
+    assert report.steps == len(all_records)
+    print(
+        f"\nrecorded in {seconds:.3f} s, replayed {report.steps} steps in "
+        f"{report.seconds:.3f} s: {seconds / report.seconds:.1f}x"
+    )
+
+
+def edited_at(path: Path, tmp_path: Path, op: str, edit) -> tuple[int, Path]:
+    """The trace with the first `op` record that `edit` changes (edit returns True) edited."""
+    lines = path.read_text().splitlines(keepends=True)
+    out = list(records(path))
+    for record_ in out:
+        if record_["op"] == op and edit(record_):
+            target = tmp_path / "edited.jsonl"
+            write(target, lines[0], out)
+            return record_["step"], target
+    raise AssertionError(f"no {op} record to edit")
+
+
+def test_one_accepted_length_edited_fails_at_that_step(trace, tmp_path):
+    def shorten(record_) -> bool:
+        lens = record_["accepted_lens"]
+        if not any(lens):
+            return False
+        i = next(i for i, n in enumerate(lens) if n)
+        lens[i] -= 1  # one accepted draft fewer for request i (its node list cut to match)
+        del record_["accepted_nodes"][sum(lens[: i + 1])]
+        return True
+
+    step, edited = edited_at(trace[0], tmp_path, "verify", shorten)
+    with pytest.raises(Mismatch) as caught:
+        replay_file(str(edited))
+    assert caught.value.step == step and caught.value.op == "verify"
+    assert f"step {step} (verify)" in str(caught.value)
+    assert "recorded:" in str(caught.value) and "replayed:" in str(caught.value)
+
+
+def test_an_inconsistent_accepted_length_fails_at_that_step(trace, tmp_path):
+    def grow(record_) -> bool:
+        record_["accepted_lens"][0] += 1  # more accepted than nodes given
+        return True
+
+    step, edited = edited_at(trace[0], tmp_path, "verify", grow)
+    with pytest.raises(Mismatch, match=rf"step {step} \(verify\): the replayed transition raised"):
+        replay_file(str(edited))
+
+
+def test_one_slot_edited_fails_at_that_step(trace, tmp_path):
+    def move(record_) -> bool:
+        if "slots" not in record_ or not record_["slots"]:
+            return False
+        record_["slots"][-1] += 1000
+        return True
+
+    step, edited = edited_at(trace[0], tmp_path, "schedule_decode", move)
+    with pytest.raises(Mismatch) as caught:
+        replay_file(str(edited))
+    assert (caught.value.step, caught.value.what) == (step, "slots handed out differ")
+
+
+def test_one_effect_slot_edited_fails_at_that_step(trace, tmp_path):
+    def move(record_) -> bool:
+        slots = record_["out"]["effects"].get("table_slots")
+        if not slots:
+            return False
+        slots[0] += 1
+        return True
+
+    step, edited = edited_at(trace[0], tmp_path, "decode", move)
+    with pytest.raises(Mismatch) as caught:
+        replay_file(str(edited))
+    assert (caught.value.step, caught.value.what) == (step, "effects.table_slots differs")
+
+
+def test_token_ids_are_pseudonyms_unless_asked(tmp_path):
+    prompt = family(5, 12)
+    for asked in (False, True):
+        path = tmp_path / f"tokens-{asked}.jsonl"
+        engine = tiny(trace_path=str(path), trace_tokens=asked)
+        engine.generate([prompt], dict(max_tokens=4))
+        admitted = next(r for r in records(path) if r["op"] == "admit")
+        assert (admitted["tokens"][0] == prompt) is asked
+        assert replay_file(str(path)).steps == len(records(path))
+
+
+def test_engine_replay_prints_the_verdict(trace, tmp_path, capsys):
+    path, _ = trace
+    assert main(["replay", str(path)]) == 0
+    assert f"replayed {len(records(path))} steps, all effects equal" in capsys.readouterr().out
+    step, edited = edited_at(path, tmp_path, "decode", lambda r: r["sampled"].append(7) or True)
+    assert main(["replay", str(edited)]) == 1
+    assert capsys.readouterr().out.startswith(f"step {step} (decode): ")
+    (tmp_path / "not.jsonl").write_text("{}\n")
+    with pytest.raises(TraceError):
+        replay_file(str(tmp_path / "not.jsonl"))
+    assert main(["replay", str(tmp_path / "not.jsonl")]) == 2
+
+
+def test_the_trace_flag_has_a_short_form():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_arguments(parser)
+    args = parser.parse_args(["--trace", "run.jsonl", "--trace-tokens"])
+    assert EngineConfig.overrides_from(args) == dict(trace_path="run.jsonl", trace_tokens=True)
