@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv gpu lint clean
+.PHONY: demo test venv gpu lint docs clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+docs: $(STAMP)
+	$(PY) scripts/api_docs.py
 
 gpu:
 	bash scripts/gpu_suite.sh

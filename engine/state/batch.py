@@ -25,6 +25,9 @@ MAX_TREE_NODES = 63  # ancestor masks are int64 bit sets
 
 
 class Mode(enum.Enum):
+    """What a pass computes, derived from its counts (`Batch.mode`): nothing; prompt chunks
+    (and, in a mixed pass, pending decode tokens); one pending token per request; draft trees."""
+
     IDLE = "idle"
     EXTEND = "extend"
     DECODE = "decode"

@@ -114,6 +114,8 @@ class Effects:
 
 @attrs.frozen(eq=False)
 class Result:
+    """What a transition returns: the next snapshot, and the effects the shell applies."""
+
     running: Running
     effects: Effects
 
@@ -435,6 +437,7 @@ def finish(running: Running, indices: Sequence[int] | np.ndarray, reason: Finish
 
 
 def abort(running: Running, indices: Sequence[int] | np.ndarray) -> Result:
+    """`finish(running, indices, FinishReason.ABORT)`: the client went away."""
     return finish(running, indices, FinishReason.ABORT)
 
 
@@ -455,6 +458,7 @@ def abandon(batch: Batch, written: bool = False) -> Effects:
 
 
 def merge(first: Running, second: Running) -> Running:
+    """`first` followed by `second` (`Running.merge`): a pass's requests rejoin the others."""
     return first.merge(second)
 
 
