@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
@@ -193,6 +194,7 @@ class Recorder:
         self._pending: tuple[dict[str, Any], Effects] | None = None
         self._evicted = book.evicted_slots
         book.on_apply = self._applied
+        weakref.finalize(self, out.close)  # closed with the engine (each line is flushed)
         self._write(header)
 
     def close(self) -> None:

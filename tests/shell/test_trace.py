@@ -104,6 +104,21 @@ def test_a_recorded_run_replays_clean_and_faster(trace):
     )
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(prefix_cache=False),
+        dict(mixed_passes=False, plan_ahead=False),
+        dict(speculative=False, kv_cache_slots=120),
+    ],
+    ids=["no-prefix-cache", "extend-only-no-plan", "plain-decode"],
+)
+def test_other_settings_replay_clean(tmp_path, variant):
+    path = tmp_path / "run.jsonl"
+    record(path, **variant)
+    assert replay_file(str(path)).steps == len(records(path))
+
+
 def edited_at(path: Path, tmp_path: Path, op: str, edit) -> tuple[int, Path]:
     """The trace with the first `op` record that `edit` changes (edit returns True) edited."""
     lines = path.read_text().splitlines(keepends=True)
