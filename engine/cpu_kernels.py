@@ -65,8 +65,8 @@ SIGNATURES = {  # name -> argument types; each kernel takes a thread count last
     "cpu_rope_qkv_store": (_P, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "cpu_silu_mul": (_P, _I, _I, _P, _I),
     "cpu_decoder_layer": (_P, _P, _I, _P, ctypes.c_float, _P, ctypes.c_float, _P, _P, _P, _I,
-                          _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P,
-                          _P, _I),
+                          _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float,
+                          _P, _P, _P, ctypes.c_float, _P, _P, _I),
 }
 # fmt: on
 

@@ -1,5 +1,7 @@
-"""The Llama-family model, its weight loading, tokenizer and sampling."""
+"""The model (one decoder for every family), its families, weight loading, tokenizer and
+sampling."""
 
+from engine.model import families
 from engine.model.config import ModelConfig, ModelConfigError
 from engine.model.llama import LlamaModel
 from engine.model.loader import (
@@ -13,6 +15,7 @@ from engine.model.sampling import SamplingTensors, probs_for_verify, sample, see
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
+    "families",
     "ModelConfig",
     "ModelConfigError",
     "LlamaModel",

@@ -1,6 +1,7 @@
-"""The shape and constants of a Llama-family model, as one frozen value.
+"""The shape and constants of a decoder-only model, as one frozen value.
 
-Built from an HF config.json dict, from GGUF metadata, or from a preset.
+The families (`engine.model.families`) build it from an HF config.json or GGUF metadata; the
+presets here build it for random weights.
 """
 
 from __future__ import annotations
@@ -10,8 +11,14 @@ from typing import Any
 
 import attrs
 
-ROPE_SCALING_TYPES = ("linear", "llama3")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+# the keys each scaling type needs; yarn also takes beta_fast, beta_slow, attention_factor,
+# mscale, mscale_all_dim and truncate (HF's defaults where absent)
+_ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
 
 
 class ModelConfigError(ValueError):
@@ -21,6 +28,11 @@ class ModelConfigError(ValueError):
 def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ModelConfigError(f"{attribute.name}={value!r}; it must be an integer >= 1")
+
+
+def _positive_or_none(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None:
+        _positive(instance, attribute, value)
 
 
 def _rope_scaling(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -35,19 +47,20 @@ def _rope_scaling(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
         return None
     if kind not in ROPE_SCALING_TYPES:
         raise ModelConfigError(
-            f"rope scaling type {kind!r} is not supported; supported: "
+            f"rope_scaling type {kind!r} is not supported; supported: "
             f"{list(ROPE_SCALING_TYPES)} or none"
         )
-    needed = _LLAMA3_KEYS if kind == "llama3" else ("factor",)
-    missing = [key for key in needed if key not in scaling]
+    needed = _ROPE_SCALING_KEYS[kind]
+    missing = [key for key in needed if scaling.get(key) is None]
     if missing:
-        raise ModelConfigError(f"{kind} rope scaling needs {list(needed)}; missing {missing}")
+        raise ModelConfigError(f"{kind} rope_scaling needs {list(needed)}; missing {missing}")
     return {"rope_type": kind, **scaling}
 
 
 @attrs.frozen
 class ModelConfig:
-    """A decoder-only Llama: RMSNorm, RoPE, GQA attention, SwiGLU MLP."""
+    """A decoder-only transformer of Llama's shape: RMSNorm, RoPE, GQA attention, SwiGLU MLP,
+    with the options the families add (q/k/v biases, per-head q/k norms)."""
 
     vocab_size: int = attrs.field(validator=_positive)
     hidden_size: int = attrs.field(validator=_positive)
@@ -63,6 +76,14 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    # the family (`engine.model.families`): how checkpoints name the weights; the model itself
+    # reads only the options below
+    architecture: str = "llama"
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    # attention window of the checkpoint (None: full); the engine has no sliding-window
+    # attention, so it serves such a model only with a context within the window
+    sliding_window: int | None = attrs.field(default=None, validator=_positive_or_none)
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -87,81 +108,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    # --- constructors ---------------------------------------------------------------------
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
-        """From the dict of an HF config.json (transformers 4 or 5 spelling)."""
-        model_type = hf.get("model_type", "llama")
-        if model_type != "llama":
-            raise ModelConfigError(f"model_type {model_type!r} is not supported; only 'llama'")
-        num_heads = hf["num_attention_heads"]
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling")
-        theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-        eos = hf.get("eos_token_id")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=rope,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=() if eos is None else (eos if isinstance(eos, list) else [eos]),
-        )
-
-    @classmethod
-    def from_gguf(
-        cls,
-        meta: Mapping[str, Any],
-        vocab_size: int | None = None,
-        tie_word_embeddings: bool = True,
-    ) -> ModelConfig:
-        """From GGUF key/value metadata (`llama.*`, `tokenizer.ggml.*`). `vocab_size` falls back
-        to the token list's length; ties follow from whether `output.weight` exists."""
-        arch = meta.get("general.architecture")
-        if arch != "llama":
-            raise ModelConfigError(f"GGUF architecture {arch!r} is not supported; only 'llama'")
-
-        def get(key: str, default: Any = None) -> Any:
-            return meta.get(f"llama.{key}", default)
-
-        hidden = get("embedding_length")
-        num_heads = get("attention.head_count")
-        vocab = get("vocab_size") or vocab_size
-        if hidden is None or num_heads is None or vocab is None:
+    def check_context(self, max_context: int) -> None:
+        """Refuse a context longer than the sliding window: attention over it would differ
+        from the checkpoint's (the engine attends to the whole context)."""
+        if self.sliding_window is not None and self.sliding_window < max_context:
             raise ModelConfigError(
-                "GGUF metadata lacks llama.embedding_length, "
-                "llama.attention.head_count or a vocabulary size"
+                f"sliding_window={self.sliding_window} is smaller than "
+                f"max_context={max_context}; the engine has no sliding-window attention: "
+                f"serve this model with max_context <= {self.sliding_window}"
             )
-        scaling = None
-        kind = get("rope.scaling.type", "none")
-        if kind == "linear":
-            scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-        elif kind not in ("none", None):
-            raise ModelConfigError(f"GGUF rope scaling {kind!r} is not supported; only linear")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            vocab_size=int(vocab),
-            hidden_size=int(hidden),
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=int(num_heads),
-            num_kv_heads=int(get("attention.head_count_kv") or num_heads),
-            head_dim=int(get("rope.dimension_count") or hidden // num_heads),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(get("context_length", 2048)),
-            tie_word_embeddings=tie_word_embeddings,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
-        )
 
     # --- presets --------------------------------------------------------------------------
     @classmethod
@@ -181,6 +136,48 @@ class ModelConfig:
             tie_word_embeddings=False,
             bos_token_id=128000,
             eos_token_ids=(128001, 128009),
+        )
+
+    @classmethod
+    def qwen3_8b(cls) -> ModelConfig:
+        """Qwen3-8B's shape (per-head q/k norms; for GPU benchmarks with random weights)."""
+        return cls(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_layers=36,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_ids=(151645,),
+            architecture="qwen3",
+            qk_norm=True,
+        )
+
+    @classmethod
+    def qwen2_7b(cls) -> ModelConfig:
+        """Qwen2.5-7B-Instruct's shape (q/k/v biases; for GPU benchmarks with random weights)."""
+        return cls(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_layers=28,
+            num_heads=28,
+            num_kv_heads=4,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=32768,
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_ids=(151645,),
+            architecture="qwen2",
+            qkv_bias=True,
         )
 
     @classmethod
@@ -223,27 +220,3 @@ class ModelConfig:
         )
         fields.update(overrides)
         return cls(**fields)
-
-    def to_hf(self) -> dict[str, Any]:
-        """The HF config.json dict for this config (used to write checkpoints)."""
-        eos = list(self.eos_token_ids)
-        hf = {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos[0] if len(eos) == 1 else eos,
-        }
-        return hf

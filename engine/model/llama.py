@@ -1,4 +1,5 @@
-"""The Llama family in torch; attention goes only through an `AttentionBackend`.
+"""The decoder every family runs on (Llama's layout, with the options of Qwen2 and Qwen3) in
+torch; attention goes only through an `AttentionBackend`.
 
 Tokens are flat ([T] ids, [T] positions): the batch layout lives in the backend's metadata.
 The forward has no host sync and no branch on tensor values, so CUDA graphs can capture it.
@@ -8,7 +9,6 @@ reference, the CPU kernels or Triton), chosen by name: the model imports no op s
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -18,30 +18,9 @@ from torch import nn
 from engine import ops as op_sets
 from engine.backends.base import AttentionBackend, ForwardMetadata
 from engine.model.config import ModelConfig
+from engine.model.rope import rope_attention_factor, rope_inv_freq
 from engine.ops.blockq import BlockWeight, linear
 from engine.ops.reference import rms_norm
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] fp32 inverse frequencies, with linear or llama3 scaling applied
-    (the same arithmetic as HF transformers, so fp32 results agree)."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_context = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class RMSNorm(nn.Module):
@@ -68,7 +47,8 @@ def _weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> n
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections."""
+    """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections; `qkv_bias`
+    (Qwen2) and the per-head `q_norm` / `k_norm` (Qwen3) are None where the config has none."""
 
     def __init__(
         self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device
@@ -81,6 +61,22 @@ class DecoderLayer(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
         self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, hidden, dtype, device)
+        self.qkv_bias = (
+            nn.Parameter(
+                torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype, device=device),
+                requires_grad=False,
+            )
+            if config.qkv_bias
+            else None
+        )
+        self.q_norm, self.k_norm = (
+            (
+                RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device),
+                RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device),
+            )
+            if config.qk_norm
+            else (None, None)
+        )
         self.o_proj = _weight(hidden, self.q_size, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
         self.gate_up_proj = _weight(2 * inter, hidden, dtype, device)
@@ -109,7 +105,7 @@ class DecoderLayer(nn.Module):
             normed, residual = ops.rms_norm(hidden, norm.weight, norm.eps), hidden
         else:
             normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        qkv = ops.linear(normed, self.qkv_proj)
+        qkv = self.project_qkv(normed, ops)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = backend.pool.k_cache[self.index], backend.pool.v_cache[self.index]
         stored = ops.stores_kv  # the kernel casts K/V to the cache dtype, as the backends do
@@ -127,6 +123,20 @@ class DecoderLayer(nn.Module):
         normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         gate_up = ops.linear(normed, self.gate_up_proj)
         return ops.linear(ops.silu_mul(gate_up), self.down_proj), residual
+
+    def project_qkv(self, normed: torch.Tensor, ops: Any) -> torch.Tensor:
+        """[T, q + 2 kv]: the q, k, v projections, biased and their heads normed where the
+        config says, ready for RoPE."""
+        qkv = ops.linear(normed, self.qkv_proj)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        if self.q_norm is None or self.k_norm is None:
+            return qkv
+        num_tokens, dim = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = ops.rms_norm(q.reshape(-1, dim), self.q_norm.weight, self.q_norm.eps)
+        k = ops.rms_norm(k.reshape(-1, dim), self.k_norm.weight, self.k_norm.eps)
+        return torch.cat((q.view(num_tokens, -1), k.view(num_tokens, -1), v), dim=-1)
 
 
 class LlamaModel(nn.Module):
@@ -158,13 +168,17 @@ class LlamaModel(nn.Module):
             else _weight(config.vocab_size, config.hidden_size, dtype, device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+        self.rope_scale = rope_attention_factor(config)  # yarn scales cos and sin
         self.block_weights: dict[str, BlockWeight] = {}  # see use_block_weights
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, head_dim] in the model dtype, computed in fp32 as HF does."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def forward(
         self,
@@ -213,7 +227,7 @@ class LlamaModel(nn.Module):
         Drawn on the model's device (fast for an 8B model on GPU)."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
         for name, param in self.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):  # every RMSNorm: layers', q/k heads', final
                 param.fill_(1.0)
             else:  # drawn in row-major order whatever the layout (see `_weight`)
                 drawn = (

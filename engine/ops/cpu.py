@@ -1,4 +1,4 @@
-"""The CPU's fused op set for a Llama layer (fp32, AVX-512 kernels in `engine/csrc/ops.cpp`):
+"""The CPU's fused op set for a decoder layer (fp32, AVX-512 kernels in `engine/csrc/ops.cpp`):
 the same functions as `engine.ops.triton` (Triton, CUDA) and `TorchOps` (the reference), one
 kernel call each where torch runs several ops. Matrix products go through `blockq.linear`
 (the block kernel for GGUF block weights, F.linear otherwise)."""
@@ -128,7 +128,8 @@ def decoder_layer(
     """`DecoderLayer.forward` in one kernel call (`engine/csrc/layer.cpp`: the same kernels
     in the same order as the per-op path) when the pass's attention is the backend's CPU
     kernel (decode, verify) and the layer's four matrices are block weights; None otherwise,
-    and the layer runs op by op."""
+    and the layer runs op by op. A q/k/v bias (Qwen2) and q/k head norms (Qwen3) run inside
+    the call too."""
     weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     if not all(isinstance(w, BlockWeight) for w in weights):
         return None
@@ -140,6 +141,7 @@ def decoder_layer(
     check_norm(hidden, residual, width)
     norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
     descriptors = _descriptors(layer, weights, (norm_in.weight, norm_post.weight))
+    bias, q_norm, k_norm, eps_qk = _qkv_extras(layer)
     check_rope_tables(hidden, cos, sin, layer.head_dim // 2)  # [tokens, >= half] each
     slots = metadata.out_slots
     if slots.dtype != torch.int64 or tuple(slots.shape) != (tokens,):
@@ -174,11 +176,39 @@ def decoder_layer(
         layer.num_kv_heads,
         layer.head_dim,
         layer.head_dim**-0.5,
+        bias,
+        q_norm,
+        k_norm,
+        eps_qk,
         out.data_ptr(),
         residual_out.data_ptr(),
         torch.get_num_threads(),
     )
     return out, residual_out
+
+
+def _qkv_extras(layer) -> tuple[int | None, int | None, int | None, float]:
+    """Pointers to the layer's q/k/v bias and q/k head norm weights (None: it has none), and
+    the norms' eps."""
+    bias = _vector("qkv_bias", layer.qkv_bias, layer.q_size + 2 * layer.kv_size)
+    if layer.q_norm is None or layer.k_norm is None:
+        return bias, None, None, 0.0
+    q_norm = _vector("q_norm.weight", layer.q_norm.weight, layer.head_dim)
+    k_norm = _vector("k_norm.weight", layer.k_norm.weight, layer.head_dim)
+    return bias, q_norm, k_norm, layer.q_norm.eps
+
+
+def _vector(name: str, tensor: torch.Tensor | None, size: int) -> int | None:
+    """The address of a weight vector the kernel reads `size` floats from, checked."""
+    if tensor is None:
+        return None
+    _fp32(**{name: tensor})
+    if tuple(tensor.shape) != (size,) or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous [{size}] (the kernel reads {size} floats from it); "
+            f"got {tuple(tensor.shape)}"
+        )
+    return tensor.data_ptr()
 
 
 _LAYER_DESCRIPTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

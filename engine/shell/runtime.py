@@ -125,6 +125,8 @@ def build_runtime(config: EngineConfig) -> Runtime:
     if config.random_weights:
         presets = {
             "llama3_8b": ModelConfig.llama3_8b,
+            "qwen2_7b": ModelConfig.qwen2_7b,
+            "qwen3_8b": ModelConfig.qwen3_8b,
             "smollm2_135m": ModelConfig.smollm2_135m,
             "tiny": ModelConfig.tiny,
         }
@@ -141,6 +143,7 @@ def build_runtime(config: EngineConfig) -> Runtime:
     max_context = config.max_context or min(
         model_config.max_position_embeddings, DEFAULT_MAX_CONTEXT
     )
+    model_config.check_context(max_context)  # a sliding window shorter than it is refused
     slots = config.kv_cache_slots or _slots_from_budget(config, model_config, dtype, device)
     return Runtime(
         config, device, dtype, model, model_config, tokenizer, max_context, slots, backend

@@ -15,6 +15,7 @@ from engine.model import (
     ModelLoadError,
     ModelNotFoundError,
     default_model_path,
+    families,
     load_model,
     loader,
     save_hf_checkpoint,
@@ -88,8 +89,14 @@ def test_gguf_names_map_to_hf():
     assert gguf_to_hf_name("blk.0.ffn_norm.weight") == (
         "model.layers.0.post_attention_layernorm.weight"
     )
-    with pytest.raises(ModelLoadError, match="unexpected GGUF tensor"):
-        gguf_to_hf_name("blk.0.attn_q.bias")
+    with pytest.raises(ModelLoadError, match="unexpected GGUF tensor 'blk.0.attn_q.bias'"):
+        gguf_to_hf_name("blk.0.attn_q.bias")  # a llama has no q bias; a qwen2 has
+    qwen2 = families.FAMILIES["qwen2"]
+    assert gguf_to_hf_name("blk.0.attn_q.bias", qwen2) == "model.layers.0.self_attn.q_proj.bias"
+    qwen3 = families.FAMILIES["qwen3"]
+    assert gguf_to_hf_name("blk.1.attn_k_norm.weight", qwen3) == (
+        "model.layers.1.self_attn.k_norm.weight"
+    )
 
 
 def test_default_model_is_found_without_importing_it():
@@ -115,7 +122,7 @@ def test_missing_and_broken_paths_raise_clear_errors(tmp_path):
         load_model(broken)
     empty_dir = tmp_path / "ckpt"
     empty_dir.mkdir()
-    (empty_dir / "config.json").write_text(json.dumps(ModelConfig.tiny().to_hf()))
+    (empty_dir / "config.json").write_text(json.dumps(families.to_hf(ModelConfig.tiny())))
     with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
         load_model(empty_dir)
 
