@@ -149,7 +149,7 @@ class EngineConfig:
     random_weights: str | None = _field(
         None,
         "use random weights of this preset shape "
-        "('llama3_8b', 'smollm2_135m', 'tiny') instead of "
+        "('llama3_8b', 'qwen3_8b', 'qwen2_7b', 'smollm2_135m', 'tiny') instead of "
         "loading a model",
     )
 
