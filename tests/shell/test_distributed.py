@@ -69,3 +69,40 @@ def test_the_group_config_refuses_what_it_cannot_run():
         GroupConfig(0, "gloo", "file:///tmp/x")
     with pytest.raises(ValueError, match="backend='mpi'"):
         GroupConfig(2, "mpi", "file:///tmp/x")
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])  # split evenly, and replicated (1 < 2 ranks)
+def test_a_layer_split_over_two_ranks_equals_the_whole_layer(num_kv_heads):
+    from distributed_workers import (
+        LAYER_SHAPES,
+        layer_forward,
+        layer_weights,
+        run_shard,
+        sharded_layer,
+    )
+
+    from engine.model.parallel import ShardPlan
+
+    group = GroupConfig.local(2, "cpu", timeout_s=TIMEOUT_S)
+    workers = Workers(group, sharded_layer)
+    workers.start()
+    try:
+        x = torch.randn(5, LAYER_SHAPES["hidden"], generator=torch.Generator().manual_seed(1))
+        workers.send((num_kv_heads, 2, x))
+        attn, mlp, logits = run_shard(0, 2, num_kv_heads, x, ShardPlan)
+    finally:
+        workers.stop(timeout_s=TIMEOUT_S)
+    whole = layer_forward(x, layer_weights(num_kv_heads), LAYER_SHAPES["heads"], num_kv_heads)
+    for got, want in zip((attn, mlp, logits), whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_shape_that_does_not_split_is_refused_naming_it():
+    from engine.model.parallel import ShardPlan
+
+    with pytest.raises(ValueError, match="num_attention_heads=6 does not split"):
+        ShardPlan(0, 4, 6, 2, 8, 64, 100)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        ShardPlan(0, 2, 6, 3, 8, 64, 100)
+    with pytest.raises(ValueError, match="intermediate_size=63"):
+        ShardPlan(0, 2, 4, 2, 8, 63, 100)

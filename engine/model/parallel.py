@@ -1,0 +1,117 @@
+"""Tensor parallelism's arithmetic: which part of each weight a rank holds (Megatron-style).
+
+q, k, v, gate and up are split by output rows (column-parallel: by whole heads for q/k/v); o
+and down by input columns (row-parallel), so a layer needs one all-reduce after attention and
+one after the MLP. The embedding and the LM head are split by vocabulary rows. KV heads are
+split across ranks, or replicated when there are fewer KV heads than ranks (each rank keeps
+the KV head its query heads read). A shape the plan cannot split evenly is refused at load
+with an error naming it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class ShardPlan:
+    """Rank `rank` of `world` for a model of these shapes."""
+
+    rank: int
+    world: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world}")
+        if self.num_heads % self.world:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} does not split over "
+                f"tensor_parallel_size={self.world}; it must be a multiple of it"
+            )
+        kv, world = self.num_kv_heads, self.world
+        if (kv >= world and kv % world) or (kv < world and world % kv):
+            raise ValueError(
+                f"num_key_value_heads={kv} does not split over tensor_parallel_size={world}: "
+                "one must be a multiple of the other"
+            )
+        if self.intermediate_size % self.world:
+            raise ValueError(
+                f"intermediate_size={self.intermediate_size} does not split over "
+                f"tensor_parallel_size={self.world}; it must be a multiple of it"
+            )
+
+    # --- what this rank holds --------------------------------------------------------------
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.world
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads this rank keeps (1 when they are replicated)."""
+        return max(self.num_kv_heads // self.world, 1)
+
+    def q_heads(self) -> range:
+        start = self.rank * self.heads_per_rank
+        return range(start, start + self.heads_per_rank)
+
+    def kv_heads(self) -> range:
+        """The KV heads of this rank's query heads (GQA keeps q head h on kv head h // group)."""
+        if self.num_kv_heads >= self.world:
+            start = self.rank * self.kv_heads_per_rank
+            return range(start, start + self.kv_heads_per_rank)
+        group = self.num_heads // self.num_kv_heads
+        first = self.q_heads()[0] // group
+        return range(first, first + 1)
+
+    def _head_rows(self, heads: range) -> torch.Tensor:
+        return torch.arange(heads.start * self.head_dim, heads.stop * self.head_dim)
+
+    def q_rows(self) -> torch.Tensor:
+        """Rows of q_proj's weight (and bias) this rank holds; also o_proj's columns."""
+        return self._head_rows(self.q_heads())
+
+    def kv_rows(self) -> torch.Tensor:
+        """Rows of k_proj's and v_proj's weights (and biases) this rank holds."""
+        return self._head_rows(self.kv_heads())
+
+    def mlp_rows(self) -> torch.Tensor:
+        """Rows of gate_proj and up_proj; also down_proj's columns."""
+        size = self.intermediate_size // self.world
+        return torch.arange(self.rank * size, (self.rank + 1) * size)
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return -(-self.vocab_size // self.world)  # the last rank's part is padded
+
+    def vocab_rows(self) -> torch.Tensor:
+        start = self.rank * self.vocab_per_rank
+        return torch.arange(start, min(start + self.vocab_per_rank, self.vocab_size))
+
+    # --- weights ---------------------------------------------------------------------------
+    def shard(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a layer weight named like HF Llama's (`q_proj`, `o_proj`,
+        `embed_tokens`, ...; `.weight` or `.bias`); norms are whole on every rank."""
+        short = name.removesuffix(".weight").removesuffix(".bias").rsplit(".", 1)[-1]
+        rows = {
+            "q_proj": self.q_rows,
+            "k_proj": self.kv_rows,
+            "v_proj": self.kv_rows,
+            "gate_proj": self.mlp_rows,
+            "up_proj": self.mlp_rows,
+            "embed_tokens": self.vocab_rows,
+            "lm_head": self.vocab_rows,
+        }
+        columns = {"o_proj": self.q_rows, "down_proj": self.mlp_rows}
+        if short in rows:
+            return weight.index_select(0, rows[short]()).contiguous()
+        if short in columns:
+            if name.endswith(".bias"):  # added once: after the all-reduce, on rank 0
+                return weight if self.rank == 0 else torch.zeros_like(weight)
+            return weight.index_select(1, columns[short]()).contiguous()
+        return weight
