@@ -122,9 +122,9 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
     return rows
 
 
-def _gpu_engine(plan_ahead: bool) -> Engine:
+def _gpu_engine(plan_ahead: bool, preset: str = "llama3_8b") -> Engine:
     return Engine(
-        random_weights="llama3_8b",
+        random_weights=preset,
         device="cuda",
         dtype="bfloat16",
         max_running_requests=64,
@@ -139,7 +139,7 @@ def _gpu_engine(plan_ahead: bool) -> Engine:
 def decode_steps_without_plan_ahead(args: argparse.Namespace) -> dict[int, float]:
     """Median decode step (s) per batch size with `plan_ahead=False`: the A/B of planning each
     pass while the previous one runs (same prompts and lengths as the main run)."""
-    engine = _gpu_engine(plan_ahead=False)
+    engine = _gpu_engine(plan_ahead=False, preset=args.preset)
     generator = torch.Generator().manual_seed(0)
     steps = {}
     for batch in (1, 16, 64):
@@ -153,7 +153,7 @@ def decode_steps_without_plan_ahead(args: argparse.Namespace) -> dict[int, float
 def gpu_main(args: argparse.Namespace) -> list[tuple]:
     bandwidth = copy_bandwidth("cuda")
     without = decode_steps_without_plan_ahead(args)
-    engine = _gpu_engine(plan_ahead=True)
+    engine = _gpu_engine(plan_ahead=True, preset=args.preset)
     mc = engine.runtime.model_config
     weight_bytes = engine.runtime.model.num_bytes()
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
@@ -186,23 +186,15 @@ def gpu_main(args: argparse.Namespace) -> list[tuple]:
 
 
 def _hf_twin(mc) -> torch.nn.Module:
-    """HF LlamaForCausalLM of the same shape, random bf16 weights, on the GPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The HF model of the same family and shape (its own config class, from the engine's
+    config: `families.to_hf`), random bf16 weights, on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=mc.vocab_size,
-        hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_layers,
-        num_attention_heads=mc.num_heads,
-        num_key_value_heads=mc.num_kv_heads,
-        rms_norm_eps=mc.rms_norm_eps,
-        rope_theta=mc.rope_theta,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    )
+    from engine.model.families import to_hf
+
+    config = AutoConfig.for_model(**(to_hf(mc) | {"max_position_embeddings": 8192}))
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     return model.eval()
 
 
@@ -212,6 +204,11 @@ def main() -> None:
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument(
+        "--preset",
+        default="llama3_8b",
+        help="GPU: random weights of this shape (llama3_8b, qwen3_8b, qwen2_7b)",
+    )
     parser.add_argument("--num-prompts", type=int, default=4, help="CPU batch-1 prompts")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=0)
@@ -235,7 +232,8 @@ def main() -> None:
         args.max_tokens = args.max_tokens or 256
         rows = gpu_main(args)
         print(
-            f"\nH200, random Llama-3-8B bf16, {args.prompt_len}-token prompts, "
+            f"\n{torch.cuda.get_device_name()}, random {args.preset} bf16, "
+            f"{args.prompt_len}-token prompts, "
             f"{args.max_tokens} new tokens"
         )
         print(
