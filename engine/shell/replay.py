@@ -159,13 +159,17 @@ class Replayer:
                 self._fail(f"applying its effects failed: {type(error).__name__}: {error}")
         if op == "assume_decoded":  # a value, nothing in the book: nothing to check
             return
-        # Rows' shared prefixes against the tree's slots for their tokens (the slow part of
-        # the check) only where the tree or a shared prefix changed: elsewhere a slot written
-        # at a wrong place leaves the count of free + owned + cached short, which is checked.
-        cached = op == "admit" or evicted or self._changed_cache(record, value)
+        # The prefix tree (a full scan) and the rows' shared prefixes against the tree's slots
+        # for their tokens, the slow parts of the check, only where the tree or a shared
+        # prefix changed (the tree changes in nothing else); elsewhere a slot written at a
+        # wrong place leaves free + owned + cached short of the pool, which is checked.
+        cached = bool(op == "admit" or evicted or self._changed_cache(record, value))
         try:
             self.book.check(
-                self.running, self._in_flight_slots(), self._history() if cached else None
+                self.running,
+                self._in_flight_slots(),
+                self._history() if cached else None,
+                tree=cached,
             )
         except AssertionError as error:
             self._fail(f"an invariant broke: {error}")
