@@ -23,6 +23,7 @@ from engine.shell import scheduler
 from engine.shell.ahead import PlanAhead
 from engine.shell.config import EngineConfig
 from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
+from engine.shell.grammar import Grammars
 from engine.shell.inbox import Inbox, validate_params, validate_prompt
 from engine.shell.kv import KVBook
 from engine.shell.logits import LogitsWork, Sampled
@@ -61,9 +62,11 @@ class Engine:
         self.stats = collections.Counter()
         self.step_times: collections.deque = collections.deque(maxlen=1024)
         self.spec = Speculator(rt, self.config) if self.config.speculative else None
-        self.outputs = Outputs(self.tokenizer, self.inbox, self.stats, self.spec)
+        self.grammars = Grammars(rt.tokenizer, rt.vocab_size, rt.eos_id)  # structured output
+        self.outputs = Outputs(self.tokenizer, self.inbox, self.stats, self.spec, self.grammars)
         self.requests = self.outputs.requests  # in flight, by uid (the loop's thread only)
-        self.logits = LogitsWork(self.requests)  # penalties before sampling, logprobs after
+        # penalties and grammar masks before sampling, logprobs after
+        self.logits = LogitsWork(self.requests, self.grammars)
         self._logprobs: dict | None = None  # the last pass's, until its tokens are emitted
         self.by_request_id = self.outputs.by_request_id
         self.ahead = PlanAhead(self.book, self.runner, self.stats)  # the next decode pass
@@ -107,7 +110,10 @@ class Engine:
         """The request's parameters as it runs (see `validate_params`); InvalidRequest if the
         prompt or they do not fit."""
         validate_prompt(ids, self.runtime.vocab_size, self.max_context, self.book.slots.capacity)
-        return validate_params(params, len(ids), self.runtime.vocab_size, self.max_context)
+        params = validate_params(params, len(ids), self.runtime.vocab_size, self.max_context)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # kept for the request's matcher
+        return params
 
     # --- the loop (one thread) ----------------------------------------------------------------
     @property
@@ -331,6 +337,7 @@ class Engine:
         # the plan), handed out in batch order. A tree that did not fit would make the step
         # retract a request (or finish one alone in the pool) where a decode pass goes on.
         trees = spec.propose(running, self.book.num_available + self.ahead.num_held)
+        trees = self.grammars.prune(trees, running.rids.tolist())  # drafts grammars allow
         if trees.sizes.total > len(running):
             return self._verify_step(trees, started)
         # Nothing drafted: a root-only verify is a decode, and the decode pass is cheaper
@@ -353,6 +360,7 @@ class Engine:
             logits = self.logits.edit_tree(
                 self._forward(batch), trees, uids, self.outputs.edited_uids
             )
+            logits = self.logits.constrain_tree(logits, trees, uids)
             params = [self.requests[u].params for u in uids]
             self._hit("verify")
             outcome = self.spec.verify(batch, params, logits)
@@ -444,6 +452,8 @@ class Engine:
             steps = [len(self.requests[u].output_ids) for u in uids]
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
         logits = self.logits.edit(self._forward(batch, prepared), uids, outputs.edited_uids)
+        # on a GPU the masks are computed on the host while the device runs the pass
+        logits = self.logits.constrain(logits, uids)
         tokens = self.runtime.sample(logits, inputs)
         return Sampled(tokens, self.logits.logprobs(logits, tokens, uids, outputs.logprob_uids))
 
@@ -499,12 +509,14 @@ class Engine:
         return history
 
     def _emit(self, effects: state.Effects) -> None:
-        """A transition's tokens and finishes to its requests; a stop string's end commits."""
+        """A transition's tokens and finishes to its requests; a stop string's end, or the
+        end of a request's grammar, commits."""
         logprobs, self._logprobs = self._logprobs, None
-        stopped = self.outputs.emit(effects, logprobs)
-        if stopped:
-            indices = [self.running.index_of(uid) for uid in stopped]
-            self._commit(state.finish(self.running, indices, FinishReason.STOP))
+        ending = self.outputs.emit(effects, logprobs)
+        for reason in (FinishReason.STOP, FinishReason.ERROR):
+            indices = [self.running.index_of(uid) for uid, r in ending.items() if r == reason]
+            if indices:
+                self._commit(state.finish(self.running, indices, reason))
 
     # --- convenience API (drives the loop itself) ---------------------------------------------
     def generate(

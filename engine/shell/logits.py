@@ -1,5 +1,6 @@
-"""A pass's logits around sampling: each request's bias and penalties before it draws, and the
-log-probabilities of what it drew after, for the requests that ask (`SamplingParams`).
+"""A pass's logits around sampling: each request's bias and penalties, then its grammar's mask,
+before it draws, and the log-probabilities of what it drew after, for the requests that ask
+(`SamplingParams`).
 
 A decode or extend pass has one logits row per sampling request; a verify pass one per tree
 node, where a node's history is its request's plus the drafts on the path down to it, so a
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from engine.model.sampling import LogitsEdit, Logprobs
+from engine.shell.grammar import Grammars, apply_masks
 from engine.shell.request import Request, TokenLogprob
 from engine.state import DraftTrees
 
@@ -51,10 +53,25 @@ class PendingLogprobs:
 
 
 class LogitsWork:
-    """Edits and log-probabilities for the requests in flight (by uid)."""
+    """Edits, grammar masks and log-probabilities for the requests in flight (by uid)."""
 
-    def __init__(self, requests: Mapping[int, Request]) -> None:
+    def __init__(self, requests: Mapping[int, Request], grammars: Grammars) -> None:
         self.requests = requests
+        self.grammars = grammars
+
+    def constrain(self, logits: torch.Tensor, uids: Sequence[int]) -> torch.Tensor:
+        """`logits` (one row per uid) with the tokens each constrained request's grammar
+        does not allow next at -inf; the same tensor when none is constrained."""
+        bitmask = self.grammars.masks(uids) if self.grammars else None
+        return logits if bitmask is None else apply_masks(logits, bitmask)
+
+    def constrain_tree(
+        self, logits: torch.Tensor, trees: DraftTrees, uids: Sequence[int]
+    ) -> torch.Tensor:
+        """A verify pass's logits (one row per tree node) with each node's mask: its
+        request's grammar after the drafts on the path down to it."""
+        bitmask = self.grammars.tree_masks(trees, uids) if self.grammars else None
+        return logits if bitmask is None else apply_masks(logits, bitmask)
 
     def edit(self, logits: torch.Tensor, uids: Sequence[int], edited: set[int]) -> torch.Tensor:
         """`logits` (one row per uid) with each request's bias and penalties applied; the

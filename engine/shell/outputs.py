@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from engine import state
+from engine.shell.grammar import Grammars, Progress
 from engine.shell.inbox import Inbox
 from engine.shell.request import Request, TokenLogprob
 from engine.shell.textio import TextOutput
@@ -19,14 +20,21 @@ log = logging.getLogger(__name__)
 class Outputs:
     """Requests by uid and by id; `emit` hands a transition's tokens and finishes to them."""
 
-    def __init__(self, tokenizer: Any, inbox: Inbox, stats: collections.Counter, spec: Any) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        inbox: Inbox,
+        stats: collections.Counter,
+        spec: Any,
+        grammars: Grammars,
+    ) -> None:
         self.requests: dict[int, Request] = {}
         self.by_request_id: dict[str, Request] = {}
         self.sampling_uids: set[int] = set()  # requests with temperature > 0
         self.edited_uids: set[int] = set()  # requests with penalties or a logit bias
         self.logprob_uids: set[int] = set()  # requests that asked for logprobs
         self.text = TextOutput(tokenizer)
-        self.inbox, self.stats, self.spec = inbox, stats, spec
+        self.inbox, self.stats, self.spec, self.grammars = inbox, stats, spec, grammars
 
     def add(self, request: Request) -> None:
         self.requests[request.uid] = request
@@ -37,17 +45,21 @@ class Outputs:
             self.edited_uids.add(request.uid)
         if request.params.logprobs is not None:
             self.logprob_uids.add(request.uid)
+        if request.params.structured_outputs is not None:
+            self.grammars.add(request.uid, request.params.structured_outputs)
         self.stats["prompt_tokens"] += len(request.prompt_ids)
 
     def emit(
         self, effects: state.Effects, logprobs: dict[int, list[TokenLogprob]] | None = None
-    ) -> list[int]:
+    ) -> dict[int, FinishReason]:
         """A transition's tokens (with their `logprobs`, for requests that asked) and
-        finishes to its requests and their streams. Returns the uids still running whose
-        text a stop string ended: the caller finishes them."""
+        finishes to its requests and their streams. Returns the requests still running that
+        must end, by uid, with their reason: STOP where a stop string ended the text or the
+        grammar is complete, ERROR where the grammar refused a token. The caller finishes
+        them."""
         finished = effects.finished()
         emitted = effects.emitted()
-        stopped: list[int] = []
+        stopped: dict[int, FinishReason] = {}
         for uid, tokens in emitted.items():
             request = self.requests[uid]
             request.output_ids.extend(tokens)
@@ -56,16 +68,29 @@ class Outputs:
             self.stats["generated_tokens"] += len(tokens)
             if self.spec is not None:
                 self.spec.extend(uid, tokens)
-            if self.text.update(request, tokens):
-                if uid in finished:  # the text was cut at a stop string: that is why it ended
-                    finished[uid] = FinishReason.STOP
-                else:
-                    stopped.append(uid)
+            ending = self._grammar_end(request, tokens) if uid in self.grammars else None
+            if self.text.update(request, tokens) and ending is not FinishReason.ERROR:
+                ending = FinishReason.STOP  # the text was cut at a stop string
+            if ending is None:
+                continue
+            if uid in finished:  # that is why it ended
+                finished[uid] = ending
+            else:
+                stopped[uid] = ending
         for uid, reason in finished.items():
             self.finish(self.requests[uid], reason)
         for uid in self.requests.keys() & set(emitted) - set(finished) - set(stopped):
             self.publish(self.requests[uid])
         return stopped
+
+    def _grammar_end(self, request: Request, tokens: list[int]) -> FinishReason | None:
+        """The request's grammar past its new tokens: STOP once complete, ERROR (with the
+        reason) if it refused one."""
+        progress = self.grammars.advance(request.uid, tokens)
+        if progress is Progress.REJECTED:
+            request.error = "the output left its grammar: " + self.grammars.error(request.uid)
+            return FinishReason.ERROR
+        return FinishReason.STOP if progress is Progress.COMPLETE else None
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
@@ -79,6 +104,7 @@ class Outputs:
         self.sampling_uids.discard(request.uid)
         self.edited_uids.discard(request.uid)
         self.logprob_uids.discard(request.uid)
+        self.grammars.remove(request.uid)
         self.inbox.release(request.request_id)
 
     def publish(self, request: Request) -> None:

@@ -101,3 +101,27 @@ def ancestor_mask(trees: DraftTrees) -> np.ndarray:
     width = max(trees.sizes.max, 1)
     bits = trees.ancestor_bits[:, None] >> np.arange(width, dtype=np.int64)[None, :]
     return (bits & 1).astype(bool)
+
+
+def prune(trees: DraftTrees, keep: np.ndarray) -> DraftTrees:
+    """`trees` without the nodes `keep` (one bool per flat node) drops, and without every
+    node below a dropped one; roots always stay. The same value when nothing is dropped."""
+    keep = np.asarray(keep, dtype=bool)
+    if keep.shape != (trees.sizes.total,):
+        raise ValueError(f"keep has {keep.shape} entries; the trees have {trees.sizes.total} nodes")
+    parents = parent_flat(trees)
+    is_root = parents < 0
+    kept = keep | is_root
+    if kept.all():
+        return trees
+    jump = np.where(is_root, np.arange(trees.sizes.total), parents)
+    for _ in range(int(trees.depths.max())):  # a node stays only if its whole path does
+        kept = kept & kept[jump]
+        jump = jump[jump]
+    owner = trees.sizes.segment_ids()
+    sizes = np.bincount(owner[kept], minlength=len(trees.sizes))
+    new_flat = np.cumsum(kept) - 1
+    new_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    new_local = new_flat - new_starts[owner]
+    new_parents = np.where(is_root, -1, new_local[np.maximum(parents, 0)])
+    return DraftTrees(SeqLens(sizes), trees.tokens[kept], new_parents[kept].astype(INDEX_DTYPE))

@@ -5,6 +5,7 @@ from engine.state.finish import FinishReason, first_finish
 from engine.state.params import SamplingParams
 from engine.state.running import FinishRules, Running
 from engine.state.seqlens import SeqLens, frozen_array
+from engine.state.structured import StructuredOutputs
 from engine.state.transitions import (
     Effects,
     Result,
@@ -38,6 +39,7 @@ __all__ = [
     "FinishRules",
     "Running",
     "SeqLens",
+    "StructuredOutputs",
     "frozen_array",
     "Effects",
     "Result",

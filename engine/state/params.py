@@ -6,6 +6,8 @@ from collections.abc import Iterable
 
 import attrs
 
+from engine.state.structured import StructuredOutputs, as_structured
+
 
 def check_field(field: str, value: object, ok: bool, allowed: str) -> None:
     """Raise ValueError naming the field, its value and what is allowed, unless `ok`."""
@@ -66,6 +68,11 @@ class SamplingParams:
     token, its log-probability under the logits after bias and penalties (before temperature
     and filtering), and that many most likely alternatives (0..20). `n` samples of the prompt
     are drawn (seeded: sample i from the seed and i).
+
+    `structured_outputs` (None: free text) constrains the output to a JSON schema, a regular
+    expression, a Lark grammar or a choice of strings: before each token is drawn, every
+    token the grammar does not allow is masked out (greedy or sampled), and the request stops
+    once the grammar is complete.
     """
 
     temperature: float = 0.0
@@ -84,6 +91,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
+    structured_outputs: StructuredOutputs | None = attrs.field(
+        default=None, converter=as_structured
+    )
 
     def __attrs_post_init__(self) -> None:
         t = self.temperature
@@ -173,6 +183,14 @@ class SamplingParams:
             )
             and len({pair[0] for pair in bias}) == len(bias),
             "a map of token ids >= 0 to numbers in [-100, 100]",
+        )
+        so = self.structured_outputs
+        check_field(
+            "structured_outputs",
+            so,
+            so is None or isinstance(so, StructuredOutputs),
+            "None, a StructuredOutputs or a dict of its fields (json, regex, grammar, choice, "
+            "json_object)",
         )
 
     @property

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.spec import DraftTree, ancestor_mask, child_links, parent_flat, positions, stack
+from engine.spec import (
+    DraftTree,
+    ancestor_mask,
+    child_links,
+    parent_flat,
+    positions,
+    prune,
+    stack,
+)
 from engine.spec.tree import unstack
 from engine.state import SeqLens
 
@@ -85,3 +93,55 @@ def test_invalid_trees_are_rejected() -> None:
     with pytest.raises(ValueError, match="2 prefix lengths for 1 trees"):
         positions(stack([DraftTree.root_only(1)]), SeqLens([1, 2]))
     assert np.array_equal(child_links(stack([DraftTree.root_only(1)]))[0], [-1])
+
+
+def test_prune_drops_a_node_and_everything_below_it() -> None:
+    #     0          tree 0: node 1 dropped takes 3 and 4 with it; tree 1 keeps its root
+    #   1   2        though it is marked; tree 2 is kept whole
+    #  3 4   5
+    trees = stack(
+        [
+            DraftTree((9, 1, 2, 3, 4, 5), (-1, 0, 0, 1, 1, 2)),
+            DraftTree((7, 8), (-1, 0)),
+            DraftTree((6,), (-1,)),
+        ]
+    )
+    keep = np.ones(trees.sizes.total, dtype=bool)
+    keep[[1, 6]] = False  # tree 0's node 1; tree 1's root
+    pruned = unstack(prune(trees, keep))
+    assert [(t.tokens, t.parents) for t in pruned] == [
+        ((9, 2, 5), (-1, 0, 1)),
+        ((7, 8), (-1, 0)),
+        ((6,), (-1,)),
+    ]
+    assert prune(trees, np.ones(trees.sizes.total, dtype=bool)) is trees
+    with pytest.raises(ValueError, match="keep has"):
+        prune(trees, np.ones(3, dtype=bool))
+
+
+@settings(max_examples=200)
+@given(st.lists(draft_trees(), min_size=1, max_size=4), st.data())
+def test_prune_keeps_exactly_the_nodes_whose_whole_path_is_kept(
+    trees: list[DraftTree], data: st.DataObject
+) -> None:
+    batch = stack(trees)
+    keep = np.array(
+        data.draw(st.lists(st.booleans(), min_size=batch.sizes.total, max_size=batch.sizes.total)),
+        dtype=bool,
+    )
+    pruned = unstack(prune(batch, keep))
+    flat = 0
+    for tree, got in zip(trees, pruned, strict=True):
+
+        def path_kept(node: int) -> bool:
+            while node > 0:
+                if not keep[flat + node]:
+                    return False
+                node = tree.parents[node]
+            return True
+
+        kept = [n for n in range(len(tree.tokens)) if path_kept(n)]
+        assert got.tokens == tuple(tree.tokens[n] for n in kept)
+        remap = {old: new for new, old in enumerate(kept)}
+        assert got.parents == tuple(-1 if n == 0 else remap[tree.parents[n]] for n in kept)
+        flat += len(tree.tokens)

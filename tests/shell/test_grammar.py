@@ -1,0 +1,127 @@
+"""Grammars on a byte vocabulary (token id i < 256 spells byte i): compiling and refusing
+specs, matchers following committed tokens, masks, draft trees cut to what a grammar allows
+and masked node by node."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import InvalidRequest
+from engine.shell.grammar import Grammars, Progress, apply_masks
+from engine.spec import DraftTree, stack
+from engine.spec.tree import unstack
+from engine.state import StructuredOutputs
+
+EOS = 2
+
+
+def grammars() -> Grammars:
+    return Grammars(None, 256, EOS)
+
+
+def allowed(bitmask: np.ndarray, row: int = 0) -> set[int]:
+    bits = np.unpackbits(bitmask[row : row + 1].view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits[:256]).tolist())
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def test_regex_masks_follow_the_committed_tokens_and_end_complete() -> None:
+    book = grammars()
+    book.add(7, StructuredOutputs(regex="a[bc]d"))
+    assert allowed(book.masks([7])) == {ord("a")}
+    assert book.advance(7, ids("a")) is Progress.OPEN
+    assert allowed(book.masks([7])) == {ord("b"), ord("c")}
+    assert book.advance(7, ids("cd")) is Progress.COMPLETE
+    assert allowed(book.masks([7])) == {EOS}  # complete: only EOS may follow
+    book.remove(7)
+    assert 7 not in book and not book
+
+
+def test_a_token_outside_the_grammar_is_rejected_with_the_reason() -> None:
+    book = grammars()
+    book.add(1, StructuredOutputs(choice=("yes", "no")))
+    assert book.advance(1, ids("x")) is Progress.REJECTED
+    assert "doesn't satisfy the grammar" in book.error(1)
+
+
+def test_unconstrained_rows_allow_every_token_and_none_means_no_work() -> None:
+    book = grammars()
+    assert book.masks([1, 2]) is None
+    book.add(2, StructuredOutputs(regex="[0-9]"))
+    bitmask = book.masks([1, 2, 3])
+    assert allowed(bitmask, 0) == allowed(bitmask, 2) == set(range(256))
+    assert allowed(bitmask, 1) == set(range(ord("0"), ord("9") + 1))
+
+
+def test_apply_masks_sets_what_a_row_does_not_allow_to_minus_infinity() -> None:
+    book = grammars()
+    book.add(5, StructuredOutputs(regex="[xy]"))
+    logits = torch.randn(2, 300)  # wider than the grammar's vocabulary: the rest is blocked
+    masked = apply_masks(logits, book.masks([9, 5]))
+    assert torch.equal(masked[0, :256], logits[0, :256])
+    assert torch.isinf(masked[0, 256:]).all()
+    finite = torch.isfinite(masked[1]).nonzero().flatten().tolist()
+    assert finite == [ord("x"), ord("y")]
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "says"),
+    [
+        (dict(json={"type": "frobnicate"}), "structured_outputs.json", "frobnicate"),
+        (dict(json={"$ref": "#/nowhere"}), "structured_outputs.json", "nowhere"),
+        (dict(regex="[a-"), "structured_outputs.regex", "unclosed character class"),
+        (dict(grammar="start: missing_rule"), "structured_outputs.grammar", "missing_rule"),
+    ],
+)
+def test_specs_that_do_not_compile_are_refused_naming_the_field(
+    spec: dict, field: str, says: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=says) as caught:
+        grammars().compile(StructuredOutputs(**spec))
+    assert caught.value.field == field
+
+
+def test_a_json_schema_comes_out_compact_and_stops_when_closed() -> None:
+    book = grammars()
+    book.add(3, StructuredOutputs(json={"type": "object", "properties": {"a": {"enum": [1]}}}))
+    assert allowed(book.masks([3])) == {ord("{")}
+    assert book.advance(3, ids('{"a":1')) is Progress.OPEN
+    assert ord(" ") not in allowed(book.masks([3]))
+    assert book.advance(3, ids("}")) is Progress.COMPLETE
+
+
+def test_prune_cuts_rejected_drafts_and_what_hangs_below_them() -> None:
+    book = grammars()
+    book.add(4, StructuredOutputs(regex="ab(c|d)e"))
+    assert book.advance(4, ids("a")) is Progress.OPEN  # the root: the last committed token
+    #  root 'a' -> 'b' -> 'c'                 kept
+    #                     'c' -> 'e'          cut: it would complete the grammar
+    #              'b' -> 'x'                 cut
+    #       'a' -> 'q' -> 'b'                 cut with its parent
+    tree = DraftTree(ids("abcexqb"), (-1, 0, 1, 2, 1, 0, 5))
+    free = DraftTree(ids("abc"), (-1, 0, 1))  # an unconstrained request keeps its tree
+    pruned = unstack(book.prune(stack([tree, free]), [4, 8]))
+    assert pruned[0].tokens == tuple(ids("abc")) and pruned[0].parents == (-1, 0, 1)
+    assert pruned[1].tokens == free.tokens
+    assert allowed(book.masks([4])) == {ord("b")}  # the matcher is back where it was
+
+
+def test_tree_masks_are_each_nodes_path_mask() -> None:
+    book = grammars()
+    spec = StructuredOutputs(regex="(ab|ac)[0-9]+")
+    book.add(6, spec)
+    # the root (X) is the pending token, which the matcher has already consumed
+    trees = stack([DraftTree(ids("Xabc1"), (-1, 0, 1, 1, 2))])
+    bitmask = book.tree_masks(trees, [6])
+    reference = grammars()
+    for node, path in enumerate(["", "a", "ab", "ac", "ab1"]):
+        reference.add(node, spec)
+        if path:
+            reference.advance(node, ids(path))
+        assert allowed(bitmask, node) == allowed(reference.masks([node])), path
+    assert allowed(book.masks([6])) == {ord("a")}  # rolled back to the request's state

@@ -1,0 +1,191 @@
+"""Structured output on the default model: seeded samples under a JSON schema all validate,
+with and without speculation; a regex, a Lark grammar and a choice constrain the output
+exactly; greedy output under a grammar is the same with speculation; a grammar that cannot
+finish ends with "length", one that is complete stops; specs that do not compile are refused
+before anything is allocated."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from engine_checks import settled
+
+from engine import SamplingParams
+from engine.errors import InvalidRequest
+from engine.shell.engine import Engine
+
+ANIMAL = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "point": {
+            "type": "object",
+            "properties": {
+                "x": {"type": "integer", "minimum": -9, "maximum": 9},
+                "y": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["id", "kind", "point", "tags"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe an animal as JSON."}]
+DOCUMENT = {"id": 42, "kind": "bird", "point": {"x": -3, "y": 7}, "tags": ["a", "c"]}
+COPY = [
+    {
+        "role": "user",
+        "content": "Repeat this JSON exactly: " + json.dumps(DOCUMENT, separators=(",", ":")),
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, Engine]:
+    settings = dict(dtype="float32", device="cpu", max_running_requests=50)
+    return {
+        "plain": Engine(**settings),
+        "speculative": Engine(**settings, speculative=True),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["plain", "speculative"])
+def test_fifty_seeded_samples_all_validate(engines: dict[str, Engine], kind: str) -> None:
+    engine = engines[kind]
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured_outputs={"json": ANIMAL})
+        for i in range(50)
+    ]
+    outs = engine.generate([ASK] * 50, params)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), ANIMAL)
+    assert len({out.text for out in outs}) > 10  # sampled, not one answer 50 times
+    settled(engine)
+    if kind == "plain":  # seeded: the same tokens alone as in a batch of 50
+        alone = engine.generate([ASK] * 2, [params[7], params[31]])
+        assert [a.token_ids for a in alone] == [outs[7].token_ids, outs[31].token_ids]
+
+
+def test_greedy_under_a_schema_is_the_same_with_speculation(engines: dict[str, Engine]) -> None:
+    params = SamplingParams(max_tokens=48, structured_outputs={"json": ANIMAL})
+    plain = engines["plain"].generate(COPY, params)[0]
+    spec = engines["speculative"].generate(COPY, params)[0]
+    assert spec.token_ids == plain.token_ids
+    assert plain.finish_reason == "stop"
+    jsonschema.validate(json.loads(plain.text), ANIMAL)
+    assert spec.speculation.accepted > 0  # drafts the grammar allowed were taken
+    settled(engines["speculative"])
+
+
+def test_a_regex_constrains_the_whole_output(default_engine: Engine) -> None:
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    outs = default_engine.generate(
+        [ASK] * 4,
+        [
+            SamplingParams(
+                max_tokens=16, temperature=1.0, seed=s, structured_outputs={"regex": pattern}
+            )
+            for s in range(4)
+        ],
+    )
+    for out in outs:
+        assert out.finish_reason in ("stop", "length")
+        if out.finish_reason == "stop":  # the regex can go on (2 to 4 letters) or stop
+            assert re.fullmatch(pattern, out.text), out.text
+        else:
+            assert re.fullmatch(r"[0-9]{3}-[a-z]{0,4}", out.text)
+
+
+def test_a_lark_grammar_constrains_the_whole_output(default_engine: Engine) -> None:
+    grammar = 'start: "[" num ("," num)* "]"\nnum: /[0-9]{1,2}/\n'
+    out = default_engine.generate(
+        "Numbers: ", SamplingParams(max_tokens=24, structured_outputs={"grammar": grammar})
+    )[0]
+    if out.finish_reason == "stop":
+        assert re.fullmatch(r"\[[0-9]{1,2}(,[0-9]{1,2})*\]", out.text), out.text
+    else:
+        assert re.fullmatch(r"\[[0-9]{1,2}(,[0-9]{1,2})*,?[0-9]{0,2}", out.text), out.text
+
+
+def test_a_choice_returns_one_of_its_items(default_engine: Engine) -> None:
+    choices = ["sunny", "rainy weather", "snow"]
+    outs = default_engine.generate(
+        [[{"role": "user", "content": "How is the weather?"}]] * 3,
+        [
+            SamplingParams(
+                max_tokens=8, temperature=1.0, seed=s, structured_outputs={"choice": choices}
+            )
+            for s in range(3)
+        ],
+    )
+    assert all(out.text in choices and out.finish_reason == "stop" for out in outs)
+
+
+def test_a_complete_grammar_stops_even_where_eos_is_ignored(default_engine: Engine) -> None:
+    params = SamplingParams(
+        max_tokens=20, ignore_eos=True, min_tokens=10, structured_outputs={"choice": ["yes"]}
+    )
+    out = default_engine.generate("Answer: ", params)[0]
+    assert out.text == "yes" and out.finish_reason == "stop" and len(out.token_ids) < 10
+
+
+def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(
+    default_engine: Engine,
+) -> None:
+    params = SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-z]{40}"})
+    out = default_engine.generate("Letters: ", params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert re.fullmatch("[a-z]+", out.text)
+
+
+def test_a_stream_under_a_schema_adds_up_to_valid_json(default_engine: Engine) -> None:
+    params = SamplingParams(max_tokens=40, structured_outputs={"json": ANIMAL})
+    deltas = list(default_engine.stream(ASK, params))
+    assert deltas[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(d.text for d in deltas)), ANIMAL)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "json"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"grammar": "start: undefined_rule"}, "grammar"),
+    ],
+)
+def test_a_spec_that_does_not_compile_is_refused_before_anything_runs(
+    default_engine: Engine, spec: dict, field: str
+) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        default_engine.submit(ASK, SamplingParams(structured_outputs=spec))
+    assert caught.value.field == f"structured_outputs.{field}"
+    assert not default_engine.has_work and not default_engine.grammars
+
+
+def test_random_weights_constrain_token_ids_as_bytes(assert_all_free) -> None:
+    engine = Engine(random_weights="tiny", device="cpu", dtype="float32", max_context=64)
+    pattern = rb"(red|green)-[0-9]{2}"
+    outs = engine.generate(
+        [[5, 6, 7]] * 3,
+        [
+            SamplingParams(
+                max_tokens=12,
+                temperature=1.0,
+                seed=s,
+                structured_outputs={"regex": pattern.decode()},
+            )
+            for s in range(3)
+        ],
+    )
+    for out in outs:
+        assert out.finish_reason == "stop"
+        assert re.fullmatch(pattern, bytes(t for t in out.token_ids if t != 2))
+    assert_all_free(engine)
