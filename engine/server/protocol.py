@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.server.formats import ResponseFormat, StructuredOutputsBody
+from engine.server.tools import Tool, ToolChoice
 from engine.shell.request import Usage
 from engine.state.params import MAX_LOGPROBS, MAX_N
 
@@ -28,8 +30,8 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     """Fields of /v1/completions and /v1/chat/completions: OpenAI's, and vLLM's top_k,
-    min_p, repetition_penalty, min_tokens, stop_token_ids and ignore_eos. Structured output
-    (response_format, tools) is not among them: a request that carries it is refused."""
+    min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos and structured_outputs
+    (response_format and structured_outputs: formats.py)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -50,6 +52,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     user: str | None = None  # the end user's id: logged with --log-requests
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -136,6 +140,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # with tools: "auto" unless given
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -201,12 +208,20 @@ class ResponseShape:
         }
 
     def choice(
-        self, index: int, text: str, finish_reason: str | None, logprobs: Any = None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Any = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One choice of a whole response; `logprobs`: its tokens' entries, or None."""
+        """One choice of a whole response; `logprobs`: its tokens' entries, or None;
+        `tool_calls`: a chat message's calls (its content is then null)."""
         body = self.logprobs_body(logprobs, 0)
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
             return {
                 "index": index,
                 "message": message,
@@ -250,6 +265,16 @@ class ResponseShape:
             "finish_reason": finish_reason,
         }
         return self._envelope("text_completion", [choice])
+
+    def tool_chunk(self, index: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """A chat stream chunk of choice `index` carrying tool-call deltas."""
+        choice = {
+            "index": index,
+            "delta": {"tool_calls": calls},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._envelope("chat.completion.chunk", [choice])
 
     def usage_chunk(self, usage: Any) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])

@@ -25,7 +25,8 @@ from engine.server.protocol import (
     combined_usage,
 )
 from engine.server.runs import ServerState, run_request
-from engine.state import SamplingParams
+from engine.server.tools import ToolCalls, takes_tools, tool_call
+from engine.state import SamplingParams, StructuredOutputs
 
 router = APIRouter()
 _SERVER_START_S = int(time.time())
@@ -36,10 +37,12 @@ def _state(request: Request) -> ServerState:
 
 
 def _sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """Every sampling field of the body, in the engine's terms (max_tokens None: up to the
-    context limit)."""
+    context limit); `structured`: what the output must match (`_constraint`)."""
     try:
         return SamplingParams(
             temperature=body.temperature,
@@ -58,11 +61,51 @@ def _sampling_params(
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,
             logit_bias=tuple((body.logit_bias or {}).items()),
+            structured_outputs=structured,
         )
     except ValueError as exc:
         field = re.match(r"^(\w+)=", str(exc))
         param = field.group(1) if field else None
         raise OpenAIError(400, str(exc), param, "invalid_value") from exc
+
+
+def _constraint(
+    body: CompletionRequest | ChatCompletionRequest, tokenizer: Any
+) -> tuple[StructuredOutputs | None, str | None, ToolCalls | None]:
+    """What the output must match, the request field it came from (one at most of
+    response_format, structured_outputs and a tool choice), and the tool choice's calls."""
+    sources: list[tuple[str, Any]] = []
+    if body.response_format is not None and body.response_format.type != "text":
+        sources.append(("response_format", body.response_format.structured))
+    if body.structured_outputs is not None:
+        sources.append(("structured_outputs", body.structured_outputs.structured))
+    if isinstance(body, ChatCompletionRequest) and _tool_calls_asked(body):
+        sources.append(("tool_choice", lambda: ToolCalls.of(body, takes_tools(tokenizer))))
+    if len(sources) > 1:
+        names = " and ".join(name for name, _ in sources)
+        message = f"{names} each constrain the output; give one of them"
+        raise OpenAIError(400, message, sources[1][0], "invalid_value")
+    if not sources:
+        return None, None, None
+    field, make = sources[0]
+    try:
+        made = make()
+    except ValueError as exc:
+        raise OpenAIError(400, f"{field}: {exc}", field, "invalid_value") from exc
+    if isinstance(made, ToolCalls):
+        return made.structured, field, made
+    return made, field, None
+
+
+def _tool_calls_asked(body: ChatCompletionRequest) -> bool:
+    """Whether the request asks for tool calls (tools, and a tool choice other than "none";
+    without one, "auto")."""
+    if not body.tools:
+        if body.tool_choice not in (None, "none"):
+            message = "tool_choice needs tools to choose from"
+            raise OpenAIError(400, message, "tool_choice", "invalid_value")
+        return False
+    return body.tool_choice != "none"
 
 
 def _check_servable(state: ServerState, model: str) -> None:
@@ -83,13 +126,16 @@ def _check_servable(state: ServerState, model: str) -> None:
         )
 
 
-async def _first_delta(deltas: AsyncIterator[Any], chat: bool) -> Any:
+async def _first_delta(deltas: AsyncIterator[Any], chat: bool, origin: str | None = None) -> Any:
     """Waits for the first delta, turning the engine's validation error into a 400 (for chat,
-    the engine's "prompt" is the request's "messages")."""
+    the engine's "prompt" is the request's "messages"; its "structured_outputs" is the field
+    `origin` the constraint came from)."""
     try:
         first = await anext(deltas, None)
     except InvalidRequest as exc:
         field = "messages" if chat and exc.field == "prompt" else exc.field
+        if origin is not None and field.startswith("structured_outputs"):
+            field = origin
         raise OpenAIError(400, f"{field}: {exc.message}", field, "invalid_value") from exc
     if first is None:
         raise OpenAIError(
@@ -129,9 +175,14 @@ class _Run:
 
 
 async def _sse(
-    shape: ResponseShape, runs: list[_Run], include_usage: bool, n: int
+    shape: ResponseShape,
+    runs: list[_Run],
+    include_usage: bool,
+    n: int,
+    tools: ToolCalls | None = None,
 ) -> AsyncIterator[bytes]:
-    """The chunks of every choice as they come, then the usage (when asked) and [DONE]."""
+    """The chunks of every choice as they come (tool-call deltas where `tools`), then the
+    usage (when asked) and [DONE]."""
     events: asyncio.Queue = asyncio.Queue()
 
     async def pump(run: _Run) -> None:
@@ -150,6 +201,7 @@ async def _sse(
     tasks = [asyncio.create_task(pump(run)) for run in runs]
     usages: list[Any] = [None] * len(runs)
     offsets = [len(run.echo) for run in runs]
+    calls = [tools.stream() for _ in runs] if tools is not None else None
     try:
         for run in runs:
             if shape.chat:
@@ -168,7 +220,10 @@ async def _sse(
                 )
                 break
             delta = item
-            if delta.text or delta.logprobs:
+            if calls is not None:
+                if delta.text and (pieces := calls[index].add(delta.text)):
+                    yield _event(shape.tool_chunk(index, pieces), include_usage)
+            elif delta.text or delta.logprobs:
                 chunk = shape.chunk(
                     index, delta.text, logprobs=delta.logprobs, text_offset=offsets[index]
                 )
@@ -180,7 +235,10 @@ async def _sse(
                 break
             if delta.finish_reason is not None:
                 usages[index] = delta.usage
-                yield _event(shape.chunk(index, None, delta.finish_reason), include_usage)
+                reason = delta.finish_reason
+                if calls is not None and reason == "stop" and calls[index].sent:
+                    reason = "tool_calls"
+                yield _event(shape.chunk(index, None, reason), include_usage)
         else:
             if include_usage:
                 yield _event(shape.usage_chunk(combined_usage(usages, n)), include_usage)
@@ -192,8 +250,11 @@ async def _sse(
             await run.deltas.aclose()  # a choice cut short is aborted: its slots are freed
 
 
-async def _collect(shape: ResponseShape, runs: list[_Run], n: int) -> dict[str, Any]:
-    """The whole response: every choice's text, finish reason and logprobs."""
+async def _collect(
+    shape: ResponseShape, runs: list[_Run], n: int, tools: ToolCalls | None = None
+) -> dict[str, Any]:
+    """The whole response: every choice's text (or its tool calls, where `tools`), finish
+    reason and logprobs."""
 
     async def one(run: _Run) -> tuple[dict[str, Any], Any]:
         pieces, last, logprobs = (
@@ -209,7 +270,12 @@ async def _collect(shape: ResponseShape, runs: list[_Run], n: int) -> dict[str, 
         if last.finish_reason == "error":
             raise _engine_failure(last)
         entries = logprobs if last.logprobs is not None or run.first.logprobs is not None else None
-        return shape.choice(run.index, "".join(pieces), last.finish_reason, entries), last.usage
+        text, reason, calls = "".join(pieces), last.finish_reason, None
+        found = None if tools is None else tools.calls(text, reason == "stop")
+        if found:
+            calls = [tool_call(name, arguments) for name, arguments in found]
+            reason = "tool_calls" if reason == "stop" else reason
+        return shape.choice(run.index, text, reason, entries, calls), last.usage
 
     done = await asyncio.gather(*(one(run) for run in runs))
     return shape.full([choice for choice, _ in done], combined_usage([u for _, u in done], n))
@@ -236,9 +302,10 @@ async def _generate(
     """Every prompt's n choices (index: prompt by prompt, then sample), as one response."""
     state = _state(request)
     _check_servable(state, body.model)
-    params = _sampling_params(body, max_tokens)
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     engine = state.aengine.engine
+    structured, origin, tools = _constraint(body, engine.tokenizer)
+    params = _sampling_params(body, max_tokens, structured)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = ResponseShape(chat, request_id, state.model_name, _speller(engine.tokenizer))
     endpoint = "chat" if chat else "completions"
     echo = [
@@ -254,7 +321,8 @@ async def _generate(
             state, request, endpoint, prompts[prompt], params.sample(sample), one_id
         )
         try:
-            return _Run(index, await _first_delta(deltas, chat), deltas, echo[prompt])
+            first = await _first_delta(deltas, chat, origin)
+            return _Run(index, first, deltas, echo[prompt])
         except BaseException:
             await deltas.aclose()
             raise
@@ -274,9 +342,10 @@ async def _generate(
     runs.sort(key=lambda run: run.index)
     if body.stream:
         return SSEResponse(
-            _sse(shape, runs, body.include_usage, params.n), headers={"Cache-Control": "no-cache"}
+            _sse(shape, runs, body.include_usage, params.n, tools),
+            headers={"Cache-Control": "no-cache"},
         )
-    return JSONResponse(await _collect(shape, runs, params.n))
+    return JSONResponse(await _collect(shape, runs, params.n, tools))
 
 
 def _speller(tokenizer: Any) -> Any:

@@ -49,11 +49,11 @@ BAD_BODIES = [
     # fields this server does not implement are refused, never taken and ignored
     (
         "/v1/chat/completions",
-        {"response_format": {"type": "json_object"}},
-        "response_format",
-        "not supported",
+        {"response_format": {"type": "xml"}},
+        "response_format.type",
+        "json_schema",
     ),
-    ("/v1/chat/completions", {"tools": []}, "tools", "not supported"),
+    ("/v1/completions", {"tools": []}, "tools", "not supported"),
     ("/v1/completions", {"suffix": "!"}, "suffix", "not supported"),
     ("/v1/completions", {"best_of": 2}, "best_of", "not supported"),
     ("/v1/completions", {"no_such_field": 1}, "no_such_field", "not supported"),
