@@ -11,10 +11,11 @@ from engine.spec.config import SpecConfig
 from engine.state.params import is_int, is_number
 
 
-def _field(default: Any, help: str, validator: Any = None) -> Any:
+def _field(default: Any, help: str, validator: Any = None, aliases: tuple[str, ...] = ()) -> Any:
     if validator is None and isinstance(default, bool):
         validator = _bool  # a switch is a bool: "no" or 0 would be taken for what they are not
-    return attrs.field(default=default, metadata={"help": help}, validator=validator)
+    metadata = {"help": help, "aliases": aliases}
+    return attrs.field(default=default, metadata=metadata, validator=validator)
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -152,6 +153,17 @@ class EngineConfig:
         "('llama3_8b', 'qwen3_8b', 'qwen2_7b', 'smollm2_135m', 'tiny') instead of "
         "loading a model",
     )
+    trace_path: str | None = _field(
+        None,
+        "write every state transition (inputs and effects) to this file, one JSON line "
+        "each, for `engine replay FILE`",
+        aliases=("--trace",),
+    )
+    trace_tokens: bool = _field(
+        False,
+        "write token ids into the trace as they are (else through a random permutation of "
+        "the vocabulary, not written: replay needs only their equality)",
+    )
 
     def replace(self, **changes: Any) -> EngineConfig:
         unknown = sorted(set(changes) - {a.name for a in attrs.fields(EngineConfig)})
@@ -166,15 +178,15 @@ class EngineConfig:
         the field's."""
         kinds = {"int": int, "float": float, "int | None": int, "float | None": float}
         for field in attrs.fields(EngineConfig):
-            flag = "--" + field.name.replace("_", "-")
+            flags = ["--" + field.name.replace("_", "-"), *field.metadata["aliases"]]
             help_text = f"{field.metadata['help']} (default: {field.default})"
             if field.type in ("bool", bool):
                 parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                    *flags, action=argparse.BooleanOptionalAction, default=None, help=help_text
                 )
             else:
                 parser.add_argument(
-                    flag, type=kinds.get(str(field.type), str), default=None, help=help_text
+                    *flags, type=kinds.get(str(field.type), str), default=None, help=help_text
                 )
 
     @staticmethod

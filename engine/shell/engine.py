@@ -32,6 +32,7 @@ from engine.shell.request import Completion, Delta, Request
 from engine.shell.runtime import Runtime, build_runtime
 from engine.shell.speculator import Speculator
 from engine.shell.textio import PromptInput, as_prompt_list, prompt_to_ids, to_params
+from engine.shell.trace import machine
 from engine.state import FinishReason, FinishRules, Running, SamplingParams
 
 Prompt = PromptInput
@@ -69,7 +70,9 @@ class Engine:
         self.logits = LogitsWork(self.requests, self.grammars)
         self._logprobs: dict | None = None  # the last pass's, until its tokens are emitted
         self.by_request_id = self.outputs.by_request_id
-        self.ahead = PlanAhead(self.book, self.runner, self.stats)  # the next decode pass
+        # the transitions: engine.state, or with config.trace_path a recorder of each call
+        self.machine = machine(self.config, rt.vocab_size, self.book, self.requests)
+        self.ahead = PlanAhead(self.book, self.runner, self.stats, self.machine)  # next decode
         self.health = Health()
         self.faults: Faults | None = None  # a test tool: passes fail where it says
         # on the CPU, each step's thread count (torch's, which the kernels are passed): at most
@@ -162,7 +165,7 @@ class Engine:
             else:  # it left the batch in the commit that failed: its slots are free
                 self.outputs.finish(request, FinishReason.ERROR)
         if indices:
-            self._commit(state.finish(self.running, indices, FinishReason.ERROR))
+            self._commit(self.machine.finish(self.running, indices, FinishReason.ERROR))
 
     def _drain_inbox(self) -> None:
         for kind, item in self.inbox.drain():
@@ -186,7 +189,7 @@ class Engine:
             self.waiting.remove(request)
             self.outputs.finish(request, reason)
         if len(self.running):
-            self._commit(state.finish(self.running, np.arange(len(self.running)), reason))
+            self._commit(self.machine.finish(self.running, np.arange(len(self.running)), reason))
 
     def _abort_now(self, request_id: str) -> None:
         request = self.by_request_id.get(request_id)
@@ -197,7 +200,7 @@ class Engine:
             self.outputs.finish(request, FinishReason.ABORT)
             return
         index = self.running.index_of(request.uid)
-        self._commit(state.abort(self.running, [index]))
+        self._commit(self.machine.abort(self.running, [index]))
 
     def _candidates(self) -> tuple[list[Request], list[tuple[int, int]]]:
         """The first ADMIT_WINDOW waiting requests in the order admission tries them, each
@@ -254,7 +257,7 @@ class Engine:
             self.max_context,
             kv_lens=[p.size for p in prefixes],
         )
-        self._commit(state.admit(self.running, admitted, np.concatenate(prefixes)))
+        self._commit(self.machine.admit(self.running, admitted, np.concatenate(prefixes)))
         if self.spec is not None:
             for r in entering:  # a seeded sampling request's trees must not follow timings
                 self.spec.add_request(
@@ -287,10 +290,10 @@ class Engine:
             request = self.requests[int(self.running.rids[index])]
             if len(self.running) == 1:
                 # Alone and still too big for the pool: it can never finish.
-                self._commit(state.finish(self.running, [index], FinishReason.LENGTH))
+                self._commit(self.machine.finish(self.running, [index], FinishReason.LENGTH))
             else:
                 self.stats["retractions"] += 1
-                self._commit(state.retract(self.running, [index]))
+                self._commit(self.machine.retract(self.running, [index]))
                 self.waiting.appendleft(request)
             return False
         return True
@@ -307,12 +310,12 @@ class Engine:
                 for uid, kv, n in zip(sub.rids, sub.kv_lens.lens, plan.chunk_lens, strict=True)
             ]
         )
-        batch = state.schedule_extend(
+        batch = self.machine.schedule_extend(
             sub, plan.chunk_lens, input_ids, self.book.alloc(plan.num_tokens)
         )
         with self._open(batch) as open_pass:
             sampled = self._fetch(self._launch(batch))
-            self._commit_pass(open_pass, state.extend(batch, sampled), rest=rest)
+            self._commit_pass(open_pass, self.machine.extend(batch, sampled), rest=rest)
         if self.book.cache is not None:
             self._share_prefills(sub.rids[plan.chunk_lens > 1])
         return "extend"
@@ -326,7 +329,7 @@ class Engine:
         )
         if idx.size:
             self.ahead.drop()
-            self._commit(state.share(running, idx))
+            self._commit(self.machine.share(running, idx))
 
     def _run_decode(self) -> str:
         if self.spec is None:
@@ -354,7 +357,7 @@ class Engine:
         if not self._reserve(lambda: trees.sizes.total):
             return "retract"
         running = self.running
-        batch = state.schedule_verify(running, trees, self.book.alloc(trees.sizes.total))
+        batch = self.machine.schedule_verify(running, trees, self.book.alloc(trees.sizes.total))
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()
             logits = self.logits.edit_tree(
@@ -375,7 +378,7 @@ class Engine:
             )
             self._logprobs = None if pending is None else pending.host()
             self.spec.record(uids, trees, outcome.accepted_lens.lens)
-            result = state.verify(
+            result = self.machine.verify(
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
             )
             self._commit_pass(open_pass, result)
@@ -387,18 +390,18 @@ class Engine:
         (with the planning of the next pass), once nothing can retract the step any more."""
         prepared = self.ahead.take(self.running)
         if prepared is not None:  # planned during the last pass: only the tokens are new
-            batch = state.schedule_decode(self.running, prepared.batch.out_slots)
+            batch = self.machine.schedule_decode(self.running, prepared.batch.out_slots)
         else:
             if not self._reserve(lambda: len(self.running)):
                 return "retract"
-            batch = state.schedule_decode(self.running, self.book.alloc(len(self.running)))
+            batch = self.machine.schedule_decode(self.running, self.book.alloc(len(self.running)))
         with self._open(batch) as open_pass:
             tokens = self._launch(batch, prepared)
             if during is not None:
                 during()
             self._prepare_next(open_pass)  # host work while the device runs this pass
             sampled = self._fetch(tokens)
-            self._commit_pass(open_pass, state.decode(batch, sampled))
+            self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
 
@@ -423,7 +426,7 @@ class Engine:
         try:
             yield open_pass
         except BaseException as error:
-            undo = open_pass.abandon()
+            undo = open_pass.abandon(self.machine)
             if undo is not None:
                 self.book.apply(undo)
             self.ahead.drop()
@@ -516,7 +519,7 @@ class Engine:
         for reason in (FinishReason.STOP, FinishReason.ERROR):
             indices = [self.running.index_of(uid) for uid, r in ending.items() if r == reason]
             if indices:
-                self._commit(state.finish(self.running, indices, reason))
+                self._commit(self.machine.finish(self.running, indices, reason))
 
     # --- convenience API (drives the loop itself) ---------------------------------------------
     def generate(
