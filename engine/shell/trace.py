@@ -54,7 +54,6 @@ EFFECT_FIELDS = (
     "finished_reasons",
     "retracted_rids",
 )
-PASS_COMMITS = ("extend", "decode", "verify")  # a fault between these and their apply: unapplied
 Tokens = Callable[[Any], list[int]]  # token ids -> the ids a trace holds
 
 
@@ -148,9 +147,7 @@ class Pseudonyms:
 
 
 # --- recording ----------------------------------------------------------------------------------
-def machine(
-    config: Any, vocab_size: int, book: KVBook, requests: Mapping[int, Any], eos_id: int = -1
-) -> Any:
+def machine(config: Any, vocab_size: int, book: KVBook, requests: Mapping[int, Any]) -> Any:
     """What the engine calls its transitions on: `engine.state` itself, or with
     `config.trace_path` set, a `Recorder` writing them there. `requests`: the engine's
     requests in flight by uid (their tokens at admission go into the trace)."""

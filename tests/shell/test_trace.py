@@ -217,3 +217,12 @@ def test_the_trace_flag_has_a_short_form():
     EngineConfig.add_arguments(parser)
     args = parser.parse_args(["--trace", "run.jsonl", "--trace-tokens"])
     assert EngineConfig.overrides_from(args) == dict(trace_path="run.jsonl", trace_tokens=True)
+
+
+def test_effects_written_and_read_back_are_equal(trace):
+    from engine.shell.trace import decode_effects, encode_effects
+
+    for record_ in records(trace[0]):
+        effects = record_.get("out", {}).get("effects")
+        if effects is not None:
+            assert encode_effects(decode_effects(effects)) == effects
