@@ -116,7 +116,8 @@ class EngineConfig:
     mixed_chunk_size: int = _field(
         256,
         "prefill token budget of a mixed pass (one that also carries running requests' "
-        "decodes): bounds their time between two tokens while a long prompt prefills",
+        "decodes), per prompt prefilling (at most chunk_size): bounds their time between two "
+        "tokens while a long prompt prefills",
         _positive,
     )
     cuda_graph_max_batch: int = _field(

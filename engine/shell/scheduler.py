@@ -36,8 +36,10 @@ def plan_extend(
     the cache (with speculation, a verify pass would draw it differently). `mixed`: the pass
     also carries every other request's pending token (its decode), outside the budget, so
     running requests keep emitting while prompts prefill; otherwise they wait. A pass that
-    carries decodes prefills at most `mixed_budget` tokens (when given): the decodes wait for
-    the whole pass, so its length is their gap between two tokens.
+    carries decodes prefills at most `mixed_budget` tokens per prefilling request (when
+    given): the decodes wait for the whole pass, so its length is their gap between two
+    tokens. One long prompt among running requests is chunked finely; a burst of new
+    requests, each waiting for its first token, still prefills at up to the whole budget.
     """
     pending = running.pending_lens
     first = running.token_lens.lens == running.prompt_lens
@@ -46,7 +48,7 @@ def plan_extend(
     if candidates.size == 0:
         return None
     if mixed and mixed_budget is not None and candidates.size < len(running):
-        token_budget = min(token_budget, mixed_budget)
+        token_budget = min(token_budget, mixed_budget * int(candidates.size))
     wanted = pending[candidates]
     before = np.concatenate([[0], np.cumsum(wanted)[:-1]])
     chunk = np.clip(token_budget - before, 0, wanted)

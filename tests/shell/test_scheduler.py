@@ -41,6 +41,10 @@ def test_a_mixed_plan_prefills_at_most_its_own_budget_while_requests_decode():
     assert plan_extend(decoding, 40, mixed=False, mixed_budget=8).chunk_lens.tolist() == [30]
     alone = _running([0], [30])  # nobody decodes: the whole budget
     assert plan_extend(alone, 40, mixed_budget=8).chunk_lens.tolist() == [30]
+    # a burst: three prompts waiting for their first token get 8 tokens each in all
+    burst = _running([0, 0, 0, 10], [30, 30, 30, 11], prompt_lens=[30, 30, 30, 1])
+    plan = plan_extend(burst, 40, mixed_budget=8)
+    assert plan.indices.tolist() == [0, 3] and plan.chunk_lens.tolist() == [24, 1]
 
 
 def test_a_request_whose_prompt_was_cached_samples_its_first_token_in_an_extend_pass():
