@@ -16,6 +16,7 @@ from engine.cli import main
 from engine.shell.config import EngineConfig
 from engine.shell.failures import Faults
 from engine.shell.replay import Mismatch, TraceError, replay_file
+from engine.shell.trace import decode_effects, encode_effects
 
 
 def family(seed: int, length: int) -> list[int]:
@@ -220,8 +221,6 @@ def test_the_trace_flag_has_a_short_form():
 
 
 def test_effects_written_and_read_back_are_equal(trace):
-    from engine.shell.trace import decode_effects, encode_effects
-
     for record_ in records(trace[0]):
         effects = record_.get("out", {}).get("effects")
         if effects is not None:
