@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import torch
 
-from engine.model.sampling import LogitsEdit, Logprobs
+from engine.model.sampling import LogitsEdit, Logprobs, host_to_device
 from engine.shell.grammar import Grammars, apply_masks
 from engine.shell.request import Request, TokenLogprob
 from engine.state import DraftTrees
@@ -118,7 +118,7 @@ class LogitsWork:
             return None
         rows = [i for i, u in enumerate(uids) if u in asked]
         tops = [self.requests[uids[i]].params.logprobs or 0 for i in rows]
-        index = torch.tensor(rows, device=logits.device)
+        index = host_to_device(np.array(rows, dtype=np.int64), logits.device)
         picked = tokens.index_select(0, index)
         values = Logprobs.of(logits.index_select(0, index), picked, max(tops))
         return PendingLogprobs(values, [uids[i] for i in rows], tops, picked)
@@ -151,7 +151,7 @@ class LogitsWork:
             tokens.extend([int(trees.tokens[n]) for n in accepted] + [int(bonus[i])])
             row_uids.extend([uid] * len(path))
         tops = [self.requests[u].params.logprobs or 0 for u in row_uids]
-        index = torch.tensor(rows, device=logits.device)
-        picked = torch.tensor(tokens, device=logits.device)
+        index = host_to_device(np.array(rows, dtype=np.int64), logits.device)
+        picked = host_to_device(np.array(tokens, dtype=np.int64), logits.device)
         values = Logprobs.of(logits.index_select(0, index), picked, max(tops))
         return PendingLogprobs(values, row_uids, tops, picked)
