@@ -57,6 +57,14 @@ _COUNTERS = {  # Engine.metrics() key -> (metric name without _total, help)
         "engine_prefix_cache_evictions",
         "Eviction rounds that freed cached slots",
     ),
+    "grammar_masks": (
+        "engine_grammar_masks",
+        "Token masks computed for constrained requests (verify: one per tree node)",
+    ),
+    "grammar_mask_seconds": (
+        "engine_grammar_mask_seconds",
+        "Host time spent computing the token masks of constrained requests",
+    ),
 }
 
 

@@ -63,7 +63,8 @@ class Engine:
         self.stats = collections.Counter()
         self.step_times: collections.deque = collections.deque(maxlen=1024)
         self.spec = Speculator(rt, self.config) if self.config.speculative else None
-        self.grammars = Grammars(rt.tokenizer, rt.vocab_size, rt.eos_id)  # structured output
+        # structured output: matchers, masks
+        self.grammars = Grammars(rt.tokenizer, rt.vocab_size, rt.eos_id, self.stats)
         self.outputs = Outputs(self.tokenizer, self.inbox, self.stats, self.spec, self.grammars)
         self.requests = self.outputs.requests  # in flight, by uid (the loop's thread only)
         # penalties and grammar masks before sampling, logprobs after

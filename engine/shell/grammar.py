@@ -11,6 +11,7 @@ import enum
 import functools
 import json
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -79,10 +80,18 @@ def grammar_vocabulary(tokenizer: Any, vocab_size: int, eos_id: int) -> llguidan
 
 class Grammars:
     """Compiles requests' grammars (any thread) and keeps the matchers of the constrained
-    requests in flight, by uid (the loop's thread)."""
+    requests in flight, by uid (the loop's thread). `stats` counts the masks computed
+    (`grammar_masks`) and the host time they took (`grammar_mask_seconds`)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_id: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_id: int,
+        stats: collections.Counter | None = None,
+    ) -> None:
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
+        self.stats = collections.Counter() if stats is None else stats
         self.matchers: dict[int, llguidance.LLMatcher] = {}
         self._vocabulary: llguidance.LLTokenizer | None = None
         self._compiled: collections.OrderedDict[StructuredOutputs, str] = collections.OrderedDict()
@@ -156,10 +165,12 @@ class Grammars:
         rows = [(self.matchers[u], i) for i, u in enumerate(uids) if u in self.matchers]
         if not rows:
             return None
+        started = time.perf_counter()
         bitmask = np.full((len(uids), self.words), -1, dtype=np.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         llg_numpy.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        self._count(len(rows), started)
         return bitmask
 
     def prune(self, trees: DraftTrees, uids: Sequence[int]) -> DraftTrees:
@@ -181,10 +192,18 @@ class Grammars:
         Every draft is one its grammar allows (`prune`)."""
         if self.matchers.keys().isdisjoint(uids):
             return None
+        started = time.perf_counter()
         bitmask = np.full((trees.sizes.total, self.words), -1, dtype=np.int32)
+        rows = 0
         for tree in _trees(trees, uids, self.matchers):
             _fill(self.matchers[tree.uid], tree, 0, bitmask)
+            rows += len(tree.tokens)
+        self._count(rows, started)
         return bitmask
+
+    def _count(self, masks: int, started: float) -> None:
+        self.stats["grammar_masks"] += masks
+        self.stats["grammar_mask_seconds"] += time.perf_counter() - started
 
 
 @attrs.frozen

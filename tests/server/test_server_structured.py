@@ -73,6 +73,14 @@ def test_json_schema_response_format_validates(served: Served) -> None:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), POINT)
     _settled(served)
+    metrics = dict(
+        line.split(" ", 1)
+        for line in httpx.get(f"{served.url}/metrics").text.splitlines()
+        if line.startswith("engine_grammar_")
+    )
+    masks = float(metrics["engine_grammar_masks_total"])
+    assert masks >= response.usage.completion_tokens  # one per token drawn
+    assert float(metrics["engine_grammar_mask_seconds_total"]) > 0
 
 
 def test_json_object_on_completions_and_streamed_chat(served: Served) -> None:

@@ -1,14 +1,16 @@
 """The engine as a model: hypothesis mixes submissions (greedy and sampled, long prompts that
-chunk, prompts from a few shared families, multi-turn continuations of finished requests, a
-pool small enough to evict cached prefixes and retract), aborts (also mid-prefill of a matched
-prefix), streams closed early, speculation, mixed or extend-only passes, and faults injected
-into forwards, sampling, verify walks and commits. After every step each slot is free, owned
-by one request, or cached with a lock count equal to its holders, and every row starts with
-its request's cached prefix; at the end every request has finished, nothing is locked, and
-the pool is whole."""
+chunk, prompts from a few shared families, multi-turn continuations of finished requests,
+grammar-constrained requests, a pool small enough to evict cached prefixes and retract),
+aborts (also mid-prefill of a matched prefix), streams closed early, speculation, mixed or
+extend-only passes, and faults injected into forwards, sampling, verify walks and commits.
+After every step each slot is free, owned by one request, or cached with a lock count equal to
+its holders, every row starts with its request's cached prefix, and only requests in flight
+hold a grammar matcher; at the end every request has finished, nothing is locked, the pool is
+whole, and every constrained output is one its grammar allows (whole, where it stopped)."""
 
 from __future__ import annotations
 
+import llguidance
 import numpy as np
 import pytest
 from hypothesis import event, settings
@@ -19,9 +21,22 @@ from engine import SamplingParams
 from engine.errors import InvalidRequest
 from engine.shell.engine import Engine
 from engine.shell.failures import FAULT_POINTS, Faults
+from engine.state import StructuredOutputs
 
 MAX_CONTEXT = 96
 FAMILIES = 3  # shared prompt prefixes ("system prompts")
+GRAMMARS = [  # on random weights, token id i < 256 is byte i
+    StructuredOutputs(regex="[a-d]{2,9}"),
+    StructuredOutputs(choice=("yes", "no", "maybe not")),
+    StructuredOutputs(grammar='start: "(" item ("," item)* ")"\nitem: /[0-9]/\n'),
+    StructuredOutputs(
+        json={
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["n"],
+        }
+    ),
+]
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -106,6 +121,30 @@ class EngineMachine(RuleBasedStateMachine):
         params = self._params(max_tokens, sampled, seed)
         self.requests.append(self.engine._submit(prompt, params, None, None))
 
+    @rule(
+        grammar=st.sampled_from(GRAMMARS),
+        length=st.integers(1, 24),
+        max_tokens=st.integers(1, 16),
+        sampled=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def submit_constrained(
+        self,
+        grammar: StructuredOutputs,
+        length: int,
+        max_tokens: int,
+        sampled: bool,
+        seed: int,
+    ) -> None:
+        """A request whose output its grammar constrains (greedy, or sampled)."""
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if sampled else 0.0,
+            seed=seed,
+            structured_outputs=grammar,
+        )
+        self.requests.append(self.engine._submit(self._prompt(length, seed), params, None, None))
+
     @precondition(lambda self: any(r.done and r.error is None for r in self.requests))
     @rule(data=st.data(), extra=st.integers(1, 8), max_tokens=st.integers(1, 8))
     def continue_conversation(self, data: st.DataObject, extra: int, max_tokens: int) -> None:
@@ -152,6 +191,11 @@ class EngineMachine(RuleBasedStateMachine):
         if self.engine is not None:
             self.engine.check()
 
+    @invariant()
+    def only_requests_in_flight_hold_a_matcher(self) -> None:
+        if self.engine is not None:
+            assert self.engine.grammars.matchers.keys() <= self.engine.requests.keys()
+
     def teardown(self) -> None:
         engine = self.engine
         if engine is None:
@@ -178,9 +222,27 @@ class EngineMachine(RuleBasedStateMachine):
                 + ("some" if engine.stats["cached_prompt_tokens"] else "none")
             )
             event("evictions: " + ("some" if engine.book.evictions else "none"))
+        for request in self.requests:
+            self._check_grammar(request)
+        assert not engine.grammars
         engine.faults = None  # and it serves on
         after = engine.generate([self._prompt(8, 0)], self._params(3, False, 0))[0]
         assert after.finish_reason == "length" and len(after.token_ids) == 3
+
+    def _check_grammar(self, request) -> None:
+        """A constrained output is one its grammar allows; whole where it stopped."""
+        spec = request.params.structured_outputs
+        if spec is None:
+            return
+        if request.error is not None:  # only an injected fault ends a request with an error
+            assert request.error.startswith("InjectedFault"), request.error
+            return
+        grammars = self.engine.grammars
+        matcher = llguidance.LLMatcher(grammars.vocabulary, grammars.compile(spec), log_level=0)
+        assert matcher.consume_tokens(request.output_ids), matcher.get_error()
+        if request.completion().finish_reason == "stop":
+            assert matcher.is_accepting()
+        event(f"a constrained request ended with {request.completion().finish_reason}")
 
 
 EngineMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
