@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.errors import InvalidRequest
+from engine.model.sampling import host_to_device
 from engine.spec import prune
 from engine.state import DraftTrees, StructuredOutputs
 
@@ -258,10 +259,20 @@ def _fill(matcher: llguidance.LLMatcher, tree: _Tree, node: int, bitmask: np.nda
 
 def apply_masks(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
     """`logits` [rows, vocab] with every token its row's mask does not allow at -inf (a new
-    tensor)."""
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").view(bool)
+    tensor). Ids past the grammar's vocabulary are never allowed."""
+    if logits.device.type == "cpu":
+        allowed = torch.from_numpy(
+            np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").view(bool)
+        )
+    else:  # the words cross (pinned, without waiting for the pass), then unpack there
+        allowed = unpack_words(host_to_device(bitmask, logits.device))
     vocab = logits.shape[1]
-    if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
-        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
-    allowed_rows = torch.from_numpy(allowed[:, :vocab]).to(logits.device, non_blocking=True)
-    return torch.where(allowed_rows, logits, float("-inf"))
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return torch.where(allowed[:, :vocab], logits, float("-inf"))
+
+
+def unpack_words(words: torch.Tensor) -> torch.Tensor:
+    """[rows, words] int32 masks -> [rows, 32 * words] bool (bit b of word w: token 32w + b)."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    return ((words[:, :, None] >> shifts) & 1).bool().flatten(1)

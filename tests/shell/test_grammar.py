@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequest
-from engine.shell.grammar import Grammars, Progress, apply_masks
+from engine.shell.grammar import Grammars, Progress, apply_masks, unpack_words
 from engine.spec import DraftTree, stack
 from engine.spec.tree import unstack
 from engine.state import StructuredOutputs
@@ -67,6 +67,12 @@ def test_apply_masks_sets_what_a_row_does_not_allow_to_minus_infinity() -> None:
     assert torch.isinf(masked[0, 256:]).all()
     finite = torch.isfinite(masked[1]).nonzero().flatten().tolist()
     assert finite == [ord("x"), ord("y")]
+
+
+def test_the_device_unpacking_reads_the_bits_as_the_host_does() -> None:
+    bitmask = np.random.default_rng(0).integers(-(2**31), 2**31, (3, 5)).astype(np.int32)
+    host = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").view(bool)
+    assert torch.equal(unpack_words(torch.from_numpy(bitmask)), torch.from_numpy(host))
 
 
 @pytest.mark.parametrize(
