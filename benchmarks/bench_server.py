@@ -7,6 +7,12 @@ several client concurrencies, against `engine serve` started here (or an existin
 `--sampling-modes` runs each concurrency three times in one server, sampled at temperature
 0.8: plain, with logprobs (5 alternatives per token), and with frequency, presence and
 repetition penalties, and prints their throughput side by side (ratios to plain).
+
+`--structured` runs each concurrency twice in one server, greedy: requests whose answer a JSON
+schema constrains (response_format json_schema) and the same requests unconstrained, and prints
+their throughput side by side, with the host time the server spent on token masks. With
+`--workload copy` each request asks for a given JSON document back with one field changed
+(the case speculation gains on: compare runs with and without --speculative).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -153,8 +160,10 @@ async def run_level(
     num_requests: int,
     max_tokens: int,
     fields: dict | None = None,
+    body_of: Callable[[int], dict] | None = None,
 ) -> LevelResult:
-    """`concurrency` clients share a queue of `num_requests` requests, one at a time each."""
+    """`concurrency` clients share a queue of `num_requests` requests, one at a time each
+    (request i's body: `body_of(i)`, or `request_body`'s)."""
     pending = list(range(num_requests))
     timings: list[RequestTiming] = []
     limits = httpx.Limits(max_connections=concurrency)
@@ -162,7 +171,11 @@ async def run_level(
     async def client_loop(client: httpx.AsyncClient) -> None:
         while pending:
             index = pending.pop()
-            body = request_body(model, workload, index, max_tokens, fields)
+            body = (
+                request_body(model, workload, index, max_tokens, fields)
+                if body_of is None
+                else body_of(index)
+            )
             timings.append(await one_request(client, url, body))
 
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -287,6 +300,131 @@ def compare_sampling(url: str, model: str, args: argparse.Namespace) -> None:
         print(f"| {c} | " + " | ".join(cells + ratios) + " |")
 
 
+STORY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "mood": {"enum": ["calm", "stormy", "bright", "dark"]},
+        "lines": {"type": "array", "items": {"type": "string", "maxLength": 60}, "maxItems": 3},
+    },
+    "required": ["title", "mood", "lines"],
+    "additionalProperties": False,
+}
+DOCUMENT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "place": {"type": "string"},
+        "text": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["id", "place", "text", "tags"],
+    "additionalProperties": False,
+}
+
+
+def json_task(workload: str, index: int) -> tuple[dict, str]:
+    """(schema, user message): 'stories', a short story record; 'copy', a given JSON
+    document back with its id changed."""
+    topic = TOPICS[index % len(TOPICS)]
+    if workload == "stories":
+        return STORY_SCHEMA, f"Describe {topic} as JSON: a title, a mood and up to three lines."
+    document = {
+        "id": index,
+        "place": topic,
+        "text": PASSAGE.replace("river", topic),
+        "tags": [topic, "passage"],
+    }
+    text = json.dumps(document, separators=(",", ":"))
+    return DOCUMENT_SCHEMA, f"Repeat this JSON exactly, with id set to {index + 1000}:\n{text}"
+
+
+def structured_body(
+    model: str, workload: str, index: int, max_tokens: int, constrained: bool
+) -> dict:
+    """The request of `json_task`, constrained by its schema or not (random weights: their
+    token-id prompt, constrained on the byte vocabulary)."""
+    schema, message = json_task(workload, index)
+    body = request_body(model, workload, index, max_tokens)
+    if "messages" in body:
+        body["messages"] = [{"role": "user", "content": message}]
+    if constrained:
+        format_ = {"name": "answer", "schema": schema, "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": format_}
+    return body
+
+
+def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The server's metrics of these names, each summed over its labels."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        if name in totals:
+            totals[name] += float(value)
+    return totals
+
+
+MASK_SERIES = (
+    "engine_grammar_masks_total",
+    "engine_grammar_mask_seconds_total",
+    "engine_step_seconds_sum",
+)
+
+
+def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
+    """Each concurrency unconstrained, then constrained by a JSON schema, best of two rounds
+    each; output tok/s, their ratio, and the host time spent on masks (constrained runs)."""
+    levels = [int(c) for c in args.concurrency.split(",")]
+    best: dict[tuple[str, int], float] = {}
+    masks = {name: 0.0 for name in MASK_SERIES}
+    for _ in range(2):
+        for concurrency in levels:
+            for mode in ("free", "json"):
+                before = scrape(url, MASK_SERIES)
+                result = asyncio.run(
+                    run_level(
+                        url,
+                        model,
+                        args.workload,
+                        concurrency,
+                        concurrency * args.requests_per_client,
+                        args.max_tokens,
+                        body_of=lambda i: structured_body(
+                            model, args.workload, i, args.max_tokens, mode == "json"
+                        ),
+                    )
+                )
+                if mode == "json":
+                    after = scrape(url, MASK_SERIES)
+                    for name in MASK_SERIES:
+                        masks[name] += after.get(name, 0.0) - before.get(name, 0.0)
+                tok_s = result.row()["tok_per_s"]
+                best[mode, concurrency] = max(best.get((mode, concurrency), 0.0), tok_s)
+    speculation = "on" if args.speculative else "off"
+    print(
+        f"\n{model} on {args.device} ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cpus), workload {args.workload}, speculation {speculation}, "
+        f"max_tokens={args.max_tokens}, greedy; output tok/s, best of two rounds"
+    )
+    print("| clients | unconstrained | JSON schema | JSON / unconstrained |")
+    print("|---|---|---|---|")
+    for c in levels:
+        free, constrained = best["free", c], best["json", c]
+        print(f"| {c} | {free:.1f} | {constrained:.1f} | {constrained / free:.2f}x |")
+    count = masks["engine_grammar_masks_total"]
+    seconds = masks["engine_grammar_mask_seconds_total"]
+    steps = masks["engine_step_seconds_sum"]
+    if count:
+        print(
+            f"token masks: {count:.0f}, {1e6 * seconds / count:.1f} us each on the host, "
+            f"{100 * seconds / steps:.1f}% of the constrained runs' step time"
+        )
+    if args.speculative:
+        print(f"speculation: {spec_acceptance(url)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -310,6 +448,11 @@ def main() -> int:
         action="store_true",
         help="plain sampling against logprobs and penalties, side by side",
     )
+    parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="JSON-schema requests against the same requests unconstrained, side by side",
+    )
     args = parser.parse_args()
 
     process, url = (None, args.url) if args.url else start_server(args)
@@ -318,6 +461,9 @@ def main() -> int:
         asyncio.run(run_level(url, model, args.workload, 1, 1, 4))  # warm-up
         if args.sampling_modes:
             compare_sampling(url, model, args)
+            return 0
+        if args.structured:
+            compare_structured(url, model, args)
             return 0
         rows = []
         for concurrency in (int(c) for c in args.concurrency.split(",")):
