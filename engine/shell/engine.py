@@ -64,7 +64,9 @@ class Engine:
         self.step_times: collections.deque = collections.deque(maxlen=1024)
         self.spec = Speculator(rt, self.config) if self.config.speculative else None
         # structured output: matchers, masks
-        self.grammars = Grammars(rt.tokenizer, rt.vocab_size, rt.eos_id, self.stats)
+        self.grammars = Grammars(
+            rt.tokenizer, rt.vocab_size, rt.eos_id, self.stats, rt.device.type == "cuda"
+        )
         self.outputs = Outputs(self.tokenizer, self.inbox, self.stats, self.spec, self.grammars)
         self.requests = self.outputs.requests  # in flight, by uid (the loop's thread only)
         # penalties and grammar masks before sampling, logprobs after
@@ -364,10 +366,10 @@ class Engine:
             logits = self.logits.edit_tree(
                 self._forward(batch), trees, uids, self.outputs.edited_uids
             )
-            logits = self.logits.constrain_tree(logits, trees, uids)
+            masked = self.logits.constrain_tree(logits, trees, uids)
             params = [self.requests[u].params for u in uids]
             self._hit("verify")
-            outcome = self.spec.verify(batch, params, logits)
+            outcome = self.spec.verify(batch, params, masked)
             pending = self.logits.tree_logprobs(
                 logits,
                 trees,
@@ -446,8 +448,9 @@ class Engine:
         return self.runner.launch(prepared, batch)
 
     def _launch(self, batch: state.Batch, prepared: Any = None) -> Sampled:
-        """Launch the pass and its sampling (each request's bias and penalties first, its
-        logprobs after, where asked); the tokens stay on the device until `_fetch`."""
+        """Launch the pass and its sampling (each request's bias and penalties first, then its
+        grammar's mask; its logprobs after, where asked, from the logits before the mask);
+        the tokens stay on the device until `_fetch`."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
@@ -457,8 +460,7 @@ class Engine:
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
         logits = self.logits.edit(self._forward(batch, prepared), uids, outputs.edited_uids)
         # on a GPU the masks are computed on the host while the device runs the pass
-        logits = self.logits.constrain(logits, uids)
-        tokens = self.runtime.sample(logits, inputs)
+        tokens = self.runtime.sample(self.logits.constrain(logits, uids), inputs)
         return Sampled(tokens, self.logits.logprobs(logits, tokens, uids, outputs.logprob_uids))
 
     def _fetch(self, sampled: Sampled) -> np.ndarray:

@@ -82,7 +82,9 @@ def grammar_vocabulary(tokenizer: Any, vocab_size: int, eos_id: int) -> llguidan
 class Grammars:
     """Compiles requests' grammars (any thread) and keeps the matchers of the constrained
     requests in flight, by uid (the loop's thread). `stats` counts the masks computed
-    (`grammar_masks`) and the host time they took (`grammar_mask_seconds`)."""
+    (`grammar_masks`) and the host time they took (`grammar_mask_seconds`). `parallel`: a
+    pass's masks are computed on a pool of host threads (with a GPU, while it runs the pass;
+    on a CPU the cores run the model, and a pool's threads wait behind it)."""
 
     def __init__(
         self,
@@ -90,8 +92,10 @@ class Grammars:
         vocab_size: int,
         eos_id: int,
         stats: collections.Counter | None = None,
+        parallel: bool = False,
     ) -> None:
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
+        self.parallel = parallel
         self.stats = collections.Counter() if stats is None else stats
         self.matchers: dict[int, llguidance.LLMatcher] = {}
         self._vocabulary: llguidance.LLTokenizer | None = None
@@ -168,9 +172,13 @@ class Grammars:
             return None
         started = time.perf_counter()
         bitmask = np.full((len(uids), self.words), -1, dtype=np.int32)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llg_numpy.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        if self.parallel and len(rows) > 1:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llg_numpy.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        else:
+            for matcher, row in rows:
+                llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
         self._count(len(rows), started)
         return bitmask
 

@@ -58,6 +58,17 @@ def test_unconstrained_rows_allow_every_token_and_none_means_no_work() -> None:
     assert allowed(bitmask, 1) == set(range(ord("0"), ord("9") + 1))
 
 
+def test_a_pool_of_threads_computes_the_same_masks() -> None:
+    one, pool = grammars(), Grammars(None, 256, EOS, parallel=True)
+    specs = [StructuredOutputs(regex="[a-c]x"), StructuredOutputs(choice=("no", "yes"))]
+    for book in (one, pool):
+        for uid, spec in enumerate(specs):
+            book.add(uid, spec)
+        book.advance(0, ids("b"))
+    assert np.array_equal(one.masks([0, 7, 1]), pool.masks([0, 7, 1]))
+    assert one.stats["grammar_masks"] == pool.stats["grammar_masks"] == 2
+
+
 def test_apply_masks_sets_what_a_row_does_not_allow_to_minus_infinity() -> None:
     book = grammars()
     book.add(5, StructuredOutputs(regex="[xy]"))

@@ -7,8 +7,10 @@ before anything is allocated."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
+import attrs
 import jsonschema
 import pytest
 from engine_checks import settled
@@ -151,6 +153,21 @@ def test_a_stream_under_a_schema_adds_up_to_valid_json(default_engine: Engine) -
     deltas = list(default_engine.stream(ASK, params))
     assert deltas[-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(d.text for d in deltas)), ANIMAL)
+
+
+def test_logprobs_under_a_grammar_are_the_models_before_the_mask(default_engine: Engine) -> None:
+    free = SamplingParams(max_tokens=3, logprobs=3)
+    constrained = attrs.evolve(free, structured_outputs={"choice": ["Zebra crossing"]})
+    out = default_engine.generate(ASK, constrained)[0]
+    assert out.text == "Zebra crossing"
+    for entry in out.logprobs:  # finite (no -inf for what the mask removed), unrenormalised
+        assert math.isfinite(entry.logprob) and len(entry.top) == 3
+        assert all(math.isfinite(value) for _, value in entry.top)
+        assert entry.top[0][1] >= entry.logprob
+    first = default_engine.generate(ASK, free)[0].logprobs[0]  # as without the grammar:
+    assert [t for t, _ in out.logprobs[0].top] == [t for t, _ in first.top]
+    pairs = zip(out.logprobs[0].top, first.top, strict=True)
+    assert max(abs(a - b) for (_, a), (_, b) in pairs) < 1e-4
 
 
 @pytest.mark.parametrize(
