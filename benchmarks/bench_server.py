@@ -86,6 +86,10 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
     arrivals_s: list[float] = []
     num_tokens = 0
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    if not body["stream"]:  # random weights: one response, its tokens counted
+        response = await client.post(f"{url}{path}", json=body)
+        response.raise_for_status()
+        return RequestTiming(float("nan"), (), response.json()["usage"]["completion_tokens"])
     async with client.stream("POST", f"{url}{path}", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -98,8 +102,6 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
             if chunk.get("usage"):
                 num_tokens = chunk["usage"]["completion_tokens"]
     if not arrivals_s:
-        if num_tokens and "prompt" in body:  # random weights: tokens without text
-            return RequestTiming(float("nan"), (), num_tokens)
         raise RuntimeError(f"request produced no text: {body}")
     gaps = tuple(np.diff(arrivals_s).tolist())
     return RequestTiming(arrivals_s[0] - sent_s, gaps, num_tokens)
@@ -128,13 +130,12 @@ def request_body(
         fields = {k: v for k, v in (fields or {}).items() if k != "top_logprobs"} | (
             {"logprobs": 5} if (fields or {}).get("logprobs") else {}
         )
-        return {
+        return {  # not streamed: without text, a stream would carry logprobs' chunks only
             "model": model,
             "max_tokens": max_tokens,
             "temperature": 0,
-            "stream": True,
+            "stream": False,
             "ignore_eos": True,
-            "stream_options": {"include_usage": True},
             "prompt": rng.integers(3, 250, RANDOM_PROMPT_TOKENS).tolist(),  # any preset's vocab
             "seed": index,
             **fields,
@@ -436,7 +437,7 @@ def main() -> int:
     parser.add_argument(
         "--random-weights",
         help="serve random weights of this preset (e.g. llama3_8b): token-id prompts through "
-        "/v1/completions, no text (time to first token is not measured)",
+        "/v1/completions, not streamed (no text; time to first token is not measured)",
     )
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     parser.add_argument("--requests-per-client", type=int, default=2)
