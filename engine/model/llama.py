@@ -20,7 +20,7 @@ from engine.backends.base import AttentionBackend, ForwardMetadata
 from engine.model.config import ModelConfig
 from engine.model.rope import rope_attention_factor, rope_inv_freq
 from engine.ops.blockq import BlockWeight, linear
-from engine.ops.reference import rms_norm
+from engine.ops.reference import QkvExtras, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -105,16 +105,17 @@ class DecoderLayer(nn.Module):
             normed, residual = ops.rms_norm(hidden, norm.weight, norm.eps), hidden
         else:
             normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        qkv = self.project_qkv(normed, ops)
+        qkv = ops.linear(normed, self.qkv_proj)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = backend.pool.k_cache[self.index], backend.pool.v_cache[self.index]
         stored = ops.stores_kv  # the kernel casts K/V to the cache dtype, as the backends do
+        extras = self.qkv_extras()  # bias, head norms: applied by the op set with RoPE
         if stored:  # rotation and the K/V cache write in one launch
             q, k, v = ops.rope_qkv_store(
-                qkv, cos, sin, *heads, k_cache, v_cache, metadata.out_slots
+                qkv, cos, sin, *heads, k_cache, v_cache, metadata.out_slots, extras
             )
         else:
-            q, k, v = ops.rope_qkv(qkv, cos, sin, *heads)
+            q, k, v = ops.rope_qkv(qkv, cos, sin, *heads, extras)
         attn = backend.forward(
             self.index, q, k, v, metadata, scale=self.head_dim**-0.5, kv_stored=stored
         )
@@ -124,19 +125,17 @@ class DecoderLayer(nn.Module):
         gate_up = ops.linear(normed, self.gate_up_proj)
         return ops.linear(ops.silu_mul(gate_up), self.down_proj), residual
 
-    def project_qkv(self, normed: torch.Tensor, ops: Any) -> torch.Tensor:
-        """[T, q + 2 kv]: the q, k, v projections, biased and their heads normed where the
-        config says, ready for RoPE."""
-        qkv = ops.linear(normed, self.qkv_proj)
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias
-        if self.q_norm is None or self.k_norm is None:
-            return qkv
-        num_tokens, dim = qkv.shape[0], self.head_dim
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = ops.rms_norm(q.reshape(-1, dim), self.q_norm.weight, self.q_norm.eps)
-        k = ops.rms_norm(k.reshape(-1, dim), self.k_norm.weight, self.k_norm.eps)
-        return torch.cat((q.view(num_tokens, -1), k.view(num_tokens, -1), v), dim=-1)
+    def qkv_extras(self) -> QkvExtras | None:
+        """The layer's q/k/v bias and q/k head norms for the op set (None: it has neither)."""
+        if self.qkv_bias is None and self.q_norm is None:
+            return None
+        q_norm, k_norm = self.q_norm, self.k_norm
+        return QkvExtras(
+            bias=self.qkv_bias,
+            q_norm=None if q_norm is None else q_norm.weight,
+            k_norm=None if k_norm is None else k_norm.weight,
+            eps=1e-6 if q_norm is None else q_norm.eps,
+        )
 
 
 class LlamaModel(nn.Module):

@@ -3,7 +3,12 @@ names what was wrong and what is allowed."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from engine.ops.reference import QkvExtras
 
 
 def check_rows(name: str, tensor: torch.Tensor, width: int) -> None:
@@ -74,3 +79,24 @@ def check_rope_store(
             f"slots must be int64 [{qkv.shape[0]}] (one per token); got "
             f"{slots.dtype} {tuple(slots.shape)}"
         )
+
+
+def check_qkv_extras(extras: QkvExtras | None, qkv: torch.Tensor, head_dim: int) -> None:
+    """A bias of qkv's width and head-norm weights of one head each, contiguous, on qkv's
+    device: the kernels read exactly that many values."""
+    if extras is None:
+        return
+    for name, vector, size in (
+        ("bias", extras.bias, qkv.shape[1]),
+        ("q_norm", extras.q_norm, head_dim),
+        ("k_norm", extras.k_norm, head_dim),
+    ):
+        if vector is None:
+            continue
+        if vector.dim() != 1 or vector.shape[0] != size or vector.stride(0) != 1:
+            raise ValueError(
+                f"extras.{name} must be contiguous [{size}]; got {tuple(vector.shape)}, "
+                f"strides {vector.stride()}"
+            )
+        if vector.device != qkv.device:
+            raise ValueError(f"extras.{name} is on {vector.device}; qkv is on {qkv.device}")

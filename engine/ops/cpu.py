@@ -15,10 +15,11 @@ from engine.ops.blockq import BlockWeight, linear  # noqa: F401  (linear: the se
 from engine.ops.checks import (
     check_gate_up,
     check_norm,
+    check_qkv_extras,
     check_rope_store,
     check_rope_tables,
 )
-from engine.ops.reference import split_heads
+from engine.ops.reference import QkvExtras, apply_qkv_extras, split_heads
 
 stores_kv = True  # the model calls rope_qkv_store: the K/V cache write rides the rotation
 
@@ -89,9 +90,14 @@ def rope_qkv_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    extras: QkvExtras | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`TorchOps.rope_qkv` with q and k rotated in place in qkv, and in the same call the
-    rotated k and the v of token t written to k_cache[slots[t]] and v_cache[slots[t]]."""
+    rotated k and the v of token t written to k_cache[slots[t]] and v_cache[slots[t]].
+    `extras` (bias, q/k head norms) run first as separate ops (the whole-layer kernel,
+    `decoder_layer`, has them inside)."""
+    check_qkv_extras(extras, qkv, head_dim)
+    qkv = apply_qkv_extras(qkv, extras, num_heads, num_kv_heads, head_dim, rms_norm)
     check_rope_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
     _fp32(qkv=qkv, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

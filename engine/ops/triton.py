@@ -1,8 +1,8 @@
 """Triton kernels for a Llama layer's elementwise work, one launch each: RMSNorm (alone or fused
 with the residual add), RoPE on q and k in place with k and v stored into the KV cache in
-the same launch, and SiLU(gate) * up; `linear` adds the one-row matrix-vector
-kernel. Math is fp32; results are rounded to the input dtype where the torch reference
-rounds them.
+the same launch (with a family's q/k/v bias and q/k head norms before it), and
+SiLU(gate) * up; `linear` adds the one-row matrix-vector kernel. Math is fp32; results are
+rounded to the input dtype where the torch reference rounds them.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.checks import check_gate_up, check_norm, check_rope_store
+from engine.ops.checks import check_gate_up, check_norm, check_qkv_extras, check_rope_store
 from engine.ops.gemv import linear  # noqa: F401  (the ops set's matrix products)
-from engine.ops.reference import split_heads
+from engine.ops.reference import QkvExtras, split_heads
 
 SILU_BLOCK = 1024
 ROPE_HEADS_PER_PROGRAM = 8
@@ -61,6 +61,9 @@ def _rope_store_kernel(
     slots,
     k_cache,
     v_cache,
+    bias,
+    q_norm,
+    k_norm,
     stride_t,
     stride_cos,
     stride_sin,
@@ -69,11 +72,16 @@ def _rope_store_kernel(
     num_heads,
     num_kv_heads,
     half,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """One token's q, k, v heads (program axis 1 walks them in blocks): q and k rotated in
-    place, then the rotated k and the v heads written to the caches at the token's slot."""
+    """One token's q, k, v heads (program axis 1 walks them in blocks): with HAS_BIAS the
+    bias added to every head, with HAS_NORM each q and k head RMS-normed (rounded as the
+    reference's separate ops round), then q and k rotated in place, and the rotated k and
+    the v heads written to the caches at the token's slot."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
@@ -83,20 +91,44 @@ def _rope_store_kernel(
     is_k = rotated & (heads >= num_heads)
     is_v = (heads >= num_rotated) & (heads < num_rotated + num_kv_heads)
     mask = (rotated | is_v)[:, None] & in_half[None, :]
-    first_ptrs = qkv + token * stride_t + heads[:, None] * (2 * half) + dims[None, :]
+    offsets = heads[:, None] * (2 * half) + dims[None, :]
+    first_ptrs = qkv + token * stride_t + offsets
     first = tl.load(first_ptrs, mask=mask, other=0.0)
     second = tl.load(first_ptrs + half, mask=mask, other=0.0)
+    dtype = first.dtype
+    if HAS_BIAS:  # rounded to the dtype, as torch's `qkv + bias` rounds
+        first_bias = tl.load(bias + offsets, mask=mask, other=0.0).to(tl.float32)
+        second_bias = tl.load(bias + offsets + half, mask=mask, other=0.0).to(tl.float32)
+        first = (first.to(tl.float32) + first_bias).to(dtype)
+        second = (second.to(tl.float32) + second_bias).to(dtype)
+    spin = rotated[:, None]
+    if HAS_NORM:  # RMSNorm over each whole head (both halves), then its weight
+        first32, second32 = first.to(tl.float32), second.to(tl.float32)
+        squares = tl.sum(first32 * first32, axis=1) + tl.sum(second32 * second32, axis=1)
+        inv_rms = tl.rsqrt(squares / (2 * half) + eps)[:, None]
+        is_q = (heads < num_heads)[:, None]
+        q_first = tl.load(q_norm + dims, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        q_second = tl.load(q_norm + half + dims, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        k_first = tl.load(k_norm + dims, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        k_second = tl.load(k_norm + half + dims, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        normed_first = (first32 * inv_rms).to(dtype).to(tl.float32)
+        normed_second = (second32 * inv_rms).to(dtype).to(tl.float32)
+        normed_first = (normed_first * tl.where(is_q, q_first, k_first)).to(dtype)
+        normed_second = (normed_second * tl.where(is_q, q_second, k_second)).to(dtype)
+        first = tl.where(spin, normed_first, first)
+        second = tl.where(spin, normed_second, second)
     cos_half = tl.load(cos + token * stride_cos + dims, mask=in_half, other=0.0)
     sin_half = tl.load(sin + token * stride_sin + dims, mask=in_half, other=0.0)
     cos_half = cos_half.to(tl.float32)[None, :]
     sin_half = sin_half.to(tl.float32)[None, :]
     first32, second32 = first.to(tl.float32), second.to(tl.float32)
-    spin = rotated[:, None]
-    new_first = tl.where(spin, first32 * cos_half - second32 * sin_half, first32).to(first.dtype)
-    new_second = tl.where(spin, second32 * cos_half + first32 * sin_half, second32).to(first.dtype)
-    rot_mask = spin & in_half[None, :]
-    tl.store(first_ptrs, new_first, mask=rot_mask)
-    tl.store(first_ptrs + half, new_second, mask=rot_mask)
+    new_first = tl.where(spin, first32 * cos_half - second32 * sin_half, first32).to(dtype)
+    new_second = tl.where(spin, second32 * cos_half + first32 * sin_half, second32).to(dtype)
+    # q and k go back rotated; v too when the bias changed it (the returned v is a view)
+    written = (rotated | is_v) if HAS_BIAS else rotated
+    out_mask = written[:, None] & in_half[None, :]
+    tl.store(first_ptrs, new_first, mask=out_mask)
+    tl.store(first_ptrs + half, new_second, mask=out_mask)
     slot = tl.load(slots + token).to(tl.int64)
     k_ptrs = k_cache + slot * stride_k + (heads - num_heads)[:, None] * (2 * half) + dims[None, :]
     k_mask = is_k[:, None] & in_half[None, :]
@@ -182,11 +214,17 @@ def rope_qkv_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    extras: QkvExtras | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rope_qkv`, and in the same launch the rotated k and the v of token t written to
     k_cache[slots[t]] and v_cache[slots[t]] (caches [num_slots, num_kv_heads, head_dim]).
-    Replaces the rotation kernel plus two index_copy_ launches per layer."""
+    Replaces the rotation kernel plus two index_copy_ launches per layer; `extras` (a q/k/v
+    bias, q/k head norms) ride the same launch, so Qwen2 and Qwen3 layers launch no more
+    kernels than Llama's. qkv is changed in place (biased where there is a bias)."""
     check_rope_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
+    check_qkv_extras(extras, qkv, head_dim)
+    bias = None if extras is None else extras.bias
+    has_norm = extras is not None and extras.q_norm is not None
     if qkv.shape[0] > 0:
         total_heads = num_heads + 2 * num_kv_heads
         heads_per_program = min(ROPE_HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
@@ -198,6 +236,9 @@ def rope_qkv_store(
             slots,
             k_cache,
             v_cache,
+            qkv if bias is None else bias,  # an unread pointer where there is none
+            extras.q_norm if has_norm else qkv,
+            extras.k_norm if has_norm else qkv,
             qkv.stride(0),
             cos.stride(0),
             sin.stride(0),
@@ -206,6 +247,9 @@ def rope_qkv_store(
             num_heads,
             num_kv_heads,
             head_dim // 2,
+            extras.eps if has_norm else 0.0,
+            HAS_BIAS=bias is not None,
+            HAS_NORM=has_norm,
             BLOCK_H=heads_per_program,
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         )
