@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import numpy as np
 import torch
 
@@ -21,6 +22,7 @@ from engine import cpu_kernels
 from engine.model import families
 from engine.model.config import ModelConfig
 from engine.model.families import Family
+from engine.model.families.base import hf_eos_ids
 from engine.model.llama import LlamaModel
 from engine.ops import blockq
 from engine.ops.blockq import BlockWeight
@@ -178,6 +180,10 @@ def _load_hf_dir(
     from safetensors import safe_open
 
     config = families.config_from_hf(json.loads((directory / "config.json").read_text()))
+    generation = directory / "generation_config.json"
+    if generation.is_file():  # its eos_token_id may list more (Qwen: <|endoftext|> too)
+        more = json.loads(generation.read_text()).get("eos_token_id")
+        config = attrs.evolve(config, eos_token_ids=hf_eos_ids(config.eos_token_ids, more))
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise ModelNotFoundError(f"{directory} has config.json but no *.safetensors weights")

@@ -249,7 +249,9 @@ class Engine:
         prefixes = [self.book.acquire(r.uid, r.id_array()[:-1]) for r in entering]
         self._note_admitted(entering, prefixes)
         rows = [self.book.table.alloc_row() for _ in entering]
-        rules = FinishRules.of([r.params for r in entering], self.runtime.eos_id)
+        rules = FinishRules.of(
+            [r.params for r in entering], self.runtime.eos_id, self.runtime.more_eos_ids
+        )
         admitted = Running.admitted(
             [r.uid for r in entering],
             rows,

@@ -47,6 +47,12 @@ class Runtime:
         eos = self.tokenizer.eos_token_id
         return -1 if eos is None else int(eos)
 
+    @property
+    def more_eos_ids(self) -> tuple[int, ...]:
+        """The model's other EOS ids (config.json with generation_config.json, or a GGUF's
+        eos / eot / eom): each ends generation as `eos_id` does."""
+        return tuple(t for t in self.model_config.eos_token_ids if t != self.eos_id)
+
     def make_runner(self, book: KVBook) -> ModelRunner:
         mc = self.model_config
         pool = KVPool.allocate(

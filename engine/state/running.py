@@ -58,12 +58,18 @@ class FinishRules:
         return cls([], [], [], np.zeros((0, 0), dtype=INDEX_DTYPE))
 
     @classmethod
-    def of(cls, params: Sequence[SamplingParams], eos_id: int) -> FinishRules:
-        """The columns for requests with these parameters (EOS -1 where ignore_eos)."""
-        width = max((len(p.stop_token_ids) for p in params), default=0)
+    def of(
+        cls, params: Sequence[SamplingParams], eos_id: int, more_eos_ids: Sequence[int] = ()
+    ) -> FinishRules:
+        """The columns for requests with these parameters (EOS -1 where ignore_eos). A model
+        with several EOS ids (Qwen's <|im_end|> and <|endoftext|>) passes the others as
+        `more_eos_ids`: they join each request's stop ids, except where ignore_eos."""
+        extra = [int(t) for t in dict.fromkeys(more_eos_ids) if t >= 0 and t != eos_id]
+        stops = [list(p.stop_token_ids) + ([] if p.ignore_eos else extra) for p in params]
+        width = max((len(row) for row in stops), default=0)
         stop_ids = np.full((len(params), width), -1, dtype=INDEX_DTYPE)
-        for row, p in enumerate(params):
-            stop_ids[row, : len(p.stop_token_ids)] = p.stop_token_ids
+        for row, ids in enumerate(stops):
+            stop_ids[row, : len(ids)] = ids
         return cls(
             [p.max_tokens for p in params],
             [p.min_tokens for p in params],

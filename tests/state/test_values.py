@@ -72,6 +72,29 @@ def test_finish_rules_select_concat_and_empty_stop_ids():
         FinishRules([1, 2], [0], [0, 0], np.zeros((2, 0)))
 
 
+def test_finish_rules_of_stop_on_every_eos_id_unless_ignore_eos():
+    """A model's other EOS ids (Qwen's <|endoftext|> beside <|im_end|>) join the stop ids;
+    ignore_eos drops them with the EOS; repeats and the EOS itself are not added twice."""
+    params = [
+        SamplingParams(max_tokens=4, stop_token_ids=(9,)),
+        SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=(9,)),
+        SamplingParams(max_tokens=4),
+    ]
+    rules = FinishRules.of(params, 2, (7, 2, 7, 5))
+    assert rules.eos.tolist() == [2, -1, 2]
+    assert rules.stop_ids.tolist() == [[9, 7, 5], [9, -1, -1], [7, 5, -1]]
+    kept, reason = first_finish(
+        np.array([[3, 5, 1], [5, 7, 9], [3, 7, 1]]),
+        np.ones((3, 3), dtype=bool),
+        np.zeros(3, dtype=int),
+        np.full(3, 5),
+        rules,
+        100,
+    )
+    assert kept.tolist() == [2, 3, 2]
+    assert reason.tolist() == [FinishReason.STOP] * 3
+
+
 BAD_PARAMS = [
     ("temperature", -0.5),
     ("temperature", float("nan")),

@@ -84,7 +84,6 @@ class Family:
             raise ModelConfigError(
                 f"partial_rotary_factor={partial!r} is not supported; RoPE turns whole heads"
             )
-        eos = hf.get("eos_token_id")
         return ModelConfig(
             vocab_size=_required(hf, "vocab_size"),
             hidden_size=hidden,
@@ -99,7 +98,7 @@ class Family:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=() if eos is None else (eos if isinstance(eos, list) else [eos]),
+            eos_token_ids=hf_eos_ids(hf.get("eos_token_id")),
             architecture=self.name,
             **self.hf_options(hf),
         )
@@ -149,7 +148,6 @@ class Family:
                 f"{arch}.attention.head_count or a vocabulary size"
             )
         context = int(get("context_length", 2048))
-        eos = meta.get("tokenizer.ggml.eos_token_id")
         window = get("attention.sliding_window")
         head_dim = get("attention.key_length") or get("rope.dimension_count")
         return ModelConfig(
@@ -166,7 +164,7 @@ class Family:
             max_position_embeddings=context,
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
+            eos_token_ids=gguf_eos_ids(meta),
             architecture=self.name,
             qkv_bias=self.qkv_bias,
             qk_norm=self.qk_norm,
@@ -191,6 +189,32 @@ class Family:
                     f"{option}={getattr(config, option)} does not fit architecture "
                     f"{self.name!r}, whose {option} is {getattr(self, option)}"
                 )
+
+
+# the GGUF keys of tokens that end generation (llama.cpp's end-of-generation set): end of
+# sequence, of turn (Qwen's <|im_end|> where eos is <|endoftext|>, Llama 3's <|eot_id|>),
+# of message (Llama 3.1's <|eom_id|>)
+GGUF_EOS_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
+
+
+def gguf_eos_ids(meta: Mapping[str, Any]) -> tuple[int, ...]:
+    """Every end-of-generation id the GGUF metadata names, eos first, without repeats."""
+    ids = (meta.get(key) for key in GGUF_EOS_KEYS)
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def hf_eos_ids(*values: Any) -> tuple[int, ...]:
+    """The EOS ids of config.json's and generation_config.json's eos_token_id (an int, a
+    list or None each), in order, without repeats: HF generate stops on any of them."""
+    ids: list[int] = []
+    for value in values:
+        if value is not None:
+            ids.extend(value if isinstance(value, (list, tuple)) else [value])
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def _required(hf: Mapping[str, Any], key: str) -> Any:
