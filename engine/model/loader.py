@@ -88,23 +88,53 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     block_weights: bool = True,
+    hf_config_path: str | Path | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """Build the model on `device` in `dtype` and fill every weight from `path`.
 
     block_weights: on CPU in float32, a GGUF's Q4_0/Q4_1/Q8_0 matrices stay in their blocks
     (`engine.ops.blockq`: the same fp32 values, fewer bytes, a faster few-row product)
     when the kernel is available; otherwise, and for every other type, weights are
-    dequantized here."""
+    dequantized here.
+    hf_config_path: for a GGUF, the HF config (a directory with config.json, or the file)
+    of the checkpoint it was converted from; its fields override the GGUF metadata."""
     resolved = resolve_model_path(path)
     use_blocks = block_weights and cpu_kernels.usable(device, dtype)
+    hf_config = None if hf_config_path is None else read_hf_config(hf_config_path)
+    if hf_config is not None and resolved.is_dir():
+        raise ModelLoadError(
+            f"hf_config_path={str(hf_config_path)!r} applies to a GGUF model; {resolved} is "
+            f"an HF checkpoint directory, which is read with its own config.json"
+        )
     try:
         if resolved.is_dir():
             return _load_hf_dir(resolved, dtype, device)
-        return _load_gguf(resolved, dtype, device, use_blocks)
+        return _load_gguf(resolved, dtype, device, use_blocks, hf_config)
     except (ModelNotFoundError, ModelLoadError):
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         raise ModelLoadError(f"cannot load a model from {resolved}: {error}") from error
+
+
+def read_hf_config(path: str | Path) -> tuple[dict, object]:
+    """(config.json as a dict, generation_config.json's eos_token_id or None) from an HF
+    checkpoint directory or a config.json path; generation_config.json is read beside it."""
+    path = Path(path).expanduser()
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ModelNotFoundError(
+            f"hf_config_path {path} is neither a config.json file nor a directory with "
+            f"one; give the HF config of the checkpoint the GGUF was converted from"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+        generation = config_file.parent / "generation_config.json"
+        extra = json.loads(generation.read_text()) if generation.is_file() else {}
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot read the HF config {config_file}: {error}") from error
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"the HF config {config_file} is not a JSON object")
+    return config, extra.get("eos_token_id") if isinstance(extra, dict) else None
 
 
 # --- writing weights into the fused layout --------------------------------------------------
@@ -265,7 +295,11 @@ def gguf_metadata(reader: object, skip_prefix: str = "tokenizer.ggml.") -> dict:
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device | str, use_blocks: bool
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    use_blocks: bool,
+    hf_config: tuple[dict, object] | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -280,6 +314,8 @@ def _load_gguf(
         vocab_size=None if vocab is None else len(vocab.data),
         tie_word_embeddings="output.weight" not in tensors,
     )
+    if hf_config is not None:  # its family and fields; the GGUF's tensor names stay
+        config = families.config_from_gguf_and_hf(config, *hf_config)
     model = LlamaModel(config, dtype, device)
     sink = WeightSink(model)
     blocks: dict[str, BlockWeight] = {}  # HF name -> the same weight in its GGUF blocks

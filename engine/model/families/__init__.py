@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from engine.model.config import ModelConfig, ModelConfigError
 from engine.model.families import llama, mistral, qwen2, qwen3
-from engine.model.families.base import Family
+from engine.model.families.base import Family, hf_eos_ids
 
 FAMILIES: dict[str, Family] = {
     family.name: family for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY)
@@ -54,8 +56,51 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     return for_hf(hf).config_from_hf(hf)
 
 
+# what the weights of a GGUF fix: an HF config given beside it must agree on each
+GGUF_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "qkv_bias",
+    "qk_norm",
+    "tie_word_embeddings",
+)
+
+
+def config_from_gguf_and_hf(
+    from_gguf: ModelConfig, hf: Mapping[str, Any], generation_eos: Any = None
+) -> ModelConfig:
+    """A GGUF's config with an HF config.json's fields over its metadata (its family, RoPE,
+    sliding_window, ...: what llama.cpp leaves out, e.g. Mistral v0.1's window). The shape
+    must be the GGUF's; EOS ids are the GGUF's, config.json's and `generation_eos`
+    (generation_config.json's eos_token_id), all of them."""
+    from_hf = config_from_hf(hf)
+    for field in GGUF_SHAPE_FIELDS:
+        if getattr(from_hf, field) != getattr(from_gguf, field):
+            raise ModelConfigError(
+                f"the HF config's {field}={getattr(from_hf, field)!r} does not match the "
+                f"GGUF's {field}={getattr(from_gguf, field)!r}; give the config.json of "
+                f"the checkpoint the GGUF was converted from"
+            )
+    eos = hf_eos_ids(from_gguf.eos_token_ids, from_hf.eos_token_ids, generation_eos)
+    return attrs.evolve(from_hf, eos_token_ids=eos)
+
+
 def to_hf(config: ModelConfig) -> dict[str, Any]:
     return for_config(config).to_hf(config)
 
 
-__all__ = ["FAMILIES", "Family", "config_from_hf", "for_config", "for_gguf", "for_hf", "to_hf"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "config_from_gguf_and_hf",
+    "config_from_hf",
+    "for_config",
+    "for_gguf",
+    "for_hf",
+    "to_hf",
+]
