@@ -197,4 +197,5 @@ def test_a_qwen_pass_launches_the_kernels_of_a_llama_pass(family, two_passes):
             torch.cuda.synchronize()
         return sum(1 for event in prof.events() if event.device_type.name == "CUDA")
 
-    assert kernels(ModelConfig.tiny(**family)) == kernels(ModelConfig.tiny())
+    llama = kernels(ModelConfig.tiny())
+    assert llama > 0 and kernels(ModelConfig.tiny(**family)) == llama
