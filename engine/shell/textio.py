@@ -20,8 +20,10 @@ class ChatPrompt:
     function tools; None: no tools). Messages are OpenAI's, as the template reads them: an
     assistant's `tool_calls` (their arguments as objects), a tool's `tool_call_id`."""
 
-    messages: tuple[dict, ...]
-    tools: tuple[dict, ...] | None = None
+    messages: tuple[dict, ...] = attrs.field(converter=tuple)
+    tools: tuple[dict, ...] | None = attrs.field(
+        default=None, converter=lambda tools: None if tools is None else tuple(tools)
+    )
 
 
 PromptInput = str | list[int] | list[dict] | ChatPrompt
