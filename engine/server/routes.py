@@ -230,7 +230,7 @@ async def _sse(
                 if delta.finish_reason is not None:
                     ending = calls[index].finish(delta.finish_reason == "stop")
                     read = (read[0] + ending[0], read[1] + ending[1])
-                for chunk in _tool_read_chunks(shape, index, *read):
+                for chunk in _tool_read_chunks(shape, index, *read, delta.logprobs):
                     yield _event(chunk, include_usage)
             elif delta.text or delta.logprobs:
                 chunk = shape.chunk(
@@ -296,10 +296,15 @@ async def _collect(
 
 
 def _tool_read_chunks(
-    shape: ResponseShape, index: int, content: str, calls: list[dict[str, Any]]
+    shape: ResponseShape,
+    index: int,
+    content: str,
+    calls: list[dict[str, Any]],
+    logprobs: Any,
 ) -> list[dict[str, Any]]:
-    """The chunks of what a tool-call reader made of new text: content, then call deltas."""
-    chunks = [shape.chunk(index, content)] if content else []
+    """The chunks of what a tool-call reader made of new text: content (with the new
+    tokens' logprobs, where asked), then call deltas."""
+    chunks = [shape.chunk(index, content, logprobs=logprobs)] if content or logprobs else []
     return chunks + ([shape.tool_chunk(index, calls)] if calls else [])
 
 

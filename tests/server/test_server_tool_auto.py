@@ -186,6 +186,26 @@ def test_auto_streams_content_then_the_calls_deltas(hermes) -> None:
     assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
 
 
+def test_a_streamed_auto_answer_keeps_every_tokens_logprobs(hermes) -> None:
+    served, _ = hermes
+    stream = _client(served).chat.completions.create(
+        model=served.model,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=200,
+        stream=True,
+        logprobs=True,
+        stream_options={"include_usage": True},
+    )
+    entries, usage = 0, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            entries += len(choice.logprobs.content) if choice.logprobs else 0
+    assert usage is not None and entries == usage.completion_tokens > 0
+
+
 def test_tool_choice_none_renders_no_tools_and_reads_no_calls(hermes) -> None:
     served, script = hermes
     response = _client(served).chat.completions.create(
