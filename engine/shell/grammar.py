@@ -82,7 +82,8 @@ def grammar_vocabulary(tokenizer: Any, vocab_size: int, eos_id: int) -> llguidan
 class Grammars:
     """Compiles requests' grammars (any thread) and keeps the matchers of the constrained
     requests in flight, by uid (the loop's thread). `stats` counts the masks computed
-    (`grammar_masks`) and the host time they took (`grammar_mask_seconds`). `parallel`: a
+    (`grammar_masks`), the host time they took (`grammar_mask_seconds`) and the drafts cut
+    before verify (`grammar_drafts_cut`). `parallel`: a
     pass's masks are computed on a pool of host threads (with a GPU, while it runs the pass;
     on a CPU the cores run the model, and a pool's threads wait behind it)."""
 
@@ -220,7 +221,9 @@ class Grammars:
         keep = np.ones(trees.sizes.total, dtype=bool)
         for tree in _trees(trees, uids, self.matchers):
             _cut(self.matchers[tree.uid], tree, 0, keep)
-        return prune(trees, keep)
+        pruned = prune(trees, keep)
+        self.stats["grammar_drafts_cut"] += trees.sizes.total - pruned.sizes.total
+        return pruned
 
     def tree_masks(self, trees: DraftTrees, uids: Sequence[int]) -> np.ndarray | None:
         """One mask row per tree node (flat, in batch order): the mask after its request's
