@@ -377,22 +377,23 @@ def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
 def speculation_profile(masks: dict[str, float]) -> str:
     """Where a constrained speculative run's steps go: drafts per request and verify step,
     the share of the proposed drafts the grammars cut, the share of the verified drafts
-    accepted, and a verify step's time against a decode step's (with their counts)."""
+    accepted, and the mean time and count of verify, decode and extend (prefill) steps."""
     steps = masks["engine_spec_verify_steps_total"]
     drafted = masks["engine_spec_draft_tokens_total"]
     cut = masks["engine_grammar_drafts_cut_total"]
-    verify_n = masks['engine_step_seconds_count{mode="verify"}']
-    decode_n = masks['engine_step_seconds_count{mode="decode"}']
-    if not steps or not drafted or not verify_n:
+    if not steps or not drafted:
         return "no verify steps"
-    verify_ms = 1e3 * masks['engine_step_seconds_sum{mode="verify"}'] / verify_n
-    decode_ms = 1e3 * masks['engine_step_seconds_sum{mode="decode"}'] / decode_n if decode_n else 0
+
+    def step(mode: str) -> str:
+        count = masks[f'engine_step_seconds_count{{mode="{mode}"}}']
+        seconds = masks[f'engine_step_seconds_sum{{mode="{mode}"}}']
+        return f"{mode} {1e3 * seconds / count if count else 0:.1f} ms ({count:.0f})"
+
     accepted = masks["engine_spec_accepted_tokens_total"]
     return (
         f"{drafted / steps:.1f} drafts per request and step, {100 * cut / (drafted + cut):.0f}% of "
         f"the proposed cut by the grammars, {100 * accepted / drafted:.0f}% of the verified "
-        f"accepted; verify step {verify_ms:.1f} ms ({verify_n:.0f}), decode step "
-        f"{decode_ms:.1f} ms ({decode_n:.0f})"
+        f"accepted; steps: {step('verify')}, {step('decode')}, {step('extend')}"
     )
 
 
@@ -408,6 +409,8 @@ MASK_SERIES = (
     'engine_step_seconds_count{mode="verify"}',
     'engine_step_seconds_sum{mode="decode"}',
     'engine_step_seconds_count{mode="decode"}',
+    'engine_step_seconds_sum{mode="extend"}',
+    'engine_step_seconds_count{mode="extend"}',
 )
 
 
