@@ -123,6 +123,8 @@ class Script:
             prompt = self.engine.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
             if not request.output_ids:
                 self.prompts.append(prompt)
+            if request.params.structured_outputs is not None:
+                continue  # a constrained request draws from the model, under its grammar
             script = self.text_for(prompt)
             done = len(request.output_ids)
             token = script[done] if done < len(script) else self.eos
@@ -204,6 +206,33 @@ def test_a_streamed_auto_answer_keeps_every_tokens_logprobs(hermes) -> None:
         for choice in chunk.choices:
             entries += len(choice.logprobs.content) if choice.logprobs else 0
     assert usage is not None and entries == usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_constrained_tool_choices_render_the_tools_too(hermes, tool_choice) -> None:
+    served, script = hermes
+    bounded = {**WEATHER, "properties": {**WEATHER["properties"], "city": {"maxLength": 8}}}
+    bounded["properties"]["city"]["type"] = "string"  # random weights: a string must end
+    tools = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": bounded}}]
+    response = _client(served).chat.completions.create(
+        model=served.model,
+        messages=ASK,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,  # one call: random weights would add calls without end
+        max_tokens=300,
+        temperature=0.0,
+    )
+    assert "<tools>" in script.prompts[-1]
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments.get("city"), str)
+    assert set(arguments) <= {"city", "unit"}
 
 
 def test_tool_choice_none_renders_no_tools_and_reads_no_calls(hermes) -> None:
