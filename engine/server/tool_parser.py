@@ -21,9 +21,17 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 def hermes_template(tokenizer: Any) -> bool:
-    """Whether the model's chat template asks for Hermes-style `<tool_call>` blocks."""
-    template = getattr(getattr(tokenizer, "hf", None), "chat_template", None) or ""
-    return isinstance(template, str) and "tools" in template and OPEN in template
+    """Whether the model's chat template asks for Hermes-style `<tool_call>` blocks that
+    reach the output text (a tag that is a special token is dropped from it)."""
+    hf = getattr(tokenizer, "hf", None)
+    template = getattr(hf, "chat_template", None) or ""
+    specials = getattr(hf, "all_special_tokens", ())
+    return (
+        isinstance(template, str)
+        and "tools" in template
+        and OPEN in template
+        and not {OPEN, CLOSE} & set(specials)
+    )
 
 
 def reader_for(body: Any, tokenizer: Any) -> ToolCalls | HermesToolParser:

@@ -4,12 +4,13 @@ malformed and partial blocks; streamed in any pieces, it gives what the whole te
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.server.tool_parser import HermesToolParser
+from engine.server.tool_parser import HermesToolParser, hermes_template
 
 NAMES = ["get_weather", "get_time"]
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -114,3 +115,22 @@ def test_streams_of_any_text_add_up_to_the_whole_read(
         assert isinstance(json.loads(arguments), dict)
     if not calls:
         assert content == text  # nothing is lost: without calls the text is the content
+
+
+@pytest.mark.parametrize(
+    ("template", "specials", "reads"),
+    [
+        ("{{ tools }} <tool_call>{...}</tool_call>", [], True),
+        ("{{ tools }} <tool_call>{...}</tool_call>", ["<tool_call>", "</tool_call>"], False),
+        ("{{ tools }} [TOOL_CALLS]", [], False),  # another format
+        ("<tool_call>", [], False),  # the tools are not rendered
+        (None, [], False),
+    ],
+)
+def test_auto_is_read_where_the_template_asks_for_tags_that_reach_the_text(
+    template: str | None, specials: list[str], reads: bool
+) -> None:
+    tokenizer = SimpleNamespace(
+        hf=SimpleNamespace(chat_template=template, all_special_tokens=specials)
+    )
+    assert hermes_template(tokenizer) is reads
