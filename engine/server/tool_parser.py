@@ -42,7 +42,8 @@ def reader_for(body: Any, tokenizer: Any) -> ToolCalls | HermesToolParser:
     if choice != "auto":
         return ToolCalls(body.tools, choice, body.parallel_tool_calls)
     if hermes_template(tokenizer):
-        return HermesToolParser([tool.function.name for tool in body.tools])
+        names = [tool.function.name for tool in body.tools]
+        return HermesToolParser(names, max_calls=None if body.parallel_tool_calls else 1)
     why = (
         "calls tools in a format this server does not read (it reads <tool_call> blocks)"
         if takes_tools(tokenizer)
@@ -75,10 +76,13 @@ def _content_or_none(content: str, calls: list[Any]) -> str | None:
 
 
 class HermesToolParser:
-    """Reads the calls of one request's output; `names`: the functions it may call."""
+    """Reads the calls of one request's output; `names`: the functions it may call;
+    `max_calls`: how many blocks become calls (1 without `parallel_tool_calls`: later blocks
+    stay content), None for any number."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], max_calls: int | None = None) -> None:
         self.names = frozenset(names)
+        self.max_calls = max_calls
 
     def read(self, text: str, complete: bool) -> tuple[str | None, list[tuple[str, str]]]:
         """A whole output's content (None when it is only calls) and its calls; `complete`:
@@ -89,7 +93,7 @@ class HermesToolParser:
         return _content_or_none(stream.content, stream.calls), list(stream.calls)
 
     def stream(self) -> HermesStream:
-        return HermesStream(self.names)
+        return HermesStream(self.names, self.max_calls)
 
 
 class HermesStream:
@@ -98,8 +102,8 @@ class HermesStream:
     `finish` gives what was held back. Whitespace before anything else is held until it is
     known to be content (not just the space around calls)."""
 
-    def __init__(self, names: frozenset[str]) -> None:
-        self.names = names
+    def __init__(self, names: frozenset[str], max_calls: int | None = None) -> None:
+        self.names, self.max_calls = names, max_calls
         self.pending = ""  # text not yet classified: a possible tag start, or a block
         self.inside = False  # `pending` is the text of an open block
         self.held = ""  # leading whitespace, sent once content follows
@@ -163,7 +167,8 @@ class HermesStream:
         return text
 
     def _block(self, block: str, closed: bool) -> tuple[str, list[dict[str, Any]]]:
-        found = parse_call(block, self.names)
+        full = self.max_calls is not None and len(self.calls) >= self.max_calls
+        found = None if full else parse_call(block, self.names)
         if found is None:  # not a call: the block's text is content, as it was written
             return self._text(OPEN + block + (CLOSE if closed else "")), []
         self.calls.append(found)

@@ -134,3 +134,13 @@ def test_auto_is_read_where_the_template_asks_for_tags_that_reach_the_text(
         hf=SimpleNamespace(chat_template=template, all_special_tokens=specials)
     )
     assert hermes_template(tokenizer) is reads
+
+
+def test_without_parallel_calls_only_the_first_block_is_a_call() -> None:
+    text = WEATHER + "\n" + TIME
+    one = HermesToolParser(NAMES, max_calls=1)
+    assert one.read(text, True) == ("\n" + TIME, [PARIS])
+    stream = one.stream()
+    pieces = [stream.add(text[:50]), stream.add(text[50:]), stream.finish(True)]
+    assert "".join(content for content, _ in pieces) == "\n" + TIME
+    assert [d["function"]["name"] for _, deltas in pieces for d in deltas] == ["get_weather"]
