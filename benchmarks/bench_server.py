@@ -356,21 +356,61 @@ def structured_body(
 
 
 def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """The server's metrics of these names, each summed over its labels."""
+    """The server's metrics of these names, each summed over its labels (a name given with
+    labels, `name{label="value"}`, sums the series that carry them)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
     totals = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         series, _, value = line.rpartition(" ")
-        name = series.split("{", 1)[0]
-        if name in totals:
-            totals[name] += float(value)
+        name, _, labels = series.partition("{")
+        for wanted in names:
+            wanted_name, _, wanted_labels = wanted.partition("{")
+            if wanted_name == name and all(
+                label in labels.rstrip("}").split(",")
+                for label in wanted_labels.rstrip("}").split(",")
+                if label
+            ):
+                totals[wanted] += float(value)
     return totals
+
+
+def speculation_profile(masks: dict[str, float]) -> str:
+    """Where a constrained speculative run's steps go: drafts per request and verify step,
+    the share of the proposed drafts the grammars cut, the share of the verified drafts
+    accepted, and the mean time and count of verify, decode and extend (prefill) steps."""
+    steps = masks["engine_spec_verify_steps_total"]
+    drafted = masks["engine_spec_draft_tokens_total"]
+    cut = masks["engine_grammar_drafts_cut_total"]
+    if not steps or not drafted:
+        return "no verify steps"
+
+    def step(mode: str) -> str:
+        count = masks[f'engine_step_seconds_count{{mode="{mode}"}}']
+        seconds = masks[f'engine_step_seconds_sum{{mode="{mode}"}}']
+        return f"{mode} {1e3 * seconds / count if count else 0:.1f} ms ({count:.0f})"
+
+    accepted = masks["engine_spec_accepted_tokens_total"]
+    return (
+        f"{drafted / steps:.1f} drafts per request and step, {100 * cut / (drafted + cut):.0f}% of "
+        f"the proposed cut by the grammars, {100 * accepted / drafted:.0f}% of the verified "
+        f"accepted; steps: {step('verify')}, {step('decode')}, {step('extend')}"
+    )
 
 
 MASK_SERIES = (
     "engine_grammar_masks_total",
     "engine_grammar_mask_seconds_total",
+    "engine_grammar_drafts_cut_total",
+    "engine_spec_verify_steps_total",
+    "engine_spec_draft_tokens_total",
+    "engine_spec_accepted_tokens_total",
     "engine_step_seconds_sum",
+    'engine_step_seconds_sum{mode="verify"}',
+    'engine_step_seconds_count{mode="verify"}',
+    'engine_step_seconds_sum{mode="decode"}',
+    'engine_step_seconds_count{mode="decode"}',
+    'engine_step_seconds_sum{mode="extend"}',
+    'engine_step_seconds_count{mode="extend"}',
 )
 
 
@@ -379,7 +419,7 @@ def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
     each; output tok/s, their ratio, and the host time spent on masks (constrained runs)."""
     levels = [int(c) for c in args.concurrency.split(",")]
     best: dict[tuple[str, int], float] = {}
-    masks = {name: 0.0 for name in MASK_SERIES}
+    masks = {c: dict.fromkeys(MASK_SERIES, 0.0) for c in levels}  # constrained runs
     for _ in range(2):
         for concurrency in levels:
             for mode in ("free", "json"):
@@ -400,7 +440,7 @@ def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
                 if mode == "json":
                     after = scrape(url, MASK_SERIES)
                     for name in MASK_SERIES:
-                        masks[name] += after.get(name, 0.0) - before.get(name, 0.0)
+                        masks[concurrency][name] += after[name] - before[name]
                 tok_s = result.row()["tok_per_s"]
                 best[mode, concurrency] = max(best.get((mode, concurrency), 0.0), tok_s)
     speculation = "on" if args.speculative else "off"
@@ -414,9 +454,10 @@ def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
     for c in levels:
         free, constrained = best["free", c], best["json", c]
         print(f"| {c} | {free:.1f} | {constrained:.1f} | {constrained / free:.2f}x |")
-    count = masks["engine_grammar_masks_total"]
-    seconds = masks["engine_grammar_mask_seconds_total"]
-    steps = masks["engine_step_seconds_sum"]
+    total = {name: sum(masks[c][name] for c in levels) for name in MASK_SERIES}
+    count = total["engine_grammar_masks_total"]
+    seconds = total["engine_grammar_mask_seconds_total"]
+    steps = total["engine_step_seconds_sum"]
     if count:
         print(
             f"token masks: {count:.0f}, {1e6 * seconds / count:.1f} us each on the host, "
@@ -424,6 +465,8 @@ def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
         )
     if args.speculative:
         print(f"speculation: {spec_acceptance(url)}")
+        for c in levels:
+            print(f"constrained, {c} clients: {speculation_profile(masks[c])}")
 
 
 def main() -> int:

@@ -6,6 +6,7 @@ from engine.state import SamplingParams
 
 __all__ = [
     "AsyncEngine",
+    "ChatPrompt",
     "Completion",
     "Delta",
     "Engine",
@@ -24,6 +25,10 @@ def __getattr__(name: str):  # lazy: importing engine.state must not load torch 
         from engine.api import AsyncEngine
 
         return AsyncEngine
+    if name == "ChatPrompt":
+        from engine.shell.textio import ChatPrompt
+
+        return ChatPrompt
     if name in ("Completion", "Delta"):
         from engine.shell import request
 

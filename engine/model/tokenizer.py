@@ -44,17 +44,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def chat_text(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The chat template rendered with the assistant's generation prompt appended."""
+    def chat_text(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+    ) -> str:
+        """The chat template rendered with the assistant's generation prompt appended, and
+        `tools` (OpenAI's function tools) where given."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt")
         return self.hf.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+            list(messages),
+            tools=None if tools is None else list(tools),
+            tokenize=False,
+            add_generation_prompt=True,
         )
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+    ) -> list[int]:
         # The template writes any BOS itself, so encoding adds no special tokens.
-        return self.encode(self.chat_text(messages), add_special_tokens=False)
+        return self.encode(self.chat_text(messages, tools), add_special_tokens=False)
 
 
 def tokenizer_cache_dir(gguf_path: Path) -> Path | None:

@@ -58,6 +58,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # no request waits for the grammar vocabulary: it is built before the server listens
+        await asyncio.to_thread(engine.grammars.wait_ready)
         aengine.start()
         try:
             yield

@@ -65,6 +65,10 @@ _COUNTERS = {  # Engine.metrics() key -> (metric name without _total, help)
         "engine_grammar_mask_seconds",
         "Host time spent computing the token masks of constrained requests",
     ),
+    "grammar_drafts_cut": (
+        "engine_grammar_drafts_cut",
+        "Speculative drafts cut before verify because their grammar rejects them",
+    ),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -122,17 +123,99 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
 
-    def as_dict(self) -> dict[str, str]:
-        text = (
-            self.content
-            if isinstance(self.content, str)
-            else "".join(part.text for part in self.content)
-        )
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"arguments must be a JSON object as text, as the call returned it; "
+                f"got {arguments[:40]!r}"
+            )
+        return arguments
+
+
+class MessageToolCall(_Strict):
+    """A call an assistant message made (from an earlier response)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(_Strict):
+    """A chat message: OpenAI's roles; an assistant's message may carry the `tool_calls` it
+    made (its content may then be null), a "tool" message answers one by `tool_call_id`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[MessageToolCall] | None = Field(default=None, validate_default=True)
+    tool_call_id: str | None = Field(default=None, validate_default=True)
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_by_assistant(cls, calls: list | None, info: Any) -> list | None:
+        role = info.data.get("role")
+        if calls is not None and role not in (None, "assistant"):
+            raise ValueError(
+                f"tool_calls is allowed on an assistant message only, not on a {role!r} one"
+            )
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_of_tool(cls, call_id: str | None, info: Any) -> str | None:
+        role = info.data.get("role")
+        if (call_id is None) == (role == "tool"):
+            raise ValueError(
+                "tool_call_id is required on a tool message (the id of the call it answers)"
+                if role == "tool"
+                else f"tool_call_id is allowed on a tool message only, not on a {role!r} one"
+            )
+        return call_id
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: Any, info: Any) -> Any:
+        if content is None and not info.data.get("tool_calls"):
+            raise ValueError(
+                "content is required (it may be null only on an assistant message with tool_calls)"
+            )
+        return content
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it: text content, a call's arguments as an
+        object."""
+        if self.content is None or isinstance(self.content, str):
+            text = self.content or ""
+        else:
+            text = "".join(part.text for part in self.content)
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": text,
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -210,18 +293,18 @@ class ResponseShape:
     def choice(
         self,
         index: int,
-        text: str,
+        text: str | None,
         finish_reason: str | None,
         logprobs: Any = None,
         tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """One choice of a whole response; `logprobs`: its tokens' entries, or None;
-        `tool_calls`: a chat message's calls (its content is then null)."""
+        `tool_calls`: a chat message's calls (with its content, None where there is none)."""
         body = self.logprobs_body(logprobs, 0)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
-                message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+                message["tool_calls"] = tool_calls
             return {
                 "index": index,
                 "message": message,

@@ -25,7 +25,9 @@ from engine.server.protocol import (
     combined_usage,
 )
 from engine.server.runs import ServerState, run_request
+from engine.server.tool_parser import HermesToolParser, reader_for
 from engine.server.tools import ToolCalls, takes_tools, tool_call
+from engine.shell.textio import ChatPrompt
 from engine.state import SamplingParams, StructuredOutputs
 
 router = APIRouter()
@@ -71,16 +73,17 @@ def _sampling_params(
 
 def _constraint(
     body: CompletionRequest | ChatCompletionRequest, tokenizer: Any
-) -> tuple[StructuredOutputs | None, str | None, ToolCalls | None]:
+) -> tuple[StructuredOutputs | None, str | None, ToolCalls | HermesToolParser | None]:
     """What the output must match, the request field it came from (one at most of
-    response_format, structured_outputs and a tool choice), and the tool choice's calls."""
+    response_format, structured_outputs and a tool choice), and the reader of the tool
+    choice's calls."""
     sources: list[tuple[str, Any]] = []
     if body.response_format is not None and body.response_format.type != "text":
         sources.append(("response_format", body.response_format.structured))
     if body.structured_outputs is not None:
         sources.append(("structured_outputs", body.structured_outputs.structured))
     if isinstance(body, ChatCompletionRequest) and _tool_calls_asked(body):
-        sources.append(("tool_choice", lambda: ToolCalls.of(body, takes_tools(tokenizer))))
+        sources.append(("tool_choice", lambda: reader_for(body, tokenizer)))
     if len(sources) > 1:
         names = " and ".join(name for name, _ in sources)
         message = f"{names} each constrain the output; give one of them"
@@ -94,6 +97,8 @@ def _constraint(
         raise OpenAIError(400, f"{field}: {exc}", field, "invalid_value") from exc
     if isinstance(made, ToolCalls):
         return made.structured, field, made
+    if isinstance(made, HermesToolParser):
+        return None, field, made
     return made, field, None
 
 
@@ -179,7 +184,7 @@ async def _sse(
     runs: list[_Run],
     include_usage: bool,
     n: int,
-    tools: ToolCalls | None = None,
+    tools: ToolCalls | HermesToolParser | None = None,
 ) -> AsyncIterator[bytes]:
     """The chunks of every choice as they come (tool-call deltas where `tools`), then the
     usage (when asked) and [DONE]."""
@@ -221,8 +226,12 @@ async def _sse(
                 break
             delta = item
             if calls is not None:
-                if delta.text and (pieces := calls[index].add(delta.text)):
-                    yield _event(shape.tool_chunk(index, pieces), include_usage)
+                read = calls[index].add(delta.text) if delta.text else ("", [])
+                if delta.finish_reason is not None:
+                    ending = calls[index].finish(delta.finish_reason == "stop")
+                    read = (read[0] + ending[0], read[1] + ending[1])
+                for chunk in _tool_read_chunks(shape, index, *read, delta.logprobs):
+                    yield _event(chunk, include_usage)
             elif delta.text or delta.logprobs:
                 chunk = shape.chunk(
                     index, delta.text, logprobs=delta.logprobs, text_offset=offsets[index]
@@ -236,7 +245,7 @@ async def _sse(
             if delta.finish_reason is not None:
                 usages[index] = delta.usage
                 reason = delta.finish_reason
-                if calls is not None and reason == "stop" and calls[index].sent:
+                if calls is not None and reason == "stop" and calls[index].called:
                     reason = "tool_calls"
                 yield _event(shape.chunk(index, None, reason), include_usage)
         else:
@@ -251,7 +260,10 @@ async def _sse(
 
 
 async def _collect(
-    shape: ResponseShape, runs: list[_Run], n: int, tools: ToolCalls | None = None
+    shape: ResponseShape,
+    runs: list[_Run],
+    n: int,
+    tools: ToolCalls | HermesToolParser | None = None,
 ) -> dict[str, Any]:
     """The whole response: every choice's text (or its tool calls, where `tools`), finish
     reason and logprobs."""
@@ -271,14 +283,29 @@ async def _collect(
             raise _engine_failure(last)
         entries = logprobs if last.logprobs is not None or run.first.logprobs is not None else None
         text, reason, calls = "".join(pieces), last.finish_reason, None
-        found = None if tools is None else tools.calls(text, reason == "stop")
-        if found:
-            calls = [tool_call(name, arguments) for name, arguments in found]
-            reason = "tool_calls" if reason == "stop" else reason
+        if tools is not None:
+            content, found = tools.read(text, reason == "stop")
+            if found:
+                text = content
+                calls = [tool_call(name, arguments) for name, arguments in found]
+                reason = "tool_calls" if reason == "stop" else reason
         return shape.choice(run.index, text, reason, entries, calls), last.usage
 
     done = await asyncio.gather(*(one(run) for run in runs))
     return shape.full([choice for choice, _ in done], combined_usage([u for _, u in done], n))
+
+
+def _tool_read_chunks(
+    shape: ResponseShape,
+    index: int,
+    content: str,
+    calls: list[dict[str, Any]],
+    logprobs: Any,
+) -> list[dict[str, Any]]:
+    """The chunks of what a tool-call reader made of new text: content (with the new
+    tokens' logprobs, where asked), then call deltas."""
+    chunks = [shape.chunk(index, content, logprobs=logprobs)] if content or logprobs else []
+    return chunks + ([shape.tool_chunk(index, calls)] if calls else [])
 
 
 def _engine_failure(delta: Any) -> OpenAIError:
@@ -369,7 +396,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     messages = [message.as_dict() for message in body.messages]
-    return await _generate(request, body, [messages], body.max_new_tokens, chat=True)
+    tokenizer = _state(request).aengine.engine.tokenizer
+    tools = None
+    if body.tools and body.tool_choice != "none" and takes_tools(tokenizer):
+        tools = tuple(tool.model_dump(exclude_none=True) for tool in body.tools)
+    prompt = ChatPrompt(tuple(messages), tools)
+    return await _generate(request, body, [prompt], body.max_new_tokens, chat=True)
 
 
 @router.get("/v1/models")

@@ -101,8 +101,13 @@ def _log_request(
         f"total_s={time.perf_counter() - progress.arrival_s:.3f} finish={finish}"
     )
     if options.log_prompts:
-        line += f" prompt={json.dumps(prompt, ensure_ascii=False, default=str)}"
+        line += f" prompt={json.dumps(prompt, ensure_ascii=False, default=_loggable)}"
     request_log.info("%s", line)
+
+
+def _loggable(value: Any) -> Any:
+    """A prompt's part as JSON can take it: a chat prompt's messages and tools as a dict."""
+    return attrs.asdict(value) if attrs.has(type(value)) else str(value)
 
 
 def _queue_full(error: QueueFull) -> OpenAIError:

@@ -88,23 +88,6 @@ class ToolCalls:
             calls["maxItems"] = 1
         self.structured = StructuredOutputs(json=calls)
 
-    @classmethod
-    def of(cls, body: Any, template_takes_tools: bool) -> ToolCalls:
-        """A chat request's tool choice ("auto" unless given); ValueError for "auto", which
-        needs the model to decide in its own call format."""
-        choice = body.tool_choice if body.tool_choice is not None else "auto"
-        if choice == "auto":
-            why = (
-                "calls tools in its own format, which this server does not read"
-                if template_takes_tools
-                else "never sees the tools: its chat template does not render them"
-            )
-            raise ValueError(
-                f"'auto' (the default with tools) is not supported: the model {why}; "
-                "use tool_choice 'required' or name a function"
-            )
-        return cls(body.tools, choice, body.parallel_tool_calls)
-
     def calls(self, text: str, complete: bool) -> list[tuple[str, str]] | None:
         """(name, arguments JSON) of each call in a finished output; None where the output
         is not a whole call (`complete` false: it ran out of tokens), except for a named
@@ -118,6 +101,12 @@ class ToolCalls:
         except ValueError:  # cut short by a stop string
             return None
         return partial_calls(text)  # the arguments as generated, as a stream has them
+
+    def read(self, text: str, complete: bool) -> tuple[str | None, list[tuple[str, str]]]:
+        """A whole output's content and calls: the calls where it is whole ones, else the
+        text as content."""
+        found = self.calls(text, complete)
+        return (None, found) if found else (text, [])
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
@@ -141,7 +130,17 @@ class ToolCallStream:
         self.text = ""
         self.sent: list[int] = []  # arguments characters sent, per call begun
 
-    def add(self, text: str) -> list[dict[str, Any]]:
+    @property
+    def called(self) -> bool:
+        return bool(self.sent)
+
+    def finish(self, complete: bool) -> tuple[str, list[dict[str, Any]]]:
+        """Nothing is held back: every piece of a call went out as it came (an output
+        `complete` or not)."""
+        return "", []
+
+    def add(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """No content (the output is the calls' JSON), and the calls' deltas."""
         self.text += text
         if self.tools.named is not None:
             found = [(self.tools.named, self.text)]
@@ -156,7 +155,7 @@ class ToolCallStream:
                 piece = arguments[self.sent[index] :]
                 deltas.append({"index": index, "function": {"arguments": piece}})
                 self.sent[index] = len(arguments)
-        return deltas
+        return "", deltas
 
 
 def partial_calls(text: str) -> list[tuple[str, str]]:

@@ -67,6 +67,7 @@ class Engine:
         self.grammars = Grammars(
             rt.tokenizer, rt.vocab_size, rt.eos_id, self.stats, rt.device.type == "cuda"
         )
+        self.grammars.prepare()  # the grammar vocabulary, built while the engine warms up
         self.outputs = Outputs(self.tokenizer, self.inbox, self.stats, self.spec, self.grammars)
         self.requests = self.outputs.requests  # in flight, by uid (the loop's thread only)
         # penalties and grammar masks before sampling, logprobs after

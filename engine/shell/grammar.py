@@ -82,7 +82,8 @@ def grammar_vocabulary(tokenizer: Any, vocab_size: int, eos_id: int) -> llguidan
 class Grammars:
     """Compiles requests' grammars (any thread) and keeps the matchers of the constrained
     requests in flight, by uid (the loop's thread). `stats` counts the masks computed
-    (`grammar_masks`) and the host time they took (`grammar_mask_seconds`). `parallel`: a
+    (`grammar_masks`), the host time they took (`grammar_mask_seconds`) and the drafts cut
+    before verify (`grammar_drafts_cut`). `parallel`: a
     pass's masks are computed on a pool of host threads (with a GPU, while it runs the pass;
     on a CPU the cores run the model, and a pool's threads wait behind it)."""
 
@@ -102,13 +103,40 @@ class Grammars:
         self._compiled: collections.OrderedDict[StructuredOutputs, str] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
+        self._builder: threading.Thread | None = None
 
     @property
     def vocabulary(self) -> llguidance.LLTokenizer:
-        with self._lock:  # built on the first constrained request
+        with self._lock:  # built once (`prepare`); a caller meanwhile waits for it
             if self._vocabulary is None:
                 self._vocabulary = grammar_vocabulary(self.tokenizer, self.vocab_size, self.eos_id)
             return self._vocabulary
+
+    @property
+    def ready(self) -> bool:
+        """Whether the vocabulary is built (a constrained request then starts at once)."""
+        return self._vocabulary is not None
+
+    def prepare(self) -> None:
+        """Build the vocabulary on a background thread (about a second for a 50k vocabulary),
+        so that no request waits for it: an engine calls this when it starts."""
+        if self._builder is None:
+            self._builder = threading.Thread(
+                target=self._build, name="grammar-vocabulary", daemon=True
+            )
+            self._builder.start()
+
+    def wait_ready(self) -> None:
+        """Block until the vocabulary is built (a server, before it takes requests); an error
+        building it is left for the first constrained request to raise."""
+        self.prepare()
+        self._build()
+
+    def _build(self) -> None:
+        try:
+            self.vocabulary  # noqa: B018 (builds it)
+        except Exception:  # noqa: BLE001 (the first request that needs it raises it)
+            pass
 
     def compile(self, spec: StructuredOutputs) -> str:
         """`spec`'s grammar, checked against the vocabulary; InvalidRequest naming the field
@@ -193,7 +221,9 @@ class Grammars:
         keep = np.ones(trees.sizes.total, dtype=bool)
         for tree in _trees(trees, uids, self.matchers):
             _cut(self.matchers[tree.uid], tree, 0, keep)
-        return prune(trees, keep)
+        pruned = prune(trees, keep)
+        self.stats["grammar_drafts_cut"] += trees.sizes.total - pruned.sizes.total
+        return pruned
 
     def tree_masks(self, trees: DraftTrees, uids: Sequence[int]) -> np.ndarray | None:
         """One mask row per tree node (flat, in batch order): the mask after its request's

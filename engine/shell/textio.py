@@ -6,16 +6,31 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from engine.errors import InvalidRequest
 from engine.model.tokenizer import IncrementalDetokenizer
 from engine.shell.request import Request
 from engine.state import SamplingParams
 
-PromptInput = str | list[int] | list[dict]
+
+@attrs.frozen
+class ChatPrompt:
+    """Chat messages with the tools the chat template renders for the model (OpenAI's
+    function tools; None: no tools). Messages are OpenAI's, as the template reads them: an
+    assistant's `tool_calls` (their arguments as objects), a tool's `tool_call_id`."""
+
+    messages: tuple[dict, ...] = attrs.field(converter=tuple)
+    tools: tuple[dict, ...] | None = attrs.field(
+        default=None, converter=lambda tools: None if tools is None else tuple(tools)
+    )
+
+
+PromptInput = str | list[int] | list[dict] | ChatPrompt
 
 
 def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
-    """Token ids of a prompt: a string, a list of token ids, or chat messages."""
+    """Token ids of a prompt: a string, a list of token ids, chat messages or a ChatPrompt."""
     if tokenizer is None and not (
         isinstance(prompt, (list, tuple))
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
@@ -26,23 +41,27 @@ def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
         )
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
+    if isinstance(prompt, ChatPrompt):
+        return _chat_ids(tokenizer, list(prompt.messages), prompt.tools)
     if isinstance(prompt, (list, tuple)):
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         if all(isinstance(m, dict) for m in prompt):
-            if not prompt:
-                raise InvalidRequest("messages", "is empty; give at least one message")
-            for i, message in enumerate(prompt):
-                if not isinstance(message.get("role"), str) or not isinstance(
-                    message.get("content"), str
-                ):
-                    raise InvalidRequest(f"messages[{i}]", "needs a string 'role' and 'content'")
-            return list(tokenizer.apply_chat_template(list(prompt)))
+            return _chat_ids(tokenizer, list(prompt), None)
     raise InvalidRequest(
         "prompt",
         f"must be a string, a list of token ids or a list of chat "
         f"messages; got {type(prompt).__name__}",
     )
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict], tools: tuple[dict, ...] | None) -> list[int]:
+    if not messages:
+        raise InvalidRequest("messages", "is empty; give at least one message")
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise InvalidRequest(f"messages[{i}]", "needs a string 'role' and 'content'")
+    return list(tokenizer.apply_chat_template(messages, tools=tools))
 
 
 class TextOutput:
@@ -107,7 +126,7 @@ def to_params(params: SamplingParams | dict | None) -> SamplingParams:
 
 def as_prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput]:
     """One prompt, or a list of them, as a list."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, ChatPrompt)):
         return [prompts]
     if isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)):
         return [prompts]  # one prompt of token ids, or one chat of messages

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from serverkit import Served
+from serverkit import Served, serving, tiny_engine
+
+from engine.shell import grammar
 
 POINT = {
     "type": "object",
@@ -234,3 +237,26 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(
     error = caught.value.body
     assert error["param"].startswith(param), error
     assert says in error["message"], error
+
+
+def test_the_grammar_vocabulary_is_built_before_the_first_request(monkeypatch) -> None:
+    built_on: list[str] = []
+    build = grammar.grammar_vocabulary
+
+    def recorded(*args):
+        built_on.append(threading.current_thread().name)
+        return build(*args)
+
+    monkeypatch.setattr(grammar, "grammar_vocabulary", recorded)
+    with serving(tiny_engine()) as server:
+        assert len(built_on) == 1 and server.engine.grammars.ready  # the server is up
+        response = httpx.post(
+            f"{server.url}/v1/completions",
+            json=server.body(max_tokens=3, logprobs=0, structured_outputs={"regex": "[a-c]{3}"}),
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        tokens = response.json()["choices"][0]["logprobs"]["tokens"]  # bytes: no tokenizer
+        assert tokens and set(tokens) <= {f"token_id:{ord(c)}" for c in "abc"}
+        assert len(built_on) == 1  # the request found it built
+        server.wait_idle()

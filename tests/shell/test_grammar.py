@@ -125,6 +125,7 @@ def test_prune_cuts_rejected_drafts_and_what_hangs_below_them() -> None:
     pruned = unstack(book.prune(stack([tree, free]), [4, 8]))
     assert pruned[0].tokens == tuple(ids("abc")) and pruned[0].parents == (-1, 0, 1)
     assert pruned[1].tokens == free.tokens
+    assert book.stats["grammar_drafts_cut"] == 4
     assert allowed(book.masks([4])) == {ord("b")}  # the matcher is back where it was
 
 
