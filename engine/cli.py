@@ -288,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         if missing is not None:
             return _missing_server(missing)
     args = build_parser().parse_args(argv)
+    if os.environ.get("RANK", "0") != "0" and hasattr(args, "tensor_parallel_size"):
+        # torchrun started this command on every rank: rank 0 runs it, the others serve it
+        from engine.shell.sharded import serve_as_worker
+
+        serve_as_worker(EngineConfig().replace(**EngineConfig.overrides_from(args)))
+        return 0
     return int(args.func(args) or 0)
 
 

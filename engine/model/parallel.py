@@ -169,6 +169,11 @@ def gather_vocab(logits: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     parts = torch.empty(
         (plan.world * rows, padded.shape[1]), dtype=padded.dtype, device=padded.device
     )
-    dist.all_gather_into_tensor(parts, padded)
-    whole = parts.view(plan.world, rows, -1).permute(1, 0, 2).reshape(rows, -1)
+    _all_gather_single(parts, padded)
+    width = plan.vocab_per_rank
+    whole = parts.view(plan.world, rows, width).permute(1, 0, 2).reshape(rows, plan.world * width)
     return whole[:, : plan.vocab_size]
+
+
+# torch >= 2.13 names it all_gather_single (the old name warns); older releases have the old one
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

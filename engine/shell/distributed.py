@@ -14,6 +14,7 @@ import atexit
 import datetime
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -68,6 +69,13 @@ class GroupConfig:
         backend = "nccl" if device_type == "cuda" else "gloo"
         return cls(world_size, backend, f"file://{path}", timeout_s)
 
+    @classmethod
+    def launched(cls, world_size: int, device_type: str, timeout_s: float = 60.0) -> GroupConfig:
+        """The group a launcher such as torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR and
+        MASTER_PORT in the environment), on one machine or several."""
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        return cls(world_size, backend, "env://", timeout_s)
+
     def join(self, rank: int) -> Any:
         """Join the group as `rank` (every rank calls this once); returns the messages' group."""
         dist.init_process_group(
@@ -80,17 +88,31 @@ class GroupConfig:
         return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def send(message: Any, control: Any) -> None:
-    """Rank 0: the message every other rank's `receive` returns."""
-    box = [message]
-    dist.broadcast_object_list(box, src=0, group=control)
+def send(message: Any, control: Any, timeout_s: float) -> None:
+    """Rank 0: the message every other rank's `receive` returns (its pickled bytes, after
+    their count). A root's broadcast waits until every rank has received it: the wait is
+    bounded by `timeout_s` here, where the group's own bound is the workers' long one."""
+    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+    for tensor in (torch.tensor([data.numel()], dtype=torch.int64), data):
+        work = dist.broadcast(tensor, src=0, group=control, async_op=True)
+        if not work.wait(datetime.timedelta(seconds=timeout_s)):
+            raise RuntimeError(f"a message was not received within {timeout_s} s")
 
 
 def receive(control: Any) -> Any:
-    """A worker rank: rank 0's next message."""
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
+    """A worker rank: rank 0's next message (waiting as long as rank 0 sends none)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=control)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=control)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) of this process when a launcher (torchrun) started it; else None."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
 
 
 Handler = Callable[[int, Any], Any]  # (rank, message) -> answer (to ASK messages): one step
@@ -107,19 +129,36 @@ def _worker(
     try:
         handle = setup(rank)
         ready.put(rank)
-        while True:
-            message = receive(control)
-            if isinstance(message, str) and message == STOP:
-                return
-            if isinstance(message, str) and message == BARRIER:
-                dist.barrier()
-            elif isinstance(message, tuple) and message[:1] == (ASK,):
-                dist.all_gather_object([None] * group.world_size, handle(rank, message[1]))
-            else:
-                handle(rank, message)
-            progress[rank] += 1
+        _serve(rank, group, control, handle, progress)
     finally:
         dist.destroy_process_group()
+
+
+def serve_launched(group: GroupConfig, rank: int) -> None:
+    """A worker that a launcher started (torchrun): join, build its part from the setup
+    rank 0 sends first, say so (a barrier), then handle rank 0's messages until STOP."""
+    control = group.join(rank)
+    try:
+        handle = receive(control)(rank)
+        dist.barrier(group=control)
+        _serve(rank, group, control, handle, None)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve(rank: int, group: GroupConfig, control: Any, handle: Handler, progress: Any) -> None:
+    while True:
+        message = receive(control)
+        if isinstance(message, str) and message == STOP:
+            return
+        if isinstance(message, str) and message == BARRIER:
+            dist.barrier()
+        elif isinstance(message, tuple) and message[:1] == (ASK,):
+            dist.all_gather_object([None] * group.world_size, handle(rank, message[1]))
+        else:
+            handle(rank, message)
+        if progress is not None:
+            progress[rank] += 1
 
 
 class Workers:
@@ -128,9 +167,16 @@ class Workers:
     itself (`start`) and must `stop` them (also on error: no orphaned process)."""
 
     def __init__(
-        self, group: GroupConfig, setup: Callable[[int], Handler], startup_timeout_s: float = 300
+        self,
+        group: GroupConfig,
+        setup: Callable[[int], Handler],
+        startup_timeout_s: float = 300,
+        launched: bool = False,
     ) -> None:
+        """`launched`: the workers were started by a launcher (torchrun, `serve_launched`),
+        not spawned here; they get `setup` as their first message."""
         self.group = group
+        self._launched = launched
         self._setup = setup
         self._startup_timeout_s = startup_timeout_s
         self._context: Any = None
@@ -145,6 +191,11 @@ class Workers:
         does not wait on a worker's loading."""
         if self.group.world_size == 1:
             self._control = self.group.join(0)
+            return
+        if self._launched:
+            self._control = self.group.join(0)
+            self.send(self._setup)
+            dist.barrier(group=self._control)  # until every worker has built its part
             return
         context = mp.get_context("spawn")
         ready = context.SimpleQueue()
@@ -194,11 +245,11 @@ class Workers:
         """`message` to every worker. A dead worker is found first; one that stops answering
         fails the collective after the group's timeout (`WorkerFailed` names it)."""
         self.check()
+        self._sent += 1  # counted before: a worker that hangs before receiving it is behind
         try:
-            send(message, self._control)
+            send(message, self._control, self.group.timeout_s)
         except RuntimeError as error:
             raise self.failure(error) from error
-        self._sent += 1
 
     def ask(self, payload: Any) -> list[Any]:
         """Every worker's handler's answer to `payload`, by rank (rank 0's entry is None)."""
@@ -229,11 +280,12 @@ class Workers:
             for rank in range(1, self.group.world_size)
             if self._progress is not None and self._progress[rank] < self._sent
         ]
-        if behind:
+        if behind:  # the furthest behind hangs; the others may wait on rank 0, which waits on it
+            rank = min(behind, key=lambda r: self._progress[r])
             return WorkerFailed(
-                behind[0],
+                rank,
                 f"it did not answer within {self.group.timeout_s} s (it handled "
-                f"{self._progress[behind[0]]} of {self._sent} messages): {error}",
+                f"{self._progress[rank]} of {self._sent} messages): {error}",
             )
         return WorkerFailed(-1, f"a collective failed: {error}")
 
@@ -244,7 +296,7 @@ class Workers:
         atexit.unregister(self.stop)
         try:
             if all(p.is_alive() for p in self.processes) and self._control is not None:
-                send(STOP, self._control)
+                send(STOP, self._control, self.group.timeout_s)
         except RuntimeError:
             pass  # a worker is gone: the others are killed below
         deadline = time.monotonic() + timeout_s

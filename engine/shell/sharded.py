@@ -15,9 +15,16 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from engine.shell.config import EngineConfig
-from engine.shell.distributed import GroupConfig, WorkerFailed, Workers
+from engine.shell.distributed import (
+    GroupConfig,
+    WorkerFailed,
+    Workers,
+    launched_rank,
+    serve_launched,
+)
 from engine.shell.kv import RequestTable
 from engine.shell.runner import ModelRunner, Prepared
 from engine.shell.runtime import Runtime, build_runtime
@@ -99,8 +106,13 @@ class ParallelRunner:
         except WorkerFailed as failure:
             self.failed = failure
             raise
-        except RuntimeError as error:  # a collective of the pass failed
-            self.failed = self.workers.failure(error)
+        except RuntimeError as error:
+            # the ranks are out of step either way: a collective failed (a rank died or
+            # hangs), or this rank's part of the pass did (the others wait in a collective)
+            if isinstance(error, dist.DistBackendError):
+                self.failed = self.workers.failure(error)
+            else:
+                self.failed = WorkerFailed(0, f"its part of the pass failed: {error}")
             raise self.failed from error
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -150,12 +162,43 @@ class WorkerSetup:
 
 
 def start_workers(config: EngineConfig, runtime: Runtime) -> Workers:
-    """Spawn ranks 1..tensor_parallel_size-1 on this machine, each building its part of the
-    model with rank 0's pool size and context, and join them as rank 0."""
+    """Ranks 1..tensor_parallel_size-1, each building its part of the model with rank 0's
+    pool size and context, joined by this process as rank 0: spawned on this machine, or
+    where a launcher (torchrun) started this process, the ranks it started."""
     fixed = config.replace(kv_cache_slots=runtime.num_slots, max_context=runtime.max_context)
-    group = GroupConfig.local(
-        config.tensor_parallel_size, runtime.device.type, config.tensor_parallel_timeout
-    )
-    workers = Workers(group, WorkerSetup(fixed))
+    world, timeout_s = config.tensor_parallel_size, config.tensor_parallel_timeout
+    launched = launched_rank()
+    if launched is None:
+        group = GroupConfig.local(world, runtime.device.type, timeout_s)
+    else:
+        _check_launched(config, *launched)
+        group = GroupConfig.launched(world, runtime.device.type, timeout_s)
+    workers = Workers(group, WorkerSetup(fixed), launched=launched is not None)
     workers.start()
     return workers
+
+
+def serve_as_worker(config: EngineConfig) -> None:
+    """A rank > 0 that a launcher (torchrun) started: serve rank 0's passes until it stops.
+    Rank 0 (the same command with RANK=0) sends what to build."""
+    launched = launched_rank()
+    if launched is None:
+        raise ValueError("serve_as_worker needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
+    _check_launched(config, *launched)
+    device = (
+        config.device
+        if config.device != "auto"
+        else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    group = GroupConfig.launched(
+        config.tensor_parallel_size, torch.device(device).type, config.tensor_parallel_timeout
+    )
+    serve_launched(group, launched[0])
+
+
+def _check_launched(config: EngineConfig, rank: int, world: int) -> None:
+    if config.tensor_parallel_size != world:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} but the launcher started "
+            f"WORLD_SIZE={world} processes; give --tensor-parallel-size {world}"
+        )
