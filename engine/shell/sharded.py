@@ -165,6 +165,11 @@ def start_workers(config: EngineConfig, runtime: Runtime) -> Workers:
     """Ranks 1..tensor_parallel_size-1, each building its part of the model with rank 0's
     pool size and context, joined by this process as rank 0: spawned on this machine, or
     where a launcher (torchrun) started this process, the ranks it started."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a process group (another engine with "
+            "tensor_parallel_size > 1 that is not closed): close it first (Engine.close())"
+        )
     fixed = config.replace(kv_cache_slots=runtime.num_slots, max_context=runtime.max_context)
     world, timeout_s = config.tensor_parallel_size, config.tensor_parallel_timeout
     launched = launched_rank()

@@ -37,9 +37,12 @@ def _alive(engine: Engine) -> list[int]:
 
 
 # --- the default model (9 heads, 3 KV heads: it splits over 3 ranks, not 2) ---------------
-@pytest.fixture(scope="module")
-def default_tp3():
-    engine = Engine(
+def test_the_default_model_over_three_ranks_gives_the_tokens_of_one(make_engine):
+    """Batch 1 and a mixed batch, with speculation (passes that drafted verify; the others
+    decode), against one rank without it."""
+    one = make_engine(max_context=512, kv_cache_slots=2048, chunk_size=16)
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,"]
+    three = Engine(
         device="cpu",
         dtype="float32",
         max_context=512,
@@ -50,19 +53,15 @@ def default_tp3():
         tensor_parallel_size=3,
         tensor_parallel_timeout=60.0,
     )
-    yield engine
-    engine.close()
-    assert not _alive(engine)
-
-
-def test_the_default_model_over_three_ranks_gives_the_tokens_of_one(default_tp3, make_engine):
-    one = make_engine(max_context=512, kv_cache_slots=2048, chunk_size=16)
-    prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,"]
-    assert _tokens(default_tp3, prompts[:1]) == _tokens(one, prompts[:1])  # batch 1
-    assert _tokens(default_tp3, prompts + MIXED_PROMPTS) == _tokens(one, prompts + MIXED_PROMPTS)
-    modes = {mode for mode, _ in default_tp3.step_times}
-    assert {"extend", "decode", "verify"} <= modes  # speculation drafted, and some passes not
-    settled(default_tp3)
+    try:
+        assert _tokens(three, prompts[:1]) == _tokens(one, prompts[:1])  # batch 1
+        assert _tokens(three, prompts + MIXED_PROMPTS) == _tokens(one, prompts + MIXED_PROMPTS)
+        modes = {mode for mode, _ in three.step_times}
+        assert {"extend", "decode", "verify"} <= modes
+        settled(three)
+    finally:
+        three.close()
+    assert not _alive(three)
 
 
 def test_a_model_that_does_not_split_is_refused_naming_the_option():
@@ -81,7 +80,10 @@ CHECKPOINTS = {
     # heads and KV heads split evenly; a vocabulary that does not (the last rank's part padded)
     "even": dict(num_heads=4, num_kv_heads=2, vocab_size=251, tie_word_embeddings=True),
     # one KV head for two ranks: replicated, each rank keeps it; Qwen2's q/k/v biases
-    "kv-replicated": dict(num_heads=4, num_kv_heads=1, architecture="qwen2", qkv_bias=True),
+    # (and the tokenizer's whole vocabulary: text prompts for the torchrun test)
+    "kv-replicated": dict(
+        num_heads=4, num_kv_heads=1, architecture="qwen2", qkv_bias=True, vocab_size=49152
+    ),
     # Qwen3's per-head q/k norms
     "qk-norms": dict(num_heads=4, num_kv_heads=2, architecture="qwen3", qk_norm=True),
 }
@@ -132,9 +134,10 @@ def test_tiny_checkpoints_over_two_ranks_give_the_tokens_of_one(checkpoints, nam
 def test_aborts_and_retractions_leave_every_rank_consistent(checkpoints):
     """A pool too small for the batch (retractions), the prefix cache, speculation, and a
     request aborted halfway: every rank's mirror and pool are checked after every step."""
-    settings = dict(kv_cache_slots=72, speculative=True, prefix_cache=True)
-    prompts = [[5, 6, 7, 5, 6, 7, 5, 6] + [i] * 3 for i in range(20, 25)]
-    params = {"max_tokens": 14, "temperature": 0}
+    settings = dict(kv_cache_slots=96, max_running_requests=4, speculative=True)
+    system = [5, 6, 7, 8, 5, 6, 7, 8] * 3  # a shared prefix: the prefix cache is used
+    prompts = [system + [i, i + 1, i, i + 1] for i in range(20, 26)]
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}  # 4 x 52 > 96 slots
     one = _tiny(checkpoints["even"], **settings)
     want = _tokens(one, prompts[1:], params)
     two = _tiny(checkpoints["even"], tensor_parallel_size=2, **settings)
@@ -248,7 +251,7 @@ def test_torchrun_starts_every_rank_and_rank_0_runs_the_command(checkpoints):
         [sys.executable, *command], capture_output=True, text=True, timeout=300, env=env
     )
     assert one.returncode == 0, one.stderr
-    launcher = [str(torchrun), "--nproc-per-node", "2", "--master-port", "0"]
+    launcher = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
     two = subprocess.run(
         [*launcher, *command, "--tensor-parallel-size", "2"],
         capture_output=True,
