@@ -46,10 +46,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(**EngineConfig.overrides_from(args))
     prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     started, count = time.perf_counter(), 0
-    for delta in engine.stream(prompt, _params(args)):
-        count += len(delta.token_ids)
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
+    try:
+        for delta in engine.stream(prompt, _params(args)):
+            count += len(delta.token_ids)
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    finally:
+        engine.close()  # the tensor-parallel workers stop with the command
     elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
     print(

@@ -194,6 +194,7 @@ class Workers:
             return
         if self._launched:
             self._control = self.group.join(0)
+            atexit.register(self.stop)  # the workers stop when this process ends
             self.send(self._setup)
             dist.barrier(group=self._control)  # until every worker has built its part
             return
