@@ -73,9 +73,10 @@ def digest(table: RequestTable) -> str:
 
 @attrs.frozen
 class Pass:
-    """One step's message: the table changes since the last pass, then the pass to run."""
+    """One step's message: the table changes since the last pass, then the pass to run
+    (None: only the changes, ahead of a check)."""
 
-    batch: Batch
+    batch: Batch | None
     table_changes: tuple[Change, ...]
 
 
@@ -123,7 +124,7 @@ class ParallelRunner:
         its KV pool has rank 0's slots (raises AssertionError naming the rank)."""
         if self.failed is not None:
             raise self.failed
-        self.workers.send(Pass(_NO_PASS, self.table.take()))
+        self.workers.send(Pass(None, self.table.take()))
         answers = self.workers.ask(CheckMirror())
         want = (digest(self.table), self.inner.backend.pool.num_slots)
         for rank, answer in enumerate(answers[1:], start=1):
@@ -132,9 +133,6 @@ class ParallelRunner:
                     f"rank {rank}'s request-table mirror or KV pool (digest, slots) {answer} "
                     f"differs from rank 0's {want}"
                 )
-
-
-_NO_PASS: Any = None  # a `Pass` with no batch only carries table changes
 
 
 @attrs.frozen

@@ -155,6 +155,11 @@ def test_aborts_and_retractions_leave_every_rank_consistent(checkpoints):
         got = [two.by_request_id.get(i) for i in ids]
         assert all(r is None or r.done for r in got)
         settled(two)
+        two.book.table.host[0, 0] = 7  # behind the journal's back: the mirrors now differ
+        with pytest.raises(AssertionError, match="rank 1's request-table mirror"):
+            two.check()
+        two.book.table.host[0, 0] = 0
+        two.check()
     finally:
         two.close()
     # the requests that ran to the end got the tokens of one rank (retracted and resumed)
