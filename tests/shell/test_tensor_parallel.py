@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from engine_checks import settled
 
 from engine.model.config import ModelConfig
@@ -266,3 +267,32 @@ def test_torchrun_starts_every_rank_and_rank_0_runs_the_command(checkpoints):
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert one.stdout.strip() and two.stdout == one.stdout  # rank 0's text only, the same
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_one_rank_shard_with_its_collectives_gives_the_tokens_of_the_whole_model(device):
+    """The sharded forward (its all-reduces and all-gather, in a group of one rank) on the
+    engine's runner: on CUDA over NCCL, with the decode and verify graphs captured, as each
+    rank captures its own."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from engine.model.loader import shard_of
+    from engine.shell.distributed import GroupConfig, Workers
+
+    settings = dict(random_weights="tiny", device=device, dtype="float32", max_context=128)
+    settings |= dict(kv_cache_slots=512, speculative=True, draft_cost=0.1, cuda_graph_max_batch=4)
+    whole = Engine(**settings)
+    want = _tokens(whole, MIXED_PROMPTS)
+    engine = Engine(**settings)
+    group = Workers(GroupConfig.local(1, device), setup=None)
+    group.start()  # this process alone: rank 0 of 1
+    try:
+        engine.runtime.model = shard_of(engine.runtime.model, 0, 1)
+        engine.runner = engine.runtime.make_runner(engine.book.table)  # captures on CUDA
+        engine.ahead.runner = engine.runner
+        assert engine.runner.model.shard is not None
+        assert bool(engine.runner.graphs) == (device == "cuda")
+        assert _tokens(engine, MIXED_PROMPTS) == want
+        settled(engine)
+    finally:
+        group.stop()
