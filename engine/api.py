@@ -8,6 +8,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from engine.shell.distributed import WorkerFailed
 from engine.shell.engine import Engine, Prompt
 from engine.shell.request import Completion, Delta
 from engine.state import FinishReason, SamplingParams
@@ -97,6 +98,8 @@ class AsyncEngine:
                 self.loop_error = error
                 self.engine.health.failed(error)
                 if not self._end_all(FinishReason.ERROR, error):
+                    return
+                if isinstance(error, WorkerFailed):  # a rank is gone: no pass can run
                     return
             self._release_admitted()
         self._end_all(FinishReason.ABORT)

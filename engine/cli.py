@@ -46,10 +46,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(**EngineConfig.overrides_from(args))
     prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     started, count = time.perf_counter(), 0
-    for delta in engine.stream(prompt, _params(args)):
-        count += len(delta.token_ids)
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
+    try:
+        for delta in engine.stream(prompt, _params(args)):
+            count += len(delta.token_ids)
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    finally:
+        engine.close()  # the tensor-parallel workers stop with the command
     elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
     print(
@@ -288,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         if missing is not None:
             return _missing_server(missing)
     args = build_parser().parse_args(argv)
+    if os.environ.get("RANK", "0") != "0" and hasattr(args, "tensor_parallel_size"):
+        # torchrun started this command on every rank: rank 0 runs it, the others serve it
+        from engine.shell.sharded import serve_as_worker
+
+        serve_as_worker(EngineConfig().replace(**EngineConfig.overrides_from(args)))
+        return 0
     return int(args.func(args) or 0)
 
 

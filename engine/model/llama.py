@@ -17,7 +17,9 @@ from torch import nn
 
 from engine import ops as op_sets
 from engine.backends.base import AttentionBackend, ForwardMetadata
+from engine.model import parallel
 from engine.model.config import ModelConfig
+from engine.model.parallel import ShardPlan
 from engine.model.rope import rope_attention_factor, rope_inv_freq
 from engine.ops.blockq import BlockWeight, linear
 from engine.ops.reference import QkvExtras, rms_norm
@@ -51,10 +53,17 @@ class DecoderLayer(nn.Module):
     (Qwen2) and the per-head `q_norm` / `k_norm` (Qwen3) are None where the config has none."""
 
     def __init__(
-        self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        index: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        sharded: bool = False,
     ) -> None:
         super().__init__()
         self.index = index
+        # `config` holds this rank's shapes; `sharded`: o_proj and down_proj give partial sums
+        self.sharded = sharded
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
@@ -95,7 +104,7 @@ class DecoderLayer(nn.Module):
         """(this layer's output, the residual stream before it is added); the first layer
         gets residual None and starts the stream from `hidden`."""
         whole_layer = getattr(ops, "decoder_layer", None)  # one kernel call (CPU), if it applies
-        if whole_layer is not None:
+        if whole_layer is not None and not self.sharded:
             result = whole_layer(self, hidden, residual, cos, sin, metadata, backend)
             if result is not None:
                 return result
@@ -120,10 +129,13 @@ class DecoderLayer(nn.Module):
             self.index, q, k, v, metadata, scale=self.head_dim**-0.5, kv_stored=stored
         )
         hidden = ops.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        if self.sharded:
+            hidden = parallel.all_reduce(hidden)
         norm = self.post_attention_layernorm
         normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         gate_up = ops.linear(normed, self.gate_up_proj)
-        return ops.linear(ops.silu_mul(gate_up), self.down_proj), residual
+        out = ops.linear(ops.silu_mul(gate_up), self.down_proj)
+        return (parallel.all_reduce(out) if self.sharded else out), residual
 
     def qkv_extras(self) -> QkvExtras | None:
         """The layer's q/k/v bias and q/k head norms for the op set (None: it has neither)."""
@@ -140,7 +152,12 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """`model(input_ids, positions, metadata, backend)` -> final-normed hidden [T, hidden];
-    `model.logits(hidden[rows])` -> fp32 logits [rows, vocab]."""
+    `model.logits(hidden[rows])` -> fp32 logits [rows, vocab].
+
+    With `shard`, this is one rank's part of the model (`ShardPlan`): its heads, MLP columns
+    and vocabulary rows, with the collectives that make each layer's output whole on every
+    rank (an all-reduce after o_proj and after down_proj, the embedding's, and an all-gather
+    of the logits). `config` stays the whole model's; `local` is this rank's shapes."""
 
     def __init__(
         self,
@@ -148,23 +165,28 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         op_set: str | None = None,
+        shard: ShardPlan | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device)
         self.config, self.dtype, self.device = config, dtype, device
+        self.shard = shard
+        self.local = config if shard is None else shard.local_config(config)
+        local = self.local
         # Which `engine.ops` set runs the layers' elementwise work and products (None: the
         # device's default). A plain attribute: tests switch it on one set of weights.
         self.op_set = op_sets.default_for(device, dtype) if op_set is None else op_set
         op_sets.load(self.op_set)  # an unknown name fails here, not at the first pass
-        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = _weight(local.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device) for i in range(config.num_layers)
+            DecoderLayer(local, i, dtype, device, shard is not None)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else _weight(config.vocab_size, config.hidden_size, dtype, device)
+            else _weight(local.vocab_size, config.hidden_size, dtype, device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         self.rope_scale = rope_attention_factor(config)  # yarn scales cos and sin
@@ -187,7 +209,10 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         ops = op_sets.load(self.op_set)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.shard is None:
+            hidden = F.embedding(input_ids, self.embed_tokens)
+        else:
+            hidden = parallel.embed(input_ids, self.embed_tokens, self.shard)
         cos, sin = self.rope(positions)
         residual = None  # the config has at least one layer, so the loop sets it
         for layer in self.layers:
@@ -195,7 +220,9 @@ class LlamaModel(nn.Module):
         return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        if self.shard is None:
+            return linear(hidden, self.lm_head).float()
+        return parallel.gather_vocab(linear(hidden, self.lm_head).float(), self.shard)
 
     def use_block_weights(self, weights: dict[str, BlockWeight]) -> None:
         """Replace matrix weights (by parameter name: 'layers.0.qkv_proj', 'lm_head') with

@@ -24,6 +24,7 @@ from engine.model.config import ModelConfig
 from engine.model.families import Family
 from engine.model.families.base import hf_eos_ids
 from engine.model.llama import LlamaModel
+from engine.model.parallel import ShardPlan
 from engine.ops import blockq
 from engine.ops.blockq import BlockWeight
 
@@ -38,6 +39,38 @@ class ModelNotFoundError(FileNotFoundError):
 
 class ModelLoadError(RuntimeError):
     """A model file exists but cannot be read or does not fit the config."""
+
+
+class ShardError(ValueError):
+    """The model's shapes do not split over the tensor-parallel ranks asked for."""
+
+
+def shard_plan(config: ModelConfig, rank: int, world: int) -> ShardPlan:
+    """Rank `rank`'s plan; ShardError naming the shape that does not split over `world`."""
+    try:
+        return ShardPlan.of(config, rank, world)
+    except ValueError as error:
+        raise ShardError(str(error)) from error
+
+
+def sharded_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str, shard: tuple[int, int]
+) -> LlamaModel:
+    """An unfilled model of rank `shard[0]`'s part (of `shard[1]` ranks) of `config`."""
+    return LlamaModel(config, dtype, device, shard=shard_plan(config, *shard))
+
+
+def shard_of(
+    full: LlamaModel, rank: int, world: int, device: torch.device | str | None = None
+) -> LlamaModel:
+    """Rank `rank`'s part of a whole model (its weights cut by `ShardPlan`)."""
+    model = sharded_model(full.config, full.dtype, device or full.device, (rank, world))
+    sink = WeightSink(model)
+    for name, tensor in _hf_tensors(full):
+        sink.put(name, tensor)
+    sink.finish()
+    model.inv_freq.copy_(full.inv_freq)
+    return model.eval()
 
 
 def default_model_path() -> Path:
@@ -89,8 +122,13 @@ def load_model(
     device: torch.device | str = "cpu",
     block_weights: bool = True,
     hf_config_path: str | Path | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """Build the model on `device` in `dtype` and fill every weight from `path`.
+
+    shard: (rank, world) builds rank's part of the model for tensor parallelism
+    (`ShardPlan`; refused with a ValueError naming the shape that does not split), each
+    weight cut as it is read; its matrices are dense (no blocks).
 
     block_weights: on CPU in float32, a GGUF's Q4_0/Q4_1/Q8_0 matrices stay in their blocks
     (`engine.ops.blockq`: the same fp32 values, fewer bytes, a faster few-row product)
@@ -99,7 +137,7 @@ def load_model(
     hf_config_path: for a GGUF, the HF config (a directory with config.json, or the file)
     of the checkpoint it was converted from; its fields override the GGUF metadata."""
     resolved = resolve_model_path(path)
-    use_blocks = block_weights and cpu_kernels.usable(device, dtype)
+    use_blocks = block_weights and cpu_kernels.usable(device, dtype) and shard is None
     hf_config = None if hf_config_path is None else read_hf_config(hf_config_path)
     if hf_config is not None and resolved.is_dir():
         raise ModelLoadError(
@@ -108,9 +146,9 @@ def load_model(
         )
     try:
         if resolved.is_dir():
-            return _load_hf_dir(resolved, dtype, device)
-        return _load_gguf(resolved, dtype, device, use_blocks, hf_config)
-    except (ModelNotFoundError, ModelLoadError):
+            return _load_hf_dir(resolved, dtype, device, shard)
+        return _load_gguf(resolved, dtype, device, use_blocks, hf_config, shard)
+    except (ModelNotFoundError, ModelLoadError, ShardError):
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         raise ModelLoadError(f"cannot load a model from {resolved}: {error}") from error
@@ -150,7 +188,8 @@ class WeightSink:
         self.family: Family = families.for_config(model.config)
         self.params = dict(model.named_parameters())
         self.filled: dict[str, int] = {}
-        q, kv, inter = model.config.q_size, model.config.kv_size, model.config.intermediate_size
+        local = model.local  # this rank's shapes (the whole model's without a shard)
+        q, kv, inter = local.q_size, local.kv_size, local.intermediate_size
         self.row_ranges = {
             "q": (0, q),
             "k": (q, q + kv),
@@ -181,6 +220,8 @@ class WeightSink:
         if target is None:
             return
         name, part = target
+        if self.model.shard is not None:
+            tensor = self.model.shard.shard(hf_name, tensor)
         destination = self.params[name]
         if part is not None:
             start, stop = self.row_ranges[part]
@@ -205,7 +246,10 @@ class WeightSink:
 
 # --- HF checkpoint directory ----------------------------------------------------------------
 def _load_hf_dir(
-    directory: Path, dtype: torch.dtype, device: torch.device | str
+    directory: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     from safetensors import safe_open
 
@@ -217,7 +261,7 @@ def _load_hf_dir(
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise ModelNotFoundError(f"{directory} has config.json but no *.safetensors weights")
-    model = LlamaModel(config, dtype, device)
+    model = _new_model(config, dtype, device, shard)
     sink = WeightSink(model)
     for shard in shards:
         with safe_open(str(shard), framework="pt", device="cpu") as tensors:
@@ -294,12 +338,24 @@ def gguf_metadata(reader: object, skip_prefix: str = "tokenizer.ggml.") -> dict:
     return meta
 
 
+def _new_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard: tuple[int, int] | None,
+) -> LlamaModel:
+    if shard is None:
+        return LlamaModel(config, dtype, device)
+    return sharded_model(config, dtype, device, shard)
+
+
 def _load_gguf(
     path: Path,
     dtype: torch.dtype,
     device: torch.device | str,
     use_blocks: bool,
     hf_config: tuple[dict, object] | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -316,7 +372,7 @@ def _load_gguf(
     )
     if hf_config is not None:  # its family and fields; the GGUF's tensor names stay
         config = families.config_from_gguf_and_hf(config, *hf_config)
-    model = LlamaModel(config, dtype, device)
+    model = _new_model(config, dtype, device, shard)
     sink = WeightSink(model)
     blocks: dict[str, BlockWeight] = {}  # HF name -> the same weight in its GGUF blocks
     for name, tensor in tensors.items():

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import attrs
 import torch
+import torch.distributed as dist
+
+from engine.model.config import ModelConfig
 
 
 @attrs.frozen
@@ -93,6 +96,30 @@ class ShardPlan:
         start = self.rank * self.vocab_per_rank
         return torch.arange(start, min(start + self.vocab_per_rank, self.vocab_size))
 
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The shapes of this rank's part of `config`'s layers (heads, KV heads, MLP width,
+        vocabulary rows): what the rank's model allocates."""
+        return attrs.evolve(
+            config,
+            num_heads=self.heads_per_rank,
+            num_kv_heads=self.kv_heads_per_rank,
+            intermediate_size=self.intermediate_size // self.world,
+            vocab_size=len(self.vocab_rows()),
+        )
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int, world: int) -> ShardPlan:
+        """Rank `rank`'s plan for a model of `config`'s shapes (refused if they do not split)."""
+        return cls(
+            rank,
+            world,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.vocab_size,
+        )
+
     # --- weights ---------------------------------------------------------------------------
     def shard(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """This rank's part of a layer weight named like HF Llama's (`q_proj`, `o_proj`,
@@ -115,3 +142,38 @@ class ShardPlan:
                 return weight if self.rank == 0 else torch.zeros_like(weight)
             return weight.index_select(1, columns[short]()).contiguous()
         return weight
+
+
+# --- the collectives a sharded forward makes (the default process group) -------------------
+def all_reduce(partial: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of a row-parallel product's partial results, in place."""
+    dist.all_reduce(partial)
+    return partial
+
+
+def embed(ids: torch.Tensor, table: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    """Vocab-parallel lookup: each rank looks up the ids in its rows (zeros elsewhere) and
+    the sum over ranks is the whole table's lookup."""
+    start = plan.rank * plan.vocab_per_rank
+    local = ids - start
+    outside = (local < 0) | (local >= table.shape[0])
+    rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), table)
+    return all_reduce(rows.masked_fill(outside[:, None], 0))
+
+
+def gather_vocab(logits: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    """The whole vocabulary's logits [T, vocab] on every rank from each rank's columns (the
+    last rank's part padded to `vocab_per_rank`)."""
+    padded = torch.nn.functional.pad(logits, (0, plan.vocab_per_rank - logits.shape[1]))
+    rows = padded.shape[0]
+    parts = torch.empty(
+        (plan.world * rows, padded.shape[1]), dtype=padded.dtype, device=padded.device
+    )
+    _all_gather_single(parts, padded)
+    width = plan.vocab_per_rank
+    whole = parts.view(plan.world, rows, width).permute(1, 0, 2).reshape(rows, plan.world * width)
+    return whole[:, : plan.vocab_size]
+
+
+# torch >= 2.13 names it all_gather_single (the old name warns); older releases have the old one
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -184,6 +184,7 @@ def serve(
         server.run(sockets=[listener])
     finally:
         listener.close()
+        engine.close()  # joins the tensor-parallel workers: none outlives the server
 
 
 def _log_requests_to_stderr() -> None:

@@ -48,6 +48,11 @@ def _one_of(*allowed: str) -> Any:
     return check
 
 
+def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not is_number(value) or not value > 0:
+        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be a number > 0")
+
+
 def _draft_cost(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     SpecConfig(draft_cost=value)  # its check, with its message
 
@@ -154,6 +159,20 @@ class EngineConfig:
         "measured from the engine's own passes",
         _draft_cost,
     )
+    tensor_parallel_size: int = _field(
+        1,
+        "ranks that one model is split over (tensor parallelism: one process and one GPU "
+        "each, NCCL on cuda, gloo on cpu); the model's attention heads, KV heads (or ranks, "
+        "when they are fewer) and MLP width must split evenly. Weights are dense (no GGUF "
+        "blocks) when it is > 1",
+        _positive,
+    )
+    tensor_parallel_timeout: float = _field(
+        60.0,
+        "seconds a pass's collectives wait for a rank before the engine fails naming it "
+        "(tensor_parallel_size > 1)",
+        _seconds,
+    )
     random_seed: int = _field(0, "seed for random weights and for requests without a seed")
     random_weights: str | None = _field(
         None,
@@ -172,6 +191,13 @@ class EngineConfig:
         "write token ids into the trace as they are (else through a random permutation of "
         "the vocabulary, not written: replay needs only their equality)",
     )
+
+    def __attrs_post_init__(self) -> None:
+        if self.tensor_parallel_size > 1 and self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(
+                f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size} "
+                "is not allowed: rank r runs on cuda:r; give device 'cuda', 'cpu' or 'auto'"
+            )
 
     def replace(self, **changes: Any) -> EngineConfig:
         unknown = sorted(set(changes) - {a.name for a in attrs.fields(EngineConfig)})

@@ -10,9 +10,12 @@ GPUs). A worker that dies or stops answering fails rank 0 with `WorkerFailed` na
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing.connection
 import os
+import pickle
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +28,11 @@ import torch.multiprocessing as mp
 
 STOP = "stop"  # the message that ends a worker's loop
 BARRIER = "barrier"  # the message every rank answers with a barrier
+ASK = "ask"  # (ASK, payload): every worker answers with its handler's result (`Workers.ask`)
+# Messages travel on a gloo group of their own, whose wait has no practical bound: a worker
+# waits for the next message as long as rank 0 is idle. The collectives of a pass run on the
+# default group, bounded by `GroupConfig.timeout_s`: a rank that hangs fails them.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 class WorkerFailed(RuntimeError):
@@ -61,8 +69,15 @@ class GroupConfig:
         backend = "nccl" if device_type == "cuda" else "gloo"
         return cls(world_size, backend, f"file://{path}", timeout_s)
 
-    def join(self, rank: int) -> None:
-        """Join the group as `rank` (every rank calls this once)."""
+    @classmethod
+    def launched(cls, world_size: int, device_type: str, timeout_s: float = 60.0) -> GroupConfig:
+        """The group a launcher such as torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR and
+        MASTER_PORT in the environment), on one machine or several."""
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        return cls(world_size, backend, "env://", timeout_s)
+
+    def join(self, rank: int) -> Any:
+        """Join the group as `rank` (every rank calls this once); returns the messages' group."""
         dist.init_process_group(
             self.backend,
             init_method=self.init_method,
@@ -70,45 +85,80 @@ class GroupConfig:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=self.timeout_s),
         )
+        return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def send(message: Any) -> None:
-    """Rank 0: the message every other rank's `receive` returns."""
-    box = [message]
-    dist.broadcast_object_list(box, src=0)
+def send(message: Any, control: Any, timeout_s: float) -> None:
+    """Rank 0: the message every other rank's `receive` returns (its pickled bytes, after
+    their count). A root's broadcast waits until every rank has received it: the wait is
+    bounded by `timeout_s` here, where the group's own bound is the workers' long one."""
+    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+    for tensor in (torch.tensor([data.numel()], dtype=torch.int64), data):
+        work = dist.broadcast(tensor, src=0, group=control, async_op=True)
+        if not work.wait(datetime.timedelta(seconds=timeout_s)):
+            raise RuntimeError(f"a message was not received within {timeout_s} s")
 
 
-def receive() -> Any:
-    """A worker rank: rank 0's next message."""
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def receive(control: Any) -> Any:
+    """A worker rank: rank 0's next message (waiting as long as rank 0 sends none)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=control)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=control)
+    return pickle.loads(data.numpy().tobytes())
 
 
-Handler = Callable[[int, Any], None]  # (rank, message) -> None: one step of a worker
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) of this process when a launcher (torchrun) started it; else None."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+Handler = Callable[[int, Any], Any]  # (rank, message) -> answer (to ASK messages): one step
 
 
 def _worker(
     rank: int, group: GroupConfig, setup: Callable[[int], Handler], ready: Any, progress: Any
 ) -> None:
-    """A worker's life: say it is ready (its imports done), join, build its part (`setup`),
-    handle rank 0's messages until STOP, counting each one handled in `progress[rank]` (so
-    that rank 0 can name a rank that stopped answering)."""
+    """A worker's life: say it is ready (its imports done), join, build its part (`setup`)
+    and say so, handle rank 0's messages until STOP, counting each one handled in
+    `progress[rank]` (so that rank 0 can name a rank that stopped answering)."""
     ready.put(rank)
-    group.join(rank)
+    control = group.join(rank)
     try:
         handle = setup(rank)
-        while True:
-            message = receive()
-            if message == STOP:
-                return
-            if message == BARRIER:
-                dist.barrier()
-            else:
-                handle(rank, message)
-            progress[rank] += 1
+        ready.put(rank)
+        _serve(rank, group, control, handle, progress)
     finally:
         dist.destroy_process_group()
+
+
+def serve_launched(group: GroupConfig, rank: int) -> None:
+    """A worker that a launcher started (torchrun): join, build its part from the setup
+    rank 0 sends first, say so (a barrier), then handle rank 0's messages until STOP."""
+    control = group.join(rank)
+    try:
+        handle = receive(control)(rank)
+        dist.barrier(group=control)
+        _serve(rank, group, control, handle, None)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve(rank: int, group: GroupConfig, control: Any, handle: Handler, progress: Any) -> None:
+    while True:
+        message = receive(control)
+        if isinstance(message, str) and message == STOP:
+            return
+        if isinstance(message, str) and message == BARRIER:
+            dist.barrier()
+        elif isinstance(message, tuple) and message[:1] == (ASK,):
+            dist.all_gather_object([None] * group.world_size, handle(rank, message[1]))
+        else:
+            handle(rank, message)
+        if progress is not None:
+            progress[rank] += 1
 
 
 class Workers:
@@ -117,42 +167,70 @@ class Workers:
     itself (`start`) and must `stop` them (also on error: no orphaned process)."""
 
     def __init__(
-        self, group: GroupConfig, setup: Callable[[int], Handler], startup_timeout_s: float = 300
+        self,
+        group: GroupConfig,
+        setup: Callable[[int], Handler],
+        startup_timeout_s: float = 300,
+        launched: bool = False,
     ) -> None:
+        """`launched`: the workers were started by a launcher (torchrun, `serve_launched`),
+        not spawned here; they get `setup` as their first message."""
         self.group = group
+        self._launched = launched
         self._setup = setup
         self._startup_timeout_s = startup_timeout_s
         self._context: Any = None
         self._progress: Any = None  # messages each worker has handled
         self._sent = 0  # messages sent
+        self._control: Any = None  # the messages' group (`GroupConfig.join`)
 
     def start(self) -> None:
         """Spawn the workers, wait until each has started (a fresh process imports torch: on
-        a busy machine that outlasts the collectives' timeout), and join the group as rank 0."""
-        if self.group.world_size > 1:
-            context = mp.get_context("spawn")
-            ready = context.SimpleQueue()
-            self._progress = context.Array("q", self.group.world_size)
-            self._context = mp.start_processes(
-                _worker_entry,
-                args=(self.group, self._setup, ready, self._progress),
-                nprocs=self.group.world_size - 1,
-                join=False,
-                start_method="spawn",
-            )
-            deadline = time.monotonic() + self._startup_timeout_s
-            started = 0
-            while started < self.group.world_size - 1:
+        a busy machine that outlasts the collectives' timeout), join the group as rank 0, and
+        wait until each worker has built its part (`setup`), so that the first collective
+        does not wait on a worker's loading."""
+        if self.group.world_size == 1:
+            self._control = self.group.join(0)
+            return
+        if self._launched:
+            self._control = self.group.join(0)
+            atexit.register(self.stop)  # the workers stop when this process ends
+            self.send(self._setup)
+            dist.barrier(group=self._control)  # until every worker has built its part
+            return
+        context = mp.get_context("spawn")
+        ready = context.SimpleQueue()
+        self._progress = context.Array("q", self.group.world_size)
+        self._context = mp.start_processes(
+            _worker_entry,
+            args=(self.group, self._setup, ready, self._progress),
+            nprocs=self.group.world_size - 1,
+            join=False,
+            start_method="spawn",
+        )
+        atexit.register(self.stop)  # no worker outlives this process, whatever ends it
+        deadline = time.monotonic() + self._startup_timeout_s
+        self._await(ready, deadline, "start")
+        self._control = self.group.join(0)
+        self._await(ready, deadline, "build their part of the model")
+
+    def _await(self, ready: Any, deadline: float, what: str) -> None:
+        """One word from each worker on `ready`, before `deadline`."""
+        heard = 0
+        while heard < self.group.world_size - 1:
+            try:
                 self.check()
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise WorkerFailed(-1, f"workers did not start in {self._startup_timeout_s} s")
-                if ready.empty():
-                    time.sleep(0.05)
-                else:
-                    ready.get()
-                    started += 1
-        self.group.join(0)
+            except WorkerFailed:
+                self.stop()
+                raise
+            if time.monotonic() > deadline:
+                self.stop()
+                raise WorkerFailed(-1, f"workers did not {what} in {self._startup_timeout_s} s")
+            if ready.empty():
+                time.sleep(0.05)
+            else:
+                ready.get()
+                heard += 1
 
     @property
     def processes(self) -> list[Any]:
@@ -168,11 +246,21 @@ class Workers:
         """`message` to every worker. A dead worker is found first; one that stops answering
         fails the collective after the group's timeout (`WorkerFailed` names it)."""
         self.check()
+        self._sent += 1  # counted before: a worker that hangs before receiving it is behind
         try:
-            send(message)
+            send(message, self._control, self.group.timeout_s)
         except RuntimeError as error:
-            raise self._failure(error) from error
-        self._sent += 1
+            raise self.failure(error) from error
+
+    def ask(self, payload: Any) -> list[Any]:
+        """Every worker's handler's answer to `payload`, by rank (rank 0's entry is None)."""
+        self.send((ASK, payload))
+        answers: list[Any] = [None] * self.group.world_size
+        try:
+            dist.all_gather_object(answers, None)
+        except RuntimeError as error:
+            raise self.failure(error) from error
+        return answers
 
     def barrier(self) -> None:
         """Wait until every worker has handled every message sent before."""
@@ -180,9 +268,9 @@ class Workers:
         try:
             dist.barrier()
         except RuntimeError as error:
-            raise self._failure(error) from error
+            raise self.failure(error) from error
 
-    def _failure(self, error: RuntimeError) -> WorkerFailed:
+    def failure(self, error: RuntimeError) -> WorkerFailed:
         """The worker a failed collective waited on: one that exited, else one that has not
         handled every message sent before (it hangs in one)."""
         for index, process in enumerate(self.processes):
@@ -193,32 +281,35 @@ class Workers:
             for rank in range(1, self.group.world_size)
             if self._progress is not None and self._progress[rank] < self._sent
         ]
-        if behind:
+        if behind:  # the furthest behind hangs; the others may wait on rank 0, which waits on it
+            rank = min(behind, key=lambda r: self._progress[r])
             return WorkerFailed(
-                behind[0],
+                rank,
                 f"it did not answer within {self.group.timeout_s} s (it handled "
-                f"{self._progress[behind[0]]} of {self._sent} messages): {error}",
+                f"{self._progress[rank]} of {self._sent} messages): {error}",
             )
         return WorkerFailed(-1, f"a collective failed: {error}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Tell every worker to stop and join them; kill any that does not exit in time."""
-        if self._context is None:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            return
+        if self._control is None and self._context is None:
+            return  # never started, or stopped already
+        atexit.unregister(self.stop)
         try:
-            if all(p.is_alive() for p in self.processes) and dist.is_initialized():
-                send(STOP)
+            if all(p.is_alive() for p in self.processes) and self._control is not None:
+                send(STOP, self._control, self.group.timeout_s)
         except RuntimeError:
             pass  # a worker is gone: the others are killed below
-        sentinels = [p.sentinel for p in self.processes]
-        multiprocessing.connection.wait(sentinels, timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        waiting = [p.sentinel for p in self.processes]
+        while waiting and time.monotonic() < deadline:
+            done = multiprocessing.connection.wait(waiting, timeout=deadline - time.monotonic())
+            waiting = [s for s in waiting if s not in done]
         for process in self.processes:
             if process.is_alive():
                 process.kill()
             process.join(timeout_s)
-        self._context = None
+        self._context = self._control = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -227,6 +318,8 @@ def _worker_entry(
     index: int, group: GroupConfig, setup: Callable[[int], Handler], ready: Any, progress: Any
 ) -> None:
     """torch.multiprocessing's entry: process `index` is rank index + 1. CPU threads are
-    split between the ranks (each rank is one process on the same cores)."""
+    split between the ranks (each rank is one process on the same cores). Ctrl-C reaches every
+    process of the terminal's group: a worker leaves it to rank 0, which stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
     _worker(index + 1, group, setup, ready, progress)

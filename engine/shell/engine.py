@@ -22,6 +22,7 @@ from engine.errors import InvalidRequest
 from engine.shell import scheduler
 from engine.shell.ahead import PlanAhead
 from engine.shell.config import EngineConfig
+from engine.shell.distributed import WorkerFailed
 from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
 from engine.shell.grammar import Grammars
 from engine.shell.inbox import Inbox, validate_params, validate_prompt
@@ -29,7 +30,9 @@ from engine.shell.kv import KVBook
 from engine.shell.logits import LogitsWork, Sampled
 from engine.shell.outputs import Outputs
 from engine.shell.request import Completion, Delta, Request
+from engine.shell.runner import ModelRunner
 from engine.shell.runtime import Runtime, build_runtime
+from engine.shell.sharded import JournaledTable, ParallelRunner, start_workers
 from engine.shell.speculator import Speculator
 from engine.shell.textio import PromptInput, as_prompt_list, prompt_to_ids, to_params
 from engine.shell.trace import machine
@@ -49,14 +52,36 @@ class Engine:
         rt = self.runtime
         self.tokenizer = rt.tokenizer
         self.max_context = rt.max_context
+        # tensor parallelism: rank 0 (this process) schedules, the workers run its passes too
+        self.workers = (
+            None if self.config.tensor_parallel_size == 1 else start_workers(self.config, rt)
+        )
+        try:
+            self._build(rt)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, rt: Runtime) -> None:
+        """The KV book, the runner (rank 0's, sending each pass to the workers) and the
+        rest of the loop's state."""
+        table = None
+        if self.workers is not None:
+            table = JournaledTable(self.config.max_running_requests, rt.max_context, rt.device)
         self.book = KVBook(
             rt.num_slots,
             self.config.max_running_requests,
             rt.max_context,
             rt.device,
             prefix_cache=self.config.prefix_cache,
+            table=table,
         )
-        self.runner = rt.make_runner(self.book)
+        runner = rt.make_runner(self.book.table)
+        self.runner: ModelRunner | ParallelRunner = (
+            runner
+            if self.workers is None or table is None
+            else ParallelRunner(runner, self.workers, table)
+        )
         self.running = Running.empty(rt.max_context)
         self.waiting: collections.deque[Request] = collections.deque()
         self.inbox = Inbox()  # submissions and aborts from any thread
@@ -143,6 +168,9 @@ class Engine:
             with self.cpu_threads.threads() if self.cpu_threads else contextlib.nullcontext():
                 mode = self._run_extend(plan) if plan is not None else self._run_decode()
         except PassFailed as failure:
+            if isinstance(failure.cause, WorkerFailed):  # the engine cannot go on
+                self._fail(failure.uids, failure.cause)
+                raise failure.cause from failure
             log.error(
                 "a pass failed; its %d requests end with 'error'",
                 len(failure.uids),
@@ -589,8 +617,17 @@ class Engine:
 
     def check(self) -> None:
         """Slot conservation and table integrity, now (raises AssertionError). The slots of
-        a pass planned ahead count as in flight."""
+        a pass planned ahead count as in flight. Under tensor parallelism, also every rank's
+        request-table mirror and KV pool against rank 0's."""
         self.book.check(self.running, self.ahead.held_slots, self._history())
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.check()
+
+    def close(self) -> None:
+        """Stop and join the tensor-parallel workers (nothing to do with one rank); the
+        engine runs no pass after this."""
+        if self.workers is not None:
+            self.workers.stop(self.config.tensor_parallel_timeout)
 
     def close_streams(self, error: BaseException) -> None:
         """Last resort when the loop cannot go on: every open request gets its final delta

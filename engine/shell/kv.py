@@ -92,10 +92,14 @@ class RequestTable:
     def release_row(self, row: int) -> None:
         if row in self._free_rows:
             raise ValueError(f"request-table row {row} released twice")
+        self.clear(row)
+        self._free_rows.append(row)
+
+    def clear(self, row: int) -> None:
+        """Every position of `row` back to the padding slot."""
         self.host[row] = PADDING_SLOT
         if self.device.device.type != "cpu":
             self.device[row] = PADDING_SLOT
-        self._free_rows.append(row)
 
     def write(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
         if rows.size == 0:
@@ -128,9 +132,12 @@ class KVBook:
         max_context: int,
         device: torch.device | str = "cpu",
         prefix_cache: bool = False,
+        table: RequestTable | None = None,
     ) -> None:
+        """`table`: the request table to keep (one that records its changes for other
+        ranks' mirrors, `engine.shell.sharded`); default: a new one of these sizes."""
         self.slots = SlotAllocator(capacity)
-        self.table = RequestTable(num_rows, max_context, device)
+        self.table = table if table is not None else RequestTable(num_rows, max_context, device)
         self.cache = RadixCache() if prefix_cache else None
         self.evicted_slots = 0  # slots evicted from the cache, since start
         self.evictions = 0  # evictions that freed slots

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import attrs
 import numpy as np
@@ -12,11 +13,11 @@ from engine import cpu_kernels
 from engine.backends import KVPool, get_backend
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
-from engine.model.loader import load_model
+from engine.model.loader import load_model, shard_of, shard_plan
 from engine.model.sampling import SamplingTensors, greedy_tokens, sample
 from engine.model.tokenizer import Tokenizer, load_tokenizer
 from engine.shell.config import EngineConfig
-from engine.shell.kv import KVBook
+from engine.shell.kv import RequestTable
 from engine.shell.runner import ModelRunner
 from engine.state import SamplingParams
 
@@ -53,15 +54,16 @@ class Runtime:
         eos / eot / eom): each ends generation as `eos_id` does."""
         return tuple(t for t in self.model_config.eos_token_ids if t != self.eos_id)
 
-    def make_runner(self, book: KVBook) -> ModelRunner:
-        mc = self.model_config
+    def make_runner(self, table: RequestTable) -> ModelRunner:
+        """The runner over a KV pool of this rank's KV heads, reading `table`."""
+        local = self.model.local  # the whole model's shapes, or this rank's part of them
         pool = KVPool.allocate(
-            mc.num_layers,
+            local.num_layers,
             self.num_slots + 1,
-            mc.num_kv_heads,
-            mc.head_dim,
+            local.num_kv_heads,
+            local.head_dim,
             self.dtype,
-            book.table.device,
+            table.device,
         )
         cfg = self.config
         graph_max_batch = min(cfg.cuda_graph_max_batch, cfg.max_running_requests)
@@ -101,17 +103,32 @@ class Runtime:
         return (self.config.random_seed * 1_000_003 + uid) % (2**63)
 
 
-def _device(name: str) -> torch.device:
+def _device(name: str, rank: int = 0, world: int = 1) -> torch.device:
+    """The device of `rank` (of `world` tensor-parallel ranks: rank r on cuda:r of its
+    machine, `LOCAL_RANK` under torchrun)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} but no CUDA device is available; use 'cpu'")
+    if device.type == "cuda" and world > 1:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={world} needs a GPU for each rank on this machine; "
+                f"it has {torch.cuda.device_count()}"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
     return device
 
 
-def build_runtime(config: EngineConfig) -> Runtime:
-    device = _device(config.device)
+def build_runtime(config: EngineConfig, rank: int = 0) -> Runtime:
+    """What rank `rank` runs on: the whole model, or with `tensor_parallel_size` > 1 the
+    rank's part of it (rank 0 also loads the tokenizer)."""
+    world = config.tensor_parallel_size
+    shard = None if world == 1 else (rank, world)
+    device = _device(config.device, rank, world)
     dtype = (
         _DTYPES[config.dtype]
         if config.dtype != "auto"
@@ -127,7 +144,7 @@ def build_runtime(config: EngineConfig) -> Runtime:
         else "torch"
     )
     # Random weights come without a tokenizer: prompts are token ids, outputs have no text.
-    tokenizer = None if config.random_weights else load_tokenizer(config.model)
+    tokenizer = None if config.random_weights or rank else load_tokenizer(config.model)
     if config.random_weights and config.hf_config_path is not None:
         raise ValueError(
             f"hf_config_path={config.hf_config_path!r} applies to a GGUF model; "
@@ -146,12 +163,16 @@ def build_runtime(config: EngineConfig) -> Runtime:
                 f"random_weights={config.random_weights!r}; choose one of {sorted(presets)}"
             )
         model_config = presets[config.random_weights]()
+        if shard is not None:
+            shard_plan(model_config, *shard)  # refused before any drawing
         model = LlamaModel(model_config, dtype, device).init_random(config.random_seed)
+        if shard is not None:  # the weights of one rank equal the same part of the whole
+            model = shard_of(model, *shard)
     else:
         # the flag only matters where the loader can keep blocks: the cache key says so
-        blocks = config.block_weights and cpu_kernels.usable(device, dtype)
+        blocks = config.block_weights and cpu_kernels.usable(device, dtype) and shard is None
         model, model_config = _load_shared(
-            config.model, dtype, str(device), blocks, config.hf_config_path
+            config.model, dtype, str(device), blocks, config.hf_config_path, shard
         )
     max_context = config.max_context or min(
         model_config.max_position_embeddings, DEFAULT_MAX_CONTEXT
@@ -170,17 +191,27 @@ def _load_shared(
     device: str,
     block_weights: bool,
     hf_config_path: str | None,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """Weights are never written after loading, so engines in one process share them."""
     return load_model(
-        path, dtype, device, block_weights=block_weights, hf_config_path=hf_config_path
+        path,
+        dtype,
+        device,
+        block_weights=block_weights,
+        hf_config_path=hf_config_path,
+        shard=shard,
     )
 
 
 def _slots_from_budget(
     config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
-    per_slot = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    # a rank keeps its KV heads: its part of the heads, or one replicated head
+    kv_heads = mc.num_kv_heads
+    if config.tensor_parallel_size > 1:
+        kv_heads = max(mc.num_kv_heads // config.tensor_parallel_size, 1)
+    per_slot = 2 * mc.num_layers * kv_heads * mc.head_dim * dtype.itemsize
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.kv_cache_fraction)
