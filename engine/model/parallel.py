@@ -136,11 +136,11 @@ class ShardPlan:
         }
         columns = {"o_proj": self.q_rows, "down_proj": self.mlp_rows}
         if short in rows:
-            return weight.index_select(0, rows[short]()).contiguous()
+            return weight.index_select(0, rows[short]().to(weight.device)).contiguous()
         if short in columns:
             if name.endswith(".bias"):  # added once: after the all-reduce, on rank 0
                 return weight if self.rank == 0 else torch.zeros_like(weight)
-            return weight.index_select(1, columns[short]()).contiguous()
+            return weight.index_select(1, columns[short]().to(weight.device)).contiguous()
         return weight
 
 
