@@ -7,6 +7,7 @@ the grammar rejects are cut from their trees and every tree node gets the mask o
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import enum
 import functools
 import json
@@ -82,10 +83,12 @@ def grammar_vocabulary(tokenizer: Any, vocab_size: int, eos_id: int) -> llguidan
 class Grammars:
     """Compiles requests' grammars (any thread) and keeps the matchers of the constrained
     requests in flight, by uid (the loop's thread). `stats` counts the masks computed
-    (`grammar_masks`), the host time they took (`grammar_mask_seconds`) and the drafts cut
-    before verify (`grammar_drafts_cut`). `parallel`: a
-    pass's masks are computed on a pool of host threads (with a GPU, while it runs the pass;
-    on a CPU the cores run the model, and a pool's threads wait behind it)."""
+    (`grammar_masks`), the host time they took (`grammar_mask_seconds`), the part of it the
+    loop waited for (`grammar_mask_wait_seconds`: with a GPU, what the pass's forward did
+    not hide) and the drafts cut before verify (`grammar_drafts_cut`). `parallel`: a pass's
+    masks are filled off the loop's thread, by llguidance's pool (which releases the GIL),
+    while the loop goes on (with a GPU, the device runs the pass meanwhile; on a CPU the
+    cores run the model, and a pool's threads would wait behind it)."""
 
     def __init__(
         self,
@@ -103,6 +106,8 @@ class Grammars:
         self._compiled: collections.OrderedDict[StructuredOutputs, str] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
+        self._filler: concurrent.futures.ThreadPoolExecutor | None = None
+        self._staging = _Staging(pinned=parallel and torch.cuda.is_available())
         self._builder: threading.Thread | None = None
 
     @property
@@ -195,20 +200,55 @@ class Grammars:
     def masks(self, uids: Sequence[int]) -> np.ndarray | None:
         """One mask row per uid (bit t of a row: token t allowed; unconstrained rows allow
         every token), None when no uid is constrained."""
+        pending = self.start(uids)
+        return None if pending is None else pending.host().copy()
+
+    def start(self, uids: Sequence[int]) -> PendingMasks | None:
+        """Start filling a pass's masks (one row per uid, as `masks`), None when no uid is
+        constrained. With `parallel` they are filled off this thread and this returns at
+        once: the caller launches the pass's forward first, starts its masks, does its other
+        host work, then applies them (`PendingMasks.apply`) in sampling."""
         rows = [(self.matchers[u], i) for i, u in enumerate(uids) if u in self.matchers]
         if not rows:
             return None
-        started = time.perf_counter()
-        bitmask = np.full((len(uids), self.words), -1, dtype=np.int32)
+        bitmask, words = self._staging.take(len(uids), self.words)
+        if len(rows) < len(uids):  # the free rows allow everything; the others are filled
+            free = np.ones(len(uids), dtype=bool)
+            free[[row for _, row in rows]] = False
+            bitmask[free] = -1
+        return self._submit(lambda: self._fill_rows(rows, bitmask), bitmask, words, len(rows))
+
+    def _fill_rows(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
         if self.parallel and len(rows) > 1:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llg_numpy.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+            llg_numpy.fill_next_token_bitmask_par(self._pool(), rows, bitmask)
         else:
             for matcher, row in rows:
                 llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
-        self._count(len(rows), started)
-        return bitmask
+
+    def _pool(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def _submit(
+        self, fill: Any, bitmask: np.ndarray, words: torch.Tensor, count: int
+    ) -> PendingMasks:
+        """`fill()` (which writes `bitmask`) timed, off this thread with `parallel`."""
+
+        def timed() -> float:
+            started = time.perf_counter()
+            fill()
+            return time.perf_counter() - started
+
+        if not self.parallel:
+            seconds = timed()
+            self.stats["grammar_masks"] += count
+            self.stats["grammar_mask_seconds"] += seconds
+            return PendingMasks(bitmask, words, self.stats, count, None, self._staging)
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
+        job = self._filler.submit(timed)
+        return PendingMasks(bitmask, words, self.stats, count, job, self._staging)
 
     def prune(self, trees: DraftTrees, uids: Sequence[int]) -> DraftTrees:
         """`trees` (one per uid) without the drafts a constrained request's grammar rejects
@@ -229,20 +269,47 @@ class Grammars:
         """One mask row per tree node (flat, in batch order): the mask after its request's
         tokens and the drafts on the path down to it; None when no uid is constrained.
         Every draft is one its grammar allows (`prune`)."""
+        pending = self.start_tree(trees, uids)
+        return None if pending is None else pending.host().copy()
+
+    def start_tree(self, trees: DraftTrees, uids: Sequence[int]) -> PendingMasks | None:
+        """Start filling a verify pass's tree masks (as `tree_masks`), as `start` does. A
+        tree that is one path (most drafts) is filled by llguidance's pool with the others
+        (`fill_next_token_bitmask_par_with_draft_tokens`) where `parallel`; a branching one,
+        or any without `parallel`, by a walk of it."""
         if self.matchers.keys().isdisjoint(uids):
             return None
-        started = time.perf_counter()
-        bitmask = np.full((trees.sizes.total, self.words), -1, dtype=np.int32)
-        rows = 0
-        for tree in _trees(trees, uids, self.matchers):
-            _fill(self.matchers[tree.uid], tree, 0, bitmask)
-            rows += len(tree.tokens)
-        self._count(rows, started)
-        return bitmask
+        bitmask, words = self._staging.take(trees.sizes.total, self.words)
+        bitmask.fill(-1)
+        starts = trees.sizes.starts().tolist()
+        lens = trees.sizes.lens.tolist()
+        paths: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        branching: list[int] = []
+        for i, uid in enumerate(uids):
+            if uid not in self.matchers:
+                continue
+            flat = slice(starts[i], starts[i] + lens[i])
+            if self.parallel and np.array_equal(trees.parents[flat], np.arange(-1, lens[i] - 1)):
+                paths.append((self.matchers[uid], starts[i], trees.tokens[flat][1:].tolist()))
+            else:
+                branching.append(i)
+        walks = [] if not branching else list(_trees(trees, uids, self.matchers, branching))
+        count = sum(len(p) + 1 for _, _, p in paths) + sum(len(t.tokens) for t in walks)
 
-    def _count(self, masks: int, started: float) -> None:
-        self.stats["grammar_masks"] += masks
-        self.stats["grammar_mask_seconds"] += time.perf_counter() - started
+        drafted = [path for path in paths if path[2]]
+        roots = [(matcher, row) for matcher, row, drafts in paths if not drafts]
+
+        def fill() -> None:
+            if drafted:
+                llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(
+                    self._pool(), drafted, bitmask
+                )
+            if roots:
+                self._fill_rows(roots, bitmask)
+            for tree in walks:
+                _fill(self.matchers[tree.uid], tree, 0, bitmask)
+
+        return self._submit(fill, bitmask, words, count)
 
 
 @attrs.frozen
@@ -256,9 +323,13 @@ class _Tree:
     children: list[list[int]]
 
 
-def _trees(trees: DraftTrees, uids: Sequence[int], matchers: dict) -> Iterator[_Tree]:
+def _trees(
+    trees: DraftTrees, uids: Sequence[int], matchers: dict, among: Sequence[int] | None = None
+) -> Iterator[_Tree]:
+    """The trees of the constrained requests (of those at indices `among`, where given)."""
     starts = trees.sizes.starts().tolist()
-    for i, uid in enumerate(uids):
+    for i in range(len(uids)) if among is None else among:
+        uid = uids[i]
         if uid not in matchers:
             continue
         size = int(trees.sizes.lens[i])
@@ -295,6 +366,90 @@ def _fill(matcher: llguidance.LLMatcher, tree: _Tree, node: int, bitmask: np.nda
         matcher.rollback(1)
 
 
+class _Staging:
+    """The host rows a pass's masks are filled into, kept from pass to pass (no allocation
+    per step): pinned with a GPU, so that their copy to it starts without waiting for the
+    pass. Two buffers in turn: a pass fills one while the last pass's copy may still read
+    the other, and a buffer is reused once its copy is done (an event recorded after it;
+    by then long since, in practice: the pass's tokens were read)."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[Any] = [None, None]
+        self._turn = 0
+
+    def take(self, rows: int, words: int) -> tuple[np.ndarray, torch.Tensor]:
+        """[rows, words] int32 rows to fill (their contents are stale), as numpy and torch
+        views of one buffer."""
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # that buffer's last copy (an event, not the pass)
+            self._copied[turn] = None
+        buffer = self._buffers[turn]
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != words:
+            size = max(rows, 2 * buffer.shape[0] if buffer is not None else 0, 64)
+            buffer = torch.empty((size, words), dtype=torch.int32, pin_memory=self.pinned)
+            self._buffers[turn] = buffer
+        words_view = buffer[:rows]
+        return words_view.numpy(), words_view
+
+    def copied(self, buffer: torch.Tensor) -> None:
+        """`buffer` (a view of one taken) was copied to the GPU on the current stream."""
+        for turn, held in enumerate(self._buffers):
+            if held is not None and held.data_ptr() == buffer.data_ptr():
+                event = torch.cuda.Event()
+                event.record()
+                self._copied[turn] = event
+
+
+class PendingMasks:
+    """A pass's masks, being filled (on a host thread with `Grammars.parallel`) into staging
+    rows. `host()` waits for them; `apply(logits)` then copies them to the logits' device
+    (pinned, without waiting for the pass) and sets what a row does not allow to -inf."""
+
+    def __init__(
+        self,
+        bitmask: np.ndarray,
+        words: torch.Tensor,
+        stats: collections.Counter,
+        count: int,
+        job: concurrent.futures.Future | None,
+        staging: _Staging,
+    ) -> None:
+        self.bitmask, self.words, self.stats, self.count = bitmask, words, stats, count
+        self.job, self.staging = job, staging
+
+    @property
+    def done(self) -> bool:
+        return self.job is None or self.job.done()
+
+    def host(self) -> np.ndarray:
+        """The [rows, words] int32 masks, once filled (the wait counts as
+        `grammar_mask_wait_seconds`)."""
+        if self.job is not None:
+            job, self.job = self.job, None
+            started = time.perf_counter()
+            seconds = job.result()
+            self.stats["grammar_mask_wait_seconds"] += time.perf_counter() - started
+            self.stats["grammar_masks"] += self.count
+            self.stats["grammar_mask_seconds"] += seconds
+        return self.bitmask
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [rows, vocab] with every token its row's mask does not allow at -inf (a
+        new tensor)."""
+        bitmask = self.host()
+        if logits.device.type != "cuda":
+            return apply_masks(logits, bitmask)
+        if self.staging.pinned:
+            words = self.words.to(logits.device, non_blocking=True)
+            self.staging.copied(self.words)
+        else:
+            words = host_to_device(bitmask, logits.device)
+        return _where_allowed(logits, unpack_words(words))
+
+
 def apply_masks(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
     """`logits` [rows, vocab] with every token its row's mask does not allow at -inf (a new
     tensor). Ids past the grammar's vocabulary are never allowed."""
@@ -304,13 +459,21 @@ def apply_masks(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
         )
     else:  # the words cross (pinned, without waiting for the pass), then unpack there
         allowed = unpack_words(host_to_device(bitmask, logits.device))
+    return _where_allowed(logits, allowed)
+
+
+def _where_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[1]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     return torch.where(allowed[:, :vocab], logits, float("-inf"))
 
 
+@functools.lru_cache(maxsize=8)
+def _shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, device=device, dtype=torch.int32)
+
+
 def unpack_words(words: torch.Tensor) -> torch.Tensor:
     """[rows, words] int32 masks -> [rows, 32 * words] bool (bit b of word w: token 32w + b)."""
-    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
-    return ((words[:, :, None] >> shifts) & 1).bool().flatten(1)
+    return ((words[:, :, None] >> _shifts(words.device)) & 1).bool().flatten(1)
