@@ -108,6 +108,7 @@ class Grammars:
         self._executor: llguidance.LLExecutor | None = None
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: concurrent.futures.Future | None = None  # the last fill started
+        self._rows_way, self._trees_way = _Faster(), _Faster()  # pool or serial, measured
         self._staging = _Staging(pinned=parallel and torch.cuda.is_available())
         self._builder: threading.Thread | None = None
 
@@ -187,22 +188,13 @@ class Grammars:
         return self.advance_all({uid: tokens})[uid]
 
     def advance_all(self, tokens: Mapping[int, Sequence[int]]) -> dict[int, Progress]:
-        """Each uid's matcher past its newly committed tokens, by uid. With `parallel`, the
-        requests that commit one token each (a decode pass) advance on llguidance's pool."""
+        """Each uid's matcher past its newly committed tokens, by uid (one by one: about a
+        microsecond a token, less than a hand-off to llguidance's pool costs)."""
         self._settle()
-        single = [(self.matchers[u], int(t[0])) for u, t in tokens.items() if len(t) == 1]
-        consumed: dict[int, bool] = {}
-        if self.parallel and len(single) > 1:
-            oks = llg_numpy.consume_token_par(self._pool(), single)
-            uids = [u for u, t in tokens.items() if len(t) == 1]
-            consumed = dict(zip(uids, oks, strict=True))
         progress = {}
         for uid, committed in tokens.items():
             matcher = self.matchers[uid]
-            ok = consumed.get(uid)
-            if ok is None:
-                ok = matcher.consume_tokens([int(t) for t in committed])
-            if not ok:
+            if not matcher.consume_tokens([int(t) for t in committed]):
                 progress[uid] = Progress.REJECTED
             else:
                 progress[uid] = Progress.COMPLETE if matcher.is_stopped() else Progress.OPEN
@@ -240,11 +232,17 @@ class Grammars:
         return self._submit(lambda: self._fill_rows(rows, bitmask), bitmask, words, len(rows))
 
     def _fill_rows(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
-        if self.parallel and len(rows) > 1:
+        """Fill `rows` of `bitmask`: on llguidance's pool or one by one (on this thread), the
+        way `_rows_way` measured faster here."""
+        way = self._rows_way.pick() if self.parallel and len(rows) > 1 else SERIAL
+        started = time.perf_counter()
+        if way == POOL:
             llg_numpy.fill_next_token_bitmask_par(self._pool(), rows, bitmask)
         else:
             for matcher, row in rows:
                 llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+        if self.parallel and len(rows) > 1:
+            self._rows_way.record(way, time.perf_counter() - started, len(rows))
 
     def _pool(self) -> llguidance.LLExecutor:
         if self._executor is None:
@@ -305,8 +303,8 @@ class Grammars:
     def start_tree(self, trees: DraftTrees, uids: Sequence[int]) -> PendingMasks | None:
         """Start filling a verify pass's tree masks (as `tree_masks`), as `start` does. A
         tree that is one path (most drafts) is filled by llguidance's pool with the others
-        (`fill_next_token_bitmask_par_with_draft_tokens`) where `parallel`; a branching one,
-        or any without `parallel`, by a walk of it."""
+        (`fill_next_token_bitmask_par_with_draft_tokens`) where `parallel` and the pool has
+        measured faster; a branching one, or any otherwise, by a walk of it."""
         if self.matchers.keys().isdisjoint(uids):
             return None
         self._settle()
@@ -314,13 +312,14 @@ class Grammars:
         bitmask.fill(-1)
         starts = trees.sizes.starts().tolist()
         lens = trees.sizes.lens.tolist()
+        way = self._trees_way.pick() if self.parallel else SERIAL
         paths: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
         branching: list[int] = []
         for i, uid in enumerate(uids):
             if uid not in self.matchers:
                 continue
             flat = slice(starts[i], starts[i] + lens[i])
-            if self.parallel and np.array_equal(trees.parents[flat], np.arange(-1, lens[i] - 1)):
+            if way == POOL and np.array_equal(trees.parents[flat], np.arange(-1, lens[i] - 1)):
                 paths.append((self.matchers[uid], starts[i], trees.tokens[flat][1:].tolist()))
             else:
                 branching.append(i)
@@ -331,16 +330,49 @@ class Grammars:
         roots = [(matcher, row) for matcher, row, drafts in paths if not drafts]
 
         def fill() -> None:
+            started = time.perf_counter()
             if drafted:
                 llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(
                     self._pool(), drafted, bitmask
                 )
             if roots:
-                self._fill_rows(roots, bitmask)
+                llg_numpy.fill_next_token_bitmask_par(self._pool(), roots, bitmask)
             for tree in walks:
                 _fill(self.matchers[tree.uid], tree, 0, bitmask)
+            if self.parallel:
+                self._trees_way.record(way, time.perf_counter() - started, count)
 
         return self._submit(fill, bitmask, words, count)
+
+
+POOL, SERIAL = "pool", "serial"
+
+
+class _Faster:
+    """Which way fills a pass's masks faster on this machine: llguidance's pool or one row
+    after another. The pool's start and its per-row overhead (which grows with the
+    vocabulary) can cost more than cheap masks; a grammar with costly masks gains from it.
+    Each way's seconds per row are a running mean; the faster is taken, the other retried
+    every `PROBE` passes (a mask's cost changes with the grammars in flight)."""
+
+    PROBE = 32
+
+    def __init__(self) -> None:
+        self.mean: dict[str, float] = {}
+        self.passes = 0
+
+    def pick(self) -> str:
+        self.passes += 1
+        for way in (POOL, SERIAL):  # each measured once first
+            if way not in self.mean:
+                return way
+        faster, slower = sorted((POOL, SERIAL), key=self.mean.__getitem__)
+        return slower if self.passes % self.PROBE == 0 else faster
+
+    def record(self, way: str, seconds: float, rows: int) -> None:
+        per_row = seconds / max(rows, 1)
+        last = self.mean.get(way)
+        self.mean[way] = per_row if last is None else 0.75 * last + 0.25 * per_row
 
 
 @attrs.frozen

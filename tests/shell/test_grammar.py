@@ -208,24 +208,32 @@ def test_started_masks_are_filled_off_the_loops_thread_and_applied_later() -> No
     assert book.stats["grammar_masks"] == 2 and "grammar_mask_wait_seconds" in book.stats
 
 
-def test_a_pool_advances_a_decode_pass_requests_as_one_by_one() -> None:
-    """`advance_all` with `parallel`: requests that commit one token each advance on the
-    pool (after it filled masks on its own thread), others one by one; the same progress."""
-    specs = {0: "ab", 1: "a[0-9]", 2: "x", 3: "abc"}
-    results = []
-    for book in (grammars(), Grammars(None, 256, EOS, parallel=True)):
-        for uid, regex in specs.items():
-            book.add(uid, StructuredOutputs(regex=regex))
-        book.start([0, 1, 2, 3]).host()  # the pool's first use: a fill on its own thread
-        results.append(
-            (
-                book.advance_all({0: ids("a"), 1: ids("a"), 2: ids("y"), 3: ids("ab")}),
-                book.advance_all({0: ids("b"), 1: ids("7")}),
-                allowed(book.masks([3])),
-            )
-        )
-    assert results[0] == results[1]
-    first, second, after = results[1]
+def test_a_pass_advances_its_requests_matchers_together() -> None:
+    """`advance_all`: each request past its committed tokens (one or several), by uid; after
+    a fill on the pool's thread, as before it."""
+    book = Grammars(None, 256, EOS, parallel=True)
+    for uid, regex in {0: "ab", 1: "a[0-9]", 2: "x", 3: "abc"}.items():
+        book.add(uid, StructuredOutputs(regex=regex))
+    book.start([0, 1, 2, 3]).host()
+    first = book.advance_all({0: ids("a"), 1: ids("a"), 2: ids("y"), 3: ids("ab")})
     assert first == {0: Progress.OPEN, 1: Progress.OPEN, 2: Progress.REJECTED, 3: Progress.OPEN}
-    assert second == {0: Progress.COMPLETE, 1: Progress.COMPLETE}
-    assert after == {ord("c")}
+    assert book.advance_all({0: ids("b"), 1: ids("7")}) == {
+        0: Progress.COMPLETE,
+        1: Progress.COMPLETE,
+    }
+    assert allowed(book.masks([3])) == {ord("c")}
+
+
+def test_the_faster_way_to_fill_is_taken_and_the_other_retried_now_and_then() -> None:
+    from engine.shell.grammar import POOL, SERIAL, _Faster
+
+    faster = _Faster()
+    assert faster.pick() == POOL  # each way measured once first
+    faster.record(POOL, 8.0, 4)  # 2 s a row
+    assert faster.pick() == SERIAL
+    faster.record(SERIAL, 4.0, 4)  # 1 s a row
+    picks = [faster.pick() for _ in range(2 * _Faster.PROBE)]
+    assert picks.count(POOL) == 2 and picks.count(SERIAL) == 2 * _Faster.PROBE - 2
+    for _ in range(8):  # the pool turns faster: it is taken from then on
+        faster.record(POOL, 0.1, 4)
+    assert faster.pick() == POOL
