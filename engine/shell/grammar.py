@@ -229,7 +229,8 @@ class Grammars:
             free = np.ones(len(uids), dtype=bool)
             free[[row for _, row in rows]] = False
             bitmask[free] = -1
-        return self._submit(lambda: self._fill_rows(rows, bitmask), bitmask, words, len(rows))
+        fill = functools.partial(self._fill_rows, rows, bitmask)
+        return self._submit(fill, bitmask, words, len(rows), self._rows_way)
 
     def _fill_rows(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
         """Fill `rows` of `bitmask`: on llguidance's pool or one by one (on this thread), the
@@ -241,7 +242,7 @@ class Grammars:
         else:
             for matcher, row in rows:
                 llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
-        if self.parallel and len(rows) > 1:
+        if self.parallel:
             self._rows_way.record(way, time.perf_counter() - started, len(rows))
 
     def _pool(self) -> llguidance.LLExecutor:
@@ -250,23 +251,35 @@ class Grammars:
         return self._executor
 
     def _submit(
-        self, fill: Any, bitmask: np.ndarray, words: torch.Tensor, count: int
+        self, fill: Any, bitmask: np.ndarray, words: torch.Tensor, count: int, way: _Faster
     ) -> PendingMasks:
-        """`fill()` (which writes `bitmask`) timed, off this thread with `parallel`."""
+        """`fill()` (which writes `bitmask`'s `count` masks) timed: with `parallel`, on the
+        filler thread, unless `way` measured it cheaper than the hand-off (`HANDOFF_SECONDS`);
+        then, and without `parallel`, here."""
 
         def timed() -> float:
             started = time.perf_counter()
             fill()
             return time.perf_counter() - started
 
-        if not self.parallel:
+        if not self.parallel or way.expected(count) < HANDOFF_SECONDS:
             seconds = timed()
             self.stats["grammar_masks"] += count
             self.stats["grammar_mask_seconds"] += seconds
             return PendingMasks(bitmask, words, self.stats, count, None, self._staging)
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
-        self._inflight = self._filler.submit(timed)
+        running = threading.Event()
+
+        def started() -> float:
+            running.set()
+            return timed()
+
+        self._inflight = self._filler.submit(started)
+        # Wait (GIL released) until the filler runs: it then holds the GIL only until it
+        # enters llguidance, where this thread takes it back. Otherwise it might wait for
+        # it for an interpreter switch interval (5 ms) while this thread does host work.
+        running.wait()
         return PendingMasks(bitmask, words, self.stats, count, self._inflight, self._staging)
 
     def _settle(self) -> None:
@@ -342,10 +355,13 @@ class Grammars:
             if self.parallel:
                 self._trees_way.record(way, time.perf_counter() - started, count)
 
-        return self._submit(fill, bitmask, words, count)
+        return self._submit(fill, bitmask, words, count, self._trees_way)
 
 
 POOL, SERIAL = "pool", "serial"
+# A pass's masks expected to take less than this (`_Faster.expected`) are filled on the loop's
+# thread: handing them to the filler thread and back costs about as much.
+HANDOFF_SECONDS = 100e-6
 
 
 class _Faster:
@@ -368,6 +384,10 @@ class _Faster:
                 return way
         faster, slower = sorted((POOL, SERIAL), key=self.mean.__getitem__)
         return slower if self.passes % self.PROBE == 0 else faster
+
+    def expected(self, rows: int) -> float:
+        """Seconds `rows` masks are expected to take the faster way (inf: not measured)."""
+        return rows * min(self.mean.values()) if self.mean else float("inf")
 
     def record(self, way: str, seconds: float, rows: int) -> None:
         per_row = seconds / max(rows, 1)

@@ -1,5 +1,5 @@
 """Where a pass's grammar masks are filled, on a timeline of the loop's calls (random tiny
-weights on the CPU, the masks filled as with a GPU: by a pool thread): after the forward is
+weights on the CPU, the masks filled as with a GPU: by the filler thread): after the forward is
 launched, alongside the loop's other host work for the pass (the next pass's plan, during a
 decode), and before the sampling that applies them; a verify pass's tree masks after its
 forward and before the verification. Output still follows the grammar."""
@@ -12,7 +12,9 @@ import threading
 import pytest
 
 from engine import SamplingParams
+from engine.shell import grammar
 from engine.shell.engine import Engine
+from engine.state import StructuredOutputs
 
 EOS = 2
 PATTERN = rb"(red|green)-[0-9]{2}( (red|green)-[0-9]{2}){2,6}\."
@@ -49,7 +51,8 @@ class Timeline:
 
 
 @pytest.fixture(params=["plain", "speculative"])
-def engine(request) -> Engine:
+def engine(request, monkeypatch) -> Engine:
+    monkeypatch.setattr(grammar, "HANDOFF_SECONDS", 0.0)  # every fill handed off, however cheap
     settings = dict(random_weights="tiny", device="cpu", dtype="float32", max_context=256)
     if request.param == "speculative":
         settings.update(speculative=True, draft_budget=8)
@@ -88,3 +91,26 @@ def test_masks_are_filled_while_the_pass_runs_and_applied_in_its_sampling(engine
     if engine.spec is not None:
         assert engine.spec.stats_dict()["spec_draft_tokens_total"] > 0
         assert any("tree" in events and "start" in events for events in passes)
+
+
+def test_masks_cheaper_than_the_hand_off_are_filled_on_the_loops_thread() -> None:
+    """Once the fill is measured cheaper than `HANDOFF_SECONDS`, a pass's masks are filled
+    where they are started; before that (nothing measured) they are handed off."""
+    book = grammar.Grammars(None, 256, EOS, parallel=True)
+    book.add(0, StructuredOutputs(regex="[ab]+"))
+    main = threading.current_thread()
+    filled_on = []
+    fill = book._fill_rows
+
+    def recorded(rows, bitmask):
+        filled_on.append(threading.current_thread())
+        fill(rows, bitmask)
+
+    book._fill_rows = recorded
+    book.start([0]).host()
+    book._rows_way.mean = {grammar.SERIAL: grammar.HANDOFF_SECONDS / 4}
+    pending = book.start([0, 1, 2])  # one constrained row: a quarter of the hand-off
+    assert pending.done and filled_on[1] is main
+    book._rows_way.mean = {grammar.SERIAL: grammar.HANDOFF_SECONDS * 2}
+    book.start([0]).host()
+    assert filled_on[0] is not main and filled_on[2] is not main
