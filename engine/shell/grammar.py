@@ -553,10 +553,15 @@ def _where_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def _shifts(device: torch.device) -> torch.Tensor:
-    return torch.arange(32, device=device, dtype=torch.int32)
+def _bits(device: torch.device) -> torch.Tensor:
+    """int32 words with one bit set each, bit 0 to bit 31 (kept per device)."""
+    return torch.bitwise_left_shift(
+        torch.ones(32, dtype=torch.int32, device=device),
+        torch.arange(32, dtype=torch.int32, device=device),
+    )
 
 
 def unpack_words(words: torch.Tensor) -> torch.Tensor:
-    """[rows, words] int32 masks -> [rows, 32 * words] bool (bit b of word w: token 32w + b)."""
-    return ((words[:, :, None] >> _shifts(words.device)) & 1).bool().flatten(1)
+    """[rows, words] int32 masks -> [rows, 32 * words] bool (bit b of word w: token 32w + b),
+    in two kernels."""
+    return ((words[:, :, None] & _bits(words.device)) != 0).flatten(1)
