@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
@@ -496,21 +497,23 @@ class Engine:
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
         forward = self._forward(batch, prepared)
         masks = self.logits.start(uids)  # after the launch: filled while the device runs
-        logits = self.logits.edit(forward, uids, outputs.edited_uids)
-        launched = Launched(logits, uids, inputs, masks)
+        launched = Launched(
+            self.logits.edit(forward, uids, outputs.edited_uids), uids, inputs, masks
+        )
         if masks is None:
-            launched.sampled = self._sample(launched)
+            return attrs.evolve(launched, sampled=self._sample(launched))
         return launched
 
     def _sample(self, launched: Launched) -> Sampled:
-        """The launched pass's sampling, its masks applied (waiting for them, once)."""
-        if launched.sampled is None:
-            logits, uids = launched.logits, launched.uids
-            masked = self.logits.constrain(logits, uids, launched.masks)
-            tokens = self.runtime.sample(masked, launched.inputs)
-            pending = self.logits.logprobs(logits, tokens, uids, self.outputs.logprob_uids)
-            launched.sampled = Sampled(tokens, pending)
-        return launched.sampled
+        """The launched pass's sampling, its masks applied (waiting for them)."""
+        if launched.sampled is not None:
+            return launched.sampled
+        logits, uids = launched.logits, launched.uids
+        masked = self.logits.constrain(logits, uids, launched.masks)
+        tokens = self.runtime.sample(masked, launched.inputs)
+        return Sampled(
+            tokens, self.logits.logprobs(logits, tokens, uids, self.outputs.logprob_uids)
+        )
 
     def _fetch(self, sampled: Sampled) -> np.ndarray:
         """The pass's tokens on the host (where a device error surfaces), and its logprobs."""

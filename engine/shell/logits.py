@@ -29,11 +29,11 @@ class Sampled:
     logprobs: PendingLogprobs | None = None
 
 
-@attrs.define(eq=False)
+@attrs.frozen(eq=False)
 class Launched:
     """A launched pass before its sampling: its logits (edited) on the device, the uid of
     each row, its sampling inputs (None: all greedy), its grammar masks being filled (None:
-    none constrained), and its tokens once sampled."""
+    none constrained), and its tokens where it was sampled at once (no masks to wait for)."""
 
     logits: torch.Tensor
     uids: list[int]
