@@ -251,18 +251,23 @@ class Grammars:
         return self._executor
 
     def _submit(
-        self, fill: Any, bitmask: np.ndarray, words: torch.Tensor, count: int, way: _Faster
+        self,
+        fill: Any,
+        bitmask: np.ndarray,
+        words: torch.Tensor,
+        count: int,
+        way: _Faster | None,
     ) -> PendingMasks:
         """`fill()` (which writes `bitmask`'s `count` masks) timed: with `parallel`, on the
         filler thread, unless `way` measured it cheaper than the hand-off (`HANDOFF_SECONDS`);
-        then, and without `parallel`, here."""
+        then, with `way` None, and without `parallel`, here."""
 
         def timed() -> float:
             started = time.perf_counter()
             fill()
             return time.perf_counter() - started
 
-        if not self.parallel or way.expected(count) < HANDOFF_SECONDS:
+        if not self.parallel or way is None or way.expected(count) < HANDOFF_SECONDS:
             seconds = timed()
             self.stats["grammar_masks"] += count
             self.stats["grammar_mask_seconds"] += seconds
@@ -314,8 +319,9 @@ class Grammars:
         return None if pending is None else pending.host().copy()
 
     def start_tree(self, trees: DraftTrees, uids: Sequence[int]) -> PendingMasks | None:
-        """Start filling a verify pass's tree masks (as `tree_masks`), as `start` does. A
-        tree that is one path (most drafts) is filled by llguidance's pool with the others
+        """Fill a verify pass's tree masks (as `tree_masks`) on this thread, after the
+        pass's launch: the loop has nothing else to do before it verifies. A tree that is
+        one path (most drafts) is filled by llguidance's pool with the others
         (`fill_next_token_bitmask_par_with_draft_tokens`) where `parallel` and the pool has
         measured faster; a branching one, or any otherwise, by a walk of it."""
         if self.matchers.keys().isdisjoint(uids):
@@ -355,7 +361,8 @@ class Grammars:
             if self.parallel:
                 self._trees_way.record(way, time.perf_counter() - started, count)
 
-        return self._submit(fill, bitmask, words, count, self._trees_way)
+        # filled here: a verify pass has no other host work to do before it needs them
+        return self._submit(fill, bitmask, words, count, None)
 
 
 POOL, SERIAL = "pool", "serial"
