@@ -400,6 +400,7 @@ def speculation_profile(masks: dict[str, float]) -> str:
 MASK_SERIES = (
     "engine_grammar_masks_total",
     "engine_grammar_mask_seconds_total",
+    "engine_grammar_mask_wait_seconds_total",
     "engine_grammar_drafts_cut_total",
     "engine_spec_verify_steps_total",
     "engine_spec_draft_tokens_total",
@@ -457,11 +458,13 @@ def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
     total = {name: sum(masks[c][name] for c in levels) for name in MASK_SERIES}
     count = total["engine_grammar_masks_total"]
     seconds = total["engine_grammar_mask_seconds_total"]
+    waited = total["engine_grammar_mask_wait_seconds_total"]
     steps = total["engine_step_seconds_sum"]
     if count:
         print(
             f"token masks: {count:.0f}, {1e6 * seconds / count:.1f} us each on the host, "
-            f"{100 * seconds / steps:.1f}% of the constrained runs' step time"
+            f"{100 * seconds / steps:.1f}% of the constrained runs' step time; the loop "
+            f"waited for them {100 * waited / steps:.1f}% of it (the rest ran while it went on)"
         )
     if args.speculative:
         print(f"speculation: {spec_acceptance(url)}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Structured output on one GPU, one device call (~8 minutes at most): the grammar tests with
-# the CUDA mask path (tests/shell/test_grammar_cuda.py and the host-side grammar tests), then
+# Structured output on one GPU, one device call (~9 minutes at most): the grammar tests with
+# the CUDA mask path (tests/shell/test_grammar_cuda.py and the host-side grammar tests), the
+# host cost per mask (benchmarks/bench_grammar_masks.py), then
 # `benchmarks/bench_server.py --structured` on random weights (llama3_8b: a 128k vocabulary,
 # each request constrained on its byte tokens) with and without speculation, and on the
 # default model when a copy is on this machine (scripts/gpu_spec.sh, STAGE=a then b, leaves
@@ -14,7 +15,7 @@ set -uo pipefail
 
 STORE=${STORE:-/root/engine-model}
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-TEST_TIMEOUT=${TEST_TIMEOUT:-120}    # seconds per step: at most ~9 minutes in all
+TEST_TIMEOUT=${TEST_TIMEOUT:-120}    # seconds per step: at most ~9.5 minutes in all
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-100}
 PRESET=${PRESET:-llama3_8b}
 cd "$(dirname "$0")/.." || exit 1
@@ -50,12 +51,18 @@ torch.cuda.is_available(), "llguidance", llguidance.__version__)' 2>&1 | tee -a 
 # property test over random schemas needs jsonschema and the default model, so it stays on CPU
 start=$SECONDS
 timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/shell/test_grammar_cuda.py tests/shell/test_grammar.py >"$OUT_DIR/pytest.log" 2>&1
+    tests/shell/test_grammar_cuda.py tests/shell/test_grammar.py tests/shell/test_grammar_order.py \
+    >"$OUT_DIR/pytest.log" 2>&1
 rc=$?
 tail -n 15 "$OUT_DIR/pytest.log"
 note "pytest (grammar, CUDA)" "rc=$rc: $(tail -n 1 "$OUT_DIR/pytest.log")" $((SECONDS - start))
 
-# 3. bench_server --structured: random weights, then the default model where present
+# 3. the host cost of masks on this machine: llguidance's pool against one row after another
+start=$SECONDS
+timeout 45 python3 benchmarks/bench_grammar_masks.py --repeats 20 >"$OUT_DIR/masks.log" 2>&1
+note "bench_grammar_masks" "rc=$?" $((SECONDS - start))
+
+# 4. bench_server --structured: random weights, then the default model where present
 bench() {  # bench LABEL ARGS...: one run, its log under $OUT_DIR/bench_LABEL.log
     local label=$1 start=$SECONDS
     shift
@@ -74,6 +81,7 @@ else
     echo "no default model in $STORE (run scripts/gpu_spec.sh STAGE=a, b first): random weights only"
 fi
 
+echo; echo "== masks (us per row)"; cat "$OUT_DIR/masks.log"
 for log in "$OUT_DIR"/bench_*.log; do
     echo; echo "== $(basename "$log" .log)"
     grep -E "^(\||token masks|speculation|.* on cuda)" "$log" || tail -n 20 "$log"

@@ -65,6 +65,10 @@ _COUNTERS = {  # Engine.metrics() key -> (metric name without _total, help)
         "engine_grammar_mask_seconds",
         "Host time spent computing the token masks of constrained requests",
     ),
+    "grammar_mask_wait_seconds": (
+        "engine_grammar_mask_wait_seconds",
+        "Part of the mask time the loop waited for (with a GPU: not hidden behind the forward)",
+    ),
     "grammar_drafts_cut": (
         "engine_grammar_drafts_cut",
         "Speculative drafts cut before verify because their grammar rejects them",

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
@@ -27,7 +28,7 @@ from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
 from engine.shell.grammar import Grammars
 from engine.shell.inbox import Inbox, validate_params, validate_prompt
 from engine.shell.kv import KVBook
-from engine.shell.logits import LogitsWork, Sampled
+from engine.shell.logits import Launched, LogitsWork, Sampled
 from engine.shell.outputs import Outputs
 from engine.shell.request import Completion, Delta, Request
 from engine.shell.runner import ModelRunner
@@ -348,7 +349,7 @@ class Engine:
             sub, plan.chunk_lens, input_ids, self.book.alloc(plan.num_tokens)
         )
         with self._open(batch) as open_pass:
-            sampled = self._fetch(self._launch(batch))
+            sampled = self._fetch(self._sample(self._launch(batch)))
             self._commit_pass(open_pass, self.machine.extend(batch, sampled), rest=rest)
         if self.book.cache is not None:
             self._share_prefills(sub.rids[plan.chunk_lens > 1])
@@ -394,10 +395,10 @@ class Engine:
         batch = self.machine.schedule_verify(running, trees, self.book.alloc(trees.sizes.total))
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()
-            logits = self.logits.edit_tree(
-                self._forward(batch), trees, uids, self.outputs.edited_uids
-            )
-            masked = self.logits.constrain_tree(logits, trees, uids)
+            forward = self._forward(batch)
+            masks = self.logits.start_tree(trees, uids)  # filled while the device runs
+            logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
+            masked = self.logits.constrain_tree(logits, trees, uids, masks)
             params = [self.requests[u].params for u in uids]
             self._hit("verify")
             outcome = self.spec.verify(batch, params, masked)
@@ -430,11 +431,13 @@ class Engine:
                 return "retract"
             batch = self.machine.schedule_decode(self.running, self.book.alloc(len(self.running)))
         with self._open(batch) as open_pass:
-            tokens = self._launch(batch, prepared)
+            launched = self._launch(batch, prepared)
             if during is not None:
                 during()
-            self._prepare_next(open_pass)  # host work while the device runs this pass
-            sampled = self._fetch(tokens)
+            # host work while the device runs this pass (and a pool thread fills its masks);
+            # a pass with masks is sampled after it
+            self._prepare_next(open_pass)
+            sampled = self._fetch(self._sample(launched))
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
@@ -478,10 +481,13 @@ class Engine:
             return self.runner.forward(batch)
         return self.runner.launch(prepared, batch)
 
-    def _launch(self, batch: state.Batch, prepared: Any = None) -> Sampled:
-        """Launch the pass and its sampling (each request's bias and penalties first, then its
-        grammar's mask; its logprobs after, where asked, from the logits before the mask);
-        the tokens stay on the device until `_fetch`."""
+    def _launch(self, batch: state.Batch, prepared: Any = None) -> Launched:
+        """Launch the pass, then start its grammars' masks: the host fills them (with a GPU,
+        on a pool thread) while the device runs the forward and the loop does its other host
+        work; `_sample` applies them. A pass without masks is sampled at once. Sampling
+        applies each request's bias and penalties first, then its grammar's mask; its
+        logprobs after, where asked, from the logits before the mask; the tokens stay on the
+        device until `_fetch`."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
@@ -489,10 +495,25 @@ class Engine:
             params = [self.requests[u].params for u in uids]
             steps = [len(self.requests[u].output_ids) for u in uids]
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
-        logits = self.logits.edit(self._forward(batch, prepared), uids, outputs.edited_uids)
-        # on a GPU the masks are computed on the host while the device runs the pass
-        tokens = self.runtime.sample(self.logits.constrain(logits, uids), inputs)
-        return Sampled(tokens, self.logits.logprobs(logits, tokens, uids, outputs.logprob_uids))
+        forward = self._forward(batch, prepared)
+        masks = self.logits.start(uids)  # after the launch: filled while the device runs
+        launched = Launched(
+            self.logits.edit(forward, uids, outputs.edited_uids), uids, inputs, masks
+        )
+        if masks is None:
+            return attrs.evolve(launched, sampled=self._sample(launched))
+        return launched
+
+    def _sample(self, launched: Launched) -> Sampled:
+        """The launched pass's sampling, its masks applied (waiting for them)."""
+        if launched.sampled is not None:
+            return launched.sampled
+        logits, uids = launched.logits, launched.uids
+        masked = self.logits.constrain(logits, uids, launched.masks)
+        tokens = self.runtime.sample(masked, launched.inputs)
+        return Sampled(
+            tokens, self.logits.logprobs(logits, tokens, uids, self.outputs.logprob_uids)
+        )
 
     def _fetch(self, sampled: Sampled) -> np.ndarray:
         """The pass's tokens on the host (where a device error surfaces), and its logprobs."""

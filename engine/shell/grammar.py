@@ -7,12 +7,13 @@ the grammar rejects are cut from their trees and every tree node gets the mask o
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import enum
 import functools
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -82,10 +83,12 @@ def grammar_vocabulary(tokenizer: Any, vocab_size: int, eos_id: int) -> llguidan
 class Grammars:
     """Compiles requests' grammars (any thread) and keeps the matchers of the constrained
     requests in flight, by uid (the loop's thread). `stats` counts the masks computed
-    (`grammar_masks`), the host time they took (`grammar_mask_seconds`) and the drafts cut
-    before verify (`grammar_drafts_cut`). `parallel`: a
-    pass's masks are computed on a pool of host threads (with a GPU, while it runs the pass;
-    on a CPU the cores run the model, and a pool's threads wait behind it)."""
+    (`grammar_masks`), the host time they took (`grammar_mask_seconds`), the part of it the
+    loop waited for (`grammar_mask_wait_seconds`: with a GPU, what the pass's forward did
+    not hide) and the drafts cut before verify (`grammar_drafts_cut`). `parallel`: a pass's
+    masks are filled off the loop's thread, by llguidance's pool (which releases the GIL),
+    while the loop goes on (with a GPU, the device runs the pass meanwhile; on a CPU the
+    cores run the model, and a pool's threads would wait behind it)."""
 
     def __init__(
         self,
@@ -103,6 +106,10 @@ class Grammars:
         self._compiled: collections.OrderedDict[StructuredOutputs, str] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
+        self._filler: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: concurrent.futures.Future | None = None  # the last fill started
+        self._rows_way, self._trees_way = _Faster(), _Faster()  # pool or serial, measured
+        self._staging = _Staging(pinned=parallel and torch.cuda.is_available())
         self._builder: threading.Thread | None = None
 
     @property
@@ -178,10 +185,20 @@ class Grammars:
 
     def advance(self, uid: int, tokens: Sequence[int]) -> Progress:
         """`uid`'s matcher past its newly committed `tokens`."""
-        matcher = self.matchers[uid]
-        if not matcher.consume_tokens([int(t) for t in tokens]):
-            return Progress.REJECTED
-        return Progress.COMPLETE if matcher.is_stopped() else Progress.OPEN
+        return self.advance_all({uid: tokens})[uid]
+
+    def advance_all(self, tokens: Mapping[int, Sequence[int]]) -> dict[int, Progress]:
+        """Each uid's matcher past its newly committed tokens, by uid (one by one: about a
+        microsecond a token, less than a hand-off to llguidance's pool costs)."""
+        self._settle()
+        progress = {}
+        for uid, committed in tokens.items():
+            matcher = self.matchers[uid]
+            if not matcher.consume_tokens([int(t) for t in committed]):
+                progress[uid] = Progress.REJECTED
+            else:
+                progress[uid] = Progress.COMPLETE if matcher.is_stopped() else Progress.OPEN
+        return progress
 
     def error(self, uid: int) -> str:
         return self.matchers[uid].get_error() or "a token the grammar does not allow"
@@ -195,20 +212,88 @@ class Grammars:
     def masks(self, uids: Sequence[int]) -> np.ndarray | None:
         """One mask row per uid (bit t of a row: token t allowed; unconstrained rows allow
         every token), None when no uid is constrained."""
+        pending = self.start(uids)
+        return None if pending is None else pending.host().copy()
+
+    def start(self, uids: Sequence[int]) -> PendingMasks | None:
+        """Start filling a pass's masks (one row per uid, as `masks`), None when no uid is
+        constrained. With `parallel` they are filled off this thread and this returns at
+        once: the caller launches the pass's forward first, starts its masks, does its other
+        host work, then applies them (`PendingMasks.apply`) in sampling."""
         rows = [(self.matchers[u], i) for i, u in enumerate(uids) if u in self.matchers]
         if not rows:
             return None
+        self._settle()
+        bitmask, words = self._staging.take(len(uids), self.words)
+        if len(rows) < len(uids):  # the free rows allow everything; the others are filled
+            free = np.ones(len(uids), dtype=bool)
+            free[[row for _, row in rows]] = False
+            bitmask[free] = -1
+        fill = functools.partial(self._fill_rows, rows, bitmask)
+        return self._submit(fill, bitmask, words, len(rows), self._rows_way)
+
+    def _fill_rows(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
+        """Fill `rows` of `bitmask`: on llguidance's pool or one by one (on this thread), the
+        way `_rows_way` measured faster here."""
+        way = self._rows_way.pick() if self.parallel and len(rows) > 1 else SERIAL
         started = time.perf_counter()
-        bitmask = np.full((len(uids), self.words), -1, dtype=np.int32)
-        if self.parallel and len(rows) > 1:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llg_numpy.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        if way == POOL:
+            llg_numpy.fill_next_token_bitmask_par(self._pool(), rows, bitmask)
         else:
             for matcher, row in rows:
                 llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
-        self._count(len(rows), started)
-        return bitmask
+        if self.parallel:
+            self._rows_way.record(way, time.perf_counter() - started, len(rows))
+
+    def _pool(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def _submit(
+        self,
+        fill: Any,
+        bitmask: np.ndarray,
+        words: torch.Tensor,
+        count: int,
+        way: _Faster | None,
+    ) -> PendingMasks:
+        """`fill()` (which writes `bitmask`'s `count` masks) timed: with `parallel`, on the
+        filler thread, unless `way` measured it cheaper than the hand-off (`HANDOFF_SECONDS`);
+        then, with `way` None, and without `parallel`, here."""
+
+        def timed() -> float:
+            started = time.perf_counter()
+            fill()
+            return time.perf_counter() - started
+
+        if not self.parallel or way is None or way.expected(count) < HANDOFF_SECONDS:
+            seconds = timed()
+            self.stats["grammar_masks"] += count
+            self.stats["grammar_mask_seconds"] += seconds
+            return PendingMasks(bitmask, words, self.stats, count, None, self._staging)
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
+        running = threading.Event()
+
+        def started() -> float:
+            running.set()
+            return timed()
+
+        self._inflight = self._filler.submit(started)
+        # Wait (GIL released) until the filler runs: it then holds the GIL only until it
+        # enters llguidance, where this thread takes it back. Otherwise it might wait for
+        # it for an interpreter switch interval (5 ms) while this thread does host work.
+        running.wait()
+        return PendingMasks(bitmask, words, self.stats, count, self._inflight, self._staging)
+
+    def _settle(self) -> None:
+        """Wait for the last fill if it is still running: its pass failed before applying
+        it, and its matchers and staging rows are about to be used again (its error went
+        with that pass)."""
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight])
+            self._inflight = None
 
     def prune(self, trees: DraftTrees, uids: Sequence[int]) -> DraftTrees:
         """`trees` (one per uid) without the drafts a constrained request's grammar rejects
@@ -218,6 +303,7 @@ class Grammars:
         pass would add the EOS the grammar allows next)."""
         if self.matchers.keys().isdisjoint(uids) or trees.sizes.total == len(uids):
             return trees
+        self._settle()
         keep = np.ones(trees.sizes.total, dtype=bool)
         for tree in _trees(trees, uids, self.matchers):
             _cut(self.matchers[tree.uid], tree, 0, keep)
@@ -229,20 +315,91 @@ class Grammars:
         """One mask row per tree node (flat, in batch order): the mask after its request's
         tokens and the drafts on the path down to it; None when no uid is constrained.
         Every draft is one its grammar allows (`prune`)."""
+        pending = self.start_tree(trees, uids)
+        return None if pending is None else pending.host().copy()
+
+    def start_tree(self, trees: DraftTrees, uids: Sequence[int]) -> PendingMasks | None:
+        """Fill a verify pass's tree masks (as `tree_masks`) on this thread, after the
+        pass's launch: the loop has nothing else to do before it verifies. A tree that is
+        one path (most drafts) is filled by llguidance's pool with the others
+        (`fill_next_token_bitmask_par_with_draft_tokens`) where `parallel` and the pool has
+        measured faster; a branching one, or any otherwise, by a walk of it."""
         if self.matchers.keys().isdisjoint(uids):
             return None
-        started = time.perf_counter()
-        bitmask = np.full((trees.sizes.total, self.words), -1, dtype=np.int32)
-        rows = 0
-        for tree in _trees(trees, uids, self.matchers):
-            _fill(self.matchers[tree.uid], tree, 0, bitmask)
-            rows += len(tree.tokens)
-        self._count(rows, started)
-        return bitmask
+        self._settle()
+        bitmask, words = self._staging.take(trees.sizes.total, self.words)
+        bitmask.fill(-1)
+        starts = trees.sizes.starts().tolist()
+        lens = trees.sizes.lens.tolist()
+        way = self._trees_way.pick() if self.parallel else SERIAL
+        paths: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        branching: list[int] = []
+        for i, uid in enumerate(uids):
+            if uid not in self.matchers:
+                continue
+            flat = slice(starts[i], starts[i] + lens[i])
+            if way == POOL and np.array_equal(trees.parents[flat], np.arange(-1, lens[i] - 1)):
+                paths.append((self.matchers[uid], starts[i], trees.tokens[flat][1:].tolist()))
+            else:
+                branching.append(i)
+        walks = [] if not branching else list(_trees(trees, uids, self.matchers, branching))
+        count = sum(len(p) + 1 for _, _, p in paths) + sum(len(t.tokens) for t in walks)
 
-    def _count(self, masks: int, started: float) -> None:
-        self.stats["grammar_masks"] += masks
-        self.stats["grammar_mask_seconds"] += time.perf_counter() - started
+        drafted = [path for path in paths if path[2]]
+        roots = [(matcher, row) for matcher, row, drafts in paths if not drafts]
+
+        def fill() -> None:
+            started = time.perf_counter()
+            if drafted:
+                llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(
+                    self._pool(), drafted, bitmask
+                )
+            if roots:
+                llg_numpy.fill_next_token_bitmask_par(self._pool(), roots, bitmask)
+            for tree in walks:
+                _fill(self.matchers[tree.uid], tree, 0, bitmask)
+            if self.parallel:
+                self._trees_way.record(way, time.perf_counter() - started, count)
+
+        # filled here: a verify pass has no other host work to do before it needs them
+        return self._submit(fill, bitmask, words, count, None)
+
+
+POOL, SERIAL = "pool", "serial"
+# A pass's masks expected to take less than this (`_Faster.expected`) are filled on the loop's
+# thread: handing them to the filler thread and back costs about as much.
+HANDOFF_SECONDS = 100e-6
+
+
+class _Faster:
+    """Which way fills a pass's masks faster on this machine: llguidance's pool or one row
+    after another. The pool's start and its per-row overhead (which grows with the
+    vocabulary) can cost more than cheap masks; a grammar with costly masks gains from it.
+    Each way's seconds per row are a running mean; the faster is taken, the other retried
+    every `PROBE` passes (a mask's cost changes with the grammars in flight)."""
+
+    PROBE = 32
+
+    def __init__(self) -> None:
+        self.mean: dict[str, float] = {}
+        self.passes = 0
+
+    def pick(self) -> str:
+        self.passes += 1
+        for way in (POOL, SERIAL):  # each measured once first
+            if way not in self.mean:
+                return way
+        faster, slower = sorted((POOL, SERIAL), key=self.mean.__getitem__)
+        return slower if self.passes % self.PROBE == 0 else faster
+
+    def expected(self, rows: int) -> float:
+        """Seconds `rows` masks are expected to take the faster way (inf: not measured)."""
+        return rows * min(self.mean.values()) if self.mean else float("inf")
+
+    def record(self, way: str, seconds: float, rows: int) -> None:
+        per_row = seconds / max(rows, 1)
+        last = self.mean.get(way)
+        self.mean[way] = per_row if last is None else 0.75 * last + 0.25 * per_row
 
 
 @attrs.frozen
@@ -256,9 +413,13 @@ class _Tree:
     children: list[list[int]]
 
 
-def _trees(trees: DraftTrees, uids: Sequence[int], matchers: dict) -> Iterator[_Tree]:
+def _trees(
+    trees: DraftTrees, uids: Sequence[int], matchers: dict, among: Sequence[int] | None = None
+) -> Iterator[_Tree]:
+    """The trees of the constrained requests (of those at indices `among`, where given)."""
     starts = trees.sizes.starts().tolist()
-    for i, uid in enumerate(uids):
+    for i in range(len(uids)) if among is None else among:
+        uid = uids[i]
         if uid not in matchers:
             continue
         size = int(trees.sizes.lens[i])
@@ -295,6 +456,90 @@ def _fill(matcher: llguidance.LLMatcher, tree: _Tree, node: int, bitmask: np.nda
         matcher.rollback(1)
 
 
+class _Staging:
+    """The host rows a pass's masks are filled into, kept from pass to pass (no allocation
+    per step): pinned with a GPU, so that their copy to it starts without waiting for the
+    pass. Two buffers in turn: a pass fills one while the last pass's copy may still read
+    the other, and a buffer is reused once its copy is done (an event recorded after it;
+    by then long since, in practice: the pass's tokens were read)."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[Any] = [None, None]
+        self._turn = 0
+
+    def take(self, rows: int, words: int) -> tuple[np.ndarray, torch.Tensor]:
+        """[rows, words] int32 rows to fill (their contents are stale), as numpy and torch
+        views of one buffer."""
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # that buffer's last copy (an event, not the pass)
+            self._copied[turn] = None
+        buffer = self._buffers[turn]
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != words:
+            size = max(rows, 2 * buffer.shape[0] if buffer is not None else 0, 64)
+            buffer = torch.empty((size, words), dtype=torch.int32, pin_memory=self.pinned)
+            self._buffers[turn] = buffer
+        words_view = buffer[:rows]
+        return words_view.numpy(), words_view
+
+    def copied(self, buffer: torch.Tensor) -> None:
+        """`buffer` (a view of one taken) was copied to the GPU on the current stream."""
+        for turn, held in enumerate(self._buffers):
+            if held is not None and held.data_ptr() == buffer.data_ptr():
+                event = torch.cuda.Event()
+                event.record()
+                self._copied[turn] = event
+
+
+class PendingMasks:
+    """A pass's masks, being filled (on a host thread with `Grammars.parallel`) into staging
+    rows. `host()` waits for them; `apply(logits)` then copies them to the logits' device
+    (pinned, without waiting for the pass) and sets what a row does not allow to -inf."""
+
+    def __init__(
+        self,
+        bitmask: np.ndarray,
+        words: torch.Tensor,
+        stats: collections.Counter,
+        count: int,
+        job: concurrent.futures.Future | None,
+        staging: _Staging,
+    ) -> None:
+        self.bitmask, self.words, self.stats, self.count = bitmask, words, stats, count
+        self.job, self.staging = job, staging
+
+    @property
+    def done(self) -> bool:
+        return self.job is None or self.job.done()
+
+    def host(self) -> np.ndarray:
+        """The [rows, words] int32 masks, once filled (the wait counts as
+        `grammar_mask_wait_seconds`)."""
+        if self.job is not None:
+            job, self.job = self.job, None
+            started = time.perf_counter()
+            seconds = job.result()
+            self.stats["grammar_mask_wait_seconds"] += time.perf_counter() - started
+            self.stats["grammar_masks"] += self.count
+            self.stats["grammar_mask_seconds"] += seconds
+        return self.bitmask
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [rows, vocab] with every token its row's mask does not allow at -inf (a
+        new tensor)."""
+        bitmask = self.host()
+        if logits.device.type != "cuda":
+            return apply_masks(logits, bitmask)
+        if self.staging.pinned:
+            words = self.words.to(logits.device, non_blocking=True)
+            self.staging.copied(self.words)
+        else:
+            words = host_to_device(bitmask, logits.device)
+        return _where_allowed(logits, unpack_words(words))
+
+
 def apply_masks(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
     """`logits` [rows, vocab] with every token its row's mask does not allow at -inf (a new
     tensor). Ids past the grammar's vocabulary are never allowed."""
@@ -304,13 +549,26 @@ def apply_masks(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
         )
     else:  # the words cross (pinned, without waiting for the pass), then unpack there
         allowed = unpack_words(host_to_device(bitmask, logits.device))
+    return _where_allowed(logits, allowed)
+
+
+def _where_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[1]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     return torch.where(allowed[:, :vocab], logits, float("-inf"))
 
 
+@functools.lru_cache(maxsize=8)
+def _bits(device: torch.device) -> torch.Tensor:
+    """int32 words with one bit set each, bit 0 to bit 31 (kept per device)."""
+    return torch.bitwise_left_shift(
+        torch.ones(32, dtype=torch.int32, device=device),
+        torch.arange(32, dtype=torch.int32, device=device),
+    )
+
+
 def unpack_words(words: torch.Tensor) -> torch.Tensor:
-    """[rows, words] int32 masks -> [rows, 32 * words] bool (bit b of word w: token 32w + b)."""
-    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
-    return ((words[:, :, None] >> shifts) & 1).bool().flatten(1)
+    """[rows, words] int32 masks -> [rows, 32 * words] bool (bit b of word w: token 32w + b),
+    in two kernels."""
+    return ((words[:, :, None] & _bits(words.device)) != 0).flatten(1)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.model.sampling import LogitsEdit, Logprobs, host_to_device
-from engine.shell.grammar import Grammars, apply_masks
+from engine.shell.grammar import Grammars, PendingMasks
 from engine.shell.request import Request, TokenLogprob
 from engine.state import DraftTrees
 
@@ -27,6 +27,19 @@ class Sampled:
 
     tokens: torch.Tensor
     logprobs: PendingLogprobs | None = None
+
+
+@attrs.frozen(eq=False)
+class Launched:
+    """A launched pass before its sampling: its logits (edited) on the device, the uid of
+    each row, its sampling inputs (None: all greedy), its grammar masks being filled (None:
+    none constrained), and its tokens where it was sampled at once (no masks to wait for)."""
+
+    logits: torch.Tensor
+    uids: list[int]
+    inputs: object
+    masks: PendingMasks | None = None
+    sampled: Sampled | None = None
 
 
 @attrs.frozen(eq=False)
@@ -59,19 +72,38 @@ class LogitsWork:
         self.requests = requests
         self.grammars = grammars
 
-    def constrain(self, logits: torch.Tensor, uids: Sequence[int]) -> torch.Tensor:
+    def start(self, uids: Sequence[int]) -> PendingMasks | None:
+        """Start the masks of a pass with one logits row per uid (`Grammars.start`): called
+        once its forward is launched, so that the host fills them while the device runs it."""
+        return self.grammars.start(uids) if self.grammars else None
+
+    def start_tree(self, trees: DraftTrees, uids: Sequence[int]) -> PendingMasks | None:
+        """Start a verify pass's masks, one per tree node (`Grammars.start_tree`)."""
+        return self.grammars.start_tree(trees, uids) if self.grammars else None
+
+    def constrain(
+        self, logits: torch.Tensor, uids: Sequence[int], masks: PendingMasks | None = None
+    ) -> torch.Tensor:
         """`logits` (one row per uid) with the tokens each constrained request's grammar
-        does not allow next at -inf; the same tensor when none is constrained."""
-        bitmask = self.grammars.masks(uids) if self.grammars else None
-        return logits if bitmask is None else apply_masks(logits, bitmask)
+        does not allow next at -inf (`masks`, from `start`; started now when not given);
+        the same tensor when none is constrained."""
+        if masks is None:
+            masks = self.start(uids)
+        return logits if masks is None else masks.apply(logits)
 
     def constrain_tree(
-        self, logits: torch.Tensor, trees: DraftTrees, uids: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        trees: DraftTrees,
+        uids: Sequence[int],
+        masks: PendingMasks | None = None,
     ) -> torch.Tensor:
         """A verify pass's logits (one row per tree node) with each node's mask: its
-        request's grammar after the drafts on the path down to it."""
-        bitmask = self.grammars.tree_masks(trees, uids) if self.grammars else None
-        return logits if bitmask is None else apply_masks(logits, bitmask)
+        request's grammar after the drafts on the path down to it (`masks`, from
+        `start_tree`; started now when not given)."""
+        if masks is None:
+            masks = self.start_tree(trees, uids)
+        return logits if masks is None else masks.apply(logits)
 
     def edit(self, logits: torch.Tensor, uids: Sequence[int], edited: set[int]) -> torch.Tensor:
         """`logits` (one row per uid) with each request's bias and penalties applied; the

@@ -60,6 +60,8 @@ class Outputs:
         finished = effects.finished()
         emitted = effects.emitted()
         stopped: dict[int, FinishReason] = {}
+        constrained = {u: t for u, t in emitted.items() if u in self.grammars}
+        progress = self.grammars.advance_all(constrained) if constrained else {}
         for uid, tokens in emitted.items():
             request = self.requests[uid]
             request.output_ids.extend(tokens)
@@ -68,7 +70,7 @@ class Outputs:
             self.stats["generated_tokens"] += len(tokens)
             if self.spec is not None:
                 self.spec.extend(uid, tokens)
-            ending = self._grammar_end(request, tokens) if uid in self.grammars else None
+            ending = self._grammar_end(request, progress[uid]) if uid in progress else None
             if self.text.update(request, tokens) and ending is not FinishReason.ERROR:
                 ending = FinishReason.STOP  # the text was cut at a stop string
             if ending is None:
@@ -83,10 +85,9 @@ class Outputs:
             self.publish(self.requests[uid])
         return stopped
 
-    def _grammar_end(self, request: Request, tokens: list[int]) -> FinishReason | None:
-        """The request's grammar past its new tokens: STOP once complete, ERROR (with the
-        reason) if it refused one."""
-        progress = self.grammars.advance(request.uid, tokens)
+    def _grammar_end(self, request: Request, progress: Progress) -> FinishReason | None:
+        """The request's grammar past its new tokens (`progress`): STOP once complete, ERROR
+        (with the reason) if it refused one."""
         if progress is Progress.REJECTED:
             request.error = "the output left its grammar: " + self.grammars.error(request.uid)
             return FinishReason.ERROR

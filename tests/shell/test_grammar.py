@@ -143,3 +143,97 @@ def test_tree_masks_are_each_nodes_path_mask() -> None:
             reference.advance(node, ids(path))
         assert allowed(bitmask, node) == allowed(reference.masks([node])), path
     assert allowed(book.masks([6])) == {ord("a")}  # rolled back to the request's state
+
+
+def test_pooled_tree_masks_fill_paths_in_parallel_the_same_as_the_walk() -> None:
+    """With `parallel`, trees that are one path are filled by llguidance's pool (drafts
+    and all), a branching tree by the walk; every row is the walk's, and the matchers end
+    where they started."""
+    spec = StructuredOutputs(regex="(ab|ac)[0-9]+")
+    books = grammars(), Grammars(None, 256, EOS, parallel=True)
+    trees = stack(
+        [
+            DraftTree(ids("Xab12"), (-1, 0, 1, 2, 3)),  # one path
+            DraftTree(ids("Xabc1"), (-1, 0, 1, 1, 2)),  # branching
+            DraftTree(ids("Yb"), (-1, 0)),  # one path, one draft
+            DraftTree(ids("Z"), (-1,)),  # the root alone
+            DraftTree(ids("Qzz"), (-1, 0, 1)),  # unconstrained
+        ]
+    )
+    uids = [1, 2, 3, 4, 5]
+    for book in books:
+        for uid in uids[:4]:
+            book.add(uid, spec)
+        book.advance(3, ids("a"))
+        book.advance(4, ids("ac"))
+    serial, pooled = (book.tree_masks(trees, uids) for book in books)
+    assert np.array_equal(serial, pooled)
+    digits = set(range(ord("0"), ord("9") + 1))
+    assert allowed(pooled, 1) == {ord("b"), ord("c")}  # after "a" on the path
+    assert allowed(pooled, 2) == digits and allowed(pooled, 4) == digits | {EOS}
+    assert allowed(pooled, 11) == allowed(pooled, 12) == digits  # uid 3 after "ab"; uid 4
+    assert all(allowed(pooled, row) == set(range(256)) for row in (13, 14, 15))
+    assert books[0].stats["grammar_masks"] == books[1].stats["grammar_masks"] == 13
+    for book in books:  # rolled back to each request's state
+        assert allowed(book.masks([1, 3])) == {ord("a")}
+        assert allowed(book.masks([1, 3]), 1) == {ord("b"), ord("c")}
+        assert allowed(book.masks([4])) == digits
+
+
+def test_started_masks_are_filled_off_the_loops_thread_and_applied_later() -> None:
+    """`start` returns before the masks are filled when `parallel` (a pool thread fills
+    them, here held back until the loop has gone on); `apply` waits for them."""
+    import threading
+
+    book = Grammars(None, 256, EOS, parallel=True)
+    book.add(0, StructuredOutputs(regex="[ab]+"))
+    book.add(1, StructuredOutputs(regex="c"))
+    go, filled_on = threading.Event(), []
+    fill = book._fill_rows
+
+    def held(rows, bitmask):
+        go.wait()
+        filled_on.append(threading.current_thread())
+        fill(rows, bitmask)
+
+    book._fill_rows = held
+    pending = book.start([0, 9, 1])
+    assert pending is not None and not pending.done  # the loop goes on meanwhile
+    go.set()
+    masked = pending.apply(torch.zeros(3, 260))
+    assert filled_on and filled_on[0] is not threading.current_thread()
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [ord("a"), ord("b")]
+    assert torch.isfinite(masked[1, :256]).all() and torch.isinf(masked[1, 256:]).all()
+    assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == [ord("c")]
+    assert book.stats["grammar_masks"] == 2 and "grammar_mask_wait_seconds" in book.stats
+
+
+def test_a_pass_advances_its_requests_matchers_together() -> None:
+    """`advance_all`: each request past its committed tokens (one or several), by uid; after
+    a fill on the pool's thread, as before it."""
+    book = Grammars(None, 256, EOS, parallel=True)
+    for uid, regex in {0: "ab", 1: "a[0-9]", 2: "x", 3: "abc"}.items():
+        book.add(uid, StructuredOutputs(regex=regex))
+    book.start([0, 1, 2, 3]).host()
+    first = book.advance_all({0: ids("a"), 1: ids("a"), 2: ids("y"), 3: ids("ab")})
+    assert first == {0: Progress.OPEN, 1: Progress.OPEN, 2: Progress.REJECTED, 3: Progress.OPEN}
+    assert book.advance_all({0: ids("b"), 1: ids("7")}) == {
+        0: Progress.COMPLETE,
+        1: Progress.COMPLETE,
+    }
+    assert allowed(book.masks([3])) == {ord("c")}
+
+
+def test_the_faster_way_to_fill_is_taken_and_the_other_retried_now_and_then() -> None:
+    from engine.shell.grammar import POOL, SERIAL, _Faster
+
+    faster = _Faster()
+    assert faster.pick() == POOL  # each way measured once first
+    faster.record(POOL, 8.0, 4)  # 2 s a row
+    assert faster.pick() == SERIAL
+    faster.record(SERIAL, 4.0, 4)  # 1 s a row
+    picks = [faster.pick() for _ in range(2 * _Faster.PROBE)]
+    assert picks.count(POOL) == 2 and picks.count(SERIAL) == 2 * _Faster.PROBE - 2
+    for _ in range(8):  # the pool turns faster: it is taken from then on
+        faster.record(POOL, 0.1, 4)
+    assert faster.pick() == POOL

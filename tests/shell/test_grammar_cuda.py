@@ -1,7 +1,8 @@
-"""Grammar masks on a CUDA device: the words cross to the device and unpack there the same as
-on the host, and an engine on the GPU (its masks on a pool of host threads, verify passes
-with one mask per tree node) constrains greedy, sampled and speculative output exactly, with
-greedy output the same with speculation. Skipped without CUDA."""
+"""Grammar masks on a CUDA device: the words cross to the device (from reused pinned rows)
+and unpack there the same as on the host, and an engine on the GPU (its masks on a pool of
+host threads, verify passes with one mask per tree node) constrains greedy, sampled and
+speculative output exactly, with greedy output the same with speculation. Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -37,6 +38,23 @@ def test_device_masks_equal_the_hosts() -> None:
     assert torch.isinf(host[0, 256:]).all() and torch.isinf(host[2, 256:]).all()
     allowed = torch.isfinite(host[0]).nonzero().flatten().tolist()
     assert allowed == sorted([*b"abcx"])
+
+
+def test_started_masks_cross_from_reused_pinned_rows_as_the_host_applies_them() -> None:
+    """Pass after pass (the staging rows reused, two in turn, growing once), the masks a
+    pass starts reach the device from pinned memory and mask as the host does."""
+    book = Grammars(None, 256, EOS, parallel=True)
+    assert book._staging.pinned
+    for uid in range(80):
+        book.add(uid, StructuredOutputs(regex="[a-c]+x" if uid % 2 else "(no|yes)"))
+    generator = torch.Generator().manual_seed(1)
+    for size in (3, 5, 70, 4, 70, 2):
+        uids = list(range(size)) + [1000]  # and a free row
+        logits = torch.randn(len(uids), 300, generator=generator)
+        reference = apply_masks(logits, book.masks(uids))
+        pending = book.start(uids)
+        device = pending.apply(logits.cuda())
+        assert torch.equal(device.cpu(), reference)
 
 
 @pytest.fixture(scope="module")

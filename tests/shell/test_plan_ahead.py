@@ -211,7 +211,7 @@ def test_a_failure_around_a_plan_loses_no_slot(failing):
     prompts, params = _prompts(3), _params(3)
     # "fetch": the device tokens of the 4th pass fail when read (a device error surfaces there)
     target = engine if failing == "fetch" else engine.runner
-    name = {"prepare": "prepare", "launch": "launch", "fetch": "_launch"}[failing]
+    name = {"prepare": "prepare", "launch": "launch", "fetch": "_sample"}[failing]
     real, calls = getattr(target, name), []
 
     class Unreadable:
