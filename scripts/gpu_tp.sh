@@ -24,9 +24,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 
 # 1. tests: the TP tests (gloo on the CPU) and the CUDA engine tests at TP=1
-timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -m "not slow" \
-    tests/shell/test_tensor_parallel.py tests/shell/test_distributed.py \
-    tests/shell/test_graphs.py tests/shell/test_plan_ahead.py tests/shell/test_spec_overflow.py \
+TESTS=${TESTS:-tests/shell/test_tensor_parallel.py tests/shell/test_distributed.py
+    tests/shell/test_graphs.py tests/shell/test_plan_ahead.py tests/shell/test_spec_overflow.py}
+# shellcheck disable=SC2086  # TESTS is a list of paths (and pytest options such as -k)
+timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -m "not slow" $TESTS \
     >"$OUT_DIR/pytest.log" 2>&1
 echo "pytest rc=$?: $(tail -n 1 "$OUT_DIR/pytest.log")"
 tail -n 15 "$OUT_DIR/pytest.log"
