@@ -349,7 +349,7 @@ class Engine:
             sub, plan.chunk_lens, input_ids, self.book.alloc(plan.num_tokens)
         )
         with self._open(batch) as open_pass:
-            sampled = self._fetch(self._sample(self._launch(batch)))
+            sampled = self._tokens(self._launch(batch))
             self._commit_pass(open_pass, self.machine.extend(batch, sampled), rest=rest)
         if self.book.cache is not None:
             self._share_prefills(sub.rids[plan.chunk_lens > 1])
@@ -437,7 +437,7 @@ class Engine:
             # host work while the device runs this pass (and a pool thread fills its masks);
             # a pass with masks is sampled after it
             self._prepare_next(open_pass)
-            sampled = self._fetch(self._sample(launched))
+            sampled = self._tokens(launched)
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
@@ -484,10 +484,12 @@ class Engine:
     def _launch(self, batch: state.Batch, prepared: Any = None) -> Launched:
         """Launch the pass, then start its grammars' masks: the host fills them (with a GPU,
         on a pool thread) while the device runs the forward and the loop does its other host
-        work; `_sample` applies them. A pass without masks is sampled at once. Sampling
-        applies each request's bias and penalties first, then its grammar's mask; its
-        logprobs after, where asked, from the logits before the mask; the tokens stay on the
-        device until `_fetch`."""
+        work; `_sample` applies them. A greedy constrained row without logprobs gets no mask
+        here: its token is checked against its grammar once fetched, and drawn again under
+        its mask only if refused (`_tokens`). A pass without masks is sampled at once.
+        Sampling applies each request's bias and penalties first, then its grammar's mask;
+        its logprobs after, where asked, from the logits before the mask; the tokens stay on
+        the device until `_fetch`."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
@@ -496,9 +498,15 @@ class Engine:
             steps = [len(self.requests[u].output_ids) for u in uids]
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
         forward = self._forward(batch, prepared)
-        masks = self.logits.start(uids)  # after the launch: filled while the device runs
+        # greedy rows go unmasked, and are masked only if their grammar refuses their token
+        checked = self.logits.checked_rows(uids, outputs.logprob_uids)
+        masks = self.logits.start(uids, checked)  # after the launch: filled as the device runs
         launched = Launched(
-            self.logits.edit(forward, uids, outputs.edited_uids), uids, inputs, masks
+            self.logits.edit(forward, uids, outputs.edited_uids),
+            uids,
+            inputs,
+            masks,
+            checked=checked,
         )
         if masks is None:
             return attrs.evolve(launched, sampled=self._sample(launched))
@@ -509,11 +517,17 @@ class Engine:
         if launched.sampled is not None:
             return launched.sampled
         logits, uids = launched.logits, launched.uids
-        masked = self.logits.constrain(logits, uids, launched.masks)
+        masked = self.logits.constrain(logits, uids, launched.masks, launched.checked)
         tokens = self.runtime.sample(masked, launched.inputs)
         return Sampled(
             tokens, self.logits.logprobs(logits, tokens, uids, self.outputs.logprob_uids)
         )
+
+    def _tokens(self, launched: Launched) -> np.ndarray:
+        """The launched pass's tokens on the host: sampled, fetched, and where a checked
+        row's grammar refuses its token, drawn again under its mask (`LogitsWork.recheck`)."""
+        tokens = self._fetch(self._sample(launched))
+        return self.logits.recheck(launched.logits, launched.uids, launched.checked, tokens)
 
     def _fetch(self, sampled: Sampled) -> np.ndarray:
         """The pass's tokens on the host (where a device error surfaces), and its logprobs."""

@@ -13,7 +13,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -215,12 +215,23 @@ class Grammars:
         pending = self.start(uids)
         return None if pending is None else pending.host().copy()
 
-    def start(self, uids: Sequence[int]) -> PendingMasks | None:
-        """Start filling a pass's masks (one row per uid, as `masks`), None when no uid is
-        constrained. With `parallel` they are filled off this thread and this returns at
-        once: the caller launches the pass's forward first, starts its masks, does its other
-        host work, then applies them (`PendingMasks.apply`) in sampling."""
-        rows = [(self.matchers[u], i) for i, u in enumerate(uids) if u in self.matchers]
+    def allows(self, uid: int, token: int) -> bool:
+        """Whether `uid`'s grammar allows `token` next (its matcher does not move)."""
+        if not 0 <= token < self.vocabulary.vocab_size:
+            return False  # past the grammar's vocabulary: never allowed (as in a mask)
+        return self.matchers[uid].validate_tokens([token]) == 1
+
+    def start(self, uids: Sequence[int], skip: Collection[int] = ()) -> PendingMasks | None:
+        """Start filling a pass's masks (one row per uid, as `masks`; the rows in `skip`
+        allow every token), None when no other uid is constrained. With `parallel` they are
+        filled off this thread and this returns at once: the caller launches the pass's
+        forward first, starts its masks, does its other host work, then applies them
+        (`PendingMasks.apply`) in sampling."""
+        rows = [
+            (self.matchers[u], i)
+            for i, u in enumerate(uids)
+            if u in self.matchers and i not in skip
+        ]
         if not rows:
             return None
         self._settle()
