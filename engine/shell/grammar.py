@@ -103,7 +103,10 @@ class Grammars:
         self.stats = collections.Counter() if stats is None else stats
         self.matchers: dict[int, llguidance.LLMatcher] = {}
         self._vocabulary: llguidance.LLTokenizer | None = None
-        self._compiled: collections.OrderedDict[StructuredOutputs, str] = collections.OrderedDict()
+        # by spec: its grammar and a matcher at its start, which each request's copies
+        self._compiled: collections.OrderedDict[
+            StructuredOutputs, tuple[str, llguidance.LLMatcher]
+        ] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
@@ -148,6 +151,12 @@ class Grammars:
     def compile(self, spec: StructuredOutputs) -> str:
         """`spec`'s grammar, checked against the vocabulary; InvalidRequest naming the field
         (`structured_outputs.<kind>`) and what is wrong when it does not compile."""
+        return self._compile(spec)[0]
+
+    def _compile(self, spec: StructuredOutputs) -> tuple[str, llguidance.LLMatcher]:
+        """`spec`'s grammar (`compile`) and a matcher at its start, made once (about half a
+        millisecond for a JSON schema, on the submitting thread) and kept with it: a
+        request's matcher is a copy (microseconds, on the loop's thread)."""
         with self._lock:
             if spec in self._compiled:
                 self._compiled.move_to_end(spec)
@@ -160,11 +169,12 @@ class Grammars:
         problem = llguidance.LLMatcher.validate_grammar(text, self.vocabulary)
         if problem:
             raise InvalidRequest(field, f"does not compile: {problem.strip()}")
+        start = llguidance.LLMatcher(self.vocabulary, text, log_level=0)
         with self._lock:
-            self._compiled[spec] = text
+            self._compiled[spec] = (text, start)
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
-        return text
+        return text, start
 
     # --- requests in flight (the loop's thread) ----------------------------------------------
     def __contains__(self, uid: int) -> bool:
@@ -174,8 +184,9 @@ class Grammars:
         return bool(self.matchers)
 
     def add(self, uid: int, spec: StructuredOutputs, output_ids: Sequence[int] = ()) -> None:
-        """Start `uid`'s matcher (past `output_ids`, the tokens it already has)."""
-        matcher = llguidance.LLMatcher(self.vocabulary, self.compile(spec), log_level=0)
+        """Start `uid`'s matcher (past `output_ids`, the tokens it already has): a copy of
+        the spec's start (`_compile`)."""
+        matcher = self._compile(spec)[1].deep_copy()
         if output_ids:
             matcher.consume_tokens(list(output_ids))
         self.matchers[uid] = matcher
@@ -219,7 +230,10 @@ class Grammars:
         """Whether `uid`'s grammar allows `token` next (its matcher does not move)."""
         if not 0 <= token < self.vocabulary.vocab_size:
             return False  # past the grammar's vocabulary: never allowed (as in a mask)
-        return self.matchers[uid].validate_tokens([token]) == 1
+        matcher = self.matchers[uid]
+        if token == self.vocabulary.eos_token:  # where the grammar may end (as in a mask)
+            return matcher.is_accepting()
+        return matcher.validate_tokens([token]) == 1
 
     def start(self, uids: Sequence[int], skip: Collection[int] = ()) -> PendingMasks | None:
         """Start filling a pass's masks (one row per uid, as `masks`; the rows in `skip`
