@@ -20,6 +20,7 @@ import torch
 
 from engine import cpu_kernels, state
 from engine.errors import InvalidRequest
+from engine.model.sampling import greedy_tokens
 from engine.shell import scheduler
 from engine.shell.ahead import PlanAhead
 from engine.shell.config import EngineConfig
@@ -395,13 +396,21 @@ class Engine:
         batch = self.machine.schedule_verify(running, trees, self.book.alloc(trees.sizes.total))
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()
-            forward = self._forward(batch)
-            masks = self.logits.start_tree(trees, uids)  # filled while the device runs
-            logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
-            masked = self.logits.constrain_tree(logits, trees, uids, masks)
             params = [self.requests[u].params for u in uids]
+            forward = self._forward(batch)
+            # all greedy: the argmax of each tree's accepted path is checked against its
+            # grammar, no node masked first (`Grammars.verify_paths`)
+            greedy = all(p.greedy for p in params)
+            masks = None if greedy else self.logits.start_tree(trees, uids)
+            logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
             self._hit("verify")
-            outcome = self.spec.verify(batch, params, masked)
+            if greedy:
+                argmax = greedy_tokens(logits).cpu().numpy()
+                target = self.grammars.verify_paths(trees, uids, argmax, logits)
+                outcome = self.spec.verify(batch, params, target)
+            else:
+                masked = self.logits.constrain_tree(logits, trees, uids, masks)
+                outcome = self.spec.verify(batch, params, masked)
             pending = self.logits.tree_logprobs(
                 logits,
                 trees,

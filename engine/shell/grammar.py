@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.errors import InvalidRequest
-from engine.model.sampling import host_to_device
+from engine.model.sampling import greedy_tokens, host_to_device
 from engine.spec import prune
 from engine.state import DraftTrees, StructuredOutputs
 
@@ -228,12 +228,59 @@ class Grammars:
 
     def allows(self, uid: int, token: int) -> bool:
         """Whether `uid`'s grammar allows `token` next (its matcher does not move)."""
+        return self._allows(self.matchers[uid], token)
+
+    def _allows(self, matcher: llguidance.LLMatcher, token: int) -> bool:
         if not 0 <= token < self.vocabulary.vocab_size:
             return False  # past the grammar's vocabulary: never allowed (as in a mask)
-        matcher = self.matchers[uid]
         if token == self.vocabulary.eos_token:  # where the grammar may end (as in a mask)
             return matcher.is_accepting()
         return matcher.validate_tokens([token]) == 1
+
+    def verify_paths(
+        self, trees: DraftTrees, uids: Sequence[int], argmax: np.ndarray, logits: torch.Tensor
+    ) -> np.ndarray:
+        """A greedy verify pass's argmax per node (`argmax`, from the unmasked `logits`, one
+        row per node) as its masked logits would give it along each constrained request's
+        accepted path: from the root down, a node's token its grammar allows stands (the
+        mask would leave it the maximum), a refused one is drawn again under the node's
+        mask; the path goes on to the first child drafting that token. Greedy verification
+        reads the argmax of the path's nodes only, so it accepts what it would with every
+        node masked. Every draft is one its grammar allows (`prune`)."""
+        if self.matchers.keys().isdisjoint(uids):
+            return argmax
+        self._settle()
+        argmax = argmax.copy()
+        for tree in _trees(trees, uids, self.matchers):
+            matcher = self.matchers[tree.uid]
+            node, depth = 0, 0
+            while True:
+                flat = tree.start + node
+                token = int(argmax[flat])
+                self.stats["grammar_tokens_checked"] += 1
+                if not self._allows(matcher, token):
+                    self.stats["grammar_tokens_redrawn"] += 1
+                    token = argmax[flat] = self._redraw(matcher, logits[flat : flat + 1])
+                child = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
+                if child is None:
+                    break
+                if not matcher.consume_token(token):
+                    raise RuntimeError(
+                        f"a draft its grammar rejects reached verify (request {tree.uid})"
+                    )
+                node, depth = child, depth + 1
+            if depth:
+                matcher.rollback(depth)
+        return argmax
+
+    def _redraw(self, matcher: llguidance.LLMatcher, row: torch.Tensor) -> int:
+        """The argmax of one logits row under `matcher`'s mask."""
+        started = time.perf_counter()
+        bitmask = np.empty((1, self.words), dtype=np.int32)
+        llg_numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+        self.stats["grammar_masks"] += 1
+        self.stats["grammar_mask_seconds"] += time.perf_counter() - started
+        return int(greedy_tokens(apply_masks(row, bitmask)).item())
 
     def start(self, uids: Sequence[int], skip: Collection[int] = ()) -> PendingMasks | None:
         """Start filling a pass's masks (one row per uid, as `masks`; the rows in `skip`
