@@ -252,8 +252,15 @@ class Grammars:
         self._settle()
         argmax = argmax.copy()
         for tree in _trees(trees, uids, self.matchers):
-            matcher = self.matchers[tree.uid]
-            node, depth = 0, 0
+            self._verify_path(tree, argmax, logits)
+        return argmax
+
+    def _verify_path(self, tree: _Tree, argmax: np.ndarray, logits: torch.Tensor) -> None:
+        """`verify_paths` for one tree (`argmax` corrected in place); its matcher ends where
+        it started."""
+        matcher = self.matchers[tree.uid]
+        node, depth = 0, 0
+        try:
             while True:
                 flat = tree.start + node
                 token = int(argmax[flat])
@@ -263,15 +270,15 @@ class Grammars:
                     token = argmax[flat] = self._redraw(matcher, logits[flat : flat + 1])
                 child = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
                 if child is None:
-                    break
+                    return
                 if not matcher.consume_token(token):
                     raise RuntimeError(
                         f"a draft its grammar rejects reached verify (request {tree.uid})"
                     )
                 node, depth = child, depth + 1
+        finally:
             if depth:
                 matcher.rollback(depth)
-        return argmax
 
     def _redraw(self, matcher: llguidance.LLMatcher, row: torch.Tensor) -> int:
         """The argmax of one logits row under `matcher`'s mask."""
