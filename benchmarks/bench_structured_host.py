@@ -4,6 +4,7 @@ logits peak at its request's next token of the document, then EOS), so that cons
 unconstrained requests emit the same tokens and only the host work differs.
 
     python benchmarks/bench_structured_host.py [--clients 1,4,16] [--requests 4] [--profile]
+        [--speculative]
 
 Prints, for each number of clients, unconstrained then JSON-schema constrained: output tok/s,
 host ms per decode step, passes by mode, plans ahead used/dropped; with --profile, the top of
@@ -46,16 +47,27 @@ class CopyRunner:
     def prepare(self, batch) -> Prepared:
         return Prepared(batch, None, None, None)
 
+    def _pick(self, uid: int, ahead: int = 0) -> int:
+        target = self.targets[uid]
+        done = len(self.engine.requests[uid].output_ids) + ahead
+        return target[done] if done < len(target) else self.eos
+
     def launch(self, prepared: Prepared, batch) -> torch.Tensor:
         self.passes[batch.mode.name.lower()] += 1
-        uids = batch.running.rids[batch.samples].tolist()
-        logits = torch.zeros((len(uids), self.vocab), dtype=torch.float32)
-        picks = []
-        for uid in uids:
-            target = self.targets[uid]
-            done = len(self.engine.requests[uid].output_ids)
-            picks.append(target[done] if done < len(target) else self.eos)
-        logits[torch.arange(len(uids)), torch.tensor(picks)] = 10.0
+        trees = batch.trees
+        if trees is None:  # one row per sampling request
+            picks = [self._pick(uid) for uid in batch.running.rids[batch.samples].tolist()]
+        else:  # verify: one row per tree node, the token after the node's path
+            picks = []
+            starts = trees.sizes.starts().tolist()
+            for i, uid in enumerate(batch.running.rids.tolist()):
+                parents = trees.parents[starts[i] : starts[i] + int(trees.sizes.lens[i])]
+                depths: list[int] = []
+                for parent in parents.tolist():
+                    depths.append(0 if parent < 0 else depths[parent] + 1)
+                picks.extend(self._pick(uid, depth) for depth in depths)
+        logits = torch.zeros((len(picks), self.vocab), dtype=torch.float32)
+        logits[torch.arange(len(picks)), torch.tensor(picks)] = 10.0
         return logits
 
     def forward(self, batch) -> torch.Tensor:
@@ -120,8 +132,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2, help="best of")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--speculative", action="store_true")
     args = parser.parse_args()
-    engine = Engine(device="cpu", dtype="float32", max_running_requests=32)
+    engine = Engine(
+        device="cpu", dtype="float32", max_running_requests=32, speculative=args.speculative
+    )
     engine.grammars.wait_ready()
     assert DOCUMENT_SCHEMA
     print("| clients | kind | tok/s | ms/decode step | passes | plans used/dropped | masks |")
