@@ -402,6 +402,8 @@ MASK_SERIES = (
     "engine_grammar_mask_seconds_total",
     "engine_grammar_mask_wait_seconds_total",
     "engine_grammar_drafts_cut_total",
+    "engine_grammar_tokens_checked_total",
+    "engine_grammar_tokens_redrawn_total",
     "engine_spec_verify_steps_total",
     "engine_spec_draft_tokens_total",
     "engine_spec_accepted_tokens_total",
@@ -465,6 +467,13 @@ def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
             f"token masks: {count:.0f}, {1e6 * seconds / count:.1f} us each on the host, "
             f"{100 * seconds / steps:.1f}% of the constrained runs' step time; the loop "
             f"waited for them {100 * waited / steps:.1f}% of it (the rest ran while it went on)"
+        )
+    checked = total["engine_grammar_tokens_checked_total"]
+    if checked:
+        redrawn = total["engine_grammar_tokens_redrawn_total"]
+        print(
+            f"greedy tokens checked against their grammar without a mask: {checked:.0f}, "
+            f"{100 * redrawn / checked:.1f}% refused and drawn again under their mask"
         )
     if args.speculative:
         print(f"speculation: {spec_acceptance(url)}")

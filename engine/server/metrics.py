@@ -69,6 +69,14 @@ _COUNTERS = {  # Engine.metrics() key -> (metric name without _total, help)
         "engine_grammar_mask_wait_seconds",
         "Part of the mask time the loop waited for (with a GPU: not hidden behind the forward)",
     ),
+    "grammar_tokens_checked": (
+        "engine_grammar_tokens_checked",
+        "Greedy constrained tokens drawn without a mask and checked against their grammar",
+    ),
+    "grammar_tokens_redrawn": (
+        "engine_grammar_tokens_redrawn",
+        "Checked tokens their grammar refused, drawn again under their mask",
+    ),
     "grammar_drafts_cut": (
         "engine_grammar_drafts_cut",
         "Speculative drafts cut before verify because their grammar rejects them",

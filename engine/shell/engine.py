@@ -20,6 +20,7 @@ import torch
 
 from engine import cpu_kernels, state
 from engine.errors import InvalidRequest
+from engine.model.sampling import greedy_tokens
 from engine.shell import scheduler
 from engine.shell.ahead import PlanAhead
 from engine.shell.config import EngineConfig
@@ -349,7 +350,7 @@ class Engine:
             sub, plan.chunk_lens, input_ids, self.book.alloc(plan.num_tokens)
         )
         with self._open(batch) as open_pass:
-            sampled = self._fetch(self._sample(self._launch(batch)))
+            sampled = self._tokens(self._launch(batch))
             self._commit_pass(open_pass, self.machine.extend(batch, sampled), rest=rest)
         if self.book.cache is not None:
             self._share_prefills(sub.rids[plan.chunk_lens > 1])
@@ -395,13 +396,21 @@ class Engine:
         batch = self.machine.schedule_verify(running, trees, self.book.alloc(trees.sizes.total))
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()
-            forward = self._forward(batch)
-            masks = self.logits.start_tree(trees, uids)  # filled while the device runs
-            logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
-            masked = self.logits.constrain_tree(logits, trees, uids, masks)
             params = [self.requests[u].params for u in uids]
+            forward = self._forward(batch)
+            # all greedy: the argmax of each tree's accepted path is checked against its
+            # grammar, no node masked first (`Grammars.verify_paths`)
+            greedy = all(p.greedy for p in params)
+            masks = None if greedy else self.logits.start_tree(trees, uids)
+            logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
             self._hit("verify")
-            outcome = self.spec.verify(batch, params, masked)
+            if greedy:
+                argmax = greedy_tokens(logits).cpu().numpy()
+                target = self.grammars.verify_paths(trees, uids, argmax, logits)
+                outcome = self.spec.verify(batch, params, target)
+            else:
+                masked = self.logits.constrain_tree(logits, trees, uids, masks)
+                outcome = self.spec.verify(batch, params, masked)
             pending = self.logits.tree_logprobs(
                 logits,
                 trees,
@@ -437,7 +446,7 @@ class Engine:
             # host work while the device runs this pass (and a pool thread fills its masks);
             # a pass with masks is sampled after it
             self._prepare_next(open_pass)
-            sampled = self._fetch(self._sample(launched))
+            sampled = self._tokens(launched)
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
@@ -484,10 +493,12 @@ class Engine:
     def _launch(self, batch: state.Batch, prepared: Any = None) -> Launched:
         """Launch the pass, then start its grammars' masks: the host fills them (with a GPU,
         on a pool thread) while the device runs the forward and the loop does its other host
-        work; `_sample` applies them. A pass without masks is sampled at once. Sampling
-        applies each request's bias and penalties first, then its grammar's mask; its
-        logprobs after, where asked, from the logits before the mask; the tokens stay on the
-        device until `_fetch`."""
+        work; `_sample` applies them. A greedy constrained row without logprobs gets no mask
+        here: its token is checked against its grammar once fetched, and drawn again under
+        its mask only if refused (`_tokens`). A pass without masks is sampled at once.
+        Sampling applies each request's bias and penalties first, then its grammar's mask;
+        its logprobs after, where asked, from the logits before the mask; the tokens stay on
+        the device until `_fetch`."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
@@ -496,9 +507,15 @@ class Engine:
             steps = [len(self.requests[u].output_ids) for u in uids]
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
         forward = self._forward(batch, prepared)
-        masks = self.logits.start(uids)  # after the launch: filled while the device runs
+        # greedy rows go unmasked, and are masked only if their grammar refuses their token
+        checked = self.logits.checked_rows(uids, outputs.logprob_uids)
+        masks = self.logits.start(uids, checked)  # after the launch: filled as the device runs
         launched = Launched(
-            self.logits.edit(forward, uids, outputs.edited_uids), uids, inputs, masks
+            self.logits.edit(forward, uids, outputs.edited_uids),
+            uids,
+            inputs,
+            masks,
+            checked=checked,
         )
         if masks is None:
             return attrs.evolve(launched, sampled=self._sample(launched))
@@ -509,11 +526,17 @@ class Engine:
         if launched.sampled is not None:
             return launched.sampled
         logits, uids = launched.logits, launched.uids
-        masked = self.logits.constrain(logits, uids, launched.masks)
+        masked = self.logits.constrain(logits, uids, launched.masks, launched.checked)
         tokens = self.runtime.sample(masked, launched.inputs)
         return Sampled(
             tokens, self.logits.logprobs(logits, tokens, uids, self.outputs.logprob_uids)
         )
+
+    def _tokens(self, launched: Launched) -> np.ndarray:
+        """The launched pass's tokens on the host: sampled, fetched, and where a checked
+        row's grammar refuses its token, drawn again under its mask (`LogitsWork.recheck`)."""
+        tokens = self._fetch(self._sample(launched))
+        return self.logits.recheck(launched.logits, launched.uids, launched.checked, tokens)
 
     def _fetch(self, sampled: Sampled) -> np.ndarray:
         """The pass's tokens on the host (where a device error surfaces), and its logprobs."""

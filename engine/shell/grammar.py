@@ -13,7 +13,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.errors import InvalidRequest
-from engine.model.sampling import host_to_device
+from engine.model.sampling import greedy_tokens, host_to_device
 from engine.spec import prune
 from engine.state import DraftTrees, StructuredOutputs
 
@@ -103,7 +103,10 @@ class Grammars:
         self.stats = collections.Counter() if stats is None else stats
         self.matchers: dict[int, llguidance.LLMatcher] = {}
         self._vocabulary: llguidance.LLTokenizer | None = None
-        self._compiled: collections.OrderedDict[StructuredOutputs, str] = collections.OrderedDict()
+        # by spec: its grammar and a matcher at its start, which each request's copies
+        self._compiled: collections.OrderedDict[
+            StructuredOutputs, tuple[str, llguidance.LLMatcher]
+        ] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
@@ -148,6 +151,12 @@ class Grammars:
     def compile(self, spec: StructuredOutputs) -> str:
         """`spec`'s grammar, checked against the vocabulary; InvalidRequest naming the field
         (`structured_outputs.<kind>`) and what is wrong when it does not compile."""
+        return self._compile(spec)[0]
+
+    def _compile(self, spec: StructuredOutputs) -> tuple[str, llguidance.LLMatcher]:
+        """`spec`'s grammar (`compile`) and a matcher at its start, made once (about half a
+        millisecond for a JSON schema, on the submitting thread) and kept with it: a
+        request's matcher is a copy (microseconds, on the loop's thread)."""
         with self._lock:
             if spec in self._compiled:
                 self._compiled.move_to_end(spec)
@@ -160,11 +169,12 @@ class Grammars:
         problem = llguidance.LLMatcher.validate_grammar(text, self.vocabulary)
         if problem:
             raise InvalidRequest(field, f"does not compile: {problem.strip()}")
+        start = llguidance.LLMatcher(self.vocabulary, text, log_level=0)
         with self._lock:
-            self._compiled[spec] = text
+            self._compiled[spec] = (text, start)
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
-        return text
+        return text, start
 
     # --- requests in flight (the loop's thread) ----------------------------------------------
     def __contains__(self, uid: int) -> bool:
@@ -174,8 +184,9 @@ class Grammars:
         return bool(self.matchers)
 
     def add(self, uid: int, spec: StructuredOutputs, output_ids: Sequence[int] = ()) -> None:
-        """Start `uid`'s matcher (past `output_ids`, the tokens it already has)."""
-        matcher = llguidance.LLMatcher(self.vocabulary, self.compile(spec), log_level=0)
+        """Start `uid`'s matcher (past `output_ids`, the tokens it already has): a copy of
+        the spec's start (`_compile`)."""
+        matcher = self._compile(spec)[1].deep_copy()
         if output_ids:
             matcher.consume_tokens(list(output_ids))
         self.matchers[uid] = matcher
@@ -215,12 +226,80 @@ class Grammars:
         pending = self.start(uids)
         return None if pending is None else pending.host().copy()
 
-    def start(self, uids: Sequence[int]) -> PendingMasks | None:
-        """Start filling a pass's masks (one row per uid, as `masks`), None when no uid is
-        constrained. With `parallel` they are filled off this thread and this returns at
-        once: the caller launches the pass's forward first, starts its masks, does its other
-        host work, then applies them (`PendingMasks.apply`) in sampling."""
-        rows = [(self.matchers[u], i) for i, u in enumerate(uids) if u in self.matchers]
+    def allows(self, uid: int, token: int) -> bool:
+        """Whether `uid`'s grammar allows `token` next (its matcher does not move)."""
+        return self._allows(self.matchers[uid], token)
+
+    def _allows(self, matcher: llguidance.LLMatcher, token: int) -> bool:
+        if not 0 <= token < self.vocabulary.vocab_size:
+            return False  # past the grammar's vocabulary: never allowed (as in a mask)
+        if token == self.vocabulary.eos_token:  # where the grammar may end (as in a mask)
+            return matcher.is_accepting()
+        return matcher.validate_tokens([token]) == 1
+
+    def verify_paths(
+        self, trees: DraftTrees, uids: Sequence[int], argmax: np.ndarray, logits: torch.Tensor
+    ) -> np.ndarray:
+        """A greedy verify pass's argmax per node (`argmax`, from the unmasked `logits`, one
+        row per node) as its masked logits would give it along each constrained request's
+        accepted path: from the root down, a node's token its grammar allows stands (the
+        mask would leave it the maximum), a refused one is drawn again under the node's
+        mask; the path goes on to the first child drafting that token. Greedy verification
+        reads the argmax of the path's nodes only, so it accepts what it would with every
+        node masked. Every draft is one its grammar allows (`prune`)."""
+        if self.matchers.keys().isdisjoint(uids):
+            return argmax
+        self._settle()
+        argmax = argmax.copy()
+        for tree in _trees(trees, uids, self.matchers):
+            self._verify_path(tree, argmax, logits)
+        return argmax
+
+    def _verify_path(self, tree: _Tree, argmax: np.ndarray, logits: torch.Tensor) -> None:
+        """`verify_paths` for one tree (`argmax` corrected in place); its matcher ends where
+        it started."""
+        matcher = self.matchers[tree.uid]
+        node, depth = 0, 0
+        try:
+            while True:
+                flat = tree.start + node
+                token = int(argmax[flat])
+                self.stats["grammar_tokens_checked"] += 1
+                if not self._allows(matcher, token):
+                    self.stats["grammar_tokens_redrawn"] += 1
+                    token = argmax[flat] = self._redraw(matcher, logits[flat : flat + 1])
+                child = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
+                if child is None:
+                    return
+                if not matcher.consume_token(token):
+                    raise RuntimeError(
+                        f"a draft its grammar rejects reached verify (request {tree.uid})"
+                    )
+                node, depth = child, depth + 1
+        finally:
+            if depth:
+                matcher.rollback(depth)
+
+    def _redraw(self, matcher: llguidance.LLMatcher, row: torch.Tensor) -> int:
+        """The argmax of one logits row under `matcher`'s mask."""
+        started = time.perf_counter()
+        bitmask = np.empty((1, self.words), dtype=np.int32)
+        llg_numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+        self.stats["grammar_masks"] += 1
+        self.stats["grammar_mask_seconds"] += time.perf_counter() - started
+        return int(greedy_tokens(apply_masks(row, bitmask)).item())
+
+    def start(self, uids: Sequence[int], skip: Collection[int] = ()) -> PendingMasks | None:
+        """Start filling a pass's masks (one row per uid, as `masks`; the rows in `skip`
+        allow every token), None when no other uid is constrained. With `parallel` they are
+        filled off this thread and this returns at once: the caller launches the pass's
+        forward first, starts its masks, does its other host work, then applies them
+        (`PendingMasks.apply`) in sampling."""
+        rows = [
+            (self.matchers[u], i)
+            for i, u in enumerate(uids)
+            if u in self.matchers and i not in skip
+        ]
         if not rows:
             return None
         self._settle()

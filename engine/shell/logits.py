@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import torch
 
-from engine.model.sampling import LogitsEdit, Logprobs, host_to_device
+from engine.model.sampling import LogitsEdit, Logprobs, greedy_tokens, host_to_device
 from engine.shell.grammar import Grammars, PendingMasks
 from engine.shell.request import Request, TokenLogprob
 from engine.state import DraftTrees
@@ -40,6 +40,7 @@ class Launched:
     inputs: object
     masks: PendingMasks | None = None
     sampled: Sampled | None = None
+    checked: list[int] = attrs.Factory(list)  # rows drawn unmasked, checked after (`recheck`)
 
 
 @attrs.frozen(eq=False)
@@ -72,23 +73,66 @@ class LogitsWork:
         self.requests = requests
         self.grammars = grammars
 
-    def start(self, uids: Sequence[int]) -> PendingMasks | None:
-        """Start the masks of a pass with one logits row per uid (`Grammars.start`): called
-        once its forward is launched, so that the host fills them while the device runs it."""
-        return self.grammars.start(uids) if self.grammars else None
+    def start(self, uids: Sequence[int], skip: Sequence[int] = ()) -> PendingMasks | None:
+        """Start the masks of a pass with one logits row per uid (`Grammars.start`; the rows
+        in `skip` are left unmasked): called once its forward is launched, so that the host
+        fills them while the device runs it."""
+        return self.grammars.start(uids, frozenset(skip)) if self.grammars else None
+
+    def checked_rows(self, uids: Sequence[int], asked: set[int]) -> list[int]:
+        """The rows of a pass (one per uid) drawn without their mask and checked against
+        their grammar after (`recheck`): those of greedy constrained requests that asked for
+        no logprobs. The first index of a row's maximum is the same with and without its
+        mask whenever the grammar allows that token (the mask only sets other tokens to
+        -inf), so a row needs its mask only when its grammar refuses the unmasked token."""
+        if not self.grammars:
+            return []
+        return [
+            row
+            for row, uid in enumerate(uids)
+            if uid in self.grammars and uid not in asked and self.requests[uid].params.greedy
+        ]
+
+    def recheck(
+        self, logits: torch.Tensor, uids: Sequence[int], rows: Sequence[int], tokens: np.ndarray
+    ) -> np.ndarray:
+        """`tokens` (one per logits row, on the host) with each of `rows` (`checked_rows`)
+        that its grammar refuses drawn again greedily under its mask; the same array when
+        every one is allowed. Counts the tokens checked (`grammar_tokens_checked`) and those
+        drawn again (`grammar_tokens_redrawn`)."""
+        if not rows:
+            return tokens
+        stats = self.grammars.stats
+        stats["grammar_tokens_checked"] += len(rows)
+        refused = [r for r in rows if not self.grammars.allows(uids[r], int(tokens[r]))]
+        if not refused:
+            return tokens
+        stats["grammar_tokens_redrawn"] += len(refused)
+        refused_uids = [uids[r] for r in refused]
+        index = host_to_device(np.array(refused, dtype=np.int64), logits.device)
+        masks = self.grammars.start(refused_uids)
+        assert masks is not None  # every refused row is constrained
+        masked = masks.apply(logits.index_select(0, index))
+        tokens = tokens.copy()
+        tokens[refused] = greedy_tokens(masked).cpu().numpy()
+        return tokens
 
     def start_tree(self, trees: DraftTrees, uids: Sequence[int]) -> PendingMasks | None:
         """Start a verify pass's masks, one per tree node (`Grammars.start_tree`)."""
         return self.grammars.start_tree(trees, uids) if self.grammars else None
 
     def constrain(
-        self, logits: torch.Tensor, uids: Sequence[int], masks: PendingMasks | None = None
+        self,
+        logits: torch.Tensor,
+        uids: Sequence[int],
+        masks: PendingMasks | None = None,
+        skip: Sequence[int] = (),
     ) -> torch.Tensor:
         """`logits` (one row per uid) with the tokens each constrained request's grammar
-        does not allow next at -inf (`masks`, from `start`; started now when not given);
-        the same tensor when none is constrained."""
+        does not allow next at -inf (`masks`, from `start`; started now, without the rows in
+        `skip`, when not given); the same tensor when none is masked."""
         if masks is None:
-            masks = self.start(uids)
+            masks = self.start(uids, skip)
         return logits if masks is None else masks.apply(logits)
 
     def constrain_tree(

@@ -87,8 +87,11 @@ class Speculator:
             total_drafts=max(free_slots - len(running), 0),
         )
 
-    def verify(self, batch: state.Batch, params: list, logits: torch.Tensor) -> VerifyOutcome:
-        """Each tree's accepted path and bonus token, from the verify pass's logits."""
+    def verify(
+        self, batch: state.Batch, params: list, logits: torch.Tensor | np.ndarray
+    ) -> VerifyOutcome:
+        """Each tree's accepted path and bonus token, from the verify pass's logits (all
+        greedy: or its argmax per node, on the host)."""
         # The costs depend on earlier passes only: fitted here, before the walk waits for the
         # device (0 premium with a configured cost: nothing is timed or fitted then)
         self.last_draft_cost = self.draft_cost(len(batch.running))
@@ -114,7 +117,8 @@ class Speculator:
     ) -> Any:
         trees = batch.trees
         if all(p.greedy for p in params):
-            return verify_greedy(trees, greedy_tokens(logits))
+            argmax = logits if isinstance(logits, np.ndarray) else greedy_tokens(logits)
+            return verify_greedy(trees, argmax)
         # One row of filters per request, repeated over its tree's nodes on the device.
         sizes = trees.sizes.lens_to(logits.device)
         filters = [

@@ -237,3 +237,52 @@ def test_the_faster_way_to_fill_is_taken_and_the_other_retried_now_and_then() ->
     for _ in range(8):  # the pool turns faster: it is taken from then on
         faster.record(POOL, 0.1, 4)
     assert faster.pick() == POOL
+
+
+def test_a_requests_matcher_is_a_copy_of_its_specs_start_made_once(monkeypatch) -> None:
+    """The matcher at a spec's start is made once, when the spec is compiled (on the
+    submitting thread); each request's matcher is a copy of it, which moves on its own."""
+    import llguidance
+
+    from engine.shell import grammar
+
+    made = []
+    matcher = llguidance.LLMatcher
+
+    class Counting:  # llguidance.LLMatcher, counting the matchers made
+        def __getattr__(self, name):
+            return getattr(matcher, name)
+
+        def __call__(self, *args, **kwargs):
+            made.append(args[1])
+            return matcher(*args, **kwargs)
+
+    monkeypatch.setattr(grammar.llguidance, "LLMatcher", Counting())
+    book = grammars()
+    spec = StructuredOutputs(regex="a[bc]d")
+    book.compile(spec)
+    assert len(made) == 1
+    for uid in range(4):
+        book.add(uid, spec)
+    assert len(made) == 1  # copies
+    assert book.advance(0, ids("ab")) is Progress.OPEN
+    assert allowed(book.masks([0])) == {ord("d")}
+    assert allowed(book.masks([1])) == {ord("a")}  # the others (and the start) did not move
+    book.add(9, spec, ids("ac"))
+    assert allowed(book.masks([9])) == {ord("d")} and allowed(book.masks([2])) == {ord("a")}
+    book.add(5, StructuredOutputs(regex="x"))  # a spec not compiled yet: compiled now
+    assert len(made) == 2
+
+
+def test_allows_checks_a_token_without_moving_the_matcher() -> None:
+    book = grammars()
+    book.add(3, StructuredOutputs(regex="a[bc]d"))
+    assert book.allows(3, ord("a")) and not book.allows(3, ord("b"))
+    assert not book.allows(3, 300) and not book.allows(3, -1)  # past the vocabulary
+    assert allowed(book.masks([3])) == {ord("a")}  # not moved
+    book.add(4, StructuredOutputs(regex="[0-9]{1,3}"))
+    book.advance(4, ids("12"))  # may end or go on: EOS as allowed as a digit, as in a mask
+    assert allowed(book.masks([4])) == {EOS, *ids("0123456789")}
+    assert book.allows(4, EOS) and book.allows(4, ord("3")) and not book.allows(4, ord("a"))
+    assert book.advance(3, ids("acd")) is Progress.COMPLETE
+    assert book.allows(3, EOS) and not book.allows(3, ord("a"))  # complete: only EOS

@@ -70,7 +70,12 @@ def _passes(names: list[str]) -> list[list[str]]:
 def test_masks_are_filled_while_the_pass_runs_and_applied_in_its_sampling(engine) -> None:
     timeline = Timeline(engine)
     spec = {"regex": PATTERN.decode()}
-    params = [SamplingParams(max_tokens=40, structured_outputs=spec)] * 2
+    # sampled rows: their masks are applied before they draw (a greedy row's are computed
+    # only where its grammar refuses its unmasked token, after the pass)
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs=spec)
+        for s in range(2)
+    ]
     outs = engine.generate([PROMPT] * 2, params)
     for out in outs:
         text = bytes(t for t in out.token_ids if t != EOS)

@@ -206,3 +206,70 @@ def test_random_weights_constrain_token_ids_as_bytes(assert_all_free) -> None:
         assert out.finish_reason == "stop"
         assert re.fullmatch(pattern, bytes(t for t in out.token_ids if t != 2))
     assert_all_free(engine)
+
+
+def test_greedy_rows_are_masked_only_where_their_grammar_refuses_the_models_token() -> None:
+    """A greedy constrained row draws its token without its mask and is masked only if its
+    grammar refuses that token: the same tokens as masking first (a request that asks for
+    logprobs is masked first), with a mask computed only for the refused tokens."""
+    settings = dict(random_weights="tiny", device="cpu", dtype="float32", max_context=64)
+    pattern = r"[ -~]{6,10}"  # printable ASCII: some of what the model draws, not all
+    prompts = [[5 + i, 6, 7 * i % 200] for i in range(6)]
+
+    def run(logprobs: int | None) -> tuple[list[list[int]], Engine]:
+        engine = Engine(**settings)
+        params = SamplingParams(
+            max_tokens=14, logprobs=logprobs, structured_outputs={"regex": pattern}
+        )
+        outs = engine.generate(prompts, params)
+        for out in outs:
+            text = bytes(t for t in out.token_ids if t != 2).decode()
+            assert re.fullmatch(pattern, text) or out.finish_reason == "length", text
+        settled(engine)
+        return [out.token_ids for out in outs], engine
+
+    checked, engine = run(None)
+    masked_first, reference = run(0)
+    assert checked == masked_first
+    stats = engine.stats
+    assert stats["grammar_tokens_checked"] == stats["generated_tokens"]
+    assert 0 < stats["grammar_tokens_redrawn"] < stats["grammar_tokens_checked"]
+    assert stats["grammar_masks"] == stats["grammar_tokens_redrawn"]
+    assert reference.stats["grammar_masks"] == reference.stats["generated_tokens"]
+    assert reference.stats["grammar_tokens_checked"] == 0
+
+
+def test_a_greedy_copy_under_a_schema_needs_few_masks(engines: dict[str, Engine]) -> None:
+    engine = engines["plain"]
+    before = dict(engine.stats)
+    params = SamplingParams(max_tokens=48, structured_outputs={"json": ANIMAL})
+    out = engine.generate(COPY, params)[0]
+    jsonschema.validate(json.loads(out.text), ANIMAL)
+    masks = engine.stats["grammar_masks"] - before.get("grammar_masks", 0)
+    checked = engine.stats["grammar_tokens_checked"] - before.get("grammar_tokens_checked", 0)
+    assert checked == len(out.token_ids)
+    assert masks < checked / 2  # the model copies what the schema allows
+
+
+@pytest.mark.parametrize(
+    "pattern", [r"(red|green)-[0-9]{2}( (red|green)-[0-9]{2}){2,6}\.", r"[ -~]{6,40}"]
+)
+def test_a_greedy_verify_masks_only_the_refused_tokens_of_its_paths(pattern: str) -> None:
+    """All greedy, a verify pass checks the argmax along each tree's accepted path against
+    its grammar and masks only the nodes that refuse theirs: the same tokens as without
+    speculation (where every token is the masked argmax)."""
+    settings = dict(random_weights="tiny", device="cpu", dtype="float32", max_context=256)
+    prompt = list(b"red-12 green-34 red-12 green-34 red-12 green-34 red-12 green-")
+    prompts = [prompt, prompt[3:], prompt[7:], list(b"abcabcabcabcabcabc")]
+    params = SamplingParams(max_tokens=40, structured_outputs={"regex": pattern})
+    plain = Engine(**settings).generate(prompts, params)
+    engine = Engine(**settings, speculative=True, draft_budget=8)
+    spec = engine.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.spec.stats_dict()["spec_accepted_tokens_total"] > 0
+    stats = engine.stats
+    assert 0 < stats["grammar_tokens_redrawn"] <= stats["grammar_tokens_checked"]
+    if pattern.startswith("[ -~]"):  # the model draws printable bytes too: not all redrawn
+        assert stats["grammar_tokens_redrawn"] < stats["grammar_tokens_checked"]
+    assert stats["grammar_masks"] == stats["grammar_tokens_redrawn"]  # no tree masked whole
+    settled(engine)

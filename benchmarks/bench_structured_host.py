@@ -1,0 +1,170 @@
+"""The host's cost of constrained requests per step, without a model: the default model's
+tokenizer and engine with a forward that costs nothing and "copies" a JSON document (each row's
+logits peak at its request's next token of the document, then EOS), so that constrained and
+unconstrained requests emit the same tokens and only the host work differs.
+
+    python benchmarks/bench_structured_host.py [--clients 1,4,16] [--requests 4] [--profile]
+        [--speculative]
+
+Prints, for each number of clients, unconstrained then JSON-schema constrained: output tok/s,
+host ms per decode step, passes by mode, plans ahead used/dropped; with --profile, the top of
+a cProfile of the constrained run's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_server import DOCUMENT_SCHEMA, json_task  # noqa: E402
+
+from engine.shell.engine import Engine  # noqa: E402
+from engine.shell.runner import Prepared  # noqa: E402
+from engine.state import SamplingParams  # noqa: E402
+
+
+class CopyRunner:
+    """A runner whose logits pick each request's next token of its target (then EOS): no
+    model work, so the step is the host's work alone."""
+
+    def __init__(self, engine: Engine, targets: dict[int, list[int]]) -> None:
+        self.engine, self.targets = engine, targets
+        self.vocab = engine.runtime.vocab_size
+        self.eos = engine.runtime.eos_id
+        self.passes: collections.Counter = collections.Counter()
+
+    def prepare(self, batch) -> Prepared:
+        return Prepared(batch, None, None, None)
+
+    def _pick(self, uid: int, ahead: int = 0) -> int:
+        target = self.targets[uid]
+        done = len(self.engine.requests[uid].output_ids) + ahead
+        return target[done] if done < len(target) else self.eos
+
+    def launch(self, prepared: Prepared, batch) -> torch.Tensor:
+        self.passes[batch.mode.name.lower()] += 1
+        trees = batch.trees
+        if trees is None:  # one row per sampling request
+            picks = [self._pick(uid) for uid in batch.running.rids[batch.samples].tolist()]
+        else:  # verify: one row per tree node, the token after the node's path
+            picks = []
+            starts = trees.sizes.starts().tolist()
+            for i, uid in enumerate(batch.running.rids.tolist()):
+                parents = trees.parents[starts[i] : starts[i] + int(trees.sizes.lens[i])]
+                depths: list[int] = []
+                for parent in parents.tolist():
+                    depths.append(0 if parent < 0 else depths[parent] + 1)
+                picks.extend(self._pick(uid, depth) for depth in depths)
+        logits = torch.zeros((len(picks), self.vocab), dtype=torch.float32)
+        logits[torch.arange(len(picks)), torch.tensor(picks)] = 10.0
+        return logits
+
+    def forward(self, batch) -> torch.Tensor:
+        return self.launch(self.prepare(batch), batch)
+
+
+def run(engine: Engine, clients: int, requests: int, constrained: bool, max_tokens: int):
+    """`clients` requests in flight until `requests` per client are done (greedy)."""
+    runner = CopyRunner(engine, {})
+    engine.runner = engine.ahead.runner = runner
+    engine.stats.clear()
+    engine.step_times.clear()
+    total, submitted, done = clients * requests, 0, 0
+    live: list[str] = []
+    tokens = 0
+    started = time.perf_counter()
+
+    def submit() -> None:
+        nonlocal submitted
+        schema, message = json_task("copy", submitted)
+        document = json.loads(message.split("\n", 1)[1])
+        document["id"] = submitted + 1000
+        target = engine.tokenizer.encode(json.dumps(document, separators=(",", ":")))
+        ids = engine.tokenizer.encode(message)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            structured_outputs={"json": schema} if constrained else None,
+        )
+        request = engine._submit(ids, params, None, None)
+        runner.targets[request.uid] = target
+        live.append(request.request_id)
+        submitted += 1
+
+    while done < total:
+        while len(live) < clients and submitted < total:
+            submit()
+        engine.step()
+        for rid in list(live):
+            request = engine.by_request_id.get(rid)
+            if request is None:
+                live.remove(rid)
+                done += 1
+        tokens = engine.stats["generated_tokens"]
+    seconds = time.perf_counter() - started
+    decode = [s for mode, s in engine.step_times if mode == "decode"]
+    return dict(
+        tok_s=tokens / seconds,
+        tokens=tokens,
+        decode_ms=1e3 * float(np.mean(decode)) if decode else 0.0,
+        passes=dict(runner.passes),
+        used=engine.stats["plans_ahead_used"],
+        dropped=engine.stats["plans_ahead_dropped"],
+        masks=engine.stats["grammar_masks"],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=4, help="per client")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2, help="best of")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--speculative", action="store_true")
+    args = parser.parse_args()
+    engine = Engine(
+        device="cpu", dtype="float32", max_running_requests=32, speculative=args.speculative
+    )
+    engine.grammars.wait_ready()
+    assert DOCUMENT_SCHEMA
+    print("| clients | kind | tok/s | ms/decode step | passes | plans used/dropped | masks |")
+    print("|---|---|---|---|---|---|---|")
+    for clients in [int(c) for c in args.clients.split(",")]:
+        best = {}
+        for _ in range(args.rounds):
+            for constrained in (False, True):
+                result = run(engine, clients, args.requests, constrained, args.max_tokens)
+                kind = "json" if constrained else "free"
+                if kind not in best or result["tok_s"] > best[kind]["tok_s"]:
+                    best[kind] = result
+        for kind in ("free", "json"):
+            r = best[kind]
+            print(
+                f"| {clients} | {kind} | {r['tok_s']:.0f} | {r['decode_ms']:.3f} | "
+                f"{r['passes']} | {r['used']}/{r['dropped']} | {r['masks']} |"
+            )
+        print(f"| {clients} | ratio | {best['json']['tok_s'] / best['free']['tok_s']:.2f}x |")
+    if args.profile:
+        for clients in [int(c) for c in args.clients.split(",")]:
+            profile = cProfile.Profile()
+            profile.enable()
+            run(engine, clients, args.requests, True, args.max_tokens)
+            profile.disable()
+            print(f"\n== constrained, {clients} clients")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
