@@ -149,6 +149,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default: bfloat16 for decode, float32 for spec (as bench_spec on the GPU)",
+    )
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     if args.which == "decode":
@@ -156,7 +162,7 @@ def main() -> None:
         engine = Engine(
             random_weights="llama3_8b",
             device="cuda",
-            dtype="bfloat16",
+            dtype=args.dtype or "bfloat16",
             max_running_requests=64,
             cuda_graph_max_batch=64,
             max_context=1024,
@@ -169,7 +175,7 @@ def main() -> None:
         engine = Engine(
             random_weights="smollm2_135m",
             device="cuda",
-            dtype="bfloat16",
+            dtype=args.dtype or "float32",
             max_running_requests=8,
             cuda_graph_max_batch=8,
             max_context=2048,
@@ -183,9 +189,19 @@ def main() -> None:
     engine.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     print(
         f"\n== profile {args.which}: batch {batch}, {args.prompt_len}-token prompts, "
+        f"{engine.runtime.dtype}, "
         f"{torch.cuda.get_device_name()}"
     )
     print(profile_steps(engine, prompts, params, args.steps))
+    engine.step_times.clear()  # the same run again, not profiled: the profiler slows the host
+    engine.generate(prompts, params)
+    by_mode: dict[str, list[float]] = collections.defaultdict(list)
+    for mode, seconds in engine.step_times:
+        by_mode[mode].append(seconds * 1e3)
+    print(
+        "not profiled, median step ms: "
+        + ", ".join(f"{m} {statistics.median(v):.3f} x{len(v)}" for m, v in by_mode.items())
+    )
     if engine.spec is not None:
         print(f"engine stats: {dict(engine.stats)}")
 
