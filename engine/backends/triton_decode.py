@@ -16,8 +16,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.backends.triton_extend import online_softmax_step
 
-TARGET_PROGRAMS_PER_SM = 4
-MIN_KEYS_PER_SPLIT = 128
+# The split policy's model of the chip (`choose_num_splits`). Time unit: one SM streaming one
+# block (BLOCK_N keys of one kv head) at its share of the bandwidth.
+PROGRAMS_TO_SATURATE_SM = 2  # below this many programs an SM is latency-bound, not bandwidth
+SPLIT_ROUNDING = 0.5  # splits = floor(wanted + this): nearest to the saturating count
+MERGE_COST_BLOCKS = 4.0  # splitting at all: the merge kernel's launch and its pass
+MIN_KEYS_PER_SPLIT = 128  # no split shorter than this: its fixed costs would dominate
 MAX_SPLITS = 64
 # Measured on an H200 (docs/benchmarks.md). PDL: launch the merge programmatically (Hopper)
 # so it waits on the GPU instead of on a launch; measured no faster, so off.
@@ -37,16 +41,30 @@ INTERPRETER_CONFIG = {
 }
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough programs to fill the chip a few times over, each split at least
-    MIN_KEYS_PER_SPLIT keys long (batch 1, long context: many splits). With two programs per
-    SM already, no split: measured faster than two splits plus the merge."""
-    programs = max(batch_size * num_kv_heads, 1)
-    if programs >= 2 * num_sms:
-        return 1
-    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs)
-    by_length = triton.cdiv(max(max_seq_len, 1), MIN_KEYS_PER_SPLIT)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    """Splits of each request's keys, from a model of a memory-bound kernel on `num_sms` SMs.
+
+    An SM reaches its share of the bandwidth only with PROGRAMS_TO_SATURATE_SM programs
+    resident; with fewer it waits on memory latency. So split until the programs (requests x
+    kv heads x splits) come nearest that many per SM, and no further: more programs only add
+    their own costs and a bigger merge. Each split keeps MIN_KEYS_PER_SPLIT keys at least (at
+    most MAX_SPLITS splits), and splitting must gain more than the merge costs: with s splits
+    the busiest SM streams 1/s of the keys it would alone, at the same (saturated) rate.
+    Monotone: never more splits for more requests or kv heads, never fewer for longer
+    contexts. Cached: a plan asks once per pass."""
+    if batch_size < 0 or max_seq_len < 0 or num_kv_heads < 1 or num_sms < 1:
+        raise ValueError(
+            f"choose_num_splits(batch_size={batch_size}, num_kv_heads={num_kv_heads}, "
+            f"max_seq_len={max_seq_len}, num_sms={num_sms}): the batch and the length must "
+            "be at least 0, the heads and the SMs at least 1"
+        )
+    programs = max(batch_size, 1) * num_kv_heads
+    wanted = int(PROGRAMS_TO_SATURATE_SM * num_sms / programs + SPLIT_ROUNDING)
+    splits = max(1, min(wanted, MAX_SPLITS, max_seq_len // MIN_KEYS_PER_SPLIT))
+    blocks = max_seq_len / DECODE_CONFIG["BLOCK_N"]
+    gain = PROGRAMS_TO_SATURATE_SM * blocks * (1 - 1 / splits)
+    return splits if gain > MERGE_COST_BLOCKS else 1
 
 
 @functools.cache
