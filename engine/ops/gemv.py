@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # x rows the kernel accepts
+MAX_ROWS = 16  # x rows the kernel accepts (a verify pass of a 12-draft tree has 13)
 # `linear` takes the kernel for one row and weights up to MAX_WEIGHT_ELEMENTS. Measured on the
 # H200 (bench_gemv.py, docs/benchmarks.md): at one row qkv (25M elements) runs at 1.05-1.07x
 # and o_proj (17M) at 1.10-1.11x cuBLAS's speed, but gate_up (117M) at 0.99x and down (59M)
