@@ -8,6 +8,7 @@ and the ancestor mask. A merge kernel combines the splits' partial outputs by th
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -16,12 +17,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.backends.triton_extend import online_softmax_step
 
-# The split policy's model of the chip (`choose_num_splits`). Time unit: one SM streaming one
-# block (BLOCK_N keys of one kv head) at its share of the bandwidth.
-PROGRAMS_TO_SATURATE_SM = 2  # below this many programs an SM is latency-bound, not bandwidth
-SPLIT_ROUNDING = 0.5  # splits = floor(wanted + this): nearest to the saturating count
-MERGE_COST_BLOCKS = 4.0  # splitting at all: the merge kernel's launch and its pass
-MIN_KEYS_PER_SPLIT = 128  # no split shorter than this: its fixed costs would dominate
+# The split policy's model of the chip (`choose_num_splits`), fitted on an H200
+# (`bench_attention.py --split-grid`: 46 shapes, policy within 1.03x of the best power of two).
+PROGRAMS_PER_SM = 4  # programs an SM needs resident to stream at its share of the bandwidth
+MIN_KEYS_PER_SPLIT = 128  # two key blocks; one block only while the programs leave SMs idle
+MERGE_COST_BLOCKS = 4.0  # what splitting at all costs (the merge), in key blocks of one SM
 MAX_SPLITS = 64
 # Measured on an H200 (docs/benchmarks.md). PDL: launch the merge programmatically (Hopper)
 # so it waits on the GPU instead of on a launch; measured no faster, so off.
@@ -41,16 +41,25 @@ INTERPRETER_CONFIG = {
 }
 
 
+def _pow2_floor(value: float) -> int:
+    """The largest power of two <= value (1 below 2)."""
+    return 1 << max(int(value), 1).bit_length() - 1
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits of each request's keys, from a model of a memory-bound kernel on `num_sms` SMs.
+    """Splits of each request's keys (a power of two), from a model of a memory-bound kernel
+    on `num_sms` SMs (fitted on an H200: `bench_attention.py --split-grid`).
 
-    An SM reaches its share of the bandwidth only with PROGRAMS_TO_SATURATE_SM programs
-    resident; with fewer it waits on memory latency. So split until the programs (requests x
-    kv heads x splits) come nearest that many per SM, and no further: more programs only add
-    their own costs and a bigger merge. Each split keeps MIN_KEYS_PER_SPLIT keys at least (at
-    most MAX_SPLITS splits), and splitting must gain more than the merge costs: with s splits
-    the busiest SM streams 1/s of the keys it would alone, at the same (saturated) rate.
+    - Waves: an SM streams at its share of the bandwidth only with PROGRAMS_PER_SM programs
+      resident. So split until the programs (requests x kv heads x splits) come nearest
+      (in log scale) one full wave of that many per SM, and no further: more programs only
+      add their fixed costs and a larger merge.
+    - Minimum keys: a split keeps MIN_KEYS_PER_SPLIT keys (two blocks); one block only while
+      the programs at two blocks would not cover every SM once. At most MAX_SPLITS.
+    - Merge: with s splits the busiest SM streams 1/s of the keys it would alone; split only
+      if that gain exceeds MERGE_COST_BLOCKS.
+
     Monotone: never more splits for more requests or kv heads, never fewer for longer
     contexts. Cached: a plan asks once per pass."""
     if batch_size < 0 or max_seq_len < 0 or num_kv_heads < 1 or num_sms < 1:
@@ -60,10 +69,14 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_
             "be at least 0, the heads and the SMs at least 1"
         )
     programs = max(batch_size, 1) * num_kv_heads
-    wanted = int(PROGRAMS_TO_SATURATE_SM * num_sms / programs + SPLIT_ROUNDING)
-    splits = max(1, min(wanted, MAX_SPLITS, max_seq_len // MIN_KEYS_PER_SPLIT))
-    blocks = max_seq_len / DECODE_CONFIG["BLOCK_N"]
-    gain = PROGRAMS_TO_SATURATE_SM * blocks * (1 - 1 / splits)
+    wave = PROGRAMS_PER_SM * num_sms / programs  # splits that make one full wave
+    wanted = 1 << max(0, round(math.log2(wave))) if wave >= 1 else 1
+    block = DECODE_CONFIG["BLOCK_N"]
+    longest = _pow2_floor(max_seq_len / MIN_KEYS_PER_SPLIT)
+    if programs * longest < num_sms or max_seq_len < MIN_KEYS_PER_SPLIT:
+        longest = _pow2_floor(max_seq_len / block)  # one block a split: SMs would idle
+    splits = min(wanted, longest, MAX_SPLITS)
+    gain = PROGRAMS_PER_SM * (max_seq_len / block) * (1 - 1 / splits)
     return splits if gain > MERGE_COST_BLOCKS else 1
 
 

@@ -7,25 +7,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backends.triton_decode import (
+    DECODE_CONFIG,
     MAX_SPLITS,
     MIN_KEYS_PER_SPLIT,
-    PROGRAMS_TO_SATURATE_SM,
+    PROGRAMS_PER_SM,
     VERIFY_CONFIGS,
     choose_num_splits,
     choose_verify_config,
 )
 
 H200_SMS = 132
+BLOCK = DECODE_CONFIG["BLOCK_N"]
 
 
 @pytest.mark.parametrize(
     "batch,length,expected",
     [
-        (1, 8192, 33),  # batch 1, long context: 8 x 33 programs, two on every SM
-        (16, 4096, 2),  # 128 programs per split: two splits, not five (measured 0.70 vs 0.50)
+        (1, 8192, 64),  # batch 1, long context: 8 x 64 programs, about four on every SM
+        (1, 4096, 32),  # 64 would cut 64-key splits though 256 programs cover every SM
+        (1, 1024, 16),  # 8 x 8 programs at 128 keys leave SMs idle: 64-key splits
+        (4, 1024, 8),  # 32 x 8 programs cover the SMs: 128-key splits
+        (16, 4096, 4),  # 128 programs per split: one wave of ~4 per SM (H200: 79 us at 4,
+        # 88 at 2, 85 at 8; the former policy's 5 splits ran 0.50 of the ceiling)
         (64, 2048, 1),  # 512 programs already: no split, no merge
         (256, 1024, 1),
-        (1, 100, 1),  # a short context is never cut below MIN_KEYS_PER_SPLIT keys
+        (1, 100, 1),  # a short context: the merge would cost more than the split gains
     ],
 )
 def test_split_counts_for_the_benchmark_shapes(batch: int, length: int, expected: int) -> None:
@@ -45,10 +51,14 @@ SHAPES = dict(
 def test_split_count_is_valid_for_any_shape(batch: int, heads: int, length: int, sms: int) -> None:
     splits = choose_num_splits(batch, heads, length, sms)
     assert 1 <= splits <= MAX_SPLITS
-    assert splits == 1 or length // splits >= MIN_KEYS_PER_SPLIT  # no split too short
-    # never more programs than useful: without its last split the chip was not yet full
+    assert splits & (splits - 1) == 0  # a power of two
     programs = max(batch, 1) * heads
-    assert splits == 1 or programs * (splits - 1) < PROGRAMS_TO_SATURATE_SM * sms
+    if splits > 1:  # no split shorter than a key block; two unless SMs would idle
+        assert length // splits >= BLOCK
+        assert length // splits >= MIN_KEYS_PER_SPLIT or programs * splits // 2 < sms
+        # never more programs than useful: half as many splits left the wave less than
+        # ~71% (2 ** -0.5) full
+        assert programs * splits / 2 < PROGRAMS_PER_SM * sms * 2**-0.5
 
 
 @settings(max_examples=300, deadline=None)
@@ -62,12 +72,13 @@ def test_split_count_is_monotone(batch: int, heads: int, length: int, sms: int, 
 
 
 def test_split_count_fills_a_small_batch_and_leaves_a_full_chip_alone() -> None:
-    for length in (4096, 16384):
-        for batch in (1, 2, 4, 8):
+    for length in (8192, 16384):
+        for batch in (1, 2, 4, 8, 16):
             programs = batch * 8 * choose_num_splits(batch, 8, length, H200_SMS)
-            # nearest the saturating count of programs per SM
-            assert abs(programs / H200_SMS - PROGRAMS_TO_SATURATE_SM) <= batch * 8 / H200_SMS
-        full = -(-PROGRAMS_TO_SATURATE_SM * H200_SMS // 8)  # requests that fill the chip
+            # one wave of PROGRAMS_PER_SM per SM, within a factor sqrt(2) (powers of two)
+            wave = programs / (PROGRAMS_PER_SM * H200_SMS)
+            assert 2**-0.5 <= wave <= 2**0.5
+        full = -(-PROGRAMS_PER_SM * H200_SMS // 8)  # requests that fill the chip
         assert choose_num_splits(full, 8, length, H200_SMS) == 1
 
 
