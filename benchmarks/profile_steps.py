@@ -99,6 +99,16 @@ def summarise(trace: dict, modes: list[str], top: int = 12) -> str:
             f"  {sum(durs) / 1e3:8.2f} {len(durs):6d} {statistics.mean(durs):8.1f} "
             f"{sum(durs) / busy:.3f}  {name}"
         )
+    phases: dict[str, list[float]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase:"):
+            phases[e["name"][6:]].append(e["dur"])
+    if phases:
+        lines.append("host phases (count, median us, total ms):")
+        for name, durs in sorted(phases.items(), key=lambda kv: -sum(kv[1])):
+            lines.append(
+                f"  {len(durs):6d} {statistics.median(durs):9.1f} {sum(durs) / 1e3:8.2f}  {name}"
+            )
     host: dict[str, list[float]] = collections.defaultdict(list)
     for e in events:
         if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver") and "dur" in e:
@@ -109,6 +119,34 @@ def summarise(trace: dict, modes: list[str], top: int = 12) -> str:
             f"  {sum(durs) / 1e3:8.2f} {len(durs):6d} {statistics.mean(durs):8.1f}  {name}"
         )
     return "\n".join(lines)
+
+
+PHASES = (
+    ("engine", ("_drain_inbox", "_admit", "_launch", "_fetch", "_prepare_next", "_commit_pass")),
+    ("runner", ("prepare", "launch")),
+    ("spec", ("propose", "verify", "record", "observe")),
+    ("book", ("apply",)),
+)
+
+
+def annotate_phases(engine: Engine) -> None:
+    """Wrap the engine's step phases (instance attributes only) in `phase:` annotations."""
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        method = getattr(owner, name)
+
+        def annotated(*args, **kwargs):
+            with record_function(f"phase:{label}"):
+                return method(*args, **kwargs)
+
+        setattr(owner, name, annotated)
+
+    for part, names in PHASES:
+        owner = engine if part == "engine" else getattr(engine, part, None)
+        if owner is None:
+            continue
+        for name in names:
+            wrap(owner, name, f"{part}.{name}")
 
 
 def profile_steps(engine: Engine, prompts: list, params: SamplingParams, max_steps: int) -> str:
@@ -123,6 +161,7 @@ def profile_steps(engine: Engine, prompts: list, params: SamplingParams, max_ste
         if engine.has_work:
             engine.step()
     torch.cuda.synchronize()
+    annotate_phases(engine)
     modes = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(max_steps):
