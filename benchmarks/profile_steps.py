@@ -189,6 +189,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument(
+        "--launch-ahead", action="store_true", help="decode: the engine's launch_ahead on"
+    )
+    parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
         default=None,
@@ -207,6 +210,7 @@ def main() -> None:
             max_context=1024,
             kv_cache_fraction=0.3,
             chunk_size=8192,
+            launch_ahead=args.launch_ahead,
         )
         prompts = torch.randint(3, 30000, (batch, args.prompt_len), generator=generator).tolist()
     else:
@@ -228,7 +232,7 @@ def main() -> None:
     engine.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     print(
         f"\n== profile {args.which}: batch {batch}, {args.prompt_len}-token prompts, "
-        f"{engine.runtime.dtype}, "
+        f"{engine.runtime.dtype}, launch_ahead {engine.config.launch_ahead}, "
         f"{torch.cuda.get_device_name()}"
     )
     print(profile_steps(engine, prompts, params, args.steps))

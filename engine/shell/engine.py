@@ -390,7 +390,8 @@ class Engine:
 
     def _decode_step(self, during: Any = None) -> str:
         """One decode pass; `during()`, if given, runs on the host while the device runs it
-        (with the planning of the next pass), once nothing can retract the step any more."""
+        (with the planning of the next pass), once nothing can retract the step any more.
+        A pass planned during the last one may have been launched already (`launch_ahead`)."""
         prepared = self.ahead.take(self.running)
         if prepared is not None:  # planned during the last pass: only the tokens are new
             batch = self.machine.schedule_decode(self.running, prepared.batch.out_slots)
@@ -399,25 +400,46 @@ class Engine:
                 return "retract"
             batch = self.machine.schedule_decode(self.running, self.book.alloc(len(self.running)))
         with self._open(batch) as open_pass:
-            tokens = self._launch(batch, prepared)
+            if prepared is not None and prepared.launched is not None:
+                tokens = prepared.launched  # its input ids were the last pass's tokens
+            else:
+                tokens = self._launch(batch, prepared)
             if during is not None:
                 during()
-            self._prepare_next(open_pass)  # host work while the device runs this pass
+            self._prepare_next(open_pass, tokens)  # host work while the device runs this pass
             sampled = self._fetch(tokens)
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
 
     # --- planning the next decode pass while this one runs ----------------------------------
-    def _prepare_next(self, open_pass: OpenPass) -> None:
+    def _prepare_next(self, open_pass: OpenPass, sampled: Sampled | None = None) -> None:
         """Plan the decode pass after `open_pass`'s while it runs (`PlanAhead`), unless the
         next step will change the batch anyway; its table writes are then applied early. With
         speculation, the pass is a step where nothing was drafted; the next one is most often
-        the same (the plan is used), and a verify pass instead drops the plan."""
+        the same (the plan is used), and a verify pass instead drops the plan. With
+        `launch_ahead` (and `sampled`, this pass's tokens on the device) the planned pass is
+        launched at once, its input ids copied on the device (`_launches_ahead`)."""
         if not self.config.plan_ahead or not self.inbox.empty or self._admissible():
             return  # the next step changes the batch: a plan would be dropped
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
+        if open_pass.table_written and sampled is not None and self._launches_ahead(open_pass):
+            self.ahead.launch(lambda p: self._launch(p.batch, p, sampled.tokens))
+
+    def _launches_ahead(self, open_pass: OpenPass) -> bool:
+        """Whether the next pass may be launched before this one's tokens are read: the host
+        adds nothing to its logits or its sampling (greedy, no penalties, bias, grammar,
+        logprobs or speculation), and no request leaves by length with this pass (a stop
+        token may still end one: the launched pass is then dropped)."""
+        outputs = self.outputs
+        return (
+            self.config.launch_ahead
+            and self.spec is None
+            and not (outputs.sampling_uids or outputs.edited_uids or outputs.logprob_uids)
+            and not self.grammars
+            and not state.ends_by_length(open_pass.batch)
+        )
 
     # --- one forward pass and its tokens ------------------------------------------------------
     @contextlib.contextmanager
@@ -441,16 +463,19 @@ class Engine:
         if self.faults is not None:
             self.faults.hit(point)
 
-    def _forward(self, batch: state.Batch, prepared: Any = None) -> torch.Tensor:
+    def _forward(
+        self, batch: state.Batch, prepared: Any = None, input_ids: Any = None
+    ) -> torch.Tensor:
         self._hit("forward")
         if prepared is None:
             return self.runner.forward(batch)
-        return self.runner.launch(prepared, batch)
+        return self.runner.launch(prepared, batch, input_ids)
 
-    def _launch(self, batch: state.Batch, prepared: Any = None) -> Sampled:
+    def _launch(self, batch: state.Batch, prepared: Any = None, input_ids: Any = None) -> Sampled:
         """Launch the pass and its sampling (each request's bias and penalties first, then its
         grammar's mask; its logprobs after, where asked, from the logits before the mask);
-        the tokens stay on the device until `_fetch`."""
+        the tokens stay on the device until `_fetch` (their copy to the host starts at once).
+        `input_ids`: on the device, in place of `batch.input_ids` (`ModelRunner.launch`)."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
@@ -458,15 +483,18 @@ class Engine:
             params = [self.requests[u].params for u in uids]
             steps = [len(self.requests[u].output_ids) for u in uids]
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
-        logits = self.logits.edit(self._forward(batch, prepared), uids, outputs.edited_uids)
+        logits = self.logits.edit(
+            self._forward(batch, prepared, input_ids), uids, outputs.edited_uids
+        )
         # on a GPU the masks are computed on the host while the device runs the pass
         tokens = self.runtime.sample(self.logits.constrain(logits, uids), inputs)
-        return Sampled(tokens, self.logits.logprobs(logits, tokens, uids, outputs.logprob_uids))
+        logprobs = self.logits.logprobs(logits, tokens, uids, outputs.logprob_uids)
+        return Sampled.copying(tokens, logprobs)
 
     def _fetch(self, sampled: Sampled) -> np.ndarray:
         """The pass's tokens on the host (where a device error surfaces), and its logprobs."""
         self._hit("sample")
-        tokens = sampled.tokens.cpu().numpy()
+        tokens = sampled.tokens_on_host()
         self._logprobs = None if sampled.logprobs is None else sampled.logprobs.host()
         return tokens
 
