@@ -7,7 +7,7 @@ Llama-3-8B's projection shapes (or SmolLM2-135M's) at 1, 2 and 4 rows (or `--row
 pass of a 12-draft tree has 13). Each measurement replays a CUDA graph of calls over enough
 distinct weight copies (>= 512 MB) that L2 holds none of them, as in a real decode step; the
 time is one call's share, median of 10 replays. GB/s counts the weight bytes. "all rows" is the
-kernel that loads each weight tile once for every row (ROWS_CONFIG).
+kernel that loads each weight tile once for every row (`gemv.ROWS_CONFIG`).
 `--sweep` also tries every launch configuration and prints the fastest per shape.
 """
 
@@ -39,7 +39,6 @@ SHAPES = {
     },
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-ROWS_CONFIG = dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=3, all_rows=True)
 
 
 def time_calls(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
@@ -96,7 +95,7 @@ def main() -> None:
             ).item()
             t_cublas = time_calls(F.linear, weights, x)
             t_ours = time_calls(gemv.gemv, weights, x)
-            t_rows = time_calls(lambda a, w: gemv.gemv(a, w, ROWS_CONFIG), weights, x)
+            t_rows = time_calls(lambda a, w: gemv.gemv(a, w, gemv.ROWS_CONFIG), weights, x)
             best = (t_ours, "default")
             if args.sweep:
                 for config in configs():
