@@ -20,7 +20,7 @@ from torch.nn.attention.bias import causal_lower_right
 from engine.backends import KVPool, triton_decode, triton_extend, triton_index
 from engine.backends.torch_backend import build_kv_indices
 from engine.backends.triton_backend import TritonBackend
-from engine.backends.triton_decode import decode_attention
+from engine.backends.triton_decode import choose_num_splits, decode_attention
 from engine.backends.triton_extend import extend_attention
 from engine.backends.triton_index import launch_kv_indices
 from engine.state import (
@@ -100,6 +100,7 @@ class Problem:
         kv_bytes: int,
         kv_heads: int = HKV,
         head_dim: int = D,
+        q_heads: int = HQ,
     ) -> None:
         self.copies = max(1, min(32, math.ceil(COLD_BYTES / max(kv_bytes, 1))))
         rows, width = self.copies * batch, prefix + new
@@ -116,7 +117,9 @@ class Problem:
         ]
         self.metas = [self.backend.plan(b) for b in self.batches]
         tokens = self.batches[0].new_lens.total
-        self.q = [torch.randn(tokens, HQ, D, device="cuda", dtype=DTYPE) for _ in self.batches]
+        self.q = [
+            torch.randn(tokens, q_heads, head_dim, device="cuda", dtype=DTYPE) for _ in self.batches
+        ]
         self.k = [self.pool.k_cache[0][m.out_slots] for m in self.metas]
         self.v = [self.pool.v_cache[0][m.out_slots] for m in self.metas]
         self.out = [torch.empty_like(q) for q in self.q]
@@ -155,12 +158,15 @@ class Problem:
         )
 
 
-def ours_decode(p: Problem, config: dict | None = None, split_scale: float = 1.0) -> list:
-    """Our decode/verify kernels on each copy (split count scaled from the plan's)."""
+def ours_decode(
+    p: Problem, config: dict | None = None, split_scale: float = 1.0, splits: int | None = None
+) -> list:
+    """Our decode/verify kernels on each copy (split count scaled from the plan's, or
+    `splits` exactly)."""
 
     def make(i: int):
         m = p.metas[i]
-        splits = max(1, round(m.extra["num_splits"] * split_scale))
+        count = splits or max(1, round(m.extra["num_splits"] * split_scale))
         return lambda: decode_attention(
             p.q[i],
             p.pool.k_cache[0],
@@ -171,7 +177,7 @@ def ours_decode(p: Problem, config: dict | None = None, split_scale: float = 1.0
             m.prefix_lens,
             m.tree_bits,
             p.out[i],
-            splits,
+            count,
             m.extra["max_q"],
             SCALE,
             config=config,
@@ -389,6 +395,79 @@ def kv_index_rows() -> list:
     return rows
 
 
+SPLIT_GRID_BATCHES = (1, 4, 16, 64, 256)
+SPLIT_GRID_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+SPLIT_GRID_HEADS = {
+    8: None,
+    2: ((1, 4, 16, 64), (1024, 4096, 16384)),
+    32: ((1, 4, 16), (1024, 4096, 16384)),
+}
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+SPLIT_GRID_MAX_BYTES = 20 << 30
+
+
+def split_grid(ceiling: float) -> None:
+    """Decode at a grid of shapes (group 4, head_dim 128, bf16), timed at every split count
+    in SPLIT_COUNTS: per shape the best count and its fraction of the copy ceiling, against
+    the engine's choice (`choose_num_splits`). One `split-grid` JSON line per shape follows
+    the table (for fitting the policy)."""
+    import json
+
+    sms = triton_decode.num_sms(torch.device("cuda"))
+    print(f"\nsplit grid: {sms} SMs, copy ceiling {ceiling:.0f} GB/s")
+    print(
+        "| B | L | Hkv | " + " | ".join(f"s={s} us" for s in SPLIT_COUNTS) + " | best | "
+        "best frac | policy | policy frac | policy/best time |"
+    )
+    print("|" + "---|" * (len(SPLIT_COUNTS) + 8))
+    records = []
+    for kv_heads, subset in SPLIT_GRID_HEADS.items():
+        batches, lengths = subset or (SPLIT_GRID_BATCHES, SPLIT_GRID_LENGTHS)
+        for batch in batches:
+            for length in lengths:
+                kv_bytes = batch * length * kv_heads * D * 2 * 2
+                if kv_bytes > SPLIT_GRID_MAX_BYTES:
+                    continue
+                q_heads = GROUP * kv_heads
+                p = Problem("decode", batch, length - 1, 1, kv_bytes, kv_heads, D, q_heads)
+                nbytes = kv_bytes + 2 * batch * q_heads * D * 2
+                times = {}
+                for splits in SPLIT_COUNTS:
+                    times[splits] = graph_time_us(ours_decode(p, splits=splits))
+                policy = choose_num_splits(batch, kv_heads, length, sms)
+                if policy not in times:
+                    times[policy] = graph_time_us(ours_decode(p, splits=policy))
+                best = min(times, key=times.get)
+                frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+                cells = " | ".join(f"{times[s]:.1f}" for s in SPLIT_COUNTS)
+                print(
+                    f"| {batch} | {length} | {kv_heads} | {cells} | {best} | "
+                    f"{frac(times[best]):.2f} | {policy} | {frac(times[policy]):.2f} | "
+                    f"{times[policy] / times[best]:.2f} |",
+                    flush=True,
+                )
+                records.append(
+                    dict(
+                        batch=batch,
+                        length=length,
+                        kv_heads=kv_heads,
+                        bytes=nbytes,
+                        times={str(k): v for k, v in times.items()},
+                        best=best,
+                        policy=policy,
+                    )
+                )
+                del p
+                torch.cuda.empty_cache()
+    ratios = [r["times"][str(r["policy"])] / r["times"][str(r["best"])] for r in records]
+    print(
+        f"policy/best time over {len(ratios)} shapes: geomean "
+        f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, worst {max(ratios):.2f}"
+    )
+    for record in records:
+        print("split-grid " + json.dumps(record))
+
+
 def print_resources() -> None:
     """The compiler's resource report for every kernel variant compiled in this run."""
     kernels = (
@@ -440,9 +519,17 @@ def print_table(rows: list, ceiling: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="defaults only, no sweep")
+    parser.add_argument(
+        "--split-grid",
+        action="store_true",
+        help="only decode at a grid of shapes, timed at every split count against the policy",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     ceiling = copy_ceiling_gbs()
+    if args.split_grid:
+        split_grid(ceiling)
+        return
     rows = decode_like_rows("decode", DECODE, args.quick)
     decode_at = {(b, length): r for (b, length), r in zip(DECODE, rows, strict=True)}
     verify_rows = decode_like_rows("verify", VERIFY, args.quick)

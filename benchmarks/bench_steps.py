@@ -2,6 +2,7 @@
 tokens/s that speculation gives as a function of the accepted length per step.
 
     python benchmarks/bench_steps.py [--context 1024] [--accepted 0,0.5,1,1.5,2,3,4]
+    python benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 --batches 1 --profile
 """
 
 from __future__ import annotations
@@ -80,17 +81,19 @@ def time_forward(engine: Engine, batch, repeats: int = 30) -> float:
     return float(np.median(times))
 
 
-def profile_decode(engine: Engine, context: int) -> None:
-    """Top CUDA kernels of one graph-replayed batch-1 decode forward (torch.profiler)."""
+def profile_passes(engine: Engine, context: int, nodes: int) -> None:
+    """Top CUDA kernels of one graph-replayed batch-1 decode forward and one verify forward
+    (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    decode, verify = batches(engine, 1, context, 2)
-    time_forward(engine, decode, repeats=3)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.runner.forward(decode)
-        torch.cuda.synchronize()
-    print("\none batch-1 decode forward, CUDA kernels by total time")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    decode, verify = batches(engine, 1, context, nodes)
+    for name, batch in (("decode", decode), (f"verify ({nodes}-node tree)", verify)):
+        time_forward(engine, batch, repeats=3)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.runner.forward(batch)
+            torch.cuda.synchronize()
+        print(f"\none batch-1 {name} forward, CUDA kernels by total time")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
     release(engine, decode, verify)
 
 
@@ -102,15 +105,20 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="also print the kernel breakdown of one batch-1 decode forward",
+        help="also print the kernel breakdown of one batch-1 decode and verify forward",
     )
+    parser.add_argument(
+        "--preset", default="llama3_8b", help="random weights of this shape (smollm2_135m, ...)"
+    )
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--batches", default="1,16,64", help="batch sizes, comma-separated")
     args = parser.parse_args()
     nodes = args.draft_budget + 1
     rows = []
     engine = Engine(
-        random_weights="llama3_8b",
+        random_weights=args.preset,
         device="cuda",
-        dtype="bfloat16",
+        dtype=args.dtype,
         speculative=True,
         draft_budget=args.draft_budget,
         max_running_requests=64,
@@ -118,17 +126,18 @@ def main() -> None:
         max_context=args.context + 64,
         kv_cache_fraction=0.3,
     )
-    for batch in (1, 16, 64):
+    for batch in (int(b) for b in args.batches.split(",")):
         decode, verify = batches(engine, batch, args.context, nodes)
         t_decode, t_verify = time_forward(engine, decode), time_forward(engine, verify)
         rows.append((batch, t_decode, t_verify))
         release(engine, decode, verify)
         engine.check()
     if args.profile:
-        profile_decode(engine, args.context)
+        profile_passes(engine, args.context, nodes)
     accepted = [float(a) for a in args.accepted.split(",")]
     print(
-        f"\nH200, random Llama-3-8B bf16, context {args.context}, {nodes}-node trees, CUDA graphs"
+        f"\n{torch.cuda.get_device_name()}, random {args.preset} {args.dtype}, "
+        f"context {args.context}, {nodes}-node trees, CUDA graphs"
     )
     print("| batch | decode ms | verify ms | verify/decode |")
     print("|---|---|---|---|")

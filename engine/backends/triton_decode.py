@@ -8,6 +8,7 @@ and the ancestor mask. A merge kernel combines the splits' partial outputs by th
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -16,8 +17,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.backends.triton_extend import online_softmax_step
 
-TARGET_PROGRAMS_PER_SM = 4
-MIN_KEYS_PER_SPLIT = 128
+# The split policy's model of the chip (`choose_num_splits`), fitted on an H200
+# (`bench_attention.py --split-grid`: 46 shapes, policy within 1.03x of the best power of two).
+PROGRAMS_PER_SM = 4  # programs an SM needs resident to stream at its share of the bandwidth
+MIN_KEYS_PER_SPLIT = 128  # two key blocks; one block only while the programs leave SMs idle
+MERGE_COST_BLOCKS = 4.0  # what splitting at all costs (the merge), in key blocks of one SM
 MAX_SPLITS = 64
 # Measured on an H200 (docs/benchmarks.md). PDL: launch the merge programmatically (Hopper)
 # so it waits on the GPU instead of on a launch; measured no faster, so off.
@@ -37,16 +41,43 @@ INTERPRETER_CONFIG = {
 }
 
 
+def _pow2_floor(value: float) -> int:
+    """The largest power of two <= value (1 below 2)."""
+    return 1 << max(int(value), 1).bit_length() - 1
+
+
+@functools.lru_cache(maxsize=4096)
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough programs to fill the chip a few times over, each split at least
-    MIN_KEYS_PER_SPLIT keys long (batch 1, long context: many splits). With two programs per
-    SM already, no split: measured faster than two splits plus the merge."""
-    programs = max(batch_size * num_kv_heads, 1)
-    if programs >= 2 * num_sms:
-        return 1
-    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs)
-    by_length = triton.cdiv(max(max_seq_len, 1), MIN_KEYS_PER_SPLIT)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    """Splits of each request's keys (a power of two), from a model of a memory-bound kernel
+    on `num_sms` SMs (fitted on an H200: `bench_attention.py --split-grid`).
+
+    - Waves: an SM streams at its share of the bandwidth only with PROGRAMS_PER_SM programs
+      resident. So split until the programs (requests x kv heads x splits) come nearest
+      (in log scale) one full wave of that many per SM, and no further: more programs only
+      add their fixed costs and a larger merge.
+    - Minimum keys: a split keeps MIN_KEYS_PER_SPLIT keys (two blocks); one block only while
+      the programs at two blocks would not cover every SM once. At most MAX_SPLITS.
+    - Merge: with s splits the busiest SM streams 1/s of the keys it would alone; split only
+      if that gain exceeds MERGE_COST_BLOCKS.
+
+    Monotone: never more splits for more requests or kv heads, never fewer for longer
+    contexts. Cached: a plan asks once per pass."""
+    if batch_size < 0 or max_seq_len < 0 or num_kv_heads < 1 or num_sms < 1:
+        raise ValueError(
+            f"choose_num_splits(batch_size={batch_size}, num_kv_heads={num_kv_heads}, "
+            f"max_seq_len={max_seq_len}, num_sms={num_sms}): the batch and the length must "
+            "be at least 0, the heads and the SMs at least 1"
+        )
+    programs = max(batch_size, 1) * num_kv_heads
+    wave = PROGRAMS_PER_SM * num_sms / programs  # splits that make one full wave
+    wanted = 1 << max(0, round(math.log2(wave))) if wave >= 1 else 1
+    block = DECODE_CONFIG["BLOCK_N"]
+    longest = _pow2_floor(max_seq_len / MIN_KEYS_PER_SPLIT)
+    if programs * longest < num_sms or max_seq_len < MIN_KEYS_PER_SPLIT:
+        longest = _pow2_floor(max_seq_len / block)  # one block a split: SMs would idle
+    splits = min(wanted, longest, MAX_SPLITS)
+    gain = PROGRAMS_PER_SM * (max_seq_len / block) * (1 - 1 / splits)
+    return splits if gain > MERGE_COST_BLOCKS else 1
 
 
 @functools.cache

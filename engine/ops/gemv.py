@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # x rows the kernel accepts
+MAX_ROWS = 16  # x rows the kernel accepts (a verify pass of a 12-draft tree has 13)
 # `linear` takes the kernel for one row and weights up to MAX_WEIGHT_ELEMENTS. Measured on the
 # H200 (bench_gemv.py, docs/benchmarks.md): at one row qkv (25M elements) runs at 1.05-1.07x
 # and o_proj (17M) at 1.10-1.11x cuBLAS's speed, but gate_up (117M) at 0.99x and down (59M)
@@ -22,6 +22,11 @@ MAX_ROWS = 4  # x rows the kernel accepts
 # weights per row and falls to 0.24-0.74x, so those stay with cuBLAS.
 LINEAR_ROWS = 1
 MAX_WEIGHT_ELEMENTS = 32 * 2**20
+# float32 products of 2..MAX_ROWS rows (a verify pass: 13) go to the kernel too: cuBLAS runs
+# them on SIMT tiles with a split-K reduce (H200, SmolLM2-135M's shapes: 5.9 us a product,
+# 1.35 ms of a 1.9 ms verify pass; bench_gemv.py --shapes smollm2_135m --dtype float32).
+# ROWS_CONFIG: every row of x against each weight tile loaded once.
+ROWS_CONFIG = dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=3, all_rows=True)
 
 
 @triton.jit
@@ -134,15 +139,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> t
     return out
 
 
+def linear_config(rows: int, dtype: torch.dtype, weight_elements: int) -> dict | None:
+    """The kernel's launch for an x of `rows` rows against a weight of `weight_elements`
+    (GEMV_CONFIG, ROWS_CONFIG), or None where cuBLAS is the faster: one row of any dtype, or
+    float32 up to MAX_ROWS rows, with weights up to MAX_WEIGHT_ELEMENTS."""
+    if weight_elements > MAX_WEIGHT_ELEMENTS or rows < 1:
+        return None
+    if rows == LINEAR_ROWS:
+        return GEMV_CONFIG
+    if dtype == torch.float32 and rows <= MAX_ROWS:
+        return ROWS_CONFIG
+    return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight), with the matrix-vector kernel where it is the faster (on CUDA,
-    one row, the narrower projections)."""
-    if (
-        x.is_cuda
-        and x.shape[0] == LINEAR_ROWS
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-        and weight.numel() <= MAX_WEIGHT_ELEMENTS
-    ):
-        return gemv(x, weight)
+    """F.linear(x, weight), with the matrix-vector kernel where it is the faster (on CUDA:
+    `linear_config`)."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1:
+        config = linear_config(x.shape[0], x.dtype, weight.numel())
+        if config is not None:
+            return gemv(x, weight, config)
     return torch.nn.functional.linear(x, weight)

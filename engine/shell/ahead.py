@@ -6,14 +6,19 @@ the slots of pass k+1 as if nobody finished (`state.assume_decoded`), and has th
 it (`ModelRunner.prepare`: on CUDA the device work queues behind pass k). After pass k is
 committed, `take(running)` returns the plan only if the committed Running has the same
 requests, rows and lengths (`state.same_layout`); otherwise the plan's slots go back to the
-pool (`state.abandon`). Nothing here decides *whether* to plan: that is the engine's policy.
+pool (`state.abandon`). With `launch(...)` the planned pass is also launched before pass k's
+tokens are read (its input ids taken on the device); a plan dropped after that discards the
+launched pass (its device work still runs, to slots given back). Nothing here decides
+*whether* to plan or launch: that is the engine's policy.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 
 from engine import state
@@ -56,6 +61,14 @@ class PlanAhead:
             raise
         return True
 
+    def launch(self, launcher: Callable[[Prepared], Any]) -> None:
+        """Launch the plan now: `launcher(prepared)` returns what the launch gives (the
+        pass's sampled tokens), kept with the plan for the step that takes it."""
+        if self.prepared is None or self.prepared.launched is not None:
+            raise ValueError("launch() needs a plan that was not launched yet")
+        self.prepared = attrs.evolve(self.prepared, launched=launcher(self.prepared))
+        self.stats["launches_ahead"] += 1
+
     def drop_unless_fits(self, running: Running) -> None:
         if self.prepared is not None and not state.same_layout(
             self.prepared.batch.running, running
@@ -74,5 +87,7 @@ class PlanAhead:
         """Give the plan's slots back (requests came or left, or the engine is stopping)."""
         if self.prepared is not None:
             self.book.apply(self.machine.abandon(self.prepared.batch))
+            if self.prepared.launched is not None:
+                self.stats["launches_ahead_dropped"] += 1
             self.prepared = None
             self.stats["plans_ahead_dropped"] += 1

@@ -143,6 +143,13 @@ class EngineConfig:
         "plan each decode pass while the previous one runs on "
         "the device (used when no request finished or arrived)",
     )
+    launch_ahead: bool = _field(
+        False,
+        "with plan_ahead: launch the planned decode pass before the running one's tokens "
+        "are read back, its input ids copied on the device (requests that are greedy, "
+        "without penalties, logit bias, grammar, logprobs or speculation); a pass launched "
+        "for a batch that then changes is dropped",
+    )
     block_weights: bool = _field(
         True,
         "cpu, float32: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in "

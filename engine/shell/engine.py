@@ -431,7 +431,8 @@ class Engine:
 
     def _decode_step(self, during: Any = None) -> str:
         """One decode pass; `during()`, if given, runs on the host while the device runs it
-        (with the planning of the next pass), once nothing can retract the step any more."""
+        (with the planning of the next pass), once nothing can retract the step any more.
+        A pass planned during the last one may have been launched already (`launch_ahead`)."""
         prepared = self.ahead.take(self.running)
         if prepared is not None:  # planned during the last pass: only the tokens are new
             batch = self.machine.schedule_decode(self.running, prepared.batch.out_slots)
@@ -440,27 +441,49 @@ class Engine:
                 return "retract"
             batch = self.machine.schedule_decode(self.running, self.book.alloc(len(self.running)))
         with self._open(batch) as open_pass:
-            launched = self._launch(batch, prepared)
+            if prepared is not None and prepared.launched is not None:
+                launched = prepared.launched  # its input ids were the last pass's tokens
+            else:
+                launched = self._launch(batch, prepared)
             if during is not None:
                 during()
             # host work while the device runs this pass (and a pool thread fills its masks);
             # a pass with masks is sampled after it
-            self._prepare_next(open_pass)
+            self._prepare_next(open_pass, launched)
             sampled = self._tokens(launched)
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
 
     # --- planning the next decode pass while this one runs ----------------------------------
-    def _prepare_next(self, open_pass: OpenPass) -> None:
+    def _prepare_next(self, open_pass: OpenPass, launched: Launched | None = None) -> None:
         """Plan the decode pass after `open_pass`'s while it runs (`PlanAhead`), unless the
         next step will change the batch anyway; its table writes are then applied early. With
         speculation, the pass is a step where nothing was drafted; the next one is most often
-        the same (the plan is used), and a verify pass instead drops the plan."""
+        the same (the plan is used), and a verify pass instead drops the plan. With
+        `launch_ahead` (and `launched`, this pass sampled on the device) the planned pass is
+        launched at once, its input ids copied on the device (`_launches_ahead`)."""
         if not self.config.plan_ahead or not self.inbox.empty or self._admissible():
             return  # the next step changes the batch: a plan would be dropped
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
+        sampled = None if launched is None else launched.sampled  # None: masks to wait for
+        if open_pass.table_written and sampled is not None and self._launches_ahead(open_pass):
+            self.ahead.launch(lambda p: self._launch(p.batch, p, sampled.tokens))
+
+    def _launches_ahead(self, open_pass: OpenPass) -> bool:
+        """Whether the next pass may be launched before this one's tokens are read: the host
+        adds nothing to its logits or its sampling (greedy, no penalties, bias, grammar,
+        logprobs or speculation), and no request leaves by length with this pass (a stop
+        token may still end one: the launched pass is then dropped)."""
+        outputs = self.outputs
+        return (
+            self.config.launch_ahead
+            and self.spec is None
+            and not (outputs.sampling_uids or outputs.edited_uids or outputs.logprob_uids)
+            and not self.grammars
+            and not state.ends_by_length(open_pass.batch)
+        )
 
     # --- one forward pass and its tokens ------------------------------------------------------
     @contextlib.contextmanager
@@ -484,13 +507,15 @@ class Engine:
         if self.faults is not None:
             self.faults.hit(point)
 
-    def _forward(self, batch: state.Batch, prepared: Any = None) -> torch.Tensor:
+    def _forward(
+        self, batch: state.Batch, prepared: Any = None, input_ids: Any = None
+    ) -> torch.Tensor:
         self._hit("forward")
         if prepared is None:
             return self.runner.forward(batch)
-        return self.runner.launch(prepared, batch)
+        return self.runner.launch(prepared, batch, input_ids)
 
-    def _launch(self, batch: state.Batch, prepared: Any = None) -> Launched:
+    def _launch(self, batch: state.Batch, prepared: Any = None, input_ids: Any = None) -> Launched:
         """Launch the pass, then start its grammars' masks: the host fills them (with a GPU,
         on a pool thread) while the device runs the forward and the loop does its other host
         work; `_sample` applies them. A greedy constrained row without logprobs gets no mask
@@ -498,7 +523,8 @@ class Engine:
         its mask only if refused (`_tokens`). A pass without masks is sampled at once.
         Sampling applies each request's bias and penalties first, then its grammar's mask;
         its logprobs after, where asked, from the logits before the mask; the tokens stay on
-        the device until `_fetch`."""
+        the device until `_fetch` (their copy to the host starts at once). `input_ids`: on
+        the device, in place of `batch.input_ids` (`ModelRunner.launch`)."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
@@ -506,7 +532,7 @@ class Engine:
             params = [self.requests[u].params for u in uids]
             steps = [len(self.requests[u].output_ids) for u in uids]
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
-        forward = self._forward(batch, prepared)
+        forward = self._forward(batch, prepared, input_ids)
         # greedy rows go unmasked, and are masked only if their grammar refuses their token
         checked = self.logits.checked_rows(uids, outputs.logprob_uids)
         masks = self.logits.start(uids, checked)  # after the launch: filled as the device runs
@@ -528,7 +554,7 @@ class Engine:
         logits, uids = launched.logits, launched.uids
         masked = self.logits.constrain(logits, uids, launched.masks, launched.checked)
         tokens = self.runtime.sample(masked, launched.inputs)
-        return Sampled(
+        return Sampled.copying(
             tokens, self.logits.logprobs(logits, tokens, uids, self.outputs.logprob_uids)
         )
 
@@ -541,7 +567,7 @@ class Engine:
     def _fetch(self, sampled: Sampled) -> np.ndarray:
         """The pass's tokens on the host (where a device error surfaces), and its logprobs."""
         self._hit("sample")
-        tokens = sampled.tokens.cpu().numpy()
+        tokens = sampled.tokens_on_host()
         self._logprobs = None if sampled.logprobs is None else sampled.logprobs.host()
         return tokens
 

@@ -149,9 +149,17 @@ class GraphRunner:
         return graph, self._plan(graph, batch)
 
     @torch.inference_mode()
-    def replay(self, graph: _Graph, metadata: object, batch: Batch) -> torch.Tensor:
+    def replay(
+        self,
+        graph: _Graph,
+        metadata: object,
+        batch: Batch,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [batch.new_lens.total, vocab] of every new token of `batch`, which must have
-        the layout of the batch `prepare` planned (its input ids may differ)."""
+        the layout of the batch `prepare` planned (its input ids may differ). `input_ids`
+        (on the device, one per new token): copied in on the device in place of
+        `batch.input_ids`, in stream order (tokens a pass before sampled, not read back)."""
         count = batch.new_lens.total
         staged = self._staging[:, : graph.num_tokens]
         if self._staged is not None:
@@ -161,6 +169,8 @@ class GraphRunner:
         host[1, :count] = batch.positions
         host[:, count:] = 0
         graph.inputs.copy_(staged, non_blocking=True)
+        if input_ids is not None:
+            graph.input_ids[:count].copy_(input_ids)
         if self.capture:
             self._staged = self._staged or torch.cuda.Event()
             self._staged.record()

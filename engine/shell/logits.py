@@ -23,10 +23,33 @@ from engine.state import DraftTrees
 
 @attrs.frozen(eq=False)
 class Sampled:
-    """A pass's tokens on the device, and the log-probabilities it computed (or None)."""
+    """A pass's tokens on the device, and the log-probabilities it computed (or None).
+    On CUDA `host` is a pinned copy of the tokens, being made in stream order right after the
+    sampling; `copied` is recorded after it (a later pass queued meanwhile is not waited
+    for)."""
 
     tokens: torch.Tensor
     logprobs: PendingLogprobs | None = None
+    host: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def copying(cls, tokens: torch.Tensor, logprobs: PendingLogprobs | None) -> Sampled:
+        """The tokens, with their copy to the host started now on CUDA."""
+        if tokens.device.type != "cuda":
+            return cls(tokens, logprobs)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(tokens, logprobs, host, copied)
+
+    def tokens_on_host(self) -> np.ndarray:
+        """The tokens as a host array (waits for their copy only)."""
+        if self.copied is None or self.host is None:
+            return self.tokens.cpu().numpy()
+        self.copied.synchronize()
+        return self.host.numpy().copy()  # the pinned buffer goes back to torch's cache
 
 
 @attrs.frozen(eq=False)

@@ -54,15 +54,24 @@ class ModelRunner:
         return Prepared(batch, None, None, self.backend.plan(batch))
 
     @torch.inference_mode()
-    def launch(self, prepared: Prepared, batch: Batch) -> torch.Tensor:
+    def launch(
+        self, prepared: Prepared, batch: Batch, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """fp32 logits [len(batch.logit_rows), vocab] for the rows `batch.logit_rows` names.
-        `batch` has the layout `prepared` was planned for; its input ids may be newer."""
+        `batch` has the layout `prepared` was planned for; its input ids may be newer.
+        `input_ids`: the pass's input ids on the device (the tokens the last pass sampled,
+        not read back yet), which replace `batch.input_ids`."""
         every_row = batch.mode in (Mode.DECODE, Mode.VERIFY)  # logit_rows is all of them
+        if input_ids is not None and tuple(input_ids.shape) != (batch.new_lens.total,):
+            raise ValueError(
+                f"input_ids has shape {tuple(input_ids.shape)}; this pass has "
+                f"{batch.new_lens.total} new tokens"
+            )
         if prepared.runner is not None:
-            logits = prepared.runner.replay(prepared.graph, prepared.metadata, batch)
+            logits = prepared.runner.replay(prepared.graph, prepared.metadata, batch, input_ids)
             return logits if every_row else logits[self._tensor(batch.logit_rows)]
         hidden = self.model(
-            self._tensor(batch.input_ids),
+            self._tensor(batch.input_ids) if input_ids is None else input_ids,
             self._tensor(batch.positions),
             prepared.metadata,
             self.backend,
@@ -77,9 +86,11 @@ class ModelRunner:
 @attrs.frozen(eq=False)
 class Prepared:
     """A planned pass: the batch it was planned for, and the graph (or None: eager) with the
-    backend metadata that will run it."""
+    backend metadata that will run it; `launched`: what its launch returned, when it was
+    launched ahead (before the tokens of the pass before it were read back)."""
 
     batch: Batch
     runner: GraphRunner | None
     graph: object
     metadata: object
+    launched: object = None

@@ -215,6 +215,20 @@ def assume_decoded(batch: Batch) -> Running:
     )
 
 
+def ends_by_length(batch: Batch) -> bool:
+    """Whether a request of decode pass `batch` reaches its max_new outputs or max_context
+    tokens with this pass's token, and so leaves whatever the token (the Running
+    `assume_decoded` gives would not be the one committed). A stop token may still end one:
+    that only the tokens tell."""
+    if batch.mode not in (Mode.DECODE, Mode.IDLE):
+        raise ValueError(f"ends_by_length() is for decode passes; this pass is {batch.mode.value}")
+    run = batch.running
+    steps_left = np.minimum(
+        run.rules.max_new - run.num_output, run.max_context - run.token_lens.lens
+    )
+    return bool((steps_left <= 1).any())
+
+
 def same_layout(first: Running, second: Running) -> bool:
     """Same requests in the same order, on the same rows, with the same committed lengths:
     a pass planned for one serves the other (only the pending tokens may differ)."""

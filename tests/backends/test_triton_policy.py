@@ -3,37 +3,91 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.backends.triton_decode import (
+    DECODE_CONFIG,
     MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    PROGRAMS_PER_SM,
     VERIFY_CONFIGS,
     choose_num_splits,
     choose_verify_config,
 )
 
 H200_SMS = 132
+BLOCK = DECODE_CONFIG["BLOCK_N"]
 
 
 @pytest.mark.parametrize(
     "batch,length,expected",
     [
-        (1, 8192, MAX_SPLITS),  # batch 1, long context: as many splits as allowed
-        (16, 4096, 5),  # 128 programs per split: about four per SM
+        (1, 8192, 64),  # batch 1, long context: 8 x 64 programs, about four on every SM
+        (1, 4096, 32),  # 64 would cut 64-key splits though 256 programs cover every SM
+        (1, 1024, 16),  # 8 x 8 programs at 128 keys leave SMs idle: 64-key splits
+        (4, 1024, 8),  # 32 x 8 programs cover the SMs: 128-key splits
+        (16, 4096, 4),  # 128 programs per split: one wave of ~4 per SM (H200: 79 us at 4,
+        # 88 at 2, 85 at 8; the former policy's 5 splits ran 0.50 of the ceiling)
         (64, 2048, 1),  # 512 programs already: no split, no merge
         (256, 1024, 1),
-        (1, 100, 1),  # a short context is never cut below MIN_KEYS_PER_SPLIT keys
+        (1, 100, 1),  # a short context: the merge would cost more than the split gains
     ],
 )
 def test_split_counts_for_the_benchmark_shapes(batch: int, length: int, expected: int) -> None:
     assert choose_num_splits(batch, 8, length, H200_SMS) == expected
 
 
-def test_split_count_never_exceeds_the_key_blocks_or_max() -> None:
-    for batch in (1, 2, 3, 7, 16, 33):
-        for length in (1, 127, 129, 1000, 100_000):
-            splits = choose_num_splits(batch, 8, length, H200_SMS)
-            assert 1 <= splits <= MAX_SPLITS
-            assert splits <= max(1, -(-length // 128))
+SHAPES = dict(
+    batch=st.integers(0, 600),
+    heads=st.sampled_from([1, 2, 3, 4, 8, 16, 32, 64]),
+    length=st.integers(0, 300_000),
+    sms=st.sampled_from([1, 8, 78, 108, 114, 132, 170]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(**SHAPES)
+def test_split_count_is_valid_for_any_shape(batch: int, heads: int, length: int, sms: int) -> None:
+    splits = choose_num_splits(batch, heads, length, sms)
+    assert 1 <= splits <= MAX_SPLITS
+    assert splits & (splits - 1) == 0  # a power of two
+    programs = max(batch, 1) * heads
+    if splits > 1:  # no split shorter than a key block; two unless SMs would idle
+        assert length // splits >= BLOCK
+        assert length // splits >= MIN_KEYS_PER_SPLIT or programs * splits // 2 < sms
+        # never more programs than useful: half as many splits left the wave less than
+        # ~71% (2 ** -0.5) full
+        assert programs * splits / 2 < PROGRAMS_PER_SM * sms * 2**-0.5
+
+
+@settings(max_examples=300, deadline=None)
+@given(**SHAPES, more=st.integers(1, 300))
+def test_split_count_is_monotone(batch: int, heads: int, length: int, sms: int, more: int) -> None:
+    """More requests or kv heads: never more splits; a longer context: never fewer."""
+    splits = choose_num_splits(batch, heads, length, sms)
+    assert choose_num_splits(batch + more, heads, length, sms) <= splits
+    assert choose_num_splits(batch, heads * 2, length, sms) <= splits
+    assert choose_num_splits(batch, heads, length + more * 64, sms) >= splits
+
+
+def test_split_count_fills_a_small_batch_and_leaves_a_full_chip_alone() -> None:
+    for length in (8192, 16384):
+        for batch in (1, 2, 4, 8, 16):
+            programs = batch * 8 * choose_num_splits(batch, 8, length, H200_SMS)
+            # one wave of PROGRAMS_PER_SM per SM, within a factor sqrt(2) (powers of two)
+            wave = programs / (PROGRAMS_PER_SM * H200_SMS)
+            assert 2**-0.5 <= wave <= 2**0.5
+        full = -(-PROGRAMS_PER_SM * H200_SMS // 8)  # requests that fill the chip
+        assert choose_num_splits(full, 8, length, H200_SMS) == 1
+
+
+@pytest.mark.parametrize(
+    "args", [(-1, 8, 100, 132), (1, 0, 100, 132), (1, 8, -5, 132), (1, 8, 100, 0)]
+)
+def test_split_count_rejects_impossible_shapes(args: tuple) -> None:
+    with pytest.raises(ValueError, match="choose_num_splits"):
+        choose_num_splits(*args)
 
 
 @pytest.mark.parametrize(

@@ -132,20 +132,33 @@ def test_rope_store_refuses_mismatched_caches_and_slots(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 13])
 @pytest.mark.parametrize("n,k", [(40, 100), (17, 1030)])
 def test_gemv_matches_linear(dtype, rows, n, k):
     x = _random(rows, k, dtype=dtype, seed=19)
     weight = _random(n, k, dtype=dtype, seed=20) * 0.05
     expected = torch.nn.functional.linear(x.float(), weight.float()).to(dtype)
-    for config in (None, dict(BLOCK_N=16, BLOCK_K=128, all_rows=True)):
+    for config in (None, dict(BLOCK_N=16, BLOCK_K=128, all_rows=True), gemv.ROWS_CONFIG):
         _close(gemv.gemv(x, weight, config), expected, dtype)
+
+
+def test_linear_takes_the_kernel_where_cublas_is_slower():
+    """One row of any dtype; float32 up to MAX_ROWS rows (cuBLAS: SIMT tiles and a split-K
+    reduce); never past MAX_WEIGHT_ELEMENTS; bf16 from two rows on stays with cuBLAS."""
+    small, large = 576 * 1536, gemv.MAX_WEIGHT_ELEMENTS + 1
+    assert gemv.linear_config(1, torch.bfloat16, small) == gemv.GEMV_CONFIG
+    assert gemv.linear_config(1, torch.float32, small) == gemv.GEMV_CONFIG
+    assert gemv.linear_config(13, torch.float32, small) == gemv.ROWS_CONFIG
+    assert gemv.linear_config(gemv.MAX_ROWS + 1, torch.float32, small) is None
+    assert gemv.linear_config(13, torch.bfloat16, small) is None
+    assert gemv.linear_config(1, torch.float32, large) is None
+    assert gemv.linear_config(0, torch.float32, small) is None
 
 
 def test_gemv_refuses_what_it_does_not_serve():
     weight = torch.zeros(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="serves 1 to 4 rows; got 5"):
-        gemv.gemv(torch.zeros(5, 16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="serves 1 to 16 rows; got 17"):
+        gemv.gemv(torch.zeros(17, 16, device=DEVICE), weight)
     with pytest.raises(ValueError, match=r"x \[M, K\] and weight \[N, K\]"):
         gemv.gemv(torch.zeros(1, 15, device=DEVICE), weight)
     with pytest.raises(ValueError, match="unit stride along K"):

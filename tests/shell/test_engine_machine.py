@@ -50,6 +50,7 @@ class EngineMachine(RuleBasedStateMachine):
         slots=st.sampled_from([48, 64, 400]),
         chunk=st.sampled_from([6, 64]),
         plan_ahead=st.booleans(),
+        launch_ahead=st.booleans(),
         prefix_cache=st.sampled_from([True, True, True, False]),
         mixed=st.booleans(),
         policy=st.sampled_from(["lpm", "fcfs"]),
@@ -60,6 +61,7 @@ class EngineMachine(RuleBasedStateMachine):
         slots: int,
         chunk: int,
         plan_ahead: bool,
+        launch_ahead: bool,
         prefix_cache: bool,
         mixed: bool,
         policy: str,
@@ -78,6 +80,7 @@ class EngineMachine(RuleBasedStateMachine):
             max_running_requests=4,
             speculative=speculative,
             plan_ahead=plan_ahead,
+            launch_ahead=launch_ahead,
             draft_budget=6,
             draft_cost=0.1,
         )

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from engine.shell.engine import Engine
 from engine.shell.graphs import GraphRunner
 from engine.shell.logits import Sampled
-from engine.state import Mode, SamplingParams
+from engine.state import FinishReason, Mode, SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # A configured draft cost: with speculation, which steps verify and which decode (and so the
@@ -182,17 +182,19 @@ def test_plan_ahead_with_speculation(backend):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host-device synchronisation exists only on CUDA")
-def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch):
-    """The plan is made while the last pass runs: nothing in it may synchronise with the
-    device (a table write once copied from pageable memory, which waited for the pass)."""
-    engine = _tiny("triton", cuda_graph_max_batch=4)
+@pytest.mark.parametrize("launch_ahead", [False, True])
+def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch, launch_ahead):
+    """The plan is made (and with launch_ahead the pass launched) while the last pass runs:
+    nothing in it may synchronise with the device (a table write once copied from pageable
+    memory, which waited for the pass)."""
+    engine = _tiny("triton", cuda_graph_max_batch=4, launch_ahead=launch_ahead)
     prepare_next = engine._prepare_next
     planned = []
 
-    def strict(open_pass):
+    def strict(open_pass, sampled=None):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            prepare_next(open_pass)
+            prepare_next(open_pass, sampled)
             planned.append(open_pass.table_written)
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -200,6 +202,7 @@ def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch):
     monkeypatch.setattr(engine, "_prepare_next", strict)
     engine.generate(_prompts(3), SamplingParams(max_tokens=8, ignore_eos=True))
     assert any(planned) and engine.stats["plans_ahead_used"] > 3
+    assert (engine.stats["launches_ahead"] > 3) == launch_ahead
 
 
 @pytest.mark.parametrize("failing", ["prepare", "launch", "fetch"])
@@ -290,3 +293,56 @@ def test_plan_ahead_changes_nothing_on_random_workloads(workload):
     prompts, params, settings_, abort_at = workload
     reference = _run(_tiny("torch", plan_ahead=False, **settings_), prompts, params, abort_at)
     assert _run(_tiny("torch", **settings_), prompts, params, abort_at) == reference
+
+
+def _greedy(count: int, stop_token: int | None = None) -> list[SamplingParams]:
+    """Staggered lengths (foreseen: no pass is launched ahead across them), one stop token
+    (not foreseen: the pass launched ahead is dropped)."""
+    params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(count)]
+    if stop_token is not None:
+        params[0] = SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(stop_token,))
+    return params
+
+
+def _on_graphs(engine: Engine, max_batch: int) -> list:
+    """Give `engine` a decode graph runner of at most `max_batch` (captured on CUDA only);
+    returns the list its replays are recorded in."""
+    runner = engine.runner
+    graph = GraphRunner(runner.model, runner.backend, Mode.DECODE, max_batch, DEVICE == "cuda")
+    runner.graphs = [graph]
+    replays, real_replay = [], graph.replay
+    graph.replay = lambda *args: replays.append(args) or real_replay(*args)
+    return replays
+
+
+@pytest.mark.parametrize("backend,abort_at", [("torch", None), ("torch", 6), ("triton", None)])
+def test_launch_ahead_changes_no_output(backend, abort_at):
+    """Each decode pass launched before the last one's tokens are read, its input ids those
+    tokens on the device: the same outputs as planning nothing ahead, no slot lost (`_run`
+    checks after every step), and a launched pass dropped when a stop token, or an abort,
+    changes the batch."""
+    prompts = _prompts(5)
+    probe = _tiny(backend, plan_ahead=False)
+    free_run = probe.generate(prompts[:1], SamplingParams(max_tokens=30, ignore_eos=True))
+    params = _greedy(5, free_run[0].token_ids[10])  # its 11th: no one leaves by length then
+    reference = _run(probe, prompts, params, abort_at)
+    assert reference[0][1] == FinishReason.STOP
+    engine = _tiny(backend, launch_ahead=True)
+    replays = _on_graphs(engine, 4) if backend == "triton" else []
+    assert _run(engine, prompts, params, abort_at) == reference
+    assert engine.stats["launches_ahead"] > 5
+    assert engine.stats["launches_ahead_dropped"] >= 1
+    if backend == "triton":  # launched ahead on the static path: ids copied on the device
+        assert any(args[-1] is not None for args in replays)
+
+
+def test_launch_ahead_waits_for_what_the_host_adds():
+    """A sampling request (its draws are the host's to seed), or launch_ahead off: no pass
+    is launched ahead; the plans are still used."""
+    prompts = _prompts(3)
+    params = _greedy(3)
+    params[1] = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
+    for engine in (_tiny("torch", launch_ahead=True), _tiny("torch")):
+        _run(engine, prompts, params if engine.config.launch_ahead else _greedy(3))
+        assert engine.stats["plans_ahead_used"] > 3
+        assert engine.stats["launches_ahead"] == 0

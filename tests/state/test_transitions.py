@@ -165,6 +165,21 @@ def test_planning_ahead_agrees_with_the_commit(case, data):
 
 
 @fast
+@given(case=runnings(max_pending=1), data=st.data())
+def test_ends_by_length_foresees_every_length_finish(case, data):
+    """ends_by_length(batch) is True exactly when, whatever the tokens, some request leaves
+    with this pass; otherwise only a stop token ends one."""
+    run, _ = case
+    batch = state.schedule_decode(run, fresh_slots(len(run)))
+    sampled = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(run), max_size=len(run)))
+    effects = state.decode(batch, sampled).effects
+    if state.ends_by_length(batch):
+        assert effects.finished_rids.size > 0
+    else:
+        assert (effects.finished_reasons == FinishReason.STOP).all()
+
+
+@fast
 @given(case=runnings(max_pending=1))
 def test_abandoning_a_pass_that_wrote_early_empties_those_entries(case):
     run, _ = case
@@ -181,7 +196,7 @@ def test_abandoning_a_pass_that_wrote_early_empties_those_entries(case):
 def test_planning_ahead_is_for_decode_passes_only():
     run = running_of([1], [0], [0], [3], [3], [2], [Rule(5, 0, -1, ())], MAX_CONTEXT)
     batch = state.schedule_extend(run, [3], [1, 2, 2], fresh_slots(3))
-    for plan in (state.decode_writes, state.assume_decoded):
+    for plan in (state.decode_writes, state.assume_decoded, state.ends_by_length):
         with pytest.raises(ValueError, match="for decode passes"):
             plan(batch)
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# GPU speed probe, one call on the GPU machine (about 7 minutes): decode at a grid of shapes
+# timed at every split count against the engine's split policy (bench_attention --split-grid),
+# then torch.profiler summaries of a decode-heavy run at batch 64 (random llama3_8b) and of
+# speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
+# Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
+#   bash scripts/gpu_speed_probe.sh
+# PROBE_PARTS="grid decode decode-ahead spec" picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT (s).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT_DIR=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT_DIR/install.log" 2>&1 \
+    || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader \
+    | tee "$OUT_DIR/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+rc=0
+for part in ${PROBE_PARTS:-grid decode spec}; do
+    case "$part" in
+    grid) cmd=(python3 benchmarks/bench_attention.py --split-grid); limit=${GRID_TIMEOUT:-230} ;;
+    decode) cmd=(python3 benchmarks/profile_steps.py decode); limit=${DECODE_TIMEOUT:-120} ;;
+    decode-ahead)  # the same with the engine's launch_ahead on
+        cmd=(python3 benchmarks/profile_steps.py decode --launch-ahead)
+        limit=${DECODE_TIMEOUT:-120} ;;
+    spec) cmd=(python3 benchmarks/profile_steps.py spec); limit=${SPEC_TIMEOUT:-60} ;;
+    *) echo "unknown part $part (grid, decode, decode-ahead, spec)"; exit 2 ;;
+    esac
+    start=$(date +%s)
+    timeout "$limit" "${cmd[@]}" >"$OUT_DIR/$part.log" 2>&1
+    status=$?
+    echo "== $part: rc=$status in $(( $(date +%s) - start )) s (limit $limit)"
+    grep -v "^split-grid \|Warning\|warn(" "$OUT_DIR/$part.log" | tail -n 80
+    [ "$status" -ne 0 ] && rc=$status
+done
+echo "== split-grid records"
+grep "^split-grid " "$OUT_DIR/grid.log" 2>/dev/null
+exit $rc
