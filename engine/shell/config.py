@@ -205,6 +205,12 @@ class EngineConfig:
                 f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size} "
                 "is not allowed: rank r runs on cuda:r; give device 'cuda', 'cpu' or 'auto'"
             )
+        if self.tensor_parallel_size > 1 and self.launch_ahead:
+            raise ValueError(
+                f"launch_ahead=True with tensor_parallel_size={self.tensor_parallel_size} is "
+                "not allowed: a pass launched ahead reads its input ids from rank 0's device, "
+                "which the other ranks do not have; use launch_ahead=False"
+            )
 
     def replace(self, **changes: Any) -> EngineConfig:
         unknown = sorted(set(changes) - {a.name for a in attrs.fields(EngineConfig)})

@@ -98,7 +98,12 @@ class ParallelRunner:
     def prepare(self, batch: Batch) -> Prepared:
         return self.inner.prepare(batch)
 
-    def launch(self, prepared: Prepared, batch: Batch) -> torch.Tensor:
+    def launch(self, prepared: Prepared, batch: Batch, input_ids: Any = None) -> torch.Tensor:
+        """Send the pass to every worker, then run rank 0's part. `input_ids` on the device
+        (a pass launched ahead) exist on rank 0 alone: refused (`EngineConfig` refuses
+        `launch_ahead` with several ranks)."""
+        if input_ids is not None:
+            raise ValueError("a pass launched ahead cannot run on several ranks")
         if self.failed is not None:
             raise self.failed
         try:

@@ -296,3 +296,13 @@ def test_a_one_rank_shard_with_its_collectives_gives_the_tokens_of_the_whole_mod
         settled(engine)
     finally:
         group.stop()
+
+
+def test_launch_ahead_with_several_ranks_is_refused_naming_both_options():
+    """A pass launched ahead takes its input ids from rank 0's device; the other ranks would
+    run it on ids they do not have."""
+    from engine.shell.config import EngineConfig
+
+    with pytest.raises(ValueError, match="launch_ahead=True with tensor_parallel_size=2"):
+        EngineConfig(tensor_parallel_size=2, launch_ahead=True)
+    assert EngineConfig(tensor_parallel_size=1, launch_ahead=True).launch_ahead
