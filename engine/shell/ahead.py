@@ -63,7 +63,7 @@ class PlanAhead:
 
     def launch(self, launcher: Callable[[Prepared], Any]) -> None:
         """Launch the plan now: `launcher(prepared)` returns what the launch gives (the
-        pass's sampled tokens), kept with the plan for the step that takes it."""
+        launched pass, sampled on the device), kept with the plan for the step that takes it."""
         if self.prepared is None or self.prepared.launched is not None:
             raise ValueError("launch() needs a plan that was not launched yet")
         self.prepared = attrs.evolve(self.prepared, launched=launcher(self.prepared))
