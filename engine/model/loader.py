@@ -253,11 +253,9 @@ def _load_hf_dir(
 ) -> tuple[LlamaModel, ModelConfig]:
     from safetensors import safe_open
 
-    config = families.config_from_hf(json.loads((directory / "config.json").read_text()))
-    generation = directory / "generation_config.json"
-    if generation.is_file():  # its eos_token_id may list more (Qwen: <|endoftext|> too)
-        more = json.loads(generation.read_text()).get("eos_token_id")
-        config = attrs.evolve(config, eos_token_ids=hf_eos_ids(config.eos_token_ids, more))
+    raw, more = read_hf_config(directory)  # generation_config.json's eos_token_id: Qwen
+    config = families.config_from_hf(raw)  # lists <|endoftext|> beside <|im_end|>
+    config = attrs.evolve(config, eos_token_ids=hf_eos_ids(config.eos_token_ids, more))
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise ModelNotFoundError(f"{directory} has config.json but no *.safetensors weights")

@@ -43,6 +43,11 @@ class WorkerFailed(RuntimeError):
         self.rank = rank
 
 
+def backend_for(device_type: str) -> str:
+    """The collectives' backend for ranks on `device_type`: NCCL on CUDA, gloo on CPUs."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
 @attrs.frozen
 class GroupConfig:
     """Where and how the ranks meet: `world_size` ranks over `backend` ('gloo' or 'nccl'),
@@ -66,15 +71,13 @@ class GroupConfig:
         handle, path = tempfile.mkstemp(prefix="engine-tp-")
         os.close(handle)
         os.unlink(path)  # the rendezvous file must not exist yet
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        return cls(world_size, backend, f"file://{path}", timeout_s)
+        return cls(world_size, backend_for(device_type), f"file://{path}", timeout_s)
 
     @classmethod
     def launched(cls, world_size: int, device_type: str, timeout_s: float = 60.0) -> GroupConfig:
         """The group a launcher such as torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR and
         MASTER_PORT in the environment), on one machine or several."""
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        return cls(world_size, backend, "env://", timeout_s)
+        return cls(world_size, backend_for(device_type), "env://", timeout_s)
 
     def join(self, rank: int) -> Any:
         """Join the group as `rank` (every rank calls this once); returns the messages' group."""

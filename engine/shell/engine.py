@@ -79,11 +79,9 @@ class Engine:
             table=table,
         )
         runner = rt.make_runner(self.book.table)
-        self.runner: ModelRunner | ParallelRunner = (
-            runner
-            if self.workers is None or table is None
-            else ParallelRunner(runner, self.workers, table)
-        )
+        self.runner: ModelRunner | ParallelRunner = runner
+        if self.workers is not None and table is not None:
+            self.runner = ParallelRunner(runner, self.workers, table)
         self.running = Running.empty(rt.max_context)
         self.waiting: collections.deque[Request] = collections.deque()
         self.inbox = Inbox()  # submissions and aborts from any thread
@@ -398,13 +396,13 @@ class Engine:
             uids = running.rids.tolist()
             params = [self.requests[u].params for u in uids]
             forward = self._forward(batch)
-            # all greedy: the argmax of each tree's accepted path is checked against its
-            # grammar, no node masked first (`Grammars.verify_paths`)
-            greedy = all(p.greedy for p in params)
-            masks = None if greedy else self.logits.start_tree(trees, uids)
+            # all greedy with a grammar among them: the argmax along each tree's accepted path
+            # is checked against its grammar, no node masked first (`Grammars.verify_paths`)
+            checked = all(p.greedy for p in params) and self.grammars.constrains(uids)
+            masks = None if checked else self.logits.start_tree(trees, uids)
             logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
             self._hit("verify")
-            if greedy:
+            if checked:  # read on the host here; otherwise the speculator's walk reads it
                 argmax = greedy_tokens(logits).cpu().numpy()
                 target = self.grammars.verify_paths(trees, uids, argmax, logits)
                 outcome = self.spec.verify(batch, params, target)

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from engine.model.sampling import LogitsEdit, Logprobs, greedy_tokens, host_to_device
-from engine.shell.grammar import Grammars, PendingMasks
+from engine.shell.grammar import Grammars
+from engine.shell.masks import PendingMasks
 from engine.shell.request import Request, TokenLogprob
 from engine.state import DraftTrees
 

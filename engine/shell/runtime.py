@@ -178,7 +178,8 @@ def build_runtime(config: EngineConfig, rank: int = 0) -> Runtime:
         model_config.max_position_embeddings, DEFAULT_MAX_CONTEXT
     )
     model_config.check_context(max_context)  # a sliding window shorter than it is refused
-    slots = config.kv_cache_slots or _slots_from_budget(config, model_config, dtype, device)
+    # a rank's KV pool holds its own KV heads (`model.local`: the whole model's with one rank)
+    slots = config.kv_cache_slots or _slots_from_budget(config, model.local, dtype, device)
     return Runtime(
         config, device, dtype, model, model_config, tokenizer, max_context, slots, backend
     )
@@ -207,11 +208,7 @@ def _load_shared(
 def _slots_from_budget(
     config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
-    # a rank keeps its KV heads: its part of the heads, or one replicated head
-    kv_heads = mc.num_kv_heads
-    if config.tensor_parallel_size > 1:
-        kv_heads = max(mc.num_kv_heads // config.tensor_parallel_size, 1)
-    per_slot = 2 * mc.num_layers * kv_heads * mc.head_dim * dtype.itemsize
+    per_slot = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.kv_cache_fraction)

@@ -58,8 +58,21 @@ def _settled(served: Served) -> None:
     served.engine.check()
 
 
+def _grammar_metrics(served: Served) -> dict[str, float]:
+    return {
+        name: float(value)
+        for name, value in (
+            line.split(" ", 1)
+            for line in httpx.get(f"{served.url}/metrics").text.splitlines()
+            if line.startswith("engine_grammar_")
+        )
+    }
+
+
 def test_json_schema_response_format_validates(served: Served) -> None:
     client = served.client()
+    _settled(served)
+    before = _grammar_metrics(served)  # the server is shared: this request's own count
     response = client.chat.completions.create(
         model=served.model,
         messages=ASK,
@@ -76,14 +89,11 @@ def test_json_schema_response_format_validates(served: Served) -> None:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), POINT)
     _settled(served)
-    metrics = dict(
-        line.split(" ", 1)
-        for line in httpx.get(f"{served.url}/metrics").text.splitlines()
-        if line.startswith("engine_grammar_")
-    )
-    masks = float(metrics["engine_grammar_masks_total"])
-    assert masks >= response.usage.completion_tokens  # one per token drawn
-    assert float(metrics["engine_grammar_mask_seconds_total"]) > 0
+    after = _grammar_metrics(served)
+    masks = after["engine_grammar_masks_total"] - before["engine_grammar_masks_total"]
+    assert masks >= response.usage.completion_tokens  # sampled rows: one per token drawn
+    seconds = "engine_grammar_mask_seconds_total"
+    assert after[seconds] - before[seconds] > 0
 
 
 def test_json_object_on_completions_and_streamed_chat(served: Served) -> None:

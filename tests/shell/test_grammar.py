@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequest
-from engine.shell.grammar import Grammars, Progress, apply_masks, unpack_words
+from engine.shell.grammar import Grammars, Progress
+from engine.shell.masks import apply_masks, unpack_words
 from engine.spec import DraftTree, stack
 from engine.spec.tree import unstack
 from engine.state import StructuredOutputs

@@ -13,7 +13,8 @@ import torch
 
 from engine import SamplingParams
 from engine.shell.engine import Engine
-from engine.shell.grammar import Grammars, apply_masks
+from engine.shell.grammar import Grammars
+from engine.shell.masks import apply_masks
 from engine.state import StructuredOutputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
