@@ -9,34 +9,25 @@ the round trip of `Grammars.start` + `PendingMasks.host` (the fill off the loop'
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from engine.shell.grammar import Grammars
-from engine.state import StructuredOutputs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_server import DOCUMENT_SCHEMA, compact, copy_document  # noqa: E402
+
+from engine.shell.grammar import Grammars  # noqa: E402
+from engine.state import StructuredOutputs  # noqa: E402
 
 EOS = 2
-PASSAGE = "The river ran past the mill and under the old stone bridge, slow and brown."
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer"},
-        "place": {"type": "string"},
-        "text": {"type": "string"},
-        "tags": {"type": "array", "items": {"type": "string"}},
-    },
-    "required": ["id", "place", "text", "tags"],
-    "additionalProperties": False,
-}
-DOCUMENT = json.dumps(
-    {"id": 1001, "place": "river", "text": PASSAGE, "tags": ["river", "passage"]},
-    separators=(",", ":"),
-).encode()
+SCHEMA = DOCUMENT_SCHEMA
+DOCUMENT = compact(copy_document(1, answer=True)).encode()  # request 1's answer
 
 
 def per_row(fill, rows: int, repeats: int) -> float:

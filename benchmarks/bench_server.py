@@ -265,28 +265,40 @@ def print_table(rows: list[dict[str, float]], title: str) -> None:
         )
 
 
+def best_of_two(
+    levels: list[int], modes: list[str], run_one: Callable[[str, int], float]
+) -> dict[tuple[str, int], float]:
+    """Each concurrency in each mode, in turns, two rounds: the best output tok/s of each
+    (mode, concurrency); `run_one(mode, concurrency)` runs one and returns its tok/s."""
+    best: dict[tuple[str, int], float] = {}
+    for _ in range(2):
+        for concurrency in levels:
+            for mode in modes:
+                tok_s = run_one(mode, concurrency)
+                best[mode, concurrency] = max(best.get((mode, concurrency), 0.0), tok_s)
+    return best
+
+
 def compare_sampling(url: str, model: str, args: argparse.Namespace) -> None:
     """Each concurrency in each sampling mode, in turns (plain, logprobs, penalties, plain,
     ...), best of two rounds per mode; throughput and the ratio to plain."""
     levels = [int(c) for c in args.concurrency.split(",")]
-    best: dict[tuple[str, int], float] = {}
-    for _ in range(2):
-        for concurrency in levels:
-            for mode, fields in SAMPLING_MODES.items():
-                num_requests = concurrency * args.requests_per_client
-                result = asyncio.run(
-                    run_level(
-                        url,
-                        model,
-                        args.workload,
-                        concurrency,
-                        num_requests,
-                        args.max_tokens,
-                        fields,
-                    )
-                )
-                tok_s = result.row()["tok_per_s"]
-                best[mode, concurrency] = max(best.get((mode, concurrency), 0.0), tok_s)
+
+    def run_one(mode: str, concurrency: int) -> float:
+        result = asyncio.run(
+            run_level(
+                url,
+                model,
+                args.workload,
+                concurrency,
+                concurrency * args.requests_per_client,
+                args.max_tokens,
+                SAMPLING_MODES[mode],
+            )
+        )
+        return result.row()["tok_per_s"]
+
+    best = best_of_two(levels, list(SAMPLING_MODES), run_one)
     print(
         f"\n{model} on {args.device} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cpus), workload {args.workload}, max_tokens={args.max_tokens}, "
@@ -330,14 +342,24 @@ def json_task(workload: str, index: int) -> tuple[dict, str]:
     topic = TOPICS[index % len(TOPICS)]
     if workload == "stories":
         return STORY_SCHEMA, f"Describe {topic} as JSON: a title, a mood and up to three lines."
-    document = {
-        "id": index,
+    text = compact(copy_document(index))
+    return DOCUMENT_SCHEMA, f"Repeat this JSON exactly, with id set to {index + 1000}:\n{text}"
+
+
+def copy_document(index: int, answer: bool = False) -> dict:
+    """The 'copy' workload's document of request `index` (`answer`: with its id changed, as
+    the request asks it back)."""
+    topic = TOPICS[index % len(TOPICS)]
+    return {
+        "id": index + 1000 if answer else index,
         "place": topic,
         "text": PASSAGE.replace("river", topic),
         "tags": [topic, "passage"],
     }
-    text = json.dumps(document, separators=(",", ":"))
-    return DOCUMENT_SCHEMA, f"Repeat this JSON exactly, with id set to {index + 1000}:\n{text}"
+
+
+def compact(document: dict) -> str:
+    return json.dumps(document, separators=(",", ":"))
 
 
 def structured_body(
@@ -421,31 +443,31 @@ def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
     """Each concurrency unconstrained, then constrained by a JSON schema, best of two rounds
     each; output tok/s, their ratio, and the host time spent on masks (constrained runs)."""
     levels = [int(c) for c in args.concurrency.split(",")]
-    best: dict[tuple[str, int], float] = {}
     masks = {c: dict.fromkeys(MASK_SERIES, 0.0) for c in levels}  # constrained runs
-    for _ in range(2):
-        for concurrency in levels:
-            for mode in ("free", "json"):
-                before = scrape(url, MASK_SERIES)
-                result = asyncio.run(
-                    run_level(
-                        url,
-                        model,
-                        args.workload,
-                        concurrency,
-                        concurrency * args.requests_per_client,
-                        args.max_tokens,
-                        body_of=lambda i: structured_body(
-                            model, args.workload, i, args.max_tokens, mode == "json"
-                        ),
-                    )
-                )
-                if mode == "json":
-                    after = scrape(url, MASK_SERIES)
-                    for name in MASK_SERIES:
-                        masks[concurrency][name] += after[name] - before[name]
-                tok_s = result.row()["tok_per_s"]
-                best[mode, concurrency] = max(best.get((mode, concurrency), 0.0), tok_s)
+
+    def run_one(mode: str, concurrency: int) -> float:
+        constrained = mode == "json"
+        before = scrape(url, MASK_SERIES) if constrained else {}
+        result = asyncio.run(
+            run_level(
+                url,
+                model,
+                args.workload,
+                concurrency,
+                concurrency * args.requests_per_client,
+                args.max_tokens,
+                body_of=lambda i: structured_body(
+                    model, args.workload, i, args.max_tokens, constrained
+                ),
+            )
+        )
+        if constrained:
+            after = scrape(url, MASK_SERIES)
+            for name in MASK_SERIES:
+                masks[concurrency][name] += after[name] - before[name]
+        return result.row()["tok_per_s"]
+
+    best = best_of_two(levels, ["free", "json"], run_one)
     speculation = "on" if args.speculative else "off"
     print(
         f"\n{model} on {args.device} ({platform.processor() or platform.machine()}, "

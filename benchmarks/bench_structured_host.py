@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import json
 import pstats
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_server import DOCUMENT_SCHEMA, json_task  # noqa: E402
+from bench_server import compact, copy_document, json_task  # noqa: E402
 
 from engine.shell.engine import Engine  # noqa: E402
 from engine.shell.runner import Prepared  # noqa: E402
@@ -52,7 +51,11 @@ class CopyRunner:
         done = len(self.engine.requests[uid].output_ids) + ahead
         return target[done] if done < len(target) else self.eos
 
-    def launch(self, prepared: Prepared, batch) -> torch.Tensor:
+    def launch(self, prepared: Prepared, batch, input_ids=None) -> torch.Tensor:
+        """The pass's logits (`input_ids`, a pass launched ahead: unused, the engine's
+        default `launch_ahead=False` never sends them)."""
+        if input_ids is not None:
+            raise ValueError("CopyRunner does not run passes launched ahead")
         self.passes[batch.mode.name.lower()] += 1
         trees = batch.trees
         if trees is None:  # one row per sampling request
@@ -88,9 +91,7 @@ def run(engine: Engine, clients: int, requests: int, constrained: bool, max_toke
     def submit() -> None:
         nonlocal submitted
         schema, message = json_task("copy", submitted)
-        document = json.loads(message.split("\n", 1)[1])
-        document["id"] = submitted + 1000
-        target = engine.tokenizer.encode(json.dumps(document, separators=(",", ":")))
+        target = engine.tokenizer.encode(compact(copy_document(submitted, answer=True)))
         ids = engine.tokenizer.encode(message)
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -138,7 +139,6 @@ def main() -> None:
         device="cpu", dtype="float32", max_running_requests=32, speculative=args.speculative
     )
     engine.grammars.wait_ready()
-    assert DOCUMENT_SCHEMA
     print("| clients | kind | tok/s | ms/decode step | passes | plans used/dropped | masks |")
     print("|---|---|---|---|---|---|---|")
     for clients in [int(c) for c in args.clients.split(",")]:
