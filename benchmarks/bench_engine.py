@@ -2,8 +2,10 @@
 
 CPU (default model, fp32):   python benchmarks/bench_engine.py --device cpu
 GPU (random Llama-3-8B bf16): python benchmarks/bench_engine.py --device cuda
-On the GPU it also reports the decode step time against its floor: (weight bytes + KV bytes
-read per step) / the measured copy bandwidth.
+On the GPU it also reports the decode step time against its floor, (weight bytes + KV bytes
+read per step) / the measured copy bandwidth, and the whole run's wall clock (prefill
+included) against the floor of its decode steps, beside the same engine with `launch_ahead`
+off.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def copy_bandwidth(device: str) -> float:
 
 def run_engine(engine: Engine, prompts: list, batch: int, max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    # warm-up on the same shapes (kernels compiled for them), prompts reversed: no prefix
+    # the timed run could reuse
+    warm = [list(reversed(p)) for p in prompts[:batch]]
+    engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))
     engine.step_times.clear()
     started = time.perf_counter()
     tokens = 0
@@ -122,8 +127,8 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
     return rows
 
 
-def _gpu_engine(plan_ahead: bool, preset: str = "llama3_8b") -> Engine:
-    return Engine(
+def _gpu_engine(preset: str = "llama3_8b", **overrides) -> Engine:
+    settings = dict(
         random_weights=preset,
         device="cuda",
         dtype="bfloat16",
@@ -132,54 +137,58 @@ def _gpu_engine(plan_ahead: bool, preset: str = "llama3_8b") -> Engine:
         max_context=1024,
         kv_cache_fraction=0.3,
         chunk_size=8192,
-        plan_ahead=plan_ahead,
     )
+    return Engine(**(settings | overrides))
 
 
-def decode_steps_without_plan_ahead(args: argparse.Namespace) -> dict[int, float]:
-    """Median decode step (s) per batch size with `plan_ahead=False`: the A/B of planning each
-    pass while the previous one runs (same prompts and lengths as the main run)."""
-    engine = _gpu_engine(plan_ahead=False, preset=args.preset)
+def _gpu_runs(args: argparse.Namespace, engine: Engine, hf=None) -> dict[int, dict]:
+    """Per batch size (1, 16, 64): one group of `batch` prompts of `args.prompt_len` random
+    tokens, `args.max_tokens` new tokens each (the same prompts for every engine)."""
     generator = torch.Generator().manual_seed(0)
-    steps = {}
+    runs = {}
     for batch in (1, 16, 64):
         prompts = torch.randint(3, 30000, (batch, args.prompt_len), generator=generator).tolist()
-        steps[batch] = run_engine(engine, prompts, batch, args.max_tokens)["decode_step"]
-    del engine
-    torch.cuda.empty_cache()
-    return steps
-
-
-def gpu_main(args: argparse.Namespace) -> list[tuple]:
-    bandwidth = copy_bandwidth("cuda")
-    without = decode_steps_without_plan_ahead(args)
-    engine = _gpu_engine(plan_ahead=True, preset=args.preset)
-    mc = engine.runtime.model_config
-    weight_bytes = engine.runtime.model.num_bytes()
-    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
-    generator = torch.Generator().manual_seed(0)
-    hf = _hf_twin(mc) if not args.no_hf else None
-    rows = []
-    for batch in (1, 16, 64):
-        prompts = torch.randint(3, 30000, (batch, args.prompt_len), generator=generator).tolist()
-        ours = run_engine(engine, prompts, batch, args.max_tokens)
-        mean_context = args.prompt_len + args.max_tokens / 2
-        floor = (weight_bytes + batch * mean_context * kv_per_token) / bandwidth
-        hf_rate = float("nan")
+        runs[batch] = run_engine(engine, prompts, batch, args.max_tokens)
         if hf is not None:
             with torch.inference_mode():
                 run = hf_generate(hf, 0, prompts, batch, args.max_tokens, padded=True)
-            hf_rate = run["tokens"] / run["seconds"]
+            runs[batch]["hf_rate"] = run["tokens"] / run["seconds"]
+    return runs
+
+
+def gpu_main(args: argparse.Namespace) -> list[tuple]:
+    """The engine as configured by default beside the same engine with `launch_ahead` off
+    (the A/B of launching each decode pass before the last one's tokens are read). The
+    floor of a decode step: its weight and KV bytes over the copy bandwidth; end to end: the
+    floor of every decode step over the wall clock of the whole group, prefill included."""
+    bandwidth = copy_bandwidth("cuda")
+    engine = _gpu_engine(args.preset, launch_ahead=False)
+    without = _gpu_runs(args, engine)
+    del engine
+    torch.cuda.empty_cache()
+    engine = _gpu_engine(args.preset)
+    mc = engine.runtime.model_config
+    weight_bytes = engine.runtime.model.num_bytes()
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    hf = _hf_twin(mc) if not args.no_hf else None
+    rows = []
+    for batch, ours in _gpu_runs(args, engine, hf).items():
+        off = without[batch]
+        mean_context = args.prompt_len + args.max_tokens / 2
+        floor = (weight_bytes + batch * mean_context * kv_per_token) / bandwidth
         rows.append(
             (
                 batch,
                 ours["tokens"] / ours["seconds"],
-                hf_rate,
+                ours.get("hf_rate", float("nan")),
                 ours["decode_step"] * 1e3,
                 floor * 1e3,
                 floor / ours["decode_step"],
+                floor * args.max_tokens / ours["seconds"],
+                off["decode_step"] * 1e3,
+                floor / off["decode_step"],
+                floor * args.max_tokens / off["seconds"],
                 bandwidth / 1e9,
-                without[batch] * 1e3,
             )
         )
     return rows
@@ -238,13 +247,15 @@ def main() -> None:
         )
         print(
             "| batch | engine tok/s | HF tok/s | ratio | decode step ms | floor ms | "
-            "floor/step | copy GB/s | step ms, plan_ahead off | floor/step off |"
+            "floor/step | floor/wall | launch_ahead off: step ms | floor/step | floor/wall "
+            "| copy GB/s |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for batch, ours, hf, step, floor, frac, bw, off in rows:
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for batch, ours, hf, step, floor, frac, wall, off, off_frac, off_wall, bw in rows:
             print(
                 f"| {batch} | {ours:.0f} | {hf:.0f} | {ours / hf:.1f}x | {step:.2f} | "
-                f"{floor:.2f} | {frac:.2f} | {bw:.0f} | {off:.2f} | {floor / off:.2f} |"
+                f"{floor:.2f} | {frac:.2f} | {wall:.2f} | {off:.2f} | {off_frac:.2f} | "
+                f"{off_wall:.2f} | {bw:.0f} |"
             )
 
 

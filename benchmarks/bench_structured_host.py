@@ -52,8 +52,8 @@ class CopyRunner:
         return target[done] if done < len(target) else self.eos
 
     def launch(self, prepared: Prepared, batch, input_ids=None) -> torch.Tensor:
-        """The pass's logits (`input_ids`, a pass launched ahead: unused, the engine's
-        default `launch_ahead=False` never sends them)."""
+        """The pass's logits (`input_ids`, a pass launched ahead: unused: `launch_ahead`
+        is off on the CPU, so the engine never sends them)."""
         if input_ids is not None:
             raise ValueError("CopyRunner does not run passes launched ahead")
         self.passes[batch.mode.name.lower()] += 1

@@ -189,7 +189,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument(
-        "--launch-ahead", action="store_true", help="decode: the engine's launch_ahead on"
+        "--launch-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode: the engine's launch_ahead (default: the engine's default)",
     )
     parser.add_argument(
         "--dtype",
@@ -232,7 +235,7 @@ def main() -> None:
     engine.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     print(
         f"\n== profile {args.which}: batch {batch}, {args.prompt_len}-token prompts, "
-        f"{engine.runtime.dtype}, launch_ahead {engine.config.launch_ahead}, "
+        f"{engine.runtime.dtype}, launch_ahead {engine.launch_ahead}, "
         f"{torch.cuda.get_device_name()}"
     )
     print(profile_steps(engine, prompts, params, args.steps))

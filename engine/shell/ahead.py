@@ -83,6 +83,11 @@ class PlanAhead:
             self.stats["plans_ahead_used"] += 1
         return prepared
 
+    def drop_launched(self) -> None:
+        """Drop the plan if it was launched (its input ids were tokens that changed)."""
+        if self.prepared is not None and self.prepared.launched is not None:
+            self.drop()
+
     def drop(self) -> None:
         """Give the plan's slots back (requests came or left, or the engine is stopping)."""
         if self.prepared is not None:

@@ -40,6 +40,13 @@ def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be True or False")
 
 
+def _optional_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(
+            f"{attribute.name}={value!r} is not allowed; it must be True, False or None (auto)"
+        )
+
+
 def _one_of(*allowed: str) -> Any:
     def check(instance: Any, attribute: attrs.Attribute, value: str) -> None:
         if value not in allowed:
@@ -143,12 +150,14 @@ class EngineConfig:
         "plan each decode pass while the previous one runs on "
         "the device (used when no request finished or arrived)",
     )
-    launch_ahead: bool = _field(
-        False,
+    launch_ahead: bool | None = _field(
+        None,
         "with plan_ahead: launch the planned decode pass before the running one's tokens "
-        "are read back, its input ids copied on the device (requests that are greedy, "
-        "without penalties, logit bias, grammar, logprobs or speculation); a pass launched "
-        "for a batch that then changes is dropped",
+        "are read back, its input ids copied on the device (requests without penalties, "
+        "logit bias, logprobs or speculation; a grammar's greedy rows are checked after, "
+        "and a refused token drops the launched pass); a pass launched for a batch that "
+        "then changes is dropped. None: on with a CUDA device and one rank",
+        _optional_bool,
     )
     block_weights: bool = _field(
         True,
@@ -205,11 +214,11 @@ class EngineConfig:
                 f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size} "
                 "is not allowed: rank r runs on cuda:r; give device 'cuda', 'cpu' or 'auto'"
             )
-        if self.tensor_parallel_size > 1 and self.launch_ahead:
+        if self.tensor_parallel_size > 1 and self.launch_ahead is True:
             raise ValueError(
                 f"launch_ahead=True with tensor_parallel_size={self.tensor_parallel_size} is "
                 "not allowed: a pass launched ahead reads its input ids from rank 0's device, "
-                "which the other ranks do not have; use launch_ahead=False"
+                "which the other ranks do not have; use launch_ahead=False or None"
             )
 
     def replace(self, **changes: Any) -> EngineConfig:
@@ -227,7 +236,7 @@ class EngineConfig:
         for field in attrs.fields(EngineConfig):
             flags = ["--" + field.name.replace("_", "-"), *field.metadata["aliases"]]
             help_text = f"{field.metadata['help']} (default: {field.default})"
-            if field.type in ("bool", bool):
+            if field.type in ("bool", bool, "bool | None"):
                 parser.add_argument(
                     *flags, action=argparse.BooleanOptionalAction, default=None, help=help_text
                 )

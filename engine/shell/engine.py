@@ -102,6 +102,10 @@ class Engine:
         # the transitions: engine.state, or with config.trace_path a recorder of each call
         self.machine = machine(self.config, rt.vocab_size, self.book, self.requests)
         self.ahead = PlanAhead(self.book, self.runner, self.stats, self.machine)  # next decode
+        launch_ahead = self.config.launch_ahead  # None: where the device runs apart from us
+        if launch_ahead is None:
+            launch_ahead = rt.device.type == "cuda" and self.config.tensor_parallel_size == 1
+        self.launch_ahead: bool = launch_ahead
         self.health = Health()
         self.faults: Faults | None = None  # a test tool: passes fail where it says
         # on the CPU, each step's thread count (torch's, which the kernels are passed): at most
@@ -467,19 +471,21 @@ class Engine:
         open_pass.table_written = self.ahead.plan(open_pass.batch)
         sampled = None if launched is None else launched.sampled  # None: masks to wait for
         if open_pass.table_written and sampled is not None and self._launches_ahead(open_pass):
-            self.ahead.launch(lambda p: self._launch(p.batch, p, sampled.tokens))
+            # its rows sample one token further on (the seeds' step counts)
+            self.ahead.launch(lambda p: self._launch(p.batch, p, sampled.tokens, ahead=True))
 
     def _launches_ahead(self, open_pass: OpenPass) -> bool:
         """Whether the next pass may be launched before this one's tokens are read: the host
-        adds nothing to its logits or its sampling (greedy, no penalties, bias, grammar,
-        logprobs or speculation), and no request leaves by length with this pass (a stop
-        token may still end one: the launched pass is then dropped)."""
+        adds nothing to its logits (no penalties, bias or logprobs; a grammar's rows are all
+        greedy then, drawn unmasked and checked after: a refused token drops the launched
+        pass, `_tokens`), its sampling needs only step counts it knows (seeded draws), there
+        is no speculation, and no request leaves by length with this pass (a stop token may
+        still end one: the launched pass is then dropped)."""
         outputs = self.outputs
         return (
-            self.config.launch_ahead
+            self.launch_ahead
             and self.spec is None
-            and not (outputs.sampling_uids or outputs.edited_uids or outputs.logprob_uids)
-            and not self.grammars
+            and not (outputs.edited_uids or outputs.logprob_uids)
             and not state.ends_by_length(open_pass.batch)
         )
 
@@ -513,7 +519,13 @@ class Engine:
             return self.runner.forward(batch)
         return self.runner.launch(prepared, batch, input_ids)
 
-    def _launch(self, batch: state.Batch, prepared: Any = None, input_ids: Any = None) -> Launched:
+    def _launch(
+        self,
+        batch: state.Batch,
+        prepared: Any = None,
+        input_ids: Any = None,
+        ahead: bool = False,
+    ) -> Launched:
         """Launch the pass, then start its grammars' masks: the host fills them (with a GPU,
         on a pool thread) while the device runs the forward and the loop does its other host
         work; `_sample` applies them. A greedy constrained row without logprobs gets no mask
@@ -522,24 +534,28 @@ class Engine:
         Sampling applies each request's bias and penalties first, then its grammar's mask;
         its logprobs after, where asked, from the logits before the mask; the tokens stay on
         the device until `_fetch` (their copy to the host starts at once). `input_ids`: on
-        the device, in place of `batch.input_ids` (`ModelRunner.launch`)."""
+        the device, in place of `batch.input_ids` (`ModelRunner.launch`); `ahead`: launched
+        before the running pass's tokens reach the requests (one step further on)."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
         if outputs.sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
             params = [self.requests[u].params for u in uids]
-            steps = [len(self.requests[u].output_ids) for u in uids]
+            steps = [len(self.requests[u].output_ids) + int(ahead) for u in uids]
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
         forward = self._forward(batch, prepared, input_ids)
         # greedy rows go unmasked, and are masked only if their grammar refuses their token
         checked = self.logits.checked_rows(uids, outputs.logprob_uids)
         masks = self.logits.start(uids, checked)  # after the launch: filled as the device runs
+        logits = self.logits.edit(forward, uids, outputs.edited_uids)
         launched = Launched(
-            self.logits.edit(forward, uids, outputs.edited_uids),
+            logits,
             uids,
             inputs,
             masks,
             checked=checked,
+            # the next pass, launched before these are checked, may write over `logits`
+            checked_logits=self.logits.keep_checked(logits, checked) if self.launch_ahead else None,
         )
         if masks is None:
             return attrs.evolve(launched, sampled=self._sample(launched))
@@ -559,8 +575,13 @@ class Engine:
     def _tokens(self, launched: Launched) -> np.ndarray:
         """The launched pass's tokens on the host: sampled, fetched, and where a checked
         row's grammar refuses its token, drawn again under its mask (`LogitsWork.recheck`)."""
-        tokens = self._fetch(self._sample(launched))
-        return self.logits.recheck(launched.logits, launched.uids, launched.checked, tokens)
+        fetched = self._fetch(self._sample(launched))
+        tokens = self.logits.recheck(
+            launched.logits, launched.uids, launched.checked, fetched, launched.checked_logits
+        )
+        if tokens is not fetched:  # a pass launched ahead took the refused tokens as its ids
+            self.ahead.drop_launched()
+        return tokens
 
     def _fetch(self, sampled: Sampled) -> np.ndarray:
         """The pass's tokens on the host (where a device error surfaces), and its logprobs."""

@@ -65,6 +65,9 @@ class Launched:
     masks: PendingMasks | None = None
     sampled: Sampled | None = None
     checked: list[int] = attrs.Factory(list)  # rows drawn unmasked, checked after (`recheck`)
+    # the checked rows' logits, copied at the launch where a pass launched ahead may write
+    # over `logits` before they are checked (a CUDA graph's output buffer is every replay's)
+    checked_logits: torch.Tensor | None = None
 
 
 @attrs.frozen(eq=False)
@@ -117,28 +120,45 @@ class LogitsWork:
             if uid in self.grammars and uid not in asked and self.requests[uid].params.greedy
         ]
 
+    @staticmethod
+    def keep_checked(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor | None:
+        """A copy of the `rows` of `logits` (None without rows), for `recheck`."""
+        if not rows:
+            return None
+        return logits.index_select(0, host_to_device(np.array(rows, np.int64), logits.device))
+
     def recheck(
-        self, logits: torch.Tensor, uids: Sequence[int], rows: Sequence[int], tokens: np.ndarray
+        self,
+        logits: torch.Tensor,
+        uids: Sequence[int],
+        rows: Sequence[int],
+        tokens: np.ndarray,
+        kept: torch.Tensor | None = None,
     ) -> np.ndarray:
         """`tokens` (one per logits row, on the host) with each of `rows` (`checked_rows`)
         that its grammar refuses drawn again greedily under its mask; the same array when
-        every one is allowed. Counts the tokens checked (`grammar_tokens_checked`) and those
-        drawn again (`grammar_tokens_redrawn`)."""
+        every one is allowed. `kept`: the rows' logits copied at launch (`keep_checked`),
+        read in place of `logits`. Counts the tokens checked (`grammar_tokens_checked`) and
+        those drawn again (`grammar_tokens_redrawn`)."""
         if not rows:
             return tokens
         stats = self.grammars.stats
         stats["grammar_tokens_checked"] += len(rows)
-        refused = [r for r in rows if not self.grammars.allows(uids[r], int(tokens[r]))]
+        refused = [
+            i for i, r in enumerate(rows) if not self.grammars.allows(uids[r], int(tokens[r]))
+        ]
         if not refused:
             return tokens
         stats["grammar_tokens_redrawn"] += len(refused)
-        refused_uids = [uids[r] for r in refused]
-        index = host_to_device(np.array(refused, dtype=np.int64), logits.device)
+        refused_uids = [uids[rows[i]] for i in refused]
+        source = logits if kept is None else kept
+        picks = refused if kept is not None else [rows[i] for i in refused]
+        index = host_to_device(np.array(picks, dtype=np.int64), source.device)
         masks = self.grammars.start(refused_uids)
         assert masks is not None  # every refused row is constrained
-        masked = masks.apply(logits.index_select(0, index))
+        masked = masks.apply(source.index_select(0, index))
         tokens = tokens.copy()
-        tokens[refused] = greedy_tokens(masked).cpu().numpy()
+        tokens[[rows[i] for i in refused]] = greedy_tokens(masked).cpu().numpy()
         return tokens
 
     def start_tree(self, trees: DraftTrees, uids: Sequence[int]) -> PendingMasks | None:

@@ -205,28 +205,29 @@ def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch, launch_ahe
     assert (engine.stats["launches_ahead"] > 3) == launch_ahead
 
 
+@pytest.mark.parametrize("launch_ahead", [False, True])
 @pytest.mark.parametrize("failing", ["prepare", "launch", "fetch"])
-def test_a_failure_around_a_plan_loses_no_slot(failing):
+def test_a_failure_around_a_plan_loses_no_slot(failing, launch_ahead):
     """A pass that fails while planning ahead, launching a prepared plan or reading its
-    tokens: the requests of that pass end with "error", their slots and rows are back (the
-    early table writes undone), and the engine serves the next request as before."""
-    engine = _tiny("torch")
+    tokens (with the next pass launched ahead from them, or not): the requests of that pass
+    end with "error", their slots and rows are back (the early table writes undone), and the
+    engine serves the next request as before."""
+    engine = _tiny("torch", launch_ahead=launch_ahead)
     prompts, params = _prompts(3), _params(3)
     # "fetch": the device tokens of the 4th pass fail when read (a device error surfaces there)
     target = engine if failing == "fetch" else engine.runner
     name = {"prepare": "prepare", "launch": "launch", "fetch": "_sample"}[failing]
     real, calls = getattr(target, name), []
 
-    class Unreadable:
-        def cpu(self):
+    class Unreadable(Sampled):  # its tokens on the device (a pass may launch from them)
+        def tokens_on_host(self):
             raise RuntimeError("injected failure")
 
     def flaky(*args, **kwargs):
         calls.append(1)
         if len(calls) == 4:
             if failing == "fetch":
-                real(*args, **kwargs)
-                return Sampled(Unreadable())
+                return Unreadable(real(*args, **kwargs).tokens)
             raise RuntimeError("injected failure")
         return real(*args, **kwargs)
 
@@ -274,6 +275,7 @@ def workloads(draw):
         max_running_requests=draw(st.integers(1, 4)),
         kv_cache_slots=draw(st.sampled_from([40, 64, 256])),
         speculative=draw(st.booleans()),
+        launch_ahead=draw(st.booleans()),  # on the CPU too: the same order of work
     )
     abort_at = draw(st.sampled_from([None, 2, 5]))
     return prompts, params, settings_, abort_at
@@ -336,13 +338,102 @@ def test_launch_ahead_changes_no_output(backend, abort_at):
         assert any(args[-1] is not None for args in replays)
 
 
-def test_launch_ahead_waits_for_what_the_host_adds():
-    """A sampling request (its draws are the host's to seed), or launch_ahead off: no pass
-    is launched ahead; the plans are still used."""
+@pytest.mark.parametrize(
+    "asked",
+    [
+        dict(frequency_penalty=0.5),
+        dict(logit_bias={7: 2.0}),
+        dict(logprobs=2),
+        dict(temperature=0.8, seed=3, repetition_penalty=1.2),
+    ],
+)
+def test_launch_ahead_waits_for_what_the_host_adds(asked):
+    """A request whose logits the host edits (penalties, a bias) or reads (logprobs), or
+    launch_ahead off: no pass is launched ahead; the plans are still
+    used, and the outputs are those of planning nothing ahead."""
     prompts = _prompts(3)
     params = _greedy(3)
-    params[1] = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
-    for engine in (_tiny("torch", launch_ahead=True), _tiny("torch")):
-        _run(engine, prompts, params if engine.config.launch_ahead else _greedy(3))
+    params[1] = SamplingParams(max_tokens=12, **asked)
+    reference = _run(_tiny("torch", plan_ahead=False), prompts, params)
+    for engine in (_tiny("torch", launch_ahead=True), _tiny("torch", launch_ahead=False)):
+        assert _run(engine, prompts, params) == reference
         assert engine.stats["plans_ahead_used"] > 3
         assert engine.stats["launches_ahead"] == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_launch_ahead_draws_what_sampling_after_the_tokens_draws(backend):
+    """Seeded sampling rows launched ahead draw from their step count one step on (the
+    pass's tokens have not reached their requests yet): the same tokens as planning nothing
+    ahead, beside greedy rows. (An unseeded request draws from the engine seed and its uid,
+    which differs between two engines.)"""
+    prompts = _prompts(4)
+    params = [
+        SamplingParams(max_tokens=14, temperature=0.9, top_k=30, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=17, temperature=1.2, top_p=0.9, seed=0, ignore_eos=True),
+        SamplingParams(max_tokens=11, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.7, min_p=0.05, seed=5, ignore_eos=True),
+    ]
+    reference = _run(_tiny(backend, plan_ahead=False), prompts, params)
+    engine = _tiny(backend, launch_ahead=True)
+    assert _run(engine, prompts, params) == reference
+    assert engine.stats["launches_ahead"] > 5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_launch_ahead_drops_the_pass_a_refused_token_fed(backend):
+    """Greedy rows under a grammar go unmasked and are checked once read; a pass launched
+    ahead took the unmasked tokens as its input ids, so a refused one (drawn again under its
+    mask) drops it: the same tokens as planning nothing ahead, where every check passed
+    before the next launch."""
+    pattern = r"[ -~]{6,24}"  # printable ASCII: some of what the tiny model draws, not all
+    prompts = [[5 + i, 6, 7 * i % 200] for i in range(4)]
+    params = [SamplingParams(max_tokens=20, structured_outputs={"regex": pattern})] * 3
+    params.append(SamplingParams(max_tokens=16, ignore_eos=True))  # unconstrained beside
+    reference = _run(_tiny(backend, plan_ahead=False), prompts, params)
+    engine = _tiny(backend, launch_ahead=True)
+    assert _run(engine, prompts, params) == reference
+    stats = engine.stats
+    assert stats["launches_ahead"] > 3
+    assert 0 < stats["grammar_tokens_redrawn"] < stats["grammar_tokens_checked"]
+    assert stats["launches_ahead_dropped"] > 0
+
+
+def _on_one_output_buffer(engine: Engine) -> None:
+    """Every pass of `engine` returns its logits in one buffer, as a CUDA graph's replays do
+    (each writes its static output)."""
+    real, buffers = engine.runner.launch, {}
+
+    def launch(*args, **kwargs):
+        out = real(*args, **kwargs)
+        buffer = buffers.setdefault(out.shape[1], torch.empty(256, out.shape[1], device=DEVICE))
+        buffer[: out.shape[0]].copy_(out)
+        return buffer[: out.shape[0]]
+
+    engine.runner.launch = launch
+
+
+def test_a_refused_token_is_drawn_again_from_its_own_pass_logits():
+    """With the logits in one buffer (a graph's output), the pass launched ahead writes over
+    the running pass's before its tokens are checked: a refused token is drawn again from the
+    copy of its row kept at launch, the same tokens as planning nothing ahead."""
+    pattern = r"[ -~]{6,24}"
+    prompts = [[5 + i, 6, 7 * i % 200] for i in range(3)]
+    params = [SamplingParams(max_tokens=20, structured_outputs={"regex": pattern})] * 3
+    reference = _run(_tiny("torch", plan_ahead=False), prompts, params)
+    engine = _tiny("torch", launch_ahead=True)
+    _on_one_output_buffer(engine)
+    assert _run(engine, prompts, params) == reference
+    assert engine.stats["launches_ahead_dropped"] > 0 and engine.stats["launches_ahead"] > 3
+
+
+def test_launch_ahead_is_on_by_default_with_a_cuda_device_and_one_rank():
+    """None (the default) resolves to on where the device runs apart from the host (CUDA),
+    off on the CPU (a pass launched ahead runs at once there and gains nothing); a choice
+    given is kept."""
+    assert _tiny("torch").config.launch_ahead is None
+    assert _tiny("torch").launch_ahead == (DEVICE == "cuda")
+    assert _tiny("torch", launch_ahead=True).launch_ahead
+    assert not _tiny("torch", launch_ahead=False).launch_ahead
+    with pytest.raises(ValueError, match=r"launch_ahead='yes' is not allowed; it must be True"):
+        _tiny("torch", launch_ahead="yes")
