@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -207,6 +208,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         command += ["--model", args.model]
     if args.random_weights:
         command += ["--random-weights", args.random_weights]
+    command += shlex.split(args.server_args)
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline_s = time.monotonic() + args.start_timeout_s
@@ -439,15 +441,24 @@ MASK_SERIES = (
 )
 
 
+def server_note(args: argparse.Namespace) -> str:
+    return f", server {args.server_args!r}" if args.server_args else ""
+
+
 def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
-    """Each concurrency unconstrained, then constrained by a JSON schema, best of two rounds
-    each; output tok/s, their ratio, and the host time spent on masks (constrained runs)."""
+    """Each concurrency constrained by a JSON schema, then unconstrained, best of two rounds
+    each; output tok/s, their ratio, and the host time spent on masks (constrained runs).
+    A grammar ends its request when the document is complete (before `max_tokens`, whatever
+    `ignore_eos` says): the unconstrained requests then ask for as many tokens as the last
+    constrained run produced per request, so that both do the same work."""
     levels = [int(c) for c in args.concurrency.split(",")]
     masks = {c: dict.fromkeys(MASK_SERIES, 0.0) for c in levels}  # constrained runs
+    lengths = dict.fromkeys(levels, args.max_tokens)  # tokens per constrained request
 
     def run_one(mode: str, concurrency: int) -> float:
         constrained = mode == "json"
         before = scrape(url, MASK_SERIES) if constrained else {}
+        max_tokens = args.max_tokens if constrained else lengths[concurrency]
         result = asyncio.run(
             run_level(
                 url,
@@ -455,30 +466,33 @@ def compare_structured(url: str, model: str, args: argparse.Namespace) -> None:
                 args.workload,
                 concurrency,
                 concurrency * args.requests_per_client,
-                args.max_tokens,
-                body_of=lambda i: structured_body(
-                    model, args.workload, i, args.max_tokens, constrained
-                ),
+                max_tokens,
+                body_of=lambda i: structured_body(model, args.workload, i, max_tokens, constrained),
             )
         )
         if constrained:
             after = scrape(url, MASK_SERIES)
             for name in MASK_SERIES:
                 masks[concurrency][name] += after[name] - before[name]
+            produced = sum(t.num_tokens for t in result.timings)
+            lengths[concurrency] = max(1, round(produced / result.num_requests))
         return result.row()["tok_per_s"]
 
-    best = best_of_two(levels, ["free", "json"], run_one)
+    best = best_of_two(levels, ["json", "free"], run_one)
     speculation = "on" if args.speculative else "off"
     print(
         f"\n{model} on {args.device} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cpus), workload {args.workload}, speculation {speculation}, "
-        f"max_tokens={args.max_tokens}, greedy; output tok/s, best of two rounds"
+        f"max_tokens={args.max_tokens}, greedy{server_note(args)}; output tok/s, best of "
+        "two rounds"
     )
-    print("| clients | unconstrained | JSON schema | JSON / unconstrained |")
-    print("|---|---|---|---|")
+    print("| clients | tokens per request | unconstrained | JSON schema | JSON / unconstrained |")
+    print("|---|---|---|---|---|")
     for c in levels:
         free, constrained = best["free", c], best["json", c]
-        print(f"| {c} | {free:.1f} | {constrained:.1f} | {constrained / free:.2f}x |")
+        print(
+            f"| {c} | {lengths[c]} | {free:.1f} | {constrained:.1f} | {constrained / free:.2f}x |"
+        )
     total = {name: sum(masks[c][name] for c in levels) for name in MASK_SERIES}
     count = total["engine_grammar_masks_total"]
     seconds = total["engine_grammar_mask_seconds_total"]
@@ -515,6 +529,11 @@ def main() -> int:
         "--random-weights",
         help="serve random weights of this preset (e.g. llama3_8b): token-id prompts through "
         "/v1/completions, not streamed (no text; time to first token is not measured)",
+    )
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more options for the server started here, e.g. '--no-launch-ahead'",
     )
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     parser.add_argument("--requests-per-client", type=int, default=2)
