@@ -58,6 +58,15 @@ EXTEND_SWEEP = [
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
 ]
 
+EXTEND_GRID = [  # --extend-grid: tiles, warps and pipeline depth
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+    for m in (64, 128)
+    for n in (32, 64, 128)
+    if m % n == 0
+    for w in (4, 8)
+    for st in (2, 3, 4)
+]
+
 
 def graph_time_us(fns: list, replays: int = 20) -> float:
     """Per-call time of fns (independent copies of one problem) replayed from one graph."""
@@ -277,6 +286,7 @@ def attention_row(
             torch.cuda.synchronize()
             continue
         print(f"  {kind} {shape} ours[{name}] {us:.1f} us")
+        row.setdefault("times", {})[name] = us
         if "SKIP_MERGE" in name:
             continue  # a diagnostic, not a candidate
         if best is None or us < best[1]:
@@ -316,14 +326,14 @@ def decode_like_rows(mode: str, shapes: list, quick: bool) -> list:
     return rows
 
 
-def extend_rows(quick: bool) -> list:
+def extend_rows(quick: bool, sweep: list | None = None) -> list:
     rows = []
     for batch, prefix, new in EXTEND:
         kv_bytes = batch * (prefix + new) * HKV * D * 2 * 2
         p = Problem("extend", batch, prefix, new, kv_bytes)
         variants = {"default": ours_extend(p)}
         if not quick:
-            variants.update({str(c): ours_extend(p, c) for c in EXTEND_SWEEP})
+            variants.update({str(c): ours_extend(p, c) for c in sweep or EXTEND_SWEEP})
         visible = batch * (new * prefix + new * (new + 1) / 2)
         nbytes = kv_bytes + 2 * batch * new * HQ * D * 2
         rows.append(
@@ -342,6 +352,27 @@ def extend_rows(quick: bool) -> list:
         del p
         torch.cuda.empty_cache()
     return rows
+
+
+def extend_grid() -> None:
+    """Every extend configuration of `EXTEND_GRID` at each extend shape, against SDPA flash:
+    per configuration its time over the best at each shape, and its geometric mean."""
+    rows = extend_rows(False, EXTEND_GRID)
+    names = [n for n in rows[0]["times"] if all(n in r["times"] for r in rows)]
+    print("\n| configuration | " + " | ".join(r["shape"] for r in rows) + " | geomean / best |")
+    print("|---|" + "---|" * (len(rows) + 1))
+    scored = []
+    for name in names:
+        ratios = [r["times"][name] / min(r["times"].values()) for r in rows]
+        scored.append((math.prod(ratios) ** (1 / len(ratios)), name))
+    for geomean, name in sorted(scored):
+        cells = [
+            f"{r['times'][name]:.1f} us ({r['sdpa_us'] / r['times'][name]:.2f} of SDPA)"
+            if r.get("sdpa_us")
+            else f"{r['times'][name]:.1f} us"
+            for r in rows
+        ]
+        print(f"| {name} | " + " | ".join(cells) + f" | {geomean:.3f} |")
 
 
 def kv_index_rows() -> list:
@@ -524,11 +555,19 @@ def main() -> None:
         action="store_true",
         help="only decode at a grid of shapes, timed at every split count against the policy",
     )
+    parser.add_argument(
+        "--extend-grid",
+        action="store_true",
+        help="only extend, timed at every configuration of EXTEND_GRID against SDPA",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     ceiling = copy_ceiling_gbs()
     if args.split_grid:
         split_grid(ceiling)
+        return
+    if args.extend_grid:
+        extend_grid()
         return
     rows = decode_like_rows("decode", DECODE, args.quick)
     decode_at = {(b, length): r for (b, length), r in zip(DECODE, rows, strict=True)}

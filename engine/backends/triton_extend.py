@@ -20,12 +20,16 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages"
 def online_softmax_step(
     q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED: tl.constexpr
 ):
-    scores = tl.dot(q_block, tl.trans(k_block)) * sm_scale_log2
+    # m_i is kept in log2 units; the scale joins the subtraction (one multiply-add an element)
+    scores = tl.dot(q_block, tl.trans(k_block))
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(scores - m_safe[:, None])
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * sm_scale_log2)
+    if MASKED:  # a row may have seen no key yet
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:  # every key visible: the maximum is finite
+        m_safe = m_new
+    p = tl.math.exp2(scores * sm_scale_log2 - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     acc = acc * alpha[:, None] + tl.dot(p.to(v_block.dtype), v_block)
     l_i = l_i * alpha + tl.sum(p, 1)
