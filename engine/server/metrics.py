@@ -77,6 +77,10 @@ _COUNTERS = {  # Engine.metrics() key -> (metric name without _total, help)
         "engine_grammar_tokens_redrawn",
         "Checked tokens their grammar refused, drawn again under their mask",
     ),
+    "grammar_tokens_masked_first": (
+        "engine_grammar_tokens_masked_first",
+        "Greedy constrained tokens masked first because their grammar refused a recent check",
+    ),
     "grammar_drafts_cut": (
         "engine_grammar_drafts_cut",
         "Speculative drafts cut before verify because their grammar rejects them",

@@ -33,6 +33,10 @@ from engine.state import DraftTrees, StructuredOutputs
 # tokens on newlines. A schema's "x-guidance" options override this.
 JSON_OPTIONS = {"whitespace_flexible": False}
 COMPILED_KEPT = 256  # compiled grammars kept (by their StructuredOutputs value)
+# A greedy row whose checked token was refused is masked first for its next 1, 2, 4, ...
+# passes (a model that rarely follows its grammar pays for a mask, not a redraw and a pass
+# launched ahead from the refused token), then checked again; at most this many in a row.
+MASKED_FIRST_MAX = 64
 
 
 class Progress(enum.Enum):
@@ -103,6 +107,8 @@ class Grammars:
         self.parallel = parallel
         self.stats = collections.Counter() if stats is None else stats
         self.matchers: dict[int, llguidance.LLMatcher] = {}
+        # uid -> [passes still masked first, length of its last masked run] (`checks_first`)
+        self._masked_runs: dict[int, list[int]] = {}
         self._vocabulary: llguidance.LLTokenizer | None = None
         # by spec: its grammar and a matcher at its start, which each request's copies
         self._compiled: collections.OrderedDict[
@@ -198,6 +204,28 @@ class Grammars:
 
     def remove(self, uid: int) -> None:
         self.matchers.pop(uid, None)
+        self._masked_runs.pop(uid, None)
+
+    def checks_first(self, uid: int) -> bool:
+        """Whether `uid`'s next greedy token is drawn unmasked and checked after (`allows`),
+        rather than masked first: yes unless a refusal (`note_check`) asked for masked
+        passes that remain; each call counts one pass."""
+        run = self._masked_runs.get(uid)
+        if run is None or run[0] == 0:
+            return True
+        run[0] -= 1
+        self.stats["grammar_tokens_masked_first"] += 1
+        return False
+
+    def note_check(self, uid: int, allowed: bool) -> None:
+        """A checked token's verdict: an allowed one ends `uid`'s masked runs; a refused one
+        starts a run twice as long as its last (1 at first, at most `MASKED_FIRST_MAX`)."""
+        if allowed:
+            self._masked_runs.pop(uid, None)
+            return
+        last = self._masked_runs.get(uid, [0, 0])[1]
+        length = min(MASKED_FIRST_MAX, max(1, 2 * last))  # 0: every token checked first
+        self._masked_runs[uid] = [length, length]
 
     def advance(self, uid: int, tokens: Sequence[int]) -> Progress:
         """`uid`'s matcher past its newly committed `tokens`."""

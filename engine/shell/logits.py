@@ -111,13 +111,18 @@ class LogitsWork:
         their grammar after (`recheck`): those of greedy constrained requests that asked for
         no logprobs. The first index of a row's maximum is the same with and without its
         mask whenever the grammar allows that token (the mask only sets other tokens to
-        -inf), so a row needs its mask only when its grammar refuses the unmasked token."""
+        -inf), so a row needs its mask only when its grammar refuses the unmasked token.
+        A request whose grammar refused its last checked token is masked first for a while
+        (`Grammars.checks_first`)."""
         if not self.grammars:
             return []
         return [
             row
             for row, uid in enumerate(uids)
-            if uid in self.grammars and uid not in asked and self.requests[uid].params.greedy
+            if uid in self.grammars
+            and uid not in asked
+            and self.requests[uid].params.greedy
+            and self.grammars.checks_first(uid)
         ]
 
     @staticmethod
@@ -144,9 +149,12 @@ class LogitsWork:
             return tokens
         stats = self.grammars.stats
         stats["grammar_tokens_checked"] += len(rows)
-        refused = [
-            i for i, r in enumerate(rows) if not self.grammars.allows(uids[r], int(tokens[r]))
-        ]
+        refused = []
+        for i, row in enumerate(rows):
+            allowed = self.grammars.allows(uids[row], int(tokens[row]))
+            self.grammars.note_check(uids[row], allowed)
+            if not allowed:
+                refused.append(i)
         if not refused:
             return tokens
         stats["grammar_tokens_redrawn"] += len(refused)

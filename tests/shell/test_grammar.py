@@ -287,3 +287,27 @@ def test_allows_checks_a_token_without_moving_the_matcher() -> None:
     assert book.allows(4, EOS) and book.allows(4, ord("3")) and not book.allows(4, ord("a"))
     assert book.advance(3, ids("acd")) is Progress.COMPLETE
     assert book.allows(3, EOS) and not book.allows(3, ord("a"))  # complete: only EOS
+
+
+def test_a_refused_check_starts_masked_runs_that_double_and_an_allowed_one_ends_them() -> None:
+    book = grammars()
+    book.add(4, StructuredOutputs(regex="[0-9]+"))
+
+    def pattern(passes: int) -> str:  # "c": checked first, "m": masked first
+        return "".join("c" if book.checks_first(4) else "m" for _ in range(passes))
+
+    assert pattern(3) == "ccc"  # nothing refused yet
+    for expected in ("mc", "mmc", "mmmmc"):
+        book.note_check(4, allowed=False)
+        assert pattern(len(expected)) == expected
+    book.note_check(4, allowed=True)  # an allowed token ends the runs
+    assert pattern(2) == "cc"
+    book.note_check(4, allowed=False)
+    assert pattern(2) == "mc"  # a new run starts from one
+    for _ in range(10):  # runs stop growing at MASKED_FIRST_MAX
+        book.note_check(4, allowed=False)
+    assert pattern(65) == "m" * 64 + "c"
+    assert book.stats["grammar_tokens_masked_first"] == 1 + 2 + 4 + 1 + 64
+    book.note_check(4, allowed=False)
+    book.remove(4)  # a finished request leaves nothing behind
+    assert book._masked_runs == {}

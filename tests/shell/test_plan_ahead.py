@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.shell import grammar
 from engine.shell.engine import Engine
 from engine.shell.graphs import GraphRunner
 from engine.shell.logits import Sampled
@@ -381,11 +382,12 @@ def test_launch_ahead_draws_what_sampling_after_the_tokens_draws(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_launch_ahead_drops_the_pass_a_refused_token_fed(backend):
+def test_launch_ahead_drops_the_pass_a_refused_token_fed(backend, monkeypatch):
     """Greedy rows under a grammar go unmasked and are checked once read; a pass launched
     ahead took the unmasked tokens as its input ids, so a refused one (drawn again under its
     mask) drops it: the same tokens as planning nothing ahead, where every check passed
-    before the next launch."""
+    before the next launch. (Every token checked first: no masked runs after a refusal.)"""
+    monkeypatch.setattr(grammar, "MASKED_FIRST_MAX", 0)
     pattern = r"[ -~]{6,24}"  # printable ASCII: some of what the tiny model draws, not all
     prompts = [[5 + i, 6, 7 * i % 200] for i in range(4)]
     params = [SamplingParams(max_tokens=20, structured_outputs={"regex": pattern})] * 3
@@ -413,10 +415,11 @@ def _on_one_output_buffer(engine: Engine) -> None:
     engine.runner.launch = launch
 
 
-def test_a_refused_token_is_drawn_again_from_its_own_pass_logits():
+def test_a_refused_token_is_drawn_again_from_its_own_pass_logits(monkeypatch):
     """With the logits in one buffer (a graph's output), the pass launched ahead writes over
     the running pass's before its tokens are checked: a refused token is drawn again from the
     copy of its row kept at launch, the same tokens as planning nothing ahead."""
+    monkeypatch.setattr(grammar, "MASKED_FIRST_MAX", 0)  # every token checked first
     pattern = r"[ -~]{6,24}"
     prompts = [[5 + i, 6, 7 * i % 200] for i in range(3)]
     params = [SamplingParams(max_tokens=20, structured_outputs={"regex": pattern})] * 3

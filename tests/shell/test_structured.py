@@ -17,6 +17,7 @@ from engine_checks import settled
 
 from engine import SamplingParams
 from engine.errors import InvalidRequest
+from engine.shell import grammar
 from engine.shell.engine import Engine
 
 ANIMAL = {
@@ -208,10 +209,14 @@ def test_random_weights_constrain_token_ids_as_bytes(assert_all_free) -> None:
     assert_all_free(engine)
 
 
-def test_greedy_rows_are_masked_only_where_their_grammar_refuses_the_models_token() -> None:
+def test_greedy_rows_are_masked_only_where_their_grammar_refuses_the_models_token(
+    monkeypatch,
+) -> None:
     """A greedy constrained row draws its token without its mask and is masked only if its
     grammar refuses that token: the same tokens as masking first (a request that asks for
-    logprobs is masked first), with a mask computed only for the refused tokens."""
+    logprobs is masked first), with a mask computed only for the refused tokens (every token
+    checked first: no masked runs after a refusal)."""
+    monkeypatch.setattr(grammar, "MASKED_FIRST_MAX", 0)
     settings = dict(random_weights="tiny", device="cpu", dtype="float32", max_context=64)
     pattern = r"[ -~]{6,10}"  # printable ASCII: some of what the model draws, not all
     prompts = [[5 + i, 6, 7 * i % 200] for i in range(6)]
@@ -247,17 +252,23 @@ def test_a_greedy_copy_under_a_schema_needs_few_masks(engines: dict[str, Engine]
     jsonschema.validate(json.loads(out.text), ANIMAL)
     masks = engine.stats["grammar_masks"] - before.get("grammar_masks", 0)
     checked = engine.stats["grammar_tokens_checked"] - before.get("grammar_tokens_checked", 0)
-    assert checked == len(out.token_ids)
+    first = engine.stats["grammar_tokens_masked_first"] - before.get(
+        "grammar_tokens_masked_first", 0
+    )
+    assert checked + first == len(out.token_ids) and first < checked / 4
     assert masks < checked / 2  # the model copies what the schema allows
 
 
 @pytest.mark.parametrize(
     "pattern", [r"(red|green)-[0-9]{2}( (red|green)-[0-9]{2}){2,6}\.", r"[ -~]{6,40}"]
 )
-def test_a_greedy_verify_masks_only_the_refused_tokens_of_its_paths(pattern: str) -> None:
+def test_a_greedy_verify_masks_only_the_refused_tokens_of_its_paths(
+    pattern: str, monkeypatch
+) -> None:
     """All greedy, a verify pass checks the argmax along each tree's accepted path against
     its grammar and masks only the nodes that refuse theirs: the same tokens as without
-    speculation (where every token is the masked argmax)."""
+    speculation (where every token is the masked argmax; every decode checked first)."""
+    monkeypatch.setattr(grammar, "MASKED_FIRST_MAX", 0)
     settings = dict(random_weights="tiny", device="cpu", dtype="float32", max_context=256)
     prompt = list(b"red-12 green-34 red-12 green-34 red-12 green-34 red-12 green-")
     prompts = [prompt, prompt[3:], prompt[7:], list(b"abcabcabcabcabcabc")]
@@ -273,3 +284,26 @@ def test_a_greedy_verify_masks_only_the_refused_tokens_of_its_paths(pattern: str
         assert stats["grammar_tokens_redrawn"] < stats["grammar_tokens_checked"]
     assert stats["grammar_masks"] == stats["grammar_tokens_redrawn"]  # no tree masked whole
     settled(engine)
+
+
+def test_a_row_its_grammar_keeps_refusing_is_masked_first_in_growing_runs() -> None:
+    """The tiny model almost never draws a digit: after each refused check its row is masked
+    first for 1, 2, 4, ... passes, so few tokens are checked (and drawn twice), and the
+    tokens are those of masking every one first (a request with logprobs)."""
+    settings = dict(random_weights="tiny", device="cpu", dtype="float32", max_context=64)
+    prompts = [[5 + i, 6, 7 * i % 200] for i in range(3)]
+    engines, outputs = {}, {}
+    for logprobs in (None, 0):
+        engines[logprobs] = engine = Engine(**settings)
+        params = SamplingParams(
+            max_tokens=40, logprobs=logprobs, structured_outputs={"regex": "[0-9]{30}"}
+        )
+        outputs[logprobs] = [o.token_ids for o in engine.generate(prompts, params)]
+        settled(engine)
+    assert outputs[None] == outputs[0]
+    assert engines[0].stats["grammar_tokens_checked"] == 0  # logprobs: masked first
+    stats = engines[None].stats
+    tokens = stats["generated_tokens"]
+    runs = 6  # per request: checks before runs of 1, 2, 4, 8, 16 masked passes, and one more
+    assert stats["grammar_tokens_checked"] + stats["grammar_tokens_masked_first"] == tokens
+    assert 0 < stats["grammar_tokens_redrawn"] <= stats["grammar_tokens_checked"] <= 3 * runs
