@@ -5,10 +5,13 @@ unconstrained requests emit the same tokens and only the host work differs.
 
     python benchmarks/bench_structured_host.py [--clients 1,4,16] [--requests 4] [--profile]
         [--speculative]
+    python benchmarks/bench_structured_host.py --server [--clients 1,4,16] [--requests 4]
 
 Prints, for each number of clients, unconstrained then JSON-schema constrained: output tok/s,
 host ms per decode step, passes by mode, plans ahead used/dropped; with --profile, the top of
-a cProfile of the constrained run's steps.
+a cProfile of the constrained run's steps. With --server the same engine serves HTTP in a
+process of its own and `bench_server.py`'s JSON-schema comparison drives it (streamed chat
+requests, as on a GPU): the server's and the engine loop's host work together.
 """
 
 from __future__ import annotations
@@ -16,18 +19,30 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import json
+import os
 import pstats
+import re
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_server import compact, copy_document, json_task  # noqa: E402
+from bench_server import (  # noqa: E402
+    compact,
+    compare_structured,
+    copy_document,
+    json_task,
+)
 
+from engine.server.app import create_app, make_server  # noqa: E402
 from engine.shell.engine import Engine  # noqa: E402
 from engine.shell.runner import Prepared  # noqa: E402
 from engine.state import SamplingParams  # noqa: E402
@@ -75,6 +90,61 @@ class CopyRunner:
 
     def forward(self, batch) -> torch.Tensor:
         return self.launch(self.prepare(batch), batch)
+
+
+class PromptCopyRunner(CopyRunner):
+    """A `CopyRunner` whose targets come from the prompts: each request's own "copy" task
+    (`json_task`) as `bench_server.py` sends it, the document with its id changed."""
+
+    ASK = re.compile(r"with id set to (\d+):\n(\{.*\})", re.DOTALL)
+
+    def _pick(self, uid: int, ahead: int = 0) -> int:
+        if uid not in self.targets:
+            prompt = self.engine.tokenizer.decode(list(self.engine.requests[uid].prompt_ids))
+            found = self.ASK.search(prompt)
+            if found is None:
+                raise ValueError(f"not a copy request: {prompt[-200:]!r}")
+            document = json.loads(found.group(2)) | {"id": int(found.group(1))}
+            self.targets[uid] = self.engine.tokenizer.encode(compact(document))
+        return super()._pick(uid, ahead)
+
+
+def serve_copy(port: int) -> None:
+    """Serve the default model's tokenizer and engine, its forward a `PromptCopyRunner`."""
+    engine = Engine(device="cpu", dtype="float32", max_running_requests=32)
+    engine.runner = engine.ahead.runner = PromptCopyRunner(engine, {})
+    make_server(create_app(engine), "127.0.0.1", port, "warning").run()
+
+
+def server_main(args: argparse.Namespace) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, __file__, "--serve-copy", str(port)]
+    process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline_s = time.monotonic() + 300
+        while time.monotonic() < deadline_s and process.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        options = argparse.Namespace(
+            concurrency=args.clients,
+            requests_per_client=args.requests,
+            max_tokens=args.max_tokens,
+            workload="copy",
+            speculative=False,
+            device="cpu, a forward that costs nothing",
+            server_args="",
+        )
+        compare_structured(url, model, options)
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def run(engine: Engine, clients: int, requests: int, constrained: bool, max_tokens: int):
@@ -134,7 +204,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="best of")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--speculative", action="store_true")
+    parser.add_argument("--server", action="store_true", help="through the HTTP server")
+    parser.add_argument("--serve-copy", type=int, help=argparse.SUPPRESS)  # its process
     args = parser.parse_args()
+    if args.serve_copy:
+        serve_copy(args.serve_copy)
+        return
+    if args.server:
+        server_main(args)
+        return
     engine = Engine(
         device="cpu", dtype="float32", max_running_requests=32, speculative=args.speculative
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 from engine.shell.distributed import WorkerFailed
@@ -24,25 +25,74 @@ class QueueFull(Exception):
         self.max_waiting = max_waiting
 
 
+class _LoopPost:
+    """Deltas on their way from the engine thread to one event loop's queues. The first of a
+    burst (a step emits one delta per request) wakes the loop; the others join it before the
+    loop runs the hand-over, so a step with many streams costs one wake-up, not one each (each
+    is a write to the loop's socket). Each queue gets its deltas in the order they were put."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # not kept alive by its entry in `_posts`
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[Delta], Delta]] = []
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue[Delta], delta: Delta) -> None:
+        with self._lock:
+            self._pending.append((queue, delta))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._hand_over)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is left to read
+            if loop is not None and not loop.is_closed():
+                raise
+            with self._lock:
+                self._pending.clear()
+                self._scheduled = False
+
+    def _hand_over(self) -> None:  # on the event loop
+        with self._lock:
+            pending, self._pending, self._scheduled = self._pending, [], False
+        for queue, delta in pending:
+            queue.put_nowait(delta)
+
+
+_posts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPost] = (
+    weakref.WeakKeyDictionary()
+)
+_posts_lock = threading.Lock()
+
+
+def _post_for(loop: asyncio.AbstractEventLoop) -> _LoopPost:
+    with _posts_lock:
+        post = _posts.get(loop)
+        if post is None:
+            post = _posts[loop] = _LoopPost(loop)
+        return post
+
+
 class _AsyncSink:
-    """A sink the engine thread puts deltas into; they arrive on the event loop's queue.
-    `on_final(sink)` is called (in the engine thread) when the final delta is put."""
+    """A sink the engine thread puts deltas into; they arrive on the event loop's queue
+    (through its `_LoopPost`). `on_final(sink)` is called (in the engine thread) when the
+    final delta is put."""
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, on_final: Callable[[_AsyncSink], None]
     ) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._post = _post_for(loop)
         self._on_final = on_final
 
     def put(self, delta: Delta) -> None:
         if delta.finish_reason is not None:
             self._on_final(self)
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is left to read
-            if not self.loop.is_closed():
-                raise
+        self._post.put(self.queue, delta)
 
 
 class AsyncEngine:

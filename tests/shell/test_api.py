@@ -127,3 +127,41 @@ def test_when_ending_the_requests_fails_too_their_streams_still_close():
         aengine.stop()
     assert out.finish_reason == "error" and "broken" in out.error
     assert not aengine.running and not aengine.healthy
+
+
+def test_a_step_of_many_streams_wakes_the_event_loop_once_and_keeps_each_streams_order():
+    """Each step puts one delta per stream from the engine thread: they reach the event loop
+    in one hand-over (one wake-up of its socket, not one per delta), every stream's deltas
+    in order and none lost."""
+    engine = _engine()
+    aengine = AsyncEngine(engine)  # stepped by hand below, on this thread
+    wakeups = []
+
+    async def main() -> list[list]:
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(callback, *args):
+            wakeups.append(callback)
+            return real(callback, *args)
+
+        loop.call_soon_threadsafe = counting
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        streams = [aengine.stream([5, 6, 7 + i], params) for i in range(8)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]  # submitted
+        await asyncio.sleep(0)
+        while engine.has_work:  # each step's deltas are put before the loop runs again
+            before = len(wakeups)
+            engine.step()
+            assert len(wakeups) - before <= 1
+        received = [[(await first)] for first in firsts]
+        for stream, deltas in zip(streams, received, strict=True):
+            async for delta in stream:
+                deltas.append(delta)
+        return received
+
+    received = asyncio.run(main())
+    for deltas in received:
+        assert sum(len(d.token_ids) for d in deltas) == 6
+        assert deltas[-1].finish_reason == "length"
+    assert 0 < len(wakeups) < sum(len(d) for d in received)
