@@ -152,7 +152,8 @@ def annotate_phases(engine: Engine) -> None:
 def profile_steps(engine: Engine, prompts: list, params: SamplingParams, max_steps: int) -> str:
     """Admit `prompts`, step until every one is decoding (prefill not profiled), then profile
     up to `max_steps` steps."""
-    requests = [engine.submit(p, params) for p in prompts]
+    for prompt in prompts:
+        engine.submit(prompt, params)
     while engine.has_work and (
         engine.waiting or not engine.step_times or engine.step_times[-1][0] == "extend"
     ):
@@ -178,7 +179,6 @@ def profile_steps(engine: Engine, prompts: list, params: SamplingParams, max_ste
         prof.export_chrome_trace(path)
         with open(path) as handle:
             trace = json.load(handle)
-    del requests
     return summarise(trace, modes)
 
 
