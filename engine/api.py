@@ -84,7 +84,6 @@ class _AsyncSink:
     def __init__(
         self, loop: asyncio.AbstractEventLoop, on_final: Callable[[_AsyncSink], None]
     ) -> None:
-        self.loop = loop
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._post = _post_for(loop)
         self._on_final = on_final

@@ -21,7 +21,6 @@ from engine.backends.triton_extend import online_softmax_step
 # (`bench_attention.py --split-grid`: 46 shapes, policy within 1.03x of the best power of two).
 PROGRAMS_PER_SM = 4  # programs an SM needs resident to stream at its share of the bandwidth
 MIN_KEYS_PER_SPLIT = 128  # two key blocks; one block only while the programs leave SMs idle
-MERGE_COST_BLOCKS = 4.0  # what splitting at all costs (the merge), in key blocks of one SM
 MAX_SPLITS = 64
 # Measured on an H200 (docs/benchmarks.md). PDL: launch the merge programmatically (Hopper)
 # so it waits on the GPU instead of on a launch; measured no faster, so off.
@@ -57,8 +56,8 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_
       add their fixed costs and a larger merge.
     - Minimum keys: a split keeps MIN_KEYS_PER_SPLIT keys (two blocks); one block only while
       the programs at two blocks would not cover every SM once. At most MAX_SPLITS.
-    - Merge: with s splits the busiest SM streams 1/s of the keys it would alone; split only
-      if that gain exceeds MERGE_COST_BLOCKS.
+    - Short contexts: at most MIN_KEYS_PER_SPLIT keys are one split (what a merge would save
+      is less than it costs).
 
     Monotone: never more splits for more requests or kv heads, never fewer for longer
     contexts. Cached: a plan asks once per pass."""
@@ -68,16 +67,16 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_
             f"max_seq_len={max_seq_len}, num_sms={num_sms}): the batch and the length must "
             "be at least 0, the heads and the SMs at least 1"
         )
+    if max_seq_len <= MIN_KEYS_PER_SPLIT:
+        return 1
     programs = max(batch_size, 1) * num_kv_heads
     wave = PROGRAMS_PER_SM * num_sms / programs  # splits that make one full wave
     wanted = 1 << max(0, round(math.log2(wave))) if wave >= 1 else 1
     block = DECODE_CONFIG["BLOCK_N"]
     longest = _pow2_floor(max_seq_len / MIN_KEYS_PER_SPLIT)
-    if programs * longest < num_sms or max_seq_len < MIN_KEYS_PER_SPLIT:
+    if programs * longest < num_sms:
         longest = _pow2_floor(max_seq_len / block)  # one block a split: SMs would idle
-    splits = min(wanted, longest, MAX_SPLITS)
-    gain = PROGRAMS_PER_SM * (max_seq_len / block) * (1 - 1 / splits)
-    return splits if gain > MERGE_COST_BLOCKS else 1
+    return min(wanted, longest, MAX_SPLITS)
 
 
 @functools.cache

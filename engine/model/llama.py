@@ -222,7 +222,8 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.shard is None:
             return linear(hidden, self.lm_head).float()
-        return parallel.gather_vocab(linear(hidden, self.lm_head).float(), self.shard)
+        # gathered in the model's dtype (half the bytes of fp32; the cast after is exact)
+        return parallel.gather_vocab(linear(hidden, self.lm_head), self.shard).float()
 
     def use_block_weights(self, weights: dict[str, BlockWeight]) -> None:
         """Replace matrix weights (by parameter name: 'layers.0.qkv_proj', 'lm_head') with

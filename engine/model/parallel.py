@@ -164,7 +164,8 @@ def embed(ids: torch.Tensor, table: torch.Tensor, plan: ShardPlan) -> torch.Tens
 def gather_vocab(logits: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     """The whole vocabulary's logits [T, vocab] on every rank from each rank's columns (the
     last rank's part padded to `vocab_per_rank`)."""
-    padded = torch.nn.functional.pad(logits, (0, plan.vocab_per_rank - logits.shape[1]))
+    short = plan.vocab_per_rank - logits.shape[1]  # only the last rank's part may be short
+    padded = torch.nn.functional.pad(logits, (0, short)) if short else logits
     rows = padded.shape[0]
     parts = torch.empty(
         (plan.world * rows, padded.shape[1]), dtype=padded.dtype, device=padded.device

@@ -1,4 +1,5 @@
-"""A Triton matrix-vector kernel for the linear layers of batch-1 decode.
+"""A Triton matrix-vector kernel for the linear layers of batch-1 decode (and of fp32 passes
+of a few rows: a small model's verify pass).
 
 At batch 1 a decode step's projections are matrix-vector products: all the time is spent
 streaming the weight matrix once. cuBLAS picks split-K GEMM tiles for the narrower of them
@@ -23,8 +24,9 @@ MAX_ROWS = 16  # x rows the kernel accepts (a verify pass of a 12-draft tree has
 LINEAR_ROWS = 1
 MAX_WEIGHT_ELEMENTS = 32 * 2**20
 # float32 products of 2..MAX_ROWS rows (a verify pass: 13) go to the kernel too: cuBLAS runs
-# them on SIMT tiles with a split-K reduce (H200, SmolLM2-135M's shapes: 5.9 us a product,
-# 1.35 ms of a 1.9 ms verify pass; bench_gemv.py --shapes smollm2_135m --dtype float32).
+# them on SIMT tiles with a split-K reduce, about half of a verify pass's device time on the
+# H200 at SmolLM2-135M's shapes (`benchmarks/profile_steps.py spec`; the kernel's own speed
+# there: `bench_gemv.py --shapes smollm2_135m --dtype float32`, not yet measured).
 # ROWS_CONFIG: every row of x against each weight tile loaded once.
 ROWS_CONFIG = dict(BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=3, all_rows=True)
 

@@ -24,14 +24,8 @@ def hermes_template(tokenizer: Any) -> bool:
     """Whether the model's chat template asks for Hermes-style `<tool_call>` blocks that
     reach the output text (a tag that is a special token is dropped from it)."""
     hf = getattr(tokenizer, "hf", None)
-    template = getattr(hf, "chat_template", None) or ""
     specials = getattr(hf, "all_special_tokens", ())
-    return (
-        isinstance(template, str)
-        and "tools" in template
-        and OPEN in template
-        and not {OPEN, CLOSE} & set(specials)
-    )
+    return takes_tools(tokenizer) and OPEN in hf.chat_template and not {OPEN, CLOSE} & set(specials)
 
 
 def reader_for(body: Any, tokenizer: Any) -> ToolCalls | HermesToolParser:

@@ -4,8 +4,9 @@ Rank 0 owns the state: each step it sends the pass's message (a `Batch` is immut
 natural message) to the other ranks, which run the same forward on their shard of the model;
 the collectives inside the forward (all-reduce, gather) meet on every rank. Workers are
 processes spawned by rank 0 on one machine (`torch.multiprocessing`, gloo on CPUs, NCCL on
-GPUs). A worker that dies or stops answering fails rank 0 with `WorkerFailed` naming it, within
-`timeout_s`: never a silent hang.
+GPUs), or started by a launcher (torchrun), which then receive what to build as their first
+message. A spawned worker that dies or stops answering fails rank 0 with `WorkerFailed` naming
+it, within `timeout_s`: never a silent hang (a launched one is not named: rank -1).
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def _serve(rank: int, group: GroupConfig, control: Any, handle: Handler, progres
 
 
 class Workers:
-    """Rank 0's side: ranks 1..world_size-1 as spawned processes, each running `setup(rank)`
+    """Rank 0's side: ranks 1..world_size-1 as spawned (or launched) processes, each running
+    `setup(rank)`
     and then the handler it returns on every message rank 0 `send`s. Rank 0 joins the group
     itself (`start`) and must `stop` them (also on error: no orphaned process)."""
 
@@ -188,8 +190,9 @@ class Workers:
         self._control: Any = None  # the messages' group (`GroupConfig.join`)
 
     def start(self) -> None:
-        """Spawn the workers, wait until each has started (a fresh process imports torch: on
-        a busy machine that outlasts the collectives' timeout), join the group as rank 0, and
+        """Spawn the workers (launched ones are sent `setup`), wait until each has started (a
+        fresh process imports torch: on a busy machine that outlasts the collectives'
+        timeout), join the group as rank 0, and
         wait until each worker has built its part (`setup`), so that the first collective
         does not wait on a worker's loading."""
         if self.group.world_size == 1:
@@ -199,7 +202,13 @@ class Workers:
             self._control = self.group.join(0)
             atexit.register(self.stop)  # the workers stop when this process ends
             self.send(self._setup)
-            dist.barrier(group=self._control)  # until every worker has built its part
+            # until every worker has built its part, within the startup timeout (the group's
+            # own timeout is the messages' wait for the next step: long)
+            built = dist.barrier(group=self._control, async_op=True)
+            try:
+                built.wait(timeout=datetime.timedelta(seconds=self._startup_timeout_s))
+            except RuntimeError as error:
+                raise WorkerFailed(-1, f"a launched rank did not build its part: {error}") from None
             return
         context = mp.get_context("spawn")
         ready = context.SimpleQueue()

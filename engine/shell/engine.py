@@ -411,7 +411,7 @@ class Engine:
                 target = self.grammars.verify_paths(trees, uids, argmax, logits)
                 outcome = self.spec.verify(batch, params, target)
             else:
-                masked = self.logits.constrain_tree(logits, trees, uids, masks)
+                masked = self.logits.constrain_tree(logits, masks)
                 outcome = self.spec.verify(batch, params, masked)
             pending = self.logits.tree_logprobs(
                 logits,
@@ -451,28 +451,34 @@ class Engine:
                 during()
             # host work while the device runs this pass (and a pool thread fills its masks);
             # a pass with masks is sampled after it
-            self._prepare_next(open_pass, launched)
+            launched = self._prepare_next(open_pass, launched)
             sampled = self._tokens(launched)
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
         return "decode"
 
     # --- planning the next decode pass while this one runs ----------------------------------
-    def _prepare_next(self, open_pass: OpenPass, launched: Launched | None = None) -> None:
+    def _prepare_next(self, open_pass: OpenPass, launched: Launched) -> Launched:
         """Plan the decode pass after `open_pass`'s while it runs (`PlanAhead`), unless the
         next step will change the batch anyway; its table writes are then applied early. With
         speculation, the pass is a step where nothing was drafted; the next one is most often
         the same (the plan is used), and a verify pass instead drops the plan. With
         `launch_ahead` (and `launched`, this pass sampled on the device) the planned pass is
-        launched at once, its input ids copied on the device (`_launches_ahead`)."""
+        launched at once, its input ids copied on the device (`_launches_ahead`). Returns
+        `launched`, with its checked rows' logits copied where a pass was launched ahead
+        (it may write over them before they are checked: a CUDA graph's output buffer is
+        every replay's)."""
         if not self.config.plan_ahead or not self.inbox.empty or self._admissible():
-            return  # the next step changes the batch: a plan would be dropped
+            return launched  # the next step changes the batch: a plan would be dropped
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
-        sampled = None if launched is None else launched.sampled  # None: masks to wait for
+        sampled = launched.sampled  # None: masks to wait for
         if open_pass.table_written and sampled is not None and self._launches_ahead(open_pass):
+            kept = self.logits.keep_checked(launched.logits, launched.checked)
+            launched = attrs.evolve(launched, checked_logits=kept)
             # its rows sample one token further on (the seeds' step counts)
             self.ahead.launch(lambda p: self._launch(p.batch, p, sampled.tokens, ahead=True))
+        return launched
 
     def _launches_ahead(self, open_pass: OpenPass) -> bool:
         """Whether the next pass may be launched before this one's tokens are read: the host
@@ -548,15 +554,7 @@ class Engine:
         checked = self.logits.checked_rows(uids, outputs.logprob_uids)
         masks = self.logits.start(uids, checked)  # after the launch: filled as the device runs
         logits = self.logits.edit(forward, uids, outputs.edited_uids)
-        launched = Launched(
-            logits,
-            uids,
-            inputs,
-            masks,
-            checked=checked,
-            # the next pass, launched before these are checked, may write over `logits`
-            checked_logits=self.logits.keep_checked(logits, checked) if self.launch_ahead else None,
-        )
+        launched = Launched(logits, uids, inputs, masks, checked=checked)
         if masks is None:
             return attrs.evolve(launched, sampled=self._sample(launched))
         return launched
@@ -566,7 +564,7 @@ class Engine:
         if launched.sampled is not None:
             return launched.sampled
         logits, uids = launched.logits, launched.uids
-        masked = self.logits.constrain(logits, uids, launched.masks, launched.checked)
+        masked = self.logits.constrain(logits, uids, launched.masks)
         tokens = self.runtime.sample(masked, launched.inputs)
         return Sampled.copying(
             tokens, self.logits.logprobs(logits, tokens, uids, self.outputs.logprob_uids)

@@ -90,10 +90,13 @@ class Grammars:
     requests in flight, by uid (the loop's thread). `stats` counts the masks computed
     (`grammar_masks`), the host time they took (`grammar_mask_seconds`), the part of it the
     loop waited for (`grammar_mask_wait_seconds`: with a GPU, what the pass's forward did
-    not hide) and the drafts cut before verify (`grammar_drafts_cut`). `parallel`: a pass's
-    masks are filled off the loop's thread, by llguidance's pool (which releases the GIL),
-    while the loop goes on (with a GPU, the device runs the pass meanwhile; on a CPU the
-    cores run the model, and a pool's threads would wait behind it)."""
+    not hide), the drafts cut before verify (`grammar_drafts_cut`), and the greedy tokens
+    checked, drawn again and masked first (`grammar_tokens_checked`, `_redrawn`,
+    `_masked_first`). `parallel`: a pass's masks are filled off the loop's thread (by
+    llguidance's pool or row by row, whichever measured faster; on the loop's thread when
+    they take less than a hand-off, `HANDOFF_SECONDS`) while the loop goes on (with a GPU,
+    the device runs the pass meanwhile; on a CPU the cores run the model, and a pool's
+    threads would wait behind it)."""
 
     def __init__(
         self,
@@ -325,7 +328,8 @@ class Grammars:
     def start(self, uids: Sequence[int], skip: Collection[int] = ()) -> PendingMasks | None:
         """Start filling a pass's masks (one row per uid, as `masks`; the rows in `skip`
         allow every token), None when no other uid is constrained. With `parallel` they are
-        filled off this thread and this returns at once: the caller launches the pass's
+        filled off this thread (unless a hand-off costs more) and this returns at once: the
+        caller launches the pass's
         forward first, starts its masks, does its other host work, then applies them
         (`PendingMasks.apply`) in sampling."""
         rows = [
@@ -432,7 +436,7 @@ class Grammars:
 
     def start_tree(self, trees: DraftTrees, uids: Sequence[int]) -> PendingMasks | None:
         """Fill a verify pass's tree masks (as `tree_masks`) on this thread, after the
-        pass's launch: the loop has nothing else to do before it verifies. A tree that is
+        pass's launch (the loop's other work before it verifies is short). A tree that is
         one path (most drafts) is filled by llguidance's pool with the others
         (`fill_next_token_bitmask_par_with_draft_tokens`) where `parallel` and the pool has
         measured faster; a branching one, or any otherwise, by a walk of it."""

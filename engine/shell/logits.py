@@ -57,7 +57,8 @@ class Sampled:
 class Launched:
     """A launched pass before its sampling: its logits (edited) on the device, the uid of
     each row, its sampling inputs (None: all greedy), its grammar masks being filled (None:
-    none constrained), and its tokens where it was sampled at once (no masks to wait for)."""
+    no row masked: none constrained, or each drawn unmasked and checked after), and its
+    tokens where it was sampled at once (no masks to wait for)."""
 
     logits: torch.Tensor
     uids: list[int]
@@ -65,8 +66,8 @@ class Launched:
     masks: PendingMasks | None = None
     sampled: Sampled | None = None
     checked: list[int] = attrs.Factory(list)  # rows drawn unmasked, checked after (`recheck`)
-    # the checked rows' logits, copied at the launch where a pass launched ahead may write
-    # over `logits` before they are checked (a CUDA graph's output buffer is every replay's)
+    # the checked rows' logits, copied before a pass launched ahead may write over `logits`
+    # (a CUDA graph's output buffer is every replay's; `Engine._prepare_next`)
     checked_logits: torch.Tensor | None = None
 
 
@@ -142,9 +143,9 @@ class LogitsWork:
     ) -> np.ndarray:
         """`tokens` (one per logits row, on the host) with each of `rows` (`checked_rows`)
         that its grammar refuses drawn again greedily under its mask; the same array when
-        every one is allowed. `kept`: the rows' logits copied at launch (`keep_checked`),
-        read in place of `logits`. Counts the tokens checked (`grammar_tokens_checked`) and
-        those drawn again (`grammar_tokens_redrawn`)."""
+        every one is allowed. `kept`: the rows' logits copied before a pass was launched
+        ahead (`keep_checked`), read in place of `logits`. Counts the tokens checked
+        (`grammar_tokens_checked`) and those drawn again (`grammar_tokens_redrawn`)."""
         if not rows:
             return tokens
         stats = self.grammars.stats
@@ -173,32 +174,19 @@ class LogitsWork:
         """Start a verify pass's masks, one per tree node (`Grammars.start_tree`)."""
         return self.grammars.start_tree(trees, uids) if self.grammars else None
 
+    @staticmethod
     def constrain(
-        self,
-        logits: torch.Tensor,
-        uids: Sequence[int],
-        masks: PendingMasks | None = None,
-        skip: Sequence[int] = (),
+        logits: torch.Tensor, uids: Sequence[int], masks: PendingMasks | None
     ) -> torch.Tensor:
         """`logits` (one row per uid) with the tokens each constrained request's grammar
-        does not allow next at -inf (`masks`, from `start`; started now, without the rows in
-        `skip`, when not given); the same tensor when none is masked."""
-        if masks is None:
-            masks = self.start(uids, skip)
+        does not allow next at -inf (`masks`, from `start`: None when no row is masked);
+        the same tensor when none is masked."""
         return logits if masks is None else masks.apply(logits)
 
-    def constrain_tree(
-        self,
-        logits: torch.Tensor,
-        trees: DraftTrees,
-        uids: Sequence[int],
-        masks: PendingMasks | None = None,
-    ) -> torch.Tensor:
-        """A verify pass's logits (one row per tree node) with each node's mask: its
-        request's grammar after the drafts on the path down to it (`masks`, from
-        `start_tree`; started now when not given)."""
-        if masks is None:
-            masks = self.start_tree(trees, uids)
+    @staticmethod
+    def constrain_tree(logits: torch.Tensor, masks: PendingMasks | None) -> torch.Tensor:
+        """A verify pass's logits (one row per tree node) with each node's mask applied
+        (`masks`, from `start_tree`: None when no node is masked)."""
         return logits if masks is None else masks.apply(logits)
 
     def edit(self, logits: torch.Tensor, uids: Sequence[int], edited: set[int]) -> torch.Tensor:

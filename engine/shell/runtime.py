@@ -103,7 +103,7 @@ class Runtime:
         return (self.config.random_seed * 1_000_003 + uid) % (2**63)
 
 
-def _device(name: str, rank: int = 0, world: int = 1) -> torch.device:
+def rank_device(name: str, rank: int = 0, world: int = 1) -> torch.device:
     """The device of `rank` (of `world` tensor-parallel ranks: rank r on cuda:r of its
     machine, `LOCAL_RANK` under torchrun)."""
     if name == "auto":
@@ -128,7 +128,7 @@ def build_runtime(config: EngineConfig, rank: int = 0) -> Runtime:
     rank's part of it (rank 0 also loads the tokenizer)."""
     world = config.tensor_parallel_size
     shard = None if world == 1 else (rank, world)
-    device = _device(config.device, rank, world)
+    device = rank_device(config.device, rank, world)
     dtype = (
         _DTYPES[config.dtype]
         if config.dtype != "auto"
@@ -168,6 +168,8 @@ def build_runtime(config: EngineConfig, rank: int = 0) -> Runtime:
         model = LlamaModel(model_config, dtype, device).init_random(config.random_seed)
         if shard is not None:  # the weights of one rank equal the same part of the whole
             model = shard_of(model, *shard)
+            if device.type == "cuda":  # the whole model's memory back, before the KV budget
+                torch.cuda.empty_cache()
     else:
         # the flag only matters where the loader can keep blocks: the cache key says so
         blocks = config.block_weights and cpu_kernels.usable(device, dtype) and shard is None

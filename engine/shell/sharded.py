@@ -27,7 +27,7 @@ from engine.shell.distributed import (
 )
 from engine.shell.kv import RequestTable
 from engine.shell.runner import ModelRunner, Prepared
-from engine.shell.runtime import Runtime, build_runtime
+from engine.shell.runtime import Runtime, build_runtime, rank_device
 from engine.state import Batch
 
 # A table change: (rows, cols, slots) written, or an int: that row cleared (released).
@@ -142,7 +142,8 @@ class ParallelRunner:
 
 @attrs.frozen
 class WorkerSetup:
-    """What a worker rank builds (`Workers` calls it in the spawned process): rank 0's config
+    """What a worker rank builds (in the worker's process: spawned with it, or sent it as a
+    launched worker's first message): rank 0's config
     with its pool size and context fixed, so that every rank's pool and table match."""
 
     config: EngineConfig
@@ -179,7 +180,7 @@ def start_workers(config: EngineConfig, runtime: Runtime) -> Workers:
     if launched is None:
         group = GroupConfig.local(world, runtime.device.type, timeout_s)
     else:
-        _check_launched(config, *launched)
+        _check_launched(config, launched[1])
         group = GroupConfig.launched(world, runtime.device.type, timeout_s)
     workers = Workers(group, WorkerSetup(fixed), launched=launched is not None)
     workers.start()
@@ -192,19 +193,15 @@ def serve_as_worker(config: EngineConfig) -> None:
     launched = launched_rank()
     if launched is None:
         raise ValueError("serve_as_worker needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
-    _check_launched(config, *launched)
-    device = (
-        config.device
-        if config.device != "auto"
-        else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    _check_launched(config, launched[1])
+    device = rank_device(config.device, *launched)  # this rank's (`Runtime`'s choice)
     group = GroupConfig.launched(
-        config.tensor_parallel_size, torch.device(device).type, config.tensor_parallel_timeout
+        config.tensor_parallel_size, device.type, config.tensor_parallel_timeout
     )
     serve_launched(group, launched[0])
 
 
-def _check_launched(config: EngineConfig, rank: int, world: int) -> None:
+def _check_launched(config: EngineConfig, world: int) -> None:
     if config.tensor_parallel_size != world:
         raise ValueError(
             f"tensor_parallel_size={config.tensor_parallel_size} but the launcher started "

@@ -116,8 +116,8 @@ class Script:
             return self.texts["answer"]
         return self.texts["call"] if "<tools>" in prompt else self.texts["plain"]
 
-    def constrain(self, logits: torch.Tensor, uids: list[int], masks=None, skip=()) -> torch.Tensor:
-        logits = self._constrain(logits, uids, masks, skip).clone()
+    def constrain(self, logits: torch.Tensor, uids: list[int], masks=None) -> torch.Tensor:
+        logits = self._constrain(logits, uids, masks).clone()
         for row, uid in enumerate(uids):
             request = self.engine.requests[uid]
             prompt = self.engine.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
