@@ -16,12 +16,18 @@ import collections
 import json
 import os
 import statistics
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from engine.shell.engine import Engine
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import _gpu_engine  # noqa: E402
+
+from engine.shell.engine import Engine  # noqa: E402
 from engine.state import SamplingParams
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -204,17 +210,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     if args.which == "decode":
         batch = args.batch or 64
-        engine = Engine(
-            random_weights="llama3_8b",
-            device="cuda",
-            dtype=args.dtype or "bfloat16",
-            max_running_requests=64,
-            cuda_graph_max_batch=64,
-            max_context=1024,
-            kv_cache_fraction=0.3,
-            chunk_size=8192,
-            launch_ahead=args.launch_ahead,
-        )
+        # the engine bench_engine.py reports on
+        engine = _gpu_engine(dtype=args.dtype or "bfloat16", launch_ahead=args.launch_ahead)
         prompts = torch.randint(3, 30000, (batch, args.prompt_len), generator=generator).tolist()
     else:
         batch = args.batch or 1

@@ -5,7 +5,7 @@
 # speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh
-# PROBE_PARTS="grid decode decode-ahead spec" picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT (s).
+# PROBE_PARTS="grid decode decode-off spec" picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT (s).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -21,11 +21,11 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
     case "$part" in
     grid) cmd=(python3 benchmarks/bench_attention.py --split-grid); limit=${GRID_TIMEOUT:-230} ;;
     decode) cmd=(python3 benchmarks/profile_steps.py decode); limit=${DECODE_TIMEOUT:-120} ;;
-    decode-ahead)  # the same with the engine's launch_ahead on
-        cmd=(python3 benchmarks/profile_steps.py decode --launch-ahead)
+    decode-off)  # the same with the engine's launch_ahead off (it is on by default on CUDA)
+        cmd=(python3 benchmarks/profile_steps.py decode --no-launch-ahead)
         limit=${DECODE_TIMEOUT:-120} ;;
     spec) cmd=(python3 benchmarks/profile_steps.py spec); limit=${SPEC_TIMEOUT:-60} ;;
-    *) echo "unknown part $part (grid, decode, decode-ahead, spec)"; exit 2 ;;
+    *) echo "unknown part $part (grid, decode, decode-off, spec)"; exit 2 ;;
     esac
     start=$(date +%s)
     timeout "$limit" "${cmd[@]}" >"$OUT_DIR/$part.log" 2>&1

@@ -90,9 +90,13 @@ def test_greedy_and_sampled_output_follows_the_grammar(engines, kind: str) -> No
 
 
 def test_greedy_under_a_grammar_is_the_same_with_speculation(engines) -> None:
+    """Greedy constrained output is the same with speculation; a seeded constrained request
+    draws the same tokens alone and beside others."""
     params = [SamplingParams(max_tokens=64, structured_outputs={"regex": PATTERN.decode()})]
     plain = _outputs(engines["plain"], params)
     assert _outputs(engines["speculative"], params) == plain
     spec = {"regex": PATTERN.decode()}
     seeded = [SamplingParams(max_tokens=48, temperature=0.7, seed=9, structured_outputs=spec)]
-    assert _outputs(engines["plain"], seeded) == _outputs(engines["plain"], seeded)
+    alone = _outputs(engines["plain"], seeded)
+    beside = _outputs(engines["plain"], seeded + params * 3)
+    assert beside[0] == alone[0] and re.fullmatch(PATTERN, alone[0]), alone

@@ -248,6 +248,7 @@ def test_a_failure_around_a_plan_loses_no_slot(failing, launch_ahead):
     failed = [r for r in requests if r.finish_reason.openai == "error"]
     assert all("injected failure" in r.error for r in failed)
     assert engine.health.failures == 1 and engine.healthy
+    assert (engine.stats["launches_ahead"] > 0) == launch_ahead
     assert engine.book.num_available == engine.book.slots.capacity
     assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
     again = engine.generate(prompts[:1], params[:1])[0]
