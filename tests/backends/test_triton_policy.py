@@ -28,7 +28,7 @@ BLOCK = DECODE_CONFIG["BLOCK_N"]
         (1, 1024, 16),  # 8 x 8 programs at 128 keys leave SMs idle: 64-key splits
         (4, 1024, 8),  # 32 x 8 programs cover the SMs: 128-key splits
         (16, 4096, 4),  # 128 programs per split: one wave of ~4 per SM (H200: 79 us at 4,
-        # 88 at 2, 85 at 8; the former policy's 5 splits ran 0.50 of the ceiling)
+        # 88 at 2, 85 at 8; bench_attention.py --split-grid)
         (64, 2048, 1),  # 512 programs already: no split, no merge
         (256, 1024, 1),
         (1, 100, 1),  # a short context: the merge would cost more than the split gains
