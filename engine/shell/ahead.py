@@ -7,9 +7,12 @@ it (`ModelRunner.prepare`: on CUDA the device work queues behind pass k). After 
 committed, `take(running)` returns the plan only if the committed Running has the same
 requests, rows and lengths (`state.same_layout`); otherwise the plan's slots go back to the
 pool (`state.abandon`). With `launch(...)` the planned pass is also launched before pass k's
-tokens are read (its input ids taken on the device); a plan dropped after that discards the
-launched pass (its device work still runs, to slots given back). Nothing here decides
-*whether* to plan or launch: that is the engine's policy.
+tokens are read (its input ids taken on the device). When requests only left (a stop token,
+a length limit, an abort), a launched pass is cut to the others (`state.narrow`): its work for
+those that left is discarded and their slots go back, once the device has queued the pass
+(the slots' next writers queue behind it). Any other change drops a launched pass too (its
+device work still runs, to slots given back). Nothing here decides *whether* to plan or
+launch: that is the engine's policy.
 """
 
 from __future__ import annotations
@@ -69,15 +72,39 @@ class PlanAhead:
         self.prepared = attrs.evolve(self.prepared, launched=launcher(self.prepared))
         self.stats["launches_ahead"] += 1
 
-    def drop_unless_fits(self, running: Running) -> None:
-        if self.prepared is not None and not state.same_layout(
-            self.prepared.batch.running, running
-        ):
+    def fit(self, running: Running) -> None:
+        """Keep the plan only for `running` as committed: as it is when nothing changed, cut
+        to the requests left when it was launched and only some left (`_narrow`), otherwise
+        dropped (its slots go back)."""
+        if self.prepared is None:
+            return
+        planned = self.prepared.batch.running
+        keep = self.machine.kept_rows(planned, running)
+        if keep is not None and keep.size == len(planned):
+            return
+        if keep is None or not keep.size or not self._narrow(keep):
             self.drop()
 
+    def _narrow(self, keep: np.ndarray) -> bool:
+        """Cut the launched plan to its rows `keep`; the others' slots go back. False (nothing
+        done) where it cannot be: not launched, or its tokens not sampled yet (`select`)."""
+        prepared = self.prepared
+        assert prepared is not None
+        launched = None if prepared.launched is None else prepared.launched.select(keep)
+        if launched is None:
+            return False
+        batch = prepared.batch
+        gone = np.setdiff1d(np.arange(len(batch.running)), keep)
+        kept = self.machine.narrow(batch, keep)
+        self.book.apply(self.machine.abandon(self.machine.narrow(batch, gone)))
+        self.prepared = attrs.evolve(prepared, batch=kept, launched=launched)
+        self.stats["launches_ahead_narrowed"] += 1
+        return True
+
     def take(self, running: Running) -> Prepared | None:
-        """The plan, if it fits `running` as committed (it is handed over: None after)."""
-        self.drop_unless_fits(running)
+        """The plan, if it fits `running` as committed (`fit`; it is handed over: None
+        after)."""
+        self.fit(running)
         prepared, self.prepared = self.prepared, None
         if prepared is not None:
             self.stats["plans_ahead_used"] += 1

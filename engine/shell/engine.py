@@ -161,7 +161,7 @@ class Engine:
         started = time.perf_counter()
         self._drain_inbox()
         self._admit()
-        self.ahead.drop_unless_fits(self.running)  # requests came or left: free its slots
+        self.ahead.fit(self.running)  # requests came or left: cut or drop it, free slots
         if not len(self.running):
             return
         config = self.config
@@ -454,7 +454,7 @@ class Engine:
             launched = self._prepare_next(open_pass, launched)
             sampled = self._tokens(launched)
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
-        self.ahead.drop_unless_fits(self.running)  # a request finished: the plan does not fit
+        self.ahead.fit(self.running)  # requests that finished leave the plan
         return "decode"
 
     # --- planning the next decode pass while this one runs ----------------------------------
@@ -473,26 +473,25 @@ class Engine:
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
         sampled = launched.sampled  # None: masks to wait for
-        if open_pass.table_written and sampled is not None and self._launches_ahead(open_pass):
+        if open_pass.table_written and sampled is not None and self._launches_ahead():
             kept = self.logits.keep_checked(launched.logits, launched.checked)
             launched = attrs.evolve(launched, checked_logits=kept)
             # its rows sample one token further on (the seeds' step counts)
             self.ahead.launch(lambda p: self._launch(p.batch, p, sampled.tokens, ahead=True))
         return launched
 
-    def _launches_ahead(self, open_pass: OpenPass) -> bool:
+    def _launches_ahead(self) -> bool:
         """Whether the next pass may be launched before this one's tokens are read: the host
         adds nothing to its logits (no penalties, bias or logprobs; a grammar's rows are all
         greedy then, drawn unmasked and checked after: a refused token drops the launched
-        pass, `_tokens`), its sampling needs only step counts it knows (seeded draws), there
-        is no speculation, and no request leaves by length with this pass (a stop token may
-        still end one: the launched pass is then dropped)."""
+        pass, `_tokens`), its sampling needs only step counts it knows (seeded draws), and
+        there is no speculation. A request that leaves with this pass (a stop token, its
+        length) is cut from the launched pass before it is taken (`PlanAhead.fit`)."""
         outputs = self.outputs
         return (
             self.launch_ahead
             and self.spec is None
             and not (outputs.edited_uids or outputs.logprob_uids)
-            and not state.ends_by_length(open_pass.batch)
         )
 
     # --- one forward pass and its tokens ------------------------------------------------------
@@ -700,7 +699,7 @@ class Engine:
             if not finished:
                 self.abort(request_id)
                 self._drain_inbox()
-                self.ahead.drop_unless_fits(self.running)
+                self.ahead.fit(self.running)
 
     def check(self) -> None:
         """Slot conservation and table integrity, now (raises AssertionError). The slots of

@@ -70,6 +70,25 @@ class Launched:
     # (a CUDA graph's output buffer is every replay's; `Engine._prepare_next`)
     checked_logits: torch.Tensor | None = None
 
+    def select(self, rows: np.ndarray) -> Launched | None:
+        """This pass's `rows` only (in that order), for a pass launched ahead whose other
+        requests left before it was taken (`PlanAhead.fit`); None where its tokens are not
+        sampled yet (masks pending: its sampling inputs are per row) or it has logprobs.
+        Its logits and tokens are gathered on the device in stream order, so later passes
+        may reuse their buffers."""
+        if self.sampled is None or self.sampled.logprobs is not None:
+            return None
+        assert self.checked_logits is None  # kept only once the pass is taken
+        index = host_to_device(np.asarray(rows, dtype=np.int64), self.logits.device)
+        renumbered = {int(old): new for new, old in enumerate(rows)}
+        return Launched(
+            self.logits.index_select(0, index),
+            [self.uids[int(row)] for row in rows],
+            None,  # spent: the pass is sampled
+            sampled=Sampled.copying(self.sampled.tokens.index_select(0, index), None),
+            checked=[renumbered[row] for row in self.checked if row in renumbered],
+        )
+
 
 @attrs.frozen(eq=False)
 class PendingLogprobs:

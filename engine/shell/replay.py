@@ -159,6 +159,8 @@ class Replayer:
                 self._fail(f"applying its effects failed: {type(error).__name__}: {error}")
         if op == "assume_decoded":  # a value, nothing in the book: nothing to check
             return
+        if op == "narrow":  # slots move from a pass to its parts: checked once both are cut
+            return
         # The prefix tree (a full scan) and the rows' shared prefixes against the tree's slots
         # for their tokens, the slow parts of the check, only where the tree or a shared
         # prefix changed (the tree changes in nothing else); elsewhere a slot written at a
@@ -268,6 +270,18 @@ class Replayer:
         following = state.assume_decoded(self._batch(record))
         self.assumed = {record["step"]: following}  # only the newest is ever scheduled
         return following
+
+    def _narrow(self, record: Mapping[str, Any]) -> Batch:
+        """A pass cut to some of its requests (`state.narrow`): the part holds their slots
+        from here, and the pass it was cut from is no longer in flight (its other part is
+        cut next, then abandoned)."""
+        batch = self._batch(record)
+        rids = ints(batch.running.rids)
+        missing = [rid for rid in record["rids"] if rid not in rids]
+        if missing:
+            self._fail(f"cuts requests {missing} from a pass that does not hold them")
+        self.in_flight.pop(record["batch"], None)
+        return self._open(record, state.narrow(batch, [rids.index(r) for r in record["rids"]]))
 
     def _abandon(self, record: Mapping[str, Any]) -> state.Effects:
         return state.abandon(self._batch(record), record["written"])
@@ -408,5 +422,5 @@ PASS_OPS = ("extend", "decode", "verify")
 HANDLERS = {
     op: "_" + op
     for op in (*SCHEDULES, *PASS_OPS, "admit", "retract", "finish", "share", "decode_writes")
-    + ("assume_decoded", "abandon")
+    + ("assume_decoded", "narrow", "abandon")
 } | {"apply": "_apply_record"}

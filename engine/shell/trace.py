@@ -374,6 +374,12 @@ class Recorder:
         record = self._start("assume_decoded", batch=self._batch(batch))
         return self._finish(record, self._run(record, lambda: state.assume_decoded(batch)))
 
+    def narrow(self, batch: Batch, indices: Any) -> Any:
+        record = self._start(
+            "narrow", batch=self._batch(batch), rids=self._rids(batch.running, indices)
+        )
+        return self._finish(record, self._run(record, lambda: state.narrow(batch, indices)))
+
     def abandon(self, batch: Batch, written: bool = False) -> Any:
         record = self._start("abandon", batch=self._batch(batch), written=written)
         return self._finish(record, self._run(record, lambda: state.abandon(batch, written)))

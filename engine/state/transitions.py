@@ -215,20 +215,6 @@ def assume_decoded(batch: Batch) -> Running:
     )
 
 
-def ends_by_length(batch: Batch) -> bool:
-    """Whether a request of decode pass `batch` reaches its max_new outputs or max_context
-    tokens with this pass's token, and so leaves whatever the token (the Running
-    `assume_decoded` gives would not be the one committed). A stop token may still end one:
-    that only the tokens tell."""
-    if batch.mode not in (Mode.DECODE, Mode.IDLE):
-        raise ValueError(f"ends_by_length() is for decode passes; this pass is {batch.mode.value}")
-    run = batch.running
-    steps_left = np.minimum(
-        run.rules.max_new - run.num_output, run.max_context - run.token_lens.lens
-    )
-    return bool((steps_left <= 1).any())
-
-
 def same_layout(first: Running, second: Running) -> bool:
     """Same requests in the same order, on the same rows, with the same committed lengths:
     a pass planned for one serves the other (only the pending tokens may differ)."""
@@ -238,6 +224,32 @@ def same_layout(first: Running, second: Running) -> bool:
         and np.array_equal(first.rows, second.rows)
         and np.array_equal(first.kv_lens.lens, second.kv_lens.lens)
     )
+
+
+def kept_rows(planned: Running, committed: Running) -> np.ndarray | None:
+    """The indices in `planned` of `committed`'s requests, where `committed` is `planned` with
+    some requests gone and nothing else changed (the rest in the same order, on the same rows,
+    with the same committed lengths; `same_layout` when none is gone); None otherwise. A pass
+    planned for `planned` serves `committed` once cut to those rows (`narrow`)."""
+    keep = np.flatnonzero(np.isin(planned.rids, committed.rids))
+    if keep.size != len(committed) or not same_layout(planned.select(keep), committed):
+        return None
+    return keep
+
+
+def narrow(batch: Batch, indices: Sequence[int] | np.ndarray) -> Batch:
+    """Decode pass `batch` with only the requests at `indices` (in that order), each with the
+    slot it was given: a pass launched before some of its requests left serves the rest, and
+    the part of those that left is abandoned (`abandon`)."""
+    if batch.mode not in (Mode.DECODE, Mode.IDLE):
+        raise ValueError(f"narrow() is for decode passes; this pass is {batch.mode.value}")
+    idx = np.asarray(indices, dtype=INDEX_DTYPE).reshape(-1)
+    if idx.size and (idx.min() < 0 or idx.max() >= len(batch.running)):
+        raise IndexError(f"indices {idx.tolist()} out of range for a pass of {len(batch.running)}")
+    if np.unique(idx).size != idx.size:
+        raise ValueError(f"indices {idx.tolist()} name a request twice")
+    running = batch.running.select(idx)
+    return Batch(running, SeqLens.full(idx.size, 1), batch.input_ids[idx], batch.out_slots[idx])
 
 
 def verify(

@@ -111,13 +111,17 @@ def test_a_recorded_run_replays_clean_and_faster(trace):
         dict(prefix_cache=False),
         dict(mixed_passes=False, plan_ahead=False),
         dict(speculative=False, kv_cache_slots=120),
+        dict(speculative=False, launch_ahead=True),
     ],
-    ids=["no-prefix-cache", "extend-only-no-plan", "plain-decode"],
+    ids=["no-prefix-cache", "extend-only-no-plan", "plain-decode", "launch-ahead"],
 )
 def test_other_settings_replay_clean(tmp_path, variant):
     path = tmp_path / "run.jsonl"
     record(path, **variant)
-    assert replay_file(str(path)).steps == len(records(path))
+    ops = [r["op"] for r in records(path)]
+    assert replay_file(str(path)).steps == len(ops)
+    if variant.get("launch_ahead"):  # requests that left were cut from a launched pass
+        assert "narrow" in ops
 
 
 def edited_at(path: Path, tmp_path: Path, op: str, edit) -> tuple[int, Path]:

@@ -166,17 +166,40 @@ def test_planning_ahead_agrees_with_the_commit(case, data):
 
 @fast
 @given(case=runnings(max_pending=1), data=st.data())
-def test_ends_by_length_foresees_every_length_finish(case, data):
-    """ends_by_length(batch) is True exactly when, whatever the tokens, some request leaves
-    with this pass; otherwise only a stop token ends one."""
+def test_a_pass_planned_ahead_is_cut_to_the_requests_left(case, data):
+    """Whatever the tokens, a decode commit leaves a part of the Running planned from it:
+    kept_rows names the requests left, and the planned pass narrowed to them is the pass
+    scheduled for the committed Running with their slots; the rest hold the others'."""
     run, _ = case
     batch = state.schedule_decode(run, fresh_slots(len(run)))
     sampled = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(run), max_size=len(run)))
-    effects = state.decode(batch, sampled).effects
-    if state.ends_by_length(batch):
-        assert effects.finished_rids.size > 0
-    else:
-        assert (effects.finished_reasons == FinishReason.STOP).all()
+    committed = state.decode(batch, sampled).running
+    planned = state.assume_decoded(batch)
+    keep = state.kept_rows(planned, committed)
+    assert keep is not None
+    left = ~np.isin(run.rids, state.decode(batch, sampled).effects.finished_rids)
+    assert keep.tolist() == np.flatnonzero(left).tolist()
+    following = state.schedule_decode(planned, fresh_slots(len(planned)))
+    kept = state.narrow(following, keep)
+    gone = state.narrow(following, np.flatnonzero(~left))
+    assert state.same_layout(kept.running, committed)
+    assert kept.new_lens.total == len(committed)
+    assert sorted([*kept.out_slots.tolist(), *gone.out_slots.tolist()]) == sorted(
+        following.out_slots.tolist()
+    )
+
+
+def test_kept_rows_refuses_anything_but_requests_leaving():
+    rules = [Rule(9, 0, -1, ())] * 3
+    run = running_of([1, 2, 3], [0, 1, 2], [3, 4, 5], [4, 5, 6], [3, 3, 3], [2, 2, 2], rules, 64)
+    assert state.kept_rows(run, run).tolist() == [0, 1, 2]
+    assert state.kept_rows(run, run.select([0, 2])).tolist() == [0, 2]
+    assert state.kept_rows(run, run.select([2, 0])) is None  # reordered
+    assert state.kept_rows(run.select([0, 1]), run) is None  # one came
+    longer = state.assume_decoded(state.schedule_decode(run, fresh_slots(3)))
+    assert state.kept_rows(run, longer.select([0, 1])) is None  # lengths moved on
+    with pytest.raises(ValueError, match="name a request twice"):
+        state.narrow(state.schedule_decode(run, fresh_slots(3)), [1, 1])
 
 
 @fast
@@ -196,7 +219,7 @@ def test_abandoning_a_pass_that_wrote_early_empties_those_entries(case):
 def test_planning_ahead_is_for_decode_passes_only():
     run = running_of([1], [0], [0], [3], [3], [2], [Rule(5, 0, -1, ())], MAX_CONTEXT)
     batch = state.schedule_extend(run, [3], [1, 2, 2], fresh_slots(3))
-    for plan in (state.decode_writes, state.assume_decoded, state.ends_by_length):
+    for plan in (state.decode_writes, state.assume_decoded, lambda b: state.narrow(b, [0])):
         with pytest.raises(ValueError, match="for decode passes"):
             plan(batch)
 
