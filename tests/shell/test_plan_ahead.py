@@ -83,7 +83,8 @@ def test_plan_ahead_changes_no_output_torch_backend(abort_at):
     got = _run(ahead, prompts, params, abort_at)
     assert got == reference
     assert ahead.stats["plans_ahead_used"] > 5
-    assert ahead.stats["plans_ahead_dropped"] >= 3  # each early leaver voids one plan
+    # each early leaver voids one plan, or is cut from it where it was launched (CUDA)
+    assert ahead.stats["plans_ahead_dropped"] + ahead.stats["launches_ahead_narrowed"] >= 3
     assert probe.stats["plans_ahead_used"] == 0
 
 
@@ -192,11 +193,12 @@ def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch, launch_ahe
     prepare_next = engine._prepare_next
     planned = []
 
-    def strict(open_pass, sampled=None):
+    def strict(open_pass, launched):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            prepare_next(open_pass, sampled)
+            launched = prepare_next(open_pass, launched)
             planned.append(open_pass.table_written)
+            return launched
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
