@@ -79,9 +79,9 @@ class PlanAhead:
         if self.prepared is None:
             return
         planned = self.prepared.batch.running
-        keep = self.machine.kept_rows(planned, running)
-        if keep is not None and keep.size == len(planned):
+        if state.same_layout(planned, running):  # most steps: checked first, cheaply
             return
+        keep = self.machine.kept_rows(planned, running)
         if keep is None or not keep.size or not self._narrow(keep):
             self.drop()
 
