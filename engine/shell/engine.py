@@ -481,18 +481,15 @@ class Engine:
         return launched
 
     def _launches_ahead(self) -> bool:
-        """Whether the next pass may be launched before this one's tokens are read: the host
-        adds nothing to its logits (no penalties, bias or logprobs; a grammar's rows are all
-        greedy then, drawn unmasked and checked after: a refused token drops the launched
-        pass, `_tokens`), its sampling needs only step counts it knows (seeded draws), and
-        there is no speculation. A request that leaves with this pass (a stop token, its
-        length) is cut from the launched pass before it is taken (`PlanAhead.fit`)."""
-        outputs = self.outputs
-        return (
-            self.launch_ahead
-            and self.spec is None
-            and not (outputs.edited_uids or outputs.logprob_uids)
-        )
+        """Whether the next pass may be launched before this one's tokens are read: nothing
+        its logits get on the host depends on those tokens (no penalties: a bias is fixed,
+        logprobs are computed on the device from the launched pass's own logits; a grammar's
+        rows are all greedy then, drawn unmasked and checked after: a refused token drops the
+        launched pass, `_tokens`), its sampling needs only step counts it knows (seeded
+        draws), and there is no speculation. A request that leaves with this pass (a stop
+        token, its length) is cut from the launched pass before it is taken
+        (`PlanAhead.fit`)."""
+        return self.launch_ahead and self.spec is None and not self.outputs.history_uids
 
     # --- one forward pass and its tokens ------------------------------------------------------
     @contextlib.contextmanager

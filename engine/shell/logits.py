@@ -73,19 +73,24 @@ class Launched:
     def select(self, rows: np.ndarray) -> Launched | None:
         """This pass's `rows` only (in that order), for a pass launched ahead whose other
         requests left before it was taken (`PlanAhead.fit`); None where its tokens are not
-        sampled yet (masks pending: its sampling inputs are per row) or it has logprobs.
-        Its logits and tokens are gathered on the device in stream order, so later passes
-        may reuse their buffers."""
-        if self.sampled is None or self.sampled.logprobs is not None:
+        sampled yet (masks pending: its sampling inputs are per row). Its logits, tokens
+        and logprobs are gathered on the device in stream order, so later passes may reuse
+        their buffers."""
+        if self.sampled is None:
             return None
         assert self.checked_logits is None  # kept only once the pass is taken
         index = host_to_device(np.asarray(rows, dtype=np.int64), self.logits.device)
         renumbered = {int(old): new for new, old in enumerate(rows)}
+        uids = [self.uids[int(row)] for row in rows]
+        logprobs = self.sampled.logprobs
         return Launched(
             self.logits.index_select(0, index),
-            [self.uids[int(row)] for row in rows],
+            uids,
             None,  # spent: the pass is sampled
-            sampled=Sampled.copying(self.sampled.tokens.index_select(0, index), None),
+            sampled=Sampled.copying(
+                self.sampled.tokens.index_select(0, index),
+                None if logprobs is None else logprobs.select(set(uids)),
+            ),
             checked=[renumbered[row] for row in self.checked if row in renumbered],
         )
 
@@ -98,6 +103,23 @@ class PendingLogprobs:
     uids: list[int]
     tops: list[int]  # alternatives each row's request asked for
     tokens: torch.Tensor  # the token each row drew
+
+    def select(self, uids: set[int]) -> PendingLogprobs:
+        """The rows of the requests in `uids` only (in order), gathered on the device."""
+        rows = [i for i, uid in enumerate(self.uids) if uid in uids]
+        index = host_to_device(np.array(rows, dtype=np.int64), self.tokens.device)
+        values = Logprobs(
+            *(
+                t.index_select(0, index)
+                for t in (self.values.chosen, self.values.top_ids, self.values.top_values)
+            )
+        )
+        return PendingLogprobs(
+            values,
+            [self.uids[i] for i in rows],
+            [self.tops[i] for i in rows],
+            self.tokens.index_select(0, index),
+        )
 
     def host(self) -> dict[int, list[TokenLogprob]]:
         """uid -> its tokens' entries, in order (read from the device)."""

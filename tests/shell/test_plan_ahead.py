@@ -350,15 +350,14 @@ def test_launch_ahead_changes_no_output(backend, abort_at):
     "asked",
     [
         dict(frequency_penalty=0.5),
-        dict(logit_bias={7: 2.0}),
-        dict(logprobs=2),
+        dict(presence_penalty=0.3, logit_bias={7: 2.0}),
         dict(temperature=0.8, seed=3, repetition_penalty=1.2),
     ],
 )
-def test_launch_ahead_waits_for_what_the_host_adds(asked):
-    """A request whose logits the host edits (penalties, a bias) or reads (logprobs), or
-    launch_ahead off: no pass is launched ahead; the plans are still
-    used, and the outputs are those of planning nothing ahead."""
+def test_launch_ahead_waits_for_penalties(asked):
+    """A request whose penalties read the tokens it has seen (the running pass's not known
+    yet), or launch_ahead off: no pass is launched ahead; the plans are still used, and the
+    outputs are those of planning nothing ahead."""
     prompts = _prompts(3)
     params = _greedy(3)
     params[1] = SamplingParams(max_tokens=12, **asked)
@@ -367,6 +366,43 @@ def test_launch_ahead_waits_for_what_the_host_adds(asked):
         assert _run(engine, prompts, params) == reference
         assert engine.stats["plans_ahead_used"] > 3
         assert engine.stats["launches_ahead"] == 0
+
+
+@pytest.mark.parametrize(
+    "asked", [dict(logit_bias={7: 2.0, 40: -1.5}), dict(logprobs=2), dict(logprobs=0)]
+)
+def test_launch_ahead_beside_a_bias_or_logprobs(asked):
+    """A bias does not depend on the tokens, and logprobs come from the launched pass's own
+    logits on the device: passes are launched ahead beside them, with the same tokens and
+    logprobs as planning nothing ahead, also when the others leave and the launched pass
+    is cut to the request (its logprobs with it)."""
+    prompts = _prompts(3)
+    params = _greedy(3)
+    params[2] = SamplingParams(max_tokens=16, ignore_eos=True, **asked)  # the last to leave
+
+    def run(engine):
+        requests = [engine._submit(p, q, None, None) for p, q in zip(prompts, params, strict=True)]
+        while engine.has_work:
+            engine.step()
+            engine.check()
+        return requests
+
+    reference = run(_tiny("torch", plan_ahead=False))
+    engine = _tiny("torch", launch_ahead=True)
+    got = run(engine)
+    assert [(r.output_ids, r.finish_reason) for r in got] == [
+        (r.output_ids, r.finish_reason) for r in reference
+    ]
+    assert engine.stats["launches_ahead"] > 5
+    assert engine.stats["launches_ahead_narrowed"] == 2  # the two who leave first
+    if "logprobs" in asked:  # computed in batches of other sizes: equal to rounding
+        expected, actual = reference[2].logprobs, got[2].logprobs
+        assert len(expected) == len(actual) == 16
+        for want, have in zip(expected, actual, strict=True):
+            assert have.token_id == want.token_id
+            assert have.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in have.top] == [t for t, _ in want.top]
+            assert [v for _, v in have.top] == pytest.approx([v for _, v in want.top], abs=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
