@@ -298,42 +298,66 @@ class LogitsEdit:
     """Sparse changes to rows of logits before sampling, as `SamplingParams` defines them:
     each row's `logit_bias` added, then its repetition penalty on every token it has seen
     (positive logits divided, negative ones multiplied), then its frequency and presence
-    penalties on its output tokens' counts. Built on the host (`LogitsEdit.of`), one copy."""
+    penalties on its output tokens' counts. Built on the host (`LogitsEdit.of`), one copy;
+    a row's history may lack one token still on the device (`pending`), counted there."""
 
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, values (added)
     repeat: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, factors
-    penalty: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, values (added)
+    # rows, tokens, output counts, and per entry the row's frequency and presence penalties
+    penalty: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
     @classmethod
     def of(
         cls,
         rows: Sequence[tuple[SamplingParams, np.ndarray, np.ndarray]],
         device: torch.device | str = "cpu",
+        pending: torch.Tensor | None = None,
     ) -> LogitsEdit:
         """`rows`: per logits row, its parameters, the tokens it has seen (prompt and
-        output, each once) and its output tokens (with repeats)."""
-        parts: list[list[np.ndarray]] = [[] for _ in range(9)]
+        output, each once) and its output tokens (with repeats). `pending` (on `device`, one
+        per row): a token each row has drawn that its history does not hold yet (the running
+        pass's, for a pass launched before its tokens are read); the edit is the one its
+        history with that token gives, exactly: the repetition penalty is applied to it
+        (once, whether seen or not), and its output count is one more."""
+        parts: list[list[np.ndarray]] = [[] for _ in range(11)]
+        late: list[list[int]] = [[], []]  # rows with a pending token's repeat / penalty entry
         for row, (params, seen, output) in enumerate(rows):
             if params.logit_bias:
                 tokens, values = zip(*params.logit_bias, strict=True)
                 _append(parts[0:3], row, np.array(tokens), np.array(values, dtype=np.float64))
-            if params.repetition_penalty != 1.0 and seen.size:
-                factors = np.full(seen.size, params.repetition_penalty, dtype=np.float64)
-                _append(parts[3:6], row, seen, factors)
-            if (params.frequency_penalty or params.presence_penalty) and output.size:
+            if params.repetition_penalty != 1.0:
+                if seen.size:
+                    factors = np.full(seen.size, params.repetition_penalty, dtype=np.float64)
+                    _append(parts[3:6], row, seen, factors)
+                if pending is not None:
+                    late[0].append(row)
+            if params.frequency_penalty or params.presence_penalty:
                 tokens, counts = np.unique(output, return_counts=True)
-                values = -(params.frequency_penalty * counts + params.presence_penalty)
-                _append(parts[6:9], row, tokens, values.astype(np.float64))
-        sizes = [sum(p.size for p in parts[i]) for i in (0, 3, 6)]
-        flat = [
-            np.concatenate(p) if p else np.zeros(0, dtype=np.float64) for p in parts
-        ]  # 3 x (rows, tokens, values), as float64: one copy holds every id exactly
-        packed = host_to_device(np.concatenate(flat).astype(np.float64), device)
-        pieces = list(packed.split([n for n in sizes for _ in range(3)]))
-        triples = [
-            (pieces[i].long(), pieces[i + 1].long(), pieces[i + 2].float()) for i in (0, 3, 6)
-        ]
-        return cls(*triples)
+                if pending is not None:  # its entry, counted on the device (0: in `tokens`)
+                    tokens, counts = np.append(tokens, 0), np.append(counts, 0)
+                    late[1].append(row)
+                if tokens.size:
+                    _append(parts[6:9], row, tokens, counts.astype(np.float64))
+                    parts[9].append(np.full(tokens.size, params.frequency_penalty))
+                    parts[10].append(np.full(tokens.size, params.presence_penalty))
+        if late[0]:  # the pending tokens' repetition entries come last (tokens on the device)
+            parts[3].append(np.array(late[0], dtype=np.float64))
+            parts[4].append(np.zeros(len(late[0])))
+            parts[5].append(np.array([rows[row][0].repetition_penalty for row in late[0]]))
+        sizes = [sum(p.size for p in part) for part in parts]
+        flat = [np.concatenate(p) if p else np.zeros(0, dtype=np.float64) for p in parts]
+        # as float64: one copy holds every id exactly
+        pieces = list(host_to_device(np.concatenate(flat).astype(np.float64), device).split(sizes))
+        bias = (pieces[0].long(), pieces[1].long(), pieces[2].float())
+        repeat = [pieces[3].long(), pieces[4].long(), pieces[5].float()]
+        penalty = [pieces[6].long(), pieces[7].long(), pieces[8], pieces[9], pieces[10]]
+        if pending is not None and late[0]:
+            n = len(late[0])
+            tail = pending.long().index_select(0, repeat[0][-n:])
+            repeat[1] = torch.cat([repeat[1][:-n], tail])
+        if pending is not None and late[1]:
+            penalty[1], penalty[2] = _count_pending(penalty[0], penalty[1], penalty[2], pending)
+        return cls(bias, tuple(repeat), tuple(penalty))  # type: ignore[arg-type]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The edited logits (fp32, a new tensor)."""
@@ -342,13 +366,33 @@ class LogitsEdit:
         if rows.numel():
             out.index_put_((rows, tokens), values, accumulate=True)
         rows, tokens, factors = self.repeat
-        if rows.numel():
+        if rows.numel():  # a token twice in a row (seen, and pending) gets the same value twice
             seen = out[rows, tokens]
             out[rows, tokens] = torch.where(seen > 0, seen / factors, seen * factors)
-        rows, tokens, values = self.penalty
-        if rows.numel():
-            out.index_put_((rows, tokens), values, accumulate=True)
+        rows, tokens, counts, frequency, presence = self.penalty
+        if rows.numel():  # in float64, then rounded once: the same values as on the host
+            values = torch.where(counts > 0, -(frequency * counts + presence), 0.0)
+            out.index_put_((rows, tokens), values.float(), accumulate=True)
         return out
+
+
+def _count_pending(
+    rows: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor, pending: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The penalty entries with each row's pending token counted: one more where the row has
+    an entry for it already, else the row's last entry (placed for it, count 0) takes it with
+    count 1. Each penalized row's last entry is that placeholder."""
+    pending = pending.long()
+    last = torch.ones_like(rows, dtype=torch.bool)
+    last[:-1] = rows[1:] != rows[:-1]
+    wanted = pending.index_select(0, rows)
+    found = (tokens == wanted) & ~last
+    hits = torch.zeros(pending.shape[0], dtype=torch.long, device=rows.device)
+    hits.index_add_(0, rows, found.long())  # no mask indexing: nothing waits for the device
+    new = last & (hits.index_select(0, rows) == 0)
+    counts = counts + found + new
+    tokens = torch.where(last, wanted, tokens)
+    return tokens, counts
 
 
 def host_to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:

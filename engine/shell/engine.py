@@ -481,15 +481,14 @@ class Engine:
         return launched
 
     def _launches_ahead(self) -> bool:
-        """Whether the next pass may be launched before this one's tokens are read: nothing
-        its logits get on the host depends on those tokens (no penalties: a bias is fixed,
-        logprobs are computed on the device from the launched pass's own logits; a grammar's
-        rows are all greedy then, drawn unmasked and checked after: a refused token drops the
-        launched pass, `_tokens`), its sampling needs only step counts it knows (seeded
-        draws), and there is no speculation. A request that leaves with this pass (a stop
-        token, its length) is cut from the launched pass before it is taken
-        (`PlanAhead.fit`)."""
-        return self.launch_ahead and self.spec is None and not self.outputs.history_uids
+        """Whether the next pass may be launched before this one's tokens are read: there is
+        no speculation. Its sampling needs only step counts the host knows (seeded draws);
+        its penalties count the tokens of this pass on the device (`LogitsEdit.of`); its
+        logprobs come from its own logits on the device; a grammar's rows are all greedy
+        then, drawn unmasked and checked after (a refused token drops the launched pass,
+        `_tokens`). A request that leaves with this pass (a stop token, its length) is cut
+        from the launched pass before it is taken (`PlanAhead.fit`)."""
+        return self.launch_ahead and self.spec is None
 
     # --- one forward pass and its tokens ------------------------------------------------------
     @contextlib.contextmanager
@@ -549,7 +548,9 @@ class Engine:
         # greedy rows go unmasked, and are masked only if their grammar refuses their token
         checked = self.logits.checked_rows(uids, outputs.logprob_uids)
         masks = self.logits.start(uids, checked)  # after the launch: filled as the device runs
-        logits = self.logits.edit(forward, uids, outputs.edited_uids)
+        # launched ahead: each row's input is its token that its request does not hold yet
+        pending = input_ids if ahead else None
+        logits = self.logits.edit(forward, uids, outputs.edited_uids, pending)
         launched = Launched(logits, uids, inputs, masks, checked=checked)
         if masks is None:
             return attrs.evolve(launched, sampled=self._sample(launched))

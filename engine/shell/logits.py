@@ -230,13 +230,20 @@ class LogitsWork:
         (`masks`, from `start_tree`: None when no node is masked)."""
         return logits if masks is None else masks.apply(logits)
 
-    def edit(self, logits: torch.Tensor, uids: Sequence[int], edited: set[int]) -> torch.Tensor:
+    def edit(
+        self,
+        logits: torch.Tensor,
+        uids: Sequence[int],
+        edited: set[int],
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`logits` (one row per uid) with each request's bias and penalties applied; the
-        same tensor when none of them has any."""
+        same tensor when none of them has any. `pending`: one token per row on the device
+        that its request's history does not hold yet (`LogitsEdit.of`)."""
         if not edited or edited.isdisjoint(uids):
             return logits
         rows = [(self.requests[u].params, *self.requests[u].seen_and_output()) for u in uids]
-        return LogitsEdit.of(rows, logits.device).apply(logits)
+        return LogitsEdit.of(rows, logits.device, pending).apply(logits)
 
     def edit_tree(
         self, logits: torch.Tensor, trees: DraftTrees, uids: Sequence[int], edited: set[int]

@@ -32,7 +32,6 @@ class Outputs:
         self.by_request_id: dict[str, Request] = {}
         self.sampling_uids: set[int] = set()  # requests with temperature > 0
         self.edited_uids: set[int] = set()  # requests with penalties or a logit bias
-        self.history_uids: set[int] = set()  # requests whose penalties read their tokens
         self.logprob_uids: set[int] = set()  # requests that asked for logprobs
         self.text = TextOutput(tokenizer)
         self.inbox, self.stats, self.spec, self.grammars = inbox, stats, spec, grammars
@@ -44,8 +43,6 @@ class Outputs:
             self.sampling_uids.add(request.uid)
         if request.params.penalized:
             self.edited_uids.add(request.uid)
-        if request.params.reads_history:
-            self.history_uids.add(request.uid)
         if request.params.logprobs is not None:
             self.logprob_uids.add(request.uid)
         if request.params.structured_outputs is not None:
@@ -107,7 +104,6 @@ class Outputs:
         self.by_request_id.pop(request.request_id, None)
         self.sampling_uids.discard(request.uid)
         self.edited_uids.discard(request.uid)
-        self.history_uids.discard(request.uid)
         self.logprob_uids.discard(request.uid)
         self.grammars.remove(request.uid)
         self.inbox.release(request.request_id)

@@ -207,14 +207,6 @@ class SamplingParams:
             or self.logit_bias
         )
 
-    @property
-    def reads_history(self) -> bool:
-        """Whether its logits change with the tokens it has seen (a repetition, frequency or
-        presence penalty; a bias does not)."""
-        return bool(
-            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
-        )
-
     def sample(self, index: int) -> SamplingParams:
         """The parameters of sample `index` of `n`: one sample each, seeded from the seed
         and the index (sample 0 keeps the seed)."""

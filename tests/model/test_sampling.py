@@ -8,6 +8,8 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.model.sampling import (
     SamplingTensors,
@@ -329,14 +331,58 @@ def test_the_edit_and_the_logprobs_rows_reach_the_device_without_waiting_for_it(
     from engine.model.sampling import LogitsEdit, host_to_device
 
     logits = torch.randn(4, 1000, device="cuda")
-    rows = [
-        (SamplingParams(frequency_penalty=0.5, logit_bias={3: 1.0}), np.arange(5), np.arange(3))
-    ] * 4
+    params = SamplingParams(frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={3: 1.0})
+    rows = [(params, np.arange(5), np.arange(3))] * 4
+    pending = torch.tensor([1, 7, 2, 2], device="cuda")  # a launched-ahead pass's input ids
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         edited = LogitsEdit.of(rows, "cuda").apply(logits)
         index = host_to_device(np.array([0, 2], dtype=np.int64), "cuda")
         edited.index_select(0, index)
+        LogitsEdit.of(rows, "cuda", pending).apply(logits)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@st.composite
+def edited_rows(draw):
+    """Rows of (params, seen, output) over a vocabulary of 12, and a pending token each."""
+    vocab, rows, pending = 12, [], []
+    for _ in range(draw(st.integers(1, 5))):
+        bias = draw(st.dictionaries(st.integers(0, vocab - 1), st.floats(-3, 3), max_size=2))
+        params = SamplingParams(
+            logit_bias=bias,
+            repetition_penalty=draw(st.sampled_from([1.0, 1.3, 0.7])),
+            frequency_penalty=draw(st.sampled_from([0.0, 0.5, -0.3])),
+            presence_penalty=draw(st.sampled_from([0.0, 0.25, 1.1])),
+        )
+        output = np.array(draw(st.lists(st.integers(0, vocab - 1), max_size=6)), dtype=np.int64)
+        prompt = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6))
+        seen = np.union1d(np.array(prompt, dtype=np.int64), output)
+        rows.append((params, seen, output))
+        pending.append(draw(st.integers(0, vocab - 1)))
+    return rows, pending
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=edited_rows(), data=st.data())
+def test_an_edit_with_a_pending_token_is_the_edit_of_its_history_with_it(case, data):
+    """A pass launched before the running pass's tokens are read edits its logits from
+    histories one token short, that token on the device: bit for bit the edit of the
+    histories with it (seen or not, in the output or not)."""
+    from engine.model.sampling import LogitsEdit
+
+    rows, pending = case
+    logits = torch.tensor(
+        data.draw(
+            st.lists(st.floats(-4, 4, width=32), min_size=12 * len(rows), max_size=12 * len(rows))
+        )
+    ).reshape(len(rows), 12)
+    full = [
+        (params, np.union1d(seen, [token]), np.append(output, token))
+        for (params, seen, output), token in zip(rows, pending, strict=True)
+    ]
+    expected = LogitsEdit.of(full).apply(logits)
+    got = LogitsEdit.of(rows, pending=torch.tensor(pending)).apply(logits)
+    assert torch.equal(got, expected)

@@ -274,6 +274,8 @@ def workloads(draw):
                 stop_token_ids=tuple(stop),
                 temperature=temperature,
                 seed=draw(st.integers(0, 99)),
+                frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.8])),
+                repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3])),
             )
         )
     settings_ = dict(
@@ -294,9 +296,9 @@ def workloads(draw):
 )
 @given(workload=workloads())
 def test_plan_ahead_changes_nothing_on_random_workloads(workload):
-    """Random prompts, lengths, stop tokens, samplers, row limits, pool sizes, aborts and
-    speculation: the same outputs and finish reasons with and without planning ahead, no slot
-    lost."""
+    """Random prompts, lengths, stop tokens, samplers, penalties, row limits, pool sizes,
+    aborts and speculation: the same outputs and finish reasons with and without planning
+    ahead, no slot lost."""
     prompts, params, settings_, abort_at = workload
     reference = _run(_tiny("torch", plan_ahead=False, **settings_), prompts, params, abort_at)
     assert _run(_tiny("torch", **settings_), prompts, params, abort_at) == reference
@@ -349,33 +351,21 @@ def test_launch_ahead_changes_no_output(backend, abort_at):
 @pytest.mark.parametrize(
     "asked",
     [
-        dict(frequency_penalty=0.5),
-        dict(presence_penalty=0.3, logit_bias={7: 2.0}),
-        dict(temperature=0.8, seed=3, repetition_penalty=1.2),
+        dict(logit_bias={7: 2.0, 40: -1.5}),
+        dict(logprobs=2),
+        dict(logprobs=0),
+        dict(frequency_penalty=2.0),
+        dict(presence_penalty=2.0, logit_bias={7: 2.0}),
+        dict(repetition_penalty=2.0),
+        dict(temperature=0.8, seed=3, repetition_penalty=1.5, frequency_penalty=0.5),
     ],
 )
-def test_launch_ahead_waits_for_penalties(asked):
-    """A request whose penalties read the tokens it has seen (the running pass's not known
-    yet), or launch_ahead off: no pass is launched ahead; the plans are still used, and the
-    outputs are those of planning nothing ahead."""
-    prompts = _prompts(3)
-    params = _greedy(3)
-    params[1] = SamplingParams(max_tokens=12, **asked)
-    reference = _run(_tiny("torch", plan_ahead=False), prompts, params)
-    for engine in (_tiny("torch", launch_ahead=True), _tiny("torch", launch_ahead=False)):
-        assert _run(engine, prompts, params) == reference
-        assert engine.stats["plans_ahead_used"] > 3
-        assert engine.stats["launches_ahead"] == 0
-
-
-@pytest.mark.parametrize(
-    "asked", [dict(logit_bias={7: 2.0, 40: -1.5}), dict(logprobs=2), dict(logprobs=0)]
-)
-def test_launch_ahead_beside_a_bias_or_logprobs(asked):
-    """A bias does not depend on the tokens, and logprobs come from the launched pass's own
-    logits on the device: passes are launched ahead beside them, with the same tokens and
-    logprobs as planning nothing ahead, also when the others leave and the launched pass
-    is cut to the request (its logprobs with it)."""
+def test_launch_ahead_beside_bias_penalties_and_logprobs(asked):
+    """A bias does not depend on the tokens; penalties count the running pass's tokens on
+    the device (the requests' histories lack them at launch); logprobs come from the
+    launched pass's own logits there: passes are launched ahead beside all of them, with
+    the same tokens and logprobs as planning nothing ahead, also when the others leave and
+    the launched pass is cut to the request (its logprobs with it)."""
     prompts = _prompts(3)
     params = _greedy(3)
     params[2] = SamplingParams(max_tokens=16, ignore_eos=True, **asked)  # the last to leave
