@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_server import DOCUMENT_SCHEMA, compact, copy_document  # noqa: E402
+from json_workload import DOCUMENT_SCHEMA, compact, copy_document  # noqa: E402
 
 from engine.shell.grammar import Grammars  # noqa: E402
 from engine.state import StructuredOutputs  # noqa: E402

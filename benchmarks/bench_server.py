@@ -36,11 +36,8 @@ import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-TOPICS = ["the sea", "a mountain", "bread", "rain", "a library", "the moon", "trains", "gardens"]
-PASSAGE = (
-    "The river rises in the hills, runs past the old mill and the stone bridge, and "
-    "reaches the sea at the harbour town, where boats wait for the tide. "
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from json_workload import PASSAGE, TOPICS, json_task  # noqa: E402
 
 
 def user_message(workload: str, index: int) -> str:
@@ -313,55 +310,6 @@ def compare_sampling(url: str, model: str, args: argparse.Namespace) -> None:
         cells = [f"{best[m, c]:.1f}" for m in SAMPLING_MODES]
         ratios = [f"{best[m, c] / plain:.2f}x" for m in ("logprobs", "penalties")]
         print(f"| {c} | " + " | ".join(cells + ratios) + " |")
-
-
-STORY_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "title": {"type": "string", "maxLength": 40},
-        "mood": {"enum": ["calm", "stormy", "bright", "dark"]},
-        "lines": {"type": "array", "items": {"type": "string", "maxLength": 60}, "maxItems": 3},
-    },
-    "required": ["title", "mood", "lines"],
-    "additionalProperties": False,
-}
-DOCUMENT_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer"},
-        "place": {"type": "string"},
-        "text": {"type": "string"},
-        "tags": {"type": "array", "items": {"type": "string"}},
-    },
-    "required": ["id", "place", "text", "tags"],
-    "additionalProperties": False,
-}
-
-
-def json_task(workload: str, index: int) -> tuple[dict, str]:
-    """(schema, user message): 'stories', a short story record; 'copy', a given JSON
-    document back with its id changed."""
-    topic = TOPICS[index % len(TOPICS)]
-    if workload == "stories":
-        return STORY_SCHEMA, f"Describe {topic} as JSON: a title, a mood and up to three lines."
-    text = compact(copy_document(index))
-    return DOCUMENT_SCHEMA, f"Repeat this JSON exactly, with id set to {index + 1000}:\n{text}"
-
-
-def copy_document(index: int, answer: bool = False) -> dict:
-    """The 'copy' workload's document of request `index` (`answer`: with its id changed, as
-    the request asks it back)."""
-    topic = TOPICS[index % len(TOPICS)]
-    return {
-        "id": index + 1000 if answer else index,
-        "place": topic,
-        "text": PASSAGE.replace("river", topic),
-        "tags": [topic, "passage"],
-    }
-
-
-def compact(document: dict) -> str:
-    return json.dumps(document, separators=(",", ":"))
 
 
 def structured_body(

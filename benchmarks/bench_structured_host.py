@@ -35,12 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_server import (  # noqa: E402
-    compact,
-    compare_structured,
-    copy_document,
-    json_task,
-)
+from bench_server import compare_structured  # noqa: E402
+from json_workload import compact, copy_document, json_task  # noqa: E402
 
 from engine.server.app import create_app, make_server  # noqa: E402
 from engine.shell.engine import Engine  # noqa: E402
