@@ -153,10 +153,11 @@ class EngineConfig:
     launch_ahead: bool | None = _field(
         None,
         "with plan_ahead: launch the planned decode pass before the running one's tokens "
-        "are read back, its input ids copied on the device (requests without penalties, "
-        "logit bias, logprobs or speculation; a grammar's greedy rows are checked after, "
-        "and a refused token drops the launched pass); a pass launched for a batch that "
-        "then changes is dropped. None: on with a CUDA device and one rank",
+        "are read back, its input ids copied on the device (not with speculation; "
+        "penalties count those tokens on the device; a grammar's greedy rows are checked "
+        "after, and a refused token drops the launched pass); requests that leave are cut "
+        "from the launched pass, an arrival drops it. None: on with a CUDA device and one "
+        "rank",
         _optional_bool,
     )
     block_weights: bool = _field(
