@@ -7,7 +7,6 @@ the grammar rejects are cut from their trees and every tree node gets the mask o
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import enum
 import functools
 import json
@@ -25,7 +24,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from engine.model.sampling import greedy_tokens
-from engine.shell.masks import PendingMasks, Staging, apply_masks
+from engine.shell.masks import POOL, SERIAL, MaskFills, PendingMasks, apply_masks
 from engine.spec import prune
 from engine.state import DraftTrees, StructuredOutputs
 
@@ -92,11 +91,8 @@ class Grammars:
     loop waited for (`grammar_mask_wait_seconds`: with a GPU, what the pass's forward did
     not hide), the drafts cut before verify (`grammar_drafts_cut`), and the greedy tokens
     checked, drawn again and masked first (`grammar_tokens_checked`, `_redrawn`,
-    `_masked_first`). `parallel`: a pass's masks are filled off the loop's thread (by
-    llguidance's pool or row by row, whichever measured faster; on the loop's thread when
-    they take less than a hand-off, `HANDOFF_SECONDS`) while the loop goes on (with a GPU,
-    the device runs the pass meanwhile; on a CPU the cores run the model, and a pool's
-    threads would wait behind it)."""
+    `_masked_first`). `parallel`: a pass's masks are filled off the loop's thread while the
+    loop goes on (`fills`, a `MaskFills`: how and where they are filled)."""
 
     def __init__(
         self,
@@ -107,7 +103,6 @@ class Grammars:
         parallel: bool = False,
     ) -> None:
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
-        self.parallel = parallel
         self.stats = collections.Counter() if stats is None else stats
         self.matchers: dict[int, llguidance.LLMatcher] = {}
         # uid -> [passes still masked first, length of its last masked run] (`checks_first`)
@@ -118,11 +113,7 @@ class Grammars:
             StructuredOutputs, tuple[str, llguidance.LLMatcher]
         ] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._executor: llguidance.LLExecutor | None = None
-        self._filler: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight: concurrent.futures.Future | None = None  # the last fill started
-        self._rows_way, self._trees_way = _Faster(), _Faster()  # pool or serial, measured
-        self._staging = Staging(pinned=parallel and torch.cuda.is_available())
+        self.fills = MaskFills(self.stats, parallel)
         self._builder: threading.Thread | None = None
 
     @property
@@ -237,7 +228,7 @@ class Grammars:
     def advance_all(self, tokens: Mapping[int, Sequence[int]]) -> dict[int, Progress]:
         """Each uid's matcher past its newly committed tokens, by uid (one by one: about a
         microsecond a token, less than a hand-off to llguidance's pool costs)."""
-        self._settle()
+        self.fills.settle()
         progress = {}
         for uid, committed in tokens.items():
             matcher = self.matchers[uid]
@@ -285,7 +276,7 @@ class Grammars:
         node masked. Every draft is one its grammar allows (`prune`)."""
         if not self.constrains(uids):
             return argmax
-        self._settle()
+        self.fills.settle()
         argmax = argmax.copy()
         for tree in _trees(trees, uids, self.matchers):
             self._verify_path(tree, argmax, logits)
@@ -339,77 +330,13 @@ class Grammars:
         ]
         if not rows:
             return None
-        self._settle()
-        bitmask, words = self._staging.take(len(uids), self.words)
+        bitmask, words = self.fills.take(len(uids), self.words)
         if len(rows) < len(uids):  # the free rows allow everything; the others are filled
             free = np.ones(len(uids), dtype=bool)
             free[[row for _, row in rows]] = False
             bitmask[free] = -1
-        fill = functools.partial(self._fill_rows, rows, bitmask)
-        return self._submit(fill, bitmask, words, len(rows), self._rows_way)
-
-    def _fill_rows(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
-        """Fill `rows` of `bitmask`: on llguidance's pool or one by one (on this thread), the
-        way `_rows_way` measured faster here."""
-        way = self._rows_way.pick() if self.parallel and len(rows) > 1 else SERIAL
-        started = time.perf_counter()
-        if way == POOL:
-            llg_numpy.fill_next_token_bitmask_par(self._pool(), rows, bitmask)
-        else:
-            for matcher, row in rows:
-                llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
-        if self.parallel:
-            self._rows_way.record(way, time.perf_counter() - started, len(rows))
-
-    def _pool(self) -> llguidance.LLExecutor:
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        return self._executor
-
-    def _submit(
-        self,
-        fill: Any,
-        bitmask: np.ndarray,
-        words: torch.Tensor,
-        count: int,
-        way: _Faster | None,
-    ) -> PendingMasks:
-        """`fill()` (which writes `bitmask`'s `count` masks) timed: with `parallel`, on the
-        filler thread, unless `way` measured it cheaper than the hand-off (`HANDOFF_SECONDS`);
-        then, with `way` None, and without `parallel`, here."""
-
-        def timed() -> float:
-            started = time.perf_counter()
-            fill()
-            return time.perf_counter() - started
-
-        if not self.parallel or way is None or way.expected(count) < HANDOFF_SECONDS:
-            seconds = timed()
-            self.stats["grammar_masks"] += count
-            self.stats["grammar_mask_seconds"] += seconds
-            return PendingMasks(bitmask, words, self.stats, count, None, self._staging)
-        if self._filler is None:
-            self._filler = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
-        running = threading.Event()
-
-        def started() -> float:
-            running.set()
-            return timed()
-
-        self._inflight = self._filler.submit(started)
-        # Wait (GIL released) until the filler runs: it then holds the GIL only until it
-        # enters llguidance, where this thread takes it back. Otherwise it might wait for
-        # it for an interpreter switch interval (5 ms) while this thread does host work.
-        running.wait()
-        return PendingMasks(bitmask, words, self.stats, count, self._inflight, self._staging)
-
-    def _settle(self) -> None:
-        """Wait for the last fill if it is still running: its pass failed before applying
-        it, and its matchers and staging rows are about to be used again (its error went
-        with that pass)."""
-        if self._inflight is not None:
-            concurrent.futures.wait([self._inflight])
-            self._inflight = None
+        fill = functools.partial(self.fills.fill_rows, rows, bitmask)
+        return self.fills.submit(fill, bitmask, words, len(rows), self.fills.rows_way)
 
     def prune(self, trees: DraftTrees, uids: Sequence[int]) -> DraftTrees:
         """`trees` (one per uid) without the drafts a constrained request's grammar rejects
@@ -419,7 +346,7 @@ class Grammars:
         pass would add the EOS the grammar allows next)."""
         if not self.constrains(uids) or trees.sizes.total == len(uids):
             return trees
-        self._settle()
+        self.fills.settle()
         keep = np.ones(trees.sizes.total, dtype=bool)
         for tree in _trees(trees, uids, self.matchers):
             _cut(self.matchers[tree.uid], tree, 0, keep)
@@ -442,12 +369,12 @@ class Grammars:
         measured faster; a branching one, or any otherwise, by a walk of it."""
         if not self.constrains(uids):
             return None
-        self._settle()
-        bitmask, words = self._staging.take(trees.sizes.total, self.words)
+        fills = self.fills
+        bitmask, words = fills.take(trees.sizes.total, self.words)
         bitmask.fill(-1)
         starts = trees.sizes.starts().tolist()
         lens = trees.sizes.lens.tolist()
-        way = self._trees_way.pick() if self.parallel else SERIAL
+        way = fills.trees_way.pick() if fills.parallel else SERIAL
         paths: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
         branching: list[int] = []
         for i, uid in enumerate(uids):
@@ -468,54 +395,17 @@ class Grammars:
             started = time.perf_counter()
             if drafted:
                 llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(
-                    self._pool(), drafted, bitmask
+                    fills.pool(), drafted, bitmask
                 )
             if roots:
-                llg_numpy.fill_next_token_bitmask_par(self._pool(), roots, bitmask)
+                llg_numpy.fill_next_token_bitmask_par(fills.pool(), roots, bitmask)
             for tree in walks:
                 _fill(self.matchers[tree.uid], tree, 0, bitmask)
-            if self.parallel:
-                self._trees_way.record(way, time.perf_counter() - started, count)
+            if fills.parallel:
+                fills.trees_way.record(way, time.perf_counter() - started, count)
 
         # filled here: a verify pass has no other host work to do before it needs them
-        return self._submit(fill, bitmask, words, count, None)
-
-
-POOL, SERIAL = "pool", "serial"
-# A pass's masks expected to take less than this (`_Faster.expected`) are filled on the loop's
-# thread: handing them to the filler thread and back costs about as much.
-HANDOFF_SECONDS = 100e-6
-
-
-class _Faster:
-    """Which way fills a pass's masks faster on this machine: llguidance's pool or one row
-    after another. The pool's start and its per-row overhead (which grows with the
-    vocabulary) can cost more than cheap masks; a grammar with costly masks gains from it.
-    Each way's seconds per row are a running mean; the faster is taken, the other retried
-    every `PROBE` passes (a mask's cost changes with the grammars in flight)."""
-
-    PROBE = 32
-
-    def __init__(self) -> None:
-        self.mean: dict[str, float] = {}
-        self.passes = 0
-
-    def pick(self) -> str:
-        self.passes += 1
-        for way in (POOL, SERIAL):  # each measured once first
-            if way not in self.mean:
-                return way
-        faster, slower = sorted((POOL, SERIAL), key=self.mean.__getitem__)
-        return slower if self.passes % self.PROBE == 0 else faster
-
-    def expected(self, rows: int) -> float:
-        """Seconds `rows` masks are expected to take the faster way (inf: not measured)."""
-        return rows * min(self.mean.values()) if self.mean else float("inf")
-
-    def record(self, way: str, seconds: float, rows: int) -> None:
-        per_row = seconds / max(rows, 1)
-        last = self.mean.get(way)
-        self.mean[way] = per_row if last is None else 0.75 * last + 0.25 * per_row
+        return fills.submit(fill, bitmask, words, count, None)
 
 
 @attrs.frozen

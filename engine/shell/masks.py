@@ -1,15 +1,19 @@
 """A pass's grammar masks on their way to the logits: host rows filled (on a thread, with a
-GPU) into staging buffers kept from pass to pass, copied to the device without waiting for
-the pass, unpacked there and applied (every token a row does not allow at -inf)."""
+GPU: `MaskFills`) into staging buffers kept from pass to pass, copied to the device without
+waiting for the pass, unpacked there and applied (every token a row does not allow at -inf)."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import functools
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import llguidance
+import llguidance.numpy as llg_numpy
 import numpy as np
 import torch
 
@@ -54,7 +58,7 @@ class Staging:
 
 
 class PendingMasks:
-    """A pass's masks, being filled (on a host thread with `Grammars.parallel`) into staging
+    """A pass's masks, being filled (on a host thread with `MaskFills.parallel`) into staging
     rows. `host()` waits for them; `apply(logits)` then copies them to the logits' device
     (pinned, without waiting for the pass) and sets what a row does not allow to -inf."""
 
@@ -132,3 +136,126 @@ def unpack_words(words: torch.Tensor) -> torch.Tensor:
     """[rows, words] int32 masks -> [rows, 32 * words] bool (bit b of word w: token 32w + b),
     in two kernels."""
     return ((words[:, :, None] & _bits(words.device)) != 0).flatten(1)
+
+
+POOL, SERIAL = "pool", "serial"
+# A pass's masks expected to take less than this (`Faster.expected`) are filled on the loop's
+# thread: handing them to the filler thread and back costs about as much.
+HANDOFF_SECONDS = 100e-6
+
+
+class Faster:
+    """Which way fills a pass's masks faster on this machine: llguidance's pool or one row
+    after another. The pool's start and its per-row overhead (which grows with the
+    vocabulary) can cost more than cheap masks; a grammar with costly masks gains from it.
+    Each way's seconds per row are a running mean; the faster is taken, the other retried
+    every `PROBE` passes (a mask's cost changes with the grammars in flight)."""
+
+    PROBE = 32
+
+    def __init__(self) -> None:
+        self.mean: dict[str, float] = {}
+        self.passes = 0
+
+    def pick(self) -> str:
+        self.passes += 1
+        for way in (POOL, SERIAL):  # each measured once first
+            if way not in self.mean:
+                return way
+        faster, slower = sorted((POOL, SERIAL), key=self.mean.__getitem__)
+        return slower if self.passes % self.PROBE == 0 else faster
+
+    def expected(self, rows: int) -> float:
+        """Seconds `rows` masks are expected to take the faster way (inf: not measured)."""
+        return rows * min(self.mean.values()) if self.mean else float("inf")
+
+    def record(self, way: str, seconds: float, rows: int) -> None:
+        per_row = seconds / max(rows, 1)
+        last = self.mean.get(way)
+        self.mean[way] = per_row if last is None else 0.75 * last + 0.25 * per_row
+
+
+class MaskFills:
+    """Where a pass's masks are filled: into staging rows (`take`), by llguidance's pool or
+    one row after another (`fill_rows`, whichever `rows_way` measured faster here; a verify
+    pass's tree masks measure theirs in `trees_way`), on the filler thread or on the
+    caller's (`submit`). `parallel`: off the loop's thread where a hand-off costs less than
+    the fill (`HANDOFF_SECONDS`; with a GPU, the device runs the pass meanwhile; on a CPU
+    the cores run the model, and a pool's threads would wait behind it). `stats` counts the
+    masks and their host time (`grammar_masks`, `grammar_mask_seconds`)."""
+
+    def __init__(self, stats: collections.Counter, parallel: bool) -> None:
+        self.stats, self.parallel = stats, parallel
+        self.staging = Staging(pinned=parallel and torch.cuda.is_available())
+        self.rows_way, self.trees_way = Faster(), Faster()  # pool or serial, measured
+        self._executor: llguidance.LLExecutor | None = None
+        self._filler: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: concurrent.futures.Future | None = None  # the last fill started
+
+    def take(self, rows: int, words: int) -> tuple[np.ndarray, torch.Tensor]:
+        """Staging rows for a pass's masks (`Staging.take`), once the last fill is done."""
+        self.settle()
+        return self.staging.take(rows, words)
+
+    def fill_rows(self, rows: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
+        """Fill `rows` of `bitmask`: on llguidance's pool or one by one (on this thread), the
+        way `rows_way` measured faster here."""
+        way = self.rows_way.pick() if self.parallel and len(rows) > 1 else SERIAL
+        started = time.perf_counter()
+        if way == POOL:
+            llg_numpy.fill_next_token_bitmask_par(self.pool(), rows, bitmask)
+        else:
+            for matcher, row in rows:
+                llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+        if self.parallel:
+            self.rows_way.record(way, time.perf_counter() - started, len(rows))
+
+    def pool(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def submit(
+        self,
+        fill: Callable[[], None],
+        bitmask: np.ndarray,
+        words: torch.Tensor,
+        count: int,
+        way: Faster | None,
+    ) -> PendingMasks:
+        """`fill()` (which writes `bitmask`'s `count` masks) timed: with `parallel`, on the
+        filler thread, unless `way` measured it cheaper than the hand-off (`HANDOFF_SECONDS`);
+        then, with `way` None, and without `parallel`, here."""
+
+        def timed() -> float:
+            started = time.perf_counter()
+            fill()
+            return time.perf_counter() - started
+
+        if not self.parallel or way is None or way.expected(count) < HANDOFF_SECONDS:
+            seconds = timed()
+            self.stats["grammar_masks"] += count
+            self.stats["grammar_mask_seconds"] += seconds
+            return PendingMasks(bitmask, words, self.stats, count, None, self.staging)
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
+        running = threading.Event()
+
+        def started() -> float:
+            running.set()
+            return timed()
+
+        self._inflight = self._filler.submit(started)
+        # Wait (GIL released) until the filler runs: it then holds the GIL only until it
+        # enters llguidance, where this thread takes it back. Otherwise it might wait for
+        # it for an interpreter switch interval (5 ms) while this thread does host work.
+        running.wait()
+        return PendingMasks(bitmask, words, self.stats, count, self._inflight, self.staging)
+
+    def settle(self) -> None:
+        """Wait for the last fill if it is still running: its pass failed before applying
+        it, and its matchers and staging rows are about to be used again (its error went
+        with that pass)."""
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight])
+            self._inflight = None

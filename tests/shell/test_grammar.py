@@ -190,14 +190,14 @@ def test_started_masks_are_filled_off_the_loops_thread_and_applied_later() -> No
     book.add(0, StructuredOutputs(regex="[ab]+"))
     book.add(1, StructuredOutputs(regex="c"))
     go, filled_on = threading.Event(), []
-    fill = book._fill_rows
+    fill = book.fills.fill_rows
 
     def held(rows, bitmask):
         go.wait()
         filled_on.append(threading.current_thread())
         fill(rows, bitmask)
 
-    book._fill_rows = held
+    book.fills.fill_rows = held
     pending = book.start([0, 9, 1])
     assert pending is not None and not pending.done  # the loop goes on meanwhile
     go.set()
@@ -226,15 +226,15 @@ def test_a_pass_advances_its_requests_matchers_together() -> None:
 
 
 def test_the_faster_way_to_fill_is_taken_and_the_other_retried_now_and_then() -> None:
-    from engine.shell.grammar import POOL, SERIAL, _Faster
+    from engine.shell.masks import POOL, SERIAL, Faster
 
-    faster = _Faster()
+    faster = Faster()
     assert faster.pick() == POOL  # each way measured once first
     faster.record(POOL, 8.0, 4)  # 2 s a row
     assert faster.pick() == SERIAL
     faster.record(SERIAL, 4.0, 4)  # 1 s a row
-    picks = [faster.pick() for _ in range(2 * _Faster.PROBE)]
-    assert picks.count(POOL) == 2 and picks.count(SERIAL) == 2 * _Faster.PROBE - 2
+    picks = [faster.pick() for _ in range(2 * Faster.PROBE)]
+    assert picks.count(POOL) == 2 and picks.count(SERIAL) == 2 * Faster.PROBE - 2
     for _ in range(8):  # the pool turns faster: it is taken from then on
         faster.record(POOL, 0.1, 4)
     assert faster.pick() == POOL

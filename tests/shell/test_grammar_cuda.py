@@ -45,7 +45,7 @@ def test_started_masks_cross_from_reused_pinned_rows_as_the_host_applies_them() 
     """Pass after pass (the staging rows reused, two in turn, growing once), the masks a
     pass starts reach the device from pinned memory and mask as the host does."""
     book = Grammars(None, 256, EOS, parallel=True)
-    assert book._staging.pinned
+    assert book.fills.staging.pinned
     for uid in range(80):
         book.add(uid, StructuredOutputs(regex="[a-c]+x" if uid % 2 else "(no|yes)"))
     generator = torch.Generator().manual_seed(1)
@@ -76,7 +76,7 @@ def _outputs(engine: Engine, params: list[SamplingParams]) -> list[bytes]:
 @pytest.mark.parametrize("kind", ["plain", "speculative"])
 def test_greedy_and_sampled_output_follows_the_grammar(engines, kind: str) -> None:
     engine = engines[kind]
-    assert engine.grammars.parallel  # on a GPU the masks come from a pool of host threads
+    assert engine.grammars.fills.parallel  # on a GPU the masks come from a pool of host threads
     spec = {"regex": PATTERN.decode()}
     params = [SamplingParams(max_tokens=64, structured_outputs=spec)] + [
         SamplingParams(max_tokens=64, temperature=1.0, seed=s, structured_outputs=spec)

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from engine import SamplingParams
-from engine.shell import grammar
+from engine.shell import grammar, masks
 from engine.shell.engine import Engine
 from engine.state import StructuredOutputs
 
@@ -30,8 +30,8 @@ class Timeline:
         self.main = threading.current_thread()
         self._wrap(engine.runner, "forward", "forward")
         self._wrap(engine.runner, "launch", "forward")
-        self._wrap(engine.grammars, "_fill_rows", "fill")
-        self._wrap(engine.grammars, "_submit", "start")
+        self._wrap(engine.grammars.fills, "fill_rows", "fill")
+        self._wrap(engine.grammars.fills, "submit", "start")
         self._wrap(engine.ahead, "plan", "plan")
         self._wrap(engine.logits, "constrain", "apply")  # in sampling: waits for the fill
         self._wrap(engine.logits, "constrain_tree", "apply")
@@ -52,12 +52,12 @@ class Timeline:
 
 @pytest.fixture(params=["plain", "speculative"])
 def engine(request, monkeypatch) -> Engine:
-    monkeypatch.setattr(grammar, "HANDOFF_SECONDS", 0.0)  # every fill handed off, however cheap
+    monkeypatch.setattr(masks, "HANDOFF_SECONDS", 0.0)  # every fill handed off, however cheap
     settings = dict(random_weights="tiny", device="cpu", dtype="float32", max_context=256)
     if request.param == "speculative":
         settings.update(speculative=True, draft_budget=8)
     engine = Engine(**settings)
-    engine.grammars.parallel = True  # as on a GPU: masks filled by a pool thread
+    engine.grammars.fills.parallel = True  # as on a GPU: masks filled by a pool thread
     return engine
 
 
@@ -105,17 +105,17 @@ def test_masks_cheaper_than_the_hand_off_are_filled_on_the_loops_thread() -> Non
     book.add(0, StructuredOutputs(regex="[ab]+"))
     main = threading.current_thread()
     filled_on = []
-    fill = book._fill_rows
+    fill = book.fills.fill_rows
 
     def recorded(rows, bitmask):
         filled_on.append(threading.current_thread())
         fill(rows, bitmask)
 
-    book._fill_rows = recorded
+    book.fills.fill_rows = recorded
     book.start([0]).host()
-    book._rows_way.mean = {grammar.SERIAL: grammar.HANDOFF_SECONDS / 4}
+    book.fills.rows_way.mean = {masks.SERIAL: masks.HANDOFF_SECONDS / 4}
     pending = book.start([0, 1, 2])  # one constrained row: a quarter of the hand-off
     assert pending.done and filled_on[1] is main
-    book._rows_way.mean = {grammar.SERIAL: grammar.HANDOFF_SECONDS * 2}
+    book.fills.rows_way.mean = {masks.SERIAL: masks.HANDOFF_SECONDS * 2}
     book.start([0]).host()
     assert filled_on[0] is not main and filled_on[2] is not main
