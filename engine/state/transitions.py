@@ -243,11 +243,7 @@ def narrow(batch: Batch, indices: Sequence[int] | np.ndarray) -> Batch:
     the part of those that left is abandoned (`abandon`)."""
     if batch.mode not in (Mode.DECODE, Mode.IDLE):
         raise ValueError(f"narrow() is for decode passes; this pass is {batch.mode.value}")
-    idx = np.asarray(indices, dtype=INDEX_DTYPE).reshape(-1)
-    if idx.size and (idx.min() < 0 or idx.max() >= len(batch.running)):
-        raise IndexError(f"indices {idx.tolist()} out of range for a pass of {len(batch.running)}")
-    if np.unique(idx).size != idx.size:
-        raise ValueError(f"indices {idx.tolist()} name a request twice")
+    idx = _distinct(indices, len(batch.running))
     running = batch.running.select(idx)
     return Batch(running, SeqLens.full(idx.size, 1), batch.input_ids[idx], batch.out_slots[idx])
 
@@ -415,14 +411,19 @@ def _close(
 
 
 # --- requests leaving ------------------------------------------------------------------------
-def _leave(running: Running, indices: Sequence[int] | np.ndarray) -> tuple[Running, np.ndarray]:
-    mask = np.zeros(len(running), dtype=bool)
+def _distinct(indices: Sequence[int] | np.ndarray, size: int) -> np.ndarray:
+    """`indices` into a batch of `size` requests, each in range and named once."""
     idx = np.asarray(indices, dtype=INDEX_DTYPE).reshape(-1)
-    if idx.size and (idx.min() < 0 or idx.max() >= len(running)):
-        raise IndexError(f"indices {idx.tolist()} out of range for a batch of {len(running)}")
+    if idx.size and (idx.min() < 0 or idx.max() >= size):
+        raise IndexError(f"indices {idx.tolist()} out of range for a batch of {size}")
     if np.unique(idx).size != idx.size:
         raise ValueError(f"indices {idx.tolist()} name a request twice")
-    mask[idx] = True
+    return idx
+
+
+def _leave(running: Running, indices: Sequence[int] | np.ndarray) -> tuple[Running, np.ndarray]:
+    mask = np.zeros(len(running), dtype=bool)
+    mask[_distinct(indices, len(running))] = True
     return running.select(~mask), mask
 
 
