@@ -260,11 +260,15 @@ class Engine:
             return 0
         order, peeks = candidates if candidates is not None else self._candidates()
         step_slots = 1 + (self.config.draft_budget if self.spec else 0)
+        # each running request's pending tokens and its next step after them, as a newcomer
+        # counts its own: a prompt still prefilling needs the rest of it
+        running = self.running
+        reserved = int(running.pending_lens.sum()) + len(running) * (step_slots - 1)
         return scheduler.count_admissible(
             (r.num_tokens - length for r, (length, _) in zip(order, peeks, strict=True)),
             self.book.table.num_free_rows,
             self.book.num_available + self.ahead.num_held,
-            len(self.running) * step_slots,
+            reserved,
             self.config.chunk_size,
             step_slots,
             (unlocked for _, unlocked in peeks),

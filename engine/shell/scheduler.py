@@ -85,8 +85,9 @@ def count_admissible(
 
     A request is admitted while a row is free and its pending tokens plus its own next step
     (`step_slots`: 1, or 1 + the draft budget) fit in the free slots left after reserving
-    `reserved_slots` for the running requests' next steps. Counting its next step keeps a
-    request from being admitted only to be retracted again by the decode that follows. The
+    `reserved_slots` for the running requests (the engine counts theirs the same way: a
+    prompt still prefilling needs the rest of it). Counting the next steps keeps a request
+    from being admitted only to be retracted again by the pass that follows. The
     first request is admitted even when it exceeds the token budget (it is chunked); later
     ones must fit within it. With nothing running, the first request needs room for its
     tokens and one more only: a request the pool can hold must never wait for room that

@@ -87,9 +87,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.faults = Faults.at()
 
     def _params(self, max_tokens: int, sampled: bool, seed: int) -> SamplingParams:
+        """Sampled or greedy; one request in three with penalties (a pass launched ahead
+        counts the running pass's tokens into them on the device)."""
+        penalties = dict(frequency_penalty=0.5, repetition_penalty=1.2) if seed % 3 == 0 else {}
         if sampled:
-            return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=20, seed=seed)
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=0.8, top_k=20, seed=seed, **penalties
+            )
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **penalties)
 
     def _prompt(self, length: int, seed: int) -> list[int]:
         motif = np.random.default_rng(seed).integers(3, 250, size=5).tolist()

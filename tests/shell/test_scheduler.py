@@ -114,3 +114,45 @@ def test_request_token_views_equal_the_joined_history():
         for stop in range(start, len(joined) + 1):
             assert request.token_slice(start, stop) == joined[start:stop]
     assert Request("q", [7], SamplingParams()).last_token == 7
+
+
+def test_a_prompt_still_prefilling_keeps_out_a_newcomer_it_would_retract():
+    """A running request prefilling its prompt in chunks needs the rest of it: admission
+    reserves each running request's pending tokens (not one slot each), or a newcomer is
+    admitted, retracted by the chunk that follows, admitted again, and so on for ever (found
+    by the engine state machine: a 48-slot pool, 6-token chunks, two prompts of 25 and 28
+    tokens and a one-token one)."""
+    from engine.shell.engine import Engine
+    from engine.state import SamplingParams
+
+    engine = Engine(
+        random_weights="tiny",
+        device="cpu",
+        dtype="float32",
+        max_context=64,
+        kv_cache_slots=48,
+        chunk_size=6,
+        max_running_requests=4,
+        prefix_cache=True,
+        mixed_passes=True,
+        plan_ahead=False,
+    )
+
+    def prompt(length: int, seed: int) -> list[int]:
+        motif = np.random.default_rng(seed).integers(3, 250, size=5).tolist()
+        return (motif * (length // 5 + 1))[:length]
+
+    prompts = [prompt(25, 0), prompt(28, 1), prompt(1, 0)]
+    requests = [
+        engine._submit(p, SamplingParams(max_tokens=n, ignore_eos=True), None, None)
+        for p, n in zip(prompts, [1, 2, 4], strict=True)
+    ]
+    for _ in range(60):
+        if not engine.has_work:
+            break
+        engine.step()
+        engine.check()
+    assert not engine.has_work, (
+        f"still running after 60 steps: {engine.stats['retractions']} retractions"
+    )
+    assert all(r.finish_reason.openai == "length" for r in requests)
