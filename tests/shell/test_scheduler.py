@@ -122,13 +122,11 @@ def test_a_prompt_still_prefilling_keeps_out_a_newcomer_it_would_retract():
     admitted, retracted by the chunk that follows, admitted again, and so on for ever (found
     by the engine state machine: a 48-slot pool, 6-token chunks, two prompts of 25 and 28
     tokens and a one-token one)."""
-    from engine.shell.engine import Engine
+    from engine_checks import tiny
+
     from engine.state import SamplingParams
 
-    engine = Engine(
-        random_weights="tiny",
-        device="cpu",
-        dtype="float32",
+    engine = tiny(
         max_context=64,
         kv_cache_slots=48,
         chunk_size=6,
