@@ -32,9 +32,12 @@ from engine.state import DraftTrees, StructuredOutputs
 # tokens on newlines. A schema's "x-guidance" options override this.
 JSON_OPTIONS = {"whitespace_flexible": False}
 COMPILED_KEPT = 256  # compiled grammars kept (by their StructuredOutputs value)
-# A greedy row whose checked token was refused is masked first for its next 1, 2, 4, ...
-# passes (a model that rarely follows its grammar pays for a mask, not a redraw and a pass
-# launched ahead from the refused token), then checked again; at most this many in a row.
+# A greedy row whose checked tokens were refused twice in a row is masked first for its next
+# 1, 2, 4, ... passes (a model that rarely follows its grammar pays for a mask, not a redraw
+# and a pass launched ahead from the refused token), then checked again; at most this many
+# in a row. One refusal alone starts no run: most are alone (a model's first token, before
+# the grammar's first character; a space the grammar does not allow), and a masked pass is
+# not launched ahead.
 MASKED_FIRST_MAX = 64
 
 
@@ -213,13 +216,14 @@ class Grammars:
 
     def note_check(self, uid: int, allowed: bool) -> None:
         """A checked token's verdict: an allowed one ends `uid`'s masked runs; a refused one
-        starts a run twice as long as its last (1 at first, at most `MASKED_FIRST_MAX`)."""
+        starts a run twice as long as its last (none after a first refusal, then 1, 2, 4,
+        ..., at most `MASKED_FIRST_MAX`)."""
         if allowed:
             self._masked_runs.pop(uid, None)
             return
-        last = self._masked_runs.get(uid, [0, 0])[1]
-        length = min(MASKED_FIRST_MAX, max(1, 2 * last))  # 0: every token checked first
-        self._masked_runs[uid] = [length, length]
+        last = self._masked_runs.get(uid)
+        length = 0 if last is None else min(MASKED_FIRST_MAX, max(1, 2 * last[1]))
+        self._masked_runs[uid] = [length, length]  # 0: the next token is checked first too
 
     def advance(self, uid: int, tokens: Sequence[int]) -> Progress:
         """`uid`'s matcher past its newly committed `tokens`."""

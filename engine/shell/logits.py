@@ -169,10 +169,11 @@ class LogitsWork:
 
     @staticmethod
     def keep_checked(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor | None:
-        """A copy of the `rows` of `logits` (None without rows), for `recheck`."""
+        """A copy of the span of `logits` from the first of `rows` (ascending) to the last
+        (None without rows), for `recheck`: one device copy, no index sent to the device."""
         if not rows:
             return None
-        return logits.index_select(0, host_to_device(np.array(rows, np.int64), logits.device))
+        return logits[rows[0] : rows[-1] + 1].clone()
 
     def recheck(
         self,
@@ -184,9 +185,10 @@ class LogitsWork:
     ) -> np.ndarray:
         """`tokens` (one per logits row, on the host) with each of `rows` (`checked_rows`)
         that its grammar refuses drawn again greedily under its mask; the same array when
-        every one is allowed. `kept`: the rows' logits copied before a pass was launched
-        ahead (`keep_checked`), read in place of `logits`. Counts the tokens checked
-        (`grammar_tokens_checked`) and those drawn again (`grammar_tokens_redrawn`)."""
+        every one is allowed. `kept`: the span of logits from the first of `rows` copied
+        before a pass was launched ahead (`keep_checked`), read in place of `logits`. Counts
+        the tokens checked (`grammar_tokens_checked`) and those drawn again
+        (`grammar_tokens_redrawn`)."""
         if not rows:
             return tokens
         stats = self.grammars.stats
@@ -202,7 +204,8 @@ class LogitsWork:
         stats["grammar_tokens_redrawn"] += len(refused)
         refused_uids = [uids[rows[i]] for i in refused]
         source = logits if kept is None else kept
-        picks = refused if kept is not None else [rows[i] for i in refused]
+        first = rows[0] if kept is not None else 0  # the row `source` starts at
+        picks = [rows[i] - first for i in refused]
         index = host_to_device(np.array(picks, dtype=np.int64), source.device)
         masks = self.grammars.start(refused_uids)
         assert masks is not None  # every refused row is constrained

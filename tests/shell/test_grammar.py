@@ -297,13 +297,15 @@ def test_a_refused_check_starts_masked_runs_that_double_and_an_allowed_one_ends_
         return "".join("c" if book.checks_first(4) else "m" for _ in range(passes))
 
     assert pattern(3) == "ccc"  # nothing refused yet
-    for expected in ("mc", "mmc", "mmmmc"):
+    for expected in ("c", "mc", "mmc", "mmmmc"):  # a first refusal alone starts no run
         book.note_check(4, allowed=False)
         assert pattern(len(expected)) == expected
     book.note_check(4, allowed=True)  # an allowed token ends the runs
     assert pattern(2) == "cc"
     book.note_check(4, allowed=False)
-    assert pattern(2) == "mc"  # a new run starts from one
+    assert pattern(2) == "cc"  # refused once since: no run
+    book.note_check(4, allowed=False)
+    assert pattern(2) == "mc"  # twice in a row: a new run starts from one
     for _ in range(10):  # runs stop growing at MASKED_FIRST_MAX
         book.note_check(4, allowed=False)
     assert pattern(65) == "m" * 64 + "c"

@@ -451,11 +451,13 @@ def _on_one_output_buffer(engine: Engine) -> None:
 def test_a_refused_token_is_drawn_again_from_its_own_pass_logits(monkeypatch):
     """With the logits in one buffer (a graph's output), the pass launched ahead writes over
     the running pass's before its tokens are checked: a refused token is drawn again from the
-    copy of its row kept at launch, the same tokens as planning nothing ahead."""
+    copy of its row kept at launch, the same tokens as planning nothing ahead. An
+    unconstrained row before the checked ones is not in the kept span."""
     monkeypatch.setattr(grammar, "MASKED_FIRST_MAX", 0)  # every token checked first
     pattern = r"[ -~]{6,24}"
-    prompts = [[5 + i, 6, 7 * i % 200] for i in range(3)]
-    params = [SamplingParams(max_tokens=20, structured_outputs={"regex": pattern})] * 3
+    prompts = [[5 + i, 6, 7 * i % 200] for i in range(4)]
+    params = [SamplingParams(max_tokens=20, structured_outputs={"regex": pattern})] * 4
+    params[0] = SamplingParams(max_tokens=24, ignore_eos=True)
     reference = _run(_tiny("torch", plan_ahead=False), prompts, params)
     engine = _tiny("torch", launch_ahead=True)
     _on_one_output_buffer(engine)
