@@ -4,14 +4,16 @@ logits peak at its request's next token of the document, then EOS), so that cons
 unconstrained requests emit the same tokens and only the host work differs.
 
     python benchmarks/bench_structured_host.py [--clients 1,4,16] [--requests 4] [--profile]
-        [--speculative]
+        [--speculative] [--forward model --device cuda]
     python benchmarks/bench_structured_host.py --server [--clients 1,4,16] [--requests 4]
 
-Prints, for each number of clients, unconstrained then JSON-schema constrained: output tok/s,
-host ms per decode step, passes by mode, plans ahead used/dropped; with --profile, the top of
-a cProfile of the constrained run's steps. With --server the same engine serves HTTP in a
-process of its own and `bench_server.py`'s JSON-schema comparison drives it (streamed chat
-requests, as on a GPU): the server's and the engine loop's host work together.
+Prints, for each number of clients, unconstrained then JSON-schema constrained (the
+unconstrained requests ask for as many tokens as the constrained ones made): output tok/s, ms
+per decode step, passes by mode, plans ahead used/dropped; with --profile, the top of a
+cProfile of each kind's steps. `--forward model` keeps the model's own forward (on
+`--device`): the engine loop without the server. With --server the same engine serves HTTP
+in a process of its own and `bench_server.py`'s JSON-schema comparison drives it (streamed
+chat requests, as on a GPU): the server's and the engine loop's host work together.
 """
 
 from __future__ import annotations
@@ -143,10 +145,18 @@ def server_main(args: argparse.Namespace) -> None:
         process.wait(30)
 
 
-def run(engine: Engine, clients: int, requests: int, constrained: bool, max_tokens: int):
-    """`clients` requests in flight until `requests` per client are done (greedy)."""
-    runner = CopyRunner(engine, {})
-    engine.runner = engine.ahead.runner = runner
+def run(
+    engine: Engine,
+    clients: int,
+    requests: int,
+    constrained: bool,
+    max_tokens: int,
+    runner: CopyRunner | None,
+):
+    """`clients` requests in flight until `requests` per client are done (greedy); `runner`:
+    a `CopyRunner` in place of the engine's own (None: the model's forward)."""
+    if runner is not None:
+        runner.passes.clear()
     engine.stats.clear()
     engine.step_times.clear()
     total, submitted, done = clients * requests, 0, 0
@@ -165,7 +175,8 @@ def run(engine: Engine, clients: int, requests: int, constrained: bool, max_toke
             structured_outputs={"json": schema} if constrained else None,
         )
         request = engine._submit(ids, params, None, None)
-        runner.targets[request.uid] = target
+        if runner is not None:
+            runner.targets[request.uid] = target
         live.append(request.request_id)
         submitted += 1
 
@@ -185,7 +196,11 @@ def run(engine: Engine, clients: int, requests: int, constrained: bool, max_toke
         tok_s=tokens / seconds,
         tokens=tokens,
         decode_ms=1e3 * float(np.mean(decode)) if decode else 0.0,
-        passes=dict(runner.passes),
+        passes=dict(
+            runner.passes
+            if runner is not None
+            else collections.Counter(mode for mode, _ in engine.step_times)
+        ),
         used=engine.stats["plans_ahead_used"],
         dropped=engine.stats["plans_ahead_dropped"],
         masks=engine.stats["grammar_masks"],
@@ -197,10 +212,18 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--requests", type=int, default=4, help="per client")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=2, help="best of")
+    parser.add_argument("--rounds", type=int, default=2, help="best of, after a warm-up round")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-rows", type=int, default=25)
     parser.add_argument("--speculative", action="store_true")
     parser.add_argument("--server", action="store_true", help="through the HTTP server")
+    parser.add_argument(
+        "--forward",
+        choices=("copy", "model"),
+        default="copy",
+        help="copy: a forward that costs nothing; model: the default model's own",
+    )
+    parser.add_argument("--device", default="cpu", help="with --forward model")
     parser.add_argument("--serve-copy", type=int, help=argparse.SUPPRESS)  # its process
     args = parser.parse_args()
     if args.serve_copy:
@@ -209,19 +232,32 @@ def main() -> None:
     if args.server:
         server_main(args)
         return
+    if args.forward == "copy" and args.device != "cpu":
+        parser.error("--device needs --forward model (the copy forward runs on the CPU)")
     engine = Engine(
-        device="cpu", dtype="float32", max_running_requests=32, speculative=args.speculative
+        device=args.device,
+        dtype="float32" if args.device == "cpu" else "auto",
+        max_running_requests=32,
+        speculative=args.speculative,
     )
     engine.grammars.wait_ready()
+    runner = CopyRunner(engine, {}) if args.forward == "copy" else None
+    if runner is not None:
+        engine.runner = engine.ahead.runner = runner
+    print(f"forward: {args.forward}, device {args.device}, launch_ahead {engine.launch_ahead}")
     print("| clients | kind | tok/s | ms/decode step | passes | plans used/dropped | masks |")
     print("|---|---|---|---|---|---|---|")
     for clients in [int(c) for c in args.clients.split(",")]:
         best = {}
-        for _ in range(args.rounds):
-            for constrained in (False, True):
-                result = run(engine, clients, args.requests, constrained, args.max_tokens)
+        length = args.max_tokens  # the unconstrained requests': as many as the JSON ones made
+        for counted in [False] + [True] * args.rounds:  # a warm-up round first
+            for constrained in (True, False):
+                max_tokens = args.max_tokens if constrained else length
+                result = run(engine, clients, args.requests, constrained, max_tokens, runner)
+                if constrained:
+                    length = max(1, round(result["tokens"] / (clients * args.requests)))
                 kind = "json" if constrained else "free"
-                if kind not in best or result["tok_s"] > best[kind]["tok_s"]:
+                if counted and (kind not in best or result["tok_s"] > best[kind]["tok_s"]):
                     best[kind] = result
         for kind in ("free", "json"):
             r = best[kind]
@@ -232,12 +268,17 @@ def main() -> None:
         print(f"| {clients} | ratio | {best['json']['tok_s'] / best['free']['tok_s']:.2f}x |")
     if args.profile:
         for clients in [int(c) for c in args.clients.split(",")]:
-            profile = cProfile.Profile()
-            profile.enable()
-            run(engine, clients, args.requests, True, args.max_tokens)
-            profile.disable()
-            print(f"\n== constrained, {clients} clients")
-            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+            length = args.max_tokens
+            for constrained in (True, False):
+                profile = cProfile.Profile()
+                profile.enable()
+                max_tokens = args.max_tokens if constrained else length
+                result = run(engine, clients, args.requests, constrained, max_tokens, runner)
+                profile.disable()
+                length = max(1, round(result["tokens"] / (clients * args.requests)))
+                kind = "constrained" if constrained else "unconstrained"
+                print(f"\n== {kind}, {clients} clients")
+                pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_rows)
 
 
 if __name__ == "__main__":
