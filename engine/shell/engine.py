@@ -166,7 +166,11 @@ class Engine:
             return
         config = self.config
         plan = scheduler.plan_extend(
-            self.running, config.chunk_size, config.mixed_passes, config.mixed_chunk_size
+            self.running,
+            config.chunk_size,
+            config.mixed_passes,
+            config.mixed_chunk_size,
+            first_in_extend=self.spec is not None,
         )
         try:
             with self.cpu_threads.threads() if self.cpu_threads else contextlib.nullcontext():

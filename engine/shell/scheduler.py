@@ -27,13 +27,20 @@ class ExtendPlan:
 
 
 def plan_extend(
-    running: Running, token_budget: int, mixed: bool = True, mixed_budget: int | None = None
+    running: Running,
+    token_budget: int,
+    mixed: bool = True,
+    mixed_budget: int | None = None,
+    first_in_extend: bool = True,
 ) -> ExtendPlan | None:
     """Chunks for the requests still prefilling their prompt, in batch order, under the token
     budget; None when there are none (the step decodes or verifies). A request prefills while
-    it has more than one pending token, or has not sampled yet: one whose prompt was cached
-    but for its last token samples its first token in an extend pass too, as it would without
-    the cache (with speculation, a verify pass would draw it differently). `mixed`: the pass
+    it has more than one pending token, or, with `first_in_extend`, has not sampled yet: one
+    whose prompt was cached but for its last token then samples its first token in an extend
+    pass, as it would without the cache (with speculation a verify pass would draw it
+    differently). Without it, that request joins the decode pass: one pending token is a
+    decode row whether or not it has sampled, the same logits and the same draw, and a
+    decode pass replays a CUDA graph where an extend pass runs eagerly. `mixed`: the pass
     also carries every other request's pending token (its decode), outside the budget, so
     running requests keep emitting while prompts prefill; otherwise they wait. A pass that
     carries decodes prefills at most `mixed_budget` tokens per prefilling request (when
@@ -43,6 +50,8 @@ def plan_extend(
     """
     pending = running.pending_lens
     first = running.token_lens.lens == running.prompt_lens
+    if not first_in_extend:
+        first = np.zeros_like(first)
     prefilling = (pending > 1) | first
     candidates = np.flatnonzero(prefilling)
     if candidates.size == 0:

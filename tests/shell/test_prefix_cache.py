@@ -164,3 +164,31 @@ def test_a_closed_stream_releases_its_lock():
     assert engine.book.cache.holders()
     stream.close()
     settled(engine)
+
+
+def test_a_prompt_cached_but_for_its_last_token_samples_its_first_token_in_a_decode_pass():
+    """A prompt sent again is cached but for its last token: one pending token, a decode
+    row, so without speculation it joins the running decode pass (a graph's replay on a GPU)
+    instead of starting an extend pass; its tokens are those of computing it, greedy and
+    seeded alike. With speculation its first token still comes from an extend pass."""
+    prompts = [family(40 + i, 12) for i in range(3)]
+    params = [
+        SamplingParams(max_tokens=10, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.9, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=8, ignore_eos=True),
+    ]
+    reference = [c.token_ids for c in tiny(prefix_cache=False).generate(prompts, params)]
+    engine = tiny()
+    assert [c.token_ids for c in engine.generate(prompts, params)] == reference
+    engine.step_times.clear()
+    again = engine.generate(prompts, params)  # every prompt cached now
+    assert [c.token_ids for c in again] == reference
+    assert all(c.usage.cached_tokens == 11 for c in again)
+    assert [mode for mode, _ in engine.step_times].count("extend") == 0
+    settled(engine)
+    speculative = tiny(speculative=True)
+    speculative.generate(prompts[:1], params[0])
+    speculative.step_times.clear()
+    speculative.generate(prompts[:1], params[0])
+    assert [mode for mode, _ in speculative.step_times][0] == "extend"
+    settled(speculative)

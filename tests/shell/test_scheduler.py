@@ -54,6 +54,13 @@ def test_a_request_whose_prompt_was_cached_samples_its_first_token_in_an_extend_
     assert plan.indices.tolist() == [0, 1] and plan.chunk_lens.tolist() == [1, 1]
     plan = plan_extend(running, token_budget=40, mixed=False)
     assert plan.indices.tolist() == [0] and plan.chunk_lens.tolist() == [1]
+    # without speculation it joins the decode pass: one pending token each, a decode
+    assert plan_extend(running, token_budget=40, first_in_extend=False) is None
+    assert plan_extend(running, 40, mixed=False, first_in_extend=False) is None
+    # a longer pending prompt still prefills, and the decodes ride along when mixed
+    pending = _running([4, 6], [9, 7], prompt_lens=[9, 3])
+    plan = plan_extend(pending, token_budget=40, first_in_extend=False)
+    assert plan.indices.tolist() == [0, 1] and plan.chunk_lens.tolist() == [5, 1]
 
 
 def test_admission_is_fcfs_and_counts_each_requests_next_step():

@@ -288,8 +288,8 @@ def test_a_greedy_verify_masks_only_the_refused_tokens_of_its_paths(
 
 def test_a_row_its_grammar_keeps_refusing_is_masked_first_in_growing_runs() -> None:
     """The tiny model almost never draws a digit: after each refused check but the first
-    its row is masked first for 1, 2, 4, ... passes, so few tokens are checked (and drawn twice), and the
-    tokens are those of masking every one first (a request with logprobs)."""
+    its row is masked first for 1, 2, 4, ... passes, so few tokens are checked (and drawn
+    twice), and the tokens are those of masking every one first (a request with logprobs)."""
     settings = dict(random_weights="tiny", device="cpu", dtype="float32", max_context=64)
     prompts = [[5 + i, 6, 7 * i % 200] for i in range(3)]
     engines, outputs = {}, {}
