@@ -25,6 +25,7 @@ import torch
 
 from engine import speculator
 from engine.shell.engine import Engine
+from engine.shell.passes import Passes
 from engine.spec import NgramProposer, PassCost, SpecStats
 from engine.state import SamplingParams
 
@@ -39,7 +40,7 @@ STAGES = [
     (PassCost, "fit", "cost.fit"),
     (Engine, "_commit", "commit (transition effects)"),
     (Engine, "_decode_step", "decode step (whole)"),
-    (Engine, "_forward", "verify forward (whole)"),
+    (Passes, "forward", "verify forward (whole)"),
 ]
 STATE_FUNCS = ["schedule_verify", "verify"]  # engine.state functions the speculator calls
 

@@ -128,7 +128,8 @@ def summarise(trace: dict, modes: list[str], top: int = 12) -> str:
 
 
 PHASES = (
-    ("engine", ("_drain_inbox", "_admit", "_launch", "_fetch", "_prepare_next", "_commit_pass")),
+    ("engine", ("_drain_inbox", "_admit", "_prepare_next", "_commit_pass")),
+    ("passes", ("launch", "fetch")),
     ("runner", ("prepare", "launch")),
     ("spec", ("propose", "verify", "record", "observe")),
     ("book", ("apply",)),

@@ -16,7 +16,6 @@ from typing import Any
 
 import attrs
 import numpy as np
-import torch
 
 from engine import cpu_kernels, state
 from engine.errors import InvalidRequest
@@ -29,8 +28,9 @@ from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
 from engine.shell.grammar import Grammars
 from engine.shell.inbox import Inbox, validate_params, validate_prompt
 from engine.shell.kv import KVBook
-from engine.shell.logits import Launched, LogitsWork, Sampled
+from engine.shell.logits import Launched, LogitsWork
 from engine.shell.outputs import Outputs
+from engine.shell.passes import Passes
 from engine.shell.request import Completion, Delta, Request
 from engine.shell.runner import ModelRunner
 from engine.shell.runtime import Runtime, build_runtime
@@ -78,10 +78,9 @@ class Engine:
             prefix_cache=self.config.prefix_cache,
             table=table,
         )
-        runner = rt.make_runner(self.book.table)
-        self.runner: ModelRunner | ParallelRunner = runner
+        runner: ModelRunner | ParallelRunner = rt.make_runner(self.book.table)
         if self.workers is not None and table is not None:
-            self.runner = ParallelRunner(runner, self.workers, table)
+            runner = ParallelRunner(runner, self.workers, table)
         self.running = Running.empty(rt.max_context)
         self.waiting: collections.deque[Request] = collections.deque()
         self.inbox = Inbox()  # submissions and aborts from any thread
@@ -97,20 +96,37 @@ class Engine:
         self.requests = self.outputs.requests  # in flight, by uid (the loop's thread only)
         # penalties and grammar masks before sampling, logprobs after
         self.logits = LogitsWork(self.requests, self.grammars)
-        self._logprobs: dict | None = None  # the last pass's, until its tokens are emitted
         self.by_request_id = self.outputs.by_request_id
         # the transitions: engine.state, or with config.trace_path a recorder of each call
         self.machine = machine(self.config, rt.vocab_size, self.book, self.requests)
-        self.ahead = PlanAhead(self.book, self.runner, self.stats, self.machine)  # next decode
+        self.ahead = PlanAhead(self.book, runner, self.stats, self.machine)  # next decode
+        self.passes = Passes(rt, runner, self.outputs, self.logits, self.ahead)  # launch to tokens
         launch_ahead = self.config.launch_ahead  # None: where the device runs apart from us
         if launch_ahead is None:
             launch_ahead = rt.device.type == "cuda" and self.config.tensor_parallel_size == 1
         self.launch_ahead: bool = launch_ahead
         self.health = Health()
-        self.faults: Faults | None = None  # a test tool: passes fail where it says
         # on the CPU, each step's thread count (torch's, which the kernels are passed): at most
         # the CPUs others leave free, since a spinning OpenMP team stalls behind a busy neighbour
         self.cpu_threads = cpu_kernels.ThreadGovernor() if rt.device.type == "cpu" else None
+
+    @property
+    def runner(self) -> ModelRunner | ParallelRunner:
+        """The runner the passes launch on (a benchmark or test may replace it)."""
+        return self.passes.runner
+
+    @runner.setter
+    def runner(self, runner: Any) -> None:
+        self.passes.runner = runner
+
+    @property
+    def faults(self) -> Faults | None:
+        """A test tool: passes fail where it says (`failures.Faults`)."""
+        return self.passes.faults
+
+    @faults.setter
+    def faults(self, faults: Faults | None) -> None:
+        self.passes.faults = faults
 
     # --- submission (any thread) ------------------------------------------------------------
     def submit(
@@ -360,7 +376,7 @@ class Engine:
             sub, plan.chunk_lens, input_ids, self.book.alloc(plan.num_tokens)
         )
         with self._open(batch) as open_pass:
-            sampled = self._tokens(self._launch(batch))
+            sampled = self.passes.tokens(self.passes.launch(batch))
             self._commit_pass(open_pass, self.machine.extend(batch, sampled), rest=rest)
         if self.book.cache is not None:
             self._share_prefills(sub.rids[plan.chunk_lens > 1])
@@ -407,13 +423,13 @@ class Engine:
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()
             params = [self.requests[u].params for u in uids]
-            forward = self._forward(batch)
+            forward = self.passes.forward(batch)
             # all greedy with a grammar among them: the argmax along each tree's accepted path
             # is checked against its grammar, no node masked first (`Grammars.verify_paths`)
             checked = all(p.greedy for p in params) and self.grammars.constrains(uids)
             masks = None if checked else self.logits.start_tree(trees, uids)
             logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
-            self._hit("verify")
+            self.passes.hit("verify")
             if checked:  # read on the host here; otherwise the speculator's walk reads it
                 argmax = greedy_tokens(logits).cpu().numpy()
                 target = self.grammars.verify_paths(trees, uids, argmax, logits)
@@ -430,7 +446,7 @@ class Engine:
                 outcome.bonus,
                 self.outputs.logprob_uids,
             )
-            self._logprobs = None if pending is None else pending.host()
+            self.passes.logprobs = None if pending is None else pending.host()
             self.spec.record(uids, trees, outcome.accepted_lens.lens)
             result = self.machine.verify(
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
@@ -454,13 +470,13 @@ class Engine:
             if prepared is not None and prepared.launched is not None:
                 launched = prepared.launched  # its input ids were the last pass's tokens
             else:
-                launched = self._launch(batch, prepared)
+                launched = self.passes.launch(batch, prepared)
             if during is not None:
                 during()
             # host work while the device runs this pass (and a pool thread fills its masks);
             # a pass with masks is sampled after it
             launched = self._prepare_next(open_pass, launched)
-            sampled = self._tokens(launched)
+            sampled = self.passes.tokens(launched)
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.fit(self.running)  # requests that finished leave the plan
         return "decode"
@@ -485,7 +501,7 @@ class Engine:
             kept = self.logits.keep_checked(launched.logits, launched.checked)
             launched = attrs.evolve(launched, checked_logits=kept)
             # its rows sample one token further on (the seeds' step counts)
-            self.ahead.launch(lambda p: self._launch(p.batch, p, sampled.tokens, ahead=True))
+            self.ahead.launch(lambda p: self.passes.launch(p.batch, p, sampled.tokens, ahead=True))
         return launched
 
     def _launches_ahead(self) -> bool:
@@ -494,11 +510,11 @@ class Engine:
         its penalties count the tokens of this pass on the device (`LogitsEdit.of`); its
         logprobs come from its own logits on the device; a grammar's rows are all greedy
         then, drawn unmasked and checked after (a refused token drops the launched pass,
-        `_tokens`). A request that leaves with this pass (a stop token, its length) is cut
+        `Passes.tokens`). A request that leaves with this pass (a stop token, its length) is cut
         from the launched pass before it is taken (`PlanAhead.fit`)."""
         return self.launch_ahead and self.spec is None
 
-    # --- one forward pass and its tokens ------------------------------------------------------
+    # --- a pass's slots: committed, or given back ----------------------------------------------
     @contextlib.contextmanager
     def _open(self, batch: state.Batch) -> Iterator[OpenPass]:
         """The one way a pass runs once its slots are handed out: it commits, or its slots go
@@ -516,89 +532,12 @@ class Engine:
                 raise PassFailed(batch.running.rids, error) from error
             raise
 
-    def _hit(self, point: str) -> None:
-        if self.faults is not None:
-            self.faults.hit(point)
-
-    def _forward(
-        self, batch: state.Batch, prepared: Any = None, input_ids: Any = None
-    ) -> torch.Tensor:
-        self._hit("forward")
-        if prepared is None:
-            return self.runner.forward(batch)
-        return self.runner.launch(prepared, batch, input_ids)
-
-    def _launch(
-        self,
-        batch: state.Batch,
-        prepared: Any = None,
-        input_ids: Any = None,
-        ahead: bool = False,
-    ) -> Launched:
-        """Launch the pass, then start its grammars' masks: the host fills them (with a GPU,
-        on a pool thread) while the device runs the forward and the loop does its other host
-        work; `_sample` applies them. A greedy constrained row without logprobs gets no mask
-        here: its token is checked against its grammar once fetched, and drawn again under
-        its mask only if refused (`_tokens`). A pass without masks is sampled at once.
-        Sampling applies each request's bias and penalties first, then its grammar's mask;
-        its logprobs after, where asked, from the logits before the mask; the tokens stay on
-        the device until `_fetch` (their copy to the host starts at once). `input_ids`: on
-        the device, in place of `batch.input_ids` (`ModelRunner.launch`); `ahead`: launched
-        before the running pass's tokens reach the requests (one step further on)."""
-        outputs = self.outputs
-        inputs = None  # all greedy: no per-request work
-        uids = batch.running.rids[batch.samples].tolist()
-        if outputs.sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
-            params = [self.requests[u].params for u in uids]
-            steps = [len(self.requests[u].output_ids) + int(ahead) for u in uids]
-            inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
-        forward = self._forward(batch, prepared, input_ids)
-        # greedy rows go unmasked, and are masked only if their grammar refuses their token
-        checked = self.logits.checked_rows(uids, outputs.logprob_uids)
-        masks = self.logits.start(uids, checked)  # after the launch: filled as the device runs
-        # launched ahead: each row's input is its token that its request does not hold yet
-        pending = input_ids if ahead else None
-        logits = self.logits.edit(forward, uids, outputs.edited_uids, pending)
-        launched = Launched(logits, uids, inputs, masks, checked=checked)
-        if masks is None:
-            return attrs.evolve(launched, sampled=self._sample(launched))
-        return launched
-
-    def _sample(self, launched: Launched) -> Sampled:
-        """The launched pass's sampling, its masks applied (waiting for them)."""
-        if launched.sampled is not None:
-            return launched.sampled
-        logits, uids = launched.logits, launched.uids
-        masked = self.logits.constrain(logits, uids, launched.masks)
-        tokens = self.runtime.sample(masked, launched.inputs)
-        return Sampled.copying(
-            tokens, self.logits.logprobs(logits, tokens, uids, self.outputs.logprob_uids)
-        )
-
-    def _tokens(self, launched: Launched) -> np.ndarray:
-        """The launched pass's tokens on the host: sampled, fetched, and where a checked
-        row's grammar refuses its token, drawn again under its mask (`LogitsWork.recheck`)."""
-        fetched = self._fetch(self._sample(launched))
-        tokens = self.logits.recheck(
-            launched.logits, launched.uids, launched.checked, fetched, launched.checked_logits
-        )
-        if tokens is not fetched:  # a pass launched ahead took the refused tokens as its ids
-            self.ahead.drop_launched()
-        return tokens
-
-    def _fetch(self, sampled: Sampled) -> np.ndarray:
-        """The pass's tokens on the host (where a device error surfaces), and its logprobs."""
-        self._hit("sample")
-        tokens = sampled.tokens_on_host()
-        self._logprobs = None if sampled.logprobs is None else sampled.logprobs.host()
-        return tokens
-
     # --- effects -> resources and outputs ---------------------------------------------------------
     def _commit_pass(
         self, open_pass: OpenPass, result: state.Result, rest: Running | None = None
     ) -> None:
         """Commit a pass's transition; from here its slots belong to its requests."""
-        self._hit("commit")
+        self.passes.hit("commit")
         self._apply(result, rest, open_pass.table_written)
         open_pass.committed = True
         self._emit(result.effects)
@@ -640,8 +579,7 @@ class Engine:
     def _emit(self, effects: state.Effects) -> None:
         """A transition's tokens and finishes to its requests; a stop string's end, or the
         end of a request's grammar, commits."""
-        logprobs, self._logprobs = self._logprobs, None
-        ending = self.outputs.emit(effects, logprobs)
+        ending = self.outputs.emit(effects, self.passes.take_logprobs())
         for reason in (FinishReason.STOP, FinishReason.ERROR):
             indices = [self.running.index_of(uid) for uid, r in ending.items() if r == reason]
             if indices:

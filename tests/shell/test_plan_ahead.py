@@ -219,8 +219,8 @@ def test_a_failure_around_a_plan_loses_no_slot(failing, launch_ahead):
     engine = _tiny("torch", launch_ahead=launch_ahead)
     prompts, params = _prompts(3), _params(3)
     # "fetch": the device tokens of the 4th pass fail when read (a device error surfaces there)
-    target = engine if failing == "fetch" else engine.runner
-    name = {"prepare": "prepare", "launch": "launch", "fetch": "_sample"}[failing]
+    target = engine.passes if failing == "fetch" else engine.runner
+    name = {"prepare": "prepare", "launch": "launch", "fetch": "sample"}[failing]
     real, calls = getattr(target, name), []
 
     class Unreadable(Sampled):  # its tokens on the device (a pass may launch from them)
