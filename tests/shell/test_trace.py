@@ -124,6 +124,23 @@ def test_other_settings_replay_clean(tmp_path, variant):
         assert "narrow" in ops
 
 
+def test_prompts_sent_again_decode_their_first_token_and_replay_clean(tmp_path):
+    """Prompts cached but for their last token join the decode pass (no extend pass for
+    them): the trace's decode records carry requests that have not sampled yet."""
+    path = tmp_path / "run.jsonl"
+    engine = tiny(trace_path=str(path), speculative=False, max_running_requests=6)
+    prompts = [family(20 + i, 12) for i in range(4)]
+    params = dict(max_tokens=6, ignore_eos=True)
+    engine.generate(prompts, params)
+    extends = [r["op"] for r in records(path)].count("extend")
+    assert extends > 0
+    engine.generate(prompts, params)
+    engine.close()
+    ops = [r["op"] for r in records(path)]
+    assert ops.count("extend") == extends  # the second round added none
+    assert replay_file(str(path)).steps == len(ops)
+
+
 def edited_at(path: Path, tmp_path: Path, op: str, edit) -> tuple[int, Path]:
     """The trace with the first `op` record that `edit` changes (edit returns True) edited."""
     lines = path.read_text().splitlines(keepends=True)
