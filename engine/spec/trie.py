@@ -52,7 +52,14 @@ class Trie:
 
     # --- insertion ----------------------------------------------------------------------
     def add(self, tokens: Iterable[int], stream: int = 0) -> None:
-        """Append `tokens` to `stream`: each token grows every open window of the stream."""
+        """Append `tokens` to `stream`: each token grows every open window of the stream.
+        Into an empty trie (a request's prompt) all windows are built at once (`_build`)."""
+        if not self._open and self.num_nodes == 0:
+            tokens = [int(t) for t in tokens]
+            fits = len(tokens) * self.depth <= self.capacity  # no eviction on the way
+            if fits and all(0 <= t < 1 << _TOKEN_BITS for t in tokens):  # else: raise below
+                self._build(tokens, stream)
+                return
         opened = self._open.setdefault(stream, [])
         for token in tokens:
             token = int(token)
@@ -105,6 +112,77 @@ class Trie:
         self.next_sibling.append(self.first_child[parent])
         self.first_child[parent] = node
         return node
+
+    def _build(self, tokens: list[int], stream: int) -> None:
+        """`add(tokens, stream)` into an empty trie, with numpy: the same nodes (numbered in
+        the order `_push` makes them), counts, stamps, links and open windows."""
+        t = np.asarray(tokens, dtype=np.int64)  # each in [0, 2**32)
+        n, tick = int(t.size), self.tick
+        if n == 0:
+            self._open[stream] = []
+            return
+        # per length d + 1: each start's n-gram class, and each class's first start
+        classes, firsts, inverse = [], [], []
+        previous = np.zeros(n, dtype=np.int64)  # the root's class, 0
+        for d in range(min(self.depth, n)):
+            starts = n - d
+            keys = (previous[:starts] << _TOKEN_BITS) | t[d:]
+            unique, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+            classes.append(unique.size)
+            firsts.append(first)
+            inverse.append(inv.reshape(-1))
+            previous = inv.reshape(-1)
+        # node ids in creation order: by the end of the first occurrence, then its start
+        depth_of = np.concatenate([np.full(k, d, dtype=np.int64) for d, k in enumerate(classes)])
+        first = np.concatenate(firsts)
+        order = np.lexsort((first, first + depth_of))
+        node = np.empty(order.size, dtype=np.int64)
+        node[order] = np.arange(1, order.size + 1)
+        offsets = np.concatenate([[0], np.cumsum(classes)]).astype(np.int64)
+        size = order.size + 1
+        token = np.full(size, -1, dtype=np.int64)
+        count = np.zeros(size, dtype=np.int64)
+        stamp = np.full(size, _ROOT_STAMP, dtype=np.int64)
+        parent = np.full(size, -1, dtype=np.int64)
+        for d, inv in enumerate(inverse):
+            ids = node[offsets[d] : offsets[d + 1]]
+            starts = np.arange(inv.size, dtype=np.int64)
+            token[ids] = t[firsts[d] + d]
+            count[ids] = np.bincount(inv, minlength=ids.size)
+            newest = np.zeros(ids.size, dtype=np.int64)
+            np.maximum.at(newest, inv, starts)
+            stamp[ids] = newest + tick
+            parent[ids] = (
+                0 if d == 0 else node[offsets[d - 1] : offsets[d]][inverse[d - 1][firsts[d]]]
+            )
+        child_total = np.bincount(parent[1:], weights=count[1:], minlength=size).astype(np.int64)
+        # children newest first, as `_push` links them
+        first_child = np.full(size, -1, dtype=np.int64)
+        next_sibling = np.full(size, -1, dtype=np.int64)
+        by_parent = np.lexsort((-np.arange(1, size), parent[1:])) + 1
+        same = parent[by_parent[:-1]] == parent[by_parent[1:]]
+        next_sibling[by_parent[:-1][same]] = by_parent[1:][same]
+        heads = np.ones(by_parent.size, dtype=bool)
+        heads[1:] = ~same
+        first_child[parent[by_parent[heads]]] = by_parent[heads]
+        for name, values in (
+            ("token", token),
+            ("count", count),
+            ("stamp", stamp),
+            ("child_total", child_total),
+            ("first_child", first_child),
+            ("next_sibling", next_sibling),
+        ):
+            setattr(self, name, array("q", values.tobytes()))
+        keys = (parent[1:] << _TOKEN_BITS) | token[1:]
+        self._children = dict(zip(keys.tolist(), range(1, size), strict=True))
+        # the windows still open: those shorter than `depth`, oldest first
+        opened = []
+        for start in range(max(0, n - self.depth + 1), n):
+            d = n - 1 - start
+            opened.append(int(node[offsets[d] + inverse[d][start]]))
+        self._open[stream] = opened
+        self.tick = tick + n
 
     # --- reading ------------------------------------------------------------------------
     def find(self, tokens: Sequence[int]) -> int:

@@ -120,3 +120,30 @@ def test_bad_tokens_and_sizes_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"token 4294967296 is not allowed"):
         trie.add([2**32])
     assert np.array_equal(trie.stamps(), [0])  # the token before the bad one was added
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), max_size=60),
+    st.lists(st.integers(0, 3), max_size=10),
+    st.integers(1, 6),
+    st.sampled_from([3, 2**32 - 1]),
+)
+def test_a_prompt_built_at_once_equals_one_added_token_by_token(
+    prompt: list[int], more: list[int], depth: int, scale: int
+) -> None:
+    """Into an empty trie `add` builds every window at once (`Trie._build`); it makes the
+    nodes, in the same order, with the counts, stamps, links and open windows that adding
+    the tokens one by one makes, and the stream goes on the same way after it."""
+    prompt = [t * scale // 3 for t in prompt]  # small ids, or up to the largest allowed
+    at_once, one_by_one = Trie(depth, 10_000), Trie(depth, 10_000)
+    at_once.add(prompt, stream=5)
+    one_by_one.add([], stream=5)  # a stream already open: token by token from here
+    one_by_one.add(prompt, stream=5)
+    for trie in (at_once, one_by_one):
+        trie.add(more, stream=5)
+    for column in ("token", "count", "stamp", "child_total", "first_child", "next_sibling"):
+        assert list(getattr(at_once, column)) == list(getattr(one_by_one, column)), column
+    assert list(at_once._children.items()) == list(one_by_one._children.items())
+    assert at_once._open == one_by_one._open and at_once.tick == one_by_one.tick
+    check_structure(at_once)
