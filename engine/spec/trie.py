@@ -125,8 +125,8 @@ class Trie:
         classes, firsts, inverse = [], [], []
         previous = np.zeros(n, dtype=np.int64)  # the root's class, 0
         for d in range(min(self.depth, n)):
-            starts = n - d
-            keys = (previous[:starts] << _TOKEN_BITS) | t[d:]
+            windows = n - d  # the starts with d + 1 tokens after them
+            keys = (previous[:windows] << _TOKEN_BITS) | t[d:]
             unique, first, inv = np.unique(keys, return_index=True, return_inverse=True)
             classes.append(unique.size)
             firsts.append(first)
