@@ -112,12 +112,13 @@ class Engine:
 
     @property
     def runner(self) -> ModelRunner | ParallelRunner:
-        """The runner the passes launch on (a benchmark or test may replace it)."""
+        """The runner the passes launch on and plans are prepared with (a benchmark or test
+        may replace it: both take the new one)."""
         return self.passes.runner
 
     @runner.setter
     def runner(self, runner: Any) -> None:
-        self.passes.runner = runner
+        self.passes.runner = self.ahead.runner = runner
 
     @property
     def faults(self) -> Faults | None:

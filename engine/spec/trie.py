@@ -155,27 +155,7 @@ class Trie:
             parent[ids] = (
                 0 if d == 0 else node[offsets[d - 1] : offsets[d]][inverse[d - 1][firsts[d]]]
             )
-        child_total = np.bincount(parent[1:], weights=count[1:], minlength=size).astype(np.int64)
-        # children newest first, as `_push` links them
-        first_child = np.full(size, -1, dtype=np.int64)
-        next_sibling = np.full(size, -1, dtype=np.int64)
-        by_parent = np.lexsort((-np.arange(1, size), parent[1:])) + 1
-        same = parent[by_parent[:-1]] == parent[by_parent[1:]]
-        next_sibling[by_parent[:-1][same]] = by_parent[1:][same]
-        heads = np.ones(by_parent.size, dtype=bool)
-        heads[1:] = ~same
-        first_child[parent[by_parent[heads]]] = by_parent[heads]
-        for name, values in (
-            ("token", token),
-            ("count", count),
-            ("stamp", stamp),
-            ("child_total", child_total),
-            ("first_child", first_child),
-            ("next_sibling", next_sibling),
-        ):
-            setattr(self, name, array("q", values.tobytes()))
-        keys = (parent[1:] << _TOKEN_BITS) | token[1:]
-        self._children = dict(zip(keys.tolist(), range(1, size), strict=True))
+        self._install(parent, token, count, stamp, newest_first=True)
         # the windows still open: those shorter than `depth`, oldest first
         opened = []
         for start in range(max(0, n - self.depth + 1), n):
@@ -228,19 +208,34 @@ class Trie:
         }
         old_parent = self._parents()[keep]
         parent = np.where(old_parent >= 0, new_id[np.maximum(old_parent, 0)], -1)
-        size = int(keep.sum())
-        child_total = np.bincount(parent[1:], weights=columns["count"][1:], minlength=size)
-        first_child, next_sibling = _links(parent, size)
+        self._install(parent, columns["token"], columns["count"], columns["stamp"])
+        self._open = {s: new_id[nodes].tolist() for s, nodes in self._open.items()}
+
+    def _install(
+        self,
+        parent: np.ndarray,
+        token: np.ndarray,
+        count: np.ndarray,
+        stamp: np.ndarray,
+        newest_first: bool = False,
+    ) -> None:
+        """The columns, child totals, links and child dict of nodes 0..n-1 (0 the root)
+        given by `parent`, `token`, `count` and `stamp`; siblings linked newest first (as
+        `_push` links them) or oldest first."""
+        size = parent.size
+        child_total = np.bincount(parent[1:], weights=count[1:], minlength=size)
+        first_child, next_sibling = _links(parent, size, newest_first)
         for name, values in (
-            *columns.items(),
+            ("token", token),
+            ("count", count),
+            ("stamp", stamp),
             ("child_total", child_total),
             ("first_child", first_child),
             ("next_sibling", next_sibling),
         ):
             setattr(self, name, array("q", values.astype(np.int64).tobytes()))
-        keys = (parent[1:] << _TOKEN_BITS) | columns["token"][1:]
+        keys = (parent[1:] << _TOKEN_BITS) | token[1:]
         self._children = dict(zip(keys.tolist(), range(1, size), strict=True))
-        self._open = {s: new_id[nodes].tolist() for s, nodes in self._open.items()}
 
     def _parents(self) -> np.ndarray:
         parent = np.full(len(self.count), -1, dtype=np.int64)
@@ -250,12 +245,15 @@ class Trie:
         return parent
 
 
-def _links(parent: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """first_child / next_sibling linked lists for nodes 1..size-1 under `parent`."""
+def _links(
+    parent: np.ndarray, size: int, newest_first: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """first_child / next_sibling linked lists for nodes 1..size-1 under `parent`, each
+    parent's children in id order (`newest_first`: the reverse)."""
     first_child = np.full(size, -1, dtype=np.int64)
     next_sibling = np.full(size, -1, dtype=np.int64)
     nodes = np.arange(1, size)
-    order = np.argsort(parent[1:], kind="stable")
+    order = np.lexsort((-nodes if newest_first else nodes, parent[1:]))
     sorted_nodes, sorted_parents = nodes[order], parent[1:][order]
     same = sorted_parents[:-1] == sorted_parents[1:]
     next_sibling[sorted_nodes[:-1][same]] = sorted_nodes[1:][same]
