@@ -54,17 +54,19 @@ DECODE_SWEEP = [
     {"SKIP_MERGE": True},
 ]  # the last leaves the merge out: what the merge costs
 EXTEND_SWEEP = [
-    {"BLOCK_M": 128, "num_warps": 8},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    {"TMA": False},
+    {"TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
 ]
 
-EXTEND_GRID = [  # --extend-grid: tiles, warps and pipeline depth
-    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "TMA": tma}
     for m in (64, 128)
     for n in (32, 64, 128)
     if m % n == 0
     for w in (4, 8)
     for st in (2, 3, 4)
+    for tma in (False, True)
 ]
 
 

@@ -7,7 +7,7 @@ Llama-3-8B's projection shapes (or SmolLM2-135M's) at 1, 2 and 4 rows (or `--row
 pass of a 12-draft tree has 13). Each measurement replays a CUDA graph of calls over enough
 distinct weight copies (>= 512 MB) that L2 holds none of them, as in a real decode step; the
 time is one call's share, median of 10 replays. GB/s counts the weight bytes. "all rows" is the
-kernel that loads each weight tile once for every row (`gemv.ROWS_CONFIG`).
+kernel that loads each weight tile once for every row (`gemv.rows_config`).
 `--sweep` also tries every launch configuration and prints the fastest per shape.
 """
 
@@ -20,7 +20,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from engine.model import gemv
+from engine.ops import gemv
 
 SHAPES = {
     "llama3_8b": {
@@ -64,12 +64,20 @@ def time_calls(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
     return statistics.median(times[2:])
 
 
-def configs():
-    for bn, bk, warps, stages in itertools.product(
-        (4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4)
-    ):
-        if bn * bk <= 16384:
-            yield dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, all_rows=True)
+def configs(rows: int):
+    """The one-row kernel's launch configurations for one row, the all-rows kernel's for more
+    (its accumulator holds rows x BLOCK_N x BLOCK_K products)."""
+    if rows == 1:
+        space = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))
+        limit, all_rows = 16384, False
+    else:
+        space = itertools.product((2, 4, 8, 16), (32, 64, 128), (4, 8), (2, 3, 4))
+        limit, all_rows = 1024, True
+    for bn, bk, warps, stages in space:
+        if bn * bk <= limit:
+            yield dict(
+                BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, all_rows=all_rows
+            )
 
 
 def main() -> None:
@@ -95,10 +103,13 @@ def main() -> None:
             ).item()
             t_cublas = time_calls(F.linear, weights, x)
             t_ours = time_calls(gemv.gemv, weights, x)
-            t_rows = time_calls(lambda a, w: gemv.gemv(a, w, gemv.ROWS_CONFIG), weights, x)
+            rows_config = gemv.rows_config(
+                n, torch.cuda.get_device_properties().multi_processor_count
+            )
+            t_rows = time_calls(lambda a, w: gemv.gemv(a, w, rows_config), weights, x)
             best = (t_ours, "default")
             if args.sweep:
-                for config in configs():
+                for config in configs(rows):
                     try:
                         t = time_calls(lambda a, w, c=config: gemv.gemv(a, w, c), weights, x)
                     except Exception as exc:  # a config the compiler refuses

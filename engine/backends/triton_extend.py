@@ -13,8 +13,16 @@ import triton.language as tl
 
 # Measured on an H200 (`bench_attention.py --extend-grid`, docs/benchmarks.md): the lowest
 # geometric mean over the extend shapes of its time against the best configuration at each.
-EXTEND_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+# TMA: the new tokens' q, K and V tiles come through tensor-memory descriptors (Hopper on;
+# `tma_ready`), the cached prefix through kv_indices as before.
+EXTEND_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": True}
+INTERPRETER_CONFIG = {
+    "BLOCK_M": 32,
+    "BLOCK_N": 32,
+    "num_warps": 4,
+    "num_stages": 1,
+    "TMA": False,
+}
 
 
 @triton.jit
@@ -32,8 +40,9 @@ def online_softmax_step(
         m_safe = m_new
     p = tl.math.exp2(scores * sm_scale_log2 - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v_block.dtype), v_block)
     l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v_block.dtype), v_block, acc)  # accumulates in place (wgmma's C)
     return m_new, l_i, acc
 
 
@@ -42,6 +51,9 @@ def _extend_kernel(
     q,
     k,
     v,
+    q_desc,
+    k_desc,
+    v_desc,
     k_cache,
     v_cache,
     kv_indices,
@@ -65,6 +77,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest blocks start first
     req = tl.program_id(1)
@@ -80,17 +93,38 @@ def _extend_kernel(
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < num_new
         token = (qo_start + rows).to(tl.int64)
-        q_block = tl.load(
-            q + token[:, None] * stride_qt + head * stride_qh + dims[None, :],
-            mask=row_ok[:, None],
-            other=0.0,
-        )
+        if TMA:  # rows past the request's own are other requests' (or zeros): never stored
+            q_block = q_desc.load([qo_start + first, head * HEAD_DIM])
+        else:
+            q_block = tl.load(
+                q + token[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         cache_head = kv_head * stride_ch + dims[None, :]
-        for start in range(0, prefix, BLOCK_N):  # stage 1: cached prefix, all visible
+        full = prefix - prefix % BLOCK_N
+        for start in range(0, full, BLOCK_N):  # stage 1: whole blocks of the cached prefix
             keys = start + tl.arange(0, BLOCK_N)
+            slots = tl.load(kv_indices + kv_start + keys).to(tl.int64)
+            offs = slots[:, None] * stride_ct + cache_head
+            k_block = tl.load(k_cache + offs)
+            v_block = tl.load(v_cache + offs)
+            m_i, l_i, acc = online_softmax_step(
+                q_block,
+                k_block,
+                v_block,
+                row_ok[:, None],
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                MASKED=False,
+            )
+        if full < prefix:  # the prefix's last, partial block
+            keys = full + tl.arange(0, BLOCK_N)
             key_ok = keys < prefix
             slots = tl.load(kv_indices + kv_start + keys, mask=key_ok, other=0).to(tl.int64)
             offs = slots[:, None] * stride_ct + cache_head
@@ -108,13 +142,17 @@ def _extend_kernel(
                 MASKED=True,
             )
         for start in range(0, first, BLOCK_N):  # stage 2a: new keys below the diagonal block
-            keys = qo_start + start + tl.arange(0, BLOCK_N)
-            k_block = tl.load(
-                k + keys.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
-            )
-            v_block = tl.load(
-                v + keys.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
-            )
+            if TMA:
+                k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+            else:
+                keys = (qo_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+                k_block = tl.load(
+                    k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+                )
+                v_block = tl.load(
+                    v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
+                )
             m_i, l_i, acc = online_softmax_step(
                 q_block,
                 k_block,
@@ -130,17 +168,21 @@ def _extend_kernel(
         for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
             local = start + tl.arange(0, BLOCK_N)
             key_ok = local < num_new
-            keys = (qo_start + local).to(tl.int64)
-            k_block = tl.load(
-                k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                mask=key_ok[:, None],
-                other=0.0,
-            )
-            v_block = tl.load(
-                v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                mask=key_ok[:, None],
-                other=0.0,
-            )
+            if TMA:  # keys past the request's own are masked below
+                k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+            else:
+                keys = (qo_start + local).to(tl.int64)
+                k_block = tl.load(
+                    k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                    mask=key_ok[:, None],
+                    other=0.0,
+                )
+                v_block = tl.load(
+                    v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                    mask=key_ok[:, None],
+                    other=0.0,
+                )
             visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
             m_i, l_i, acc = online_softmax_step(
                 q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
@@ -149,6 +191,29 @@ def _extend_kernel(
         store_ok = row_ok & (token < out_capacity)
         out_ptrs = out + token[:, None] * stride_ot + head * stride_oh + dims[None, :]
         tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether Hopper's tensor-memory loads can read these [T, H, D] tensors as [T, H*D] rows:
+    compute capability 9 or more, heads adjacent, 16-byte aligned base and row stride."""
+    if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(
+        t.stride(2) == 1
+        and t.stride(1) == t.shape[2]
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in tensors
+    )
+
+
+def _rows_descriptor(t: torch.Tensor, block_rows: int):
+    """A tensor-memory descriptor of t [T, H, D] as T rows of H*D, read in [block_rows, D]
+    tiles (rows past T read as zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    tokens, heads, dim = t.shape
+    return TensorDescriptor(t, [tokens, heads * dim], [t.stride(0), 1], [block_rows, dim])
 
 
 def extend_attention(
@@ -181,10 +246,19 @@ def extend_attention(
         return out
     group = num_q_heads // k_cache.shape[1]
     grid = (triton.cdiv(max_new_len, cfg["BLOCK_M"]), num_requests, num_q_heads)
+    tma = bool(cfg.get("TMA", False)) and q.is_cuda and tma_ready(q, k, v)
+    if tma:
+        q_desc = _rows_descriptor(q, cfg["BLOCK_M"])
+        k_desc, v_desc = _rows_descriptor(k, cfg["BLOCK_N"]), _rows_descriptor(v, cfg["BLOCK_N"])
+    else:
+        q_desc, k_desc, v_desc = q, k, v
     _extend_kernel[grid](
         q,
         k,
         v,
+        q_desc,
+        k_desc,
+        v_desc,
         k_cache,
         v_cache,
         kv_indices,
@@ -208,6 +282,7 @@ def extend_attention(
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         HEAD_DIM=head_dim,
+        TMA=tma,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -11,6 +11,7 @@ from backend_cases import (
     MAX_NEW,
     MAX_PREFIX,
     MAX_TREE,
+    ON_CUDA,
     TOLERANCE,
     clone_pool,
     make_case,
@@ -19,6 +20,7 @@ from backend_cases import (
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from engine.backends import triton_extend
 from engine.backends.torch_backend import TorchBackend
 from engine.backends.triton_backend import TritonBackend
 
@@ -160,3 +162,49 @@ def test_rejects_unsupported_head_dim() -> None:
     bad_q = case.q[:, :, :48].contiguous()
     with pytest.raises(ValueError, match="q must be"):
         backend.forward(0, bad_q, case.k, case.v, metadata)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="tensor-memory loads need a Hopper GPU")
+@pytest.mark.parametrize("sliced", [False, True])
+def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
+    """Extend with the new tokens' q/K/V through TMA descriptors (config TMA=True) equals the
+    pointer loads and the reference, on ragged requests whose tiles run past their own tokens
+    into the next request's (masked) and past the last token (zero-filled). `sliced`: q, k, v
+    as views of one fused qkv tensor, the layout the model hands over."""
+    prefix, new = [300, 0, 7, 64], [70, 129, 1, 64]
+    case = make_case("extend", prefix, new, 2, 4, 128, DTYPES[-1], seed=27)
+    q, k, v = case.q, case.k, case.v
+    if sliced:
+        fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+        q, k, v = (
+            part.unflatten(1, (-1, 128))
+            for part in fused.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
+        )
+        assert not q.is_contiguous()
+    if not triton_extend.tma_ready(q, k, v):
+        pytest.skip("this GPU has no tensor-memory loads")
+    ref_backend = TorchBackend(clone_pool(case.pool))
+    ref = ref_backend.forward(0, case.q, case.k, case.v, ref_backend.plan(case.batch))
+    meta = TritonBackend(case.pool).plan(case.batch)
+    case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
+    case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
+    outs = {}
+    for tma in (False, True):
+        outs[tma] = torch.full_like(case.q, float("nan"))
+        triton_extend.extend_attention(
+            q,
+            k,
+            v,
+            case.pool.k_cache[0],
+            case.pool.v_cache[0],
+            meta.kv_indices,
+            meta.kv_indptr,
+            meta.qo_indptr,
+            meta.prefix_lens,
+            outs[tma],
+            meta.max_new_len,
+            128**-0.5,
+            config={"TMA": tma},
+        )
+    assert relative_error(outs[True], ref) < TOLERANCE[DTYPES[-1]]
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)

@@ -138,21 +138,40 @@ def test_gemv_matches_linear(dtype, rows, n, k):
     x = _random(rows, k, dtype=dtype, seed=19)
     weight = _random(n, k, dtype=dtype, seed=20) * 0.05
     expected = torch.nn.functional.linear(x.float(), weight.float()).to(dtype)
-    for config in (None, dict(BLOCK_N=16, BLOCK_K=128, all_rows=True), gemv.ROWS_CONFIG):
+    for config in (
+        None,
+        dict(BLOCK_N=2, BLOCK_K=128, num_warps=8, all_rows=True),
+        gemv.rows_config(n, 2),
+    ):
         _close(gemv.gemv(x, weight, config), expected, dtype)
 
 
 def test_linear_takes_the_kernel_where_cublas_is_slower():
-    """One row of any dtype; float32 up to MAX_ROWS rows (cuBLAS: SIMT tiles and a split-K
-    reduce); never past MAX_WEIGHT_ELEMENTS; bf16 from two rows on stays with cuBLAS."""
-    small, large = 576 * 1536, gemv.MAX_WEIGHT_ELEMENTS + 1
-    assert gemv.linear_config(1, torch.bfloat16, small) == gemv.GEMV_CONFIG
-    assert gemv.linear_config(1, torch.float32, small) == gemv.GEMV_CONFIG
-    assert gemv.linear_config(13, torch.float32, small) == gemv.ROWS_CONFIG
-    assert gemv.linear_config(gemv.MAX_ROWS + 1, torch.float32, small) is None
-    assert gemv.linear_config(13, torch.bfloat16, small) is None
-    assert gemv.linear_config(1, torch.float32, large) is None
-    assert gemv.linear_config(0, torch.float32, small) is None
+    """One row of any dtype up to MAX_WEIGHT_ELEMENTS; float32 up to MAX_ROWS rows (cuBLAS:
+    SIMT tiles and a split-K reduce) up to ROWS_MAX_WEIGHT_ELEMENTS; bf16 from two rows on
+    stays with cuBLAS."""
+    small, rows_large, large = (1536, 576), (49152, 576), (gemv.MAX_WEIGHT_ELEMENTS + 1, 1)
+    sms = 132
+    assert gemv.linear_config(1, torch.bfloat16, small, sms) == gemv.GEMV_CONFIG
+    assert gemv.linear_config(1, torch.float32, small, sms) == gemv.GEMV_CONFIG
+    assert gemv.linear_config(1, torch.float32, rows_large, sms) == gemv.GEMV_CONFIG
+    assert gemv.linear_config(13, torch.float32, small, sms) == gemv.rows_config(1536, sms)
+    assert gemv.linear_config(13, torch.float32, rows_large, sms) is None
+    assert gemv.linear_config(gemv.MAX_ROWS + 1, torch.float32, small, sms) is None
+    assert gemv.linear_config(13, torch.bfloat16, small, sms) is None
+    assert gemv.linear_config(1, torch.float32, large, sms) is None
+    assert gemv.linear_config(0, torch.float32, small, sms) is None
+
+
+def test_rows_config_keeps_the_programs_per_sm():
+    """The launches measured fastest on the H200 (132 SMs) at SmolLM2-135M's widths: 8
+    columns a program for 3072, 4 for 960, 2 (eight warps) for 576; a tiny width still runs."""
+    picks = {n: gemv.rows_config(n, 132) for n in (3072, 960, 576, 8)}
+    assert [picks[n]["BLOCK_N"] for n in (3072, 960, 576, 8)] == [8, 4, 2, 2]
+    assert [picks[n]["BLOCK_K"] for n in (3072, 960, 576)] == [64, 128, 128]
+    assert [picks[n]["num_warps"] for n in (3072, 960, 576)] == [4, 4, 8]
+    for config in picks.values():
+        assert config["BLOCK_N"] * config["BLOCK_K"] <= gemv.ROWS_PRODUCTS
 
 
 def test_gemv_refuses_what_it_does_not_serve():
