@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import speculator
+from engine.shell import speculator
 from engine.shell.engine import Engine
 from engine.shell.passes import Passes
 from engine.spec import NgramProposer, PassCost, SpecStats

@@ -45,6 +45,11 @@ class PlanAhead:
         return 0 if self.prepared is None else self.prepared.batch.out_slots.shape[0]
 
     @property
+    def launched(self) -> bool:
+        """Whether the plan's pass was launched already (`launch`)."""
+        return self.prepared is not None and self.prepared.launched is not None
+
+    @property
     def held_slots(self) -> np.ndarray | None:
         """The slots the plan holds (in flight: owned by no request yet), or None."""
         return None if self.prepared is None else self.prepared.batch.out_slots
@@ -112,7 +117,7 @@ class PlanAhead:
 
     def drop_launched(self) -> None:
         """Drop the plan if it was launched (its input ids were tokens that changed)."""
-        if self.prepared is not None and self.prepared.launched is not None:
+        if self.launched:
             self.drop()
 
     def drop(self) -> None:

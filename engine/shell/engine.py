@@ -404,12 +404,19 @@ class Engine:
         # retract a request (or finish one alone in the pool) where a decode pass goes on.
         trees = spec.propose(running, self.book.num_available + self.ahead.num_held)
         trees = self.grammars.prune(trees, running.rids.tolist())  # drafts grammars allow
-        if trees.sizes.total > len(running):
+        drafted = trees.sizes.total > len(running)
+        if drafted and not self.ahead.launched:
             return self._verify_step(trees, started)
+        if drafted:  # a pass launched ahead decodes this step; the drafts wait for the next
+            self.stats["drafts_deferred"] += 1
+            trees = state.DraftTrees.roots_only(running.last_tokens)
         # Nothing drafted: a root-only verify is a decode, and the decode pass is cheaper
         # (it may have been planned during the last pass). The statistics are recorded while
-        # it runs: after its launch, so a step that retracts instead records nothing.
-        mode = self._decode_step(during=lambda: spec.record_plain(running.rids, trees))
+        # it runs: after its launch, so a step that retracts instead records nothing. The
+        # next pass is launched ahead only where nothing waits to be verified.
+        mode = self._decode_step(
+            during=lambda: spec.record_plain(running.rids, trees), launch_next=not drafted
+        )
         if mode == "decode":
             spec.observe(len(running), started)
         return mode
@@ -456,10 +463,11 @@ class Engine:
         self.spec.observe(trees.sizes.total, started, verify=True)  # propose to commit
         return "verify"
 
-    def _decode_step(self, during: Any = None) -> str:
+    def _decode_step(self, during: Any = None, launch_next: bool = True) -> str:
         """One decode pass; `during()`, if given, runs on the host while the device runs it
         (with the planning of the next pass), once nothing can retract the step any more.
-        A pass planned during the last one may have been launched already (`launch_ahead`)."""
+        A pass planned during the last one may have been launched already (`launch_ahead`);
+        `launch_next` False: the next one is planned, not launched."""
         prepared = self.ahead.take(self.running)
         if prepared is not None:  # planned during the last pass: only the tokens are new
             batch = self.machine.schedule_decode(self.running, prepared.batch.out_slots)
@@ -476,44 +484,42 @@ class Engine:
                 during()
             # host work while the device runs this pass (and a pool thread fills its masks);
             # a pass with masks is sampled after it
-            launched = self._prepare_next(open_pass, launched)
+            launched = self._prepare_next(open_pass, launched, launch_next)
             sampled = self.passes.tokens(launched)
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.fit(self.running)  # requests that finished leave the plan
         return "decode"
 
     # --- planning the next decode pass while this one runs ----------------------------------
-    def _prepare_next(self, open_pass: OpenPass, launched: Launched) -> Launched:
+    def _prepare_next(self, open_pass: OpenPass, launched: Launched, launch: bool) -> Launched:
         """Plan the decode pass after `open_pass`'s while it runs (`PlanAhead`), unless the
         next step will change the batch anyway; its table writes are then applied early. With
         speculation, the pass is a step where nothing was drafted; the next one is most often
-        the same (the plan is used), and a verify pass instead drops the plan. With
-        `launch_ahead` (and `launched`, this pass sampled on the device) the planned pass is
-        launched at once, its input ids copied on the device (`_launches_ahead`). Returns
-        `launched`, with its checked rows' logits copied where a pass was launched ahead
-        (it may write over them before they are checked: a CUDA graph's output buffer is
-        every replay's)."""
+        the same (the plan is used), and a verify pass instead drops the plan.
+
+        With `launch_ahead`, `launch` (with speculation: nothing waits to be verified) and
+        `launched` sampled on the device, the planned pass is launched at once, before this
+        pass's tokens are read, its input ids copied on the device. Its sampling needs only
+        step counts the host knows (seeded draws); its penalties count the tokens of this pass
+        on the device (`LogitsEdit.of`); its logprobs come from its own logits on the device;
+        a grammar's rows are all greedy then, drawn unmasked and checked after (a refused
+        token drops the launched pass, `Passes.tokens`). A request that leaves with this pass
+        (a stop token, its length) is cut from the launched pass before it is taken
+        (`PlanAhead.fit`). With speculation the next step then decodes: drafts proposed at
+        it wait one step (`_run_decode`). Returns `launched`, with its checked rows' logits
+        copied where a pass was launched ahead (it may write over them before they are
+        checked: a CUDA graph's output buffer is every replay's)."""
         if not self.config.plan_ahead or not self.inbox.empty or self._admissible():
             return launched  # the next step changes the batch: a plan would be dropped
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
         sampled = launched.sampled  # None: masks to wait for
-        if open_pass.table_written and sampled is not None and self._launches_ahead():
+        if open_pass.table_written and sampled is not None and launch and self.launch_ahead:
             kept = self.logits.keep_checked(launched.logits, launched.checked)
             launched = attrs.evolve(launched, checked_logits=kept)
             # its rows sample one token further on (the seeds' step counts)
             self.ahead.launch(lambda p: self.passes.launch(p.batch, p, sampled.tokens, ahead=True))
         return launched
-
-    def _launches_ahead(self) -> bool:
-        """Whether the next pass may be launched before this one's tokens are read: there is
-        no speculation. Its sampling needs only step counts the host knows (seeded draws);
-        its penalties count the tokens of this pass on the device (`LogitsEdit.of`); its
-        logprobs come from its own logits on the device; a grammar's rows are all greedy
-        then, drawn unmasked and checked after (a refused token drops the launched pass,
-        `Passes.tokens`). A request that leaves with this pass (a stop token, its length) is cut
-        from the launched pass before it is taken (`PlanAhead.fit`)."""
-        return self.launch_ahead and self.spec is None
 
     # --- a pass's slots: committed, or given back ----------------------------------------------
     @contextlib.contextmanager

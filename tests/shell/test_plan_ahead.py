@@ -149,18 +149,24 @@ def test_plan_ahead_with_speculation(backend):
     """With speculation, a step where nothing was drafted plans the next decode pass: the
     next step uses it when it drafts nothing either, and a verify pass drops it (its slots go
     to the tree). Outputs are those of speculation without planning ahead (and, greedy, of
-    plain decoding); no slot is lost, under retraction too."""
+    plain decoding); no slot is lost, under retraction too. Planned, not launched: a launched
+    pass makes drafts wait a step (`test_launch_ahead_with_speculation_defers_drafts`), and
+    a seeded sampler's draws under speculation follow which steps verify."""
     # repeated prompts, so that verify passes come between decode steps
     prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
     params = _params(4)
     greedy = [SamplingParams(max_tokens=24, ignore_eos=True)] * 4
     for pool in (256, 40):
-        plain = _run(_tiny(backend, kv_cache_slots=pool), prompts, greedy)
+        plain = _run(_tiny(backend, launch_ahead=False, kv_cache_slots=pool), prompts, greedy)
         # (a seeded sampler's draws under speculation depend on its batch: the same pool)
         reference = _run(
-            _tiny(backend, plan_ahead=False, speculative=True, kv_cache_slots=pool), prompts, params
+            _tiny(
+                backend, plan_ahead=False, speculative=True, launch_ahead=False, kv_cache_slots=pool
+            ),
+            prompts,
+            params,
         )
-        engine = _tiny(backend, speculative=True, kv_cache_slots=pool)
+        engine = _tiny(backend, speculative=True, launch_ahead=False, kv_cache_slots=pool)
         planned_at_entry, verify_after_plan = [], []
         run_decode, verify = engine._run_decode, engine.spec.verify
 
@@ -177,11 +183,37 @@ def test_plan_ahead_with_speculation(backend):
         assert _run(engine, prompts, params) == reference
         assert engine.stats["plans_ahead_used"] > 2
         assert any(verify_after_plan), "no verify pass followed a plan"
-        greedy_engine = _tiny(backend, speculative=True, kv_cache_slots=pool)
+        greedy_engine = _tiny(backend, speculative=True, launch_ahead=False, kv_cache_slots=pool)
         assert _run(greedy_engine, prompts, greedy) == plain
         assert greedy_engine.stats["plans_ahead_used"] > 5
         if pool == 40:
             assert greedy_engine.stats["retractions"] > 0, "the pool was meant to retract"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_launch_ahead_with_speculation_defers_drafts(backend):
+    """With speculation a step that drafted nothing launches the next pass ahead; where the
+    next step's proposer then drafts, the launched pass decodes and the drafts wait a step
+    (that step launches nothing ahead), so no verify pass ever finds a launched pass to
+    drop. Greedy outputs are those of plain decoding; no slot is lost."""
+    prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
+    greedy = [SamplingParams(max_tokens=48, ignore_eos=True)] * 4
+    plain = _run(_tiny(backend), prompts, greedy)
+    engine = _tiny(backend, speculative=True, launch_ahead=True)
+    launched_at_verify = []
+    verify_step = engine._verify_step
+
+    def recording_verify_step(*args):
+        prepared = engine.ahead.prepared
+        launched_at_verify.append(prepared is not None and prepared.launched is not None)
+        return verify_step(*args)
+
+    engine._verify_step = recording_verify_step
+    assert _run(engine, prompts, greedy) == plain
+    assert engine.stats["launches_ahead"] > 5, "no pass was launched ahead"
+    assert engine.stats["drafts_deferred"] > 0, "no draft waited for a launched pass"
+    assert launched_at_verify, "no verify pass ran"
+    assert not any(launched_at_verify), "a verify pass dropped a pass launched ahead"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host-device synchronisation exists only on CUDA")
@@ -298,10 +330,20 @@ def workloads(draw):
 def test_plan_ahead_changes_nothing_on_random_workloads(workload):
     """Random prompts, lengths, stop tokens, samplers, penalties, row limits, pool sizes,
     aborts and speculation: the same outputs and finish reasons with and without planning
-    ahead, no slot lost."""
+    ahead (with speculation and passes launched ahead: the greedy requests'), no slot lost."""
     prompts, params, settings_, abort_at = workload
     reference = _run(_tiny("torch", plan_ahead=False, **settings_), prompts, params, abort_at)
-    assert _run(_tiny("torch", **settings_), prompts, params, abort_at) == reference
+    outputs = _run(_tiny("torch", **settings_), prompts, params, abort_at)
+    if settings_["speculative"] and settings_["launch_ahead"]:
+        # a launched pass makes drafts wait a step: which steps verify differs, and with it a
+        # seeded sampler's draws and what the request aborted at a step had (greedy tokens
+        # never change)
+        greedy = [p.temperature == 0 for p in params]
+        if abort_at is not None:
+            greedy[min(1, len(params) - 1)] = False
+        reference = [r for r, g in zip(reference, greedy, strict=True) if g]
+        outputs = [o for o, g in zip(outputs, greedy, strict=True) if g]
+    assert outputs == reference
 
 
 def _greedy(count: int, stop_token: int | None = None) -> list[SamplingParams]:
