@@ -1,8 +1,11 @@
 """Triton extend attention: a cached prefix (gathered through kv_indices) plus new tokens.
 
 Each program owns BLOCK_M new tokens of one request and one q head. Stage 1 walks the prefix
-keys in the pool; stage 2 reads the new tokens' K/V straight from the contiguous k/v inputs,
-unmasked below the diagonal block and causally masked on it.
+keys in the pool (whole blocks unmasked, the last partial one masked); stage 2 reads the new
+tokens' K/V straight from the k/v inputs, unmasked below the diagonal block and causally
+masked on it. On Hopper, in bf16 and fp16, the new tokens' q, K and V tiles come through
+tensor-memory (TMA) descriptors of [tokens, heads * head_dim] rows: a tile that runs past the
+request's tokens reads the next request's (masked, never stored) or zeros past the last.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import triton.language as tl
 
 # Measured on an H200 (`bench_attention.py --extend-grid`, docs/benchmarks.md): the lowest
 # geometric mean over the extend shapes of its time against the best configuration at each.
-# TMA: the new tokens' q, K and V tiles come through tensor-memory descriptors (Hopper on;
-# `tma_ready`), the cached prefix through kv_indices as before.
+# TMA: the new tokens' q, K and V tiles come through tensor-memory descriptors (Hopper on,
+# bf16 and fp16: `tma_ready`), the cached prefix through kv_indices as before.
 EXTEND_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": True}
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -246,7 +249,10 @@ def extend_attention(
         return out
     group = num_q_heads // k_cache.shape[1]
     grid = (triton.cdiv(max_new_len, cfg["BLOCK_M"]), num_requests, num_q_heads)
-    tma = bool(cfg.get("TMA", False)) and q.is_cuda and tma_ready(q, k, v)
+    # 2-byte elements only (measured in bf16): a float32 q tile through TMA would sit in
+    # shared memory beside the pipelined K/V stages, about 224 KB at head_dim 128 against the
+    # H200's 227 KB, so float32 keeps the pointer loads
+    tma = bool(cfg["TMA"]) and q.is_cuda and q.element_size() == 2 and tma_ready(q, k, v)
     if tma:
         q_desc = _rows_descriptor(q, cfg["BLOCK_M"])
         k_desc, v_desc = _rows_descriptor(k, cfg["BLOCK_N"]), _rows_descriptor(v, cfg["BLOCK_N"])
