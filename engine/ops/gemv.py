@@ -32,9 +32,10 @@ MAX_WEIGHT_ELEMENTS = 32 * 2**20
 # cuBLAS's 10.1-13.5 us for qkv, o_proj, gate_up and down (0.55M-1.8M elements), but 92 us
 # against 64 us for the 28M-element output layer.
 ROWS_MAX_WEIGHT_ELEMENTS = 4 * 2**20
-# The all-rows launch (`rows_config`): the fastest swept launches kept two or more programs
-# per SM (BLOCK_N 8 for 3072 columns, 4 for 960, 2 for 576) with 512 or fewer products a row
-# per key step (BLOCK_N x BLOCK_K), eight warps for the narrowest tiles.
+# The all-rows launch (`rows_config`): on the H200's 132 SMs the fastest swept launches were
+# the widest tiles that still made 1.8 or more programs an SM (BLOCK_N 8 for 3072 columns: 384
+# programs; 4 for 960: 240; 2 for 576: 288), with 512 or fewer products a row per key step
+# (BLOCK_N x BLOCK_K), eight warps for the narrowest tiles.
 ROWS_PROGRAMS_PER_SM = 1.75
 ROWS_PRODUCTS = 512
 

@@ -71,7 +71,7 @@ class Speculator:
         adaptive = np.array([self.stats.budget(int(u)) for u in running.rids], dtype=np.int64)
         room_context = running.max_context - running.kv_lens.lens - 1
         room_output = running.rules.max_new - running.num_output - 1
-        return np.clip(np.minimum(adaptive, np.minimum(room_context, room_output)), 0, None)
+        return np.maximum(np.minimum(adaptive, np.minimum(room_context, room_output)), 0)
 
     def draft_cost(self, batch: int) -> float:
         """A draft row's time in decoded tokens' time at this batch size (config, or measured)."""

@@ -41,10 +41,11 @@ class PassCost:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay={decay!r} is not allowed; need a number in (0, 1)")
         self.decay = decay
-        # per kind (0: decode, 1: verify): sums of w * f f^T and w * f * seconds,
-        # f = (1, rows, is_verify)
-        self._normal = np.zeros((2, 3, 3))
-        self._target = np.zeros((2, 3))
+        # per kind (0: decode, 1: verify) the decayed sums of w, w*rows, w*rows^2, w*seconds
+        # and w*rows*seconds: with f = (1, rows, is_verify), is_verify fixed per kind, they are
+        # every entry of the kind's sums of w * f f^T and w * f * seconds (`_normal`), kept as
+        # plain floats (a pass's observation is five multiply-adds on the host)
+        self._sums = [[0.0] * 5, [0.0] * 5]
         self._fit: Fit | None = None
         self._fitted = True  # _fit is current
 
@@ -56,11 +57,20 @@ class PassCost:
                 f"rows={rows}, seconds={seconds} is not a pass; need rows >= 1 "
                 f"and a finite time >= 0"
             )
-        kind = int(bool(verify))
-        features = np.array([1.0, float(rows), float(kind)])
-        self._normal[kind] = self.decay * self._normal[kind] + np.outer(features, features)
-        self._target[kind] = self.decay * self._target[kind] + features * float(seconds)
+        sums, decay, r, t = self._sums[int(bool(verify))], self.decay, float(rows), float(seconds)
+        sums[0] = decay * sums[0] + 1.0
+        sums[1] = decay * sums[1] + r
+        sums[2] = decay * sums[2] + r * r
+        sums[3] = decay * sums[3] + t
+        sums[4] = decay * sums[4] + r * t
         self._fitted = False
+
+    def _normal(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kind's sums of w * f f^T (3 x 3) and w * f * seconds (3), f = (1, rows, kind)."""
+        n, r, rr, t, rt = self._sums[kind]
+        k = float(kind)
+        normal = np.array([[n, r, k * n], [r, rr, k * r], [k * n, k * r, k * n]])
+        return normal, np.array([t, rt, k * t])
 
     def fit(self) -> Fit | None:
         """The fitted times, or None until passes of two row counts were seen."""
@@ -69,8 +79,9 @@ class PassCost:
         return self._fit
 
     def _solve_fit(self) -> Fit | None:
-        normal, target = self._normal.sum(axis=0), self._target.sum(axis=0)
-        if (self._normal[:, 0, 0] > 0).all():  # both kinds seen
+        (decode, decode_target), (verify, verify_target) = self._normal(0), self._normal(1)
+        normal, target = decode + verify, decode_target + verify_target
+        if decode[0, 0] > 0 and verify[0, 0] > 0:  # both kinds seen
             full = _solve(normal, target)
             if full is not None and full[1] >= 0 and full[2] >= 0:
                 return Fit(max(0.0, full[0]), full[1], full[2])

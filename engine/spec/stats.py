@@ -47,6 +47,13 @@ class AcceptanceStats:
         """One more verify step: `drafted` drafts, `accepted` of them accepted."""
         return self.add_many([drafted], [accepted])
 
+    def add_idle(self, steps: int) -> AcceptanceStats:
+        """`steps` more verify steps that drafted nothing."""
+        if not steps:
+            return self
+        histogram = (self.histogram[0] + steps, *self.histogram[1:])
+        return attrs.evolve(self, steps=self.steps + steps, histogram=histogram)
+
     def add_many(self, drafted: Sequence[int], accepted: Sequence[int]) -> AcceptanceStats:
         """One more verify step per (drafted, accepted) pair."""
         histogram = list(self.histogram)
@@ -62,16 +69,17 @@ class AcceptanceStats:
 
 
 class _Adaptive:
-    __slots__ = ("budget", "fixed_cost", "idle_steps", "probing", "recent", "stats")
+    __slots__ = ("budget", "fixed_cost", "idle", "idle_steps", "probing", "recent", "stats")
 
     def __init__(self, budget: int, window: int, fixed_cost: float | None) -> None:
         self.budget = budget
         self.fixed_cost = fixed_cost  # the cost this request is judged with, if not measured
         # (accepted, what the step's drafts cost in decoded tokens) per drafting step
         self.recent: deque[tuple[int, float]] = deque(maxlen=window)
-        self.idle_steps = 0
+        self.idle_steps = 0  # steps at budget 0 since the last probe (`SpecConfig.probe_interval`)
         self.probing = False
-        self.stats = AcceptanceStats()
+        self.stats = AcceptanceStats()  # with `idle` more steps that drafted nothing
+        self.idle = 0
 
 
 class SpecStats:
@@ -80,7 +88,8 @@ class SpecStats:
     def __init__(self, config: SpecConfig | None = None) -> None:
         self.config = config if config is not None else SpecConfig()
         self._requests: dict[int, _Adaptive] = {}
-        self._total = AcceptanceStats()
+        self._total = AcceptanceStats()  # with `_idle` more steps that drafted nothing
+        self._idle = 0
 
     def add(self, rid: int, timing_free: bool = False) -> None:
         """A new request; `timing_free`: judge it as if drafts were free (unless a cost is
@@ -103,10 +112,11 @@ class SpecStats:
         return self._entry(rid).budget
 
     def request(self, rid: int) -> AcceptanceStats:
-        return self._entry(rid).stats
+        entry = self._entry(rid)
+        return entry.stats.add_idle(entry.idle)
 
     def total(self) -> AcceptanceStats:
-        return self._total
+        return self._total.add_idle(self._idle)
 
     def record(
         self, rid: int, drafted: int, accepted: int, draft_cost: float = 0.0, step_cost: float = 0.0
@@ -135,6 +145,9 @@ class SpecStats:
                 f"{len(rids)} requests, {drafted.shape[0]} trees and "
                 f"{accepted.shape[0]} accepted lengths must match"
             )
+        if not drafted.any() and not accepted.any():  # most steps of free text
+            self._record_idle(rids, draft_cost)
+            return
         drafted_list = drafted.tolist()
         share = verify_premium / max(sum(d > 0 for d in drafted_list), 1)
         self._record_rows(
@@ -170,15 +183,29 @@ class SpecStats:
                 )
                 self._adapt(entry, num_drafted, num_accepted, cost)
 
+    def _record_idle(self, rids: Sequence[int] | np.ndarray, draft_cost: float) -> None:
+        """A step where no request of `rids` drafted: counted, not added to the statistics'
+        values one by one (`request` and `total` add them when read)."""
+        _check_costs(draft_cost, 0.0)
+        entries = [self._entry(int(rid)) for rid in rids]
+        self._idle += len(entries)
+        for entry in entries:
+            entry.idle += 1
+            if self.config.adaptive:
+                self._idle_step(entry)
+
+    def _idle_step(self, entry: _Adaptive) -> None:
+        """Nothing drafted: no evidence, unless the budget is 0 and it is time to probe."""
+        if entry.budget == 0:
+            entry.idle_steps += 1
+            if entry.idle_steps >= self.config.probe_interval:
+                entry.budget, entry.idle_steps, entry.probing = 1, 0, True
+
     def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, cost: float) -> None:
         """`cost`: what this step's drafting cost, in decoded tokens' time."""
         cfg = self.config
         if drafted == 0:
-            # Nothing drafted: no evidence, unless the budget is 0 and it is time to probe.
-            if entry.budget == 0:
-                entry.idle_steps += 1
-                if entry.idle_steps >= cfg.probe_interval:
-                    entry.budget, entry.idle_steps, entry.probing = 1, 0, True
+            self._idle_step(entry)
             return
         probing, entry.probing = entry.probing, False
         entry.recent.append((accepted, cost))

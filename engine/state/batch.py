@@ -8,12 +8,13 @@ when verifying. `seq_lens` (prefix + new) is derived, never passed in.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
-from engine.state.debug import DEBUG
+from engine.state.debug import DEBUG, trusted
 from engine.state.running import Running
 from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array
 
@@ -96,8 +97,30 @@ class DraftTrees:
 
     @classmethod
     def roots_only(cls, root_tokens: np.ndarray) -> DraftTrees:
-        n = len(root_tokens)
-        return cls(SeqLens.full(n, 1), root_tokens, np.full(n, -1, dtype=INDEX_DTYPE))
+        """A tree of its root alone per token (most steps of free text): only the tokens are
+        checked, the rest is so by construction (shared read-only columns per batch size)."""
+        tokens = frozen_array(root_tokens)
+        if tokens.size and int(tokens.min()) < 0:
+            raise ValueError("draft tree tokens must be token ids >= 0")
+        parents, depths, bits = _root_columns(tokens.shape[0])
+        return trusted(
+            cls,
+            sizes=SeqLens.full(tokens.shape[0], 1),
+            tokens=tokens,
+            parents=parents,
+            depths=depths,
+            ancestor_bits=bits,
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _root_columns(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parents (-1), depths (0) and ancestor bits (1) of `size` roots-only trees."""
+    return (
+        freeze(np.full(size, -1, dtype=INDEX_DTYPE)),
+        freeze(np.zeros(size, INDEX_DTYPE)),
+        freeze(np.ones(size, np.int64)),
+    )
 
 
 def _depths_and_ancestors(

@@ -112,8 +112,15 @@ def test_a_recorded_run_replays_clean_and_faster(trace):
         dict(mixed_passes=False, plan_ahead=False),
         dict(speculative=False, kv_cache_slots=120),
         dict(speculative=False, launch_ahead=True),
+        dict(launch_ahead=True),
     ],
-    ids=["no-prefix-cache", "extend-only-no-plan", "plain-decode", "launch-ahead"],
+    ids=[
+        "no-prefix-cache",
+        "extend-only-no-plan",
+        "plain-decode",
+        "launch-ahead",
+        "spec-launch-ahead",
+    ],
 )
 def test_other_settings_replay_clean(tmp_path, variant):
     path = tmp_path / "run.jsonl"

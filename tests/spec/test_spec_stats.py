@@ -201,3 +201,44 @@ def test_a_batch_with_a_bad_row_changes_nothing(bad) -> None:
     trees = stack([DraftTree((1, 2, 3), (-1, 0, 1)), DraftTree((1, 2), (-1, 0))])
     stats.record_batch([1, 2], trees, [0, 0], 0.5)  # a good batch: the first row's loss halves
     assert stats.budget(1) == 6 and stats.total().steps == 2
+
+
+def test_a_batch_that_drafted_nothing_counts_as_each_row_recorded_alone() -> None:
+    """A batch of root-only trees is counted, not added row by row (the step of free text);
+    statistics, totals, budgets and probes read as if each row were recorded alone, beside
+    batches that drafted; an unknown request in such a batch changes nothing."""
+    config = SpecConfig(draft_budget=4, adapt_window=2, probe_interval=3)
+    batched, alone = SpecStats(config), SpecStats(config)
+    for stats in (batched, alone):
+        for rid in (1, 2, 3):
+            stats.add(rid)
+    budgets_of_1 = []
+    for step in range(48):
+        rids = [1, 2, 3] if step % 5 else [2, 3]
+        drafts = [0] * len(rids) if step % 3 else [batched.budget(rid) for rid in rids]
+        accepted = [min(d, 1) if rid == 3 else 0 for rid, d in zip(rids, drafts, strict=True)]
+        trees = stack(
+            [
+                DraftTree(tuple(range(1, d + 2)), tuple(range(-1, d)))
+                if d
+                else DraftTree.root_only(1)
+                for d in drafts
+            ]
+        )
+        batched.record_batch(rids, trees, accepted)
+        for rid, d, a in zip(rids, drafts, accepted, strict=True):
+            alone.record(rid, drafted=d, accepted=a)
+        for rid in (1, 2, 3):
+            assert batched.request(rid) == alone.request(rid)
+            assert batched.budget(rid) == alone.budget(rid)
+        assert batched.total() == alone.total()
+        budgets_of_1.append(batched.budget(1))
+    seen = "".join(str(b) for b in budgets_of_1)
+    assert "01" in seen, f"request 1 never probed from root only: budgets {seen}"
+    before = batched.total()
+    with pytest.raises(KeyError, match="request 9 has no speculation statistics"):
+        batched.record_batch([1, 9], stack([DraftTree.root_only(1)] * 2), [0, 0])
+    assert batched.total() == before and batched.request(1) == alone.request(1)
+    batched.remove(2)
+    alone.remove(2)
+    assert batched.total() == alone.total()
