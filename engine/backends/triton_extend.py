@@ -10,6 +10,8 @@ request's tokens reads the next request's (masked, never stored) or zeros past t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -196,10 +198,15 @@ def _extend_kernel(
         tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether Hopper's tensor-memory loads can read these [T, H, D] tensors as [T, H*D] rows:
     compute capability 9 or more, heads adjacent, 16-byte aligned base and row stride."""
-    if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if _capability(tensors[0].device)[0] < 9:
         return False
     return all(
         t.stride(2) == 1
