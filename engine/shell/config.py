@@ -153,9 +153,9 @@ class EngineConfig:
     launch_ahead: bool | None = _field(
         None,
         "with plan_ahead: launch the planned decode pass before the running one's tokens "
-        "are read back, its input ids copied on the device (with speculation, only while "
-        "no request will draft at the next step; penalties count those tokens on the "
-        "device; a grammar's greedy rows are checked "
+        "are read back, its input ids copied on the device (with speculation, after a step "
+        "that drafted nothing: drafts found at the next step wait a step; penalties count "
+        "those tokens on the device; a grammar's greedy rows are checked "
         "after, and a refused token drops the launched pass); requests that leave are cut "
         "from the launched pass, an arrival drops it. None: on with a CUDA device and one "
         "rank",
