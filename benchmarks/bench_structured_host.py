@@ -110,7 +110,7 @@ class PromptCopyRunner(CopyRunner):
 def serve_copy(port: int) -> None:
     """Serve the default model's tokenizer and engine, its forward a `PromptCopyRunner`."""
     engine = Engine(device="cpu", dtype="float32", max_running_requests=32)
-    engine.runner = engine.ahead.runner = PromptCopyRunner(engine, {})
+    engine.runner = PromptCopyRunner(engine, {})  # the plan-ahead's runner too
     make_server(create_app(engine), "127.0.0.1", port, "warning").run()
 
 
@@ -207,6 +207,11 @@ def run(
     )
 
 
+def per_request(result: dict, clients: int, requests: int) -> int:
+    """The tokens a request of `run`'s made on average (at least 1)."""
+    return max(1, round(result["tokens"] / (clients * requests)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="1,4,16")
@@ -243,7 +248,7 @@ def main() -> None:
     engine.grammars.wait_ready()
     runner = CopyRunner(engine, {}) if args.forward == "copy" else None
     if runner is not None:
-        engine.runner = engine.ahead.runner = runner
+        engine.runner = runner  # the plan-ahead's runner too
     print(f"forward: {args.forward}, device {args.device}, launch_ahead {engine.launch_ahead}")
     print("| clients | kind | tok/s | ms/decode step | passes | plans used/dropped | masks |")
     print("|---|---|---|---|---|---|---|")
@@ -255,7 +260,7 @@ def main() -> None:
                 max_tokens = args.max_tokens if constrained else length
                 result = run(engine, clients, args.requests, constrained, max_tokens, runner)
                 if constrained:
-                    length = max(1, round(result["tokens"] / (clients * args.requests)))
+                    length = per_request(result, clients, args.requests)
                 kind = "json" if constrained else "free"
                 if counted and (kind not in best or result["tok_s"] > best[kind]["tok_s"]):
                     best[kind] = result
@@ -275,7 +280,8 @@ def main() -> None:
                 max_tokens = args.max_tokens if constrained else length
                 result = run(engine, clients, args.requests, constrained, max_tokens, runner)
                 profile.disable()
-                length = max(1, round(result["tokens"] / (clients * args.requests)))
+                if constrained:
+                    length = per_request(result, clients, args.requests)
                 kind = "constrained" if constrained else "unconstrained"
                 print(f"\n== {kind}, {clients} clients")
                 pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_rows)

@@ -49,9 +49,7 @@ def plan_extend(
     requests, each waiting for its first token, still prefills at up to the whole budget.
     """
     pending = running.pending_lens
-    first = running.token_lens.lens == running.prompt_lens
-    if not first_in_extend:
-        first = np.zeros_like(first)
+    first = (running.token_lens.lens == running.prompt_lens) & first_in_extend
     prefilling = (pending > 1) | first
     candidates = np.flatnonzero(prefilling)
     if candidates.size == 0:

@@ -204,8 +204,7 @@ def test_launch_ahead_with_speculation_defers_drafts(backend):
     verify_step = engine._verify_step
 
     def recording_verify_step(*args):
-        prepared = engine.ahead.prepared
-        launched_at_verify.append(prepared is not None and prepared.launched is not None)
+        launched_at_verify.append(engine.ahead.launched)
         return verify_step(*args)
 
     engine._verify_step = recording_verify_step
