@@ -6,6 +6,7 @@ import abc
 from collections.abc import Callable
 
 import attrs
+import numpy as np
 import torch
 
 from engine.state import Batch, Mode
@@ -66,25 +67,69 @@ class ForwardMetadata:
     extra: dict = attrs.field(factory=dict)  # backend-specific (split counts, buffers)
 
 
-def host_metadata(batch: Batch, device: torch.device) -> dict:
-    """The host-derived part shared by all backends: indptrs and lengths, on `device`."""
-    kv_indptr = batch.seq_lens.indptr_to(device)
-    prefix_lens = batch.prefix_lens.lens_to(device)
-    qo_indptr = batch.new_lens.indptr_to(device)
-    out_slots = torch.from_numpy(batch.out_slots.copy()).to(device)
-    tree_bits = None
+UPLOAD_ALIGN = 16  # bytes: each array's place in the packed buffer (any dtype's alignment)
+
+
+def upload(device: torch.device | str, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """1-D host arrays as tensors of their dtypes on `device`, without the host waiting.
+
+    On CUDA they are packed into one pinned buffer and copied in one non-blocking copy (a
+    copy from pageable memory, `torch.tensor(array, device=...)`, waits for every pass
+    queued before it: the host could not plan or launch ahead of the device). Torch's
+    pinned-memory cache hands the buffer out again only once that copy has run. Elsewhere
+    each is copied (a snapshot's arrays are read-only)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {name: torch.from_numpy(np.array(a)).to(device) for name, a in arrays.items()}
+    places, end = {}, 0
+    for name, a in arrays.items():
+        places[name] = (end, a.nbytes)
+        end += -(-a.nbytes // UPLOAD_ALIGN) * UPLOAD_ALIGN
+    host = torch.empty(max(end, UPLOAD_ALIGN), dtype=torch.uint8, pin_memory=True)
+    packed = host.numpy()
+    for name, a in arrays.items():
+        start, size = places[name]
+        packed[start : start + size] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    on_device = host.to(device, non_blocking=True)
+    return {
+        name: on_device[start : start + size].view(_TORCH_DTYPES[arrays[name].dtype])
+        for name, (start, size) in places.items()
+    }
+
+
+_TORCH_DTYPES = {
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+}
+
+
+def host_metadata(
+    batch: Batch, device: torch.device | str, extra: dict[str, np.ndarray] | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The host-derived part shared by all backends (indptrs, lengths, slots) on `device`,
+    and the backend's `extra` arrays, in one `upload`."""
+    arrays = {
+        "kv_indptr": batch.seq_lens.indptr().astype(np.int32),
+        "prefix_lens": batch.prefix_lens.lens.astype(np.int32),
+        "qo_indptr": batch.new_lens.indptr().astype(np.int32),
+        "out_slots": batch.out_slots.astype(np.int64),
+    }
     if batch.trees is not None:
-        tree_bits = torch.from_numpy(batch.trees.ancestor_bits.copy()).to(device)
-    return dict(
+        arrays["tree_bits"] = batch.trees.ancestor_bits.astype(np.int64)
+    for name, array in (extra or {}).items():
+        arrays[f"extra:{name}"] = array
+    tensors = upload(device, arrays)
+    more = {name[6:]: tensors.pop(name) for name in list(tensors) if name.startswith("extra:")}
+    meta = dict(
         mode=batch.mode,
-        qo_indptr=qo_indptr,
-        kv_indptr=kv_indptr,
-        prefix_lens=prefix_lens,
-        out_slots=out_slots,
-        tree_bits=tree_bits,
+        tree_bits=tensors.pop("tree_bits", None),
         max_new_len=batch.new_lens.max,
         max_seq_len=batch.seq_lens.max,
+        **tensors,
     )
+    return meta, more
 
 
 class AttentionBackend(abc.ABC):

@@ -79,13 +79,15 @@ class TorchBackend(AttentionBackend):
 
     def plan(self, batch: Batch) -> ForwardMetadata:
         device = self.pool.req_to_token.device
-        meta = host_metadata(batch, device)
-        if device.type == "cpu":
+        on_device = device.type != "cpu"
+        extra = {"rows": batch.running.rows.astype(np.int64)} if on_device else None
+        meta, more = host_metadata(batch, device, extra)
+        if not on_device:
             kv_indices = torch.from_numpy(
                 build_kv_indices_host(self.pool.req_to_token.numpy(), batch)
             )
         else:
-            rows = torch.from_numpy(batch.running.rows.copy()).to(device)
+            rows = more["rows"]
             kv_indices = build_kv_indices(
                 self.pool.req_to_token,
                 rows,

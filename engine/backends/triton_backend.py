@@ -121,8 +121,8 @@ class TritonBackend(AttentionBackend):
         if buffers is not None:
             return self._plan_into(batch, buffers, padded_batch_size, padded_num_tokens, num_splits)
         device = table.device
-        meta = host_metadata(batch, device)
-        rows = torch.from_numpy(batch.running.rows.copy()).to(device)
+        meta, more = host_metadata(batch, device, {"rows": batch.running.rows.astype(np.int64)})
+        rows = more["rows"]
         total = batch.seq_lens.total
         kv_indices = torch.empty(total, dtype=torch.int32, device=device)
         build_kv_indices_into(

@@ -46,7 +46,11 @@ class Sampled:
         return cls(tokens, logprobs, host, copied)
 
     def tokens_on_host(self) -> np.ndarray:
-        """The tokens as a host array (waits for their copy only)."""
+        """The tokens as a host array (waits for their copy only; a pass that sampled no
+        row, a prompt's chunk before its last, is not waited for: the host plans and queues
+        the next chunk while it runs)."""
+        if self.tokens.numel() == 0:
+            return np.zeros(self.tokens.shape, dtype=np.int64)
         if self.copied is None or self.host is None:
             return self.tokens.cpu().numpy()
         self.copied.synchronize()

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from engine.backends import AttentionBackend
+from engine.backends.base import upload
 from engine.shell.graphs import GraphRunner
 from engine.state import Batch, Mode
 
@@ -41,9 +42,6 @@ class ModelRunner:
                     )
                 )
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.tensor(array, device=self.device)
-
     @torch.inference_mode()
     def prepare(self, batch: Batch) -> Prepared:
         """Plan the pass (backend metadata; for a graph, its static buffers) ahead of `launch`.
@@ -67,16 +65,21 @@ class ModelRunner:
                 f"input_ids has shape {tuple(input_ids.shape)}; this pass has "
                 f"{batch.new_lens.total} new tokens"
             )
+        arrays = {} if every_row else {"logit_rows": batch.logit_rows.astype(np.int64)}
         if prepared.runner is not None:
             logits = prepared.runner.replay(prepared.graph, prepared.metadata, batch, input_ids)
-            return logits if every_row else logits[self._tensor(batch.logit_rows)]
+            return logits if every_row else logits[upload(self.device, arrays)["logit_rows"]]
+        arrays["positions"] = batch.positions.astype(np.int64)
+        if input_ids is None:
+            arrays["input_ids"] = batch.input_ids.astype(np.int64)
+        on_device = upload(self.device, arrays)  # one copy the host does not wait for
         hidden = self.model(
-            self._tensor(batch.input_ids) if input_ids is None else input_ids,
-            self._tensor(batch.positions),
+            on_device["input_ids"] if input_ids is None else input_ids,
+            on_device["positions"],
             prepared.metadata,
             self.backend,
         )
-        return self.model.logits(hidden if every_row else hidden[self._tensor(batch.logit_rows)])
+        return self.model.logits(hidden if every_row else hidden[on_device["logit_rows"]])
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """prepare + launch: fp32 logits for the rows `batch.logit_rows` names."""

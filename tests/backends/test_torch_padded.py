@@ -37,7 +37,7 @@ def test_padded_attention_equals_per_request(mode, head_dim, kernel, monkeypatch
     if mode == "extend":  # a decode among prefill chunks (a mixed pass) is padded apart
         assert len(meta.extra["padded"]) == 2
     # on the CPU the plan builds kv_indices on the host: the same as the tensor version
-    tensors = host_metadata(batch, "cpu")
+    tensors, _ = host_metadata(batch, "cpu")
     assert torch.equal(
         meta.kv_indices,
         build_kv_indices(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -225,10 +226,10 @@ def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch, launch_ahe
     prepare_next = engine._prepare_next
     planned = []
 
-    def strict(open_pass, launched):
+    def strict(open_pass, launched, *rest):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            launched = prepare_next(open_pass, launched)
+            launched = prepare_next(open_pass, launched, *rest)
             planned.append(open_pass.table_written)
             return launched
         finally:
@@ -238,6 +239,50 @@ def test_planning_ahead_never_waits_for_the_running_pass(monkeypatch, launch_ahe
     engine.generate(_prompts(3), SamplingParams(max_tokens=8, ignore_eos=True))
     assert any(planned) and engine.stats["plans_ahead_used"] > 3
     assert (engine.stats["launches_ahead"] > 3) == launch_ahead
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host-device synchronisation exists only on CUDA")
+def test_an_eager_pass_never_waits_for_the_device(monkeypatch):
+    """Extend (prefill) passes run eagerly: their plan and launch copy the snapshot's arrays
+    to the device without waiting for the passes queued before them (a copy from pageable
+    memory, `torch.tensor(array, device=...)`, waited for them: the host could not queue
+    the next pass, or the rest of this one, while the device ran). A prompt's chunk before
+    its last samples nothing: its pass is not waited for either."""
+    engine = _tiny("triton", cuda_graph_max_batch=4, chunk_size=8)
+    runner, modes, waits = engine.runner, [], []
+    fetch = engine.passes.fetch
+
+    def watched_fetch(sampled):  # the rows of each pass whose tokens the host waited for
+        copied = sampled.copied
+
+        class Watched:
+            def synchronize(self):
+                waits.append(sampled.tokens.numel())
+                copied.synchronize()
+
+        return fetch(attrs.evolve(sampled, copied=Watched()))
+
+    monkeypatch.setattr(engine.passes, "fetch", watched_fetch)
+
+    def strictly(call, batch_of):
+        def strict(*args, **kwargs):
+            modes.append(batch_of(args).mode)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return call(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return strict
+
+    monkeypatch.setattr(runner, "prepare", strictly(runner.prepare, lambda a: a[0]))
+    monkeypatch.setattr(runner, "launch", strictly(runner.launch, lambda a: a[1]))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.generate([list(range(5, 35))], params)  # alone, in chunks of 8, 8, 8 and 6
+    assert modes.count(Mode.EXTEND) == 2 * 4  # each pass prepared, then launched
+    engine.generate(_prompts(3), params)
+    assert Mode.DECODE in modes
+    assert waits and min(waits) > 0, f"waited for passes that sampled {waits} rows"
 
 
 @pytest.mark.parametrize("launch_ahead", [False, True])
