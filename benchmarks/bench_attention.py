@@ -3,7 +3,7 @@
 Shapes: 32 q / 8 kv heads, head_dim 128, bf16. Each time is one problem's share of a CUDA-graph
 replay that runs enough independent copies of it (>= 256 MB of KV in all) to keep L2 cold;
 median of the replays after warm-up. "eager" is one launch timed by do_bench (L2 flushed).
-Run: python3 benchmarks/bench_attention.py [--quick]
+Run: python3 benchmarks/bench_attention.py [--quick | --extend | --extend-grid | --split-grid]
 """
 
 from __future__ import annotations
@@ -558,6 +558,11 @@ def main() -> None:
         help="only decode at a grid of shapes, timed at every split count against the policy",
     )
     parser.add_argument(
+        "--extend",
+        action="store_true",
+        help="only extend: the default configuration and EXTEND_SWEEP's, against SDPA",
+    )
+    parser.add_argument(
         "--extend-grid",
         action="store_true",
         help="only extend, timed at every configuration of EXTEND_GRID against SDPA",
@@ -570,6 +575,9 @@ def main() -> None:
         return
     if args.extend_grid:
         extend_grid()
+        return
+    if args.extend:
+        print_table(extend_rows(False), ceiling)
         return
     rows = decode_like_rows("decode", DECODE, args.quick)
     decode_at = {(b, length): r for (b, length), r in zip(DECODE, rows, strict=True)}

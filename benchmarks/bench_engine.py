@@ -5,7 +5,8 @@ GPU (random Llama-3-8B bf16): python benchmarks/bench_engine.py --device cuda
 On the GPU it also reports the decode step time against its floor, (weight bytes + KV bytes
 read per step) / the measured copy bandwidth, and the whole run's wall clock (prefill
 included) against the floor of its decode steps, beside the same engine with `launch_ahead`
-off.
+off; then the wall clock against the roofline floor (the decode steps' floor plus the
+prefill's FLOPs at the measured bf16 matrix-product peak) and the prefill steps' rate.
 """
 
 from __future__ import annotations
@@ -38,6 +39,31 @@ def copy_bandwidth(device: str) -> float:
     return 2 * size * repeats / (time.perf_counter() - start)
 
 
+def matmul_peak(device: str, size: int = 8192) -> float:
+    """FLOP/s of a large bf16 matrix product (the dense peak a prefill can reach)."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    repeats = 20
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def prefill_flops(mc, prompt_len: int) -> float:
+    """The matrix products and causal attention of one prompt's prefill (its output layer
+    for the last token only, as the engine computes it)."""
+    per_layer = 2 * mc.hidden_size * (2 * mc.q_size + 2 * mc.kv_size)  # q, o and k, v
+    per_layer += 2 * 3 * mc.hidden_size * mc.intermediate_size  # gate, up, down
+    attention = 2 * 2 * mc.q_size * prompt_len * (prompt_len + 1) / 2  # QK^T and PV, causal
+    output = 2 * mc.hidden_size * mc.vocab_size
+    return mc.num_layers * (per_layer * prompt_len + attention) + output
+
+
 def run_engine(engine: Engine, prompts: list, batch: int, max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     # warm-up on the same shapes (kernels compiled for them), prompts reversed: no prefix
@@ -56,6 +82,8 @@ def run_engine(engine: Engine, prompts: list, batch: int, max_tokens: int) -> di
         tokens=tokens,
         seconds=elapsed,
         decode_step=statistics.median(decode) if decode else float("nan"),
+        # the steps that prefilled (with mixed passes, some also decode)
+        prefill=sum(t for mode, t in engine.step_times if mode == "extend"),
     )
 
 
@@ -160,8 +188,10 @@ def gpu_main(args: argparse.Namespace) -> list[tuple]:
     """The engine as configured by default beside the same engine with `launch_ahead` off
     (the A/B of launching each decode pass before the last one's tokens are read). The
     floor of a decode step: its weight and KV bytes over the copy bandwidth; end to end: the
-    floor of every decode step over the wall clock of the whole group, prefill included."""
+    floor of every decode step over the wall clock of the whole group, prefill included;
+    and the roofline floor: that plus the prefill's products at the measured dense peak."""
     bandwidth = copy_bandwidth("cuda")
+    peak = matmul_peak("cuda")
     engine = _gpu_engine(args.preset, launch_ahead=False)
     without = _gpu_runs(args, engine)
     del engine
@@ -176,6 +206,8 @@ def gpu_main(args: argparse.Namespace) -> list[tuple]:
         off = without[batch]
         mean_context = args.prompt_len + args.max_tokens / 2
         floor = (weight_bytes + batch * mean_context * kv_per_token) / bandwidth
+        prefill = batch * prefill_flops(mc, args.prompt_len)
+        roofline = floor * args.max_tokens + prefill / peak
         rows.append(
             (
                 batch,
@@ -189,6 +221,10 @@ def gpu_main(args: argparse.Namespace) -> list[tuple]:
                 floor / off["decode_step"],
                 floor * args.max_tokens / off["seconds"],
                 bandwidth / 1e9,
+                roofline / ours["seconds"],
+                ours["prefill"] * 1e3,
+                prefill / ours["prefill"] / 1e12,
+                peak / 1e12,
             )
         )
     return rows
@@ -251,11 +287,25 @@ def main() -> None:
             "| copy GB/s |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for batch, ours, hf, step, floor, frac, wall, off, off_frac, off_wall, bw in rows:
+        for batch, ours, hf, step, floor, frac, wall, off, off_frac, off_wall, bw, *_ in rows:
             print(
                 f"| {batch} | {ours:.0f} | {hf:.0f} | {ours / hf:.1f}x | {step:.2f} | "
                 f"{floor:.2f} | {frac:.2f} | {wall:.2f} | {off:.2f} | {off_frac:.2f} | "
                 f"{off_wall:.2f} | {bw:.0f} |"
+            )
+        print(
+            "\nWith the prefill's floor: its products at the measured bf16 matrix-product "
+            "peak (roofline floor = decode steps' floor + prefill FLOPs / peak)."
+        )
+        print(
+            "| batch | roofline floor/wall | prefill steps ms | prefill TFLOP/s | "
+            "matmul peak TFLOP/s |"
+        )
+        print("|---|---|---|---|---|")
+        for batch, *_, roofline_wall, prefill_ms, prefill_rate, peak in rows:
+            print(
+                f"| {batch} | {roofline_wall:.2f} | {prefill_ms:.1f} | {prefill_rate:.0f} | "
+                f"{peak:.0f} |"
             )
 
 

@@ -156,16 +156,36 @@ def annotate_phases(engine: Engine) -> None:
             wrap(owner, name, f"{part}.{name}")
 
 
-def profile_steps(engine: Engine, prompts: list, params: SamplingParams, max_steps: int) -> str:
+def warm_up(engine: Engine, prompts: list) -> None:
+    """The prompts reversed (the same shapes: every kernel compiled for them, no prefix the
+    measured run could reuse), two tokens each, in a throwaway profiler session: a process's
+    first session starts its tracing (tens of milliseconds in which the device waits), and a
+    kernel compiled in the window (a second or more) would count as idle time there."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        reversed_prompts = [list(reversed(p)) for p in prompts]
+        engine.generate(reversed_prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+        torch.cuda.synchronize()
+
+
+def profile_steps(
+    engine: Engine,
+    prompts: list,
+    params: SamplingParams,
+    max_steps: int,
+    prefill: bool = False,
+) -> str:
     """Admit `prompts`, step until every one is decoding (prefill not profiled), then profile
-    up to `max_steps` steps."""
+    up to `max_steps` steps; `prefill`: profile from the admission on (the prompts' extend
+    passes and the decode steps after them)."""
+    warm_up(engine, prompts)
     for prompt in prompts:
         engine.submit(prompt, params)
-    while engine.has_work and (
-        engine.waiting or not engine.step_times or engine.step_times[-1][0] == "extend"
+    while not prefill and (
+        engine.has_work
+        and (engine.waiting or not engine.step_times or engine.step_times[-1][0] == "extend")
     ):
         engine.step()
-    for _ in range(2):  # past the first decode passes
+    for _ in range(0 if prefill else 2):  # past the first decode passes
         if engine.has_work:
             engine.step()
     torch.cuda.synchronize()
@@ -195,6 +215,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument(
+        "--prefill",
+        action="store_true",
+        help="profile from the admission on: the prompts' prefill and the steps after it",
+    )
     parser.add_argument(
         "--launch-ahead",
         action=argparse.BooleanOptionalAction,
@@ -234,9 +259,10 @@ def main() -> None:
     print(
         f"\n== profile {args.which}: batch {batch}, {args.prompt_len}-token prompts, "
         f"{engine.runtime.dtype}, launch_ahead {engine.launch_ahead}, "
+        f"{'prefill included' if args.prefill else 'prefill not profiled'}, "
         f"{torch.cuda.get_device_name()}"
     )
-    print(profile_steps(engine, prompts, params, args.steps))
+    print(profile_steps(engine, prompts, params, args.steps, args.prefill))
     engine.step_times.clear()  # the same run again, not profiled: the profiler slows the host
     engine.generate(prompts, params)
     by_mode: dict[str, list[float]] = collections.defaultdict(list)
