@@ -7,6 +7,8 @@ device gaps (with the kernels around them), the top kernels and the top host ops
 
   python benchmarks/profile_steps.py decode   # random llama3_8b, batch 64, decode-heavy
   python benchmarks/profile_steps.py spec     # random smollm2_135m, batch 1, speculative
+  python benchmarks/profile_steps.py decode --prefill --steps 300 --max-tokens 256
+      # a whole decode-heavy run: the prompts' prefill and every decode step after it
 """
 
 from __future__ import annotations
@@ -178,6 +180,7 @@ def profile_steps(
     up to `max_steps` steps; `prefill`: profile from the admission on (the prompts' extend
     passes and the decode steps after them)."""
     warm_up(engine, prompts)
+    engine.step_times.clear()  # the warm-up's last step (a decode) must not end the prefill
     for prompt in prompts:
         engine.submit(prompt, params)
     while not prefill and (
@@ -215,6 +218,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="new tokens per request (default: 4 x steps + 64, past the window)",
+    )
     parser.add_argument(
         "--prefill",
         action="store_true",
@@ -254,7 +263,7 @@ def main() -> None:
         # a repeating prompt: n-gram drafts find matches and verify passes run
         period = torch.randint(3, 30000, (64,), generator=generator).tolist()
         prompts = [(period * (args.prompt_len // 64 + 1))[: args.prompt_len]] * batch
-    params = SamplingParams(max_tokens=args.steps * 4 + 64, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens or args.steps * 4 + 64, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     print(
         f"\n== profile {args.which}: batch {batch}, {args.prompt_len}-token prompts, "
