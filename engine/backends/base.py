@@ -92,24 +92,20 @@ def upload(device: torch.device | str, arrays: dict[str, np.ndarray]) -> dict[st
         packed[start : start + size] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     on_device = host.to(device, non_blocking=True)
     return {
-        name: on_device[start : start + size].view(_TORCH_DTYPES[arrays[name].dtype])
+        name: on_device[start : start + size].view(_torch_dtype(arrays[name].dtype))
         for name, (start, size) in places.items()
     }
 
 
-_TORCH_DTYPES = {
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.float64): torch.float64,
-}
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 def host_metadata(
     batch: Batch, device: torch.device | str, extra: dict[str, np.ndarray] | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """The host-derived part shared by all backends (indptrs, lengths, slots) on `device`,
-    and the backend's `extra` arrays, in one `upload`."""
+    and the backend's own `extra` arrays, in one `upload`."""
     arrays = {
         "kv_indptr": batch.seq_lens.indptr().astype(np.int32),
         "prefix_lens": batch.prefix_lens.lens.astype(np.int32),
@@ -118,10 +114,11 @@ def host_metadata(
     }
     if batch.trees is not None:
         arrays["tree_bits"] = batch.trees.ancestor_bits.astype(np.int64)
-    for name, array in (extra or {}).items():
-        arrays[f"extra:{name}"] = array
-    tensors = upload(device, arrays)
-    more = {name[6:]: tensors.pop(name) for name in list(tensors) if name.startswith("extra:")}
+    extra = extra or {}
+    if clash := arrays.keys() & extra.keys():
+        raise ValueError(f"extra arrays {sorted(clash)} would replace the metadata's own")
+    tensors = upload(device, arrays | extra)
+    more = {name: tensors.pop(name) for name in extra}
     meta = dict(
         mode=batch.mode,
         tree_bits=tensors.pop("tree_bits", None),
