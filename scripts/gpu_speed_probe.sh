@@ -5,7 +5,7 @@
 # speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh
-# PROBE_PARTS="grid decode decode-off spec" picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT (s).
+# PROBE_PARTS="grid decode decode-off spec run" picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT (s).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -25,7 +25,10 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         cmd=(python3 benchmarks/profile_steps.py decode --no-launch-ahead)
         limit=${DECODE_TIMEOUT:-120} ;;
     spec) cmd=(python3 benchmarks/profile_steps.py spec); limit=${SPEC_TIMEOUT:-60} ;;
-    *) echo "unknown part $part (grid, decode, decode-off, spec)"; exit 2 ;;
+    run)  # the whole decode-heavy run at batch 64: the prompts' prefill and every decode step
+        cmd=(python3 benchmarks/profile_steps.py decode --prefill --steps 300 --max-tokens 256)
+        limit=${DECODE_TIMEOUT:-120} ;;
+    *) echo "unknown part $part (grid, decode, decode-off, spec, run)"; exit 2 ;;
     esac
     start=$(date +%s)
     timeout "$limit" "${cmd[@]}" >"$OUT_DIR/$part.log" 2>&1

@@ -48,7 +48,8 @@ class Sampled:
     def tokens_on_host(self) -> np.ndarray:
         """The tokens as a host array (waits for their copy only; a pass that sampled no
         row, a prompt's chunk before its last, is not waited for: the host plans and queues
-        the next chunk while it runs)."""
+        the next chunk while it runs, and a device error in it surfaces where a later pass
+        is read)."""
         if self.tokens.numel() == 0:
             return np.zeros(self.tokens.shape, dtype=np.int64)
         if self.copied is None or self.host is None:
