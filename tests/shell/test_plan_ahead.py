@@ -285,6 +285,21 @@ def test_an_eager_pass_never_waits_for_the_device(monkeypatch):
     assert waits and min(waits) > 0, f"waited for passes that sampled {waits} rows"
 
 
+def test_a_pass_that_sampled_no_row_is_not_waited_for():
+    """A prompt's chunk before its last samples no row: reading its (no) tokens does not wait
+    for the pass (the host queues the next chunk meanwhile); a pass with rows does."""
+
+    class Running:  # the copy's event of a pass still on the device
+        def synchronize(self):
+            raise AssertionError("waited for the pass")
+
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert Sampled(empty, None, empty, Running()).tokens_on_host().shape == (0,)
+    one = torch.tensor([7])
+    with pytest.raises(AssertionError, match="waited"):
+        Sampled(one, None, one, Running()).tokens_on_host()
+
+
 @pytest.mark.parametrize("launch_ahead", [False, True])
 @pytest.mark.parametrize("failing", ["prepare", "launch", "fetch"])
 def test_a_failure_around_a_plan_loses_no_slot(failing, launch_ahead):
