@@ -54,14 +54,14 @@ def matmul_peak(device: str, size: int = 8192) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
-def prefill_flops(mc, prompt_len: int) -> float:
-    """The matrix products and causal attention of one prompt's prefill (its output layer
-    for the last token only, as the engine computes it)."""
-    per_layer = 2 * mc.hidden_size * (2 * mc.q_size + 2 * mc.kv_size)  # q, o and k, v
-    per_layer += 2 * 3 * mc.hidden_size * mc.intermediate_size  # gate, up, down
+def prefill_flops(model, prompt_len: int) -> float:
+    """The matrix products and causal attention of one prompt's prefill on `model` (a
+    LlamaModel), its output layer for the last token only (as the engine computes it): two
+    FLOPs per weight of the layers' matrices a token, from the weights themselves."""
+    mc = model.config
+    matrices = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
     attention = 2 * 2 * mc.q_size * prompt_len * (prompt_len + 1) / 2  # QK^T and PV, causal
-    output = 2 * mc.hidden_size * mc.vocab_size
-    return mc.num_layers * (per_layer * prompt_len + attention) + output
+    return 2 * matrices * prompt_len + mc.num_layers * attention + 2 * model.lm_head.numel()
 
 
 def run_engine(engine: Engine, prompts: list, batch: int, max_tokens: int) -> dict:
@@ -206,7 +206,7 @@ def gpu_main(args: argparse.Namespace) -> list[tuple]:
         off = without[batch]
         mean_context = args.prompt_len + args.max_tokens / 2
         floor = (weight_bytes + batch * mean_context * kv_per_token) / bandwidth
-        prefill = batch * prefill_flops(mc, args.prompt_len)
+        prefill = batch * prefill_flops(engine.runtime.model, args.prompt_len)
         roofline = floor * args.max_tokens + prefill / peak
         rows.append(
             (

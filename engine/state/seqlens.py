@@ -183,15 +183,10 @@ class SeqLens:
             freeze(np.concatenate([self.lens, *(other.lens for other in others)]))
         )
 
-    # --- device mirrors: derived here and nowhere else ------------------------------------
+    # --- a device mirror (a pass's metadata reaches the device in one `backends.base.upload`
+    # of indptr() and lens) -------------------------------------------------------------
     def lens_to(self, device: torch.device | str) -> torch.Tensor:
         """The lengths as an int32 torch tensor on `device`."""
         import torch
 
         return torch.from_numpy(self.lens.astype(np.int32)).to(device, non_blocking=True)
-
-    def indptr_to(self, device: torch.device | str) -> torch.Tensor:
-        """indptr() as an int32 torch tensor on `device` (its last entry is the total)."""
-        import torch
-
-        return torch.from_numpy(self.indptr().astype(np.int32)).to(device, non_blocking=True)
