@@ -3,7 +3,8 @@
 Shapes: 32 q / 8 kv heads, head_dim 128, bf16. Each time is one problem's share of a CUDA-graph
 replay that runs enough independent copies of it (>= 256 MB of KV in all) to keep L2 cold;
 median of the replays after warm-up. "eager" is one launch timed by do_bench (L2 flushed).
-Run: python3 benchmarks/bench_attention.py [--quick | --extend | --extend-grid | --split-grid]
+Run: python3 benchmarks/bench_attention.py [--quick | --decode | --extend | --extend-grid |
+--split-grid]
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ DECODE_SWEEP = [
     {"BLOCK_N": 128, "num_stages": 3},
     {"num_warps": 8},
     {"num_warps": 2},
+    {"num_warps": 2, "num_stages": 4},
+    {"num_warps": 2, "BLOCK_N": 32, "num_stages": 4},
+    {"num_warps": 2, "BLOCK_N": 128, "num_stages": 2},
     {"PDL": True},
     {"SKIP_MERGE": True},
 ]  # the last leaves the merge out: what the merge costs
@@ -563,6 +567,11 @@ def main() -> None:
         help="only extend: the default configuration and EXTEND_SWEEP's, against SDPA",
     )
     parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="only decode: the default configuration and DECODE_SWEEP's, against SDPA",
+    )
+    parser.add_argument(
         "--extend-grid",
         action="store_true",
         help="only extend, timed at every configuration of EXTEND_GRID against SDPA",
@@ -578,6 +587,9 @@ def main() -> None:
         return
     if args.extend:
         print_table(extend_rows(False), ceiling)
+        return
+    if args.decode:
+        print_table(decode_like_rows("decode", DECODE, False), ceiling)
         return
     rows = decode_like_rows("decode", DECODE, args.quick)
     decode_at = {(b, length): r for (b, length), r in zip(DECODE, rows, strict=True)}

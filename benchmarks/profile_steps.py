@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import os
 import statistics
@@ -175,10 +176,12 @@ def profile_steps(
     params: SamplingParams,
     max_steps: int,
     prefill: bool = False,
+    trace_path: str | None = None,
 ) -> str:
     """Admit `prompts`, step until every one is decoding (prefill not profiled), then profile
     up to `max_steps` steps; `prefill`: profile from the admission on (the prompts' extend
-    passes and the decode steps after them)."""
+    passes and the decode steps after them). `trace_path`: also keep the chrome trace there
+    (gzipped where the name ends in .gz)."""
     warm_up(engine, prompts)
     engine.step_times.clear()  # the warm-up's last step (a decode) must not end the prefill
     for prompt in prompts:
@@ -209,6 +212,10 @@ def profile_steps(
         prof.export_chrome_trace(path)
         with open(path) as handle:
             trace = json.load(handle)
+    if trace_path is not None:
+        opener = gzip.open if trace_path.endswith(".gz") else open
+        with opener(trace_path, "wt") as handle:
+            json.dump(trace, handle)
     return summarise(trace, modes)
 
 
@@ -241,6 +248,7 @@ def main() -> None:
         default=None,
         help="default: bfloat16 for decode, float32 for spec (as bench_spec on the GPU)",
     )
+    parser.add_argument("--trace", default=None, help="keep the chrome trace at this path")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     if args.which == "decode":
@@ -271,7 +279,7 @@ def main() -> None:
         f"{'prefill included' if args.prefill else 'prefill not profiled'}, "
         f"{torch.cuda.get_device_name()}"
     )
-    print(profile_steps(engine, prompts, params, args.steps, args.prefill))
+    print(profile_steps(engine, prompts, params, args.steps, args.prefill, args.trace))
     engine.step_times.clear()  # the same run again, not profiled: the profiler slows the host
     engine.generate(prompts, params)
     by_mode: dict[str, list[float]] = collections.defaultdict(list)

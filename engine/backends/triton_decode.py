@@ -23,8 +23,11 @@ PROGRAMS_PER_SM = 4  # programs an SM needs resident to stream at its share of t
 MIN_KEYS_PER_SPLIT = 128  # two key blocks; one block only while the programs leave SMs idle
 MAX_SPLITS = 64
 # Measured on an H200 (docs/benchmarks.md). PDL: launch the merge programmatically (Hopper)
-# so it waits on the GPU instead of on a launch; measured no faster, so off.
+# so it waits on the GPU instead of on a launch; measured no faster, so off. num_warps: 4
+# where the grid is more than one wave of PROGRAMS_PER_SM programs an SM, else
+# ONE_WAVE_WARPS (`choose_decode_warps`).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}
+ONE_WAVE_WARPS = 2
 # Verify (BLOCK_M 64 rows) is sensitive to how its programs fill the waves: each config with
 # the programs an H200 SM holds at once (compiler report: 148 registers and 49 KB shared -> 3;
 # 218 registers and 83 KB -> 2). The one whose last wave is fullest wins (measured).
@@ -86,6 +89,17 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1
+
+
+def choose_decode_warps(programs: int, num_sms: int) -> int:
+    """Warps of a decode program: ONE_WAVE_WARPS while the grid (requests x kv heads x
+    splits) is at most one wave of PROGRAMS_PER_SM programs an SM, which is what the split
+    policy aims at whenever it splits; DECODE_CONFIG's beyond (measured on an H200,
+    `bench_attention.py --decode`: 2 warps 5% faster at B=16 L=4096 with 4 splits, 4.5%
+    slower at B=256 L=1024 with 2048 programs)."""
+    if programs <= PROGRAMS_PER_SM * num_sms:
+        return ONE_WAVE_WARPS
+    return DECODE_CONFIG["num_warps"]
 
 
 def choose_verify_config(programs: int, num_sms: int) -> dict:
@@ -422,7 +436,8 @@ def decode_attention(
     if q.device.type == "cpu":
         base = INTERPRETER_CONFIG
     elif tree_bits is None:
-        base = DECODE_CONFIG
+        programs = num_requests * num_kv_heads * num_splits
+        base = {**DECODE_CONFIG, "num_warps": choose_decode_warps(programs, num_sms(q.device))}
     else:
         base = choose_verify_config(num_requests * num_kv_heads * num_splits, num_sms(q.device))
     cfg = {**base, **(config or {})}

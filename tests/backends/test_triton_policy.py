@@ -10,8 +10,10 @@ from engine.backends.triton_decode import (
     DECODE_CONFIG,
     MAX_SPLITS,
     MIN_KEYS_PER_SPLIT,
+    ONE_WAVE_WARPS,
     PROGRAMS_PER_SM,
     VERIFY_CONFIGS,
+    choose_decode_warps,
     choose_num_splits,
     choose_verify_config,
 )
@@ -36,6 +38,30 @@ BLOCK = DECODE_CONFIG["BLOCK_N"]
 )
 def test_split_counts_for_the_benchmark_shapes(batch: int, length: int, expected: int) -> None:
     assert choose_num_splits(batch, 8, length, H200_SMS) == expected
+
+
+@pytest.mark.parametrize(
+    "batch,length,warps",
+    [
+        (1, 8192, ONE_WAVE_WARPS),  # 512 programs: one wave
+        (16, 4096, ONE_WAVE_WARPS),  # 4 splits of 128 programs: one wave
+        (64, 2048, ONE_WAVE_WARPS),  # 512 programs, no split
+        (256, 1024, DECODE_CONFIG["num_warps"]),  # 2048 programs: four waves
+    ],
+)
+def test_decode_warps_for_the_benchmark_shapes(batch: int, length: int, warps: int) -> None:
+    programs = batch * 8 * choose_num_splits(batch, 8, length, H200_SMS)
+    assert choose_decode_warps(programs, H200_SMS) == warps
+
+
+@settings(max_examples=100, deadline=None)
+@given(**dict(batch=st.integers(0, 600), heads=st.sampled_from([1, 2, 8, 32])))
+def test_decode_warps_only_drop_when_the_grid_is_one_wave(batch: int, heads: int) -> None:
+    """Never fewer warps for a larger grid (more requests, kv heads or splits)."""
+    programs = max(batch, 1) * heads
+    assert choose_decode_warps(programs, H200_SMS) <= choose_decode_warps(programs + 1, H200_SMS)
+    expected = ONE_WAVE_WARPS if programs <= PROGRAMS_PER_SM * H200_SMS else 4
+    assert choose_decode_warps(programs, H200_SMS) == expected
 
 
 SHAPES = dict(
