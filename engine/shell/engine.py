@@ -367,17 +367,20 @@ class Engine:
         sub_index = plan.indices
         sub = self.running.select(sub_index)
         rest = self.running.select(np.setdiff1d(np.arange(len(self.running)), sub_index))
+        starts, stops = sub.kv_lens.lens.tolist(), (sub.kv_lens.lens + plan.chunk_lens).tolist()
         input_ids = np.concatenate(
             [
-                self.requests[int(uid)].token_slice(kv, kv + n)
-                for uid, kv, n in zip(sub.rids, sub.kv_lens.lens, plan.chunk_lens, strict=True)
+                self.requests[uid].id_array()[start:stop]
+                for uid, start, stop in zip(sub.rids.tolist(), starts, stops, strict=True)
             ]
         )
         batch = self.machine.schedule_extend(
             sub, plan.chunk_lens, input_ids, self.book.alloc(plan.num_tokens)
         )
         with self._open(batch) as open_pass:
-            sampled = self.passes.tokens(self.passes.launch(batch))
+            launched = self.passes.launch(batch)
+            self._write_early(open_pass)  # while the device runs the pass
+            sampled = self.passes.tokens(launched)
             self._commit_pass(open_pass, self.machine.extend(batch, sampled), rest=rest)
         if self.book.cache is not None:
             self._share_prefills(sub.rids[plan.chunk_lens > 1])
@@ -520,6 +523,13 @@ class Engine:
             # its rows sample one token further on (the seeds' step counts)
             self.ahead.launch(lambda p: self.passes.launch(p.batch, p, sampled.tokens, ahead=True))
         return launched
+
+    def _write_early(self, open_pass: OpenPass) -> None:
+        """Apply the pass's table writes now, while the device runs it, rather than at its
+        commit, whose host work the device waits for (`state.decode_writes`: they do not
+        depend on its tokens); undone if the pass fails."""
+        open_pass.table_written = True  # set first: a write that fails midway is undone too
+        self.book.apply(self.machine.decode_writes(open_pass.batch))
 
     # --- a pass's slots: committed, or given back ----------------------------------------------
     @contextlib.contextmanager

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.shell.radix import RadixCache
+from engine.shell.radix import Match, RadixCache
 from engine.state import PADDING_SLOT, Effects, Running
-from engine.state.seqlens import DEBUG
+from engine.state.seqlens import DEBUG, has_duplicates
 
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
 
@@ -55,7 +55,7 @@ class SlotAllocator:
             return
         if slots.min() < 1 or slots.max() > self.capacity:
             raise ValueError(f"slot out of range 1..{self.capacity}: {slots.tolist()[:8]}")
-        if self._is_free[slots].any() or np.unique(slots).size != slots.size:
+        if self._is_free[slots].any() or has_duplicates(slots):
             raise ValueError(f"double free of KV slots {slots[self._is_free[slots]].tolist()[:8]}")
         self._is_free[slots] = True
         self._free_stack[self._num_free : self._num_free + slots.size] = slots
@@ -166,8 +166,7 @@ class KVBook:
         now (locking them takes them out of `num_available`). Nothing changes."""
         if self.cache is None:
             return 0, 0
-        match = self.cache.match(tokens, touch=False)
-        return match.length, match.num_unlocked
+        return self.cache.peek(tokens)
 
     def acquire(self, holder: int, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """The slots of the longest cached prefix of `tokens`, locked for `holder` (a request
@@ -201,13 +200,8 @@ class KVBook:
         ):
             raise AssertionError("table writes said to be applied early are missing")
         self.slots.free(effects.free_slots)
-        for rid, row, length in zip(
-            effects.share_rids.tolist(),
-            effects.share_rows.tolist(),
-            effects.share_lens.tolist(),
-            strict=True,
-        ):
-            self._share(rid, row, length, history)
+        if effects.share_rids.size:
+            self._share_all(effects, history)
         for rid, row, length, shared, cached in zip(
             effects.release_rids.tolist(),
             effects.release_rows.tolist(),
@@ -218,18 +212,38 @@ class KVBook:
         ):
             self._release(rid, row, length, shared, cached, history)
 
-    def _share(self, rid: int, row: int, length: int, history: History | None) -> None:
+    def _share_all(self, effects: Effects, history: History | None) -> None:
+        """Step 3 of `Effects`: each shared row's positions the cache already held take the
+        cache's slots, written to the table at once."""
         if self.cache is None:
             raise ValueError("a share effect needs the prefix cache")
-        cached = self._insert(rid, row, length, history)
-        match = self.cache.match(cached)
-        if match.length != cached.size:
+        moves = [
+            self._share(rid, row, length, history)
+            for rid, row, length in zip(
+                effects.share_rids.tolist(),
+                effects.share_rows.tolist(),
+                effects.share_lens.tolist(),
+                strict=True,
+            )
+        ]
+        rows, cols, slots = (np.concatenate(parts) for parts in zip(*moves, strict=True))
+        self.table.write(rows, cols, slots)
+
+    def _share(
+        self, rid: int, row: int, length: int, history: History | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Request `rid`'s committed tokens into the cache, its lock moved to them. Returns
+        the table writes (rows, columns, slots) that give its row the cache's slots where the
+        cache held the position already."""
+        assert self.cache is not None
+        tokens, match = self._insert(rid, row, length, history)
+        if match.length != tokens.size:
             raise AssertionError("a prefix just inserted is not cached")
         row_slots = self.table.host[row, : match.length]
         moved = np.flatnonzero(row_slots != match.slots)  # positions the cache already held
-        self.table.write(np.full(moved.size, row), moved, match.slots[moved])
         self.unacquire(rid)
         self.cache.lock(rid, match.handle)
+        return np.full(moved.size, row, dtype=np.int64), moved, match.slots[moved]
 
     def _release(
         self, rid: int, row: int, length: int, shared: int, cached: bool, history: History | None
@@ -237,22 +251,24 @@ class KVBook:
         if self.cache is None:
             self.slots.free(self.table.host[row, shared:length])
         else:
-            kept = self._insert(rid, row, length, history).size if cached else shared
+            kept = self._insert(rid, row, length, history)[0].size if cached else shared
             self.slots.free(self.table.host[row, kept:length])
             self.unacquire(rid)
         self.table.release_row(row)
 
-    def _insert(self, rid: int, row: int, length: int, history: History | None) -> np.ndarray:
+    def _insert(
+        self, rid: int, row: int, length: int, history: History | None
+    ) -> tuple[np.ndarray, Match]:
         """Put the committed tokens of request `rid` (on `row`) into the cache, as far as
         they are known; its slots where the cache held the position already are freed.
-        Returns the tokens inserted."""
+        Returns the tokens inserted, and their match in the cache now."""
         assert self.cache is not None
         if history is None:
             raise ValueError("caching a request's KV needs its tokens (history)")
         tokens = np.asarray(history(rid, length), dtype=np.int64)[:length]
-        duplicates = self.cache.insert(tokens, self.table.host[row, : tokens.size])
+        duplicates, match = self.cache.insert_match(tokens, self.table.host[row, : tokens.size])
         self.slots.free(duplicates)
-        return tokens
+        return tokens, match
 
     # --- checks -------------------------------------------------------------------------------
     def check(
@@ -281,7 +297,7 @@ class KVBook:
             owned.append(np.asarray(in_flight, dtype=np.int64))
         owned_flat = np.concatenate(owned) if owned else np.zeros(0, dtype=np.int64)
         cached = np.zeros(0, dtype=np.int64) if self.cache is None else self.cache.cached_slots()
-        if np.unique(owned_flat).size != owned_flat.size:
+        if has_duplicates(owned_flat):
             raise AssertionError("a KV slot is owned twice")
         if (owned_flat == PADDING_SLOT).any():
             raise AssertionError("a request owns the padding slot")

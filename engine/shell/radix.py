@@ -13,9 +13,10 @@ import attrs
 import numpy as np
 
 from engine.state import PADDING_SLOT
-from engine.state.seqlens import INDEX_DTYPE, freeze
+from engine.state.seqlens import INDEX_DTYPE, freeze, has_duplicates
 
 IntSequence = Sequence[int] | np.ndarray
+_NONE = freeze(np.zeros(0, dtype=INDEX_DTYPE))
 
 
 class _Node:
@@ -99,12 +100,15 @@ class RadixCache:
         self._clock = 0  # logical time: ticks once per match, insert and lock
         self._num_nodes_made = 1
         self._holders: dict[Hashable, _Node] = {}
-        self._cached: set[int] = set()
+        # is_cached[slot]: the tree holds `slot` (grown to the largest slot inserted); a mask,
+        # not a set, so that a whole edge's slots are added, removed and looked up at once
+        self._is_cached = np.zeros(0, dtype=bool)
+        self._num_cached = 0
         self._num_locked = 0
 
     @property
     def num_slots(self) -> int:
-        return len(self._cached)
+        return self._num_cached
 
     @property
     def num_locked(self) -> int:
@@ -124,7 +128,8 @@ class RadixCache:
         return {holder: node.end for holder, node in self._holders.items()}
 
     def cached_slots(self) -> np.ndarray:
-        return np.fromiter(self._cached, dtype=INDEX_DTYPE, count=len(self._cached))
+        """The slots the tree holds, ascending."""
+        return np.flatnonzero(self._is_cached).astype(INDEX_DTYPE, copy=False)
 
     def match(self, tokens: IntSequence, touch: bool = True) -> Match:
         """The longest cached prefix of `tokens`. `touch`: count it as a use (LRU); a peek
@@ -141,16 +146,29 @@ class RadixCache:
         unlocked = sum(c for n, c in zip(path, matched, strict=True) if n.lock_count == 0)
         return Match(slots, Handle(deepest, int(slots.size)), unlocked)
 
+    def peek(self, tokens: IntSequence) -> tuple[int, int]:
+        """The length of `match(tokens, touch=False)` and its `num_unlocked`, without
+        gathering its slots (to order and count waiting requests, many per step)."""
+        path, matched = self._descend(_token_array(tokens))
+        unlocked = sum(c for n, c in zip(path, matched, strict=True) if n.lock_count == 0)
+        return sum(matched), unlocked
+
     def insert(self, tokens: IntSequence, slots: IntSequence) -> np.ndarray:
         """Cache a committed sequence. Returns the caller's slots that duplicate ones the tree
         already holds for the same positions (the caller frees them); the tree keeps its own,
         and the slots of the new suffix now belong to the tree."""
+        return self.insert_match(tokens, slots)[0]
+
+    def insert_match(self, tokens: IntSequence, slots: IntSequence) -> tuple[np.ndarray, Match]:
+        """`insert`, and the match of the whole sequence after it (what `match(tokens)`
+        returns then: the tree's slots for it, and the handle `lock` takes), found in the
+        same descent."""
         key = _token_array(tokens)
         values = _slot_array(slots, key.size)
         path, matched = self._descend(key)
         length = sum(matched)
         pieces = [node.slots[:count] for node, count in zip(path, matched, strict=True)]
-        cached = np.concatenate(pieces) if pieces else self._root.slots
+        cached = np.concatenate(pieces) if len(pieces) > 1 else pieces[0] if pieces else _NONE
         duplicates = values[:length][values[:length] != cached]
         self._refuse_cached(np.concatenate([duplicates, values[length:]]))
         self._clock += 1
@@ -159,10 +177,16 @@ class RadixCache:
             parent = path[-1]
             if length < key.size and matched[-1] < parent.tokens.size:
                 parent = self._split(parent, matched[-1])
+        # what nobody locks: the new leaf, and the path's unlocked nodes (a split's head has
+        # its node's lock count)
+        unlocked = sum(c for n, c in zip(path, matched, strict=True) if n.lock_count == 0)
+        end = parent
         if length < key.size:
-            self._add_leaf(parent, key[length:], values[length:])
+            end = self._add_leaf(parent, key[length:], values[length:])
+            cached = np.concatenate([cached, end.slots])
+            unlocked += end.slots.size
         self._touch(parent)
-        return duplicates
+        return duplicates, Match(freeze(cached), Handle(end, key.size), unlocked)
 
     def lock(self, holder: Hashable, handle: Handle) -> None:
         """`holder` (a running request) uses the prefix `handle` names until `unlock`."""
@@ -218,11 +242,11 @@ class RadixCache:
             _check_node(node)
         all_slots = [n.slots for n in nodes]
         flat = np.concatenate(all_slots) if all_slots else np.zeros(0, dtype=INDEX_DTYPE)
-        if np.unique(flat).size != flat.size:
+        if has_duplicates(flat):
             raise AssertionError("a slot appears twice in the tree")
         if (flat <= PADDING_SLOT).any():
             raise AssertionError(f"the tree holds slot {int(flat.min())}; slots are >= 1")
-        if set(flat.tolist()) != self._cached:
+        if flat.size != self._num_cached or not np.array_equal(np.sort(flat), self.cached_slots()):
             raise AssertionError("the tree's slot set differs from the slots of its nodes")
         self._check_locks(nodes)
 
@@ -301,10 +325,17 @@ class RadixCache:
         parent.children[head.first_token] = head
         return head
 
-    def _add_leaf(self, parent: _Node, tokens: np.ndarray, slots: np.ndarray) -> None:
+    def _add_leaf(self, parent: _Node, tokens: np.ndarray, slots: np.ndarray) -> _Node:
         leaf = self._new_node(tokens, slots, parent, self._clock)
         parent.children[leaf.first_token] = leaf
-        self._cached.update(slots.tolist())
+        top = int(slots.max())
+        if top >= self._is_cached.size:  # grown geometrically: amortised O(1) per slot
+            grown = np.zeros(max(top + 1, 2 * self._is_cached.size), dtype=bool)
+            grown[: self._is_cached.size] = self._is_cached
+            self._is_cached = grown
+        self._is_cached[slots] = True
+        self._num_cached += slots.size
+        return leaf
 
     def _new_node(
         self, tokens: np.ndarray, slots: np.ndarray, parent: _Node, last_access: int
@@ -318,7 +349,8 @@ class RadixCache:
     def _remove_leaf(self, node: _Node) -> _Node:
         parent = _parent(node)
         del parent.children[node.first_token]
-        self._cached.difference_update(node.slots.tolist())
+        self._is_cached[node.slots] = False
+        self._num_cached -= node.slots.size
         return parent
 
     def _is_evictable_leaf(self, node: _Node) -> bool:
@@ -330,11 +362,16 @@ class RadixCache:
             node = _parent(node)
 
     def _refuse_cached(self, slots: np.ndarray) -> None:
-        owned = [slot for slot in slots.tolist() if slot in self._cached]
-        if owned:
+        """Raise ValueError if the tree holds any of `slots` (slots >= 1)."""
+        if not slots.size:
+            return
+        known = slots[slots < self._is_cached.size]
+        owned = known[self._is_cached[known]]
+        if owned.size:
             raise ValueError(
-                f"slots {owned[:8]} are already in the tree at other positions; a slot has "
-                "one owner (insert the tree's own slot for a cached position, or a free one)"
+                f"slots {owned[:8].tolist()} are already in the tree at other positions; a "
+                "slot has one owner (insert the tree's own slot for a cached position, or a "
+                "free one)"
             )
 
     def _nodes(self) -> list[_Node]:
@@ -389,7 +426,7 @@ def _slot_array(slots: IntSequence, num_tokens: int) -> np.ndarray:
         raise ValueError(f"{array.size} slots for {num_tokens} tokens; give one slot per token")
     if array.size and array.min() <= PADDING_SLOT:
         raise ValueError(f"slot {int(array.min())} given; slots are >= 1 (0 is the padding slot)")
-    if np.unique(array).size != array.size:
+    if has_duplicates(array):
         raise ValueError("a slot is given twice; each token has its own slot")
     return array
 

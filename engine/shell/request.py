@@ -13,6 +13,7 @@ from engine.spec.stats import AcceptanceStats
 from engine.state import FinishReason, SamplingParams
 
 _next_id = itertools.count(1)
+_ID_HEADROOM = 64  # tokens `id_array`'s buffer has room for beyond the prompt at first
 
 
 @attrs.frozen
@@ -107,7 +108,8 @@ class Request:
     cached_tokens: int | None = None  # prompt tokens matched in the prefix cache at admission
     waited_out: int = 0  # admissions that passed it over while it waited (its age, for LPM)
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
-    _ids: Any = attrs.field(default=None, init=False, repr=False)  # cache of id_array()
+    _ids: Any = attrs.field(default=None, init=False, repr=False)  # id_array()'s buffer
+    _num_ids: int = attrs.field(default=0, init=False, repr=False)  # tokens in it
     _prompt_seen: Any = attrs.field(default=None, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -127,10 +129,23 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def id_array(self) -> np.ndarray:
-        """all_ids as an array (kept while the request gains no token)."""
-        if self._ids is None or self._ids.size != self.num_tokens:
-            self._ids = np.array(self.all_ids, dtype=np.int64)
-        return self._ids
+        """all_ids as a read-only array. Tokens are only ever appended, so it is kept in a
+        buffer that grows: a new token is copied once, not the whole history again (an array
+        handed out earlier keeps its length and contents)."""
+        count, known = self.num_tokens, self._num_ids
+        if self._ids is None or known > count:  # the first call (or a history that shrank)
+            self._ids = np.empty(count + _ID_HEADROOM, dtype=np.int64)
+            self._ids[:count] = self.all_ids
+        elif count > known:  # tokens appended since the last call: copy those alone
+            if count > self._ids.size:
+                grown = np.empty(2 * count, dtype=np.int64)
+                grown[:known] = self._ids[:known]
+                self._ids = grown
+            self._ids[known:count] = self.token_slice(known, count)
+        self._num_ids = count
+        ids = self._ids[:count]
+        ids.flags.writeable = False
+        return ids
 
     @property
     def num_tokens(self) -> int:

@@ -154,6 +154,8 @@ class Batch:
     trees: DraftTrees | None = None
     seq_lens: SeqLens = attrs.field(init=False)
     mode: Mode = attrs.field(init=False)  # derived from the counts here, never passed in
+    # `positions`, once asked (None: not yet). A cache: not part of the value.
+    _positions: np.ndarray | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         run = self.running
@@ -206,8 +208,12 @@ class Batch:
     @property
     def positions(self) -> np.ndarray:
         """Position of each new token: prefix length plus offset (or tree depth)."""
-        within = self.trees.depths if self.trees is not None else self.new_lens.offsets_within()
-        return freeze(np.repeat(self.prefix_lens.lens, self.new_lens.lens) + within)
+        positions = self._positions
+        if positions is None:  # computed once (the runner and the commit both read it)
+            within = self.trees.depths if self.trees is not None else self.new_lens.offsets_within()
+            positions = freeze(np.repeat(self.prefix_lens.lens, self.new_lens.lens) + within)
+            object.__setattr__(self, "_positions", positions)
+        return positions
 
     @property
     def samples(self) -> np.ndarray:

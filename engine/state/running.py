@@ -15,7 +15,15 @@ import numpy as np
 
 from engine.state.debug import DEBUG, trusted
 from engine.state.params import SamplingParams
-from engine.state.seqlens import INDEX_DTYPE, SeqLens, frozen_array, index_array, is_frozen
+from engine.state.seqlens import (
+    INDEX_DTYPE,
+    SeqLens,
+    freeze,
+    frozen_array,
+    has_duplicates,
+    index_array,
+    is_frozen,
+)
 
 __all__ = ["DEBUG", "FinishRules", "Running"]
 
@@ -81,21 +89,30 @@ class FinishRules:
         return int(self.max_new.shape[0])
 
     def select(self, indices: np.ndarray) -> FinishRules:
-        return FinishRules(
-            self.max_new[indices], self.min_new[indices], self.eos[indices], self.stop_ids[indices]
+        """The rows at integer `indices` (fancy indexing: fresh columns, valid as these)."""
+        return trusted(
+            FinishRules,
+            max_new=freeze(self.max_new[indices]),
+            min_new=freeze(self.min_new[indices]),
+            eos=freeze(self.eos[indices]),
+            stop_ids=freeze(self.stop_ids[indices]),
         )
 
     def concat(self, other: FinishRules) -> FinishRules:
         width = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
 
         def pad(m: np.ndarray) -> np.ndarray:
+            if m.shape[1] == width:
+                return m
             return np.pad(m, ((0, 0), (0, width - m.shape[1])), constant_values=-1)
 
-        return FinishRules(
-            np.concatenate([self.max_new, other.max_new]),
-            np.concatenate([self.min_new, other.min_new]),
-            np.concatenate([self.eos, other.eos]),
-            np.concatenate([pad(self.stop_ids), pad(other.stop_ids)]),
+        # columns of two valid values joined: valid, and fresh (nobody else holds them)
+        return trusted(
+            FinishRules,
+            max_new=freeze(np.concatenate([self.max_new, other.max_new])),
+            min_new=freeze(np.concatenate([self.min_new, other.min_new])),
+            eos=freeze(np.concatenate([self.eos, other.eos])),
+            stop_ids=freeze(np.concatenate([pad(self.stop_ids), pad(other.stop_ids)])),
         )
 
 
@@ -246,16 +263,19 @@ class Running:
         idx = index_array(indices)
         if idx.dtype == bool:
             idx = np.flatnonzero(idx)
-        return Running(
-            self.rids[idx],
-            self.rows[idx],
+        if idx.size and has_duplicates(idx):
+            raise ValueError(f"indices {idx.tolist()} name a request twice")
+        # the rows of a valid batch, each once (fancy indexing: fresh columns): valid
+        return Running.of_valid(
+            freeze(self.rids[idx]),
+            freeze(self.rows[idx]),
             self.kv_lens.select(idx),
             self.token_lens.select(idx),
-            self.prompt_lens[idx],
-            self.last_tokens[idx],
+            freeze(self.prompt_lens[idx]),
+            freeze(self.last_tokens[idx]),
             self.rules.select(idx),
             self.max_context,
-            self.shared_lens[idx],
+            freeze(self.shared_lens[idx]),
         )
 
     def merge(self, other: Running) -> Running:
@@ -264,16 +284,19 @@ class Running:
             raise ValueError("cannot merge batches with different max_context")
         if len(other) == 0 or len(self) == 0:  # values are immutable: share the other one
             return other if len(self) == 0 else self
-        if np.intersect1d(self.rids, other.rids).size:
+        rids = freeze(np.concatenate([self.rids, other.rids]))
+        if has_duplicates(rids):
             raise ValueError("cannot merge batches that share a request")
-        return Running(
-            np.concatenate([self.rids, other.rids]),
-            np.concatenate([self.rows, other.rows]),
+        # two valid batches joined (their rows distinct, as their requests are): valid, and
+        # every column fresh
+        return Running.of_valid(
+            rids,
+            freeze(np.concatenate([self.rows, other.rows])),
             self.kv_lens.concat(other.kv_lens),
             self.token_lens.concat(other.token_lens),
-            np.concatenate([self.prompt_lens, other.prompt_lens]),
-            np.concatenate([self.last_tokens, other.last_tokens]),
+            freeze(np.concatenate([self.prompt_lens, other.prompt_lens])),
+            freeze(np.concatenate([self.last_tokens, other.last_tokens])),
             self.rules.concat(other.rules),
             self.max_context,
-            np.concatenate([self.shared_lens, other.shared_lens]),
+            freeze(np.concatenate([self.shared_lens, other.shared_lens])),
         )

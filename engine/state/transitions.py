@@ -17,7 +17,7 @@ from engine.state.batch import Batch, DraftTrees, Mode
 from engine.state.debug import DEBUG, trusted
 from engine.state.finish import FinishReason, first_finish_flat, no_finish
 from engine.state.running import Running
-from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array
+from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array, has_duplicates
 
 _EMPTY = frozen_array([])
 _NO_LENS = SeqLens.empty()
@@ -163,9 +163,14 @@ def extend(batch: Batch, sampled: np.ndarray) -> Result:
     samples = batch.samples
     counts = SeqLens.of_valid(freeze(samples.astype(INDEX_DTYPE)))
     sampled = freeze(_sampled(sampled, counts.total, "sample").copy())
-    run = batch.running
-    table = (freeze(np.repeat(run.rows, batch.new_lens.lens)), batch.positions, batch.out_slots)
-    return _commit(run, batch.seq_lens, sampled, counts, table, _EMPTY)
+    return _commit(batch.running, batch.seq_lens, sampled, counts, _extend_table(batch), _EMPTY)
+
+
+def _extend_table(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An extend pass's table writes (rows, columns, slots): each new token's slot at its
+    position in its request's row. One definition for the commit and for `decode_writes`."""
+    rows = freeze(np.repeat(batch.running.rows, batch.new_lens.lens))
+    return rows, batch.positions, batch.out_slots
 
 
 def decode(batch: Batch, sampled: np.ndarray) -> Result:
@@ -184,13 +189,20 @@ def _decode_table(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def decode_writes(batch: Batch) -> Effects:
-    """The part of `decode(batch, tokens)`'s effects that does not depend on the tokens: each
-    request's new slot written at its committed length. The engine applies it while the pass
-    still runs, so the next pass can be planned meanwhile (`assume_decoded`); applying it
-    again with the full effects rewrites the same entries."""
-    if batch.mode not in (Mode.DECODE, Mode.IDLE):
-        raise ValueError(f"decode_writes() is for decode passes; this pass is {batch.mode.value}")
-    rows, cols, slots = _decode_table(batch)
+    """The part of `decode(batch, tokens)`'s (or an extend pass's `extend(batch, tokens)`'s)
+    effects that does not depend on the tokens: each new token's slot written at its
+    position in its request's row. The engine applies it while the pass still runs: for a
+    decode pass, so the next pass can be planned meanwhile (`assume_decoded`); for an extend
+    pass, so the host does it while the device computes. Applying it again with the full
+    effects rewrites the same entries."""
+    if batch.mode == Mode.EXTEND:
+        rows, cols, slots = _extend_table(batch)
+    elif batch.mode in (Mode.DECODE, Mode.IDLE):
+        rows, cols, slots = _decode_table(batch)
+    else:
+        raise ValueError(
+            f"decode_writes() is for decode and extend passes; this pass is {batch.mode.value}"
+        )
     return Effects.of_valid(table_rows=rows, table_cols=cols, table_slots=slots)
 
 
@@ -416,7 +428,7 @@ def _distinct(indices: Sequence[int] | np.ndarray, size: int) -> np.ndarray:
     idx = np.asarray(indices, dtype=INDEX_DTYPE).reshape(-1)
     if idx.size and (idx.min() < 0 or idx.max() >= size):
         raise IndexError(f"indices {idx.tolist()} out of range for a batch of {size}")
-    if np.unique(idx).size != idx.size:
+    if has_duplicates(idx):
         raise ValueError(f"indices {idx.tolist()} name a request twice")
     return idx
 
@@ -471,8 +483,8 @@ def abort(running: Running, indices: Sequence[int] | np.ndarray) -> Result:
 def abandon(batch: Batch, written: bool = False) -> Effects:
     """A pass that will not be committed (its forward failed, or a plan made ahead is not
     used): free the slots it was given. `written`: the pass's `decode_writes` may have been
-    applied already (it was running while the next pass was planned); those table entries,
-    past each request's committed length, are emptied again."""
+    applied already (while it ran); those table entries, past each request's committed
+    length, are emptied again."""
     if not written:
         return Effects(free_slots=batch.out_slots)
     writes = decode_writes(batch)
@@ -515,7 +527,7 @@ def share(running: Running, indices: Sequence[int] | np.ndarray) -> Result:
     idx = np.asarray(indices, dtype=INDEX_DTYPE).reshape(-1)
     if idx.size and (idx.min() < 0 or idx.max() >= len(running)):
         raise IndexError(f"indices {idx.tolist()} out of range for a batch of {len(running)}")
-    if np.unique(idx).size != idx.size:
+    if has_duplicates(idx):
         raise ValueError(f"indices {idx.tolist()} name a request twice")
     shared = running.shared_lens.copy()
     shared[idx] = running.kv_lens.lens[idx]

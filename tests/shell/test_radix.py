@@ -349,18 +349,35 @@ class RadixMachine(RuleBasedStateMachine):
             slots.append(self.model[tuple(tokens[: len(slots) + 1])])
         return slots
 
-    def insert(self, tokens: list[int], slots: list[int]) -> None:
+    def model_insert(self, tokens: list[int], slots: list[int]) -> list[int]:
+        """The model after an insert; returns the duplicates the cache must return."""
         expected = []
         for position, slot in enumerate(slots):
             cached = self.model.setdefault(tuple(tokens[: position + 1]), slot)
             if cached != slot:
                 expected.append(slot)
+        return expected
+
+    def insert(self, tokens: list[int], slots: list[int]) -> None:
+        expected = self.model_insert(tokens, slots)
         assert self.cache.insert(tokens, slots).tolist() == expected
         self.free.extend(expected)
 
+    def locked_prefixes(self) -> set[tuple[int, ...]]:
+        return {
+            tuple(tokens[:length])
+            for tokens, prefix, _ in self.running.values()
+            for length in range(1, 1 + len(prefix))
+        }
+
     @rule(tokens=sequences)
     def match(self, tokens):
-        assert self.cache.match(tokens).slots.tolist() == self.expect_match(tokens)
+        expected = self.expect_match(tokens)
+        locked = self.locked_prefixes()
+        unlocked = sum(tuple(tokens[: i + 1]) not in locked for i in range(len(expected)))
+        assert self.cache.peek(tokens) == (len(expected), unlocked)
+        match = self.cache.match(tokens)
+        assert match.slots.tolist() == expected and match.num_unlocked == unlocked
 
     @rule(tokens=sequences)
     def insert_fresh(self, tokens):
@@ -391,6 +408,27 @@ class RadixMachine(RuleBasedStateMachine):
         else:
             self.free.extend(own)
         self.cache.unlock(holder)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def share(self, data):
+        """A running request hands its tokens to the cache and locks all of them (as
+        `KVBook` does for a prompt prefilled in chunks): `insert_match`'s match is the one
+        `match` would return, and its handle locks the whole sequence."""
+        holder = data.draw(st.sampled_from(sorted(self.running)))
+        tokens, prefix, own = self.running[holder]
+        expected = self.model_insert(tokens, prefix + own)
+        duplicates, match = self.cache.insert_match(tokens, prefix + own)
+        assert duplicates.tolist() == expected
+        self.free.extend(expected)
+        assert match.slots.tolist() == self.expect_match(tokens) and match.length == len(tokens)
+        locked = self.locked_prefixes()
+        unlocked = sum(tuple(tokens[: i + 1]) not in locked for i in range(len(tokens)))
+        assert match.num_unlocked == unlocked
+        self.cache.unlock(holder)
+        self.cache.lock(holder, match.handle)
+        assert self.cache.held_length(holder) == len(tokens)
+        self.running[holder] = (tokens, match.slots.tolist(), [])
 
     @rule(target=pending, tokens=sequences)
     def match_for_later(self, tokens):
@@ -443,12 +481,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     @invariant()
     def locks_match_the_model(self):
-        locked = {
-            tuple(tokens[:length])
-            for tokens, prefix, _ in self.running.values()
-            for length in range(1, 1 + len(prefix))
-        }
-        assert self.cache.num_locked == len(locked)
+        assert self.cache.num_locked == len(self.locked_prefixes())
         for holder, (_, prefix, _) in self.running.items():
             assert self.cache.held_length(holder) == len(prefix)
 

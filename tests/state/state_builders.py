@@ -107,13 +107,15 @@ def path_to(parents: Sequence[int], node: int) -> list[int]:
 
 
 def arrays_of(value: object, prefix: str = "") -> dict[str, np.ndarray]:
-    """Every numpy array reachable through attrs fields (SeqLens, Running, Batch, Effects...)."""
+    """Every numpy array reachable through attrs fields (SeqLens, Running, Batch, Effects...),
+    but caches (fields marked eq=False: filled when first asked, not part of the value)."""
     found: dict[str, np.ndarray] = {}
     if isinstance(value, np.ndarray):
         found[prefix] = value
     elif attrs.has(type(value)):
         for field in attrs.fields(type(value)):
-            found.update(arrays_of(getattr(value, field.name), f"{prefix}.{field.name}"))
+            if field.eq:
+                found.update(arrays_of(getattr(value, field.name), f"{prefix}.{field.name}"))
     return found
 
 

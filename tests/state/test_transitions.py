@@ -219,9 +219,34 @@ def test_abandoning_a_pass_that_wrote_early_empties_those_entries(case):
 def test_planning_ahead_is_for_decode_passes_only():
     run = running_of([1], [0], [0], [3], [3], [2], [Rule(5, 0, -1, ())], MAX_CONTEXT)
     batch = state.schedule_extend(run, [3], [1, 2, 2], fresh_slots(3))
-    for plan in (state.decode_writes, state.assume_decoded, lambda b: state.narrow(b, [0])):
+    for plan in (state.assume_decoded, lambda b: state.narrow(b, [0])):
         with pytest.raises(ValueError, match="for decode passes"):
             plan(batch)
+
+
+@fast
+@given(case=runnings(), chunk_cap=st.integers(1, 8), data=st.data())
+def test_an_extend_pass_writes_its_table_entries_early_or_at_its_commit_alike(
+    case, chunk_cap, data
+):
+    """decode_writes of an extend pass is the token-independent part of extend's effects
+    (the engine applies it while the pass runs); abandoning the pass empties those entries."""
+    run, _ = case
+    chunks = np.minimum(run.pending_lens, chunk_cap)
+    batch = state.schedule_extend(
+        run, chunks, np.arange(chunks.sum()) % VOCAB, fresh_slots(int(chunks.sum()))
+    )
+    count = int(batch.samples.sum())
+    sampled = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=count, max_size=count))
+    committed = state.extend(batch, sampled).effects
+    early = state.decode_writes(batch)
+    for name in ("table_rows", "table_cols", "table_slots"):
+        assert getattr(early, name).tolist() == getattr(committed, name).tolist()
+    assert early.free_slots.size == early.release_rows.size == early.emitted_rids.size == 0
+    undo = state.abandon(batch, written=True)
+    assert undo.table_rows.tolist() == early.table_rows.tolist()
+    assert undo.table_cols.tolist() == early.table_cols.tolist()
+    assert not undo.table_slots.any() and undo.free_slots.tolist() == batch.out_slots.tolist()
 
 
 def test_decode_refuses_an_extend_pass():
