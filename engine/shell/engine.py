@@ -31,6 +31,7 @@ from engine.shell.kv import KVBook
 from engine.shell.logits import Launched, LogitsWork
 from engine.shell.outputs import Outputs
 from engine.shell.passes import Passes
+from engine.shell.radix import Peek
 from engine.shell.request import Completion, Delta, Request
 from engine.shell.runner import ModelRunner
 from engine.shell.runtime import Runtime, build_runtime
@@ -259,18 +260,20 @@ class Engine:
         index = self.running.index_of(request.uid)
         self._commit(self.machine.abort(self.running, [index]))
 
-    def _candidates(self) -> tuple[list[Request], list[tuple[int, int]]]:
+    def _candidates(self) -> tuple[list[Request], list[Peek] | None]:
         """The first ADMIT_WINDOW waiting requests in the order admission tries them, each
-        with its cached prefix (length, evictable slots in it; `KVBook.peek`) short of its
-        last token, which it always computes. FCFS; or with `schedule_policy` 'lpm', longest
-        cached prefix first, those passed over `max_waited_out` times before all others."""
+        with its cached prefix (`KVBook.peek`: its length, the evictable slots in it; None
+        without the cache) short of its last token, which it always computes. FCFS; or with
+        `schedule_policy` 'lpm', longest cached prefix first, those passed over
+        `max_waited_out` times before all others."""
         head = list(itertools.islice(self.waiting, ADMIT_WINDOW))
         if self.book.cache is None:
-            return head, [(0, 0)] * len(head)
-        peeks = [self.book.peek(r.id_array()[:-1]) for r in head]
+            return head, None
+        cache = self.book.cache
+        peeks = [cache.peek(r.id_array()[:-1]) for r in head]
         if self.config.schedule_policy == "lpm" and len(head) > 1:
             aged = [r.waited_out >= self.config.max_waited_out for r in head]
-            order = scheduler.admission_order([length for length, _ in peeks], aged)
+            order = scheduler.admission_order([p.length for p in peeks], aged)
             head, peeks = [head[i] for i in order], [peeks[i] for i in order]
         return head, peeks
 
@@ -285,26 +288,37 @@ class Engine:
         # counts its own: a prompt still prefilling needs the rest of it
         running = self.running
         reserved = int(running.pending_lens.sum()) + len(running) * (step_slots - 1)
+        if peeks is None:
+            pending: Any = (r.num_tokens for r in order)
+        else:
+            pending = (r.num_tokens - p.length for r, p in zip(order, peeks, strict=True))
         return scheduler.count_admissible(
-            (r.num_tokens - length for r, (length, _) in zip(order, peeks, strict=True)),
+            pending,
             self.book.table.num_free_rows,
             self.book.num_available + self.ahead.num_held,
             reserved,
             self.config.chunk_size,
             step_slots,
-            (unlocked for _, unlocked in peeks),
+            None if peeks is None else (p.num_unlocked for p in peeks),
         )
 
     def _admit(self) -> None:
         """Admit waiting requests while rows and slots last: each starts with its longest
-        cached prefix, locked for it."""
+        cached prefix, locked for it (the one `_candidates` peeked: nothing is cached or
+        evicted in between)."""
         candidates = self._candidates()
         count = self._admissible(candidates)
         if count == 0:
             return
         self.ahead.drop()
-        entering = candidates[0][:count]
-        prefixes = [self.book.acquire(r.uid, r.id_array()[:-1]) for r in entering]
+        order, peeks = candidates
+        entering = order[:count]
+        if peeks is None:  # no prefix cache
+            prefixes = [self.book.acquire(r.uid, r.id_array()[:-1]) for r in entering]
+        else:
+            prefixes = [
+                self.book.acquire(r.uid, p) for r, p in zip(entering, peeks[:count], strict=True)
+            ]
         self._note_admitted(entering, prefixes)
         rows = [self.book.table.alloc_row() for _ in entering]
         rules = FinishRules.of(

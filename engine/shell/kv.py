@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.shell.radix import Match, RadixCache
+from engine.shell.radix import Match, Peek, RadixCache
 from engine.state import PADDING_SLOT, Effects, Running
 from engine.state.seqlens import DEBUG, has_duplicates
 
@@ -161,19 +161,25 @@ class KVBook:
         return self.slots.alloc(count)
 
     # --- the prefix cache -------------------------------------------------------------------
-    def peek(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, int]:
+    def peek(self, tokens: Sequence[int] | np.ndarray) -> Peek | None:
         """How many leading `tokens` are cached, and how many of those slots are evictable
-        now (locking them takes them out of `num_available`). Nothing changes."""
+        now (locking them takes them out of `num_available`); None without the cache.
+        Nothing changes."""
         if self.cache is None:
-            return 0, 0
+            return None
         return self.cache.peek(tokens)
 
-    def acquire(self, holder: int, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    def acquire(self, holder: int, tokens: Sequence[int] | np.ndarray | Peek) -> np.ndarray:
         """The slots of the longest cached prefix of `tokens`, locked for `holder` (a request
-        being admitted) until its row is released (`apply`) or `unacquire`."""
+        being admitted) until its row is released (`apply`) or `unacquire`. `tokens` may be
+        a `peek` of them instead, with no insert or eviction since (other acquires may come
+        between): that spares a second descent of the tree."""
         if self.cache is None:
             return _NO_SLOTS
-        match = self.cache.match(tokens)
+        if isinstance(tokens, Peek):
+            match = self.cache.take(tokens)
+        else:
+            match = self.cache.match(tokens)
         if match.length:
             self.cache.lock(holder, match.handle)
         return match.slots

@@ -86,6 +86,16 @@ class Match:
         return int(self.slots.size)
 
 
+@attrs.frozen(eq=False)
+class Peek:
+    """The longest cached prefix of a sequence, found without using it: its length, how many
+    of its slots nobody locks (evictable now), and the handle `take` gathers it from."""
+
+    length: int
+    num_unlocked: int
+    handle: Handle
+
+
 class RadixCache:
     """Committed token sequences and their slots, page size 1.
 
@@ -134,7 +144,7 @@ class RadixCache:
     def match(self, tokens: IntSequence, touch: bool = True) -> Match:
         """The longest cached prefix of `tokens`. `touch`: count it as a use (LRU); a peek
         (to order waiting requests) does not."""
-        key = _token_array(tokens)
+        key = _key_array(tokens)
         path, matched = self._descend(key)
         if touch:
             self._clock += 1
@@ -146,12 +156,51 @@ class RadixCache:
         unlocked = sum(c for n, c in zip(path, matched, strict=True) if n.lock_count == 0)
         return Match(slots, Handle(deepest, int(slots.size)), unlocked)
 
-    def peek(self, tokens: IntSequence) -> tuple[int, int]:
+    def peek(self, tokens: IntSequence) -> Peek:
         """The length of `match(tokens, touch=False)` and its `num_unlocked`, without
-        gathering its slots (to order and count waiting requests, many per step)."""
-        path, matched = self._descend(_token_array(tokens))
-        unlocked = sum(c for n, c in zip(path, matched, strict=True) if n.lock_count == 0)
-        return sum(matched), unlocked
+        gathering its slots (to order and count waiting requests, many per step); `take`
+        gathers them later from the same descent."""
+        key = _key_array(tokens)
+        node, length, unlocked = self._root, 0, 0
+        while length < key.size:  # `_descend`, counting as it goes (no lists: many a step)
+            child = node.children.get(int(key[length]))
+            if child is None:
+                break
+            count = _common_length(child.tokens, key[length:])
+            length += count
+            unlocked += count if child.lock_count == 0 else 0
+            node = child
+            if count < child.tokens.size:
+                break
+        return Peek(length, unlocked, Handle(node, length))
+
+    def take(self, peek: Peek) -> Match:
+        """What `match(tokens)` returns now for the `tokens` that `peek` was given, without
+        descending again: nothing may have been evicted or inserted since (locks, and the
+        splits they make, may); its slots are counted as used (LRU), as `match` does."""
+        node = peek.handle.node
+        if node.evicted:
+            raise ValueError("a peeked prefix was evicted before it was taken; match again")
+        # the deepest node of the match: a lock since the peek may have split the handle's
+        # edge above where the match ends
+        while node is not self._root and _parent(node).end >= peek.length:
+            node = _parent(node)
+        deepest = node
+        self._clock += 1
+        pieces: list[np.ndarray] = []
+        unlocked, count = 0, peek.length - (node.end - node.tokens.size)
+        while node is not self._root:
+            node.last_access = self._clock
+            pieces.append(node.slots[:count] if count < node.tokens.size else node.slots)
+            unlocked += count if node.lock_count == 0 else 0
+            node = _parent(node)
+            count = node.tokens.size
+        if not pieces:
+            return Match(self._root.slots, Handle(self._root, 0), 0)
+        slots = pieces[0] if len(pieces) == 1 else np.concatenate(pieces[::-1])
+        if slots.flags.writeable:
+            freeze(slots)
+        return Match(slots, Handle(deepest, peek.length), unlocked)
 
     def insert(self, tokens: IntSequence, slots: IntSequence) -> np.ndarray:
         """Cache a committed sequence. Returns the caller's slots that duplicate ones the tree
@@ -408,9 +457,22 @@ def _check_node(node: _Node) -> None:
 
 
 def _common_length(edge: np.ndarray, key: np.ndarray) -> int:
+    """How many leading tokens `edge` and `key` share; their first tokens are equal (a child
+    is found by its first token), so a one-token edge needs no comparison."""
     size = min(edge.size, key.size)
-    differ = np.flatnonzero(edge[:size] != key[:size])
-    return int(differ[0]) if differ.size else size
+    if size <= 1:
+        return size
+    differ = edge[:size] != key[:size]
+    first = int(differ.argmax())  # the first True (0 when there is none)
+    return first if differ[first] else size
+
+
+def _key_array(tokens: IntSequence) -> np.ndarray:
+    """Tokens to look up (`match`, `peek`): no scan for negative ids, which the tree never
+    holds (`insert` refuses them), so that a lookup ends before any."""
+    if type(tokens) is np.ndarray and tokens.dtype == INDEX_DTYPE and tokens.ndim == 1:
+        return tokens
+    return _int_array(tokens, "tokens")
 
 
 def _token_array(tokens: IntSequence) -> np.ndarray:

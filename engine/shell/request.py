@@ -110,11 +110,15 @@ class Request:
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
     _ids: Any = attrs.field(default=None, init=False, repr=False)  # id_array()'s buffer
     _num_ids: int = attrs.field(default=0, init=False, repr=False)  # tokens in it
+    _view: Any = attrs.field(default=None, init=False, repr=False)  # its last answer
     _prompt_seen: Any = attrs.field(default=None, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        # the prompt's array is built here, where the request is made (the submitting thread),
+        # rather than by the loop when it first looks the prompt up in the prefix cache
+        self.id_array()
 
     def seen_and_output(self) -> tuple[np.ndarray, np.ndarray]:
         """The tokens it has seen (prompt and output, each once) and its output tokens, for
@@ -133,6 +137,8 @@ class Request:
         buffer that grows: a new token is copied once, not the whole history again (an array
         handed out earlier keeps its length and contents)."""
         count, known = self.num_tokens, self._num_ids
+        if count == known and self._view is not None:  # nothing new: the last array again
+            return self._view
         if self._ids is None or known > count:  # the first call (or a history that shrank)
             self._ids = np.empty(count + _ID_HEADROOM, dtype=np.int64)
             self._ids[:count] = self.all_ids
@@ -145,6 +151,7 @@ class Request:
         self._num_ids = count
         ids = self._ids[:count]
         ids.flags.writeable = False
+        self._view = ids
         return ids
 
     @property

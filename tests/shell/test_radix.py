@@ -309,6 +309,61 @@ def test_a_split_before_the_match_end_locks_exactly_the_match():
     assert sorted(cache.evict(10).tolist()) == [14, 15, 27]
 
 
+def lru_twins(*sequences):
+    """Two caches built alike: what one does with match, the other with peek and take."""
+    return cache_of(*sequences), cache_of(*sequences)
+
+
+@pytest.mark.parametrize("split_at", [None, 1, 2, 3, 4])
+def test_take_of_a_peek_is_the_match_even_after_a_lock_split_its_edge(split_at):
+    """Admission peeks every waiting request, then locks the prefixes of those it admits in
+    turn: a lock may split the edge a later peek ended in, above or below its end."""
+    sequences = (([1, 2, 3, 4, 5], [11, 12, 13, 14, 15]), ([1, 2, 7], [21, 22, 27]))
+    matched, taken = lru_twins(*sequences)
+    peek = taken.peek([1, 2, 3, 4, 9])
+    assert (peek.length, peek.num_unlocked) == (4, 4)
+    for cache in (matched, taken):
+        if split_at is not None:
+            cache.lock("other", cache.match([1, 2, 3, 4, 5][:split_at]).handle)
+        cache.match([1, 2, 7])  # a use since: the LRU order then shows what the take touched
+    match, took = matched.match([1, 2, 3, 4, 9]), taken.take(peek)
+    assert took.slots.tolist() == match.slots.tolist() == [11, 12, 13, 14]
+    assert took.num_unlocked == match.num_unlocked
+    assert not took.slots.flags.writeable
+    matched.lock("a", match.handle)
+    taken.lock("a", took.handle)
+    for cache in (matched, taken):
+        cache.check()
+        assert (cache.held_length("a"), cache.num_locked) == (4, 4)
+        cache.unlock("a")
+        if split_at is not None:
+            cache.unlock("other")
+    assert taken.evict(10).tolist() == matched.evict(10).tolist()  # the same LRU order
+
+
+def test_take_of_an_empty_peek_gathers_nothing():
+    cache = cache_of(([1, 2], [11, 12]))
+    took = cache.take(cache.peek([3, 1, 2]))
+    assert took.length == 0 and took.num_unlocked == 0
+    cache.check()
+
+
+def test_take_of_a_peek_evicted_since_is_refused():
+    cache = cache_of(([1, 2, 3], [11, 12, 13]))
+    peek = cache.peek([1, 2, 3])
+    cache.evict(3)
+    with pytest.raises(ValueError, match="evicted before it was taken"):
+        cache.take(peek)
+
+
+def test_a_lookup_of_a_negative_token_ends_there():
+    """Lookups do not scan for negative ids (the tree holds none: insert refuses them)."""
+    cache = cache_of(([1, 2, 3], [11, 12, 13]))
+    assert cache.match([1, -2, 3]).slots.tolist() == [11]
+    assert cache.peek(np.array([1, 2, -3])).length == 2
+    assert cache.match([-1]).length == 0
+
+
 # The state machine: requests start (match + lock + own slots), finish (insert + unlock) or
 # abort; fresh sequences are inserted; matches are locked later; the cache evicts when the
 # pool runs dry. The model: a dict from each cached prefix to its last token's slot.
@@ -375,7 +430,8 @@ class RadixMachine(RuleBasedStateMachine):
         expected = self.expect_match(tokens)
         locked = self.locked_prefixes()
         unlocked = sum(tuple(tokens[: i + 1]) not in locked for i in range(len(expected)))
-        assert self.cache.peek(tokens) == (len(expected), unlocked)
+        peek = self.cache.peek(tokens)
+        assert (peek.length, peek.num_unlocked) == (len(expected), unlocked)
         match = self.cache.match(tokens)
         assert match.slots.tolist() == expected and match.num_unlocked == unlocked
 
@@ -386,10 +442,11 @@ class RadixMachine(RuleBasedStateMachine):
             self.insert(tokens, slots)
 
     @precondition(lambda self: len(self.running) < len(HOLDERS))
-    @rule(tokens=sequences, data=st.data())
-    def start(self, tokens, data):
+    @rule(tokens=sequences, data=st.data(), peeked=st.booleans())
+    def start(self, tokens, data, peeked):
+        """`peeked`: as the engine admits, a peek's take rather than a second match."""
         holder = data.draw(st.sampled_from([h for h in HOLDERS if h not in self.running]))
-        match = self.cache.match(tokens)
+        match = self.cache.take(self.cache.peek(tokens)) if peeked else self.cache.match(tokens)
         assert match.slots.tolist() == self.expect_match(tokens)
         self.cache.lock(holder, match.handle)
         own = self.alloc(len(tokens) - match.length)
