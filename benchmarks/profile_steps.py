@@ -249,6 +249,11 @@ def main() -> None:
         help="default: bfloat16 for decode, float32 for spec (as bench_spec on the GPU)",
     )
     parser.add_argument("--trace", default=None, help="keep the chrome trace at this path")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="freeze the start-up objects before profiling, as `engine serve` does",
+    )
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     if args.which == "decode":
@@ -273,10 +278,15 @@ def main() -> None:
         prompts = [(period * (args.prompt_len // 64 + 1))[: args.prompt_len]] * batch
     params = SamplingParams(max_tokens=args.max_tokens or args.steps * 4 + 64, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    if args.gc_freeze:  # imported here: the server's packages may be missing (GPU image)
+        from engine.server.app import freeze_startup_objects
+
+        freeze_startup_objects(engine)
     print(
         f"\n== profile {args.which}: batch {batch}, {args.prompt_len}-token prompts, "
         f"{engine.runtime.dtype}, launch_ahead {engine.launch_ahead}, "
         f"{'prefill included' if args.prefill else 'prefill not profiled'}, "
+        f"{'start-up objects frozen, ' if args.gc_freeze else ''}"
         f"{torch.cuda.get_device_name()}"
     )
     print(profile_steps(engine, prompts, params, args.steps, args.prefill, args.trace))
