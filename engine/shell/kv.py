@@ -161,19 +161,11 @@ class KVBook:
         return self.slots.alloc(count)
 
     # --- the prefix cache -------------------------------------------------------------------
-    def peek(self, tokens: Sequence[int] | np.ndarray) -> Peek | None:
-        """How many leading `tokens` are cached, and how many of those slots are evictable
-        now (locking them takes them out of `num_available`); None without the cache.
-        Nothing changes."""
-        if self.cache is None:
-            return None
-        return self.cache.peek(tokens)
-
     def acquire(self, holder: int, tokens: Sequence[int] | np.ndarray | Peek) -> np.ndarray:
         """The slots of the longest cached prefix of `tokens`, locked for `holder` (a request
         being admitted) until its row is released (`apply`) or `unacquire`. `tokens` may be
-        a `peek` of them instead, with no insert or eviction since (other acquires may come
-        between): that spares a second descent of the tree."""
+        a `RadixCache.peek` of them instead, with no insert or eviction since (other
+        acquires may come between): that spares a second descent of the tree."""
         if self.cache is None:
             return _NO_SLOTS
         if isinstance(tokens, Peek):

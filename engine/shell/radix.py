@@ -144,22 +144,12 @@ class RadixCache:
     def match(self, tokens: IntSequence, touch: bool = True) -> Match:
         """The longest cached prefix of `tokens`. `touch`: count it as a use (LRU); a peek
         (to order waiting requests) does not."""
-        key = _key_array(tokens)
-        path, matched = self._descend(key)
-        if touch:
-            self._clock += 1
-            for node in path:
-                node.last_access = self._clock
-        pieces = [node.slots[:count] for node, count in zip(path, matched, strict=True)]
-        slots = freeze(np.concatenate(pieces)) if pieces else self._root.slots
-        deepest = path[-1] if path else self._root
-        unlocked = sum(c for n, c in zip(path, matched, strict=True) if n.lock_count == 0)
-        return Match(slots, Handle(deepest, int(slots.size)), unlocked)
+        return self.take(self.peek(tokens), touch)
 
     def peek(self, tokens: IntSequence) -> Peek:
-        """The length of `match(tokens, touch=False)` and its `num_unlocked`, without
-        gathering its slots (to order and count waiting requests, many per step); `take`
-        gathers them later from the same descent."""
+        """The longest cached prefix of `tokens` found, not used: its length, its
+        `num_unlocked` and the handle `take` gathers its slots from (to order and count
+        waiting requests, many per step, without gathering). Nothing changes."""
         key = _key_array(tokens)
         node, length, unlocked = self._root, 0, 0
         while length < key.size:  # `_descend`, counting as it goes (no lists: many a step)
@@ -174,10 +164,10 @@ class RadixCache:
                 break
         return Peek(length, unlocked, Handle(node, length))
 
-    def take(self, peek: Peek) -> Match:
-        """What `match(tokens)` returns now for the `tokens` that `peek` was given, without
-        descending again: nothing may have been evicted or inserted since (locks, and the
-        splits they make, may); its slots are counted as used (LRU), as `match` does."""
+    def take(self, peek: Peek, touch: bool = True) -> Match:
+        """What `match(tokens, touch)` returns now for the `tokens` that `peek` was given,
+        without descending again: nothing may have been evicted or inserted since (locks,
+        and the splits they make, may). `touch`: its nodes count as used (LRU)."""
         node = peek.handle.node
         if node.evicted:
             raise ValueError("a peeked prefix was evicted before it was taken; match again")
@@ -186,11 +176,13 @@ class RadixCache:
         while node is not self._root and _parent(node).end >= peek.length:
             node = _parent(node)
         deepest = node
-        self._clock += 1
+        if touch:
+            self._clock += 1
         pieces: list[np.ndarray] = []
         unlocked, count = 0, peek.length - (node.end - node.tokens.size)
         while node is not self._root:
-            node.last_access = self._clock
+            if touch:
+                node.last_access = self._clock
             pieces.append(node.slots[:count] if count < node.tokens.size else node.slots)
             unlocked += count if node.lock_count == 0 else 0
             node = _parent(node)

@@ -109,7 +109,6 @@ class Request:
     waited_out: int = 0  # admissions that passed it over while it waited (its age, for LPM)
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
     _ids: Any = attrs.field(default=None, init=False, repr=False)  # id_array()'s buffer
-    _num_ids: int = attrs.field(default=0, init=False, repr=False)  # tokens in it
     _view: Any = attrs.field(default=None, init=False, repr=False)  # its last answer
     _prompt_seen: Any = attrs.field(default=None, init=False, repr=False)
 
@@ -136,10 +135,11 @@ class Request:
         """all_ids as a read-only array. Tokens are only ever appended, so it is kept in a
         buffer that grows: a new token is copied once, not the whole history again (an array
         handed out earlier keeps its length and contents)."""
-        count, known = self.num_tokens, self._num_ids
-        if count == known and self._view is not None:  # nothing new: the last array again
+        count = self.num_tokens
+        known = -1 if self._view is None else self._view.size  # tokens in the buffer
+        if count == known:  # nothing new: the last array again
             return self._view
-        if self._ids is None or known > count:  # the first call (or a history that shrank)
+        if known < 0 or known > count:  # the first call (or a history that shrank)
             self._ids = np.empty(count + _ID_HEADROOM, dtype=np.int64)
             self._ids[:count] = self.all_ids
         elif count > known:  # tokens appended since the last call: copy those alone
@@ -148,7 +148,6 @@ class Request:
                 grown[:known] = self._ids[:known]
                 self._ids = grown
             self._ids[known:count] = self.token_slice(known, count)
-        self._num_ids = count
         ids = self._ids[:count]
         ids.flags.writeable = False
         self._view = ids

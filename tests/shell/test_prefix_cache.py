@@ -113,7 +113,9 @@ def test_an_abort_mid_prefill_of_a_matched_prefix_caches_what_was_committed():
     engine.abort(rid)
     engine.step()
     settled(engine)
-    assert engine.book.peek(request.id_array()).length == committed  # its progress stays cached
+    assert (
+        engine.book.cache.peek(request.id_array()).length == committed
+    )  # its progress stays cached
 
 
 def test_a_failed_pass_releases_the_locks_of_its_requests_and_caches_nothing_new():
@@ -152,7 +154,7 @@ def test_speculative_drafts_never_enter_the_cache():
     # Only the committed tokens are cached (the last output token has no KV yet).
     committed = list(completion.prompt_token_ids + completion.token_ids)[:-1]
     assert engine.book.cache.num_slots == len(committed)
-    assert engine.book.peek(committed).length == len(committed)
+    assert engine.book.cache.peek(committed).length == len(committed)
 
 
 def test_a_closed_stream_releases_its_lock():
