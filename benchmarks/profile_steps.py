@@ -9,6 +9,7 @@ device gaps (with the kernels around them), the top kernels and the top host ops
   python benchmarks/profile_steps.py spec     # random smollm2_135m, batch 1, speculative
   python benchmarks/profile_steps.py decode --prefill --steps 300 --max-tokens 256
       # a whole decode-heavy run: the prompts' prefill and every decode step after it
+  python benchmarks/profile_steps.py summarise --trace t.json.gz   # a trace kept by --trace
 """
 
 from __future__ import annotations
@@ -97,8 +98,22 @@ def summarise(trace: dict, modes: list[str], top: int = 12) -> str:
         f"device gaps: {len(sizes)} in all, {sum(sizes) / 1e3:.2f} ms; "
         + ", ".join(f">{t} us: {sum(1 for s in sizes if s > t)}" for t in (5, 20, 100, 1000))
     )
-    for gap, before, after, _ in gaps[:top]:
+    host_long = [  # what the host did during a gap: its phases and long ops (> 0.3 ms)
+        e
+        for e in events
+        if e.get("cat") in ("cpu_op", "user_annotation")
+        and e.get("dur", 0) > 300
+        and e.get("name") != "step"
+    ]
+    for gap, before, after, at in gaps[: top + 4]:
         lines.append(f"  gap {gap:.1f} us after {before!r} before {after!r}")
+        start = at - gap
+        inside = sorted((e for e in host_long if start - 50 <= e["ts"] < at), key=lambda e: e["ts"])
+        for e in inside[:6]:
+            lines.append(
+                f"    host {e['name'][:40]} from +{(e['ts'] - start) / 1e3:.2f} ms "
+                f"for {e['dur'] / 1e3:.2f} ms"
+            )
     kernels: dict[str, list[float]] = collections.defaultdict(list)
     for e in device:
         kernels[e["name"][:90]].append(e["dur"])
@@ -215,13 +230,15 @@ def profile_steps(
     if trace_path is not None:
         opener = gzip.open if trace_path.endswith(".gz") else open
         with opener(trace_path, "wt") as handle:
-            json.dump(trace, handle)
+            json.dump(dict(trace, engine_modes=modes), handle)
     return summarise(trace, modes)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("which", choices=["decode", "spec"])
+    parser.add_argument(
+        "which", choices=["decode", "spec", "summarise"], help="summarise: a kept --trace"
+    )
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -255,6 +272,13 @@ def main() -> None:
         help="freeze the start-up objects before profiling, as `engine serve` does",
     )
     args = parser.parse_args()
+    if args.which == "summarise":  # a trace kept by --trace, read again (no GPU needed)
+        opener = gzip.open if args.trace.endswith(".gz") else open
+        with opener(args.trace, "rt") as handle:
+            trace = json.load(handle)
+        steps = sum(1 for e in trace["traceEvents"] if e.get("name") == "step")
+        print(summarise(trace, trace.get("engine_modes") or ["step"] * steps))
+        return
     generator = torch.Generator().manual_seed(0)
     if args.which == "decode":
         batch = args.batch or 64
