@@ -88,12 +88,15 @@ class Match:
 
 @attrs.frozen(eq=False)
 class Peek:
-    """The longest cached prefix of a sequence, found without using it: its length, how many
-    of its slots nobody locks (evictable now), and the handle `take` gathers it from."""
+    """The longest cached prefix of a sequence, found without using it: how many of its slots
+    nobody locks (evictable now), and the handle `take` gathers it from (its length)."""
 
-    length: int
     num_unlocked: int
     handle: Handle
+
+    @property
+    def length(self) -> int:
+        return self.handle.length
 
 
 class RadixCache:
@@ -162,7 +165,7 @@ class RadixCache:
             node = child
             if count < child.tokens.size:
                 break
-        return Peek(length, unlocked, Handle(node, length))
+        return Peek(unlocked, Handle(node, length))
 
     def take(self, peek: Peek, touch: bool = True) -> Match:
         """What `match(tokens, touch)` returns now for the `tokens` that `peek` was given,
