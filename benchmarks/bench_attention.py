@@ -51,6 +51,7 @@ DECODE_SWEEP = [
     {"BLOCK_N": 128, "num_stages": 3},
     {"num_warps": 8},
     {"num_warps": 2},
+    {"num_warps": 4},  # beside 2: the two sides of `choose_decode_warps`
     {"num_warps": 2, "num_stages": 4},
     {"num_warps": 2, "BLOCK_N": 32, "num_stages": 4},
     {"num_warps": 2, "BLOCK_N": 128, "num_stages": 2},
