@@ -1,5 +1,5 @@
 """What a full garbage collection costs the engine loop, with the process's start-up objects
-tracked and frozen (`engine.server.app.freeze_startup_objects`, which `engine serve` calls).
+tracked and frozen (`engine.shell.startup.freeze_startup_objects`, which `engine serve` calls).
 
 A full (generation 2) collection scans every object the collector tracks and holds the thread
 that triggered it, here the engine loop. The script builds an engine, serves a batch of
@@ -17,8 +17,8 @@ import gc
 import statistics
 import time
 
-from engine.server.app import freeze_startup_objects
 from engine.shell.engine import Engine
+from engine.shell.startup import freeze_startup_objects
 from engine.state import SamplingParams
 
 

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import _gpu_engine  # noqa: E402
 
-from engine.shell.engine import Engine  # noqa: E402
+from engine.shell.engine import Engine
+from engine.shell.startup import freeze_startup_objects
 from engine.state import SamplingParams
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -174,14 +175,17 @@ def annotate_phases(engine: Engine) -> None:
             wrap(owner, name, f"{part}.{name}")
 
 
-def warm_up(engine: Engine, prompts: list) -> None:
+def warm_up(engine: Engine, prompts: list, params: SamplingParams | None = None) -> None:
     """The prompts reversed (the same shapes: every kernel compiled for them, no prefix the
     measured run could reuse), two tokens each, in a throwaway profiler session: a process's
     first session starts its tracing (tens of milliseconds in which the device waits), and a
-    kernel compiled in the window (a second or more) would count as idle time there."""
+    kernel compiled in the window (a second or more) would count as idle time there.
+    `params`: the measured run's instead of two tokens (the whole workload once before it: a
+    server's steady state, where every library kernel the workload uses has been loaded)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
         reversed_prompts = [list(reversed(p)) for p in prompts]
-        engine.generate(reversed_prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+        params = params or SamplingParams(max_tokens=2, ignore_eos=True)
+        engine.generate(reversed_prompts, params)
         torch.cuda.synchronize()
 
 
@@ -192,12 +196,13 @@ def profile_steps(
     max_steps: int,
     prefill: bool = False,
     trace_path: str | None = None,
+    full_warm_up: bool = False,
 ) -> str:
     """Admit `prompts`, step until every one is decoding (prefill not profiled), then profile
     up to `max_steps` steps; `prefill`: profile from the admission on (the prompts' extend
     passes and the decode steps after them). `trace_path`: also keep the chrome trace there
-    (gzipped where the name ends in .gz)."""
-    warm_up(engine, prompts)
+    (gzipped where the name ends in .gz). `full_warm_up`: warm up on the whole workload."""
+    warm_up(engine, prompts, params if full_warm_up else None)
     engine.step_times.clear()  # the warm-up's last step (a decode) must not end the prefill
     for prompt in prompts:
         engine.submit(prompt, params)
@@ -267,6 +272,12 @@ def main() -> None:
     )
     parser.add_argument("--trace", default=None, help="keep the chrome trace at this path")
     parser.add_argument(
+        "--full-warm-up",
+        action="store_true",
+        help="warm up on the whole workload (prompts reversed), not two tokens a prompt: the "
+        "profiled run then uses no library kernel for the first time",
+    )
+    parser.add_argument(
         "--gc-freeze",
         action="store_true",
         help="freeze the start-up objects before profiling, as `engine serve` does",
@@ -302,18 +313,21 @@ def main() -> None:
         prompts = [(period * (args.prompt_len // 64 + 1))[: args.prompt_len]] * batch
     params = SamplingParams(max_tokens=args.max_tokens or args.steps * 4 + 64, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    if args.gc_freeze:  # imported here: the server's packages may be missing (GPU image)
-        from engine.server.app import freeze_startup_objects
-
+    if args.gc_freeze:
         freeze_startup_objects(engine)
     print(
         f"\n== profile {args.which}: batch {batch}, {args.prompt_len}-token prompts, "
         f"{engine.runtime.dtype}, launch_ahead {engine.launch_ahead}, "
         f"{'prefill included' if args.prefill else 'prefill not profiled'}, "
         f"{'start-up objects frozen, ' if args.gc_freeze else ''}"
+        f"{'warmed up on the whole workload, ' if args.full_warm_up else ''}"
         f"{torch.cuda.get_device_name()}"
     )
-    print(profile_steps(engine, prompts, params, args.steps, args.prefill, args.trace))
+    print(
+        profile_steps(
+            engine, prompts, params, args.steps, args.prefill, args.trace, args.full_warm_up
+        )
+    )
     engine.step_times.clear()  # the same run again, not profiled: the profiler slows the host
     engine.generate(prompts, params)
     by_mode: dict[str, list[float]] = collections.defaultdict(list)

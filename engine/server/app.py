@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import socket
@@ -32,6 +31,7 @@ from engine.server.routes import router
 from engine.server.runs import ServerState, request_log
 from engine.shell.config import EngineConfig
 from engine.shell.engine import Engine
+from engine.shell.startup import freeze_startup_objects
 
 GRACEFUL_SHUTDOWN_S = 10
 
@@ -187,22 +187,6 @@ def serve(
     finally:
         listener.close()
         engine.close()  # joins the tensor-parallel workers: none outlives the server
-
-
-def freeze_startup_objects(engine: Engine) -> int:
-    """Move every object the process holds once the engine is ready (its model, tokenizer,
-    grammar vocabulary, captured graphs' bookkeeping: about 200,000 objects) to the garbage
-    collector's permanent generation, as vLLM and SGLang do after start-up. A full
-    collection scans every tracked object and holds the engine loop's thread (the device
-    waits for the passes it would launch) while it runs: with these in it, about 100 ms on a
-    2-CPU VM (`benchmarks/bench_gc.py`). Frozen, they are never scanned again; what serving
-    creates is collected as before. For `serve` only: a process that keeps one engine for its
-    life (a frozen object in a reference cycle is never freed). Returns how many were frozen.
-    """
-    engine.grammars.wait_ready()  # built on a thread while the engine warmed up: theirs too
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 def _log_requests_to_stderr() -> None:

@@ -41,12 +41,16 @@ def plan_extend(
     differently). Without it, that request joins the decode pass: one pending token is a
     decode row whether or not it has sampled, the same logits and the same draw, and a
     decode pass replays a CUDA graph where an extend pass runs eagerly. `mixed`: the pass
-    also carries every other request's pending token (its decode), outside the budget, so
-    running requests keep emitting while prompts prefill; otherwise they wait. A pass that
-    carries decodes prefills at most `mixed_budget` tokens per prefilling request (when
-    given): the decodes wait for the whole pass, so its length is their gap between two
-    tokens. One long prompt among running requests is chunked finely; a burst of new
-    requests, each waiting for its first token, still prefills at up to the whole budget.
+    also carries every other request's pending token (its decode), so running requests keep
+    emitting while prompts prefill; otherwise they wait. The decodes count inside the
+    budget, as in vLLM and SGLang: a full pass has `token_budget` tokens however many
+    requests decode, so its matrix products keep one shape from pass to pass. When the
+    decodes take more than half the budget, the pass still prefills half of it: a prompt
+    never waits for the running requests to finish. A pass that carries decodes prefills at
+    most `mixed_budget` tokens per prefilling request (when given): the decodes wait for the
+    whole pass, so its length is their gap between two tokens. One long prompt among running
+    requests is chunked finely; a burst of new requests, each waiting for its first token,
+    still prefills at up to the whole budget.
     """
     pending = running.pending_lens
     first = (running.token_lens.lens == running.prompt_lens) & first_in_extend
@@ -54,15 +58,17 @@ def plan_extend(
     candidates = np.flatnonzero(prefilling)
     if candidates.size == 0:
         return None
-    if mixed and mixed_budget is not None and candidates.size < len(running):
-        token_budget = min(token_budget, mixed_budget * int(candidates.size))
+    decodes = np.flatnonzero((pending == 1) & ~first) if mixed else candidates[:0]
+    if decodes.size:
+        token_budget = max(token_budget - int(decodes.size), (token_budget + 1) // 2)
+        if mixed_budget is not None:
+            token_budget = min(token_budget, mixed_budget * int(candidates.size))
     wanted = pending[candidates]
     before = np.concatenate([[0], np.cumsum(wanted)[:-1]])
     chunk = np.clip(token_budget - before, 0, wanted)
     take = chunk > 0
     indices, chunk_lens = candidates[take], chunk[take]
-    if mixed:
-        decodes = np.flatnonzero((pending == 1) & ~first)
+    if decodes.size:
         indices = np.concatenate([indices, decodes])
         chunk_lens = np.concatenate([chunk_lens, np.ones(decodes.size, dtype=chunk_lens.dtype)])
         order = np.argsort(indices, kind="stable")  # batch order

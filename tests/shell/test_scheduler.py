@@ -27,12 +27,28 @@ def test_extend_plan_chunks_pending_tokens_under_the_budget_in_order():
     assert plan_extend(_running([3, 7], [4, 8]), 40) is None  # all ready to decode
 
 
-def test_a_mixed_plan_carries_every_decode_outside_the_budget():
+def test_a_mixed_plan_carries_every_decode_inside_the_budget():
     running = _running([0, 10, 4, 0, 6], [30, 11, 20, 5, 7])  # pending 30, 1, 16, 5, 1
     plan = plan_extend(running, token_budget=40)
     assert plan.indices.tolist() == [0, 1, 2, 4]  # batch order; request 3 waits
-    assert plan.chunk_lens.tolist() == [30, 1, 10, 1]
+    assert plan.chunk_lens.tolist() == [30, 1, 8, 1]  # 38 prefill tokens + 2 decodes
+    assert plan.num_tokens == 40
     assert plan_extend(_running([3, 7], [4, 8]), 40) is None  # only decodes: a decode pass
+
+
+def test_full_mixed_passes_keep_one_token_count_however_many_requests_decode():
+    for decoding in range(0, 30, 7):
+        running = _running([0] * 3 + [5] * decoding, [200] * 3 + [6] * decoding)
+        assert plan_extend(running, 64, mixed_budget=256).num_tokens == 64
+
+
+def test_decodes_past_half_the_budget_leave_the_prompts_half_of_it():
+    running = _running([0] + [5] * 12, [30] + [6] * 12)  # 12 decodes, a budget of 8
+    assert plan_extend(running, 8).chunk_lens.tolist() == [4] + [1] * 12
+    assert plan_extend(running, 8, mixed_budget=3).chunk_lens.tolist() == [3] + [1] * 12
+    assert plan_extend(running, 8, mixed=False).chunk_lens.tolist() == [8]
+    assert plan_extend(running, 20).chunk_lens.tolist() == [10] + [1] * 12
+    assert plan_extend(running, 30).chunk_lens.tolist() == [18] + [1] * 12
 
 
 def test_a_mixed_plan_prefills_at_most_its_own_budget_while_requests_decode():
