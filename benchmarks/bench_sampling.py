@@ -1,7 +1,9 @@
 """What sampling costs a decode step: the engine (default model unless told) at batch 1 and 8,
 greedy against temperature 1 with no filter and with top-p 0.9, and the sampler alone (a
 step's inputs built, then sampled from) on a [batch, vocabulary] block of random logits
-(standard normal x 8: peaked like a model's).
+(standard normal x 8: peaked like a model's). On a GPU, temperature 1 also runs with the
+unfused draw (`--no-unfused`: not) in the same process: the dozen launches that
+`engine.ops.draw` makes one.
 
 Run: .venv/bin/python benchmarks/bench_sampling.py [--threads 1] [--tokens 48]
      python3 benchmarks/bench_sampling.py   (a GPU: the default model's shape, random weights)
@@ -10,11 +12,19 @@ Run: .venv/bin/python benchmarks/bench_sampling.py [--threads 1] [--tokens 48]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
 
-from engine.model.sampling import SamplingTensors, sample
+from engine.model.sampling import (
+    SamplingTensors,
+    _filtered_logits,
+    greedy_tokens,
+    sample,
+    sample_from_probs,
+)
+from engine.ops import draw as draw_module
 from engine.shell.engine import Engine
 from engine.state import SamplingParams
 
@@ -23,6 +33,26 @@ REGIMES = {
     "temperature 1": {"temperature": 1.0},
     "temperature 1, top-p 0.9": {"temperature": 1.0, "top_p": 0.9},
 }
+UNFUSED = "temperature 1, unfused draw"
+
+
+def _unfused(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor):
+    """The draw of an unfiltered batch in torch operations, as `sample` makes it on a CPU."""
+    scaled = _filtered_logits(logits, temperature, None, None, filtered=False)
+    drawn = sample_from_probs(torch.softmax(scaled, dim=-1), uniform)
+    return torch.where(temperature > 0, drawn, greedy_tokens(logits))
+
+
+@contextlib.contextmanager
+def unfused_draw(on: bool):
+    """`sample` on a GPU draws through `engine.ops.draw.draw`: the unfused draw in its place."""
+    fused = draw_module.draw
+    if on:
+        draw_module.draw = _unfused
+    try:
+        yield
+    finally:
+        draw_module.draw = fused
 
 
 def decode_rate(engine: Engine, batch: int, tokens: int, regime: dict) -> float:
@@ -60,6 +90,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument(
+        "--unfused",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, also temperature 1 with the unfused draw",
+    )
+    parser.add_argument(
         "--random-weights",
         default=None,
         help="a preset (default: the default model on a CPU, its shape with "
@@ -77,21 +113,17 @@ def main() -> None:
     )
     vocab = engine.runtime.vocab_size
     rows = []
+    regimes = dict(REGIMES)
+    if args.device != "cpu" and args.unfused:
+        regimes[UNFUSED] = REGIMES["temperature 1"]
     for batch in (1, 8):
-        rates = {
-            name: decode_rate(engine, batch, args.tokens, regime)
-            for name, regime in REGIMES.items()
-        }
-        for name, regime in REGIMES.items():
-            rows.append(
-                (
-                    batch,
-                    name,
-                    rates[name],
-                    rates[name] / rates["greedy"],
-                    sampler_ms(batch, vocab, regime, args.device),
-                )
-            )
+        rates, ms = {}, {}
+        for name, regime in regimes.items():
+            with unfused_draw(name == UNFUSED):
+                rates[name] = decode_rate(engine, batch, args.tokens, regime)
+                ms[name] = sampler_ms(batch, vocab, regime, args.device)
+        for name in regimes:
+            rows.append((batch, name, rates[name], rates[name] / rates["greedy"], ms[name]))
     print(
         f"\n{args.device}, {args.threads} thread(s), vocabulary {vocab}, "
         f"{args.tokens} tokens a request\n"

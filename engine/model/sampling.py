@@ -86,6 +86,7 @@ class SamplingTensors:
     uniform: torch.Tensor  # [B] fp64 in (0, 1): row_uniforms(seed, tokens sampled before)
     all_greedy: bool
     filtered: bool = True  # some row keeps fewer tokens than the vocabulary (needs_filter)
+    uses_min_p: bool = True  # some row sets min-p (decided on the host: nothing waits)
 
     @classmethod
     def build(
@@ -107,6 +108,7 @@ class SamplingTensors:
             uniform=rows[4],
             all_greedy=all(p.greedy for p in params),
             filtered=needs_filter(params, vocab_size),
+            uses_min_p=any(p.min_p > 0 for p in params),
         )
 
 
@@ -158,7 +160,8 @@ def _filtered_logits(
     """Logits / temperature with tokens outside top-k or the top-p nucleus, or below min-p
     times the most likely token's probability, set to -inf (the most likely token is always
     kept). Greedy rows (temperature 0) use temperature 1. `filtered` False: no row filters
-    (`needs_filter`), the scaled logits are returned."""
+    (`needs_filter`), the scaled logits are returned. `min_p` None: no row sets it (the
+    caller knows on the host; asking the device would wait for it)."""
     safe_temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits.float() / safe_temperature[:, None]
     if not filtered:
@@ -167,7 +170,7 @@ def _filtered_logits(
         kept = _filtered_among_candidates(scaled, top_k, top_p)
     else:
         kept = _filtered_by_sorting(scaled, top_k, top_p)
-    if min_p is not None and bool((min_p > 0).any()):
+    if min_p is not None:
         # p(x) >= min_p * p(best)  <=>  logit(x) >= logit(best) + log(min_p)
         floor = kept.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
         kept = kept.masked_fill(kept < floor, -math.inf)
@@ -273,10 +276,15 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
-    """[B, V] logits -> [B] int64 tokens. An all-greedy batch is a plain argmax."""
-    greedy = greedy_tokens(logits)
+    """[B, V] logits -> [B] int64 tokens. An all-greedy batch is a plain argmax; on a GPU a
+    batch no row of which filters is drawn in one launch (`engine.ops.draw`)."""
     if sampling.all_greedy:
-        return greedy
+        return greedy_tokens(logits)
+    if logits.device.type != "cpu" and not sampling.filtered:
+        from engine.ops.draw import draw  # a Triton kernel: imported where a GPU draws
+
+        return draw(logits.contiguous(), sampling.temperature, sampling.uniform)
+    greedy = greedy_tokens(logits)
     probs = torch.softmax(
         _filtered_logits(
             logits,
@@ -284,7 +292,7 @@ def sample(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
             sampling.top_k,
             sampling.top_p,
             sampling.filtered,
-            sampling.min_p,
+            sampling.min_p if sampling.uses_min_p else None,
         ),
         dim=-1,
     )

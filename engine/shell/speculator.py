@@ -125,7 +125,15 @@ class Speculator:
             t.repeat_interleave(sizes, output_size=trees.sizes.total)
             for t in filter_tensors(params, self.vocab_size, logits.device)
         ]
-        probs = probs_for_verify(logits, *filters, filtered=needs_filter(params, self.vocab_size))
+        temperature, top_k, top_p, min_p = filters
+        probs = probs_for_verify(
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            min_p if any(p.min_p > 0 for p in params) else None,  # known here: no wait
+            filtered=needs_filter(params, self.vocab_size),
+        )
         rngs = [self._rng(u, p.seed) for u, p in zip(uids, params, strict=True)]
         return verify_sampling(trees, probs, rngs)
 

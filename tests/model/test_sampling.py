@@ -345,6 +345,25 @@ def test_the_edit_and_the_logprobs_rows_reach_the_device_without_waiting_for_it(
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_filtered_draw_never_asks_the_device_whether_a_row_sets_min_p():
+    # `bool((min_p > 0).any())` read the device each sampled step with a filter
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=2),
+    ]
+    logits = torch.randn(2, 1000, device="cuda")
+    sampling = SamplingTensors.build(params, [0, 0], 1000, "cuda")
+    sample(logits, sampling)  # compiled and cached before the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sample(logits, sampling)
+        sample(logits, attrs.evolve(sampling, uses_min_p=False))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @st.composite
 def edited_rows(draw):
     """Rows of (params, seen, output) over a vocabulary of 12, and a pending token each."""
