@@ -220,6 +220,12 @@ def _server_options(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the request log lines also carry the prompt (implies --log-requests)",
     )
+    serve.add_argument(
+        "--skip-warm-up",
+        action="store_true",
+        help="listen without first running a greedy and a sampled request through the engine "
+        "(the first client then waits for the kernels' first use)",
+    )
 
 
 def server_options_from(args: argparse.Namespace) -> ServerOptions:
@@ -235,6 +241,7 @@ def server_options_from(args: argparse.Namespace) -> ServerOptions:
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         log_requests=args.log_requests,
         log_prompts=args.log_prompts,
+        warm_up=not args.skip_warm_up,
     )
 
 

@@ -31,7 +31,7 @@ from engine.server.routes import router
 from engine.server.runs import ServerState, request_log
 from engine.shell.config import EngineConfig
 from engine.shell.engine import Engine
-from engine.shell.startup import freeze_startup_objects
+from engine.shell.startup import freeze_startup_objects, warm_up
 
 GRACEFUL_SHUTDOWN_S = 10
 
@@ -176,6 +176,8 @@ def serve(
     if options.logs_requests:
         _log_requests_to_stderr()
     engine = Engine(model, speculative=speculative, **engine_overrides)
+    if options.warm_up:
+        warm_up(engine)  # before the loop's thread exists
     app = create_app(engine, served_model_name, options)
     freeze_startup_objects(engine)
     server = make_server(app, host, port, log_level, on_listening)

@@ -35,6 +35,8 @@ class ServerOptions:
     log_requests: bool = attrs.field(default=False, validator=instance_of(bool))
     # the request lines also carry the prompt (implies log_requests)
     log_prompts: bool = attrs.field(default=False, validator=instance_of(bool))
+    # a greedy and a sampled request through the engine before listening (`warm_up`)
+    warm_up: bool = attrs.field(default=True, validator=instance_of(bool))
 
     @property
     def logs_requests(self) -> bool:

@@ -4,10 +4,13 @@ uvicorn or FastAPI)."""
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,3 +39,42 @@ def test_the_benchmarks_that_freeze_import_without_the_server_packages():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("imported")
+
+
+def test_warm_up_runs_a_greedy_and_a_sampled_request_and_leaves_the_engine_as_it_found_it():
+    from engine.shell.engine import Engine
+    from engine.shell.startup import WARM_UP_PROMPT, warm_up
+    from engine.state import SamplingParams
+
+    engine = Engine(random_weights="tiny", device="cpu", speculative=True)
+    free = engine.book.num_available
+    calls = []
+    generate = engine.generate
+    engine.generate = lambda prompts, params: (
+        calls.append((prompts, params)) or generate(prompts, params)
+    )
+    warm_up(engine)
+    assert [params.greedy for _, params in calls] == [True, False]
+    assert calls[0][0] == [[t % engine.runtime.vocab_size for t in WARM_UP_PROMPT]]
+    assert not engine.has_work and not engine.stats
+    assert engine.book.num_available == free  # its prompts' slots: cached, evictable
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids
+
+
+def test_warm_up_refuses_an_engine_with_work_and_loses_none_of_it():
+    from engine.shell.engine import Engine
+    from engine.shell.startup import warm_up
+    from engine.state import SamplingParams
+
+    engine = Engine(random_weights="tiny", device="cpu")
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+    engine.submit([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), sink=sink)
+    with pytest.raises(RuntimeError, match="already has requests"):
+        warm_up(engine)
+    while engine.has_work:
+        engine.step()
+    deltas = []
+    while not sink.empty():
+        deltas.append(sink.get())
+    assert deltas[-1].finish_reason == "length"
+    assert sum(len(d.token_ids) for d in deltas) == 3
