@@ -1,4 +1,5 @@
-"""`freeze_startup_objects` lives in the shell, so that what imports it (`profile_steps.py`,
+"""What a serving process does once its engine is ready (`engine.shell.startup`): the warm-up,
+and the freeze, which lives in the shell so that what imports it (`profile_steps.py`,
 `bench_gc.py`) runs where the server's packages are not installed (the GPU image has no
 uvicorn or FastAPI)."""
 
