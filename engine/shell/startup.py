@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 
+import attrs
+
 from engine.shell.engine import Engine
 from engine.state import SamplingParams
 
@@ -33,14 +35,20 @@ def warm_up(engine: Engine) -> None:
     compiling it or reading its cache, CUDA loading a library's module, lazy set-up: on the
     CPU VM the default model's first 64-token request took 0.66 s against 0.26 s for the
     next, and 0.28 s after a warm-up of 0.78 s, `benchmarks/bench_warm_up.py`) is then not
-    the first client's wait. Their prompt stays in
-    the prefix cache, evictable; `engine.stats` is cleared after them. The engine must have
-    no other work (the loop's thread not started)."""
+    the first client's wait. Their prompt (32 tokens, 8 new; shorter where the context is)
+    stays in the prefix cache, evictable; `engine.stats` is cleared after them. The engine
+    must have no other work (the loop's thread not started)."""
     if engine.has_work:
         raise RuntimeError("warm_up: the engine already has requests; warm up before serving")
+    room = min(engine.max_context, engine.book.slots.capacity)  # a small context: shorter
+    length = min(len(WARM_UP_PROMPT), room // 2)
+    new_tokens = min(8, room - length)
+    if length < 1 or new_tokens < 1:
+        return  # no request fits but a one-token prompt's single token: nothing to warm
     vocab = engine.runtime.vocab_size
-    prompt = [token % vocab for token in WARM_UP_PROMPT]
+    prompt = [token % vocab for token in WARM_UP_PROMPT[:length]]
     # one after the other: an all-greedy batch samples by argmax alone
-    engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
-    engine.generate([prompt[::-1]], SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    engine.generate([prompt], greedy)
+    engine.generate([prompt[::-1]], attrs.evolve(greedy, temperature=1.0))
     engine.stats.clear()

@@ -62,6 +62,16 @@ def test_warm_up_runs_a_greedy_and_a_sampled_request_and_leaves_the_engine_as_it
     assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids
 
 
+def test_warm_up_fits_a_small_context():
+    from engine.shell.engine import Engine
+    from engine.shell.startup import warm_up
+
+    for max_context in (2, 12):
+        engine = Engine(random_weights="tiny", device="cpu", max_context=max_context)
+        warm_up(engine)
+        assert not engine.has_work
+
+
 def test_warm_up_refuses_an_engine_with_work_and_loses_none_of_it():
     from engine.shell.engine import Engine
     from engine.shell.startup import warm_up
