@@ -44,7 +44,7 @@ def warm_up(engine: Engine) -> None:
     length = min(len(WARM_UP_PROMPT), room // 2)
     new_tokens = min(8, room - length)
     if length < 1 or new_tokens < 1:
-        return  # no request fits but a one-token prompt's single token: nothing to warm
+        return  # room for fewer than two tokens: no request can run here
     vocab = engine.runtime.vocab_size
     prompt = [token % vocab for token in WARM_UP_PROMPT[:length]]
     # one after the other: an all-greedy batch samples by argmax alone
