@@ -110,8 +110,8 @@ class EngineConfig:
     max_running_requests: int = _field(64, "most requests decoding at once", _positive)
     chunk_size: int = _field(
         1024,
-        "token budget of a pass, a mixed pass's decodes included (they take at most half of "
-        "it); longer prompts are chunked",
+        "token budget of a pass, a mixed pass's decodes included (its prompt chunks keep at "
+        "least half: a pass with more decodes runs over it); longer prompts are chunked",
         _positive,
     )
     prefix_cache: bool = _field(
