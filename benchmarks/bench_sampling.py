@@ -17,13 +17,7 @@ import time
 
 import torch
 
-from engine.model.sampling import (
-    SamplingTensors,
-    _filtered_logits,
-    greedy_tokens,
-    sample,
-    sample_from_probs,
-)
+from engine.model.sampling import SamplingTensors, draw_unfused, sample
 from engine.ops import draw as draw_module
 from engine.shell.engine import Engine
 from engine.state import SamplingParams
@@ -36,19 +30,12 @@ REGIMES = {
 UNFUSED = "temperature 1, unfused draw"
 
 
-def _unfused(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor):
-    """The draw of an unfiltered batch in torch operations, as `sample` makes it on a CPU."""
-    scaled = _filtered_logits(logits, temperature, None, None, filtered=False)
-    drawn = sample_from_probs(torch.softmax(scaled, dim=-1), uniform)
-    return torch.where(temperature > 0, drawn, greedy_tokens(logits))
-
-
 @contextlib.contextmanager
 def unfused_draw(on: bool):
     """`sample` on a GPU draws through `engine.ops.draw.draw`: the unfused draw in its place."""
     fused = draw_module.draw
     if on:
-        draw_module.draw = _unfused
+        draw_module.draw = draw_unfused  # unfiltered: the draw's own arguments
     try:
         yield
     finally:

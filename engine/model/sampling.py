@@ -108,7 +108,7 @@ class SamplingTensors:
             uniform=rows[4],
             all_greedy=all(p.greedy for p in params),
             filtered=needs_filter(params, vocab_size),
-            uses_min_p=any(p.min_p > 0 for p in params),
+            uses_min_p=uses_min_p(params),
         )
 
 
@@ -147,6 +147,11 @@ def needs_filter(params: Sequence[SamplingParams], vocab_size: int) -> bool:
     Without one, the filter (a sort of every row's logits: most of a sampled step's time on
     a CPU) is skipped."""
     return any(0 <= p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0 for p in params)
+
+
+def uses_min_p(params: Sequence[SamplingParams]) -> bool:
+    """Whether some row sets min-p (known on the host: asking the device would wait)."""
+    return any(p.min_p > 0 for p in params)
 
 
 def _filtered_logits(
@@ -284,20 +289,33 @@ def sample(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
         from engine.ops.draw import draw  # a Triton kernel: imported where a GPU draws
 
         return draw(logits.contiguous(), sampling.temperature, sampling.uniform)
-    greedy = greedy_tokens(logits)
-    probs = torch.softmax(
-        _filtered_logits(
-            logits,
-            sampling.temperature,
-            sampling.top_k,
-            sampling.top_p,
-            sampling.filtered,
-            sampling.min_p if sampling.uses_min_p else None,
-        ),
-        dim=-1,
+    return draw_unfused(
+        logits,
+        sampling.temperature,
+        sampling.uniform,
+        sampling.top_k,
+        sampling.top_p,
+        sampling.min_p if sampling.uses_min_p else None,
+        sampling.filtered,
     )
-    drawn = sample_from_probs(probs, sampling.uniform)
-    return torch.where(sampling.temperature > 0, drawn, greedy)
+
+
+def draw_unfused(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    uniform: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    filtered: bool = False,
+) -> torch.Tensor:
+    """The draw in torch operations (every draw on a CPU; a filtered batch on a GPU): the
+    filter (`_filtered_logits`), softmax, the inverse-CDF pick; greedy rows their argmax."""
+    probs = torch.softmax(
+        _filtered_logits(logits, temperature, top_k, top_p, filtered, min_p), dim=-1
+    )
+    drawn = sample_from_probs(probs, uniform)
+    return torch.where(temperature > 0, drawn, greedy_tokens(logits))
 
 
 # --- before sampling: biases and penalties; after it: log-probabilities ----------------------

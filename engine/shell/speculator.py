@@ -11,7 +11,13 @@ import numpy as np
 import torch
 
 from engine import state
-from engine.model.sampling import filter_tensors, greedy_tokens, needs_filter, probs_for_verify
+from engine.model.sampling import (
+    filter_tensors,
+    greedy_tokens,
+    needs_filter,
+    probs_for_verify,
+    uses_min_p,
+)
 from engine.shell.config import EngineConfig
 from engine.shell.runtime import Runtime
 from engine.spec import (
@@ -131,7 +137,7 @@ class Speculator:
             temperature,
             top_k,
             top_p,
-            min_p if any(p.min_p > 0 for p in params) else None,  # known here: no wait
+            min_p if uses_min_p(params) else None,
             filtered=needs_filter(params, self.vocab_size),
         )
         rngs = [self._rng(u, p.seed) for u, p in zip(uids, params, strict=True)]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.sampling import _filtered_logits, greedy_tokens, sample_from_probs
+from engine.model.sampling import _filtered_logits, draw_unfused
 from engine.ops import draw as draw_module
 from engine.ops.draw import draw
 
@@ -22,12 +22,10 @@ def small_blocks(monkeypatch):
 
 
 def unfused(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor):
-    """The draw `sample` makes for unfiltered rows, and each row's float64 CDF."""
+    """The unfused draw's tokens for unfiltered rows, and each row's float64 CDF."""
     scaled = _filtered_logits(logits, temperature, None, None, filtered=False)
-    probs = torch.softmax(scaled, dim=-1)
-    drawn = sample_from_probs(probs, uniform)
-    tokens = torch.where(temperature > 0, drawn, greedy_tokens(logits))
-    return tokens, probs.double().cumsum(dim=-1)
+    cdf = torch.softmax(scaled, dim=-1).double().cumsum(dim=-1)
+    return draw_unfused(logits, temperature, uniform), cdf
 
 
 def test_draw_is_the_unfused_draw_but_at_rounding_boundaries():
