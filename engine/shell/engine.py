@@ -611,6 +611,8 @@ class Engine:
         """A transition's tokens and finishes to its requests; a stop string's end, or the
         end of a request's grammar, commits."""
         ending = self.outputs.emit(effects, self.passes.take_logprobs())
+        if not ending:  # most passes: nobody ends here
+            return
         for reason in (FinishReason.STOP, FinishReason.ERROR):
             indices = [self.running.index_of(uid) for uid, r in ending.items() if r == reason]
             if indices:

@@ -60,14 +60,17 @@ class Outputs:
         finished = effects.finished()
         emitted = effects.emitted()
         stopped: dict[int, FinishReason] = {}
-        constrained = {u: t for u, t in emitted.items() if u in self.grammars}
-        progress = self.grammars.advance_all(constrained) if constrained else {}
+        progress: dict[int, Progress] = {}
+        if self.grammars:  # some request has a grammar
+            constrained = {u: t for u, t in emitted.items() if u in self.grammars}
+            progress = self.grammars.advance_all(constrained) if constrained else {}
+        if effects.emitted_tokens.shape[0]:
+            self.stats["generated_tokens"] += effects.emitted_tokens.shape[0]
         for uid, tokens in emitted.items():
             request = self.requests[uid]
             request.output_ids.extend(tokens)
             if request.logprobs is not None and logprobs is not None:
                 request.logprobs.extend(logprobs.get(uid, [])[: len(tokens)])
-            self.stats["generated_tokens"] += len(tokens)
             if self.spec is not None:
                 self.spec.extend(uid, tokens)
             ending = self._grammar_end(request, progress[uid]) if uid in progress else None
@@ -81,8 +84,9 @@ class Outputs:
                 stopped[uid] = ending
         for uid, reason in finished.items():
             self.finish(self.requests[uid], reason)
-        for uid in self.requests.keys() & set(emitted) - set(finished) - set(stopped):
-            self.publish(self.requests[uid])
+        for uid in emitted:  # each finished one published its final delta
+            if uid not in finished and uid not in stopped:
+                self.publish(self.requests[uid])
         return stopped
 
     def _grammar_end(self, request: Request, progress: Progress) -> FinishReason | None:

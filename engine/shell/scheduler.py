@@ -53,12 +53,16 @@ def plan_extend(
     still prefills at up to the whole budget.
     """
     pending = running.pending_lens
-    first = (running.token_lens.lens == running.prompt_lens) & first_in_extend
-    prefilling = (pending > 1) | first
+    prefilling = pending > 1
+    first = None  # requests that have not sampled yet (asked only with first_in_extend)
+    if first_in_extend:
+        first = running.token_lens.lens == running.prompt_lens
+        prefilling |= first
     candidates = np.flatnonzero(prefilling)
     if candidates.size == 0:
         return None
-    decodes = np.flatnonzero((pending == 1) & ~first) if mixed else candidates[:0]
+    decoding = pending == 1 if first is None else (pending == 1) & ~first
+    decodes = np.flatnonzero(decoding) if mixed else candidates[:0]
     if decodes.size:
         token_budget = max(token_budget - int(decodes.size), (token_budget + 1) // 2)
         if mixed_budget is not None:

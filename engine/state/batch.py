@@ -143,6 +143,12 @@ def _depths_and_ancestors(
     return depths, bits
 
 
+@functools.lru_cache(maxsize=64)
+def _all_true(size: int) -> np.ndarray:
+    """`size` read-only True flags (shared: a decode or verify pass asks every step)."""
+    return freeze(np.ones(size, dtype=bool))
+
+
 @attrs.frozen(eq=False)
 class Batch:
     """One forward pass over every request of `running`."""
@@ -210,16 +216,21 @@ class Batch:
         """Position of each new token: prefix length plus offset (or tree depth)."""
         positions = self._positions
         if positions is None:  # computed once (the runner and the commit both read it)
-            within = self.trees.depths if self.trees is not None else self.new_lens.offsets_within()
-            positions = freeze(np.repeat(self.prefix_lens.lens, self.new_lens.lens) + within)
+            if self.mode == Mode.DECODE:  # one token each, at its committed length
+                positions = self.prefix_lens.lens
+            else:
+                within = (
+                    self.trees.depths if self.trees is not None else self.new_lens.offsets_within()
+                )
+                positions = freeze(np.repeat(self.prefix_lens.lens, self.new_lens.lens) + within)
             object.__setattr__(self, "_positions", positions)
         return positions
 
     @property
     def samples(self) -> np.ndarray:
         """Whether each request yields a next token (an extend chunk short of the end: no)."""
-        if self.trees is not None:
-            return freeze(np.ones(len(self.running), dtype=bool))
+        if self.trees is not None or self.mode == Mode.DECODE:  # every request samples
+            return _all_true(len(self.running))
         return freeze(
             (self.seq_lens.lens == self.running.token_lens.lens) & (self.new_lens.lens > 0)
         )

@@ -98,14 +98,15 @@ class Effects:
 
     def emitted(self) -> dict[int, list[int]]:
         """rid -> tokens gained (for the shell's per-request histories)."""
+        rids, tokens = self.emitted_rids.tolist(), self.emitted_tokens.tolist()
+        if len(tokens) == len(rids) and self.emitted_lens.max <= 1:  # one each: a decode
+            return {rid: [token] for rid, token in zip(rids, tokens, strict=True)}
         bounds = self.emitted_lens.indptr().tolist()
-        tokens = self.emitted_tokens.tolist()
-        return {
-            rid: tokens[bounds[i] : bounds[i + 1]]
-            for i, rid in enumerate(self.emitted_rids.tolist())
-        }
+        return {rid: tokens[bounds[i] : bounds[i + 1]] for i, rid in enumerate(rids)}
 
     def finished(self) -> dict[int, FinishReason]:
+        if not self.finished_rids.size:  # most passes
+            return {}
         return {
             int(r): FinishReason(int(c))
             for r, c in zip(self.finished_rids, self.finished_reasons, strict=True)
