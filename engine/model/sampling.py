@@ -28,9 +28,9 @@ _STEP_SALT, _COLUMN_SALT = 0x9E3779B9, 0x632BE5AB
 _MEET = 0x85EBCA6B
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x: Any) -> Any:
     """A 32-bit integer finaliser (xorshift-multiply), on int64 tensors or numpy arrays
-    holding 32-bit values; in place on a copy of `x`."""
+    holding 32-bit values (in place on a copy of `x`), or on Python ints."""
     x = x & _MASK32
     x ^= x >> 16
     x *= _MUL1
@@ -61,9 +61,24 @@ def seeded_uniform(
     return bits.float().add_(0.5).mul_(1.0 / (1 << 24))
 
 
+_FEW_ROWS = 16  # up to this many rows, `row_uniforms` hashes Python ints (see there)
+# the hashes of columns 0 and 1, which every row's key meets (`_uniform_bits`)
+_COLUMN_HASHES = tuple(_mix32(column * _COLUMN_SALT + 1) for column in range(2))
+
+
 def row_uniforms(seeds: Sequence[int], steps: Sequence[int], salt: int = 0) -> np.ndarray:
     """One float64 uniform in (0, 1) per row with 48 bits: `seeded_uniform`'s first two
-    columns as one number. Computed on the host: on a GPU the hash is ~70 tiny kernels."""
+    columns as one number. Computed on the host: on a GPU the hash is ~70 tiny kernels. A
+    few rows are hashed as Python ints, the same operations (no product leaves int64, so
+    the bits are the same): numpy's ~50 operations on arrays of a few entries cost more."""
+    if len(seeds) == len(steps) <= _FEW_ROWS:
+        return np.array(
+            [
+                _row_uniform(int(seed), int(step), salt)
+                for seed, step in zip(seeds, steps, strict=True)
+            ],
+            dtype=np.float64,
+        )
     bits = _uniform_bits(
         np.asarray(seeds, dtype=np.int64),
         np.asarray(steps, dtype=np.int64),
@@ -71,6 +86,14 @@ def row_uniforms(seeds: Sequence[int], steps: Sequence[int], salt: int = 0) -> n
         salt,
     )
     return ((bits[:, 0] << 24) + bits[:, 1] + 0.5) / float(1 << 48)
+
+
+def _row_uniform(seed: int, step: int, salt: int) -> float:
+    """`row_uniforms` of one row, on Python ints (`_uniform_bits`, then the two columns)."""
+    low, high = seed & _MASK32, (seed >> 32) & _MASK32
+    key = _mix32(low ^ _mix32(high ^ _mix32(step * _STEP_SALT + salt)))
+    first, second = (_mix32((key ^ column) + _MEET) >> 8 for column in _COLUMN_HASHES)
+    return ((first << 24) + second + 0.5) / float(1 << 48)
 
 
 @attrs.frozen(eq=False)
@@ -95,10 +118,16 @@ class SamplingTensors:
         steps: Sequence[int],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        seeds: Sequence[int] | None = None,
     ) -> SamplingTensors:
+        """`seeds`: each row's seed in place of its params' (the engine's for a request that
+        gave none); without them, an unseeded row gets a fresh random one."""
         if len(params) != len(steps):
             raise ValueError(f"{len(params)} sampling params for {len(steps)} step counters")
-        seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
+        if seeds is None:
+            seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
+        elif len(seeds) != len(params):
+            raise ValueError(f"{len(params)} sampling params for {len(seeds)} seeds")
         rows = _on_device([*_filter_values(params, vocab_size), row_uniforms(seeds, steps)], device)
         return cls(
             temperature=rows[0],
@@ -110,6 +139,17 @@ class SamplingTensors:
             filtered=needs_filter(params, vocab_size),
             uses_min_p=uses_min_p(params),
         )
+
+    def at_steps(self, seeds: Sequence[int], steps: Sequence[int]) -> SamplingTensors:
+        """The same rows' inputs at other steps (`seeds`: theirs, as `build` took them):
+        only the uniforms are new, in one copy; the filters are shared (read, never
+        written)."""
+        if not len(seeds) == len(steps) == self.uniform.shape[0]:
+            raise ValueError(
+                f"{self.uniform.shape[0]} rows; got {len(seeds)} seeds and {len(steps)} steps"
+            )
+        uniform = torch.from_numpy(row_uniforms(seeds, steps))
+        return attrs.evolve(self, uniform=uniform.to(self.uniform.device, non_blocking=True))
 
 
 def _on_device(rows: list, device: torch.device | str) -> list[torch.Tensor]:

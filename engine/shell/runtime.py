@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import os
 
 import attrs
@@ -36,6 +37,10 @@ class Runtime:
     max_context: int
     num_slots: int
     backend_name: str
+    # the last pass's params (one per row) and sampling inputs (`sampling_inputs`)
+    _last_sampling: tuple[tuple[SamplingParams, ...], SamplingTensors | None] = attrs.field(
+        init=False, default=((), None), repr=False
+    )
 
     @property
     def vocab_size(self) -> int:
@@ -85,11 +90,17 @@ class Runtime:
         is launched: their host-to-device copies then do not wait for the pass."""
         if all(p.greedy for p in params):
             return None
-        seeded = [
-            p if p.seed is not None else attrs.evolve(p, seed=self._seed(int(u)))
-            for p, u in zip(params, uids, strict=True)
+        seeds = [
+            p.seed if p.seed is not None else self._seed(u)
+            for p, u in zip(params, uids.tolist(), strict=True)
         ]
-        return SamplingTensors.build(seeded, steps, self.vocab_size, self.device)
+        # the same requests as the last pass (most steps): only the uniforms change
+        key, last = self._last_sampling
+        if last is not None and len(key) == len(params) and all(map(operator.is_, key, params)):
+            return last.at_steps(seeds, steps)
+        inputs = SamplingTensors.build(params, steps, self.vocab_size, self.device, seeds)
+        self._last_sampling = (tuple(params), inputs)
+        return inputs
 
     @staticmethod
     def sample(logits: torch.Tensor, inputs: SamplingTensors | None) -> torch.Tensor:

@@ -162,6 +162,37 @@ def test_row_uniforms_on_the_host_are_the_hashs_first_two_columns():
     assert np.array_equal(row_uniforms(seeds, steps, salt=3), expected.numpy())
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 2**32)), min_size=1, max_size=40
+    ),
+    salt=st.integers(0, 2**20),
+)
+def test_row_uniforms_of_a_few_rows_hash_python_ints_to_the_same_bits(rows, salt):
+    """Up to `_FEW_ROWS` rows are hashed as Python ints, more as numpy arrays: one value."""
+    seeds, steps = [r[0] for r in rows], [r[1] for r in rows]
+    bits = _uniform_bits(
+        np.array(seeds, dtype=np.int64), np.array(steps, dtype=np.int64), np.arange(2), salt
+    )
+    expected = ((bits[:, 0] << 24) + bits[:, 1] + 0.5) / float(1 << 48)
+    assert np.array_equal(row_uniforms(seeds, steps, salt), expected)
+
+
+def test_sampling_inputs_at_other_steps_are_built_again():
+    """`at_steps` keeps the filters and draws the uniforms `build` would at those steps."""
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1, top_p=0.5)]
+    first = SamplingTensors.build(params, [0, 3], VOCAB, seeds=[11, 12])
+    later = first.at_steps([11, 12], [1, 4])
+    fresh = SamplingTensors.build(params, [1, 4], VOCAB, seeds=[11, 12])
+    for field in attrs.fields(SamplingTensors):
+        value, built = getattr(later, field.name), getattr(fresh, field.name)
+        assert torch.equal(value, built) if isinstance(value, torch.Tensor) else value == built
+    assert later.temperature is first.temperature
+    with pytest.raises(ValueError, match="2 rows"):
+        first.at_steps([11], [1])
+
+
 def test_sampling_without_filters_skips_them_and_draws_the_same(monkeypatch):
     """No row sets top-k or top-p: the filter (a sort of every row) is skipped, and the
     tokens are those the filter with nothing to filter gives."""

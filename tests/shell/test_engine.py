@@ -142,6 +142,35 @@ def test_seeded_sampling_is_reproducible(default_engine):
     assert sampled != [r.token_ids for r in other_seed]  # and the seed matters
 
 
+def test_sampling_inputs_of_the_same_requests_again_are_those_built_afresh(default_engine):
+    """The runtime keeps the last pass's filters: the same requests at their next steps get
+    the inputs `SamplingTensors.build` makes (an unseeded request: the engine's seed for
+    it), and other rows get their own."""
+    import attrs
+    import numpy as np
+    import torch
+
+    from engine.model.sampling import SamplingTensors
+
+    runtime = default_engine.runtime
+    first = [SamplingParams(temperature=0.8, top_k=7), SamplingParams(temperature=1, seed=5)]
+    uids = np.array([101, 102])
+    for params, rows, steps in [
+        (first, uids, [0, 0]),
+        (first, uids, [1, 3]),  # the same requests: only the uniforms are new
+        (first[::-1], uids[::-1], [4, 2]),  # other rows: built again
+    ]:
+        seeds = [
+            p.seed if p.seed is not None else runtime._seed(u)
+            for p, u in zip(params, rows.tolist(), strict=True)
+        ]
+        expected = SamplingTensors.build(params, steps, runtime.vocab_size, runtime.device, seeds)
+        got = runtime.sampling_inputs(params, rows, steps)
+        for field in attrs.fields(SamplingTensors):
+            value, want = getattr(got, field.name), getattr(expected, field.name)
+            assert torch.equal(value, want) if isinstance(value, torch.Tensor) else value == want
+
+
 def test_stop_token_ids_and_eos(default_engine):
     free_run = default_engine.generate([PROMPTS[1]], GREEDY_16)[0]
     stop_id = free_run.token_ids[5]
