@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
@@ -20,14 +21,32 @@ __all__ = ["DEBUG", "check_trusted", "same_value", "trusted"]
 
 
 @functools.cache
-def _layout(cls: type) -> tuple[frozenset[str], tuple[tuple[str, Any], ...]]:
-    """`cls`'s field names, and each field's name with its default (NOTHING: required)."""
+def _builder(cls: type) -> Callable[..., Any]:
+    """A function that makes a `cls` with its fields set from keyword arguments (attribute
+    names; a field with a default may be left out) and runs nothing else: generated once
+    per class, as attrs generates `__init__` (a loop over the fields, one lookup each, costs
+    more than the stores themselves; `trusted` runs several times a decode step)."""
     fields = attrs.fields(cls)
+    defaults: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"_cls": cls, "_new": object.__new__, "_set": object.__setattr__}
+    namespace["_defaults"] = defaults
+    arguments = []
     for field in fields:
         if isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
             # Factory is a class at run time; attrs' stubs declare it a function.
             raise TypeError(f"trusted() does not build {cls.__name__}: {field.name} has a factory")
-    return frozenset(f.name for f in fields), tuple((f.name, f.default) for f in fields)
+        if field.name in namespace or field.name == "_value":
+            raise TypeError(f"trusted() does not build {cls.__name__}: a field is {field.name}")
+        if field.default is attrs.NOTHING:
+            arguments.append(field.name)
+        else:
+            defaults[field.name] = field.default
+            arguments.append(f"{field.name}=_defaults[{field.name!r}]")
+    lines = [f"def build(*, {', '.join(arguments)}):", "    _value = _new(_cls)"]
+    lines += [f"    _set(_value, {field.name!r}, {field.name})" for field in fields]
+    lines.append("    return _value")
+    exec("\n".join(lines), namespace)  # the names are the fields', checked above
+    return namespace["build"]
 
 
 def trusted(cls: type[T], /, **values: Any) -> T:
@@ -36,18 +55,26 @@ def trusted(cls: type[T], /, **values: Any) -> T:
     may be left out), by its attribute name, as its converter would leave it (arrays
     read-only). For values a transition made correct by construction. Under ENGINE_DEBUG the
     checked constructor builds the same value too (`check_trusted`)."""
-    names, layout = _layout(cls)
-    if not values.keys() <= names:
-        raise TypeError(f"{cls.__name__} has no fields {sorted(values.keys() - names)}")
-    value = object.__new__(cls)
-    for name, default in layout:
-        field_value = values.get(name, default)
-        if field_value is attrs.NOTHING:
-            raise TypeError(f"{cls.__name__} needs its field {name}")
-        object.__setattr__(value, name, field_value)
+    build = _builder(cls)
+    try:
+        value: T = build(**values)
+    except TypeError:
+        _check_names(cls, values)  # says which field, where a name is wrong or missing
+        raise
     if DEBUG:
         check_trusted(value)
     return value
+
+
+def _check_names(cls: type, values: dict[str, Any]) -> None:
+    """Raise TypeError where `values` names a field `cls` lacks, or leaves out a field that
+    has no default."""
+    fields = attrs.fields(cls)
+    if unknown := values.keys() - {f.name for f in fields}:
+        raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
+    for field in fields:
+        if field.default is attrs.NOTHING and field.name not in values:
+            raise TypeError(f"{cls.__name__} needs its field {field.name}")
 
 
 def check_trusted(value: attrs.AttrsInstance) -> None:
