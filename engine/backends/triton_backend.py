@@ -29,7 +29,9 @@ from engine.backends.triton_decode import choose_num_splits, decode_attention
 from engine.backends.triton_decode import num_sms as _num_sms
 from engine.backends.triton_extend import extend_attention
 from engine.backends.triton_index import build_kv_indices_into
-from engine.state import MAX_TREE_NODES, PADDING_SLOT, Batch, Mode, SeqLens
+from engine.state import MAX_TREE_NODES, PADDING_SLOT, Batch, Mode
+
+_NO_BITS = np.zeros(0, dtype=np.int64)
 
 # The arrays a plan stages, in their order in the staging buffers, and their capacities as
 # functions of (max_batch, max_tokens).
@@ -64,9 +66,22 @@ class GraphBuffers:
     offsets: dict  # name -> start of its region in the staging buffers
     staged: torch.cuda.Event | None  # recorded after each staging copy (CUDA only)
 
+    # the views `used` made, by (padded batch, padded tokens). A cache: not part of the value.
+    _used: dict = attrs.field(factory=dict, init=False, repr=False)
+
     @property
     def max_batch(self) -> int:
         return int(self.prefix_lens.shape[0])
+
+    def used(self, padded: int, num_tokens: int) -> dict[str, torch.Tensor]:
+        """The staged arrays' parts a pass of `padded` requests and `num_tokens` tokens
+        uses (views; made once per shape: each graph's pass has one)."""
+        key = (padded, num_tokens)
+        if key not in self._used:
+            sizes = dict(qo_indptr=padded + 1, kv_indptr=padded + 1, prefix_lens=padded)
+            sizes.update(rows=padded, out_slots=num_tokens, tree_bits=num_tokens)
+            self._used[key] = {name: getattr(self, name)[:size] for name, size in sizes.items()}
+        return self._used[key]
 
     @property
     def max_tokens(self) -> int:
@@ -223,37 +238,34 @@ class TritonBackend(AttentionBackend):
     def _fill(
         self, buffers: GraphBuffers, batch: Batch, padded: int, num_tokens: int
     ) -> dict[str, torch.Tensor]:
-        """Copy the padded host arrays into the buffers; return views of the used parts.
-        Padding requests own no keys and no tokens; padding tokens belong to no request."""
-        zeros = np.zeros(padded - len(batch.running), dtype=np.int64)
-        no_tokens = SeqLens.full(zeros.shape[0], 0)  # the padding requests' lengths
-        host = {
-            "qo_indptr": batch.new_lens.concat(no_tokens).indptr(),
-            "kv_indptr": batch.seq_lens.concat(no_tokens).indptr(),
-            "prefix_lens": np.concatenate([batch.prefix_lens.lens, zeros]),
-            "rows": np.concatenate([batch.running.rows, zeros]),
-            "out_slots": np.concatenate(
-                [
-                    batch.out_slots,
-                    np.full(num_tokens - batch.new_lens.total, PADDING_SLOT, dtype=np.int64),
-                ]
-            ),
-        }
-        bits = batch.trees.ancestor_bits if batch.trees is not None else np.zeros(0, np.int64)
-        host["tree_bits"] = np.concatenate([bits, np.zeros(num_tokens - bits.shape[0], np.int64)])
-        # Each array goes to its fixed region of the staging buffer; one host-to-device copy
-        # then fills every buffer (they are views of the device staging tensor).
+        """Write the padded host arrays into the staging buffer, each at its region, and
+        copy them to the device in one copy; return views of the used parts. Padding
+        requests own no keys and no tokens (an indptr repeats its total); padding tokens
+        belong to no request (the padding slot, no tree bits)."""
+        real = len(batch.running)
+        bits = batch.trees.ancestor_bits if batch.trees is not None else _NO_BITS
         _wait_for_staging(buffers)  # the last plan's copy must have read the staging buffer
         packed = buffers.staging_host.numpy()
-        views, end = {}, 0
-        for name, array in host.items():
-            start = buffers.offsets[name]
-            packed[start : start + array.shape[0]] = array
-            end = max(end, start + array.shape[0])
-            views[name] = getattr(buffers, name)[: array.shape[0]]
+        offsets, end = buffers.offsets, 0
+        for name, lens in (("qo_indptr", batch.new_lens), ("kv_indptr", batch.seq_lens)):
+            start = offsets[name]
+            packed[start] = 0
+            np.cumsum(lens.lens, out=packed[start + 1 : start + real + 1])
+            packed[start + real + 1 : start + padded + 1] = lens.total
+            end = max(end, start + padded + 1)
+        for name, values, size, fill in (
+            ("prefix_lens", batch.prefix_lens.lens, padded, 0),
+            ("rows", batch.running.rows, padded, 0),
+            ("out_slots", batch.out_slots, num_tokens, PADDING_SLOT),
+            ("tree_bits", bits, num_tokens, 0),
+        ):
+            start, count = offsets[name], values.shape[0]
+            packed[start : start + count] = values
+            packed[start + count : start + size] = fill
+            end = max(end, start + size)
         buffers.staging_device[:end].copy_(buffers.staging_host[:end], non_blocking=True)
         _record_staging(buffers)
-        return views
+        return dict(buffers.used(padded, num_tokens))
 
     def forward(
         self,
