@@ -111,7 +111,10 @@ class Speculator:
 
     def record_plain(self, uids: np.ndarray, trees: DraftTrees) -> None:
         """A step where nothing was drafted (it ran as a decode pass)."""
-        self.stats.record_batch(uids.tolist(), trees, np.zeros(len(uids), np.int64))
+        if len(trees.sizes) == trees.sizes.total == len(uids):  # roots only (most steps)
+            self.stats.record_idle(uids.tolist())
+        else:
+            self.stats.record_batch(uids.tolist(), trees, np.zeros(len(uids), np.int64))
 
     def observe(self, rows: int, started: float, verify: bool = False) -> None:
         """Fit the pass's time, unless the cost is fixed (configured, or not adapting)."""

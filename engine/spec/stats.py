@@ -183,6 +183,11 @@ class SpecStats:
                 )
                 self._adapt(entry, num_drafted, num_accepted, cost)
 
+    def record_idle(self, rids: Sequence[int] | np.ndarray) -> None:
+        """A step where no request of `rids` drafted (it ran as a decode pass):
+        `record_batch` with root-only trees, nothing accepted, nothing to add up."""
+        self._record_idle(rids, 0.0)
+
     def _record_idle(self, rids: Sequence[int] | np.ndarray, draft_cost: float) -> None:
         """A step where no request of `rids` drafted: counted, not added to the statistics'
         values one by one (`request` and `total` add them when read)."""

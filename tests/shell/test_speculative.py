@@ -257,13 +257,17 @@ def test_a_draft_less_step_records_statistics_only_if_it_decodes(assert_all_free
     propose = spec.proposer.propose_batch
     spec.proposer.propose_batch = lambda rids, budgets, **kw: propose(rids, [0] * len(rids))
     recorded: list[int] = []
-    record_batch = spec.stats.record_batch
+    record_batch, record_idle = spec.stats.record_batch, spec.stats.record_idle
 
     def recording(rids, trees, accepted, *costs) -> None:
         recorded.append(len(rids))
         record_batch(rids, trees, accepted, *costs)
 
-    spec.stats.record_batch = recording
+    def recording_idle(rids) -> None:  # a step that drafted nothing (`record_plain`)
+        recorded.append(len(rids))
+        record_idle(rids)
+
+    spec.stats.record_batch, spec.stats.record_idle = recording, recording_idle
     requests, modes = _run_checked(tight, prompts, params)
     assert _outputs(requests) == expected
     assert set(modes) == {"decode", "retract"}, "the pool was meant to force retraction"

@@ -242,3 +242,23 @@ def test_a_batch_that_drafted_nothing_counts_as_each_row_recorded_alone() -> Non
     batched.remove(2)
     alone.remove(2)
     assert batched.total() == alone.total()
+
+
+def test_record_idle_is_a_batch_of_root_only_trees() -> None:
+    """`record_idle` (a decode step with speculation on) records what `record_batch` does
+    for root-only trees with nothing accepted."""
+    config = SpecConfig(draft_budget=4, adapt_window=2, probe_interval=3)
+    idle, batched = SpecStats(config), SpecStats(config)
+    for stats in (idle, batched):
+        for rid in (1, 2):
+            stats.add(rid)
+        stats.record_batch([1], stack([DraftTree((1, 2), (-1, 0))]), [0])  # one drafted first
+    for _ in range(7):
+        idle.record_idle([1, 2])
+        batched.record_batch([1, 2], stack([DraftTree.root_only(1)] * 2), [0, 0])
+        for rid in (1, 2):
+            assert idle.request(rid) == batched.request(rid)
+            assert idle.budget(rid) == batched.budget(rid)
+        assert idle.total() == batched.total()
+    with pytest.raises(KeyError, match="request 9 has no speculation statistics"):
+        idle.record_idle([1, 9])
