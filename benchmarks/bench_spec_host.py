@@ -9,6 +9,12 @@ Run: .venv/bin/python benchmarks/bench_spec_host.py   (CPU: the `tiny` preset)
 Two regimes, batch 1 and 8, `--tokens` tokens a request: greedy (a random model repeats
 itself: drafts are accepted, most steps verify) and sampled at temperature 1 (little
 repeats: most steps draft nothing).
+
+The last table is each kind of step's host time: its wall time less the time spent in the
+model's forward (and logits) calls, median over the run. On a CPU that is the host's own
+work (scheduling, planning, inputs, sampling, commit, outputs); on a GPU the model's calls
+only launch (or a CUDA graph replays without them) and a step also waits for its tokens, so
+there it is not the host's work alone.
 """
 
 from __future__ import annotations
@@ -74,12 +80,59 @@ class Timers:
         return timed
 
 
+class HostClock:
+    """Each step's wall time less the time its engine spent in the model's forward and
+    logits calls: `steps[engine]` = [(mode, host seconds)] while `on`."""
+
+    def __init__(self, engines: list[Engine]) -> None:
+        self.forward_seconds = 0.0
+        self.on = False
+        self.steps: dict[Engine, list[tuple[str, float]]] = collections.defaultdict(list)
+        for engine in engines:
+            model = engine.runner.model
+            model.forward = self._forward(model.forward)
+            model.logits = self._forward(model.logits)
+        step = Engine.step
+
+        @functools.wraps(step)
+        def timed_step(engine: Engine) -> None:
+            if not self.on:
+                return step(engine)
+            last = engine.step_times[-1] if engine.step_times else None
+            started, forward = time.perf_counter(), self.forward_seconds
+            step(engine)
+            seconds = time.perf_counter() - started - (self.forward_seconds - forward)
+            if engine.step_times and engine.step_times[-1] is not last:  # it ran a pass
+                self.steps[engine].append((engine.step_times[-1][0], seconds))
+
+        Engine.step = timed_step  # type: ignore[method-assign]
+
+    def _forward(self, function: Any) -> Any:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.forward_seconds += time.perf_counter() - started
+
+        return timed
+
+
 def run_once(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams, timers: Timers | None
-) -> tuple[float, int, dict[str, list[float]]]:
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    timers: Timers | None,
+    clock: HostClock | None = None,
+) -> tuple[float, int, dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds, tokens, and each kind of step's wall times and host times (`HostClock`)."""
     engine.step_times.clear()
     if timers is not None:
         timers.on = True
+    if clock is not None:
+        clock.steps[engine].clear()
+        clock.on = True
     started = time.perf_counter()
     outputs = engine.generate(prompts, params)
     seconds = time.perf_counter() - started
@@ -88,7 +141,12 @@ def run_once(
     modes: dict[str, list[float]] = collections.defaultdict(list)
     for mode, step_seconds in engine.step_times:
         modes[mode].append(step_seconds)
-    return seconds, sum(len(o.token_ids) for o in outputs), modes
+    host: dict[str, list[float]] = collections.defaultdict(list)
+    if clock is not None:
+        clock.on = False
+        for mode, step_seconds in clock.steps[engine]:
+            host[mode].append(step_seconds)
+    return seconds, sum(len(o.token_ids) for o in outputs), modes, host
 
 
 def main() -> None:
@@ -114,26 +172,29 @@ def main() -> None:
         "spec": Engine(speculative=True, **common),
     }
     timers = Timers()
+    clock = HostClock(list(engines.values()))
     vocab = engines["plain"].runtime.vocab_size
     rng = np.random.default_rng(0)
     regimes = {
         "greedy": SamplingParams(max_tokens=args.tokens, ignore_eos=True),
         "sampled": SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=1),
     }
-    rows, stage_rows = [], []
+    rows, stage_rows, host_rows = [], [], []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [rng.integers(3, vocab, 48).tolist() for _ in range(batch)]
         for regime, params in regimes.items():
-            results = {}
+            results, host = {}, {}
             for name, engine in engines.items():  # warm up every kind of step, then time
                 run_once(engine, prompts, params, None)
+                host[name] = run_once(engine, prompts, params, None, clock)[3]  # no stage timers
                 results[name] = run_once(
                     engine, prompts, params, timers if name == "spec" else None
                 )
-            (plain_s, plain_n, plain_modes), (spec_s, spec_n, spec_modes) = (
+            (plain_s, plain_n, plain_modes, _), (spec_s, spec_n, spec_modes, _) = (
                 results["plain"],
                 results["spec"],
             )
+            host_rows.append((batch, regime, _median_ms(host["plain"]), _median_ms(host["spec"])))
             rows.append(
                 (
                     batch,
@@ -163,6 +224,17 @@ def main() -> None:
             f"| {batch} | {regime} | {plain_rate:.0f} | {spec_rate:.0f} | "
             f"{spec_rate / plain_rate:.2f}x | {plain_modes} | {spec_modes} |"
         )
+    print("\nhost time a step (its wall time less the model's forward and logits calls):\n")
+    print("| batch | regime | plain steps, host (ms) | spec steps, host (ms) |")
+    print("|---|---|---|---|")
+    for batch, regime, plain, spec in host_rows:
+        print(f"| {batch} | {regime} | {plain} | {spec} |")
+
+
+def _median_ms(modes: dict[str, list[float]]) -> str:
+    return ", ".join(
+        f"{mode} {1e3 * statistics.median(v):.3f} x{len(v)}" for mode, v in sorted(modes.items())
+    )
 
 
 def _modes(modes: dict[str, list[float]]) -> str:
