@@ -85,33 +85,30 @@ class Trie:
             self.stamp,
             self.child_total,
         )
+        first_child, next_sibling = self.first_child, self.next_sibling
         grown = []
-        age = len(opened) - 1
+        start = tick - len(opened) + 1  # the start tick of the oldest open window
         for parent in opened:
             key = (parent << _TOKEN_BITS) | token
             child = children.get(key)
-            if child is None:
-                child = self._new_node(parent, token, tick - age)
+            if child is None:  # a new node (most windows of free text)
+                child = len(count)
                 children[key] = child
+                self.token.append(token)
+                count.append(1)
+                stamp.append(start)
+                child_total.append(0)
+                first_child.append(-1)
+                next_sibling.append(first_child[parent])
+                first_child[parent] = child
             else:
-                stamp[child] = tick - age  # starts only increase: this window is the newest
-            count[child] += 1
+                stamp[child] = start  # starts only increase: this window is the newest
+                count[child] += 1
             child_total[parent] += 1
             grown.append(child)
-            age -= 1
+            start += 1
         # A window of `depth` tokens is complete: it leaves the open list.
         return grown[1:] if len(grown) >= self.depth else grown
-
-    def _new_node(self, parent: int, token: int, start: int) -> int:
-        node = len(self.count)
-        self.token.append(token)
-        self.count.append(0)
-        self.stamp.append(start)
-        self.child_total.append(0)
-        self.first_child.append(-1)
-        self.next_sibling.append(self.first_child[parent])
-        self.first_child[parent] = node
-        return node
 
     def _build(self, tokens: list[int], stream: int) -> None:
         """`add(tokens, stream)` into an empty trie, with numpy: the same nodes (numbered in
