@@ -176,12 +176,14 @@ class Batch:
             )
         mode = Mode.IDLE if total == 0 else Mode.EXTEND
         if self.trees is None:
-            # kv_lens <= token_lens per request, so n pending tokens in all means one each.
+            # n pending tokens in all, none more than one a request: one each (a total alone
+            # allows [2, 0])
             if (
                 total == n
                 and total
                 and self.new_lens.max == 1
                 and run.token_lens.total - run.kv_lens.total == n
+                and run.pending_lens.max() == 1
             ):
                 mode = Mode.DECODE  # n tokens, at most 1 each: exactly 1 each, all pending
             elif n and (self.new_lens.lens > (room := run.pending_lens)).any():

@@ -443,3 +443,25 @@ def test_negative_token_ids_are_rejected_where_they_enter():
 
     with pytest.raises(ValueError, match=">= 0"):
         DraftTrees.from_lists([[5, -1]], [[-1, 0]])
+
+
+def test_one_token_each_is_no_decode_where_a_request_has_nothing_pending():
+    """Two requests, pending 2 and 0: one new token each adds up to the two pending tokens,
+    but the second has none to compute. It was taken for a decode pass (its seq_lens were
+    the token lengths, no longer prefix + new per request)."""
+    rules = state.FinishRules(
+        np.full(2, 100), np.zeros(2), -np.ones(2), np.zeros((2, 0), dtype=np.int64)
+    )
+    run = Running.admitted(
+        np.array([1, 2]),
+        np.array([0, 1]),
+        np.array([5, 5]),
+        np.array([5, 5]),
+        np.array([7, 7]),
+        rules,
+        64,
+        kv_lens=np.array([3, 5]),
+    )
+    assert run.pending_lens.tolist() == [2, 0]
+    with pytest.raises(ValueError, match="exceed the pending tokens"):
+        state.schedule_extend(run, np.array([1, 1]), np.zeros(2), fresh_slots(2))
