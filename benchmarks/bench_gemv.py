@@ -9,6 +9,13 @@ distinct weight copies (>= 512 MB) that L2 holds none of them, as in a real deco
 time is one call's share, median of 10 replays. GB/s counts the weight bytes. "all rows" is the
 kernel that loads each weight tile once for every row (`gemv.rows_config`).
 `--sweep` also tries every launch configuration and prints the fastest per shape.
+
+    python3 benchmarks/bench_gemv.py --fused [--shapes smollm2_135m --dtype float32]
+
+`--fused` times instead the products that follow a norm (qkv, gate_up: RMSNorm with the
+residual add) or SiLU*mul (down): the op then `linear` (two launches) against the kernel
+with the op inside it (`norm_gemv`, `silu_gemv`: one), where the kernel takes the product,
+and says which of the two the op set runs (`norm_linear`, `silu_mul_linear`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops import gemv
+from engine.ops import triton as fused_ops
 
 SHAPES = {
     "llama3_8b": {
@@ -80,9 +88,68 @@ def configs(rows: int):
             )
 
 
+PROLOGUES = {"qkv": "norm", "gate_up": "norm", "down": "silu"}
+
+
+def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> None:
+    """The norm or SiLU*mul op then `linear` against the one-launch product, per shape where
+    the kernel takes the product, and which of the two the op set runs."""
+    sms = torch.cuda.get_device_properties().multi_processor_count
+    results = []
+    for name, prologue in PROLOGUES.items():
+        n, k = shapes[name]
+        copies = max(2, -(-512 * 2**20 // (n * k * dtype.itemsize)))
+        weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+        norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+        for rows in rows_list:
+            config = gemv.linear_config(rows, dtype, (n, k), sms)
+            if prologue == "norm":
+                x = torch.randn(rows, k, device="cuda", dtype=dtype)
+                residual = torch.randn(rows, k, device="cuda", dtype=dtype)
+
+                def apart(x, w):
+                    normed, _ = fused_ops.add_rms_norm(x, residual, norm_w, 1e-5)
+                    return fused_ops.linear(normed, w)
+
+                def one(x, w, c=config):
+                    return gemv.norm_gemv(x, residual, norm_w, 1e-5, w, c)[0]
+
+                runs = fused_ops.norm_linear(x, residual, norm_w, 1e-5, weights[0])
+            else:
+                x = torch.randn(rows, 2 * k, device="cuda", dtype=dtype)
+
+                def apart(x, w):
+                    return fused_ops.linear(fused_ops.silu_mul(x), w)
+
+                def one(x, w, c=config):
+                    return gemv.silu_gemv(x, w, c)
+
+                runs = fused_ops.silu_mul_linear(x, weights[0])
+            t_apart = time_calls(apart, weights, x)
+            if config is None:
+                results.append((name, rows, t_apart, None, "apart (cuBLAS)"))
+                continue
+            expected = apart(x, weights[0]).float()
+            assert torch.allclose(one(x, weights[0]).float(), expected, rtol=2e-2, atol=2e-2)
+            chosen = "apart" if runs is None else "one launch"
+            results.append((name, rows, t_apart, time_calls(one, weights, x), chosen))
+        del weights
+        torch.cuda.empty_cache()
+    print("\n| product | rows | op + linear us | one launch us | apart / one | the op set runs |")
+    print("|---|---|---|---|---|---|")
+    for name, rows, t_apart, t_one, chosen in results:
+        one_text = "" if t_one is None else f"{t_one * 1e6:.1f}"
+        ratio = "" if t_one is None else f"{t_apart / t_one:.2f}x"
+        print(
+            f"| {PROLOGUES[name]} + {name} | {rows} | {t_apart * 1e6:.1f} | {one_text} | "
+            f"{ratio} | {chosen} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fused", action="store_true")
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama3_8b")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -90,6 +157,9 @@ def main() -> None:
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}, {args.shapes} shapes, {args.dtype}")
+    if args.fused:
+        compare_fused(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])
+        return
     results = []
     for name, (n, k) in SHAPES[args.shapes].items():
         nbytes = n * k * dtype.itemsize

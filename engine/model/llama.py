@@ -48,6 +48,23 @@ def _weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> n
     return nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
 
 
+def _norm_linear(
+    ops: Any, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, weight: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the product of RMSNorm(hidden + residual) with weight, the residual stream): the op
+    set's one call where it has one that applies, else the norm and then the product
+    (residual None: the stream starts from hidden)."""
+    fused = getattr(ops, "norm_linear", None)
+    result = fused(hidden, residual, norm.weight, norm.eps, weight) if fused is not None else None
+    if result is not None:
+        return result
+    if residual is None:
+        normed, residual = ops.rms_norm(hidden, norm.weight, norm.eps), hidden
+    else:
+        normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+    return ops.linear(normed, weight), residual
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections; `qkv_bias`
     (Qwen2) and the per-head `q_norm` / `k_norm` (Qwen3) are None where the config has none."""
@@ -109,12 +126,7 @@ class DecoderLayer(nn.Module):
             if result is not None:
                 return result
         num_tokens = hidden.shape[0]
-        norm = self.input_layernorm
-        if residual is None:
-            normed, residual = ops.rms_norm(hidden, norm.weight, norm.eps), hidden
-        else:
-            normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        qkv = ops.linear(normed, self.qkv_proj)
+        qkv, residual = _norm_linear(ops, hidden, residual, self.input_layernorm, self.qkv_proj)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = backend.pool.k_cache[self.index], backend.pool.v_cache[self.index]
         stored = ops.stores_kv  # the kernel casts K/V to the cache dtype, as the backends do
@@ -131,10 +143,13 @@ class DecoderLayer(nn.Module):
         hidden = ops.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
         if self.sharded:
             hidden = parallel.all_reduce(hidden)
-        norm = self.post_attention_layernorm
-        normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        gate_up = ops.linear(normed, self.gate_up_proj)
-        out = ops.linear(ops.silu_mul(gate_up), self.down_proj)
+        gate_up, residual = _norm_linear(
+            ops, hidden, residual, self.post_attention_layernorm, self.gate_up_proj
+        )
+        fused = getattr(ops, "silu_mul_linear", None)
+        out = fused(gate_up, self.down_proj) if fused is not None else None
+        if out is None:
+            out = ops.linear(ops.silu_mul(gate_up), self.down_proj)
         return (parallel.all_reduce(out) if self.sharded else out), residual
 
     def qkv_extras(self) -> QkvExtras | None:

@@ -40,33 +40,144 @@ ROWS_PROGRAMS_PER_SM = 1.75
 ROWS_PRODUCTS = 512
 
 
+PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the products
+# The norm prologue holds each of its rows whole (next power of two of K) in registers to
+# take its mean square: at most this many elements a program (rows x padded K).
+MAX_NORM_ELEMENTS = 16384
+# `norm_linear` and `silu_mul_linear` fuse one-row products only. Measured on the H200
+# (`bench_gemv.py --fused`): at one row the single launch takes 1.05x (Llama-3-8B qkv) to
+# 1.47x (SmolLM2-135M qkv, fp32) less time than the op and the product apart; at 13 rows the
+# all-rows kernel, which then recomputes the op in every program, is 0.58-0.78x as fast.
+FUSED_ROWS = 1
+
+
+@triton.jit
+def _inv_rms(x, residual, rows, in_m, stride_xm, stride_rm, K, eps, HAS_RESIDUAL, BLOCK_ROW):
+    """1 / RMS of x's rows (of x + residual, rounded to x's dtype), fp32 [rows], summed as
+    the RMSNorm kernel sums them (`engine.ops.triton`)."""
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = in_m[:, None] & (cols < K)[None, :]
+    values = tl.load(x + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        added = values.to(tl.float32) + tl.load(
+            residual + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
+        values = added.to(values.dtype)
+    values32 = values.to(tl.float32)
+    return tl.rsqrt(tl.sum(values32 * values32, axis=1) / K + eps)
+
+
+@triton.jit
+def _x_block(
+    x,
+    residual,
+    norm_w,
+    residual_out,
+    rows,
+    in_m,
+    ks,
+    in_k,
+    inv_rms,
+    write_residual,
+    stride_xm,
+    stride_rm,
+    stride_ro,
+    K,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """x's `rows` at columns `ks` as fp32 [rows, keys], after the prologue, rounded where
+    the unfused ops round their outputs: PLAIN x; NORM the RMSNorm of x (+ residual; the sum
+    stored to residual_out where `write_residual`), scaled by norm_w; SILU SiLU(gate) * up
+    of x = [gate | up] (K columns each)."""
+    mask = in_m[:, None] & in_k[None, :]
+    row_ptrs = x + rows[:, None] * stride_xm + ks[None, :]
+    if PROLOGUE == 2:
+        gate = tl.load(row_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row_ptrs + K, mask=mask, other=0.0)
+        xs = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+    else:
+        values = tl.load(row_ptrs, mask=mask, other=0.0)
+        if PROLOGUE == 1:
+            if HAS_RESIDUAL:
+                added = values.to(tl.float32) + tl.load(
+                    residual + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0
+                ).to(tl.float32)
+                values = added.to(values.dtype)
+                tl.store(
+                    residual_out + rows[:, None] * stride_ro + ks[None, :],
+                    values,
+                    mask=mask & write_residual,
+                )
+            normed = (values.to(tl.float32) * inv_rms[:, None]).to(values.dtype)
+            scale = tl.load(norm_w + ks, mask=in_k, other=0.0).to(tl.float32)
+            xs = (normed.to(tl.float32) * scale[None, :]).to(values.dtype).to(tl.float32)
+        else:
+            xs = values.to(tl.float32)
+    return xs
+
+
 @triton.jit
 def _gemv_kernel(
     x,
     w,
     out,
+    residual,
+    norm_w,
+    residual_out,
     M,
     N,
     K,
+    eps,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
+    stride_ro,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = cols < N
     w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
+    first = tl.program_id(0) == 0  # the program that writes the residual stream
     for m in tl.static_range(BLOCK_M):
         if m < M:
+            row = m + tl.arange(0, 1)
+            in_m = row < M
+            inv_rms = tl.full([1], 1.0, tl.float32)
+            if PROLOGUE == 1:
+                inv_rms = _inv_rms(
+                    x, residual, row, in_m, stride_xm, stride_rm, K, eps, HAS_RESIDUAL, BLOCK_ROW
+                )
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 in_k = ks < K
                 tile = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
-                xs = tl.load(x + m * stride_xm + ks, mask=in_k, other=0.0)
-                acc += tl.sum(tile.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
+                xs = _x_block(
+                    x,
+                    residual,
+                    norm_w,
+                    residual_out,
+                    row,
+                    in_m,
+                    ks,
+                    in_k,
+                    inv_rms,
+                    first,
+                    stride_xm,
+                    stride_rm,
+                    stride_ro,
+                    K,
+                    PROLOGUE,
+                    HAS_RESIDUAL,
+                )
+                acc += tl.sum(tile.to(tl.float32) * xs, axis=1)
             tl.store(out + m * stride_om + cols, acc.to(out.dtype.element_ty), mask=in_n)
 
 
@@ -75,15 +186,24 @@ def _gemv_rows_kernel(
     x,
     w,
     out,
+    residual,
+    norm_w,
+    residual_out,
     M,
     N,
     K,
+    eps,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
+    stride_ro,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
@@ -92,18 +212,37 @@ def _gemv_rows_kernel(
     rows = tl.arange(0, BLOCK_M)
     in_n = cols < N
     in_m = rows < M
+    first = tl.program_id(0) == 0
+    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
+    if PROLOGUE == 1:
+        inv_rms = _inv_rms(
+            x, residual, rows, in_m, stride_xm, stride_rm, K, eps, HAS_RESIDUAL, BLOCK_ROW
+        )
     w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         in_k = ks < K
         tile = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
-        xs = tl.load(
-            x + rows[:, None] * stride_xm + ks[None, :],
-            mask=in_m[:, None] & in_k[None, :],
-            other=0.0,
+        xs = _x_block(
+            x,
+            residual,
+            norm_w,
+            residual_out,
+            rows,
+            in_m,
+            ks,
+            in_k,
+            inv_rms,
+            first,
+            stride_xm,
+            stride_rm,
+            stride_ro,
+            K,
+            PROLOGUE,
+            HAS_RESIDUAL,
         )
-        acc += xs.to(tl.float32)[:, None, :] * tile.to(tl.float32)[None, :, :]
+        acc += xs[:, None, :] * tile.to(tl.float32)[None, :, :]
     tl.store(
         out + rows[:, None] * stride_om + cols[None, :],
         tl.sum(acc, axis=2).to(out.dtype.element_ty),
@@ -116,40 +255,111 @@ def _gemv_rows_kernel(
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, for 1 <= M <= MAX_ROWS (as F.linear
-    without bias). `config` overrides the launch parameters (benchmarks)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+def _check(x: torch.Tensor, weight: torch.Tensor, k: int, what: str) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(
-            f"gemv needs x [M, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}"
+            f"{what} needs x [M, K] and weight [N, K] with K = {k}; got x {tuple(x.shape)} "
+            f"and weight {tuple(weight.shape)}"
         )
-    rows, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"gemv serves 1 to {MAX_ROWS} rows; got {rows} (use F.linear)")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"{what} serves 1 to {MAX_ROWS} rows; got {x.shape[0]} (use F.linear)")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(
-            f"gemv needs unit stride along K; got x strides {x.stride()}, "
+            f"{what} needs unit stride along K; got x strides {x.stride()}, "
             f"weight strides {weight.stride()}"
         )
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    config: dict | None,
+    prologue: int = PLAIN,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x' @ weight^T, the residual stream written by the NORM prologue or None)."""
+    rows, n = x.shape[0], weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    residual, norm_w, eps = norm if norm is not None else (None, x, 0.0)
+    residual_out = torch.empty_like(x) if residual is not None else None
     params = dict(GEMV_CONFIG, **(config or {}))
     kernel = _gemv_rows_kernel if params.pop("all_rows", False) else _gemv_kernel
-    grid = (triton.cdiv(n, params["BLOCK_N"]),)
-    kernel[grid](
+    unused = x  # a pointer the kernel never reads where there is nothing to point at
+    kernel[(triton.cdiv(n, params["BLOCK_N"]),)](
         x,
         weight,
         out,
+        unused if residual is None else residual,
+        norm_w,
+        unused if residual_out is None else residual_out,
         rows,
         n,
         k,
+        eps,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        0 if residual is None else residual.stride(0),
+        0 if residual_out is None else residual_out.stride(0),
         BLOCK_M=triton.next_power_of_2(rows),
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_ROW=triton.next_power_of_2(k) if prologue == NORM else 1,
         **params,
     )
-    return out
+    return out, residual_out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, for 1 <= M <= MAX_ROWS (as F.linear
+    without bias). `config` overrides the launch parameters (benchmarks)."""
+    k = x.shape[-1]
+    _check(x, weight, k, "gemv")
+    return _launch(x, weight, k, config)[0]
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch, as the RMSNorm op then
+    `gemv` round and compute them (residual None: RMSNorm(x), and x is the stream). Rows
+    of K elements, at most MAX_NORM_ELEMENTS a launch once padded to powers of two."""
+    k = x.shape[-1]
+    _check(x, weight, k, "norm_gemv")
+    if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(
+            f"norm_gemv needs norm_weight [{k}] and a residual shaped as x {tuple(x.shape)}; "
+            f"got {tuple(norm_weight.shape)} and "
+            f"{None if residual is None else tuple(residual.shape)}"
+        )
+    if residual is not None and residual.stride(1) != 1:
+        raise ValueError(f"norm_gemv needs a unit-stride residual; got {residual.stride()}")
+    padded = triton.next_power_of_2(x.shape[0]) * triton.next_power_of_2(k)
+    if padded > MAX_NORM_ELEMENTS:
+        raise ValueError(
+            f"norm_gemv holds at most {MAX_NORM_ELEMENTS} padded elements a launch; "
+            f"{x.shape[0]} rows of {k} pad to {padded} (use the RMSNorm op and gemv)"
+        )
+    out, residual_out = _launch(x, weight, k, config, NORM, (residual, norm_weight, eps))
+    return out, x if residual_out is None else residual_out
+
+
+def silu_gemv(
+    gate_up: torch.Tensor, weight: torch.Tensor, config: dict | None = None
+) -> torch.Tensor:
+    """(SiLU(gate) * up) @ weight^T from gate_up [M, 2 * inter] (gate first) in one launch,
+    as the SiLU*mul op then `gemv` round and compute it."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_gemv needs gate_up [M, 2 * inter]; got {tuple(gate_up.shape)}")
+    inter = gate_up.shape[1] // 2
+    _check(gate_up, weight, inter, "silu_gemv")
+    return _launch(gate_up, weight, inter, config, SILU)[0]
 
 
 @functools.cache
@@ -193,11 +403,53 @@ def linear_config(
     return None
 
 
+def _kernel_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """`linear_config` for x against weight where the kernel can take them (CUDA, unit
+    stride along K), else None."""
+    if (
+        x.is_cuda
+        and x.dim() == 2
+        and isinstance(weight, torch.Tensor)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    ):
+        return linear_config(x.shape[0], x.dtype, tuple(weight.shape), _num_sms(x.device))
+    return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight), with the matrix-vector kernel where it is the faster (on CUDA:
     `linear_config`)."""
-    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1:
-        config = linear_config(x.shape[0], x.dtype, tuple(weight.shape), _num_sms(x.device))
-        if config is not None:
-            return gemv(x, weight, config)
+    config = _kernel_config(x, weight)
+    if config is not None:
+        return gemv(x, weight, config)
     return torch.nn.functional.linear(x, weight)
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`norm_gemv` for one row where the kernel is the faster for the product
+    (`linear_config`); None elsewhere (the caller runs the norm and `linear`)."""
+    config = _kernel_config(x, weight)
+    if (
+        config is None
+        or x.shape[0] != FUSED_ROWS
+        or triton.next_power_of_2(x.shape[-1]) > MAX_NORM_ELEMENTS
+        or (residual is not None and residual.stride(-1) != 1)
+    ):
+        return None
+    return norm_gemv(x, residual, norm_weight, eps, weight, config)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`silu_gemv` for one row where the kernel is the faster for the product
+    (`linear_config`); None elsewhere (the caller runs SiLU*mul and `linear`)."""
+    config = _kernel_config(gate_up, weight)
+    if config is None or gate_up.shape[0] != FUSED_ROWS:
+        return None
+    return silu_gemv(gate_up, weight, config)

@@ -184,6 +184,140 @@ def test_gemv_refuses_what_it_does_not_serve():
         gemv.gemv(torch.zeros(1, 16, device=DEVICE), torch.zeros(16, 8, device=DEVICE).t())
 
 
+ROWS_CONFIG = dict(BLOCK_N=2, BLOCK_K=64, num_warps=4, all_rows=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,config", [(1, None), (3, ROWS_CONFIG), (13, ROWS_CONFIG)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, config, with_residual):
+    """One launch gives the unfused pair's product (the normed row rounded as the RMSNorm
+    op rounds it) and its residual stream; the inputs are left unchanged."""
+    n, k = 20, 100
+    x = _random(rows, k, dtype=dtype, seed=31) * 3
+    residual = _random(rows, k, dtype=dtype, seed=32) if with_residual else None
+    norm_weight = _random(k, dtype=dtype, seed=33)
+    weight = _random(n, k, dtype=dtype, seed=34) * 0.05
+    before = (x.clone(), None if residual is None else residual.clone())
+    if residual is None:
+        normed, stream = fused.rms_norm(x, norm_weight, 1e-5), x
+    else:
+        normed, stream = fused.add_rms_norm(x, residual, norm_weight, 1e-5)
+    out, got_stream = gemv.norm_gemv(x, residual, norm_weight, 1e-5, weight, config)
+    _close(out, gemv.gemv(normed, weight, config), dtype)
+    assert torch.equal(got_stream, stream)
+    assert got_stream is x if residual is None else got_stream.data_ptr() != x.data_ptr()
+    assert torch.equal(x, before[0])
+    assert residual is None or torch.equal(residual, before[1])
+    normed_reference = (
+        TorchOps.rms_norm(x, norm_weight, 1e-5)
+        if residual is None
+        else TorchOps.add_rms_norm(x, residual, norm_weight, 1e-5)[0]
+    )
+    reference = torch.nn.functional.linear(normed_reference.float(), weight.float())
+    _close(out, reference.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,config", [(1, None), (4, ROWS_CONFIG)])
+def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows, config):
+    n, inter = 24, 150
+    gate_up = _random(rows, 2 * inter, dtype=dtype, seed=35) * 4
+    weight = _random(n, inter, dtype=dtype, seed=36) * 0.01
+    out = gemv.silu_gemv(gate_up, weight, config)
+    _close(out, gemv.gemv(fused.silu_mul(gate_up), weight, config), dtype)
+    reference = torch.nn.functional.linear(TorchOps.silu_mul(gate_up).float(), weight.float())
+    _close(out, reference.to(dtype), dtype)
+
+
+def test_fused_products_refuse_what_they_do_not_serve():
+    weight = torch.zeros(8, 16, device=DEVICE)
+    norm_weight = torch.ones(16, device=DEVICE)
+    x = torch.zeros(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"norm_weight \[16\] and a residual shaped as x"):
+        gemv.norm_gemv(x, torch.zeros(3, 16, device=DEVICE), norm_weight, 1e-5, weight)
+    with pytest.raises(ValueError, match=r"norm_weight \[16\]"):
+        gemv.norm_gemv(x, None, torch.ones(15, device=DEVICE), 1e-5, weight)
+    wide = torch.zeros(16, 4096, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 16384 padded elements"):
+        gemv.norm_gemv(torch.zeros(8, 4096, device=DEVICE), None, wide[0], 1e-5, wide)
+    with pytest.raises(ValueError, match=r"gate_up \[M, 2 \* inter\]"):
+        gemv.silu_gemv(torch.zeros(1, 15, device=DEVICE), weight)
+    with pytest.raises(ValueError, match=r"K = 8"):
+        gemv.silu_gemv(torch.zeros(1, 16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="serves 1 to 16 rows; got 17"):
+        gemv.silu_gemv(torch.zeros(17, 32, device=DEVICE), weight)
+
+
+def test_fused_products_decline_where_the_kernel_does_not_take_the_product():
+    """None (the model runs the ops apart) where `linear_config` keeps cuBLAS (a CPU
+    tensor), for more than one row (the all-rows kernel with the op inside measured slower),
+    and for rows too wide for the norm; one row on CUDA is fused."""
+    weight, norm_weight = torch.zeros(8, 16), torch.ones(16)
+    assert gemv.norm_linear(torch.zeros(1, 16), None, norm_weight, 1e-5, weight) is None
+    assert gemv.silu_mul_linear(torch.zeros(1, 32), weight) is None
+    if DEVICE != "cuda":
+        return
+    weight, norm_weight = weight.cuda(), norm_weight.cuda()
+    assert gemv.norm_linear(torch.ones(1, 16, device="cuda"), None, norm_weight, 1e-5, weight)
+    assert gemv.silu_mul_linear(torch.ones(1, 32, device="cuda"), weight) is not None
+    for rows in (2, 13):
+        x = torch.ones(rows, 16, device="cuda")
+        assert gemv.norm_linear(x, x, norm_weight, 1e-5, weight) is None
+        assert gemv.silu_mul_linear(torch.ones(rows, 32, device="cuda"), weight) is None
+    wide = torch.zeros(8, gemv.MAX_NORM_ELEMENTS + 1, device="cuda")
+    assert gemv.norm_linear(wide[:1], None, wide[0], 1e-5, wide) is None
+
+
+class _KernelProducts(TorchOps):
+    """TorchOps with every product of up to MAX_ROWS rows through the fused kernels (the
+    kernels' own choice keeps them to CUDA)."""
+
+    @staticmethod
+    def norm_linear(x, residual, norm_weight, eps, weight):
+        if x.shape[0] > gemv.MAX_ROWS:
+            return None
+        config = None if x.shape[0] == 1 else ROWS_CONFIG
+        return gemv.norm_gemv(x, residual, norm_weight, eps, weight.contiguous(), config)
+
+    @staticmethod
+    def silu_mul_linear(gate_up, weight):
+        if gate_up.shape[0] > gemv.MAX_ROWS:
+            return None
+        config = None if gate_up.shape[0] == 1 else ROWS_CONFIG
+        return gemv.silu_gemv(gate_up, weight.contiguous(), config)
+
+
+def test_forward_with_fused_products_equals_torch_path(two_passes, monkeypatch):
+    """The layer takes an op set's norm_linear and silu_mul_linear where they apply (the
+    decode pass) and runs the ops apart where they return None (the 19-token prefill)."""
+    from engine import ops as op_sets
+
+    model = LlamaModel(ModelConfig.tiny(), torch.float32, DEVICE, op_set="reference")
+    model.init_random(seed=5)
+    prompts = [list(range(5, 17)), list(range(40, 47))]
+    reference = two_passes(model, prompts, DEVICE)
+    calls = []
+
+    def traced(name):
+        def call(*args):
+            calls.append((name, args[0].shape[0]))
+            return getattr(_KernelProducts, name)(*args)
+
+        return staticmethod(call)
+
+    traced_ops = type(
+        "Traced", (TorchOps,), {n: traced(n) for n in ("norm_linear", "silu_mul_linear")}
+    )
+    monkeypatch.setattr(op_sets, "load", lambda name: traced_ops)
+    got = two_passes(model, prompts, DEVICE)
+    for got_pass, reference_pass in zip(got, reference, strict=True):
+        torch.testing.assert_close(got_pass, reference_pass, atol=1e-4, rtol=1e-4)
+    layers = ModelConfig.tiny().num_layers
+    assert calls.count(("norm_linear", 2)) == 2 * layers
+    assert calls.count(("silu_mul_linear", 2)) == layers
+
+
 def test_rope_refuses_heads_that_do_not_fit(ops):
     qkv = torch.zeros(2, 48, device=DEVICE)
     cos = sin = torch.zeros(2, 16, device=DEVICE)
