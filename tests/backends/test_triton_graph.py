@@ -64,6 +64,7 @@ def run_padded(
     assert relative_error(out[:real], ref) < TOLERANCE[DTYPE]
     assert (out[real:] == 0).all(), "padding requests have no keys: their output is zero"
     assert not out.isnan().any()
+    assert (buffers.merge_counters == 0).all(), "the fused merge leaves its counters at zero"
     kept = torch.ones(case.pool.num_slots, dtype=torch.bool, device=q.device)
     kept[PADDING_SLOT] = False
     assert torch.equal(case.pool.k_cache[0][kept], ref_pool.k_cache[0][kept])
