@@ -581,11 +581,13 @@ def _merge_splits_kernel(
     )
 
 
+@functools.lru_cache(maxsize=1024)
 def merge_tiles(
     block_s: int, rows: int, head_dim: int, num_warps: int, tile: int | None = None
 ) -> tuple[int, int]:
     """(ROW_BLOCK, SPLIT_CHUNK) of the fused merge: as many splits of a row, then as many
-    rows, as a tile of `tile` fp32 values holds (default MERGE_VALUES_PER_THREAD a thread)."""
+    rows, as a tile of `tile` fp32 values holds (default MERGE_VALUES_PER_THREAD a thread).
+    Cached: every layer's launch asks."""
     tile = tile or MERGE_VALUES_PER_THREAD * 32 * num_warps
     split_chunk = min(block_s, _pow2_floor(tile / head_dim))
     row_block = min(triton.next_power_of_2(rows), _pow2_floor(tile / (split_chunk * head_dim)))
@@ -599,15 +601,11 @@ def merge_counters(num_requests: int, num_kv_heads: int, device: torch.device) -
     return torch.zeros(num_requests * num_kv_heads, dtype=torch.int32, device=device)
 
 
-def _check_counters(counters: torch.Tensor, num_requests: int, num_kv_heads: int, device) -> None:
+def _check_counters(counters: torch.Tensor, num_requests: int, num_kv_heads: int) -> None:
+    """Size and dtype only: this runs at every layer's launch (each check costs host time)."""
     needed = num_requests * num_kv_heads
-    if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
-        raise ValueError(
-            f"merge counters must be a contiguous 1-D int32 tensor; got {counters.dtype} "
-            f"of shape {tuple(counters.shape)}"
-        )
-    if counters.device != device:
-        raise ValueError(f"merge counters are on {counters.device}; q is on {device}")
+    if counters.dtype != torch.int32:
+        raise ValueError(f"merge counters must be int32 (see merge_counters); got {counters.dtype}")
     if counters.numel() < needed:
         raise BufferTooSmall(
             f"merge counters hold {counters.numel()} entries; this pass needs {num_requests} "
@@ -636,9 +634,10 @@ def decode_attention(
     Grid: (requests, kv heads, num_splits), then (tokens, q heads) for the merge unless it is
     fused (config FUSED_MERGE; FUSED_MERGE_DECODE / FUSED_MERGE_VERIFY by default): no host
     value beyond the tensor shapes, num_splits and max_q, so a fixed plan replays under a
-    CUDA graph. `counters` (int32, at least requests x kv heads, zero at rest: see
-    `merge_counters`) serve the fused merge; without them a zeroed buffer is made for this
-    call. Tokens past qo_indptr[-1] (padding no request owns) get zero outputs."""
+    CUDA graph. `counters` (contiguous int32, at least requests x kv heads, zero at rest:
+    see `merge_counters`; checked when the merge is fused) serve the fused merge; without
+    them a zeroed buffer is made for this call. Tokens past qo_indptr[-1] (padding no
+    request owns) get zero outputs."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_requests = kv_indptr.shape[0] - 1
@@ -651,12 +650,12 @@ def decode_attention(
         base = choose_verify_config(num_requests * num_kv_heads * num_splits, num_sms(q.device))
     fused_default = FUSED_MERGE_DECODE if tree_bits is None else FUSED_MERGE_VERIFY
     cfg = {"FUSED_MERGE": fused_default, **base, **(config or {})}
-    if counters is not None:
-        _check_counters(counters, num_requests, num_kv_heads, q.device)
     if num_tokens == 0 or num_requests == 0:
         return out
     direct = num_splits == 1
     fused = bool(cfg["FUSED_MERGE"]) and not direct
+    if fused and counters is not None:
+        _check_counters(counters, num_requests, num_kv_heads)
     if direct:
         partial, lse = out, out  # unused: one split writes the output itself
         part_strides, lse_strides = (0, 0, 0), (0, 0)
@@ -674,9 +673,11 @@ def decode_attention(
         counters = merge_counters(num_requests, num_kv_heads, q.device)
     group = num_q_heads // num_kv_heads
     block_s = triton.next_power_of_2(num_splits)
-    row_block, split_chunk = merge_tiles(
-        block_s, max_q * group, head_dim, cfg["num_warps"], cfg.get("MERGE_TILE")
-    )
+    row_block, split_chunk = (1, 1)  # unused unless fused
+    if fused:
+        row_block, split_chunk = merge_tiles(
+            block_s, max_q * group, head_dim, cfg["num_warps"], cfg.get("MERGE_TILE")
+        )
     pdl = bool(cfg["PDL"]) and not direct and not fused and q.device.type == "cuda"
     _decode_split_kernel[(num_requests, num_kv_heads, num_splits)](
         q,

@@ -191,7 +191,8 @@ def _capture(fn):
 @pytest.mark.skipif(not ON_CUDA, reason="programmatic dependent launch needs a Hopper GPU")
 @pytest.mark.parametrize("mode", ["decode", "verify"])
 def test_programmatic_launch_merge_matches_reference(mode: str) -> None:
-    """The merge launched with PDL (config PDL=True), eagerly and replayed from a graph."""
+    """The merge launched with PDL (config PDL=True, the merge not fused), eagerly and
+    replayed from a graph."""
     case = make_case(mode, [300, 1000, 7], [4, 9, 1], 2, 4, 128, DTYPE, seed=26)
     ref_backend = TorchBackend(clone_pool(case.pool))
     ref = ref_backend.forward(0, case.q, case.k, case.v, ref_backend.plan(case.batch))
@@ -215,7 +216,7 @@ def test_programmatic_launch_merge_matches_reference(mode: str) -> None:
             6,
             meta.extra["max_q"],
             128**-0.5,
-            config={"PDL": True},
+            config={"PDL": True, "FUSED_MERGE": False},  # PDL serves the merge launch
         )
 
     run()
