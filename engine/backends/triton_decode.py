@@ -388,9 +388,10 @@ def _merge_if_last(
     Memory order (the "last block reduces" semaphore): the barrier makes every thread's
     partial and lse stores precede, in this program, the one thread's atomic add; the add is
     a release at GPU scope, and release is cumulative, so those stores are visible GPU-wide
-    before the count. The last program's add reads every other split's add (they are one
-    atomic location's modification order) and is an acquire, so every split's stores happen
-    before its loads; its threads see that acquire through the barrier Triton places after
+    before the count. The add that reads num_splits - 1 comes after every other split's add
+    in the counter's modification order (read-modify-writes chain: a release sequence) and
+    is an acquire, so it synchronizes with each of them: every split's stores happen before
+    its loads. Its other threads follow the acquire through the barrier Triton places after
     a scalar atomic (it broadcasts the result through shared memory). The loads bypass L1
     (.cg): an SM's L1 is not coherent and must not serve a line cached before the stores.
     The reset is a plain store: nothing else touches the counter in this launch, and the
