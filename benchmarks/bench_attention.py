@@ -3,8 +3,8 @@
 Shapes: 32 q / 8 kv heads, head_dim 128, bf16. Each time is one problem's share of a CUDA-graph
 replay that runs enough independent copies of it (>= 256 MB of KV in all) to keep L2 cold;
 median of the replays after warm-up. "eager" is one launch timed by do_bench (L2 flushed).
-Run: python3 benchmarks/bench_attention.py [--quick | --decode | --extend | --extend-grid |
---split-grid]
+Run: python3 benchmarks/bench_attention.py [--quick | --decode | --fused-merge | --extend |
+--extend-grid | --split-grid]
 """
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ DECODE_SWEEP = [
     {"num_warps": 2, "num_stages": 4},
     {"num_warps": 2, "BLOCK_N": 32, "num_stages": 4},
     {"num_warps": 2, "BLOCK_N": 128, "num_stages": 2},
-    {"PDL": True},
-    {"SKIP_MERGE": True},
+    {"PDL": True, "FUSED_MERGE": False},
+    {"FUSED_MERGE": False},
+    {"FUSED_MERGE": True},
+    {"SKIP_MERGE": True, "FUSED_MERGE": False},
 ]  # the last leaves the merge out: what the merge costs
 EXTEND_SWEEP = [
     {"TMA": False},
@@ -197,6 +199,7 @@ def ours_decode(
             m.extra["max_q"],
             SCALE,
             config=config,
+            counters=m.extra["counters"],  # the backend's: shared by the copies, run in turn
         )
 
     return [make(i) for i in range(p.copies)]
@@ -331,6 +334,40 @@ def decode_like_rows(mode: str, shapes: list, quick: bool) -> list:
         del p
         torch.cuda.empty_cache()
     return rows
+
+
+def fused_merge_table(ceiling: float) -> None:
+    """Decode and verify at each of their shapes with the merge fused into the split kernel
+    and as a second launch, at the plan's split count (one split: the same single launch)."""
+    print(f"\nfused merge against two launches (copy ceiling {ceiling:.0f} GB/s)")
+    print(
+        "| kind | shape | splits | two-launch us | fused us | fused / two-launch | "
+        "two-launch frac | fused frac | max abs diff |"
+    )
+    print("|" + "---|" * 9)
+    for mode, shapes in (("decode", DECODE), ("verify", VERIFY)):
+        for batch, length in shapes:
+            new = 1 if mode == "decode" else TREE
+            prefix = length - 1 if mode == "decode" else length
+            kv_bytes = batch * (prefix + new) * HKV * D * 2 * 2
+            p = Problem(mode, batch, prefix, new, kv_bytes)
+            nbytes = kv_bytes + 2 * batch * new * HQ * D * 2
+            times, outs = {}, {}
+            for fused in (False, True):
+                fns = ours_decode(p, {"FUSED_MERGE": fused})
+                times[fused] = graph_time_us(fns)
+                fns[0]()
+                outs[fused] = p.out[0].float().clone()
+            frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+            print(
+                f"| {mode} | B={batch} L={length} | {p.metas[0].extra['num_splits']} | "
+                f"{times[False]:.1f} | {times[True]:.1f} | {times[True] / times[False]:.2f} | "
+                f"{frac(times[False]):.2f} | {frac(times[True]):.2f} | "
+                f"{(outs[True] - outs[False]).abs().max().item():.1e} |",
+                flush=True,
+            )
+            del p
+            torch.cuda.empty_cache()
 
 
 def extend_rows(quick: bool, sweep: list | None = None) -> list:
@@ -573,6 +610,11 @@ def main() -> None:
         help="only decode: the default configuration and DECODE_SWEEP's, against SDPA",
     )
     parser.add_argument(
+        "--fused-merge",
+        action="store_true",
+        help="only decode and verify: the merge fused into the split kernel against two launches",
+    )
+    parser.add_argument(
         "--extend-grid",
         action="store_true",
         help="only extend, timed at every configuration of EXTEND_GRID against SDPA",
@@ -585,6 +627,9 @@ def main() -> None:
         return
     if args.extend_grid:
         extend_grid()
+        return
+    if args.fused_merge:
+        fused_merge_table(ceiling)
         return
     if args.extend:
         print_table(extend_rows(False), ceiling)

@@ -9,6 +9,10 @@ graph) and returns metadata whose tensors are views at fixed addresses. Padding 
 request: their outputs are zeros and their K/V go to padding slot 0. The launch shape depends
 only on (P, T, buffers.max_tree_nodes), so a graph captured at (P, T) replays for any batch
 planned at (P, T). Keep q/k/v/out of a captured forward at fixed addresses as usual.
+
+Split-KV passes merge their splits in the split kernel (`triton_decode.FUSED_MERGE_DECODE`),
+counting arrivals in int32 counters that every launch leaves at zero: the graph buffers own
+one set (fixed address, for every replay), the backend another for eager plans.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from engine.backends.base import (
     AttentionBackend,
     BufferTooSmall,
     ForwardMetadata,
+    KVPool,
     host_metadata,
     register,
 )
-from engine.backends.triton_decode import choose_num_splits, decode_attention
+from engine.backends.triton_decode import choose_num_splits, decode_attention, merge_counters
 from engine.backends.triton_decode import num_sms as _num_sms
 from engine.backends.triton_extend import extend_attention
 from engine.backends.triton_index import build_kv_indices_into
@@ -60,6 +65,7 @@ class GraphBuffers:
     out_slots: torch.Tensor  # [max_tokens] int64
     tree_bits: torch.Tensor  # [max_tokens] int64
     kv_indices: torch.Tensor  # [max_kv_tokens] int32
+    merge_counters: torch.Tensor  # [max_batch * num_kv_heads] int32, zero between launches
     max_tree_nodes: int
     staging_host: torch.Tensor  # int64, pinned on CUDA: every host array of a plan, packed
     staging_device: torch.Tensor  # int64: the arrays above are views of it
@@ -90,6 +96,22 @@ class GraphBuffers:
 
 @register("triton")
 class TritonBackend(AttentionBackend):
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__(pool)
+        # the fused merge's counters for eager passes, grown to the largest batch planned
+        self._merge_counters = self._new_counters(0)
+
+    def _new_counters(self, max_batch: int) -> torch.Tensor:
+        kv_heads = self.pool.k_cache[0].shape[1]
+        return merge_counters(max_batch, kv_heads, self.pool.req_to_token.device)
+
+    def _eager_counters(self, num_requests: int) -> torch.Tensor:
+        """The eager counters, reallocated (zeroed) when a batch outgrows them; launches on
+        one stream share them, each leaving them at zero."""
+        if self._merge_counters.numel() < num_requests * self.pool.k_cache[0].shape[1]:
+            self._merge_counters = self._new_counters(triton.next_power_of_2(num_requests))
+        return self._merge_counters
+
     def graph_buffers(
         self, max_batch: int, max_tokens: int, max_kv_tokens: int, max_tree_nodes: int = 16
     ) -> GraphBuffers:
@@ -110,6 +132,7 @@ class TritonBackend(AttentionBackend):
         return GraphBuffers(
             **views,
             kv_indices=torch.zeros(max_kv_tokens, dtype=torch.int32, device=device),
+            merge_counters=self._new_counters(max_batch),
             max_tree_nodes=max_tree_nodes,
             staging_host=torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda"),
             staging_device=staging_device,
@@ -159,9 +182,12 @@ class TritonBackend(AttentionBackend):
                 batch.seq_lens.max,
                 _num_sms(device),
             )
-        return ForwardMetadata(
-            kv_indices=kv_indices, extra={"num_splits": num_splits, "max_q": max_q}, **meta
-        )
+        extra = {
+            "num_splits": num_splits,
+            "max_q": max_q,
+            "counters": self._eager_counters(len(batch.running)),
+        }
+        return ForwardMetadata(kv_indices=kv_indices, extra=extra, **meta)
 
     def _plan_into(
         self,
@@ -231,7 +257,12 @@ class TritonBackend(AttentionBackend):
             tree_bits=tree_bits if mode == Mode.VERIFY else None,
             max_new_len=per_request,
             max_seq_len=batch.seq_lens.max,
-            extra={"num_splits": num_splits, "max_q": per_request, "graph": True},
+            extra={
+                "num_splits": num_splits,
+                "max_q": per_request,
+                "graph": True,
+                "counters": buffers.merge_counters,
+            },
             **views,
         )
 
@@ -324,6 +355,7 @@ class TritonBackend(AttentionBackend):
             metadata.extra["num_splits"],
             metadata.extra["max_q"],
             scale,
+            counters=metadata.extra.get("counters"),
         )
 
 

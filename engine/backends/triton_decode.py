@@ -2,7 +2,8 @@
 
 One program handles every query head of one kv head (and, when verifying, every tree query of
 its request) over one split of the request's keys; verify is decode with D queries per request
-and the ancestor mask. A merge kernel combines the splits' partial outputs by their log-sums.
+and the ancestor mask. The splits' partial outputs are combined by their log-sums, either by
+the last split program of each (request, kv head) to finish (fused) or by a merge kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from engine.backends.base import BufferTooSmall
 from engine.backends.triton_extend import online_softmax_step
 
 # The split policy's model of the chip (`choose_num_splits`), fitted on an H200
@@ -35,6 +37,13 @@ VERIFY_CONFIGS = (
     ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "PDL": False}, 3),
     ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}, 2),
 )
+# Fused merge: the last split program of each (request, kv head) merges its splits, so a
+# split pass is one launch, not two (`config={"FUSED_MERGE": ...}` overrides). Verify stays
+# two launches by default: its programs own up to GROUP x MAX_Q rows, which one program
+# merges a block at a time where the merge kernel spreads them over the grid.
+FUSED_MERGE_DECODE = True
+FUSED_MERGE_VERIFY = False
+MERGE_VALUES_PER_THREAD = 64  # fp32 partial values a thread holds in the fused merge's tile
 INTERPRETER_CONFIG = {
     "BLOCK_N": 16,
     "num_warps": 4,
@@ -172,6 +181,7 @@ def _decode_split_kernel(
     partial,
     lse,
     out,
+    counters,
     sm_scale_log2,
     num_splits,
     num_tokens,
@@ -194,6 +204,9 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     TREE: tl.constexpr,
     DIRECT: tl.constexpr,
+    FUSED: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -293,7 +306,33 @@ def _decode_split_kernel(
             has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")
         )
         tl.store(lse + token * stride_lt + head * stride_lh + split, log_sum, mask=part_ok)
-    if req == tl.num_programs(0) - 1:  # tokens no request owns (graph padding): zeros
+        if FUSED:
+            _merge_if_last(
+                partial,
+                lse,
+                out,
+                counters + req * tl.num_programs(1) + kv_head,
+                qo_start,
+                tl.minimum(num_q, MAX_Q) * GROUP,
+                kv_head,
+                num_splits,
+                num_tokens,
+                out_capacity,
+                stride_pt,
+                stride_ph,
+                stride_ps,
+                stride_lt,
+                stride_lh,
+                stride_ot,
+                stride_oh,
+                GROUP,
+                ROW_BLOCK,
+                SPLIT_CHUNK,
+                HEAD_DIM,
+            )
+    # tokens no request owns (graph padding): zeros, written to out by one split where no
+    # merge kernel follows, else as empty partials in every split for the merge to turn to 0
+    if (req == tl.num_programs(0) - 1) & ((split == 0) | (not (DIRECT or FUSED))):
         _zero_padding(
             partial,
             lse,
@@ -315,7 +354,140 @@ def _decode_split_kernel(
             BLOCK_M // GROUP,
             BLOCK_M,
             HEAD_DIM,
-            DIRECT,
+            DIRECT or FUSED,
+        )
+
+
+@triton.jit
+def _merge_if_last(
+    partial,
+    lse,
+    out,
+    counter,
+    qo_start,
+    num_rows,
+    kv_head,
+    num_splits,
+    num_tokens,
+    out_capacity,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Count this split in; the last of its (request, kv head) to arrive merges every split's
+    partial into out and puts the counter back to 0 for the next launch (or graph replay).
+
+    Memory order (the "last block reduces" semaphore): the barrier makes every thread's
+    partial and lse stores precede, in this program, the one thread's atomic add; the add is
+    a release at GPU scope, and release is cumulative, so those stores are visible GPU-wide
+    before the count. The add that reads num_splits - 1 comes after every other split's add
+    in the counter's modification order (read-modify-writes chain: a release sequence) and
+    is an acquire, so it synchronizes with each of them: every split's stores happen before
+    its loads. Its other threads follow the acquire through the barrier Triton places after
+    a scalar atomic (it broadcasts the result through shared memory). The loads bypass L1
+    (.cg): an SM's L1 is not coherent and must not serve a line cached before the stores.
+    The reset is a plain store: nothing else touches the counter in this launch, and the
+    next launch on the stream starts after this one has finished (a kernel that started
+    early, by programmatic dependent launch, on the same counters would race)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        _merge_rows(
+            partial,
+            lse,
+            out,
+            qo_start,
+            num_rows,
+            kv_head,
+            num_splits,
+            num_tokens,
+            out_capacity,
+            stride_pt,
+            stride_ph,
+            stride_ps,
+            stride_lt,
+            stride_lh,
+            stride_ot,
+            stride_oh,
+            GROUP,
+            ROW_BLOCK,
+            SPLIT_CHUNK,
+            HEAD_DIM,
+        )
+        tl.store(counter, 0)
+
+
+@triton.jit
+def _merge_rows(
+    partial,
+    lse,
+    out,
+    qo_start,
+    num_rows,
+    kv_head,
+    num_splits,
+    num_tokens,
+    out_capacity,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Merge the splits of a program's rows (GROUP heads x its tokens) into out: ROW_BLOCK
+    rows x SPLIT_CHUNK splits x HEAD_DIM loaded at once (one L2 round trip where the tile
+    holds them all), combined by online rescaling across chunks of splits."""
+    dims = tl.arange(0, HEAD_DIM)
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    for first_row in range(0, num_rows, ROW_BLOCK):
+        rows = first_row + tl.arange(0, ROW_BLOCK)
+        token = (qo_start + rows // GROUP).to(tl.int64)
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = (rows < num_rows) & (token < num_tokens)
+        lse_rows = lse + token[:, None] * stride_lt + head[:, None] * stride_lh
+        part_rows = partial + token[:, None, None] * stride_pt + head[:, None, None] * stride_ph
+        top = tl.full([ROW_BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([ROW_BLOCK], tl.float32)
+        merged = tl.zeros([ROW_BLOCK, HEAD_DIM], tl.float32)
+        for first_split in range(0, num_splits, SPLIT_CHUNK):
+            splits = first_split + chunk
+            ok = row_ok[:, None] & (splits < num_splits)[None, :]
+            log_sums = tl.load(
+                lse_rows + splits[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
+            )
+            parts = tl.load(
+                part_rows + splits[None, :, None] * stride_ps + dims[None, None, :],
+                mask=ok[:, :, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            new_top = tl.maximum(top, tl.max(log_sums, 1))
+            base = tl.where(new_top == float("-inf"), 0.0, new_top)  # no keys yet: weights 0
+            rescale = tl.math.exp2(top - base)
+            weights = tl.math.exp2(log_sums - base[:, None])
+            total = total * rescale + tl.sum(weights, 1)
+            merged = merged * rescale[:, None] + tl.sum(parts * weights[:, :, None], 1)
+            top = new_top
+        merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
+        out_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(
+            out_ptrs,
+            merged.to(out.dtype.element_ty),
+            mask=(row_ok & (token < out_capacity))[:, None],
         )
 
 
@@ -410,6 +582,38 @@ def _merge_splits_kernel(
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def merge_tiles(
+    block_s: int, rows: int, head_dim: int, num_warps: int, tile: int | None = None
+) -> tuple[int, int]:
+    """(ROW_BLOCK, SPLIT_CHUNK) of the fused merge: as many splits of a row, then as many
+    rows, as a tile of `tile` fp32 values holds (default MERGE_VALUES_PER_THREAD a thread).
+    Cached: every layer's launch asks."""
+    tile = tile or MERGE_VALUES_PER_THREAD * 32 * num_warps
+    split_chunk = min(block_s, _pow2_floor(tile / head_dim))
+    row_block = min(triton.next_power_of_2(rows), _pow2_floor(tile / (split_chunk * head_dim)))
+    return row_block, split_chunk
+
+
+def merge_counters(num_requests: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """Zeroed counters for the fused merge of up to num_requests x num_kv_heads programs'
+    splits. A launch leaves them at zero, so one buffer serves every launch on a stream (and
+    every replay of a graph that captured it); never two launches running at once."""
+    return torch.zeros(num_requests * num_kv_heads, dtype=torch.int32, device=device)
+
+
+def _check_counters(counters: torch.Tensor, num_requests: int, num_kv_heads: int) -> None:
+    """Size and dtype only: this runs at every layer's launch (each check costs host time)."""
+    needed = num_requests * num_kv_heads
+    if counters.dtype != torch.int32:
+        raise ValueError(f"merge counters must be int32 (see merge_counters); got {counters.dtype}")
+    if counters.numel() < needed:
+        raise BufferTooSmall(
+            f"merge counters hold {counters.numel()} entries; this pass needs {num_requests} "
+            f"requests x {num_kv_heads} kv heads = {needed}"
+        )
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -424,12 +628,17 @@ def decode_attention(
     max_q: int,
     sm_scale: float,
     config: dict | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode (tree_bits None: every key below seq_len visible) or verify (tree mask) into out.
 
-    Grid: (requests, kv heads, num_splits) then (tokens, q heads): no host value beyond the
-    tensor shapes, num_splits and max_q, so a fixed plan replays under a CUDA graph. Tokens
-    past qo_indptr[-1] (padding no request owns) get zero outputs."""
+    Grid: (requests, kv heads, num_splits), then (tokens, q heads) for the merge unless it is
+    fused (config FUSED_MERGE; FUSED_MERGE_DECODE / FUSED_MERGE_VERIFY by default): no host
+    value beyond the tensor shapes, num_splits and max_q, so a fixed plan replays under a
+    CUDA graph. `counters` (contiguous int32, at least requests x kv heads, zero at rest:
+    see `merge_counters`; checked when the merge is fused) serve the fused merge; without
+    them a zeroed buffer is made for this call. Tokens past qo_indptr[-1] (padding no
+    request owns) get zero outputs."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_requests = kv_indptr.shape[0] - 1
@@ -440,10 +649,14 @@ def decode_attention(
         base = {**DECODE_CONFIG, "num_warps": choose_decode_warps(programs, num_sms(q.device))}
     else:
         base = choose_verify_config(num_requests * num_kv_heads * num_splits, num_sms(q.device))
-    cfg = {**base, **(config or {})}
+    fused_default = FUSED_MERGE_DECODE if tree_bits is None else FUSED_MERGE_VERIFY
+    cfg = {"FUSED_MERGE": fused_default, **base, **(config or {})}
     if num_tokens == 0 or num_requests == 0:
         return out
     direct = num_splits == 1
+    fused = bool(cfg["FUSED_MERGE"]) and not direct
+    if fused and counters is not None:
+        _check_counters(counters, num_requests, num_kv_heads)
     if direct:
         partial, lse = out, out  # unused: one split writes the output itself
         part_strides, lse_strides = (0, 0, 0), (0, 0)
@@ -455,8 +668,18 @@ def decode_attention(
             (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
         )
         part_strides, lse_strides = partial.stride()[:3], lse.stride()[:2]
+    if not fused:
+        counters = kv_indptr  # unused
+    elif counters is None:
+        counters = merge_counters(num_requests, num_kv_heads, q.device)
     group = num_q_heads // num_kv_heads
-    pdl = bool(cfg["PDL"]) and not direct and q.device.type == "cuda"
+    block_s = triton.next_power_of_2(num_splits)
+    row_block, split_chunk = (1, 1)  # unused unless fused
+    if fused:
+        row_block, split_chunk = merge_tiles(
+            block_s, max_q * group, head_dim, cfg["num_warps"], cfg.get("MERGE_TILE")
+        )
+    pdl = bool(cfg["PDL"]) and not direct and not fused and q.device.type == "cuda"
     _decode_split_kernel[(num_requests, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -469,6 +692,7 @@ def decode_attention(
         partial,
         lse,
         out,
+        counters,
         sm_scale * 1.4426950408889634,
         num_splits,
         num_tokens,
@@ -488,11 +712,14 @@ def decode_attention(
         HEAD_DIM=head_dim,
         TREE=tree_bits is not None,
         DIRECT=direct,
+        FUSED=fused,
+        ROW_BLOCK=row_block,
+        SPLIT_CHUNK=split_chunk,
         PDL=pdl,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if not direct and not cfg.get("SKIP_MERGE", False):  # skipping: benchmark diagnostics only
+    if not direct and not fused and not cfg.get("SKIP_MERGE", False):  # skip: diagnostics
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             partial,
             lse,
@@ -503,7 +730,7 @@ def decode_attention(
             *lse_strides,
             out.stride(0),
             out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=block_s,
             HEAD_DIM=head_dim,
             PDL=pdl,
             num_warps=4,

@@ -64,6 +64,7 @@ def run_padded(
     assert relative_error(out[:real], ref) < TOLERANCE[DTYPE]
     assert (out[real:] == 0).all(), "padding requests have no keys: their output is zero"
     assert not out.isnan().any()
+    assert (buffers.merge_counters == 0).all(), "the fused merge leaves its counters at zero"
     kept = torch.ones(case.pool.num_slots, dtype=torch.bool, device=q.device)
     kept[PADDING_SLOT] = False
     assert torch.equal(case.pool.k_cache[0][kept], ref_pool.k_cache[0][kept])
@@ -190,7 +191,8 @@ def _capture(fn):
 @pytest.mark.skipif(not ON_CUDA, reason="programmatic dependent launch needs a Hopper GPU")
 @pytest.mark.parametrize("mode", ["decode", "verify"])
 def test_programmatic_launch_merge_matches_reference(mode: str) -> None:
-    """The merge launched with PDL (config PDL=True), eagerly and replayed from a graph."""
+    """The merge launched with PDL (config PDL=True, the merge not fused), eagerly and
+    replayed from a graph."""
     case = make_case(mode, [300, 1000, 7], [4, 9, 1], 2, 4, 128, DTYPE, seed=26)
     ref_backend = TorchBackend(clone_pool(case.pool))
     ref = ref_backend.forward(0, case.q, case.k, case.v, ref_backend.plan(case.batch))
@@ -214,7 +216,7 @@ def test_programmatic_launch_merge_matches_reference(mode: str) -> None:
             6,
             meta.extra["max_q"],
             128**-0.5,
-            config={"PDL": True},
+            config={"PDL": True, "FUSED_MERGE": False},  # PDL serves the merge launch
         )
 
     run()
