@@ -1,5 +1,6 @@
-"""The host's own work per decode step, this tree's engine against another commit's, stepped
-in lockstep in one process (CPU, `tiny` random weights, the model stubbed out).
+"""The host's own work per decode step and per verify step, this tree's engine against another
+commit's, stepped in lockstep in one process (CPU, `tiny` random weights, the model stubbed
+out).
 
     .venv/bin/python benchmarks/bench_host_step.py --baseline d04f8de [--rounds 5]
     .venv/bin/python benchmarks/bench_host_step.py            # this tree alone
@@ -11,11 +12,16 @@ changes this measures; so both engines run in one process, their steps interleav
 round alternating which goes first), and the ratio is taken round by round.
 
 The model's forward returns at once and its logits are rows of a fixed random table, so a
-step's time is the host's; the time inside them is subtracted anyway. The baseline's
-`engine` package is read from git (`git archive`) and imported as `engine_base` (its
-imports rewritten). Regimes: greedy, sampled at temperature 1 (seeded), and sampled with
-n-gram speculation (most steps draft nothing); batch 1 and 8; each prints both engines'
-median decode-step time per round, their ratio, and whether they emitted the same tokens.
+step's time is the host's; the time inside them is subtracted anyway. The speculation cost
+model fits modelled pass times (a GPU's), not the stub's, so both engines draft alike. The
+baseline's `engine` package is read from git (`git archive`) and imported as `engine_base`
+(its imports rewritten). Regimes: greedy, sampled at temperature 1 (seeded), sampled with n-gram
+speculation (most steps draft nothing), and greedy with speculation on repetitive text (the
+prompt repeats a pattern and the stub's logits favour continuing it, so n-gram drafts are
+proposed and mostly accepted); batch 1 and 8. Each prints both engines' median time per round
+of each kind of step the regime ran (decode, verify), their ratio, whether they emitted the
+same tokens and accepted as many drafts, and the mean drafts accepted a verify step (its
+requests together).
 """
 
 from __future__ import annotations
@@ -37,10 +43,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 REGIMES = {
-    "greedy": dict(speculative=False, sampled=False),
-    "sampled": dict(speculative=False, sampled=True),
-    "speculative, sampled": dict(speculative=True, sampled=True),
+    "greedy": dict(speculative=False, sampled=False, repetitive=False),
+    "sampled": dict(speculative=False, sampled=True, repetitive=False),
+    "speculative, sampled": dict(speculative=True, sampled=True, repetitive=False),
+    "speculative, greedy": dict(speculative=True, sampled=False, repetitive=True),
 }
+STEP_KINDS = ("decode", "verify")
+PERIOD = 12  # tokens in the pattern a repetitive prompt repeats
+FAVOUR = 4.0  # added to the logit of the pattern's next token: it wins most rows, not all
 
 
 def baseline_package(commit: str, into: Path) -> str:
@@ -61,15 +71,20 @@ def baseline_package(commit: str, into: Path) -> str:
 
 class StubbedModel:
     """Wraps an engine's model: a forward that returns at once, logits from a fixed table;
-    `seconds` counts the time spent inside both."""
+    `seconds` counts the time spent inside both. With `following` (the token favoured after
+    each token, -1: none) the forward's hidden state is its input id and each row's logits
+    favour that token's follower by `FAVOUR`."""
 
-    def __init__(self, engine, table: torch.Tensor) -> None:
+    def __init__(self, engine, table: torch.Tensor, following: torch.Tensor | None) -> None:
         model = engine.runner.model
         self.seconds, self.calls = 0.0, 0
 
         def forward(input_ids, *rest):
             started = time.perf_counter()
-            out = torch.zeros(input_ids.shape[0], 1)
+            if following is None:
+                out = torch.zeros(input_ids.shape[0], 1)
+            else:
+                out = input_ids.to(torch.float32)[:, None]
             self.seconds += time.perf_counter() - started
             return out
 
@@ -78,10 +93,42 @@ class StubbedModel:
             self.calls += 1
             start = (self.calls * 7) % (table.shape[0] - hidden.shape[0])
             out = table[start : start + hidden.shape[0]]
+            if following is not None:
+                favoured = following[hidden[:, 0].long()]
+                out = out.clone()
+                out[torch.arange(out.shape[0]), favoured] += FAVOUR
             self.seconds += time.perf_counter() - started
             return out
 
         model.forward, model.logits = forward, logits
+
+
+def modelled_pass_times(cost) -> None:
+    """Have `cost` (a PassCost) fit a GPU's pass times (1.4 ms a pass, 0.02 ms a row, 2 ms
+    more a verify pass) instead of the stubbed passes' measured ones: the fit still runs
+    every verify step, but adaptive drafting decides alike in both engines, whose times
+    differ (the drafts and accepted counts are then comparable)."""
+    observe = cost.observe
+
+    def modelled(rows: int, seconds: float, verify: bool = False) -> None:
+        observe(rows, 0.0014 + 0.00002 * rows + 0.002 * verify, verify)
+
+    cost.observe = modelled
+
+
+def repetitive_prompts(
+    rng: np.random.Generator, vocab: int, batch: int, length: int
+) -> tuple[list[list[int]], torch.Tensor]:
+    """Per request a prompt repeating its own pattern of `PERIOD` distinct tokens, and the
+    token favoured after each token: the next one of its pattern (any other token: the first
+    of the first pattern, so that a diverted text comes back to a pattern)."""
+    tokens = rng.permutation(np.arange(3, vocab))[: batch * PERIOD].reshape(batch, PERIOD)
+    following = torch.full((vocab,), int(tokens[0, 0]), dtype=torch.long)
+    for pattern in tokens.tolist():
+        for position, token in enumerate(pattern):
+            following[token] = pattern[(position + 1) % PERIOD]
+    prompts = [np.resize(pattern, length).tolist() for pattern in tokens]
+    return prompts, following
 
 
 def run_regime(packages: dict, batch: int, regime: dict, tokens: int, rounds: int) -> dict:
@@ -99,19 +146,28 @@ def run_regime(packages: dict, batch: int, regime: dict, tokens: int, rounds: in
         params[name] = state.SamplingParams(max_tokens=tokens, ignore_eos=True, **sampled)
     vocab = next(iter(engines.values())).runtime.vocab_size
     table = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
-    stubs = {name: StubbedModel(engine, table) for name, engine in engines.items()}
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, vocab, 48).tolist() for _ in range(batch)]
+    following = None
+    if regime["repetitive"]:
+        prompts, following = repetitive_prompts(rng, vocab, batch, 48)
+    else:
+        prompts = [rng.integers(3, vocab, 48).tolist() for _ in range(batch)]
+    stubs = {name: StubbedModel(engine, table, following) for name, engine in engines.items()}
+    for engine in engines.values():
+        if engine.spec is not None:
+            modelled_pass_times(engine.spec.cost)
     for name, engine in engines.items():  # warm-up
         engine.generate(prompts, params[name])
-    medians: dict = {name: [] for name in engines}
+    medians: dict = {name: {kind: [] for kind in STEP_KINDS} for name in engines}
     outputs: dict = {}
+    accepted: dict = {name: [] for name in engines}  # per round: accepted drafts, verify steps
     for round_ in range(rounds):
         requests = {
             name: [engine.inbox.add(ids, params[name], None, None) for ids in prompts]
             for name, engine in engines.items()
         }
-        times: dict = {name: [] for name in engines}
+        times: dict = {name: {kind: [] for kind in STEP_KINDS} for name in engines}
+        accepted_before = {name: accepted_total(engine) for name, engine in engines.items()}
         order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
         while not all(r.done for name in engines for r in requests[name]):
             for name in order:
@@ -122,12 +178,28 @@ def run_regime(packages: dict, batch: int, regime: dict, tokens: int, rounds: in
                 started = time.perf_counter()
                 engine.step()
                 elapsed = time.perf_counter() - started
-                if engine.step_times[-1][0] == "decode":
-                    times[name].append(elapsed - stub.seconds)
-        for name in engines:
-            medians[name].append(statistics.median(times[name]) * 1e6)
+                kind = engine.step_times[-1][0]
+                if kind in STEP_KINDS:
+                    times[name][kind].append(elapsed - stub.seconds)
+        for name, engine in engines.items():
+            for kind in STEP_KINDS:
+                if times[name][kind]:
+                    medians[name][kind].append(statistics.median(times[name][kind]) * 1e6)
             outputs[name] = [r.output_ids for r in requests[name]]
-    return dict(medians=medians, same=len({str(o) for o in outputs.values()}) == 1)
+            drafts = accepted_total(engine) - accepted_before[name]
+            accepted[name].append((drafts, len(times[name]["verify"])))
+    same_accepted = len({str(a) for a in accepted.values()}) == 1
+    drafts, verifies = (sum(column) for column in zip(*accepted[next(iter(engines))], strict=True))
+    return dict(
+        medians=medians,
+        same=len({str(o) for o in outputs.values()}) == 1 and same_accepted,
+        accepted=drafts / verifies if verifies else None,
+    )
+
+
+def accepted_total(engine) -> int:
+    """Drafts accepted so far (0 without speculation)."""
+    return 0 if engine.spec is None else engine.spec.stats.total().accepted
 
 
 def main() -> None:
@@ -143,24 +215,38 @@ def main() -> None:
         if args.baseline:
             packages = {args.baseline: baseline_package(args.baseline, Path(scratch))} | packages
         names = list(packages)
-        print(f"host time a decode step (us, median per round; {args.rounds} rounds)")
+        print(f"host time a step (us, median per round; {args.rounds} rounds)")
         header = " | ".join(f"{name} (us)" for name in names)
         ratio = f" | {names[1]} / {names[0]} |" if len(names) == 2 else " |"
-        print(f"\n| batch | regime | {header}{ratio} same tokens |")
-        print("|---|---|" + "---|" * (len(names) + (len(names) == 2) + 1))
+        print(f"\n| batch | regime | step | {header}{ratio} same tokens | accepted / verify |")
+        print("|---|---|---|" + "---|" * (len(names) + (len(names) == 2) + 2))
         for batch in (int(b) for b in args.batches.split(",")):
             for regime_name, regime in REGIMES.items():
                 result = run_regime(packages, batch, regime, args.tokens, args.rounds)
-                meds = result["medians"]
-                cells = [f"{min(meds[n]):.0f}-{max(meds[n]):.0f}" for n in names]
-                if len(names) == 2:
-                    old, new = meds[names[0]], meds[names[1]]
-                    ratios = [n / o for o, n in zip(old, new, strict=True)]
-                    cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}")
-                print(
-                    f"| {batch} | {regime_name} | " + " | ".join(cells) + f" | {result['same']} |",
-                    flush=True,
-                )
+                for kind in STEP_KINDS:
+                    print_row(batch, regime_name, kind, names, result)
+
+
+def print_row(batch: int, regime: str, kind: str, names: list[str], result: dict) -> None:
+    """One kind of step's row, if every round of every engine ran that kind."""
+    meds = {name: result["medians"][name][kind] for name in names}
+    if not all(meds.values()):
+        return
+    cells = [f"{min(meds[n]):.0f}-{max(meds[n]):.0f}" for n in names]
+    if len(names) == 2:
+        old, new = meds[names[0]], meds[names[1]]
+        if len(old) == len(new):
+            ratios = [n / o for o, n in zip(old, new, strict=True)]
+            cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}")
+        else:
+            cells.append("-")
+    accepted = result["accepted"]
+    per_verify = "-" if kind != "verify" or accepted is None else f"{accepted:.2f}"
+    print(
+        f"| {batch} | {regime} | {kind} | " + " | ".join(cells) + f" | {result['same']} "
+        f"| {per_verify} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

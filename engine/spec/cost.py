@@ -65,12 +65,11 @@ class PassCost:
         sums[4] = decay * sums[4] + r * t
         self._fitted = False
 
-    def _normal(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
+    def _normal(self, kind: int) -> tuple[list[list[float]], list[float]]:
         """The kind's sums of w * f f^T (3 x 3) and w * f * seconds (3), f = (1, rows, kind)."""
         n, r, rr, t, rt = self._sums[kind]
         k = float(kind)
-        normal = np.array([[n, r, k * n], [r, rr, k * r], [k * n, k * r, k * n]])
-        return normal, np.array([t, rt, k * t])
+        return [[n, r, k * n], [r, rr, k * r], [k * n, k * r, k * n]], [t, rt, k * t]
 
     def fit(self) -> Fit | None:
         """The fitted times, or None until passes of two row counts were seen."""
@@ -79,21 +78,30 @@ class PassCost:
         return self._fit
 
     def _solve_fit(self) -> Fit | None:
+        # 3 x 3 sums as Python floats: each step is the IEEE operation numpy's would be, at
+        # a fraction of the host time (this runs every verify step); LAPACK does the rest
         (decode, decode_target), (verify, verify_target) = self._normal(0), self._normal(1)
-        normal, target = decode + verify, decode_target + verify_target
-        if decode[0, 0] > 0 and verify[0, 0] > 0:  # both kinds seen
+        normal = [
+            [a + b for a, b in zip(decode_row, verify_row, strict=True)]
+            for decode_row, verify_row in zip(decode, verify, strict=True)
+        ]
+        target = [a + b for a, b in zip(decode_target, verify_target, strict=True)]
+        if decode[0][0] > 0 and verify[0][0] > 0:  # both kinds seen
             full = _solve(normal, target)
             if full is not None and full[1] >= 0 and full[2] >= 0:
                 return Fit(max(0.0, full[0]), full[1], full[2])
             if full is not None and full[1] < 0:  # rows nearly free: noise made them < 0
-                no_rows = _solve(normal[np.ix_([0, 2], [0, 2])], target[[0, 2]])
+                no_rows = _solve(
+                    [[normal[0][0], normal[0][2]], [normal[2][0], normal[2][2]]],
+                    [target[0], target[2]],
+                )
                 if no_rows is not None and no_rows[1] >= 0:
                     return Fit(max(0.0, no_rows[0]), 0.0, no_rows[1])
-        rows_only = _solve(normal[:2, :2], target[:2])
+        rows_only = _solve([normal[0][:2], normal[1][:2]], target[:2])
         if rows_only is None:
             return None
         per_row = max(0.0, rows_only[1])
-        return Fit(max(0.0, (target[0] - per_row * normal[0, 1]) / normal[0, 0]), per_row, 0.0)
+        return Fit(max(0.0, (target[0] - per_row * normal[0][1]) / normal[0][0]), per_row, 0.0)
 
     def _per_token(self, fit: Fit, batch: int) -> float:
         return (fit.fixed + fit.per_row * batch) / batch
@@ -120,13 +128,55 @@ class PassCost:
         return fit.verify_premium / per_token if per_token > 0 else 0.0
 
 
-def _solve(normal: np.ndarray, target: np.ndarray) -> np.ndarray | None:
+CONDITION_LIMIT = 1e6  # a normal matrix conditioned worse does not determine its fit
+
+
+def _solve(normal: list[list[float]], target: list[float]) -> list[float] | None:
     """The least-squares coefficients, or None where the passes do not determine them (the
     normal matrix is singular up to rounding, relative to its scale)."""
-    scale = np.sqrt(np.diag(normal))
-    if (scale == 0).any():
+    scale = [math.sqrt(row[i]) for i, row in enumerate(normal)]  # the sums are >= 0
+    if 0.0 in scale:
         return None
-    unit = normal / np.outer(scale, scale)  # 1 on the diagonal: conditioning comparable
-    if np.linalg.cond(unit) > 1e6:
+    # 1 on the diagonal: conditioning comparable
+    unit = [
+        [value / (scale[i] * scale[j]) for j, value in enumerate(row)]
+        for i, row in enumerate(normal)
+    ]
+    if not _surely_conditioned(unit) and _condition(np.array(unit)) > CONDITION_LIMIT:
         return None
-    return np.linalg.solve(unit, target / scale) / scale
+    solved = np.linalg.solve(unit, [t / s for t, s in zip(target, scale, strict=True)])
+    return [x / s for x, s in zip(solved.tolist(), scale, strict=True)]
+
+
+def _surely_conditioned(unit: list[list[float]]) -> bool:
+    """Whether the 2 x 2 or 3 x 3 `unit` is conditioned well within `CONDITION_LIMIT`,
+    told without its singular values: the largest is at most the Frobenius norm F and
+    their product is |det|, so the condition number is at most F**n / |det|. Half the
+    limit leaves room for rounding (det's relative error here is below 1e-9), so where
+    this says yes `_condition` is below the limit too; otherwise `_condition` decides."""
+    frobenius = math.sqrt(sum(value * value for row in unit for value in row))
+    if len(unit) == 2:
+        (a, b), (c, d) = unit
+        det = a * d - b * c
+    else:
+        (a, b, c), (d, e, f), (g, h, i) = unit
+        det = a * (e * i - f * h) - b * (d * i - f * g) + c * (d * h - e * g)
+    # NaN or inf anywhere makes this False
+    return frobenius ** len(unit) <= abs(det) * (CONDITION_LIMIT / 2)
+
+
+def _condition(unit: np.ndarray) -> float:
+    """`np.linalg.cond(unit)` (the 2-norm condition number), without its wrapper's work: the
+    ratio of the largest singular value to the smallest."""
+    singular = np.linalg.svd(unit, compute_uv=False).tolist()
+    largest, smallest = singular[0], singular[-1]
+    if smallest == 0.0:  # largest >= 1 (a diagonal entry) unless NaN: cond gives inf
+        return math.inf if largest != 0.0 else _unless_nan(unit, math.nan)
+    return _unless_nan(unit, largest / smallest)
+
+
+def _unless_nan(unit: np.ndarray, ratio: float) -> float:
+    """As `cond`: a NaN ratio is inf, unless `unit` holds a NaN."""
+    if math.isnan(ratio) and not np.isnan(unit).any():
+        return math.inf
+    return ratio

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.spec.config import SpecConfig
-from engine.spec.tree import DraftTree, stack
+from engine.spec.tree import DraftTree
 from engine.spec.trie import Trie
 from engine.state.batch import DraftTrees
 from engine.state.seqlens import INDEX_DTYPE
@@ -112,27 +112,35 @@ class NgramProposer:
         if total_drafts is not None and total_drafts < 0:
             raise ValueError(f"total_drafts={total_drafts} is not allowed; need >= 0 or None")
         nobody = total_drafts == 0 or (budgets is not None and not any(budgets))
-        roots, grown, left = [], [], total_drafts
+        # The batch's flat columns directly, one tree after another (no per-request tree
+        # values to check and concatenate).
+        sizes: list[int] = []
+        tokens: list[int] = []
+        parents: list[int] = []
+        left = total_drafts
         for i, rid in enumerate(rids):
             history = self._history(int(rid))
             _check_rooted(rid, history.tokens)
-            roots.append(history.tokens[-1])
-            if nobody:
+            tokens.append(history.tokens[-1])
+            parents.append(-1)
+            parts = None
+            if not nobody:
+                budget = self._checked_budget(None if budgets is None else int(budgets[i]))
+                parts = self._draft(
+                    history, history.tokens, budget if left is None else min(budget, left)
+                )
+            if parts is None:
+                sizes.append(1)
                 continue
-            budget = self._checked_budget(None if budgets is None else int(budgets[i]))
-            parts = self._draft(
-                history, history.tokens, budget if left is None else min(budget, left)
-            )
-            if parts is not None:
-                grown.append((i, parts))
-                if left is not None:
-                    left -= len(parts[0])
-        if not grown:  # most steps of free text: no tree objects at all
-            return DraftTrees.roots_only(np.array(roots, dtype=INDEX_DTYPE))
-        trees = [DraftTree.root_only(root) for root in roots]
-        for i, (drafts, parents, match_len) in grown:
-            trees[i] = DraftTree([roots[i], *drafts], [-1, *parents], match_len)
-        return stack(trees)
+            drafts, draft_parents, _ = parts
+            tokens += drafts
+            parents += draft_parents
+            sizes.append(1 + len(drafts))
+            if left is not None:
+                left -= len(drafts)
+        if len(tokens) == len(sizes):  # most steps of free text: roots only
+            return DraftTrees.roots_only(np.array(tokens, dtype=INDEX_DTYPE))
+        return DraftTrees.from_flat(sizes, tokens, parents)
 
     def _checked_budget(self, budget: int | None) -> int:
         if budget is None:

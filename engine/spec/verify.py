@@ -12,7 +12,7 @@ import torch
 
 from engine.spec.tree import child_links, parent_flat
 from engine.state.batch import DraftTrees
-from engine.state.seqlens import INDEX_DTYPE, SeqLens, frozen_array
+from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array
 
 
 @attrs.frozen(eq=False)
@@ -64,37 +64,47 @@ def verify_greedy(trees: DraftTrees, target: object) -> VerifyOutcome:
     """Accept, from the root down, the first child whose token is the target's argmax at its
     parent; the bonus is the argmax at the last accepted node. `target`: the target's argmax
     per node [total], or its logits [total, vocab]."""
-    parents = parent_flat(trees)  # the trees' part first: on a GPU the target is not ready
-    starts = trees.sizes.starts()
+    # The trees' part first: on a GPU the target is not ready yet. A tree has a few dozen
+    # nodes at most, so the walk runs over Python lists: numpy's cost per call is more than
+    # a tree's whole work.
+    sizes = trees.sizes.lens.tolist()
+    tokens, parents = trees.tokens.tolist(), trees.parents.tolist()
     values = _as_numpy(target)
-    argmax = (values.argmax(axis=-1) if values.ndim == 2 else values).astype(INDEX_DTYPE)
-    argmax = argmax.reshape(-1)
-    total = trees.sizes.total
-    if argmax.shape[0] != total:
+    argmax = values.argmax(axis=-1) if values.ndim == 2 else values.reshape(-1)
+    if argmax.shape[0] != len(tokens):
         raise ValueError(
-            f"the target gives {argmax.shape[0]} entries; the trees have {total} nodes"
+            f"the target gives {argmax.shape[0]} entries; the trees have {len(tokens)} nodes"
         )
-    matches = np.flatnonzero((parents >= 0) & (trees.tokens == argmax[np.maximum(parents, 0)]))
-    # The first matching child (lowest index) of every parent that has one.
-    chosen = np.full(total, -1, dtype=INDEX_DTYPE)
-    matched_parents, first = np.unique(parents[matches], return_index=True)
-    chosen[matched_parents] = matches[first]
-    # Walk every tree at once; flat index `total` is a sentinel for "stopped" (no child).
-    chosen = np.append(chosen, -1)
-    current = starts.copy()
-    steps = []
-    while True:
-        following = chosen[current]
-        if (following < 0).all():
-            break
-        steps.append(following)  # -1 once a request has stopped
-        current = np.where(following >= 0, following, total)
-    path = np.stack(steps, axis=1) if steps else np.full((len(starts), 1), -1)
-    accepted_lens = (path >= 0).sum(axis=1)
-    last_step = path[np.arange(len(starts)), np.maximum(accepted_lens - 1, 0)]
-    last = np.where(accepted_lens > 0, last_step, starts)
-    local = path - starts[:, None]
-    return VerifyOutcome(SeqLens(accepted_lens), local[path >= 0], argmax[last])
+    accepted_lens, accepted_nodes, bonus = _walk_greedy(sizes, tokens, parents, argmax.tolist())
+    return VerifyOutcome(
+        SeqLens.of_valid(_frozen(accepted_lens)), _frozen(accepted_nodes), _frozen(bonus)
+    )
+
+
+def _walk_greedy(
+    sizes: list[int], tokens: list[int], parents: list[int], argmax: list[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """Per tree, its accepted path's length and local nodes and its bonus token. One scan of
+    each tree: every child follows its parent, so the first matching child of the node
+    reached so far is the next node of the scan that has it as parent and the wanted token."""
+    accepted_lens, accepted_nodes, bonus = [], [], []
+    start = 0
+    for size in sizes:
+        current, wanted, accepted = 0, argmax[start], 0
+        for local in range(1, size):
+            node = start + local
+            if parents[node] == current and tokens[node] == wanted:
+                accepted_nodes.append(local)
+                accepted += 1
+                current, wanted = local, argmax[node]
+        accepted_lens.append(accepted)
+        bonus.append(wanted)
+        start += size
+    return accepted_lens, accepted_nodes, bonus
+
+
+def _frozen(values: list[int]) -> np.ndarray:
+    return freeze(np.array(values, dtype=INDEX_DTYPE))
 
 
 def request_rng(rid: int, seed: int | None) -> np.random.Generator:

@@ -6,8 +6,11 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.spec import PassCost
+from engine.spec import cost as cost_module
 
 
 def test_fit_recovers_fixed_and_per_row_time() -> None:
@@ -126,3 +129,112 @@ def test_bad_pass_is_refused(rows: int, seconds: float) -> None:
 def test_bad_decay_is_refused(decay: float) -> None:
     with pytest.raises(ValueError, match=rf"decay={decay!r} is not allowed"):
         PassCost(decay=decay)
+
+
+def reference_fit(passes: list[tuple[int, float, bool]], decay: float) -> tuple | None:
+    """PassCost's fit as numpy arrays and `np.linalg.cond` compute it: the decayed sums per
+    kind, the normal equations, and each solve refused above condition 1e6."""
+    sums = [[0.0] * 5, [0.0] * 5]
+    for rows, seconds, verify in passes:
+        s, r, t = sums[int(verify)], float(rows), float(seconds)
+        s[0] = decay * s[0] + 1.0
+        s[1] = decay * s[1] + r
+        s[2] = decay * s[2] + r * r
+        s[3] = decay * s[3] + t
+        s[4] = decay * s[4] + r * t
+
+    def normal_of(kind: int) -> tuple[np.ndarray, np.ndarray]:
+        n, r, rr, t, rt = sums[kind]
+        k = float(kind)
+        return np.array([[n, r, k * n], [r, rr, k * r], [k * n, k * r, k * n]]), np.array(
+            [t, rt, k * t]
+        )
+
+    def solve(normal: np.ndarray, target: np.ndarray) -> np.ndarray | None:
+        scale = np.sqrt(np.diag(normal))
+        if (scale == 0).any():
+            return None
+        unit = normal / np.outer(scale, scale)
+        if np.linalg.cond(unit) > 1e6:
+            return None
+        return np.linalg.solve(unit, target / scale) / scale
+
+    (decode, decode_target), (verify, verify_target) = normal_of(0), normal_of(1)
+    normal, target = decode + verify, decode_target + verify_target
+    if decode[0, 0] > 0 and verify[0, 0] > 0:
+        full = solve(normal, target)
+        if full is not None and full[1] >= 0 and full[2] >= 0:
+            return (max(0.0, full[0]), full[1], full[2])
+        if full is not None and full[1] < 0:
+            no_rows = solve(normal[np.ix_([0, 2], [0, 2])], target[[0, 2]])
+            if no_rows is not None and no_rows[1] >= 0:
+                return (max(0.0, no_rows[0]), 0.0, no_rows[1])
+    rows_only = solve(normal[:2, :2], target[:2])
+    if rows_only is None:
+        return None
+    per_row = max(0.0, rows_only[1])
+    return (max(0.0, (target[0] - per_row * normal[0, 1]) / normal[0, 0]), per_row, 0.0)
+
+
+@st.composite
+def pass_sequences(draw: st.DrawFn) -> list[tuple[int, float, bool]]:
+    """Passes as an engine sees them, some nearly degenerate: row counts from a small set,
+    verify passes whose rows move with the kind (`shift`), times with a little noise."""
+    kinds = draw(st.lists(st.booleans(), min_size=1, max_size=40))
+    coupled = draw(st.booleans())
+    shift = draw(st.integers(1, 12))
+    fixed, per_row, premium = (
+        draw(st.floats(1e-4, 1e-2)),
+        draw(st.floats(0.0, 1e-3)),
+        draw(st.floats(0.0, 3e-3)),
+    )
+    passes = []
+    for verify in kinds:
+        rows = 1 + shift * verify if coupled else draw(st.integers(1, 4)) + shift * verify
+        noise = draw(st.sampled_from([0.0, 1e-9, 1e-7, -1e-6, 5e-5]))
+        seconds = max(0.0, fixed + per_row * rows + premium * verify + noise)
+        passes.append((rows, seconds, verify))
+    return passes
+
+
+@settings(max_examples=300, deadline=None)
+@given(passes=pass_sequences(), decay=st.sampled_from([0.5, 0.97, 0.999]))
+def test_fit_equals_the_numpy_reference_bit_for_bit(
+    passes: list[tuple[int, float, bool]], decay: float
+) -> None:
+    cost = PassCost(decay)
+    for rows, seconds, verify in passes:
+        cost.observe(rows, seconds, verify)
+    expected = reference_fit(passes, decay)
+    fit = cost.fit()
+    assert (fit is None) == (expected is None)
+    if fit is not None:
+        assert tuple(float(x) for x in fit) == tuple(float(x) for x in expected)
+
+
+@st.composite
+def unit_normals(draw: st.DrawFn) -> np.ndarray:
+    """Normal matrices scaled to 1 on the diagonal, of 2 or 3 features, from nearly
+    collinear to independent (and exactly singular)."""
+    size = draw(st.sampled_from([2, 3]))
+    samples = draw(st.integers(1, 6))
+    base = np.array(
+        draw(st.lists(st.floats(-4, 4), min_size=samples * size, max_size=samples * size))
+    ).reshape(samples, size)
+    base[:, -1] = base[:, 0] * draw(st.floats(0.5, 2)) + base[:, -1] * draw(
+        st.sampled_from([0.0, 1e-9, 1e-4, 1e-2, 1.0])
+    )
+    normal = base.T @ base + np.diag(draw(st.sampled_from([0.0, 1e-12, 1e-6])) * np.ones(size))
+    scale = np.sqrt(np.diag(normal))
+    if (scale == 0).any():
+        return np.eye(size)
+    return normal / np.outer(scale, scale)
+
+
+@settings(max_examples=300, deadline=None)
+@given(unit=unit_normals())
+def test_condition_is_numpys_and_the_quick_bound_never_passes_a_bad_one(unit: np.ndarray) -> None:
+    exact = float(np.linalg.cond(unit))
+    assert cost_module._condition(unit) == exact
+    if cost_module._surely_conditioned(unit.tolist()):
+        assert exact <= cost_module.CONDITION_LIMIT / 2 * (1 + 1e-6)

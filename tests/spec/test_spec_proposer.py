@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.spec import DraftTree, NgramProposer, SpecConfig
+from engine.spec import DraftTree, NgramProposer, SpecConfig, stack
+from engine.state.debug import same_value
 
 
 def propose(history: list[int], budget: int | None = None, **config: int) -> DraftTree:
@@ -213,3 +214,40 @@ def test_total_drafts_go_in_order_and_unused_ones_pass_on() -> None:
     assert sizes(proposer.propose_batch([0, 2], None, total_drafts=0)) == [1, 1]
     with pytest.raises(ValueError, match="total_drafts=-1 is not allowed"):
         proposer.propose_batch([0], [1], total_drafts=-1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    histories=st.lists(
+        st.lists(st.integers(0, 4), min_size=1, max_size=40), min_size=1, max_size=5
+    ),
+    budgets=st.lists(st.integers(0, 12), min_size=5, max_size=5) | st.none(),
+    total_drafts=st.integers(0, 30) | st.none(),
+    min_match=st.integers(1, 3),
+)
+def test_propose_batch_equals_one_tree_per_request_stacked(
+    histories: list[list[int]],
+    budgets: list[int] | None,
+    total_drafts: int | None,
+    min_match: int,
+) -> None:
+    """The batch's flat columns, built directly, are those of each request's own tree
+    (`propose` at its budget, cut to the drafts left) stacked in order."""
+    config = SpecConfig(max_trie_depth=6, min_match=min_match, max_match=4, capacity=144)
+    proposer = NgramProposer(config)
+    for rid, history in enumerate(histories):
+        proposer.add_request(rid, history)
+    rids = list(range(len(histories)))[::-1]  # not in the order they were added
+    chosen = None if budgets is None else budgets[: len(rids)]
+    trees = proposer.propose_batch(rids, chosen, total_drafts)
+    expected, left = [], total_drafts
+    for i, rid in enumerate(rids):
+        budget = 12 if chosen is None else chosen[i]
+        tree = proposer.propose(rid, budget=budget if left is None else min(budget, left))
+        expected.append(tree)
+        if left is not None:
+            left -= len(tree.tokens) - 1
+    reference = stack(expected)
+    for field in ("tokens", "parents", "depths", "ancestor_bits"):
+        assert same_value(getattr(trees, field), getattr(reference, field)), field
+    assert trees.sizes == reference.sizes

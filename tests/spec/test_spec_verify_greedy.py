@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.spec import DraftTree, stack, verify_greedy
-from engine.state import FinishRules, Running, SeqLens, schedule_verify, verify
+from engine.state import (
+    MAX_TREE_NODES,
+    FinishRules,
+    Running,
+    SeqLens,
+    schedule_verify,
+    verify,
+)
 
 #     0:5
 #   1:6   2:7
@@ -78,6 +85,43 @@ def test_equals_sequential_reference(cases: list[tuple[DraftTree, list[int]]]) -
     assert lens == [len(path) for path, _ in expected]
     assert nodes == [node for path, _ in expected for node in path]
     assert bonus == [b for _, b in expected]
+
+
+def test_a_node_of_another_branch_with_the_wanted_token_is_skipped() -> None:
+    # root -> 2:7 is accepted; node 3 holds the wanted 9 but hangs below node 1, so the walk
+    # takes node 4, the first child of node 2 with it.
+    tree = DraftTree((5, 6, 7, 9, 9), (-1, 0, 0, 1, 2))
+    assert outcome_lists([tree], [7, 0, 9, 0, 4]) == ([2], [2, 4], [4])
+
+
+@st.composite
+def wide_tree_and_argmax(draw: st.DrawFn) -> tuple[DraftTree, list[int]]:
+    """Trees up to the largest allowed, each parent any earlier node."""
+    size = draw(st.integers(1, MAX_TREE_NODES))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, size)]
+    tokens = draw(st.lists(st.integers(0, 3), min_size=size, max_size=size))
+    argmax = draw(st.lists(st.integers(0, 3), min_size=size, max_size=size))
+    return DraftTree(tokens, parents), argmax
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(wide_tree_and_argmax(), min_size=1, max_size=8), st.booleans())
+def test_large_trees_equal_sequential_reference(
+    cases: list[tuple[DraftTree, list[int]]], as_logits: bool
+) -> None:
+    trees = [tree for tree, _ in cases]
+    argmax = [a for _, values in cases for a in values]
+    target: object = np.array(argmax)
+    if as_logits:
+        logits = torch.zeros(len(argmax), 4)
+        logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 1.0
+        target = logits
+    result = verify_greedy(stack(trees), target)
+    expected = [sequential_reference(tree, values) for tree, values in cases]
+    assert result.accepted_lens.tolist() == [len(path) for path, _ in expected]
+    assert result.accepted_nodes.tolist() == [node for path, _ in expected for node in path]
+    assert result.bonus.tolist() == [b for _, b in expected]
+    assert result.accepted_nodes.dtype == result.bonus.dtype == np.int64
 
 
 def test_outcome_commits_through_the_state_verify() -> None:

@@ -4,6 +4,7 @@ constructors give; under ENGINE_DEBUG a trusted value that breaks an invariant i
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Iterator
 
@@ -14,7 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from state_builders import VOCAB, Rule, finish_rules, rules_strategy
 
-from engine.state import Effects, Running, SeqLens, debug, frozen_array
+from engine.state import (
+    MAX_TREE_NODES,
+    DraftTrees,
+    Effects,
+    Running,
+    SeqLens,
+    debug,
+    frozen_array,
+)
 from engine.state.debug import check_trusted, same_value, trusted
 
 fast = settings(max_examples=60, deadline=None)
@@ -174,6 +183,54 @@ def test_effects_fast_equals_checked(columns):
         quick = Effects.of_valid(**as_fields(columns, frozen_array))
     assert_same(quick, checked)
     check_trusted(quick)
+
+
+@st.composite
+def flat_trees(draw: st.DrawFn, valid: bool = True) -> tuple[list[int], list[int], list[int]]:
+    """(sizes, tokens, parents) of draft trees in batch order; with `valid` False, sometimes
+    one entry broken (an empty or oversized tree, a root with a parent, a parent not before
+    its node, a negative token)."""
+    sizes = draw(st.lists(st.integers(1, MAX_TREE_NODES), max_size=5))
+    parents = [
+        p for size in sizes for p in [-1, *(draw(st.integers(0, i - 1)) for i in range(1, size))]
+    ]
+    tokens = draw(st.lists(st.integers(0, 1000), min_size=len(parents), max_size=len(parents)))
+    if not valid and parents:
+        at = draw(st.integers(0, len(parents) - 1))
+        kind = draw(st.sampled_from(["parent", "token", "size"]))
+        if kind == "parent":  # at the edges of what is allowed: itself, just after, < 0
+            local = at - max(start for start in itertools.accumulate([0, *sizes]) if start <= at)
+            parents[at] = draw(st.sampled_from([local, local + 1, -1 if local else 0, -2]))
+        elif kind == "token":
+            tokens[at] = -1
+        else:
+            sizes[draw(st.integers(0, len(sizes) - 1))] = draw(st.sampled_from([0, 64]))
+    return sizes, tokens, parents
+
+
+@fast
+@given(trees=flat_trees())
+def test_draft_trees_from_flat_equals_checked(trees):
+    sizes, tokens, parents = trees
+    checked = DraftTrees(SeqLens(sizes), tokens, parents)
+    with production_mode():
+        quick = DraftTrees.from_flat(sizes, tokens, parents)
+    assert_same(quick, checked)
+    check_trusted(quick)
+
+
+@settings(max_examples=150, deadline=None)
+@given(trees=flat_trees(valid=False))
+def test_draft_trees_from_flat_refuses_what_the_checked_constructor_refuses(trees):
+    sizes, tokens, parents = trees
+    try:
+        checked = DraftTrees(SeqLens(sizes), tokens, parents)
+    except ValueError:
+        with production_mode(), pytest.raises(ValueError):
+            DraftTrees.from_flat(sizes, tokens, parents)
+    else:
+        with production_mode():
+            assert_same(DraftTrees.from_flat(sizes, tokens, parents), checked)
 
 
 def test_fields_are_checked_in_both_modes():
