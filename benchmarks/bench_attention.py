@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: N812
 import triton
 from torch.nn.attention.bias import causal_lower_right
 
-from engine.backends import KVPool, triton_decode, triton_extend, triton_index
+from engine.backends import KVPool, triton_decode, triton_extend, triton_index, triton_merge
 from engine.backends.torch_backend import build_kv_indices
 from engine.backends.triton_backend import TritonBackend
 from engine.backends.triton_decode import choose_num_splits, decode_attention
@@ -547,7 +547,7 @@ def print_resources() -> None:
     """The compiler's resource report for every kernel variant compiled in this run."""
     kernels = (
         triton_decode._decode_split_kernel,
-        triton_decode._merge_splits_kernel,
+        triton_merge._merge_splits_kernel,
         triton_extend._extend_kernel,
         triton_index._kv_indices_kernel,
     )

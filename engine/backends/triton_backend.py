@@ -30,10 +30,11 @@ from engine.backends.base import (
     host_metadata,
     register,
 )
-from engine.backends.triton_decode import choose_num_splits, decode_attention, merge_counters
+from engine.backends.triton_decode import choose_num_splits, decode_attention
 from engine.backends.triton_decode import num_sms as _num_sms
 from engine.backends.triton_extend import extend_attention
 from engine.backends.triton_index import build_kv_indices_into
+from engine.backends.triton_merge import merge_counters
 from engine.state import MAX_TREE_NODES, PADDING_SLOT, Batch, Mode
 
 _NO_BITS = np.zeros(0, dtype=np.int64)

@@ -2,8 +2,9 @@
 
 One program handles every query head of one kv head (and, when verifying, every tree query of
 its request) over one split of the request's keys; verify is decode with D queries per request
-and the ancestor mask. The splits' partial outputs are combined by their log-sums, either by
-the last split program of each (request, kv head) to finish (fused) or by a merge kernel.
+and the ancestor mask. The splits' partial outputs are combined by their log-sums
+(`triton_merge`), either by the last split program of each (request, kv head) to finish
+(fused) or by a merge kernel.
 """
 
 from __future__ import annotations
@@ -14,10 +15,18 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from engine.backends.base import BufferTooSmall
 from engine.backends.triton_extend import online_softmax_step
+from engine.backends.triton_merge import (
+    check_counters,
+    last_to_arrive,
+    merge_counters,
+    merge_rows,
+    merge_splits,
+    merge_tiles,
+    pow2_floor,
+)
 
 # The split policy's model of the chip (`choose_num_splits`), fitted on an H200
 # (`bench_attention.py --split-grid`: 46 shapes, policy within 1.03x of the best power of two).
@@ -45,18 +54,12 @@ VERIFY_CONFIGS = (
 # block at a time where the merge kernel spreads them over the grid.
 FUSED_MERGE_DECODE = False
 FUSED_MERGE_VERIFY = False
-MERGE_VALUES_PER_THREAD = 64  # fp32 partial values a thread holds in the fused merge's tile
 INTERPRETER_CONFIG = {
     "BLOCK_N": 16,
     "num_warps": 4,
     "num_stages": 1,  # small tests, all paths
     "PDL": False,
 }
-
-
-def _pow2_floor(value: float) -> int:
-    """The largest power of two <= value (1 below 2)."""
-    return 1 << max(int(value), 1).bit_length() - 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -87,9 +90,9 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_
     wave = PROGRAMS_PER_SM * num_sms / programs  # splits that make one full wave
     wanted = 1 << max(0, round(math.log2(wave))) if wave >= 1 else 1
     block = DECODE_CONFIG["BLOCK_N"]
-    longest = _pow2_floor(max_seq_len / MIN_KEYS_PER_SPLIT)
+    longest = pow2_floor(max_seq_len / MIN_KEYS_PER_SPLIT)
     if programs * longest < num_sms:
-        longest = _pow2_floor(max_seq_len / block)  # one block a split: SMs would idle
+        longest = pow2_floor(max_seq_len / block)  # one block a split: SMs would idle
     return min(wanted, longest, MAX_SPLITS)
 
 
@@ -309,29 +312,31 @@ def _decode_split_kernel(
         )
         tl.store(lse + token * stride_lt + head * stride_lh + split, log_sum, mask=part_ok)
         if FUSED:
-            _merge_if_last(
-                partial,
-                lse,
-                out,
-                counters + req * tl.num_programs(1) + kv_head,
-                qo_start,
-                tl.minimum(num_q, MAX_Q) * GROUP,
-                kv_head,
-                num_splits,
-                num_tokens,
-                out_capacity,
-                stride_pt,
-                stride_ph,
-                stride_ps,
-                stride_lt,
-                stride_lh,
-                stride_ot,
-                stride_oh,
-                GROUP,
-                ROW_BLOCK,
-                SPLIT_CHUNK,
-                HEAD_DIM,
-            )
+            counter = counters + req * tl.num_programs(1) + kv_head
+            if last_to_arrive(counter, num_splits):
+                merge_rows(
+                    partial,
+                    lse,
+                    out,
+                    qo_start,
+                    tl.minimum(num_q, MAX_Q) * GROUP,
+                    kv_head,
+                    num_splits,
+                    num_tokens,
+                    out_capacity,
+                    stride_pt,
+                    stride_ph,
+                    stride_ps,
+                    stride_lt,
+                    stride_lh,
+                    stride_ot,
+                    stride_oh,
+                    GROUP,
+                    ROW_BLOCK,
+                    SPLIT_CHUNK,
+                    HEAD_DIM,
+                )
+                tl.store(counter, 0)  # zero at rest, for the next launch or graph replay
     # tokens no request owns (graph padding): zeros, written to out by one split where no
     # merge kernel follows, else as empty partials in every split for the merge to turn to 0
     if (req == tl.num_programs(0) - 1) & ((split == 0) | (not (DIRECT or FUSED))):
@@ -357,139 +362,6 @@ def _decode_split_kernel(
             BLOCK_M,
             HEAD_DIM,
             DIRECT or FUSED,
-        )
-
-
-@triton.jit
-def _merge_if_last(
-    partial,
-    lse,
-    out,
-    counter,
-    qo_start,
-    num_rows,
-    kv_head,
-    num_splits,
-    num_tokens,
-    out_capacity,
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_lt,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """Count this split in; the last of its (request, kv head) to arrive merges every split's
-    partial into out and puts the counter back to 0 for the next launch (or graph replay).
-
-    Memory order (the "last block reduces" semaphore): the barrier makes every thread's
-    partial and lse stores precede, in this program, the one thread's atomic add; the add is
-    a release at GPU scope, and release is cumulative, so those stores are visible GPU-wide
-    before the count. The add that reads num_splits - 1 comes after every other split's add
-    in the counter's modification order (read-modify-writes chain: a release sequence) and
-    is an acquire, so it synchronizes with each of them: every split's stores happen before
-    its loads. Its other threads follow the acquire through the barrier Triton places after
-    a scalar atomic (it broadcasts the result through shared memory). The loads bypass L1
-    (.cg): an SM's L1 is not coherent and must not serve a line cached before the stores.
-    The reset is a plain store: nothing else touches the counter in this launch, and the
-    next launch on the stream starts after this one has finished (a kernel that started
-    early, by programmatic dependent launch, on the same counters would race)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        _merge_rows(
-            partial,
-            lse,
-            out,
-            qo_start,
-            num_rows,
-            kv_head,
-            num_splits,
-            num_tokens,
-            out_capacity,
-            stride_pt,
-            stride_ph,
-            stride_ps,
-            stride_lt,
-            stride_lh,
-            stride_ot,
-            stride_oh,
-            GROUP,
-            ROW_BLOCK,
-            SPLIT_CHUNK,
-            HEAD_DIM,
-        )
-        tl.store(counter, 0)
-
-
-@triton.jit
-def _merge_rows(
-    partial,
-    lse,
-    out,
-    qo_start,
-    num_rows,
-    kv_head,
-    num_splits,
-    num_tokens,
-    out_capacity,
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_lt,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """Merge the splits of a program's rows (GROUP heads x its tokens) into out: ROW_BLOCK
-    rows x SPLIT_CHUNK splits x HEAD_DIM loaded at once (one L2 round trip where the tile
-    holds them all), combined by online rescaling across chunks of splits."""
-    dims = tl.arange(0, HEAD_DIM)
-    chunk = tl.arange(0, SPLIT_CHUNK)
-    for first_row in range(0, num_rows, ROW_BLOCK):
-        rows = first_row + tl.arange(0, ROW_BLOCK)
-        token = (qo_start + rows // GROUP).to(tl.int64)
-        head = kv_head * GROUP + rows % GROUP
-        row_ok = (rows < num_rows) & (token < num_tokens)
-        lse_rows = lse + token[:, None] * stride_lt + head[:, None] * stride_lh
-        part_rows = partial + token[:, None, None] * stride_pt + head[:, None, None] * stride_ph
-        top = tl.full([ROW_BLOCK], float("-inf"), tl.float32)
-        total = tl.zeros([ROW_BLOCK], tl.float32)
-        merged = tl.zeros([ROW_BLOCK, HEAD_DIM], tl.float32)
-        for first_split in range(0, num_splits, SPLIT_CHUNK):
-            splits = first_split + chunk
-            ok = row_ok[:, None] & (splits < num_splits)[None, :]
-            log_sums = tl.load(
-                lse_rows + splits[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
-            )
-            parts = tl.load(
-                part_rows + splits[None, :, None] * stride_ps + dims[None, None, :],
-                mask=ok[:, :, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            new_top = tl.maximum(top, tl.max(log_sums, 1))
-            base = tl.where(new_top == float("-inf"), 0.0, new_top)  # no keys yet: weights 0
-            rescale = tl.math.exp2(top - base)
-            weights = tl.math.exp2(log_sums - base[:, None])
-            total = total * rescale + tl.sum(weights, 1)
-            merged = merged * rescale[:, None] + tl.sum(parts * weights[:, :, None], 1)
-            top = new_top
-        merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
-        out_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-        tl.store(
-            out_ptrs,
-            merged.to(out.dtype.element_ty),
-            mask=(row_ok & (token < out_capacity))[:, None],
         )
 
 
@@ -544,78 +416,6 @@ def _zero_padding(
             )
 
 
-@triton.jit
-def _merge_splits_kernel(
-    partial,
-    lse,
-    out,
-    num_splits,
-    out_capacity,
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_lt,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    if PDL:
-        gdc_wait()  # every split program has finished and its stores are visible
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    split_ok = splits < num_splits
-    dims = tl.arange(0, HEAD_DIM)
-    log_sums = tl.load(
-        lse + token * stride_lt + head * stride_lh + splits, mask=split_ok, other=float("-inf")
-    )
-    top = tl.max(log_sums, 0)
-    weights = tl.math.exp2(log_sums - tl.where(top == float("-inf"), 0.0, top))
-    total = tl.sum(weights, 0)
-    part_ptrs = partial + token * stride_pt + head * stride_ph + splits[:, None] * stride_ps
-    parts = tl.load(part_ptrs + dims[None, :], mask=split_ok[:, None], other=0.0)
-    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    out_ptrs = out + token.to(tl.int64) * stride_ot + head * stride_oh + dims
-    tl.store(
-        out_ptrs, merged.to(out.dtype.element_ty), mask=(dims < HEAD_DIM) & (token < out_capacity)
-    )
-
-
-@functools.lru_cache(maxsize=1024)
-def merge_tiles(
-    block_s: int, rows: int, head_dim: int, num_warps: int, tile: int | None = None
-) -> tuple[int, int]:
-    """(ROW_BLOCK, SPLIT_CHUNK) of the fused merge: as many splits of a row, then as many
-    rows, as a tile of `tile` fp32 values holds (default MERGE_VALUES_PER_THREAD a thread).
-    Cached: every layer's launch asks."""
-    tile = tile or MERGE_VALUES_PER_THREAD * 32 * num_warps
-    split_chunk = min(block_s, _pow2_floor(tile / head_dim))
-    row_block = min(triton.next_power_of_2(rows), _pow2_floor(tile / (split_chunk * head_dim)))
-    return row_block, split_chunk
-
-
-def merge_counters(num_requests: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """Zeroed counters for the fused merge of up to num_requests x num_kv_heads programs'
-    splits. A launch leaves them at zero, so one buffer serves every launch on a stream (and
-    every replay of a graph that captured it); never two launches running at once."""
-    return torch.zeros(num_requests * num_kv_heads, dtype=torch.int32, device=device)
-
-
-def _check_counters(counters: torch.Tensor, num_requests: int, num_kv_heads: int) -> None:
-    """Size and dtype only: this runs at every layer's launch (each check costs host time)."""
-    needed = num_requests * num_kv_heads
-    if counters.dtype != torch.int32:
-        raise ValueError(f"merge counters must be int32 (see merge_counters); got {counters.dtype}")
-    if counters.numel() < needed:
-        raise BufferTooSmall(
-            f"merge counters hold {counters.numel()} entries; this pass needs {num_requests} "
-            f"requests x {num_kv_heads} kv heads = {needed}"
-        )
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -658,7 +458,7 @@ def decode_attention(
     direct = num_splits == 1
     fused = bool(cfg["FUSED_MERGE"]) and not direct
     if fused and counters is not None:
-        _check_counters(counters, num_requests, num_kv_heads)
+        check_counters(counters, num_requests, num_kv_heads)
     if direct:
         partial, lse = out, out  # unused: one split writes the output itself
         part_strides, lse_strides = (0, 0, 0), (0, 0)
@@ -722,20 +522,5 @@ def decode_attention(
         num_stages=cfg["num_stages"],
     )
     if not direct and not fused and not cfg.get("SKIP_MERGE", False):  # skip: diagnostics
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
-            partial,
-            lse,
-            out,
-            num_splits,
-            out.shape[0],
-            *part_strides,
-            *lse_strides,
-            out.stride(0),
-            out.stride(1),
-            BLOCK_S=block_s,
-            HEAD_DIM=head_dim,
-            PDL=pdl,
-            num_warps=4,
-            **({"launch_pdl": True} if pdl else {}),
-        )
+        merge_splits(partial, lse, out, num_splits, pdl)
     return out

@@ -41,13 +41,14 @@ ROWS_PRODUCTS = 512
 
 
 PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the products
-# The norm prologue holds each of its rows whole (next power of two of K) in registers to
-# take its mean square: at most this many elements a program (rows x padded K).
+# The norm prologue holds a row whole (next power of two of K) in registers to take its mean
+# square: at most this many elements.
 MAX_NORM_ELEMENTS = 16384
-# `norm_linear` and `silu_mul_linear` fuse one-row products only. Measured on the H200
-# (`bench_gemv.py --fused`): at one row the single launch takes 1.05x (Llama-3-8B qkv) to
-# 1.47x (SmolLM2-135M qkv, fp32) less time than the op and the product apart; at 13 rows the
-# all-rows kernel, which then recomputes the op in every program, is 0.58-0.78x as fast.
+# `norm_linear` and `silu_mul_linear` fuse one-row products only, in the row-at-a-time
+# kernel. Measured on the H200 (`bench_gemv.py --fused`): at one row the single launch takes
+# 1.05x (Llama-3-8B qkv) to 1.47x (SmolLM2-135M qkv, fp32) less time than the op and the
+# product apart; at 13 rows an all-rows kernel that recomputed the op in every program was
+# 0.58-0.78x as fast (commit 7f626ce), so the all-rows kernel runs plain products only.
 FUSED_ROWS = 1
 
 
@@ -186,24 +187,15 @@ def _gemv_rows_kernel(
     x,
     w,
     out,
-    residual,
-    norm_w,
-    residual_out,
     M,
     N,
     K,
-    eps,
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
-    stride_ro,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PROLOGUE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_ROW: tl.constexpr,
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
@@ -212,37 +204,18 @@ def _gemv_rows_kernel(
     rows = tl.arange(0, BLOCK_M)
     in_n = cols < N
     in_m = rows < M
-    first = tl.program_id(0) == 0
-    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-    if PROLOGUE == 1:
-        inv_rms = _inv_rms(
-            x, residual, rows, in_m, stride_xm, stride_rm, K, eps, HAS_RESIDUAL, BLOCK_ROW
-        )
     w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         in_k = ks < K
         tile = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
-        xs = _x_block(
-            x,
-            residual,
-            norm_w,
-            residual_out,
-            rows,
-            in_m,
-            ks,
-            in_k,
-            inv_rms,
-            first,
-            stride_xm,
-            stride_rm,
-            stride_ro,
-            K,
-            PROLOGUE,
-            HAS_RESIDUAL,
+        xs = tl.load(
+            x + rows[:, None] * stride_xm + ks[None, :],
+            mask=in_m[:, None] & in_k[None, :],
+            other=0.0,
         )
-        acc += xs[:, None, :] * tile.to(tl.float32)[None, :, :]
+        acc += xs.to(tl.float32)[:, None, :] * tile.to(tl.float32)[None, :, :]
     tl.store(
         out + rows[:, None] * stride_om + cols[None, :],
         tl.sum(acc, axis=2).to(out.dtype.element_ty),
@@ -281,12 +254,32 @@ def _launch(
     """(x' @ weight^T, the residual stream written by the NORM prologue or None)."""
     rows, n = x.shape[0], weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    params = dict(GEMV_CONFIG, **(config or {}))
+    grid = (triton.cdiv(n, params["BLOCK_N"]),)
+    if params.pop("all_rows", False):
+        if prologue != PLAIN:
+            raise ValueError(
+                "the all-rows kernel (config all_rows) runs plain products only; the norm "
+                "and SiLU*mul prologues run in the row-at-a-time kernel (config None)"
+            )
+        _gemv_rows_kernel[grid](
+            x,
+            weight,
+            out,
+            rows,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            BLOCK_M=triton.next_power_of_2(rows),
+            **params,
+        )
+        return out, None
     residual, norm_w, eps = norm if norm is not None else (None, x, 0.0)
     residual_out = torch.empty_like(x) if residual is not None else None
-    params = dict(GEMV_CONFIG, **(config or {}))
-    kernel = _gemv_rows_kernel if params.pop("all_rows", False) else _gemv_kernel
     unused = x  # a pointer the kernel never reads where there is nothing to point at
-    kernel[(triton.cdiv(n, params["BLOCK_N"]),)](
+    _gemv_kernel[grid](
         x,
         weight,
         out,
@@ -329,7 +322,7 @@ def norm_gemv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch, as the RMSNorm op then
     `gemv` round and compute them (residual None: RMSNorm(x), and x is the stream). Rows
-    of K elements, at most MAX_NORM_ELEMENTS a launch once padded to powers of two."""
+    of K elements, at most MAX_NORM_ELEMENTS once padded to a power of two."""
     k = x.shape[-1]
     _check(x, weight, k, "norm_gemv")
     if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
@@ -340,11 +333,11 @@ def norm_gemv(
         )
     if residual is not None and residual.stride(1) != 1:
         raise ValueError(f"norm_gemv needs a unit-stride residual; got {residual.stride()}")
-    padded = triton.next_power_of_2(x.shape[0]) * triton.next_power_of_2(k)
-    if padded > MAX_NORM_ELEMENTS:
+    if triton.next_power_of_2(k) > MAX_NORM_ELEMENTS:
         raise ValueError(
-            f"norm_gemv holds at most {MAX_NORM_ELEMENTS} padded elements a launch; "
-            f"{x.shape[0]} rows of {k} pad to {padded} (use the RMSNorm op and gemv)"
+            f"norm_gemv holds rows of at most {MAX_NORM_ELEMENTS} elements once padded to a "
+            f"power of two; {k} pads to {triton.next_power_of_2(k)} (use the RMSNorm op "
+            "and gemv)"
         )
     out, residual_out = _launch(x, weight, k, config, NORM, (residual, norm_weight, eps))
     return out, x if residual_out is None else residual_out

@@ -9,13 +9,8 @@ import torch
 from backend_cases import DEVICE, DTYPES, TOLERANCE, relative_error
 
 from engine.backends import BufferTooSmall
-from engine.backends.triton_decode import (
-    MAX_SPLITS,
-    MERGE_VALUES_PER_THREAD,
-    decode_attention,
-    merge_counters,
-    merge_tiles,
-)
+from engine.backends.triton_decode import MAX_SPLITS, decode_attention
+from engine.backends.triton_merge import MERGE_VALUES_PER_THREAD, merge_counters, merge_tiles
 
 DTYPE = DTYPES[0]
 HEAD_DIM = 32

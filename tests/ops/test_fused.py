@@ -188,9 +188,9 @@ ROWS_CONFIG = dict(BLOCK_N=2, BLOCK_K=64, num_warps=4, all_rows=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,config", [(1, None), (3, ROWS_CONFIG), (13, ROWS_CONFIG)])
+@pytest.mark.parametrize("rows", [1, 3, 13])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, config, with_residual):
+def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, with_residual):
     """One launch gives the unfused pair's product (the normed row rounded as the RMSNorm
     op rounds it) and its residual stream; the inputs are left unchanged."""
     n, k = 20, 100
@@ -203,8 +203,8 @@ def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, config, with_residual)
         normed, stream = fused.rms_norm(x, norm_weight, 1e-5), x
     else:
         normed, stream = fused.add_rms_norm(x, residual, norm_weight, 1e-5)
-    out, got_stream = gemv.norm_gemv(x, residual, norm_weight, 1e-5, weight, config)
-    _close(out, gemv.gemv(normed, weight, config), dtype)
+    out, got_stream = gemv.norm_gemv(x, residual, norm_weight, 1e-5, weight)
+    _close(out, gemv.gemv(normed, weight), dtype)
     assert torch.equal(got_stream, stream)
     assert got_stream is x if residual is None else got_stream.data_ptr() != x.data_ptr()
     assert torch.equal(x, before[0])
@@ -219,13 +219,13 @@ def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, config, with_residual)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,config", [(1, None), (4, ROWS_CONFIG)])
-def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows, config):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows):
     n, inter = 24, 150
     gate_up = _random(rows, 2 * inter, dtype=dtype, seed=35) * 4
     weight = _random(n, inter, dtype=dtype, seed=36) * 0.01
-    out = gemv.silu_gemv(gate_up, weight, config)
-    _close(out, gemv.gemv(fused.silu_mul(gate_up), weight, config), dtype)
+    out = gemv.silu_gemv(gate_up, weight)
+    _close(out, gemv.gemv(fused.silu_mul(gate_up), weight), dtype)
     reference = torch.nn.functional.linear(TorchOps.silu_mul(gate_up).float(), weight.float())
     _close(out, reference.to(dtype), dtype)
 
@@ -238,9 +238,13 @@ def test_fused_products_refuse_what_they_do_not_serve():
         gemv.norm_gemv(x, torch.zeros(3, 16, device=DEVICE), norm_weight, 1e-5, weight)
     with pytest.raises(ValueError, match=r"norm_weight \[16\]"):
         gemv.norm_gemv(x, None, torch.ones(15, device=DEVICE), 1e-5, weight)
-    wide = torch.zeros(16, 4096, device=DEVICE)
-    with pytest.raises(ValueError, match="at most 16384 padded elements"):
-        gemv.norm_gemv(torch.zeros(8, 4096, device=DEVICE), None, wide[0], 1e-5, wide)
+    wide = torch.zeros(16, 16385, device=DEVICE)
+    with pytest.raises(ValueError, match="rows of at most 16384 elements"):
+        gemv.norm_gemv(torch.zeros(1, 16385, device=DEVICE), None, wide[0], 1e-5, wide)
+    with pytest.raises(ValueError, match="all-rows kernel .* plain products only"):
+        gemv.norm_gemv(x, None, norm_weight, 1e-5, weight, ROWS_CONFIG)
+    with pytest.raises(ValueError, match="all-rows kernel .* plain products only"):
+        gemv.silu_gemv(torch.zeros(2, 32, device=DEVICE), weight, ROWS_CONFIG)
     with pytest.raises(ValueError, match=r"gate_up \[M, 2 \* inter\]"):
         gemv.silu_gemv(torch.zeros(1, 15, device=DEVICE), weight)
     with pytest.raises(ValueError, match=r"K = 8"):
@@ -277,15 +281,13 @@ class _KernelProducts(TorchOps):
     def norm_linear(x, residual, norm_weight, eps, weight):
         if x.shape[0] > gemv.MAX_ROWS:
             return None
-        config = None if x.shape[0] == 1 else ROWS_CONFIG
-        return gemv.norm_gemv(x, residual, norm_weight, eps, weight.contiguous(), config)
+        return gemv.norm_gemv(x, residual, norm_weight, eps, weight.contiguous())
 
     @staticmethod
     def silu_mul_linear(gate_up, weight):
         if gate_up.shape[0] > gemv.MAX_ROWS:
             return None
-        config = None if gate_up.shape[0] == 1 else ROWS_CONFIG
-        return gemv.silu_gemv(gate_up, weight.contiguous(), config)
+        return gemv.silu_gemv(gate_up, weight.contiguous())
 
 
 def test_forward_with_fused_products_equals_torch_path(two_passes, monkeypatch):
