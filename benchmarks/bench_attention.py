@@ -40,6 +40,8 @@ COLD_BYTES = 256 << 20
 DECODE = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]
 EXTEND = [(1, 0, 4096), (8, 0, 1024), (8, 2048, 512)]
 VERIFY = [(1, 4096), (48, 1024), (64, 2048)]
+# --fused-merge also times these decode shapes, which split 2-16 ways (B x kv heads >= 32)
+FEW_SPLITS = [(4, 8192), (8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048)]
 KV_INDEX = [(64, 2048), (256, 4096)]
 TREE = 12
 # overrides of the defaults (DECODE_CONFIG, the chosen VERIFY_CONFIGS entry, EXTEND_CONFIG)
@@ -345,7 +347,7 @@ def fused_merge_table(ceiling: float) -> None:
         "two-launch frac | fused frac | max abs diff |"
     )
     print("|" + "---|" * 9)
-    for mode, shapes in (("decode", DECODE), ("verify", VERIFY)):
+    for mode, shapes in (("decode", DECODE + FEW_SPLITS), ("verify", VERIFY)):
         for batch, length in shapes:
             new = 1 if mode == "decode" else TREE
             prefix = length - 1 if mode == "decode" else length

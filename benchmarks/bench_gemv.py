@@ -8,7 +8,8 @@ pass of a 12-draft tree has 13). Each measurement replays a CUDA graph of calls 
 distinct weight copies (>= 512 MB) that L2 holds none of them, as in a real decode step; the
 time is one call's share, median of 10 replays. GB/s counts the weight bytes. "all rows" is the
 kernel that loads each weight tile once for every row (`gemv.rows_config`).
-`--sweep` also tries every launch configuration and prints the fastest per shape.
+`--sweep` also tries every launch configuration and prints the fastest per shape;
+`--loop-stages` times the launch the model takes at 1-4 key steps in flight (LOOP_STAGES).
 
     python3 benchmarks/bench_gemv.py --fused [--shapes smollm2_135m --dtype float32]
 
@@ -82,10 +83,10 @@ def configs(rows: int):
     else:
         space = itertools.product((2, 4, 8, 16), (32, 64, 128), (4, 8), (2, 3, 4))
         limit, all_rows = 1024, True
-    for bn, bk, warps, stages in space:
+    for bn, bk, warps, stages in space:  # stages: key steps in flight (LOOP_STAGES)
         if bn * bk <= limit:
             yield dict(
-                BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, all_rows=all_rows
+                BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, LOOP_STAGES=stages, all_rows=all_rows
             )
 
 
@@ -130,29 +131,66 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
                 runs = fused_ops.silu_mul_linear(x, weights[0])
             t_apart = time_calls(apart, weights, x)
             if config is None:
-                results.append((name, rows, t_apart, None, "apart (cuBLAS)"))
+                results.append((name, rows, t_apart, None, None, "apart (cuBLAS)"))
                 continue
             expected = apart(x, weights[0]).float()
             assert torch.allclose(one(x, weights[0]).float(), expected, rtol=2e-2, atol=2e-2)
             chosen = "apart" if runs is None else "one launch"
-            results.append((name, rows, t_apart, time_calls(one, weights, x), chosen))
+            unpipelined = dict(config, LOOP_STAGES=1)
+            t_one, t_one1 = (
+                time_calls(lambda a, w, c=c: one(a, w, c), weights, x)
+                for c in (config, unpipelined)
+            )
+            results.append((name, rows, t_apart, t_one, t_one1, chosen))
         del weights
         torch.cuda.empty_cache()
-    print("\n| product | rows | op + linear us | one launch us | apart / one | the op set runs |")
-    print("|---|---|---|---|---|---|")
-    for name, rows, t_apart, t_one, chosen in results:
+    print(
+        "\n| product | rows | op + linear us | one launch us | apart / one | "
+        "one launch, LOOP_STAGES=1 us | the op set runs |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, rows, t_apart, t_one, t_one1, chosen in results:
         one_text = "" if t_one is None else f"{t_one * 1e6:.1f}"
         ratio = "" if t_one is None else f"{t_apart / t_one:.2f}x"
+        one1_text = "" if t_one1 is None else f"{t_one1 * 1e6:.1f}"
         print(
             f"| {PROLOGUES[name]} + {name} | {rows} | {t_apart * 1e6:.1f} | {one_text} | "
-            f"{ratio} | {chosen} |"
+            f"{ratio} | {one1_text} | {chosen} |"
         )
+
+
+def compare_loop_stages(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> None:
+    """The launch `linear_config` picks, at each LOOP_STAGES (key steps in flight)."""
+    sms = torch.cuda.get_device_properties().multi_processor_count
+    stages = (1, 2, 3, 4)
+    print(f"\n| shape | rows | cuBLAS us | {' | '.join(f'LOOP_STAGES={s} us' for s in stages)} |")
+    print("|---|---|---|" + "---|" * len(stages))
+    for name, (n, k) in shapes.items():
+        copies = max(2, -(-512 * 2**20 // (n * k * dtype.itemsize)))
+        weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+        for rows in rows_list:
+            config = gemv.linear_config(rows, dtype, (n, k), sms)
+            if config is None:
+                continue
+            x = torch.randn(rows, k, device="cuda", dtype=dtype)
+            times = []
+            for s in stages:
+                c = dict(config, LOOP_STAGES=s)
+                got = gemv.gemv(x, weights[0], c).float()
+                assert torch.allclose(got, F.linear(x, weights[0]).float(), rtol=2e-2, atol=2e-2)
+                times.append(time_calls(lambda a, w, c=c: gemv.gemv(a, w, c), weights, x))
+            t_cublas = time_calls(F.linear, weights, x)
+            cells = " | ".join(f"{t * 1e6:.1f}" for t in times)
+            print(f"| {name} {n} x {k} | {rows} | {t_cublas * 1e6:.1f} | {cells} |", flush=True)
+        del weights
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fused", action="store_true")
+    parser.add_argument("--loop-stages", action="store_true")
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama3_8b")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -162,6 +200,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {args.shapes} shapes, {args.dtype}")
     if args.fused:
         compare_fused(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])
+        return
+    if args.loop_stages:
+        compare_loop_stages(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])
         return
     results = []
     for name, (n, k) in SHAPES[args.shapes].items():

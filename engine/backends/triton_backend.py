@@ -10,9 +10,10 @@ request: their outputs are zeros and their K/V go to padding slot 0. The launch 
 only on (P, T, buffers.max_tree_nodes), so a graph captured at (P, T) replays for any batch
 planned at (P, T). Keep q/k/v/out of a captured forward at fixed addresses as usual.
 
-Split-KV passes may merge their splits in the split kernel (`triton_decode.FUSED_MERGE_DECODE`),
-counting arrivals in int32 counters that every launch leaves at zero: the graph buffers own
-one set (fixed address, for every replay), the backend another for eager plans.
+Split-KV decode passes of up to `triton_decode.FUSED_MERGE_MAX_SPLITS` splits merge them in
+the split kernel, counting arrivals in int32 counters that every launch leaves at zero: the
+graph buffers own one set (fixed address, for every replay), the backend another for eager
+plans.
 """
 
 from __future__ import annotations

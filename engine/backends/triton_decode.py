@@ -47,12 +47,14 @@ VERIFY_CONFIGS = (
     ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}, 2),
 )
 # Fused merge: the last split program of each (request, kv head) merges its splits, so a
-# split pass is one launch, not two (`config={"FUSED_MERGE": ...}` overrides). Off by default
-# until its speed and its memory ordering are measured on a GPU (`bench_attention.py
-# --fused-merge`, the memcheck suite): tested in the interpreter only. Verify would stay two
-# launches even then: its programs own up to GROUP x MAX_Q rows, which one program merges a
-# block at a time where the merge kernel spreads them over the grid.
-FUSED_MERGE_DECODE = False
+# split pass is one launch, not two (`config={"FUSED_MERGE": ...}` overrides). Decode fuses
+# up to FUSED_MERGE_MAX_SPLITS splits. Measured on an H200 (`bench_attention.py
+# --fused-merge`): at 2-16 splits the fused pass takes 0.91-0.99 of the two launches' time
+# (B=16 L=1024: 0.58 -> 0.64 of the copy ceiling), at 64 splits (B=1 L=8192) 1.34x: the one
+# program that merges 64 splits serially costs more than the launch it saves. Verify stays
+# two launches (32 splits at B=1: 2.9x): its programs own up to GROUP x MAX_Q rows, which one
+# program merges a block at a time where the merge kernel spreads them over the grid.
+FUSED_MERGE_MAX_SPLITS = 16
 FUSED_MERGE_VERIFY = False
 INTERPRETER_CONFIG = {
     "BLOCK_N": 16,
@@ -435,7 +437,8 @@ def decode_attention(
     """Decode (tree_bits None: every key below seq_len visible) or verify (tree mask) into out.
 
     Grid: (requests, kv heads, num_splits), then (tokens, q heads) for the merge unless it is
-    fused (config FUSED_MERGE; FUSED_MERGE_DECODE / FUSED_MERGE_VERIFY by default): no host
+    fused (config FUSED_MERGE; by default decode up to FUSED_MERGE_MAX_SPLITS splits, verify
+    FUSED_MERGE_VERIFY): no host
     value beyond the tensor shapes, num_splits and max_q, so a fixed plan replays under a
     CUDA graph. `counters` (contiguous int32, at least requests x kv heads, zero at rest:
     see `merge_counters`; checked when the merge is fused) serve the fused merge; without
@@ -451,7 +454,10 @@ def decode_attention(
         base = {**DECODE_CONFIG, "num_warps": choose_decode_warps(programs, num_sms(q.device))}
     else:
         base = choose_verify_config(num_requests * num_kv_heads * num_splits, num_sms(q.device))
-    fused_default = FUSED_MERGE_DECODE if tree_bits is None else FUSED_MERGE_VERIFY
+    if tree_bits is None:
+        fused_default = num_splits <= FUSED_MERGE_MAX_SPLITS
+    else:
+        fused_default = FUSED_MERGE_VERIFY
     cfg = {"FUSED_MERGE": fused_default, **base, **(config or {})}
     if num_tokens == 0 or num_requests == 0:
         return out

@@ -50,6 +50,11 @@ MAX_NORM_ELEMENTS = 16384
 # product apart; at 13 rows an all-rows kernel that recomputed the op in every program was
 # 0.58-0.78x as fast (commit 7f626ce), so the all-rows kernel runs plain products only.
 FUSED_ROWS = 1
+# `norm_linear` fuses rows of up to this many elements. Each program recomputes the row's
+# RMS (and adds the residual) itself: with the key steps pipelined (LOOP_STAGES 3), the one
+# launch took 3.7 against 4.8 us apart for SmolLM2-135M's qkv (K 576, fp32) but 19.5
+# against 17.9 us for Llama-3-8B's (K 4096, bf16) on the H200 (`bench_gemv.py --fused`).
+FUSED_NORM_MAX_K = 1024
 
 
 @triton.jit
@@ -138,6 +143,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
@@ -156,7 +162,7 @@ def _gemv_kernel(
                     x, residual, row, in_m, stride_xm, stride_rm, K, eps, HAS_RESIDUAL, BLOCK_ROW
                 )
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 in_k = ks < K
                 tile = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
@@ -196,6 +202,7 @@ def _gemv_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
@@ -206,7 +213,7 @@ def _gemv_rows_kernel(
     in_m = rows < M
     w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         in_k = ks < K
         tile = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
@@ -225,7 +232,19 @@ def _gemv_rows_kernel(
 
 # Launch parameters: the fastest of the swept configurations for qkv and o_proj at one row on
 # the H200 (`benchmarks/bench_gemv.py --sweep`).
-GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
+# LOOP_STAGES: key steps in flight in the loop (`tl.range`'s software pipelining of loads that
+# feed no dot; the kernel's num_stages pipelines only those that do). Measured on the H200
+# (`bench_gemv.py --loop-stages`), 3 against 1: one-row products of at most 5.8 programs an SM
+# take 15-28% less time (Llama-3-8B's bf16 qkv and o_proj, SmolLM2-135M's fp32 qkv, o_proj
+# and down; gate_up the same), 13-row fp32 ones 6-20% less; at 46 programs an SM (SmolLM2's
+# output layer, one row) 19% more: resident programs hide the latency there already, and
+# the pipeline's buffers cost occupancy. So 1 from PIPELINE_MAX_PROGRAMS_PER_SM on.
+GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, LOOP_STAGES=3)
+PIPELINE_MAX_PROGRAMS_PER_SM = 16
+
+
+def _loop_stages(programs: int, num_sms: int) -> int:
+    return GEMV_CONFIG["LOOP_STAGES"] if programs < PIPELINE_MAX_PROGRAMS_PER_SM * num_sms else 1
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, k: int, what: str) -> None:
@@ -373,20 +392,24 @@ def rows_config(columns: int, num_sms: int) -> dict:
         BLOCK_K=block_k,
         num_warps=8 if block_n * block_k < ROWS_PRODUCTS else 4,
         num_stages=3,
+        LOOP_STAGES=_loop_stages(triton.cdiv(columns, block_n), num_sms),
         all_rows=True,
     )
 
 
+@functools.lru_cache(maxsize=1024)
 def linear_config(
     rows: int, dtype: torch.dtype, weight_shape: tuple[int, int], num_sms: int
 ) -> dict | None:
     """The kernel's launch for an x of `rows` rows against a weight of `weight_shape` (N, K)
-    (GEMV_CONFIG, `rows_config`), or None where cuBLAS is the faster: one row of any dtype
-    with weights up to MAX_WEIGHT_ELEMENTS, or float32 up to MAX_ROWS rows with weights up to
-    ROWS_MAX_WEIGHT_ELEMENTS."""
+    (GEMV_CONFIG, `rows_config`; LOOP_STAGES by the programs an SM), or None where cuBLAS is
+    the faster: one row of any dtype with weights up to MAX_WEIGHT_ELEMENTS, or float32 up
+    to MAX_ROWS rows with weights up to ROWS_MAX_WEIGHT_ELEMENTS. Cached (every product of
+    a pass asks); the caller must not change the dict."""
     elements = weight_shape[0] * weight_shape[1]
     if rows == LINEAR_ROWS and elements <= MAX_WEIGHT_ELEMENTS:
-        return GEMV_CONFIG
+        programs = triton.cdiv(weight_shape[0], GEMV_CONFIG["BLOCK_N"])
+        return dict(GEMV_CONFIG, LOOP_STAGES=_loop_stages(programs, num_sms))
     if (
         dtype == torch.float32
         and LINEAR_ROWS < rows <= MAX_ROWS
@@ -426,13 +449,14 @@ def norm_linear(
     eps: float,
     weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`norm_gemv` for one row where the kernel is the faster for the product
-    (`linear_config`); None elsewhere (the caller runs the norm and `linear`)."""
+    """`norm_gemv` for one row of up to FUSED_NORM_MAX_K elements where the kernel is the
+    faster for the product (`linear_config`); None elsewhere (the caller runs the norm and
+    `linear`)."""
     config = _kernel_config(x, weight)
     if (
         config is None
         or x.shape[0] != FUSED_ROWS
-        or triton.next_power_of_2(x.shape[-1]) > MAX_NORM_ELEMENTS
+        or x.shape[-1] > FUSED_NORM_MAX_K
         or (residual is not None and residual.stride(-1) != 1)
     ):
         return None

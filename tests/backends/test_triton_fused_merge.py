@@ -9,7 +9,7 @@ import torch
 from backend_cases import DEVICE, DTYPES, TOLERANCE, relative_error
 
 from engine.backends import BufferTooSmall
-from engine.backends.triton_decode import MAX_SPLITS, decode_attention
+from engine.backends.triton_decode import FUSED_MERGE_MAX_SPLITS, MAX_SPLITS, decode_attention
 from engine.backends.triton_merge import MERGE_VALUES_PER_THREAD, merge_counters, merge_tiles
 
 DTYPE = DTYPES[0]
@@ -148,6 +148,23 @@ def test_counters_too_small_or_wrong_are_reported() -> None:
         run(inputs, 2, {"FUSED_MERGE": True}, short)
     with pytest.raises(ValueError, match="must be int32"):
         run(inputs, 2, {"FUSED_MERGE": True}, short.new_zeros(needed, dtype=torch.int64))
+
+
+def test_default_fuses_decode_up_to_the_split_limit() -> None:
+    """Without a config, decode merges in the split kernel up to FUSED_MERGE_MAX_SPLITS
+    splits (the counters are then checked: a short buffer is reported) and in a second
+    launch beyond (the counters unused); verify always in a second launch."""
+    inputs = make_inputs("decode", DECODE_REQUESTS, 1, seed=4)
+    short = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for num_splits in (2, FUSED_MERGE_MAX_SPLITS):
+        with pytest.raises(BufferTooSmall, match="merge counters hold 1 entries"):
+            run(inputs, num_splits, {}, short)
+    out = run(inputs, FUSED_MERGE_MAX_SPLITS + 1, {}, short)
+    assert relative_error(out, reference(inputs, "decode")) < TOLERANCE[DTYPE]
+    verify = make_inputs("verify", VERIFY_REQUESTS, 1, seed=5)
+    out = run(verify, 2, {}, short)
+    assert relative_error(out, reference(verify, "verify")) < TOLERANCE[DTYPE]
+    assert (short == 0).all()
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

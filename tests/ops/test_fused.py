@@ -140,8 +140,10 @@ def test_gemv_matches_linear(dtype, rows, n, k):
     expected = torch.nn.functional.linear(x.float(), weight.float()).to(dtype)
     for config in (
         None,
+        dict(gemv.GEMV_CONFIG, LOOP_STAGES=1),  # key steps not pipelined
         dict(BLOCK_N=2, BLOCK_K=128, num_warps=8, all_rows=True),
         gemv.rows_config(n, 2),
+        dict(gemv.rows_config(n, 2), LOOP_STAGES=1),
     ):
         _close(gemv.gemv(x, weight, config), expected, dtype)
 
@@ -154,13 +156,27 @@ def test_linear_takes_the_kernel_where_cublas_is_slower():
     sms = 132
     assert gemv.linear_config(1, torch.bfloat16, small, sms) == gemv.GEMV_CONFIG
     assert gemv.linear_config(1, torch.float32, small, sms) == gemv.GEMV_CONFIG
-    assert gemv.linear_config(1, torch.float32, rows_large, sms) == gemv.GEMV_CONFIG
+    assert gemv.linear_config(1, torch.float32, rows_large, sms) == dict(
+        gemv.GEMV_CONFIG, LOOP_STAGES=1
+    )
     assert gemv.linear_config(13, torch.float32, small, sms) == gemv.rows_config(1536, sms)
     assert gemv.linear_config(13, torch.float32, rows_large, sms) is None
     assert gemv.linear_config(gemv.MAX_ROWS + 1, torch.float32, small, sms) is None
     assert gemv.linear_config(13, torch.bfloat16, small, sms) is None
     assert gemv.linear_config(1, torch.float32, large, sms) is None
     assert gemv.linear_config(0, torch.float32, small, sms) is None
+
+
+def test_loop_stages_pipeline_the_key_steps_while_programs_are_few():
+    """3 key steps in flight up to PIPELINE_MAX_PROGRAMS_PER_SM programs an SM (measured
+    faster at up to 5.8), none beyond (SmolLM2-135M's output layer: 6144 programs on 132
+    SMs, measured slower pipelined)."""
+    sms = 132
+    for rows in (1, 13):
+        assert gemv.linear_config(rows, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 3
+    assert gemv.linear_config(1, torch.bfloat16, (6144, 4096), sms)["LOOP_STAGES"] == 3
+    assert gemv.linear_config(1, torch.float32, (49152, 576), sms)["LOOP_STAGES"] == 1
+    assert gemv.rows_config(65536, sms)["LOOP_STAGES"] == 1
 
 
 def test_rows_config_keeps_the_programs_per_sm():
@@ -256,7 +272,8 @@ def test_fused_products_refuse_what_they_do_not_serve():
 def test_fused_products_decline_where_the_kernel_does_not_take_the_product():
     """None (the model runs the ops apart) where `linear_config` keeps cuBLAS (a CPU
     tensor), for more than one row (the all-rows kernel with the op inside measured slower),
-    and for rows too wide for the norm; one row on CUDA is fused."""
+    and for norm rows wider than FUSED_NORM_MAX_K (measured slower at Llama-3-8B's 4096);
+    one row on CUDA is fused."""
     weight, norm_weight = torch.zeros(8, 16), torch.ones(16)
     assert gemv.norm_linear(torch.zeros(1, 16), None, norm_weight, 1e-5, weight) is None
     assert gemv.silu_mul_linear(torch.zeros(1, 32), weight) is None
@@ -269,8 +286,10 @@ def test_fused_products_decline_where_the_kernel_does_not_take_the_product():
         x = torch.ones(rows, 16, device="cuda")
         assert gemv.norm_linear(x, x, norm_weight, 1e-5, weight) is None
         assert gemv.silu_mul_linear(torch.ones(rows, 32, device="cuda"), weight) is None
-    wide = torch.zeros(8, gemv.MAX_NORM_ELEMENTS + 1, device="cuda")
+    wide = torch.zeros(8, gemv.FUSED_NORM_MAX_K + 1, device="cuda")
     assert gemv.norm_linear(wide[:1], None, wide[0], 1e-5, wide) is None
+    at_limit = torch.zeros(8, gemv.FUSED_NORM_MAX_K, device="cuda")
+    assert gemv.norm_linear(at_limit[:1], None, at_limit[0], 1e-5, at_limit) is not None
 
 
 class _KernelProducts(TorchOps):
