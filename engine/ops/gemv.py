@@ -32,12 +32,15 @@ MAX_WEIGHT_ELEMENTS = 32 * 2**20
 # cuBLAS's 10.1-13.5 us for qkv, o_proj, gate_up and down (0.55M-1.8M elements), but 92 us
 # against 64 us for the 28M-element output layer.
 ROWS_MAX_WEIGHT_ELEMENTS = 4 * 2**20
-# The all-rows launch (`rows_config`): on the H200's 132 SMs the fastest swept launches were
-# the widest tiles that still made 1.8 or more programs an SM (BLOCK_N 8 for 3072 columns: 384
-# programs; 4 for 960: 240; 2 for 576: 288), with 512 or fewer products a row per key step
-# (BLOCK_N x BLOCK_K), eight warps for the narrowest tiles.
+# The all-rows launch (`rows_config`): on the H200's 132 SMs the fastest swept launches with
+# the key loop pipelined (`bench_gemv.py --shapes smollm2_135m --dtype float32 --rows 13
+# --sweep`) were the widest tiles that still made about 1.8 or more programs an SM (BLOCK_N
+# 8 for 3072 columns: 384 programs; 4 for 960: 240; 2 for 576 x 1536: 288), 256 products a
+# row per key step (BLOCK_N x BLOCK_K), four warps, 4 key steps in flight: 4.8-7.5 us
+# against 5.7-8.6 us for the launches before (512 products, 3 steps in flight).
 ROWS_PROGRAMS_PER_SM = 1.75
-ROWS_PRODUCTS = 512
+ROWS_PRODUCTS = 256
+ROWS_LOOP_STAGES = 4
 
 
 PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the products
@@ -243,8 +246,9 @@ GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, LOOP_STAGE
 PIPELINE_MAX_PROGRAMS_PER_SM = 16
 
 
-def _loop_stages(programs: int, num_sms: int) -> int:
-    return GEMV_CONFIG["LOOP_STAGES"] if programs < PIPELINE_MAX_PROGRAMS_PER_SM * num_sms else 1
+def _loop_stages(stages: int, programs: int, num_sms: int) -> int:
+    """`stages` below PIPELINE_MAX_PROGRAMS_PER_SM programs an SM, else 1."""
+    return stages if programs < PIPELINE_MAX_PROGRAMS_PER_SM * num_sms else 1
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, k: int, what: str) -> None:
@@ -382,17 +386,17 @@ def _num_sms(device: torch.device) -> int:
 def rows_config(columns: int, num_sms: int) -> dict:
     """The all-rows kernel's launch for a weight of `columns` output columns on `num_sms` SMs:
     the widest BLOCK_N of 8, 4, 2 that keeps ROWS_PROGRAMS_PER_SM programs an SM (2 if
-    none does), BLOCK_K up to ROWS_PRODUCTS / BLOCK_N."""
+    none does), BLOCK_K ROWS_PRODUCTS / BLOCK_N, ROWS_LOOP_STAGES key steps in flight
+    (none from PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on)."""
     block_n = next(
         (n for n in (8, 4) if triton.cdiv(columns, n) >= ROWS_PROGRAMS_PER_SM * num_sms), 2
     )
-    block_k = min(128, ROWS_PRODUCTS // block_n)
     return dict(
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=8 if block_n * block_k < ROWS_PRODUCTS else 4,
+        BLOCK_K=ROWS_PRODUCTS // block_n,
+        num_warps=4,
         num_stages=3,
-        LOOP_STAGES=_loop_stages(triton.cdiv(columns, block_n), num_sms),
+        LOOP_STAGES=_loop_stages(ROWS_LOOP_STAGES, triton.cdiv(columns, block_n), num_sms),
         all_rows=True,
     )
 
@@ -409,7 +413,8 @@ def linear_config(
     elements = weight_shape[0] * weight_shape[1]
     if rows == LINEAR_ROWS and elements <= MAX_WEIGHT_ELEMENTS:
         programs = triton.cdiv(weight_shape[0], GEMV_CONFIG["BLOCK_N"])
-        return dict(GEMV_CONFIG, LOOP_STAGES=_loop_stages(programs, num_sms))
+        stages = _loop_stages(GEMV_CONFIG["LOOP_STAGES"], programs, num_sms)
+        return dict(GEMV_CONFIG, LOOP_STAGES=stages)
     if (
         dtype == torch.float32
         and LINEAR_ROWS < rows <= MAX_ROWS
