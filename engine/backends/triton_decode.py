@@ -438,12 +438,11 @@ def decode_attention(
 
     Grid: (requests, kv heads, num_splits), then (tokens, q heads) for the merge unless it is
     fused (config FUSED_MERGE; by default decode up to FUSED_MERGE_MAX_SPLITS splits, verify
-    FUSED_MERGE_VERIFY): no host
-    value beyond the tensor shapes, num_splits and max_q, so a fixed plan replays under a
-    CUDA graph. `counters` (contiguous int32, at least requests x kv heads, zero at rest:
-    see `merge_counters`; checked when the merge is fused) serve the fused merge; without
-    them a zeroed buffer is made for this call. Tokens past qo_indptr[-1] (padding no
-    request owns) get zero outputs."""
+    FUSED_MERGE_VERIFY): no host value beyond the tensor shapes, num_splits and max_q, so a
+    fixed plan replays under a CUDA graph. `counters` (contiguous int32, at least requests x
+    kv heads, zero at rest: see `merge_counters`; checked when the merge is fused) serve the
+    fused merge; without them a zeroed buffer is made for this call. Tokens past
+    qo_indptr[-1] (padding no request owns) get zero outputs."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_requests = kv_indptr.shape[0] - 1

@@ -48,15 +48,15 @@ PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the product
 # square: at most this many elements.
 MAX_NORM_ELEMENTS = 16384
 # `norm_linear` and `silu_mul_linear` fuse one-row products only, in the row-at-a-time
-# kernel. Measured on the H200 (`bench_gemv.py --fused`): at one row the single launch takes
-# 1.05x (Llama-3-8B qkv) to 1.47x (SmolLM2-135M qkv, fp32) less time than the op and the
-# product apart; at 13 rows an all-rows kernel that recomputed the op in every program was
-# 0.58-0.78x as fast (commit 7f626ce), so the all-rows kernel runs plain products only.
+# kernel. Measured on the H200 (`bench_gemv.py --fused`): at one row the single launch is
+# 1.16-1.32x as fast as the op and the product apart (SmolLM2-135M, fp32); at 13 rows the
+# row-at-a-time kernel is 0.23-0.38x, and an all-rows kernel that recomputed the op in every
+# program was 0.58-0.78x (commit 7f626ce), so the all-rows kernel runs plain products only.
 FUSED_ROWS = 1
 # `norm_linear` fuses rows of up to this many elements. Each program recomputes the row's
 # RMS (and adds the residual) itself: with the key steps pipelined (LOOP_STAGES 3), the one
-# launch took 3.7 against 4.8 us apart for SmolLM2-135M's qkv (K 576, fp32) but 19.5
-# against 17.9 us for Llama-3-8B's (K 4096, bf16) on the H200 (`bench_gemv.py --fused`).
+# launch took 3.7 against 4.8 us apart for SmolLM2-135M's qkv (K 576, fp32) but 19.9
+# against 18.5 us for Llama-3-8B's (K 4096, bf16) on the H200 (`bench_gemv.py --fused`).
 FUSED_NORM_MAX_K = 1024
 
 
