@@ -74,7 +74,8 @@ class Speculator:
     # --- one verify step -----------------------------------------------------------------------
     def budgets(self, running: Running) -> np.ndarray:
         """Adaptive budget, cut so the tree fits the context and the tokens still allowed."""
-        adaptive = np.array([self.stats.budget(int(u)) for u in running.rids], dtype=np.int64)
+        budget = self.stats.budget
+        adaptive = np.array([budget(u) for u in running.rids.tolist()], dtype=np.int64)
         room_context = running.max_context - running.kv_lens.lens - 1
         room_output = running.rules.max_new - running.num_output - 1
         return np.maximum(np.minimum(adaptive, np.minimum(room_context, room_output)), 0)

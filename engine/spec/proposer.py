@@ -196,21 +196,25 @@ def _continues(trie: Trie, suffix: Sequence[int]) -> bool:
     return node >= 0 and trie.first_child[node] >= 0
 
 
-def _ranked(trie: Trie, node: int, breadth: int) -> list[tuple[int, int, int]]:
-    """(count, stamp, id) of the `breadth` most frequent children (newest first among
-    equals)."""
+def _ranked(trie: Trie, node: int, breadth: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """The children's counts summed (`Trie.child_total`), and (count, stamp, id) of the
+    `breadth` most frequent children (newest first among equals)."""
     count, stamp, next_sibling = trie.count, trie.stamp, trie.next_sibling
     child = trie.first_child[node]
     if next_sibling[child] < 0:
-        return [(count[child], stamp[child], child)]
+        only = count[child]
+        return only, [(only, stamp[child], child)]
     ranked = []
+    total = 0
     while child >= 0:
-        ranked.append((count[child], stamp[child], child))
+        child_count = count[child]
+        total += child_count
+        ranked.append((child_count, stamp[child], child))
         child = next_sibling[child]
     if len(ranked) <= 2 * breadth:
         ranked.sort(reverse=True)
-        return ranked[:breadth]
-    return heapq.nlargest(breadth, ranked)
+        return total, ranked[:breadth]
+    return total, heapq.nlargest(breadth, ranked)
 
 
 def _grow(trie: Trie, matched: int, budget: int, breadth: int) -> tuple[list[int], list[int]]:
@@ -221,12 +225,13 @@ def _grow(trie: Trie, matched: int, budget: int, breadth: int) -> tuple[list[int
     # Heap entries: (-path frequency, push order, node id, parent local id).
     frontier: list[tuple[float, int, int, int]] = []
     pushed = 0
-    child_total, first_child, token = trie.child_total, trie.first_child, trie.token
+    first_child, token = trie.first_child, trie.token
 
     def push_children(node: int, local: int, path_score: float) -> None:
         nonlocal pushed
-        scale = path_score / child_total[node]
-        for count, _, child in _ranked(trie, node, breadth):
+        child_total, ranked = _ranked(trie, node, breadth)
+        scale = path_score / child_total
+        for count, _, child in ranked:
             heapq.heappush(frontier, (-scale * count, pushed, child, local))
             pushed += 1
 

@@ -69,7 +69,19 @@ class AcceptanceStats:
 
 
 class _Adaptive:
-    __slots__ = ("budget", "fixed_cost", "idle", "idle_steps", "probing", "recent", "stats")
+    __slots__ = (
+        "accepted",
+        "budget",
+        "drafted",
+        "drafting_steps",
+        "fixed_cost",
+        "histogram",
+        "idle",
+        "idle_steps",
+        "probing",
+        "recent",
+        "steps",
+    )
 
     def __init__(self, budget: int, window: int, fixed_cost: float | None) -> None:
         self.budget = budget
@@ -78,8 +90,25 @@ class _Adaptive:
         self.recent: deque[tuple[int, float]] = deque(maxlen=window)
         self.idle_steps = 0  # steps at budget 0 since the last probe (`SpecConfig.probe_interval`)
         self.probing = False
-        self.stats = AcceptanceStats()  # with `idle` more steps that drafted nothing
+        # `AcceptanceStats`' counts, added to in place as each step is recorded (a value of
+        # them is made when read: `stats`), with `idle` more steps that drafted nothing
+        self.steps = self.drafting_steps = self.drafted = self.accepted = 0
+        self.histogram = [0] * MAX_TREE_NODES
         self.idle = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        """One more verify step (as `AcceptanceStats.add`)."""
+        self.steps += 1
+        self.drafting_steps += drafted > 0
+        self.drafted += drafted
+        self.accepted += accepted
+        self.histogram[accepted] += 1
+
+    def stats(self) -> AcceptanceStats:
+        recorded = AcceptanceStats(
+            self.steps, self.drafting_steps, self.drafted, self.accepted, tuple(self.histogram)
+        )
+        return recorded.add_idle(self.idle)
 
 
 class SpecStats:
@@ -112,8 +141,7 @@ class SpecStats:
         return self._entry(rid).budget
 
     def request(self, rid: int) -> AcceptanceStats:
-        entry = self._entry(rid)
-        return entry.stats.add_idle(entry.idle)
+        return self._entry(rid).stats()
 
     def total(self) -> AcceptanceStats:
         return self._total.add_idle(self._idle)
@@ -175,7 +203,7 @@ class SpecStats:
         for entry, num_drafted, num_accepted, step_cost in zip(
             entries, drafted, accepted, step_costs, strict=True
         ):
-            entry.stats = entry.stats.add(num_drafted, num_accepted)
+            entry.add(num_drafted, num_accepted)
             if self.config.adaptive:
                 fixed = entry.fixed_cost
                 cost = (

@@ -23,8 +23,10 @@ class Trie:
     """Windows of `depth` tokens from any number of streams, at most `capacity` nodes.
 
     Node columns (index = node id, 0 = root): `count` windows pass through it, `stamp` is the
-    start tick of the newest, `child_total` sums its children's counts; children form a
-    linked list (`first_child`, `next_sibling`, -1 ends it)."""
+    start tick of the newest; children form a linked list (`first_child`, `next_sibling`, -1
+    ends it). The sum of a node's children's counts is not kept: each token would update it
+    for every open window, and a reader ranks a node's children, reading their counts,
+    anyway (`child_total`)."""
 
     def __init__(self, depth: int, capacity: int) -> None:
         if depth < 1 or capacity < 4 * depth * depth:
@@ -39,7 +41,6 @@ class Trie:
         self.token = array("q", [-1])
         self.count = array("q", [0])
         self.stamp = array("q", [_ROOT_STAMP])
-        self.child_total = array("q", [0])
         self.first_child = array("q", [-1])
         self.next_sibling = array("q", [-1])
         # Per stream: ids of the nodes ending its open windows, oldest window first.
@@ -79,13 +80,8 @@ class Trie:
         tick = self.tick
         self.tick = tick + 1
         opened.append(ROOT)  # the window starting at this token
-        children, count, stamp, child_total = (
-            self._children,
-            self.count,
-            self.stamp,
-            self.child_total,
-        )
-        first_child, next_sibling = self.first_child, self.next_sibling
+        children, count, stamp = self._children, self.count, self.stamp
+        token_of, first_child, next_sibling = self.token, self.first_child, self.next_sibling
         grown = []
         start = tick - len(opened) + 1  # the start tick of the oldest open window
         for parent in opened:
@@ -94,17 +90,15 @@ class Trie:
             if child is None:  # a new node (most windows of free text)
                 child = len(count)
                 children[key] = child
-                self.token.append(token)
+                token_of.append(token)
                 count.append(1)
                 stamp.append(start)
-                child_total.append(0)
                 first_child.append(-1)
                 next_sibling.append(first_child[parent])
                 first_child[parent] = child
             else:
                 stamp[child] = start  # starts only increase: this window is the newest
                 count[child] += 1
-            child_total[parent] += 1
             grown.append(child)
             start += 1
         # A window of `depth` tokens is complete: it leaves the open list.
@@ -176,6 +170,15 @@ class Trie:
         """Every node's stamp, root excluded (a copy, for tests and inspection)."""
         return np.array(self.stamp[1:], dtype=np.int64)
 
+    def child_total(self, node: int) -> int:
+        """The windows through `node` that go on to a child: its children's counts summed."""
+        total = 0
+        child = self.first_child[node]
+        while child >= 0:
+            total += self.count[child]
+            child = self.next_sibling[child]
+        return total
+
     def children(self, node: int) -> list[int]:
         out = []
         child = self.first_child[node]
@@ -216,17 +219,15 @@ class Trie:
         stamp: np.ndarray,
         newest_first: bool = False,
     ) -> None:
-        """The columns, child totals, links and child dict of nodes 0..n-1 (0 the root)
-        given by `parent`, `token`, `count` and `stamp`; siblings linked newest first (as
-        `_push` links them) or oldest first."""
+        """The columns, links and child dict of nodes 0..n-1 (0 the root) given by `parent`,
+        `token`, `count` and `stamp`; siblings linked newest first (as `_push` links them) or
+        oldest first."""
         size = parent.size
-        child_total = np.bincount(parent[1:], weights=count[1:], minlength=size)
         first_child, next_sibling = _links(parent, size, newest_first)
         for name, values in (
             ("token", token),
             ("count", count),
             ("stamp", stamp),
-            ("child_total", child_total),
             ("first_child", first_child),
             ("next_sibling", next_sibling),
         ):

@@ -79,7 +79,6 @@ def first_finish_flat(
     if not one_each:
         token_owner = counts.segment_ids() if owner is None else owner
         token_step = counts.offsets_within() + 1 if step is None else step
-        first_stop_step, last_step = first_stop_step[token_owner], last_step[token_owner]
         eos, stop_ids = eos[token_owner], stop_ids[token_owner]
     # Token ids are >= 0 and an ignored EOS is -1 (stop-id padding too), so a plain compare
     # never matches an ignored EOS or padding.
@@ -89,6 +88,12 @@ def first_finish_flat(
     else:  # a few columns: one compare each is cheaper than a 2-D compare and reduce
         for column in range(stop_ids.shape[1]):
             is_stop |= tokens == stop_ids[:, column]
+    # Most passes: no stop token, and each request's last step (its count) short of its
+    # limit, so no token reaches it: nobody finishes, told per request, not per token.
+    if not is_stop.any() and not (counts.lens >= last_step).any():
+        return counts.lens, no_finish(len(counts))
+    if token_owner is not None:
+        first_stop_step, last_step = first_stop_step[token_owner], last_step[token_owner]
     stop_hit = is_stop & (token_step >= first_stop_step)
     hit = stop_hit | (token_step >= last_step)
     if not hit.any():

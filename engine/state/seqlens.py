@@ -97,8 +97,10 @@ class SeqLens:
 
     lens: np.ndarray = attrs.field(converter=_to_lens)
     total: int = attrs.field(init=False)
-    # The largest length, once asked (-1: not yet). A cache: not part of the value.
+    # The largest length, once asked (-1: not yet), and the offsets (None: not yet). Caches
+    # of what the lengths determine, not part of the value.
     _max: int = attrs.field(init=False, default=-1, eq=False)
+    _indptr: np.ndarray | None = attrs.field(init=False, default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "total", int(self.lens.sum()))
@@ -148,10 +150,14 @@ class SeqLens:
         return self._max
 
     def indptr(self) -> np.ndarray:
-        """Cumulative offsets, length len(self) + 1, last element == total."""
-        out = np.zeros(len(self) + 1, dtype=INDEX_DTYPE)
-        np.cumsum(self.lens, out=out[1:])
-        out.flags.writeable = False
+        """Cumulative offsets, length len(self) + 1, last element == total (read-only: made
+        once, as the lengths never change; a verify step asks for a tree's several times)."""
+        out = self._indptr
+        if out is None:
+            out = np.zeros(self.lens.shape[0] + 1, dtype=INDEX_DTYPE)
+            self.lens.cumsum(out=out[1:])
+            out.flags.writeable = False
+            object.__setattr__(self, "_indptr", out)
         return out
 
     def starts(self) -> np.ndarray:
@@ -169,6 +175,8 @@ class SeqLens:
     # --- new values ---------------------------------------------------------------------
     def grow(self, deltas: object) -> SeqLens:
         """Each length plus its delta (a scalar or one per request)."""
+        if type(deltas) is int and deltas >= 0:  # lengths only grow: nothing to check
+            return SeqLens.of_valid(freeze(self.lens + deltas))
         delta = np.asarray(deltas, dtype=INDEX_DTYPE)
         lens = self.lens + delta
         if lens.shape != self.lens.shape:

@@ -270,7 +270,7 @@ def narrow(batch: Batch, indices: Sequence[int] | np.ndarray) -> Batch:
 
 def verify(
     batch: Batch,
-    accepted_lens: Sequence[int] | np.ndarray,
+    accepted_lens: SeqLens | Sequence[int] | np.ndarray,
     accepted_nodes: np.ndarray,
     bonus: np.ndarray,
 ) -> Result:
@@ -280,7 +280,8 @@ def verify(
     if trees is None:
         raise ValueError("verify() needs a verify pass (a batch with draft trees)")
     run = batch.running
-    accepted = SeqLens(accepted_lens)
+    # a SeqLens (a verify walk's outcome) is checked already: no copy of its lengths
+    accepted = accepted_lens if isinstance(accepted_lens, SeqLens) else SeqLens(accepted_lens)
     nodes = np.asarray(accepted_nodes, dtype=INDEX_DTYPE).reshape(-1)
     bonus = np.asarray(bonus, dtype=INDEX_DTYPE).reshape(-1)
     if bonus.size and int(bonus.min()) < 0:
@@ -493,13 +494,14 @@ def abandon(batch: Batch, written: bool = False) -> Effects:
     used): free the slots it was given. `written`: the pass's `decode_writes` may have been
     applied already (while it ran); those table entries, past each request's committed
     length, are emptied again."""
+    # the batch's own read-only columns, and a zeroed copy frozen here: no checks to repeat
     if not written:
-        return Effects(free_slots=batch.out_slots)
+        return Effects.of_valid(free_slots=batch.out_slots)
     writes = decode_writes(batch)
-    return Effects(
+    return Effects.of_valid(
         table_rows=writes.table_rows,
         table_cols=writes.table_cols,
-        table_slots=np.zeros_like(writes.table_slots),
+        table_slots=freeze(np.zeros_like(writes.table_slots)),
         free_slots=batch.out_slots,
     )
 

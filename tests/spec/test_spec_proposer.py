@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -251,3 +253,87 @@ def test_propose_batch_equals_one_tree_per_request_stacked(
     for field in ("tokens", "parents", "depths", "ancestor_bits"):
         assert same_value(getattr(trees, field), getattr(reference, field)), field
     assert trees.sizes == reference.sizes
+
+
+def reference_tree(history: list[int], config: SpecConfig, budget: int) -> DraftTree:
+    """The draft tree, told from the history alone (no trie): a gram's continuations are the
+    windows of up to `max_trie_depth` tokens that hold it and one more token, each ranked by
+    its occurrences, then by its newest start; a path's score is the product of each step's
+    occurrences over all its node's continuations."""
+    depth = config.max_trie_depth
+
+    def continuations(gram: list[int]) -> list[tuple[int, int, int]]:
+        """(occurrences, newest start, token) of each token after `gram` in a window."""
+        if len(gram) >= depth:
+            return []
+        seen: dict[int, list[int]] = {}
+        for start in range(len(history) - len(gram)):
+            if history[start : start + len(gram)] == gram:
+                seen.setdefault(history[start + len(gram)], []).append(start)
+        return [(len(starts), starts[-1], token) for token, starts in seen.items()]
+
+    root = history[-1]
+    if budget == 0:
+        return DraftTree.root_only(root)
+    for match_len in range(min(config.max_match, len(history)), config.min_match - 1, -1):
+        suffix = history[len(history) - match_len :]
+        if continuations(suffix):
+            break
+    else:
+        return DraftTree.root_only(root)
+    breadth = config.breadth(match_len)
+    tokens, parents = [root], [-1]
+    frontier: list[tuple[float, int, list[int], int]] = []
+    pushed = 0
+
+    def push_children(gram: list[int], local: int, path_score: float) -> None:
+        nonlocal pushed
+        found = continuations(gram)
+        scale = path_score / sum(count for count, _, _ in found)
+        for count, _, token in sorted(found, reverse=True)[:breadth]:
+            heapq.heappush(frontier, (-scale * count, pushed, [*gram, token], local))
+            pushed += 1
+
+    push_children(suffix, 0, 1.0)
+    while frontier and len(tokens) - 1 < budget:
+        negative_score, _, gram, parent = heapq.heappop(frontier)
+        tokens.append(gram[-1])
+        parents.append(parent)
+        if continuations(gram):
+            push_children(gram, len(tokens) - 1, -negative_score)
+    return DraftTree(tokens, parents, match_len)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=50),
+    chunks=st.lists(st.lists(st.integers(0, 3), max_size=6), max_size=5),
+    budget=st.integers(0, 12),
+    depth=st.integers(3, 7),
+    min_match=st.integers(1, 3),
+    max_breadth=st.integers(1, 4),
+)
+def test_trees_equal_the_reference_told_from_the_history(
+    prompt: list[int],
+    chunks: list[list[int]],
+    budget: int,
+    depth: int,
+    min_match: int,
+    max_breadth: int,
+) -> None:
+    """The trie's counts, recency and continuation totals (summed from the children as the
+    tree grows) give the trees the history itself gives, after a prompt and each chunk."""
+    config = SpecConfig(
+        max_trie_depth=depth,
+        min_match=min(min_match, depth - 1),
+        max_match=depth - 1,
+        max_breadth=max_breadth,
+        capacity=10_000,  # nothing evicted: every window of the history is kept
+    )
+    proposer = NgramProposer(config)
+    proposer.add_request(0, prompt)
+    history = list(prompt)
+    for chunk in [[], *chunks]:
+        proposer.extend(0, chunk)
+        history += chunk
+        assert proposer.propose(0, budget=budget) == reference_tree(history, config, budget)

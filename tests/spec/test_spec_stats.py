@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.spec import DraftTree, SpecConfig, SpecStats, stack
 from engine.spec.stats import AcceptanceStats
@@ -25,6 +27,48 @@ def test_histogram_means_and_totals() -> None:
     assert (total.steps, total.drafting_steps, total.accepted) == (3, 2, 3)
     assert total.histogram[:3] == (1, 1, 1) and total.mean_accepted == 1.0
     assert stats.request(2).acceptance_rate == 0.0 and stats.budget(2) == 12
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=2, max_size=2),
+        max_size=30,
+    ),
+    adaptive=st.booleans(),
+)
+def test_each_request_counts_as_its_steps_folded_into_values(
+    steps: list[list[tuple[int, int]]], adaptive: bool
+) -> None:
+    """A request's statistics (counted in place) are its recorded steps added one by one to
+    an `AcceptanceStats` value, its idle steps after them; the total, every request's."""
+    stats = SpecStats(SpecConfig(adaptive=adaptive))
+    stats.add(1)
+    stats.add(2)
+    expected = {1: AcceptanceStats(), 2: AcceptanceStats()}
+    idle = {1: 0, 2: 0}
+    for pairs in steps:
+        drafted = [max(d, a) for d, a in pairs]
+        accepted = [min(d, a) for d, a in pairs]
+        if not any(drafted):
+            stats.record_idle([1, 2])
+            idle = {rid: n + 1 for rid, n in idle.items()}
+            continue
+        trees = stack([DraftTree([0] * (n + 1), [-1, *range(n)]) for n in drafted])
+        stats.record_batch([1, 2], trees, accepted)
+        for rid, d, a in zip((1, 2), drafted, accepted, strict=True):
+            expected[rid] = expected[rid].add(d, a)
+    for rid in (1, 2):
+        assert stats.request(rid) == expected[rid].add_idle(idle[rid])
+    one, two = expected[1], expected[2]
+    total = AcceptanceStats(
+        one.steps + two.steps,
+        one.drafting_steps + two.drafting_steps,
+        one.drafted + two.drafted,
+        one.accepted + two.accepted,
+        tuple(a + b for a, b in zip(one.histogram, two.histogram, strict=True)),
+    )
+    assert stats.total() == total.add_idle(idle[1] + idle[2])
 
 
 def test_budget_shrinks_to_root_only_probes_and_grows_back() -> None:

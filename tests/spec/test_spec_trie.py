@@ -31,7 +31,7 @@ def all_grams(trie: Trie) -> dict[tuple[int, ...], int]:
 def check_structure(trie: Trie) -> None:
     for node in range(len(trie.count)):
         children = trie.children(node)
-        assert trie.child_total[node] == sum(trie.count[c] for c in children)
+        assert trie.child_total(node) == sum(trie.count[c] for c in children)
         assert all(trie.stamp[c] <= trie.stamp[node] for c in children)
     assert len(all_grams(trie)) == trie.num_nodes
 
@@ -142,7 +142,7 @@ def test_a_prompt_built_at_once_equals_one_added_token_by_token(
     one_by_one.add(prompt, stream=5)
     for trie in (at_once, one_by_one):
         trie.add(more, stream=5)
-    for column in ("token", "count", "stamp", "child_total", "first_child", "next_sibling"):
+    for column in ("token", "count", "stamp", "first_child", "next_sibling"):
         assert list(getattr(at_once, column)) == list(getattr(one_by_one, column)), column
     assert list(at_once._children.items()) == list(one_by_one._children.items())
     assert at_once._open == one_by_one._open and at_once.tick == one_by_one.tick

@@ -18,7 +18,8 @@ from state_builders import (
 )
 
 from engine import state
-from engine.state import DraftTrees, FinishReason, Mode, Running
+from engine.state import DraftTrees, FinishReason, Mode, Running, SeqLens
+from engine.state.debug import check_trusted, same_value
 
 MAX_CONTEXT = 48
 fast = settings(max_examples=60, deadline=None)
@@ -214,6 +215,8 @@ def test_abandoning_a_pass_that_wrote_early_empties_those_entries(case):
     assert undo.table_rows.tolist() == early.table_rows.tolist()
     assert undo.table_cols.tolist() == early.table_cols.tolist()
     assert not undo.table_slots.any()  # emptied: the padding slot
+    for effects in (plain, undo):  # built unchecked: the checked constructor agrees
+        check_trusted(effects)
 
 
 def test_planning_ahead_is_for_decode_passes_only():
@@ -282,6 +285,9 @@ def test_verify_commits_the_accepted_path_and_frees_the_rest(case):
     assert batch.seq_lens.tolist() == (run.kv_lens.lens + draft.sizes.lens).tolist()
     result = state.verify(batch, accepted_lens, nodes, bonus)
     check_totals(result)
+    # the lengths as a SeqLens (a verify walk's outcome) commit the same
+    same = state.verify(batch, SeqLens(accepted_lens), nodes, bonus)
+    assert same_value(same.effects, result.effects) and same_value(same.running, result.running)
     eff = result.effects
     own = np.split(slots, draft.sizes.indptr()[1:-1]) if len(run) else []
     want_table, want_free = [], []

@@ -44,6 +44,19 @@ def test_seqlens_ops_match_python_lists(lens, data):
     assert seq.lens_to("cpu").tolist() == lens
 
 
+@fast
+@given(lens=lens_lists, delta=st.integers(0, 9))
+def test_seqlens_indptr_made_once_and_grow_by_an_int(lens, delta):
+    seq = SeqLens(lens)
+    indptr = seq.indptr()
+    assert indptr is seq.indptr() and not indptr.flags.writeable
+    assert indptr.tolist() == [0, *np.cumsum(lens, dtype=np.int64).tolist()]
+    assert seq.grow(1).indptr().tolist() == SeqLens([n + 1 for n in lens]).indptr().tolist()
+    by_int, by_array = seq.grow(delta), seq.grow(np.int64(delta))
+    assert by_int == by_array and by_int.total == by_array.total
+    assert by_int.lens.dtype == np.int64 and not by_int.lens.flags.writeable
+
+
 def test_seqlens_rejects_negative_lengths_and_owns_its_array():
     with pytest.raises(ValueError, match=">= 0"):
         SeqLens([1, -1])
