@@ -12,7 +12,7 @@ import torch
 
 from engine.spec.tree import child_links, parent_flat
 from engine.state.batch import DraftTrees
-from engine.state.seqlens import INDEX_DTYPE, SeqLens, freeze, frozen_array
+from engine.state.seqlens import INDEX_DTYPE, SeqLens, frozen_array
 
 
 @attrs.frozen(eq=False)
@@ -77,7 +77,9 @@ def verify_greedy(trees: DraftTrees, target: object) -> VerifyOutcome:
         )
     accepted_lens, accepted_nodes, bonus = _walk_greedy(sizes, tokens, parents, argmax.tolist())
     return VerifyOutcome(
-        SeqLens.of_valid(_frozen(accepted_lens)), _frozen(accepted_nodes), _frozen(bonus)
+        SeqLens.of_valid(frozen_array(accepted_lens)),
+        frozen_array(accepted_nodes),
+        frozen_array(bonus),
     )
 
 
@@ -101,10 +103,6 @@ def _walk_greedy(
         bonus.append(wanted)
         start += size
     return accepted_lens, accepted_nodes, bonus
-
-
-def _frozen(values: list[int]) -> np.ndarray:
-    return freeze(np.array(values, dtype=INDEX_DTYPE))
 
 
 def request_rng(rid: int, seed: int | None) -> np.random.Generator:

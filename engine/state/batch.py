@@ -134,11 +134,11 @@ class DraftTrees:
             start += size
         return trusted(
             cls,
-            sizes=SeqLens.of_valid(_frozen(sizes)),
-            tokens=_frozen(tokens),
-            parents=_frozen(parents),
-            depths=_frozen(depths),
-            ancestor_bits=_frozen(bits),
+            sizes=SeqLens.of_valid(frozen_array(sizes)),
+            tokens=frozen_array(tokens),
+            parents=frozen_array(parents),
+            depths=frozen_array(depths),
+            ancestor_bits=frozen_array(bits),
         )
 
     @classmethod
@@ -157,10 +157,6 @@ class DraftTrees:
             depths=depths,
             ancestor_bits=bits,
         )
-
-
-def _frozen(values: Sequence[int]) -> np.ndarray:
-    return freeze(np.array(values, dtype=INDEX_DTYPE))
 
 
 @functools.lru_cache(maxsize=64)
