@@ -314,19 +314,25 @@ def attention_row(
     return row
 
 
+def decode_like_problem(mode: str, batch: int, length: int) -> tuple[Problem, int, int, int]:
+    """(the problem, its prefix and new tokens a request, the bytes it moves: K/V read once
+    plus q and the output) of a decode or verify pass at `length` keys a request."""
+    new = 1 if mode == "decode" else TREE
+    prefix = length - 1 if mode == "decode" else length
+    kv_bytes = batch * (prefix + new) * HKV * D * 2 * 2
+    p = Problem(mode, batch, prefix, new, kv_bytes)
+    return p, prefix, new, kv_bytes + 2 * batch * new * HQ * D * 2
+
+
 def decode_like_rows(mode: str, shapes: list, quick: bool) -> list:
     rows = []
     for batch, length in shapes:
-        new = 1 if mode == "decode" else TREE
-        prefix = length - 1 if mode == "decode" else length
+        p, prefix, new, nbytes = decode_like_problem(mode, batch, length)
         keys = prefix + new
-        kv_bytes = batch * keys * HKV * D * 2 * 2
-        p = Problem(mode, batch, prefix, new, kv_bytes)
         variants = {"default": ours_decode(p)}
         if not quick:
             variants.update({f"splits x{s}": ours_decode(p, None, s) for s in (0.5, 2.0)})
             variants.update({str(c): ours_decode(p, c) for c in DECODE_SWEEP})
-        nbytes = kv_bytes + 2 * batch * new * HQ * D * 2
         flops = 4.0 * batch * new * HQ * keys * D
         rows.append(
             attention_row(
@@ -349,11 +355,7 @@ def fused_merge_table(ceiling: float) -> None:
     print("|" + "---|" * 9)
     for mode, shapes in (("decode", DECODE + FEW_SPLITS), ("verify", VERIFY)):
         for batch, length in shapes:
-            new = 1 if mode == "decode" else TREE
-            prefix = length - 1 if mode == "decode" else length
-            kv_bytes = batch * (prefix + new) * HKV * D * 2 * 2
-            p = Problem(mode, batch, prefix, new, kv_bytes)
-            nbytes = kv_bytes + 2 * batch * new * HQ * D * 2
+            p, _, _, nbytes = decode_like_problem(mode, batch, length)
             times, outs = {}, {}
             for fused in (False, True):
                 fns = ours_decode(p, {"FUSED_MERGE": fused})

@@ -45,6 +45,10 @@ class KVPool:
     def num_slots(self) -> int:
         return int(self.k_cache[0].shape[0])
 
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.k_cache[0].shape[1])
+
 
 @attrs.frozen(eq=False)
 class ForwardMetadata:

@@ -104,13 +104,12 @@ class TritonBackend(AttentionBackend):
         self._merge_counters = self._new_counters(0)
 
     def _new_counters(self, max_batch: int) -> torch.Tensor:
-        kv_heads = self.pool.k_cache[0].shape[1]
-        return merge_counters(max_batch, kv_heads, self.pool.req_to_token.device)
+        return merge_counters(max_batch, self.pool.num_kv_heads, self.pool.req_to_token.device)
 
     def _eager_counters(self, num_requests: int) -> torch.Tensor:
         """The eager counters, reallocated (zeroed) when a batch outgrows them; launches on
         one stream share them, each leaving them at zero."""
-        if self._merge_counters.numel() < num_requests * self.pool.k_cache[0].shape[1]:
+        if self._merge_counters.numel() < num_requests * self.pool.num_kv_heads:
             self._merge_counters = self._new_counters(triton.next_power_of_2(num_requests))
         return self._merge_counters
 
@@ -180,7 +179,7 @@ class TritonBackend(AttentionBackend):
         if num_splits is None:
             num_splits = choose_num_splits(
                 len(batch.running),
-                self.pool.k_cache[0].shape[1],
+                self.pool.num_kv_heads,
                 batch.seq_lens.max,
                 _num_sms(device),
             )
@@ -247,7 +246,7 @@ class TritonBackend(AttentionBackend):
         if num_splits is None:
             num_splits = choose_num_splits(
                 padded,
-                self.pool.k_cache[0].shape[1],
+                self.pool.num_kv_heads,
                 self.pool.req_to_token.shape[1],
                 _num_sms(buffers.kv_indices.device),
             )

@@ -55,7 +55,6 @@ VERIFY_CONFIGS = (
 # two launches (32 splits at B=1: 2.9x): its programs own up to GROUP x MAX_Q rows, which one
 # program merges a block at a time where the merge kernel spreads them over the grid.
 FUSED_MERGE_MAX_SPLITS = 16
-FUSED_MERGE_VERIFY = False
 INTERPRETER_CONFIG = {
     "BLOCK_N": 16,
     "num_warps": 4,
@@ -438,8 +437,8 @@ def decode_attention(
 
     Grid: (requests, kv heads, num_splits), then (tokens, q heads) for the merge unless it is
     fused (config FUSED_MERGE; by default decode up to FUSED_MERGE_MAX_SPLITS splits, verify
-    FUSED_MERGE_VERIFY): no host value beyond the tensor shapes, num_splits and max_q, so a
-    fixed plan replays under a CUDA graph. `counters` (contiguous int32, at least requests x
+    never): no host value beyond the tensor shapes, num_splits and max_q, so a fixed plan
+    replays under a CUDA graph. `counters` (contiguous int32, at least requests x
     kv heads, zero at rest: see `merge_counters`; checked when the merge is fused) serve the
     fused merge; without them a zeroed buffer is made for this call. Tokens past
     qo_indptr[-1] (padding no request owns) get zero outputs."""
@@ -453,10 +452,7 @@ def decode_attention(
         base = {**DECODE_CONFIG, "num_warps": choose_decode_warps(programs, num_sms(q.device))}
     else:
         base = choose_verify_config(num_requests * num_kv_heads * num_splits, num_sms(q.device))
-    if tree_bits is None:
-        fused_default = num_splits <= FUSED_MERGE_MAX_SPLITS
-    else:
-        fused_default = FUSED_MERGE_VERIFY
+    fused_default = tree_bits is None and num_splits <= FUSED_MERGE_MAX_SPLITS
     cfg = {"FUSED_MERGE": fused_default, **base, **(config or {})}
     if num_tokens == 0 or num_requests == 0:
         return out

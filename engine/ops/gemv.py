@@ -28,9 +28,9 @@ MAX_WEIGHT_ELEMENTS = 32 * 2**20
 # float32 products of 2..MAX_ROWS rows (a small model's verify pass: 13) go to the all-rows
 # kernel up to ROWS_MAX_WEIGHT_ELEMENTS: cuBLAS runs them on SIMT tiles with a split-K reduce.
 # On the H200 at SmolLM2-135M's shapes and 13 rows (`bench_gemv.py --shapes smollm2_135m
-# --dtype float32 --rows 13 --sweep`) the kernel's best launches took 6.3-10.7 us against
-# cuBLAS's 10.1-13.5 us for qkv, o_proj, gate_up and down (0.55M-1.8M elements), but 92 us
-# against 64 us for the 28M-element output layer.
+# --dtype float32 --rows 13`) `rows_config`'s launches took 4.9-7.5 us against cuBLAS's
+# 10.0-13.3 us for qkv, o_proj, gate_up and down (0.55M-1.8M elements), but 98.5 us against
+# 65.1 us for the 28M-element output layer.
 ROWS_MAX_WEIGHT_ELEMENTS = 4 * 2**20
 # The all-rows launch (`rows_config`): on the H200's 132 SMs the fastest swept launches with
 # the key loop pipelined (`bench_gemv.py --shapes smollm2_135m --dtype float32 --rows 13
