@@ -5,7 +5,8 @@
 # Logs go to $OUT when set (the device tool brings that folder back), else to a temp folder.
 set -uo pipefail
 
-GPU_TESTS=(tests/backends tests/ops/test_fused.py tests/ops/test_draw.py tests/model/test_sampling.py
+GPU_TESTS=(tests/backends tests/ops/test_fused.py tests/ops/test_gemv.py tests/ops/test_draw.py
+           tests/model/test_sampling.py
            tests/shell/test_graphs.py
            tests/shell/test_plan_ahead.py tests/shell/test_spec_overflow.py
            tests/shell/test_prefix_cache.py)
@@ -28,8 +29,8 @@ GPU_PART=${GPU_PART:-all}
 part() { [ "$GPU_PART" = all ] || [ "$GPU_PART" = "$1" ]; }
 MEMCHECK_TESTS=("${GPU_TESTS[@]}")
 case "$GPU_PART" in
-    memcheck1) MEMCHECK_TESTS=("${GPU_TESTS[@]:0:4}"); GPU_PART=memcheck ;;
-    memcheck2) MEMCHECK_TESTS=("${GPU_TESTS[@]:4}"); GPU_PART=memcheck ;;
+    memcheck1) MEMCHECK_TESTS=("${GPU_TESTS[@]:0:5}"); GPU_PART=memcheck ;;
+    memcheck2) MEMCHECK_TESTS=("${GPU_TESTS[@]:5}"); GPU_PART=memcheck ;;
 esac
 if ! part benches; then BENCHES=(); fi
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}            # seconds per step

@@ -1,0 +1,224 @@
+"""The Triton matrix-vector kernels (`engine.ops.gemv`) against F.linear and the torch
+reference ops: plain products of 1-16 rows, the norm and SiLU*mul inside one-row products,
+their launch policy, and a whole forward through an op set that fuses them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from op_cases import DEVICE, assert_close, random_tensor
+
+from engine.model import LlamaModel, ModelConfig
+from engine.ops import gemv
+from engine.ops import triton as fused
+from engine.ops.reference import TorchOps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 13])
+@pytest.mark.parametrize("n,k", [(40, 100), (17, 1030)])
+def test_gemv_matches_linear(dtype, rows, n, k):
+    x = random_tensor(rows, k, dtype=dtype, seed=19)
+    weight = random_tensor(n, k, dtype=dtype, seed=20) * 0.05
+    expected = torch.nn.functional.linear(x.float(), weight.float()).to(dtype)
+    for config in (
+        None,
+        dict(gemv.GEMV_CONFIG, LOOP_STAGES=1),  # key steps not pipelined
+        dict(BLOCK_N=2, BLOCK_K=128, num_warps=8, all_rows=True),
+        gemv.rows_config(n, 2),
+        dict(gemv.rows_config(n, 2), LOOP_STAGES=1),
+    ):
+        assert_close(gemv.gemv(x, weight, config), expected, dtype)
+
+
+def test_linear_takes_the_kernel_where_cublas_is_slower():
+    """One row of any dtype up to MAX_WEIGHT_ELEMENTS; float32 up to MAX_ROWS rows (cuBLAS:
+    SIMT tiles and a split-K reduce) up to ROWS_MAX_WEIGHT_ELEMENTS; bf16 from two rows on
+    stays with cuBLAS."""
+    small, rows_large, large = (1536, 576), (49152, 576), (gemv.MAX_WEIGHT_ELEMENTS + 1, 1)
+    sms = 132
+    assert gemv.linear_config(1, torch.bfloat16, small, sms) == gemv.GEMV_CONFIG
+    assert gemv.linear_config(1, torch.float32, small, sms) == gemv.GEMV_CONFIG
+    assert gemv.linear_config(1, torch.float32, rows_large, sms) == dict(
+        gemv.GEMV_CONFIG, LOOP_STAGES=1
+    )
+    assert gemv.linear_config(13, torch.float32, small, sms) == gemv.rows_config(1536, sms)
+    assert gemv.linear_config(13, torch.float32, rows_large, sms) is None
+    assert gemv.linear_config(gemv.MAX_ROWS + 1, torch.float32, small, sms) is None
+    assert gemv.linear_config(13, torch.bfloat16, small, sms) is None
+    assert gemv.linear_config(1, torch.float32, large, sms) is None
+    assert gemv.linear_config(0, torch.float32, small, sms) is None
+
+
+def test_loop_stages_pipeline_the_key_steps_while_programs_are_few():
+    """Key steps in flight (one row 3, all rows 4) below PIPELINE_MAX_PROGRAMS_PER_SM
+    programs an SM (measured
+    faster at up to 5.8), none beyond (SmolLM2-135M's output layer: 6144 programs on 132
+    SMs, measured slower pipelined)."""
+    sms = 132
+    assert gemv.linear_config(1, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 3
+    assert gemv.linear_config(13, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 4
+    assert gemv.linear_config(1, torch.bfloat16, (6144, 4096), sms)["LOOP_STAGES"] == 3
+    assert gemv.linear_config(1, torch.float32, (49152, 576), sms)["LOOP_STAGES"] == 1
+    assert gemv.rows_config(65536, sms)["LOOP_STAGES"] == 1
+
+
+def test_rows_config_keeps_the_programs_per_sm():
+    """The launches measured fastest on the H200 (132 SMs) at SmolLM2-135M's widths: 8
+    columns a program for 3072, 4 for 960, 2 for 576 (256 products a key step, 4 steps in
+    flight); a tiny width still runs."""
+    picks = {n: gemv.rows_config(n, 132) for n in (3072, 960, 576, 8)}
+    assert [picks[n]["BLOCK_N"] for n in (3072, 960, 576, 8)] == [8, 4, 2, 2]
+    assert [picks[n]["BLOCK_K"] for n in (3072, 960, 576)] == [32, 64, 128]
+    assert [picks[n]["LOOP_STAGES"] for n in (3072, 960, 576)] == [4, 4, 4]
+    for config in picks.values():
+        assert config["BLOCK_N"] * config["BLOCK_K"] == gemv.ROWS_PRODUCTS
+
+
+def test_gemv_refuses_what_it_does_not_serve():
+    weight = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="serves 1 to 16 rows; got 17"):
+        gemv.gemv(torch.zeros(17, 16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match=r"x \[M, K\] and weight \[N, K\]"):
+        gemv.gemv(torch.zeros(1, 15, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="unit stride along K"):
+        gemv.gemv(torch.zeros(1, 16, device=DEVICE), torch.zeros(16, 8, device=DEVICE).t())
+
+
+ROWS_CONFIG = dict(BLOCK_N=2, BLOCK_K=64, num_warps=4, all_rows=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 13])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, with_residual):
+    """One launch gives the unfused pair's product (the normed row rounded as the RMSNorm
+    op rounds it) and its residual stream; the inputs are left unchanged."""
+    n, k = 20, 100
+    x = random_tensor(rows, k, dtype=dtype, seed=31) * 3
+    residual = random_tensor(rows, k, dtype=dtype, seed=32) if with_residual else None
+    norm_weight = random_tensor(k, dtype=dtype, seed=33)
+    weight = random_tensor(n, k, dtype=dtype, seed=34) * 0.05
+    before = (x.clone(), None if residual is None else residual.clone())
+    if residual is None:
+        normed, stream = fused.rms_norm(x, norm_weight, 1e-5), x
+    else:
+        normed, stream = fused.add_rms_norm(x, residual, norm_weight, 1e-5)
+    out, got_stream = gemv.norm_gemv(x, residual, norm_weight, 1e-5, weight)
+    assert_close(out, gemv.gemv(normed, weight), dtype)
+    assert torch.equal(got_stream, stream)
+    assert got_stream is x if residual is None else got_stream.data_ptr() != x.data_ptr()
+    assert torch.equal(x, before[0])
+    assert residual is None or torch.equal(residual, before[1])
+    normed_reference = (
+        TorchOps.rms_norm(x, norm_weight, 1e-5)
+        if residual is None
+        else TorchOps.add_rms_norm(x, residual, norm_weight, 1e-5)[0]
+    )
+    reference = torch.nn.functional.linear(normed_reference.float(), weight.float())
+    assert_close(out, reference.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows):
+    n, inter = 24, 150
+    gate_up = random_tensor(rows, 2 * inter, dtype=dtype, seed=35) * 4
+    weight = random_tensor(n, inter, dtype=dtype, seed=36) * 0.01
+    out = gemv.silu_gemv(gate_up, weight)
+    assert_close(out, gemv.gemv(fused.silu_mul(gate_up), weight), dtype)
+    reference = torch.nn.functional.linear(TorchOps.silu_mul(gate_up).float(), weight.float())
+    assert_close(out, reference.to(dtype), dtype)
+
+
+def test_fused_products_refuse_what_they_do_not_serve():
+    weight = torch.zeros(8, 16, device=DEVICE)
+    norm_weight = torch.ones(16, device=DEVICE)
+    x = torch.zeros(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"norm_weight \[16\] and a residual shaped as x"):
+        gemv.norm_gemv(x, torch.zeros(3, 16, device=DEVICE), norm_weight, 1e-5, weight)
+    with pytest.raises(ValueError, match=r"norm_weight \[16\]"):
+        gemv.norm_gemv(x, None, torch.ones(15, device=DEVICE), 1e-5, weight)
+    wide = torch.zeros(16, 16385, device=DEVICE)
+    with pytest.raises(ValueError, match="rows of at most 16384 elements"):
+        gemv.norm_gemv(torch.zeros(1, 16385, device=DEVICE), None, wide[0], 1e-5, wide)
+    with pytest.raises(ValueError, match="all-rows kernel .* plain products only"):
+        gemv.norm_gemv(x, None, norm_weight, 1e-5, weight, ROWS_CONFIG)
+    with pytest.raises(ValueError, match="all-rows kernel .* plain products only"):
+        gemv.silu_gemv(torch.zeros(2, 32, device=DEVICE), weight, ROWS_CONFIG)
+    with pytest.raises(ValueError, match=r"gate_up \[M, 2 \* inter\]"):
+        gemv.silu_gemv(torch.zeros(1, 15, device=DEVICE), weight)
+    with pytest.raises(ValueError, match=r"K = 8"):
+        gemv.silu_gemv(torch.zeros(1, 16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="serves 1 to 16 rows; got 17"):
+        gemv.silu_gemv(torch.zeros(17, 32, device=DEVICE), weight)
+
+
+def test_fused_products_decline_where_the_kernel_does_not_take_the_product():
+    """None (the model runs the ops apart) where `linear_config` keeps cuBLAS (a CPU
+    tensor), for more than one row (the all-rows kernel with the op inside measured slower),
+    and for norm rows wider than FUSED_NORM_MAX_K (measured slower at Llama-3-8B's 4096);
+    one row on CUDA is fused."""
+    weight, norm_weight = torch.zeros(8, 16), torch.ones(16)
+    assert gemv.norm_linear(torch.zeros(1, 16), None, norm_weight, 1e-5, weight) is None
+    assert gemv.silu_mul_linear(torch.zeros(1, 32), weight) is None
+    if DEVICE != "cuda":
+        return
+    weight, norm_weight = weight.cuda(), norm_weight.cuda()
+    assert gemv.norm_linear(torch.ones(1, 16, device="cuda"), None, norm_weight, 1e-5, weight)
+    assert gemv.silu_mul_linear(torch.ones(1, 32, device="cuda"), weight) is not None
+    for rows in (2, 13):
+        x = torch.ones(rows, 16, device="cuda")
+        assert gemv.norm_linear(x, x, norm_weight, 1e-5, weight) is None
+        assert gemv.silu_mul_linear(torch.ones(rows, 32, device="cuda"), weight) is None
+    wide = torch.zeros(8, gemv.FUSED_NORM_MAX_K + 1, device="cuda")
+    assert gemv.norm_linear(wide[:1], None, wide[0], 1e-5, wide) is None
+    at_limit = torch.zeros(8, gemv.FUSED_NORM_MAX_K, device="cuda")
+    assert gemv.norm_linear(at_limit[:1], None, at_limit[0], 1e-5, at_limit) is not None
+
+
+class _KernelProducts(TorchOps):
+    """TorchOps with every product of up to MAX_ROWS rows through the fused kernels (the
+    kernels' own choice keeps them to CUDA)."""
+
+    @staticmethod
+    def norm_linear(x, residual, norm_weight, eps, weight):
+        if x.shape[0] > gemv.MAX_ROWS:
+            return None
+        return gemv.norm_gemv(x, residual, norm_weight, eps, weight.contiguous())
+
+    @staticmethod
+    def silu_mul_linear(gate_up, weight):
+        if gate_up.shape[0] > gemv.MAX_ROWS:
+            return None
+        return gemv.silu_gemv(gate_up, weight.contiguous())
+
+
+def test_forward_with_fused_products_equals_torch_path(two_passes, monkeypatch):
+    """The layer takes an op set's norm_linear and silu_mul_linear where they apply (the
+    decode pass) and runs the ops apart where they return None (the 19-token prefill)."""
+    from engine import ops as op_sets
+
+    model = LlamaModel(ModelConfig.tiny(), torch.float32, DEVICE, op_set="reference")
+    model.init_random(seed=5)
+    prompts = [list(range(5, 17)), list(range(40, 47))]
+    reference = two_passes(model, prompts, DEVICE)
+    calls = []
+
+    def traced(name):
+        def call(*args):
+            calls.append((name, args[0].shape[0]))
+            return getattr(_KernelProducts, name)(*args)
+
+        return staticmethod(call)
+
+    traced_ops = type(
+        "Traced", (TorchOps,), {n: traced(n) for n in ("norm_linear", "silu_mul_linear")}
+    )
+    monkeypatch.setattr(op_sets, "load", lambda name: traced_ops)
+    got = two_passes(model, prompts, DEVICE)
+    for got_pass, reference_pass in zip(got, reference, strict=True):
+        torch.testing.assert_close(got_pass, reference_pass, atol=1e-4, rtol=1e-4)
+    layers = ModelConfig.tiny().num_layers
+    assert calls.count(("norm_linear", 2)) == 2 * layers
+    assert calls.count(("silu_mul_linear", 2)) == layers
