@@ -15,8 +15,8 @@ kernel that loads each weight tile once for every row (`gemv.rows_config`).
 
 `--fused` times instead the products that follow a norm (qkv, gate_up: RMSNorm with the
 residual add) or SiLU*mul (down): the op then `linear` (two launches) against the kernel
-with the op inside it (`norm_gemv`, `silu_gemv`: one; the row-at-a-time kernel, the one
-with the prologues), where the kernel takes the product, and says which of the two the op
+with the op inside it (`norm_gemv`, `silu_gemv`: one launch of the kernel `linear_config`
+picks), where the kernel takes the product, and says which of the two the op
 set runs (`norm_linear`, `silu_mul_linear`).
 """
 
@@ -105,8 +105,6 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
         norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
         for rows in rows_list:
             config = gemv.linear_config(rows, dtype, (n, k), sms)
-            if config is not None and config.get("all_rows"):
-                config = gemv.GEMV_CONFIG  # the prologues run in the row-at-a-time kernel
             if prologue == "norm":
                 x = torch.randn(rows, k, device="cuda", dtype=dtype)
                 residual = torch.randn(rows, k, device="cuda", dtype=dtype)

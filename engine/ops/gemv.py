@@ -44,36 +44,16 @@ ROWS_LOOP_STAGES = 4
 
 
 PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the products
-# The norm prologue holds a row whole (next power of two of K) in registers to take its mean
-# square: at most this many elements.
-MAX_NORM_ELEMENTS = 16384
-# `norm_linear` and `silu_mul_linear` fuse one-row products only, in the row-at-a-time
-# kernel. Measured on the H200 (`bench_gemv.py --fused`): at one row the single launch is
-# 1.16-1.32x as fast as the op and the product apart (SmolLM2-135M, fp32); at 13 rows the
-# row-at-a-time kernel is 0.23-0.38x, and an all-rows kernel that recomputed the op in every
-# program was 0.58-0.78x (commit 7f626ce), so the all-rows kernel runs plain products only.
+# The NORM prologue needs no pass over the row before the products: RMSNorm(x) . w =
+# (x * norm_w) . w / RMS(x), so the key loop sums x's squares beside the products and each
+# sum is scaled by 1 / RMS at the end. `norm_linear` and `silu_mul_linear` fuse one-row
+# products, in the row-at-a-time kernel. Measured on the H200 (`bench_gemv.py --fused`): at
+# one row the one launch is 1.08x (Llama-3-8B's norm + qkv, bf16, K 4096) to 1.38x
+# (SmolLM2-135M's, fp32, K 576) as fast as the op and the product apart. At 13 rows an
+# all-rows kernel with the op inside ran at 1.03x (norm + qkv), 0.82x (norm + gate_up) and
+# 0.52x (SiLU*mul + down) the speed of the two launches: its programs are narrow (2-8
+# columns) and each redoes the op over all of x, so the all-rows kernel runs plain products.
 FUSED_ROWS = 1
-# `norm_linear` fuses rows of up to this many elements. Each program recomputes the row's
-# RMS (and adds the residual) itself: with the key steps pipelined (LOOP_STAGES 3), the one
-# launch took 3.7 against 4.8 us apart for SmolLM2-135M's qkv (K 576, fp32) but 19.9
-# against 18.5 us for Llama-3-8B's (K 4096, bf16) on the H200 (`bench_gemv.py --fused`).
-FUSED_NORM_MAX_K = 1024
-
-
-@triton.jit
-def _inv_rms(x, residual, rows, in_m, stride_xm, stride_rm, K, eps, HAS_RESIDUAL, BLOCK_ROW):
-    """1 / RMS of x's rows (of x + residual, rounded to x's dtype), fp32 [rows], summed as
-    the RMSNorm kernel sums them (`engine.ops.triton`)."""
-    cols = tl.arange(0, BLOCK_ROW)
-    mask = in_m[:, None] & (cols < K)[None, :]
-    values = tl.load(x + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        added = values.to(tl.float32) + tl.load(
-            residual + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0
-        ).to(tl.float32)
-        values = added.to(values.dtype)
-    values32 = values.to(tl.float32)
-    return tl.rsqrt(tl.sum(values32 * values32, axis=1) / K + eps)
 
 
 @triton.jit
@@ -86,7 +66,6 @@ def _x_block(
     in_m,
     ks,
     in_k,
-    inv_rms,
     write_residual,
     stride_xm,
     stride_rm,
@@ -95,16 +74,18 @@ def _x_block(
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
-    """x's `rows` at columns `ks` as fp32 [rows, keys], after the prologue, rounded where
-    the unfused ops round their outputs: PLAIN x; NORM the RMSNorm of x (+ residual; the sum
-    stored to residual_out where `write_residual`), scaled by norm_w; SILU SiLU(gate) * up
-    of x = [gate | up] (K columns each)."""
+    """(x's `rows` at columns `ks` as fp32 [rows, keys] after the prologue, the squares to
+    sum for NORM): PLAIN x; NORM x (+ residual, rounded to x's dtype and stored to
+    residual_out where `write_residual`) scaled by norm_w, not yet by 1 / RMS; SILU
+    SiLU(gate) * up of x = [gate | up] (K columns each), rounded as the SiLU*mul op rounds
+    it."""
     mask = in_m[:, None] & in_k[None, :]
     row_ptrs = x + rows[:, None] * stride_xm + ks[None, :]
     if PROLOGUE == 2:
         gate = tl.load(row_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(row_ptrs + K, mask=mask, other=0.0)
         xs = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+        squares = xs
     else:
         values = tl.load(row_ptrs, mask=mask, other=0.0)
         if PROLOGUE == 1:
@@ -118,12 +99,14 @@ def _x_block(
                     values,
                     mask=mask & write_residual,
                 )
-            normed = (values.to(tl.float32) * inv_rms[:, None]).to(values.dtype)
+            values32 = values.to(tl.float32)
             scale = tl.load(norm_w + ks, mask=in_k, other=0.0).to(tl.float32)
-            xs = (normed.to(tl.float32) * scale[None, :]).to(values.dtype).to(tl.float32)
+            xs = values32 * scale[None, :]
+            squares = values32 * values32
         else:
             xs = values.to(tl.float32)
-    return xs
+            squares = xs
+    return xs, squares
 
 
 @triton.jit
@@ -149,8 +132,9 @@ def _gemv_kernel(
     LOOP_STAGES: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK_ROW: tl.constexpr,
 ):
+    """One x row at a time: each program's BLOCK_N weight rows against the row, summed
+    across the threads at every key step."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = cols < N
     w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
@@ -159,17 +143,13 @@ def _gemv_kernel(
         if m < M:
             row = m + tl.arange(0, 1)
             in_m = row < M
-            inv_rms = tl.full([1], 1.0, tl.float32)
-            if PROLOGUE == 1:
-                inv_rms = _inv_rms(
-                    x, residual, row, in_m, stride_xm, stride_rm, K, eps, HAS_RESIDUAL, BLOCK_ROW
-                )
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            sum_squares = tl.zeros([1, BLOCK_K], dtype=tl.float32)
             for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 in_k = ks < K
                 tile = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
-                xs = _x_block(
+                xs, squares = _x_block(
                     x,
                     residual,
                     norm_w,
@@ -178,7 +158,6 @@ def _gemv_kernel(
                     in_m,
                     ks,
                     in_k,
-                    inv_rms,
                     first,
                     stride_xm,
                     stride_rm,
@@ -188,6 +167,10 @@ def _gemv_kernel(
                     HAS_RESIDUAL,
                 )
                 acc += tl.sum(tile.to(tl.float32) * xs, axis=1)
+                if PROLOGUE == 1:
+                    sum_squares += squares
+            if PROLOGUE == 1:
+                acc = acc * tl.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)
             tl.store(out + m * stride_om + cols, acc.to(out.dtype.element_ty), mask=in_n)
 
 
@@ -321,7 +304,6 @@ def _launch(
         BLOCK_M=triton.next_power_of_2(rows),
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
-        BLOCK_ROW=triton.next_power_of_2(k) if prologue == NORM else 1,
         **params,
     )
     return out, residual_out
@@ -343,9 +325,10 @@ def norm_gemv(
     weight: torch.Tensor,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch, as the RMSNorm op then
-    `gemv` round and compute them (residual None: RMSNorm(x), and x is the stream). Rows
-    of K elements, at most MAX_NORM_ELEMENTS once padded to a power of two."""
+    """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch (residual None:
+    RMSNorm(x), and x is the stream). The stream is rounded as the RMSNorm op rounds it; the
+    product scales x's row by 1 / RMS after the sum, not before, so it differs from the op
+    and `gemv` in rounding only."""
     k = x.shape[-1]
     _check(x, weight, k, "norm_gemv")
     if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
@@ -356,12 +339,6 @@ def norm_gemv(
         )
     if residual is not None and residual.stride(1) != 1:
         raise ValueError(f"norm_gemv needs a unit-stride residual; got {residual.stride()}")
-    if triton.next_power_of_2(k) > MAX_NORM_ELEMENTS:
-        raise ValueError(
-            f"norm_gemv holds rows of at most {MAX_NORM_ELEMENTS} elements once padded to a "
-            f"power of two; {k} pads to {triton.next_power_of_2(k)} (use the RMSNorm op "
-            "and gemv)"
-        )
     out, residual_out = _launch(x, weight, k, config, NORM, (residual, norm_weight, eps))
     return out, x if residual_out is None else residual_out
 
@@ -454,14 +431,12 @@ def norm_linear(
     eps: float,
     weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`norm_gemv` for one row of up to FUSED_NORM_MAX_K elements where the kernel is the
-    faster for the product (`linear_config`); None elsewhere (the caller runs the norm and
-    `linear`)."""
+    """`norm_gemv` for one row where the kernel is the faster for the product
+    (`linear_config`); None elsewhere (the caller runs the norm and `linear`)."""
     config = _kernel_config(x, weight)
     if (
         config is None
         or x.shape[0] != FUSED_ROWS
-        or x.shape[-1] > FUSED_NORM_MAX_K
         or (residual is not None and residual.stride(-1) != 1)
     ):
         return None
