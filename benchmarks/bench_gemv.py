@@ -16,8 +16,9 @@ kernel that loads each weight tile once for every row (`gemv.rows_config`).
 `--fused` times instead the products that follow a norm (qkv, gate_up: RMSNorm with the
 residual add) or SiLU*mul (down): the op then `linear` (two launches) against the kernel
 with the op inside it (`norm_gemv`, `silu_gemv`: one launch of the kernel `linear_config`
-picks), where the kernel takes the product, and says which of the two the op
-set runs (`norm_linear`, `silu_mul_linear`).
+picks), where the kernel takes the product, and the gate_up product then SiLU*mul against
+the all-rows kernel with SiLU*mul after its products (`gemv_silu`), and says which of the
+two the op set runs (`norm_linear`, `silu_mul_linear`, `linear_silu_mul`).
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
 
                 runs = fused_ops.silu_mul_linear(x, weights[0])
             t_apart = time_calls(apart, weights, x)
-            if config is None:
-                results.append((name, rows, t_apart, None, None, "apart (cuBLAS)"))
+            if config is None or config.get("all_rows"):  # no op inside: plain products
+                kernel = "cuBLAS" if config is None else "all rows"
+                results.append((name, rows, t_apart, None, None, f"apart ({kernel})"))
                 continue
             expected = apart(x, weights[0]).float()
             assert torch.allclose(one(x, weights[0]).float(), expected, rtol=2e-2, atol=2e-2)
@@ -142,19 +144,56 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
             results.append((name, rows, t_apart, t_one, t_one1, chosen))
         del weights
         torch.cuda.empty_cache()
+    results += silu_after(shapes, dtype, rows_list, sms)
     print(
         "\n| product | rows | op + linear us | one launch us | apart / one | "
         "one launch, LOOP_STAGES=1 us | the op set runs |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, rows, t_apart, t_one, t_one1, chosen in results:
+        op = PROLOGUES.get(name, "silu after")
         one_text = "" if t_one is None else f"{t_one * 1e6:.1f}"
         ratio = "" if t_one is None else f"{t_apart / t_one:.2f}x"
         one1_text = "" if t_one1 is None else f"{t_one1 * 1e6:.1f}"
         print(
-            f"| {PROLOGUES[name]} + {name} | {rows} | {t_apart * 1e6:.1f} | {one_text} | "
+            f"| {op} + {name} | {rows} | {t_apart * 1e6:.1f} | {one_text} | "
             f"{ratio} | {one1_text} | {chosen} |"
         )
+
+
+def silu_after(shapes: dict, dtype: torch.dtype, rows_list: list[int], sms: int) -> list:
+    """The gate_up product then SiLU*mul (two launches) against the all-rows kernel with
+    SiLU*mul after its products (`gemv_silu`), at the row counts it takes."""
+    n, k = shapes["gate_up"]
+    copies = max(2, -(-512 * 2**20 // (n * k * dtype.itemsize)))
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    results = []
+    for rows in rows_list:
+        config = gemv.linear_config(rows, dtype, (n, k), sms)
+        if config is None or not config.get("all_rows"):
+            continue
+        x = torch.randn(rows, k, device="cuda", dtype=dtype)
+
+        def apart(x, w):
+            return fused_ops.silu_mul(fused_ops.linear(x, w))
+
+        one_config = gemv.rows_config(n // 2, sms)
+
+        def one(x, w, c=one_config):
+            return gemv.gemv_silu(x, w, c)
+
+        expected = apart(x, weights[0]).float()
+        assert torch.allclose(one(x, weights[0]).float(), expected, rtol=2e-2, atol=2e-2)
+        chosen = "apart" if fused_ops.linear_silu_mul(x, weights[0]) is None else "one launch"
+        unpipelined = dict(one_config, LOOP_STAGES=1)
+        t_apart, t_one, t_one1 = (
+            time_calls(call, weights, x)
+            for call in (apart, one, lambda a, w: one(a, w, unpipelined))
+        )
+        results.append(("gate_up", rows, t_apart, t_one, t_one1, chosen))
+    del weights
+    torch.cuda.empty_cache()
+    return results
 
 
 def compare_loop_stages(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> None:

@@ -58,11 +58,46 @@ def _norm_linear(
     result = fused(hidden, residual, norm.weight, norm.eps, weight) if fused is not None else None
     if result is not None:
         return result
-    if residual is None:
-        normed, residual = ops.rms_norm(hidden, norm.weight, norm.eps), hidden
-    else:
-        normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+    normed, residual = _norm(ops, hidden, residual, norm)
     return ops.linear(normed, weight), residual
+
+
+def _norm(
+    ops: Any, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(hidden + residual), the residual stream; residual None: hidden)."""
+    if residual is None:
+        return ops.rms_norm(hidden, norm.weight, norm.eps), hidden
+    return ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+
+
+def _mlp(
+    ops: Any, hidden: torch.Tensor, residual: torch.Tensor, layer: DecoderLayer
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the SwiGLU MLP of RMSNorm(hidden + residual), the residual stream), in the op set's
+    fewest calls: the norm inside the gate_up product and SiLU*mul inside the down product
+    (`norm_linear`, `silu_mul_linear`: one row), or SiLU*mul inside the gate_up product
+    (`linear_silu_mul`: a few float32 rows), else one call an op."""
+    fused_norm = getattr(ops, "norm_linear", None)
+    norm, gate_up_proj = layer.post_attention_layernorm, layer.gate_up_proj
+    result = (
+        fused_norm(hidden, residual, norm.weight, norm.eps, gate_up_proj)
+        if fused_norm is not None
+        else None
+    )
+    if result is None:
+        normed, residual = _norm(ops, hidden, residual, norm)
+        fused_silu = getattr(ops, "linear_silu_mul", None)
+        act = fused_silu(normed, gate_up_proj) if fused_silu is not None else None
+        if act is None:
+            act = ops.silu_mul(ops.linear(normed, gate_up_proj))
+        return ops.linear(act, layer.down_proj), residual
+    gate_up, residual = result
+    fused = getattr(ops, "silu_mul_linear", None)
+    out = fused(gate_up, layer.down_proj) if fused is not None else None
+    if out is None:
+        out = ops.linear(ops.silu_mul(gate_up), layer.down_proj)
+    return out, residual
 
 
 class DecoderLayer(nn.Module):
@@ -143,13 +178,7 @@ class DecoderLayer(nn.Module):
         hidden = ops.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
         if self.sharded:
             hidden = parallel.all_reduce(hidden)
-        gate_up, residual = _norm_linear(
-            ops, hidden, residual, self.post_attention_layernorm, self.gate_up_proj
-        )
-        fused = getattr(ops, "silu_mul_linear", None)
-        out = fused(gate_up, self.down_proj) if fused is not None else None
-        if out is None:
-            out = ops.linear(ops.silu_mul(gate_up), self.down_proj)
+        out, residual = _mlp(ops, hidden, residual, self)
         return (parallel.all_reduce(out) if self.sharded else out), residual
 
     def qkv_extras(self) -> QkvExtras | None:

@@ -6,8 +6,9 @@ from `load`; no set imports the model.
 A set has `rms_norm`, `add_rms_norm`, `linear`, `silu_mul`, `stores_kv` and either
 `rope_qkv` (stores_kv False: the backend writes K/V) or `rope_qkv_store` (the rotation writes
 K/V too); a set may add `decoder_layer`, a whole layer in one call where it applies, and
-`norm_linear` / `silu_mul_linear`, a norm or SiLU*mul and the product after it in one call
-where they apply (each returns None where it does not, and the model runs the ops apart).
+`norm_linear` / `silu_mul_linear`, a norm or SiLU*mul and the product after it in one call,
+and `linear_silu_mul`, a product and the SiLU*mul after it, where they apply (each returns
+None where it does not, and the model runs the ops apart).
 """
 
 from __future__ import annotations

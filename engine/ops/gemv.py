@@ -189,29 +189,42 @@ def _gemv_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
-    the end (no reduction across threads inside the loop)."""
+    the end (no reduction across threads inside the loop). SILU_MUL: w is [gate; up]
+    (2N rows) and out gets SiLU(x @ gate^T) * (x @ up^T), each product rounded to out's
+    dtype first, as the SiLU*mul op after the product rounds them."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     in_n = cols < N
     in_m = rows < M
     w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K] if SILU_MUL else [1, 1, 1], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         in_k = ks < K
-        tile = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
+        tile_mask = in_n[:, None] & in_k[None, :]
+        tile = tl.load(w_rows + ks[None, :], mask=tile_mask, other=0.0)
         xs = tl.load(
             x + rows[:, None] * stride_xm + ks[None, :],
             mask=in_m[:, None] & in_k[None, :],
             other=0.0,
-        )
-        acc += xs.to(tl.float32)[:, None, :] * tile.to(tl.float32)[None, :, :]
+        ).to(tl.float32)[:, None, :]
+        acc += xs * tile.to(tl.float32)[None, :, :]
+        if SILU_MUL:
+            up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=tile_mask, other=0.0)
+            acc_up += xs * up.to(tl.float32)[None, :, :]
+    sums = tl.sum(acc, axis=2)
+    if SILU_MUL:
+        gate = sums.to(out.dtype.element_ty).to(tl.float32)
+        up_sums = tl.sum(acc_up, axis=2).to(out.dtype.element_ty).to(tl.float32)
+        sums = gate * tl.sigmoid(gate) * up_sums
     tl.store(
         out + rows[:, None] * stride_om + cols[None, :],
-        tl.sum(acc, axis=2).to(out.dtype.element_ty),
+        sums.to(out.dtype.element_ty),
         mask=in_m[:, None] & in_n[None, :],
     )
 
@@ -259,29 +272,16 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x' @ weight^T, the residual stream written by the NORM prologue or None)."""
     rows, n = x.shape[0], weight.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     params = dict(GEMV_CONFIG, **(config or {}))
-    grid = (triton.cdiv(n, params["BLOCK_N"]),)
     if params.pop("all_rows", False):
         if prologue != PLAIN:
             raise ValueError(
                 "the all-rows kernel (config all_rows) runs plain products only; the norm "
                 "and SiLU*mul prologues run in the row-at-a-time kernel (config None)"
             )
-        _gemv_rows_kernel[grid](
-            x,
-            weight,
-            out,
-            rows,
-            n,
-            k,
-            x.stride(0),
-            weight.stride(0),
-            out.stride(0),
-            BLOCK_M=triton.next_power_of_2(rows),
-            **params,
-        )
-        return out, None
+        return _launch_rows(x, weight, n, k, params, silu_mul=False), None
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, params["BLOCK_N"]),)
     residual, norm_w, eps = norm if norm is not None else (None, x, 0.0)
     residual_out = torch.empty_like(x) if residual is not None else None
     unused = x  # a pointer the kernel never reads where there is nothing to point at
@@ -307,6 +307,30 @@ def _launch(
         **params,
     )
     return out, residual_out
+
+
+def _launch_rows(
+    x: torch.Tensor, weight: torch.Tensor, n: int, k: int, params: dict, silu_mul: bool
+) -> torch.Tensor:
+    """The all-rows kernel's [rows, n] output: x @ weight^T, or (silu_mul) SiLU*mul of the
+    products with weight's first n rows and its next n."""
+    rows = x.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _gemv_rows_kernel[(triton.cdiv(n, params["BLOCK_N"]),)](
+        x,
+        weight,
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=triton.next_power_of_2(rows),
+        SILU_MUL=silu_mul,
+        **params,
+    )
+    return out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
@@ -353,6 +377,23 @@ def silu_gemv(
     inter = gate_up.shape[1] // 2
     _check(gate_up, weight, inter, "silu_gemv")
     return _launch(gate_up, weight, inter, config, SILU)[0]
+
+
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor, config: dict) -> torch.Tensor:
+    """SiLU(x @ gate^T) * (x @ up^T) [M, inter] from weight = [gate; up] [2 * inter, K] in
+    one launch of the all-rows kernel (`config`: an all_rows launch, e.g. `rows_config`
+    for inter columns), as the product then the SiLU*mul op round and compute it: the
+    gate_up product never reaches memory and no SiLU*mul launch follows."""
+    if weight.dim() != 2 or weight.shape[0] % 2:
+        raise ValueError(f"gemv_silu needs weight [2 * inter, K]; got {tuple(weight.shape)}")
+    k = x.shape[-1]
+    _check(x, weight, k, "gemv_silu")
+    params = dict(GEMV_CONFIG, **config)
+    if not params.pop("all_rows", False):
+        raise ValueError(
+            f"gemv_silu runs in the all-rows kernel: its config needs all_rows; got {config}"
+        )
+    return _launch_rows(x, weight, weight.shape[0] // 2, k, params, silu_mul=True)
 
 
 @functools.cache
@@ -450,3 +491,13 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     if config is None or gate_up.shape[0] != FUSED_ROWS:
         return None
     return silu_gemv(gate_up, weight, config)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`gemv_silu` (SiLU*mul of x's product with weight = [gate; up]) where the all-rows
+    kernel is the faster for the product (`linear_config`: float32, 2 to MAX_ROWS rows);
+    None elsewhere (the caller runs `linear` and SiLU*mul)."""
+    config = _kernel_config(x, weight)
+    if config is None or not config.get("all_rows") or weight.shape[0] % 2:
+        return None
+    return gemv_silu(x, weight, rows_config(weight.shape[0] // 2, _num_sms(x.device)))

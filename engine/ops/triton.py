@@ -1,8 +1,9 @@
 """Triton kernels for a Llama layer's elementwise work, one launch each: RMSNorm (alone or fused
 with the residual add), RoPE on q and k in place with k and v stored into the KV cache in
 the same launch (with a family's q/k/v bias and q/k head norms before it), and
-SiLU(gate) * up; `linear` adds the matrix-vector kernel, and `norm_linear` and
-`silu_mul_linear` run a norm or SiLU*mul inside it where it takes the product. Math is fp32;
+SiLU(gate) * up; `linear` adds the matrix-vector kernel, `norm_linear` and
+`silu_mul_linear` run a norm or SiLU*mul inside it where it takes the product, and
+`linear_silu_mul` the SiLU*mul after the gate_up product inside the all-rows kernel. Math is fp32;
 results are rounded to the input dtype where the torch reference rounds them.
 """
 
@@ -15,6 +16,7 @@ import triton.language as tl
 from engine.ops.checks import check_gate_up, check_norm, check_qkv_extras, check_rope_store
 from engine.ops.gemv import (  # noqa: F401  (the ops set's matrix products)
     linear,
+    linear_silu_mul,
     norm_linear,
     silu_mul_linear,
 )

@@ -140,6 +140,30 @@ def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows, config):
     assert_close(out, reference.to(dtype), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 13])
+@pytest.mark.parametrize(
+    "config",
+    [
+        ROWS_CONFIG,
+        dict(ROWS_CONFIG, BLOCK_N=4, BLOCK_K=32, LOOP_STAGES=1),
+        gemv.rows_config(150, 2),
+    ],
+)
+def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
+    """The all-rows kernel with SiLU*mul after the products: the gate_up product rounded to
+    the dtype, then the op, as the two launches give it (inter 150: ragged column and key
+    tiles)."""
+    inter, k = 150, 70
+    x = random_tensor(rows, k, dtype=dtype, seed=37)
+    weight = random_tensor(2 * inter, k, dtype=dtype, seed=38) * 0.2
+    out = gemv.gemv_silu(x, weight, config)
+    assert out.shape == (rows, inter)
+    assert_close(out, fused.silu_mul(gemv.gemv(x, weight, config)), dtype)
+    reference = TorchOps.silu_mul(torch.nn.functional.linear(x.float(), weight.float()).to(dtype))
+    assert_close(out, reference, dtype)
+
+
 def test_fused_products_refuse_what_they_do_not_serve():
     weight = torch.zeros(8, 16, device=DEVICE)
     norm_weight = torch.ones(16, device=DEVICE)
@@ -158,15 +182,21 @@ def test_fused_products_refuse_what_they_do_not_serve():
         gemv.silu_gemv(torch.zeros(1, 16, device=DEVICE), weight)
     with pytest.raises(ValueError, match="serves 1 to 16 rows; got 17"):
         gemv.silu_gemv(torch.zeros(17, 32, device=DEVICE), weight)
+    with pytest.raises(ValueError, match=r"weight \[2 \* inter, K\]; got \(7, 16\)"):
+        gemv.gemv_silu(x, torch.zeros(7, 16, device=DEVICE), ROWS_CONFIG)
+    with pytest.raises(ValueError, match="its config needs all_rows"):
+        gemv.gemv_silu(x, weight, gemv.GEMV_CONFIG)
 
 
 def test_fused_products_decline_where_the_kernel_does_not_take_the_product():
     """None (the model runs the ops apart) where `linear_config` keeps cuBLAS (a CPU
-    tensor) and for more than one row (the all-rows kernel with the op inside measured
-    slower); one row on CUDA is fused, at Llama-3-8B's width (4096) too."""
+    tensor); the norm and SiLU*mul before a product are fused for one row (at Llama-3-8B's
+    width, 4096, too), not for more (the all-rows kernel with the op inside measured
+    slower); SiLU*mul after a product for float32 rows from two on (the all-rows kernel)."""
     weight, norm_weight = torch.zeros(8, 16), torch.ones(16)
     assert gemv.norm_linear(torch.zeros(1, 16), None, norm_weight, 1e-5, weight) is None
     assert gemv.silu_mul_linear(torch.zeros(1, 32), weight) is None
+    assert gemv.linear_silu_mul(torch.zeros(2, 16), weight) is None
     if DEVICE != "cuda":
         return
     weight, norm_weight = weight.cuda(), norm_weight.cuda()
@@ -176,6 +206,9 @@ def test_fused_products_decline_where_the_kernel_does_not_take_the_product():
         x = torch.ones(rows, 16, device="cuda")
         assert gemv.norm_linear(x, x, norm_weight, 1e-5, weight) is None
         assert gemv.silu_mul_linear(torch.ones(rows, 32, device="cuda"), weight) is None
+        assert gemv.linear_silu_mul(x, weight).shape == (rows, 4)  # float32: all rows
+        assert gemv.linear_silu_mul(x.bfloat16(), weight.bfloat16()) is None  # cuBLAS's
+    assert gemv.linear_silu_mul(torch.ones(1, 16, device="cuda"), weight) is None  # one row
     wide = torch.zeros(8, 4096, device="cuda", dtype=torch.bfloat16)
     assert gemv.norm_linear(wide[:1], wide[:1], wide[0], 1e-5, wide) is not None
 
@@ -225,3 +258,40 @@ def test_forward_with_fused_products_equals_torch_path(two_passes, monkeypatch):
     layers = ModelConfig.tiny().num_layers
     assert calls.count(("norm_linear", 2)) == 2 * layers
     assert calls.count(("silu_mul_linear", 2)) == layers
+
+
+class _SiluAfterProducts(TorchOps):
+    """TorchOps with SiLU*mul inside the gate_up product for 2 to MAX_ROWS rows (the
+    all-rows kernel; on CUDA the kernels' own choice)."""
+
+    @staticmethod
+    def linear_silu_mul(x, weight):
+        if not 1 < x.shape[0] <= gemv.MAX_ROWS:
+            return None
+        inter = weight.shape[0] // 2
+        return gemv.gemv_silu(x, weight.contiguous(), gemv.rows_config(inter, 2))
+
+
+def test_forward_with_silu_after_the_product_equals_torch_path(two_passes, monkeypatch):
+    """Where the norm is not fused into the gate_up product (here: no norm_linear), the
+    layer takes linear_silu_mul for the product and SiLU*mul (the two-row decode pass) and
+    runs them apart where it returns None (the prefill)."""
+    from engine import ops as op_sets
+
+    model = LlamaModel(ModelConfig.tiny(), torch.float32, DEVICE, op_set="reference")
+    model.init_random(seed=6)
+    prompts = [list(range(5, 17)), list(range(40, 47))]
+    reference = two_passes(model, prompts, DEVICE)
+    calls = []
+
+    def call(x, weight):
+        calls.append(x.shape[0])
+        return _SiluAfterProducts.linear_silu_mul(x, weight)
+
+    traced_ops = type("Traced", (TorchOps,), {"linear_silu_mul": staticmethod(call)})
+    monkeypatch.setattr(op_sets, "load", lambda name: traced_ops)
+    got = two_passes(model, prompts, DEVICE)
+    for got_pass, reference_pass in zip(got, reference, strict=True):
+        torch.testing.assert_close(got_pass, reference_pass, atol=1e-4, rtol=1e-4)
+    layers = ModelConfig.tiny().num_layers
+    assert calls == [19] * layers + [2] * layers
