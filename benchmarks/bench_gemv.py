@@ -15,10 +15,11 @@ kernel that loads each weight tile once for every row (`gemv.rows_config`).
 
 `--fused` times instead the products that follow a norm (qkv, gate_up: RMSNorm with the
 residual add) or SiLU*mul (down): the op then `linear` (two launches) against the kernel
-with the op inside it (`norm_gemv`, `silu_gemv`: one launch of the kernel `linear_config`
-picks), where the kernel takes the product, and the gate_up product then SiLU*mul against
-the all-rows kernel with SiLU*mul after its products (`gemv_silu`), and says which of the
-two the op set runs (`norm_linear`, `silu_mul_linear`, `linear_silu_mul`).
+with the op inside it (`norm_gemv`, `silu_gemv`: one launch, as `linear_config` and, for the
+norm, `norm_config` launch it), where the kernel takes the product; and the gate_up product
+then SiLU*mul against the all-rows kernel with SiLU*mul after its products (`gemv_silu`);
+and says which of the two the op set runs (`norm_linear`, `silu_mul_linear`,
+`linear_silu_mul`).
 """
 
 from __future__ import annotations
@@ -136,10 +137,11 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
             expected = apart(x, weights[0]).float()
             assert torch.allclose(one(x, weights[0]).float(), expected, rtol=2e-2, atol=2e-2)
             chosen = "apart" if runs is None else "one launch"
+            launch = gemv.norm_config(config, (n, k), sms) if prologue == "norm" else config
             unpipelined = dict(config, LOOP_STAGES=1)
             t_one, t_one1 = (
                 time_calls(lambda a, w, c=c: one(a, w, c), weights, x)
-                for c in (config, unpipelined)
+                for c in (launch, unpipelined)
             )
             results.append((name, rows, t_apart, t_one, t_one1, chosen))
         del weights

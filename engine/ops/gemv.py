@@ -52,8 +52,18 @@ PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the product
 # (SmolLM2-135M's, fp32, K 576) as fast as the op and the product apart. At 13 rows an
 # all-rows kernel with the op inside ran at 1.03x (norm + qkv), 0.82x (norm + gate_up) and
 # 0.52x (SiLU*mul + down) the speed of the two launches: its programs are narrow (2-8
-# columns) and each redoes the op over all of x, so the all-rows kernel runs plain products.
+# columns) and each redoes the op over all of x, so the all-rows kernel has no prologue.
+# SiLU*mul *after* its gate_up product repeats nothing (the program that sums a gate column
+# sums its up column): `linear_silu_mul`, 1.05x the two launches at 13 rows.
 FUSED_ROWS = 1
+# The norm prologue's loads and its row's sum of squares take registers. Where the key loop
+# has two steps or fewer and the launch two or more programs an SM, pipelining them cost more
+# than it hid: SmolLM2-135M's norm + gate_up (K 576, 384 programs on the H200's 132 SMs)
+# took 5.9 us with 3 key steps in flight against 5.1 with none (`bench_gemv.py --fused`),
+# while its norm + qkv (120 programs) took 3.5 against 3.8 and Llama-3-8B's (K 4096) 16.7
+# against 19.2.
+NORM_SHORT_STEPS = 2
+NORM_PIPELINE_MAX_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -442,6 +452,17 @@ def linear_config(
     return None
 
 
+def norm_config(config: dict, weight_shape: tuple[int, int], num_sms: int) -> dict:
+    """The one-row launch `config` (`linear_config`'s) for the product with the norm as its
+    prologue: its key steps not pipelined where there are NORM_SHORT_STEPS or fewer and the
+    launch has NORM_PIPELINE_MAX_PROGRAMS_PER_SM or more programs an SM."""
+    programs = triton.cdiv(weight_shape[0], config["BLOCK_N"])
+    short = weight_shape[1] <= NORM_SHORT_STEPS * config["BLOCK_K"]
+    if short and programs >= NORM_PIPELINE_MAX_PROGRAMS_PER_SM * num_sms:
+        return dict(config, LOOP_STAGES=1)
+    return config
+
+
 def _kernel_config(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
     """`linear_config` for x against weight where the kernel can take them (CUDA, unit
     stride along K), else None."""
@@ -481,7 +502,8 @@ def norm_linear(
         or (residual is not None and residual.stride(-1) != 1)
     ):
         return None
-    return norm_gemv(x, residual, norm_weight, eps, weight, config)
+    launch = norm_config(config, tuple(weight.shape), _num_sms(x.device))
+    return norm_gemv(x, residual, norm_weight, eps, weight, launch)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

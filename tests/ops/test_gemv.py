@@ -63,6 +63,21 @@ def test_loop_stages_pipeline_the_key_steps_while_programs_are_few():
     assert gemv.rows_config(65536, sms)["LOOP_STAGES"] == 1
 
 
+def test_norm_config_pipelines_short_loops_only_while_programs_are_few():
+    """The norm's product runs its key steps unpipelined where they are two or fewer and the
+    launch has two or more programs an SM (SmolLM2-135M's gate_up: 384 programs on 132 SMs,
+    K 576, measured faster so); otherwise as `linear_config` says."""
+    sms = 132
+    gate_up = gemv.linear_config(1, torch.float32, (3072, 576), sms)
+    assert gemv.norm_config(gate_up, (3072, 576), sms) == dict(gate_up, LOOP_STAGES=1)
+    qkv = gemv.linear_config(1, torch.float32, (960, 576), sms)  # 120 programs
+    assert gemv.norm_config(qkv, (960, 576), sms) is qkv
+    wide = gemv.linear_config(1, torch.bfloat16, (6144, 4096), sms)  # 8 key steps
+    assert gemv.norm_config(wide, (6144, 4096), sms) is wide
+    assert gemv.norm_config(gate_up, (3072, 1025), sms) is gate_up  # 3 key steps
+    assert gate_up["LOOP_STAGES"] == 3  # the cached dict is left as it was
+
+
 def test_rows_config_keeps_the_programs_per_sm():
     """The launches measured fastest on the H200 (132 SMs) at SmolLM2-135M's widths: 8
     columns a program for 3072, 4 for 960, 2 for 576 (256 products a key step, 4 steps in
