@@ -286,8 +286,8 @@ def _launch(
     if params.pop("all_rows", False):
         if prologue != PLAIN:
             raise ValueError(
-                "the all-rows kernel (config all_rows) runs plain products only; the norm "
-                "and SiLU*mul prologues run in the row-at-a-time kernel (config None)"
+                "the all-rows kernel (config all_rows) takes no norm or SiLU*mul before its "
+                "products; those prologues run in the row-at-a-time kernel (config None)"
             )
         return _launch_rows(x, weight, n, k, params, silu_mul=False), None
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)

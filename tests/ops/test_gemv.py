@@ -187,9 +187,9 @@ def test_fused_products_refuse_what_they_do_not_serve():
         gemv.norm_gemv(x, torch.zeros(3, 16, device=DEVICE), norm_weight, 1e-5, weight)
     with pytest.raises(ValueError, match=r"norm_weight \[16\]"):
         gemv.norm_gemv(x, None, torch.ones(15, device=DEVICE), 1e-5, weight)
-    with pytest.raises(ValueError, match="all-rows kernel .* plain products only"):
+    with pytest.raises(ValueError, match="all-rows kernel .* no norm or SiLU\\*mul before"):
         gemv.norm_gemv(x, None, norm_weight, 1e-5, weight, ROWS_CONFIG)
-    with pytest.raises(ValueError, match="all-rows kernel .* plain products only"):
+    with pytest.raises(ValueError, match="all-rows kernel .* no norm or SiLU\\*mul before"):
         gemv.silu_gemv(torch.zeros(2, 32, device=DEVICE), weight, ROWS_CONFIG)
     with pytest.raises(ValueError, match=r"gate_up \[M, 2 \* inter\]"):
         gemv.silu_gemv(torch.zeros(1, 15, device=DEVICE), weight)
