@@ -31,10 +31,9 @@ PromptInput = str | list[int] | list[dict] | ChatPrompt
 
 def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
     """Token ids of a prompt: a string, a list of token ids, chat messages or a ChatPrompt."""
-    if tokenizer is None and not (
-        isinstance(prompt, (list, tuple))
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+    sequence = isinstance(prompt, (list, tuple))
+    ids = sequence and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if tokenizer is None and not ids:
         raise InvalidRequest(
             "prompt",
             "this engine has no tokenizer (random weights); give the prompt as a list of token ids",
@@ -43,8 +42,8 @@ def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, ChatPrompt):
         return _chat_ids(tokenizer, list(prompt.messages), prompt.tools)
-    if isinstance(prompt, (list, tuple)):
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if sequence:
+        if ids:
             return list(prompt)
         if all(isinstance(m, dict) for m in prompt):
             return _chat_ids(tokenizer, list(prompt), None)

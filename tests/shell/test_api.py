@@ -165,3 +165,27 @@ def test_a_step_of_many_streams_wakes_the_event_loop_once_and_keeps_each_streams
         assert sum(len(d.token_ids) for d in deltas) == 6
         assert deltas[-1].finish_reason == "length"
     assert 0 < len(wakeups) < sum(len(d) for d in received)
+
+
+class _Tokenizer:
+    def encode(self, text):
+        return [len(word) for word in text.split()]
+
+
+def test_prompt_to_ids_takes_token_ids_text_and_refuses_the_rest():
+    """Token ids pass as they are (list or tuple); text goes through the tokenizer; without
+    one only token ids are allowed; bools and mixed lists are refused, naming the field."""
+    from engine.errors import InvalidRequest
+    from engine.shell.textio import prompt_to_ids
+
+    assert prompt_to_ids(None, [3, 1, 2]) == [3, 1, 2]
+    assert prompt_to_ids(_Tokenizer(), (4, 5)) == [4, 5]
+    assert prompt_to_ids(_Tokenizer(), "ab c") == [2, 1]
+    with pytest.raises(InvalidRequest, match="no tokenizer"):
+        prompt_to_ids(None, "text")
+    with pytest.raises(InvalidRequest, match="no tokenizer"):
+        prompt_to_ids(None, [1, True])
+    with pytest.raises(InvalidRequest, match="a list of token ids or a list of chat"):
+        prompt_to_ids(_Tokenizer(), [1, "a"])
+    with pytest.raises(InvalidRequest, match="got int"):
+        prompt_to_ids(_Tokenizer(), 7)
