@@ -12,6 +12,7 @@ kernel that loads each weight tile once for every row (`gemv.rows_config`).
 `--loop-stages` times the launch the model takes at 1-4 key steps in flight (LOOP_STAGES).
 
     python3 benchmarks/bench_gemv.py --fused [--shapes smollm2_135m --dtype float32]
+                                     [--max-weight-elements 134217728]
 
 `--fused` times instead the products that follow a norm (qkv, gate_up: RMSNorm with the
 residual add) or SiLU*mul (down): the op then `linear` (two launches) against the kernel
@@ -233,7 +234,15 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama3_8b")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument(
+        "--max-weight-elements",
+        type=int,
+        default=gemv.MAX_WEIGHT_ELEMENTS,
+        help="the largest weight the one-row kernel takes (gemv.MAX_WEIGHT_ELEMENTS): raise "
+        "it to time the kernel, and the ops fused into it, on weights cuBLAS takes now",
+    )
     args = parser.parse_args()
+    gemv.MAX_WEIGHT_ELEMENTS = args.max_weight_elements
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}, {args.shapes} shapes, {args.dtype}")

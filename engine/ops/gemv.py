@@ -50,9 +50,10 @@ PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the product
 # products, in the row-at-a-time kernel. Measured on the H200 (`bench_gemv.py --fused`): at
 # one row the one launch is 1.08x (Llama-3-8B's norm + qkv, bf16, K 4096) to 1.38x
 # (SmolLM2-135M's, fp32, K 576) as fast as the op and the product apart. At 13 rows an
-# all-rows kernel with the op inside ran at 1.03x (norm + qkv), 0.82x (norm + gate_up) and
-# 0.52x (SiLU*mul + down) the speed of the two launches: its programs are narrow (2-8
-# columns) and each redoes the op over all of x, so the all-rows kernel has no prologue.
+# all-rows kernel with the op inside (a variant not kept) ran at 1.03x (norm + qkv), 0.82x
+# (norm + gate_up) and 0.52x (SiLU*mul + down) the speed of the two launches: its programs
+# are narrow (2-8 columns) and each redoes the op over all of x, so the all-rows kernel has
+# no prologue.
 # SiLU*mul *after* its gate_up product repeats nothing (the program that sums a gate column
 # sums its up column): `linear_silu_mul`, 1.05x the two launches at 13 rows.
 FUSED_ROWS = 1
@@ -289,7 +290,7 @@ def _launch(
                 "the all-rows kernel (config all_rows) takes no norm or SiLU*mul before its "
                 "products; those prologues run in the row-at-a-time kernel (config None)"
             )
-        return _launch_rows(x, weight, n, k, params, silu_mul=False), None
+        return _launch_rows(x, weight, params, silu_mul=False), None
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, params["BLOCK_N"]),)
     residual, norm_w, eps = norm if norm is not None else (None, x, 0.0)
@@ -320,11 +321,11 @@ def _launch(
 
 
 def _launch_rows(
-    x: torch.Tensor, weight: torch.Tensor, n: int, k: int, params: dict, silu_mul: bool
+    x: torch.Tensor, weight: torch.Tensor, params: dict, silu_mul: bool
 ) -> torch.Tensor:
-    """The all-rows kernel's [rows, n] output: x @ weight^T, or (silu_mul) SiLU*mul of the
-    products with weight's first n rows and its next n."""
-    rows = x.shape[0]
+    """The all-rows kernel's output: x @ weight^T [rows, N], or (silu_mul) SiLU*mul of the
+    products with weight's first half of rows and its second [rows, N / 2]."""
+    (rows, k), n = x.shape, weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     _gemv_rows_kernel[(triton.cdiv(n, params["BLOCK_N"]),)](
         x,
@@ -396,14 +397,13 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, config: dict) -> torch.Tens
     gate_up product never reaches memory and no SiLU*mul launch follows."""
     if weight.dim() != 2 or weight.shape[0] % 2:
         raise ValueError(f"gemv_silu needs weight [2 * inter, K]; got {tuple(weight.shape)}")
-    k = x.shape[-1]
-    _check(x, weight, k, "gemv_silu")
+    _check(x, weight, x.shape[-1], "gemv_silu")
     params = dict(GEMV_CONFIG, **config)
     if not params.pop("all_rows", False):
         raise ValueError(
             f"gemv_silu runs in the all-rows kernel: its config needs all_rows; got {config}"
         )
-    return _launch_rows(x, weight, weight.shape[0] // 2, k, params, silu_mul=True)
+    return _launch_rows(x, weight, params, silu_mul=True)
 
 
 @functools.cache

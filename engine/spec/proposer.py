@@ -197,8 +197,8 @@ def _continues(trie: Trie, suffix: Sequence[int]) -> bool:
 
 
 def _ranked(trie: Trie, node: int, breadth: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """The children's counts summed (`Trie.child_total`), and (count, stamp, id) of the
-    `breadth` most frequent children (newest first among equals)."""
+    """The children's counts summed (the windows through `node` that go on), and (count,
+    stamp, id) of the `breadth` most frequent children (newest first among equals)."""
     count, stamp, next_sibling = trie.count, trie.stamp, trie.next_sibling
     child = trie.first_child[node]
     if next_sibling[child] < 0:

@@ -25,8 +25,8 @@ class Trie:
     Node columns (index = node id, 0 = root): `count` windows pass through it, `stamp` is the
     start tick of the newest; children form a linked list (`first_child`, `next_sibling`, -1
     ends it). The sum of a node's children's counts is not kept: each token would update it
-    for every open window, and a reader ranks a node's children, reading their counts,
-    anyway (`child_total`)."""
+    for every open window, and the proposer sums them as it ranks the children, whose
+    counts it reads anyway."""
 
     def __init__(self, depth: int, capacity: int) -> None:
         if depth < 1 or capacity < 4 * depth * depth:
@@ -169,15 +169,6 @@ class Trie:
     def stamps(self) -> np.ndarray:
         """Every node's stamp, root excluded (a copy, for tests and inspection)."""
         return np.array(self.stamp[1:], dtype=np.int64)
-
-    def child_total(self, node: int) -> int:
-        """The windows through `node` that go on to a child: its children's counts summed."""
-        total = 0
-        child = self.first_child[node]
-        while child >= 0:
-            total += self.count[child]
-            child = self.next_sibling[child]
-        return total
 
     def children(self, node: int) -> list[int]:
         out = []

@@ -105,6 +105,18 @@ def occurs(history: list[int], gram: list[int]) -> bool:
     return any(history[i : i + n] == gram for i in range(len(history) - n + 1))
 
 
+def _drawn_config(depth: int, min_match: int, max_breadth: int, capacity: int) -> SpecConfig:
+    """A SpecConfig from drawn values: matches of min_match (at most depth - 1) to depth - 1
+    tokens."""
+    return SpecConfig(
+        max_trie_depth=depth,
+        min_match=min(min_match, depth - 1),
+        max_match=depth - 1,
+        max_breadth=max_breadth,
+        capacity=capacity,
+    )
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     st.lists(st.integers(0, 3), min_size=1, max_size=80),
@@ -122,13 +134,7 @@ def test_every_tree_respects_budget_and_is_seen(
     min_match: int,
     max_breadth: int,
 ) -> None:
-    config = SpecConfig(
-        max_trie_depth=depth,
-        min_match=min(min_match, depth - 1),
-        max_match=depth - 1,
-        max_breadth=max_breadth,
-        capacity=4 * depth * depth,
-    )
+    config = _drawn_config(depth, min_match, max_breadth, capacity=4 * depth * depth)
     proposer = NgramProposer(config)
     proposer.add_request(0, prompt)
     history = list(prompt)
@@ -323,13 +329,8 @@ def test_trees_equal_the_reference_told_from_the_history(
 ) -> None:
     """The trie's counts, recency and continuation totals (summed from the children as the
     tree grows) give the trees the history itself gives, after a prompt and each chunk."""
-    config = SpecConfig(
-        max_trie_depth=depth,
-        min_match=min(min_match, depth - 1),
-        max_match=depth - 1,
-        max_breadth=max_breadth,
-        capacity=10_000,  # nothing evicted: every window of the history is kept
-    )
+    # nothing evicted: every window of the history is kept
+    config = _drawn_config(depth, min_match, max_breadth, capacity=10_000)
     proposer = NgramProposer(config)
     proposer.add_request(0, prompt)
     history = list(prompt)
