@@ -33,6 +33,7 @@ from bench_engine import _gpu_engine  # noqa: E402
 
 from engine.shell.engine import Engine
 from engine.shell.startup import freeze_startup_objects
+from engine.shell.startup import warm_up as serve_warm_up
 from engine.state import SamplingParams
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -278,6 +279,13 @@ def main() -> None:
         "profiled run then uses no library kernel for the first time",
     )
     parser.add_argument(
+        "--serve-warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start with `engine serve`'s warm-up (`startup.warm_up`); off: one 8-token "
+        "request of the first prompt instead",
+    )
+    parser.add_argument(
         "--gc-freeze",
         action="store_true",
         help="freeze the start-up objects before profiling, as `engine serve` does",
@@ -312,7 +320,10 @@ def main() -> None:
         period = torch.randint(3, 30000, (64,), generator=generator).tolist()
         prompts = [(period * (args.prompt_len // 64 + 1))[: args.prompt_len]] * batch
     params = SamplingParams(max_tokens=args.max_tokens or args.steps * 4 + 64, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    if args.serve_warm_up:
+        serve_warm_up(engine)
+    else:
+        engine.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))
     if args.gc_freeze:
         freeze_startup_objects(engine)
     print(
@@ -320,6 +331,7 @@ def main() -> None:
         f"{engine.runtime.dtype}, launch_ahead {engine.launch_ahead}, "
         f"{'prefill included' if args.prefill else 'prefill not profiled'}, "
         f"{'start-up objects frozen, ' if args.gc_freeze else ''}"
+        f"{'' if args.serve_warm_up else 'without the serve warm-up, '}"
         f"{'warmed up on the whole workload, ' if args.full_warm_up else ''}"
         f"{torch.cuda.get_device_name()}"
     )

@@ -223,8 +223,8 @@ def _server_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--skip-warm-up",
         action="store_true",
-        help="listen without first running a greedy and a sampled request through the engine "
-        "(the first client then waits for the kernels' first use)",
+        help="listen without first running requests and (GPU) the products at every pass size "
+        "through the engine (the first client and passes then pay the kernels' first use)",
     )
 
 

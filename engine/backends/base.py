@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 import torch
 
-from engine.state import Batch, Mode
+from engine.state import PADDING_SLOT, Batch, Mode
 
 
 class BufferTooSmall(ValueError):
@@ -106,18 +106,31 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 def host_metadata(
-    batch: Batch, device: torch.device | str, extra: dict[str, np.ndarray] | None = None
+    batch: Batch,
+    device: torch.device | str,
+    extra: dict[str, np.ndarray] | None = None,
+    num_tokens: int | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """The host-derived part shared by all backends (indptrs, lengths, slots) on `device`,
-    and the backend's own `extra` arrays, in one `upload`."""
+    and the backend's own `extra` arrays, in one `upload`. `num_tokens` (at least the
+    batch's new tokens): the pass's token count with padding tokens after the batch's, which
+    belong to no request and write their K/V to PADDING_SLOT."""
+    real = batch.new_lens.total
+    num_tokens = real if num_tokens is None else num_tokens
+    if num_tokens < real:
+        raise ValueError(f"num_tokens={num_tokens}: the batch has {real} new tokens")
+    out_slots = np.full(num_tokens, PADDING_SLOT, dtype=np.int64)
+    out_slots[:real] = batch.out_slots
     arrays = {
         "kv_indptr": batch.seq_lens.indptr().astype(np.int32),
         "prefix_lens": batch.prefix_lens.lens.astype(np.int32),
         "qo_indptr": batch.new_lens.indptr().astype(np.int32),
-        "out_slots": batch.out_slots.astype(np.int64),
+        "out_slots": out_slots,
     }
     if batch.trees is not None:
-        arrays["tree_bits"] = batch.trees.ancestor_bits.astype(np.int64)
+        bits = np.zeros(num_tokens, dtype=np.int64)  # a padding token sees no tree node
+        bits[:real] = batch.trees.ancestor_bits
+        arrays["tree_bits"] = bits
     extra = extra or {}
     if clash := arrays.keys() & extra.keys():
         raise ValueError(f"extra arrays {sorted(clash)} would replace the metadata's own")

@@ -98,6 +98,8 @@ class GraphBuffers:
 
 @register("triton")
 class TritonBackend(AttentionBackend):
+    pads_eager_tokens = True  # `plan(batch, padded_num_tokens=...)` without graph buffers
+
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
         # the fused merge's counters for eager passes, grown to the largest batch planned
@@ -150,7 +152,10 @@ class TritonBackend(AttentionBackend):
         num_splits: int | None = None,
     ) -> ForwardMetadata:
         """Metadata for one pass; with `buffers`, filled in place for a CUDA graph.
-        `num_splits` overrides the decode/verify split count (tests, tuning)."""
+        `padded_num_tokens` (eager too): the pass runs that many tokens, its padding tokens
+        after the batch's (their K/V to the padding slot; decode and verify give them zero
+        outputs, extend leaves their rows unwritten). `num_splits` overrides the
+        decode/verify split count (tests, tuning)."""
         table = self.pool.req_to_token
         if batch.running.max_context > table.shape[1]:
             raise ValueError(
@@ -159,8 +164,12 @@ class TritonBackend(AttentionBackend):
             )
         if buffers is not None:
             return self._plan_into(batch, buffers, padded_batch_size, padded_num_tokens, num_splits)
+        if padded_batch_size is not None:
+            raise ValueError("padded_batch_size applies to graph buffers; an eager plan has none")
         device = table.device
-        meta, more = host_metadata(batch, device, {"rows": batch.running.rows.astype(np.int64)})
+        meta, more = host_metadata(
+            batch, device, {"rows": batch.running.rows.astype(np.int64)}, padded_num_tokens
+        )
         rows = more["rows"]
         total = batch.seq_lens.total
         kv_indices = torch.empty(total, dtype=torch.int32, device=device)

@@ -5,7 +5,9 @@ keys in the pool (whole blocks unmasked, the last partial one masked); stage 2 r
 tokens' K/V straight from the k/v inputs, unmasked below the diagonal block and causally
 masked on it. On Hopper, in bf16 and fp16, the new tokens' q, K and V tiles come through
 tensor-memory (TMA) descriptors of [tokens, heads * head_dim] rows: a tile that runs past the
-request's tokens reads the next request's (masked, never stored) or zeros past the last.
+request's tokens reads the next request's or a padding token's (masked, its values zeroed,
+never stored) or zeros past the last. Padding tokens (after the last request's, in a pass
+padded to a token count) belong to no request: their output rows are left unwritten.
 """
 
 from __future__ import annotations
@@ -173,9 +175,12 @@ def _extend_kernel(
         for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
             local = start + tl.arange(0, BLOCK_N)
             key_ok = local < num_new
-            if TMA:  # keys past the request's own are masked below
+            if TMA:  # keys past the request's own: scores masked below, values zeroed
                 k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
                 v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                # a padding token's V may be anything (its rows are never stored), and a
+                # weight of 0 times a NaN is NaN
+                v_block = tl.where(key_ok[:, None], v_block, 0.0)
             else:
                 keys = (qo_start + local).to(tl.int64)
                 k_block = tl.load(

@@ -9,6 +9,7 @@ reference, the CPU kernels or Triton), chosen by name: the model imports no op s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -268,6 +269,39 @@ class LlamaModel(nn.Module):
             return linear(hidden, self.lm_head).float()
         # gathered in the model's dtype (half the bytes of fp32; the cast after is exact)
         return parallel.gather_vocab(linear(hidden, self.lm_head), self.shard).float()
+
+    @torch.inference_mode()
+    def warm_products(self, token_counts: Iterable[int], logit_rows: Iterable[int]) -> int:
+        """Run each distinct product of the layers on zeros of each of `token_counts` rows,
+        and the output layer on each of `logit_rows` rows, through the op set's calls as a
+        pass makes them. What it is for: cuBLAS chooses a kernel for each new shape and
+        loads that kernel the first time it is chosen (about 3 ms on an H200, the device
+        idle meanwhile), so a server does this once before it serves. Returns how many
+        products ran. Not for one rank's part of a model (its output layer gathers across
+        the ranks)."""
+        if self.shard is not None:
+            raise ValueError("warm_products runs a whole model's products; this is one rank's")
+        ops = op_sets.load(self.op_set)
+        weights = {}
+        for layer in self.layers:
+            for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                weights.setdefault(tuple(weight.shape), weight)
+        counts, rows = sorted(set(token_counts)), sorted(set(logit_rows))
+        if counts and min(counts) < 1 or rows and min(rows) < 1:
+            raise ValueError(f"warm_products: row counts must be at least 1; got {counts}, {rows}")
+        ran = 0
+        for (_, k), weight in weights.items():
+            x = torch.zeros(max(counts, default=0), k, dtype=self.dtype, device=self.device)
+            for count in counts:
+                ops.linear(x[:count], weight)
+                ran += 1
+        x = torch.zeros(
+            max(rows, default=0), self.config.hidden_size, dtype=self.dtype, device=self.device
+        )
+        for count in rows:
+            self.logits(x[:count])
+            ran += 1
+        return ran
 
     def use_block_weights(self, weights: dict[str, BlockWeight]) -> None:
         """Replace matrix weights (by parameter name: 'layers.0.qkv_proj', 'lm_head') with

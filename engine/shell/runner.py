@@ -11,6 +11,15 @@ from engine.backends.base import upload
 from engine.shell.graphs import GraphRunner
 from engine.state import Batch, Mode
 
+# Eager passes on CUDA run a multiple of TOKEN_ALIGN tokens, padding tokens after the
+# batch's (`TritonBackend.plan`'s padded_num_tokens): the products then meet no more token
+# counts than `startup.warm_up` runs before serving. cuBLAS loads a kernel the first time
+# it chooses it for a shape, 3-4 ms in which the device waits for the pass (H200,
+# `benchmarks/bench_first_use.py`: after every count of a step of 16 was run once, 44 of 316
+# first calls at other counts still took over 1 ms). A pass pays at most TOKEN_ALIGN - 1
+# tokens for it.
+TOKEN_ALIGN = 16
+
 
 class ModelRunner:
     def __init__(
@@ -25,6 +34,9 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.device = device
+        # where eager passes are padded: CUDA, a backend whose plan pads (the Triton one)
+        pads = device.type == "cuda" and getattr(backend, "pads_eager_tokens", False)
+        self.token_align = TOKEN_ALIGN if pads else 1
         self.graphs: list[GraphRunner] = []
         if graph_max_batch and hasattr(backend, "graph_buffers"):
             self.graphs.append(
@@ -49,7 +61,15 @@ class ModelRunner:
         for graph in self.graphs:
             if graph.accepts(batch):
                 return Prepared(batch, graph, *graph.prepare(batch))
-        return Prepared(batch, None, None, self.backend.plan(batch))
+        num_tokens = self.num_tokens(batch)
+        if num_tokens == batch.new_lens.total:
+            return Prepared(batch, None, None, self.backend.plan(batch))
+        return Prepared(batch, None, None, self.backend.plan(batch, padded_num_tokens=num_tokens))
+
+    def num_tokens(self, batch: Batch) -> int:
+        """The token count an eager pass of `batch` runs: its new tokens, rounded up to
+        `token_align`."""
+        return -(-batch.new_lens.total // self.token_align) * self.token_align
 
     @torch.inference_mode()
     def launch(
@@ -69,9 +89,12 @@ class ModelRunner:
         if prepared.runner is not None:
             logits = prepared.runner.replay(prepared.graph, prepared.metadata, batch, input_ids)
             return logits if every_row else logits[upload(self.device, arrays)["logit_rows"]]
-        arrays["positions"] = batch.positions.astype(np.int64)
+        count, num_tokens = batch.new_lens.total, self.num_tokens(batch)
+        arrays["positions"] = _padded(batch.positions, num_tokens)  # padding: position 0
         if input_ids is None:
-            arrays["input_ids"] = batch.input_ids.astype(np.int64)
+            arrays["input_ids"] = _padded(batch.input_ids, num_tokens)
+        elif num_tokens > count:
+            input_ids = torch.nn.functional.pad(input_ids, (0, num_tokens - count))
         on_device = upload(self.device, arrays)  # one copy the host does not wait for
         hidden = self.model(
             on_device["input_ids"] if input_ids is None else input_ids,
@@ -79,11 +102,18 @@ class ModelRunner:
             prepared.metadata,
             self.backend,
         )
-        return self.model.logits(hidden if every_row else hidden[on_device["logit_rows"]])
+        return self.model.logits(hidden[:count] if every_row else hidden[on_device["logit_rows"]])
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """prepare + launch: fp32 logits for the rows `batch.logit_rows` names."""
         return self.launch(self.prepare(batch), batch)
+
+
+def _padded(values: np.ndarray, length: int) -> np.ndarray:
+    """values as int64, zeros after them up to `length`."""
+    out = np.zeros(length, dtype=np.int64)
+    out[: len(values)] = values
+    return out
 
 
 @attrs.frozen(eq=False)

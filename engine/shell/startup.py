@@ -7,6 +7,7 @@ import gc
 import attrs
 
 from engine.shell.engine import Engine
+from engine.shell.runner import TOKEN_ALIGN
 from engine.state import SamplingParams
 
 # a prompt that repeats: with speculation its drafts are found, so verify passes run too
@@ -30,14 +31,26 @@ def freeze_startup_objects(engine: Engine) -> int:
 
 
 def warm_up(engine: Engine) -> None:
-    """A greedy request and a sampled one through the whole loop before the server listens,
-    as SGLang sends one at launch: what a process does on a kernel's first use (Triton
-    compiling it or reading its cache, CUDA loading a library's module, lazy set-up: on the
-    CPU VM the default model's first 64-token request took 0.66 s against 0.26 s for the
-    next, and 0.28 s after a warm-up of 0.78 s, `benchmarks/bench_warm_up.py`) is then not
-    the first client's wait. Their prompt (32 tokens, 8 new; shorter where the context is)
-    stays in the prefix cache, evictable; `engine.stats` is cleared after them. The engine
-    must have no other work (the loop's thread not started)."""
+    """What a serving process does once before it listens, so that a kernel's first use
+    (Triton compiling it or reading its cache, CUDA loading a library's module, lazy set-up)
+    is not a client's wait, nor time the device idles inside a pass, as SGLang sends one
+    request at launch (on the CPU VM the default model's first 64-token request took 0.66 s
+    against 0.26 s for the next, and 0.28 s after a warm-up of 0.78 s,
+    `benchmarks/bench_warm_up.py`):
+
+    - two greedy requests in one batch, one stopping two tokens before the other: a pass
+      launched ahead then loses a row (`Launched.select`, gathered on the device);
+    - a sampled request;
+    - on one CUDA device, every product at every token count an eager pass can have
+      (`LlamaModel.warm_products`: multiples of the runner's TOKEN_ALIGN, to which eager
+      passes are padded, up to the most a pass can carry; the output layer at each request
+      count): cuBLAS loads a kernel the first time it chooses it for a shape, 3-4 ms on an
+      H200 with the device idle (`benchmarks/bench_first_use.py`). About 2 s for
+      Llama-3-8B's shapes with an 8192-token `chunk_size`.
+
+    The prompt (32 tokens, 8 new; shorter where the context is) stays in the prefix cache,
+    evictable; `engine.stats` is cleared after. The engine must have no other work (the
+    loop's thread not started)."""
     if engine.has_work:
         raise RuntimeError("warm_up: the engine already has requests; warm up before serving")
     room = min(engine.max_context, engine.book.slots.capacity)  # a small context: shorter
@@ -47,8 +60,18 @@ def warm_up(engine: Engine) -> None:
         return  # room for fewer than two tokens: no request can run here
     vocab = engine.runtime.vocab_size
     prompt = [token % vocab for token in WARM_UP_PROMPT[:length]]
-    # one after the other: an all-greedy batch samples by argmax alone
     greedy = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    engine.generate([prompt], greedy)
+    shorter = attrs.evolve(greedy, max_tokens=max(1, new_tokens - 2))
+    # an all-greedy batch samples by argmax alone: the sampled request runs by itself
+    engine.generate([prompt, prompt[1:] + prompt[:1]], [greedy, shorter])
     engine.generate([prompt[::-1]], attrs.evolve(greedy, temperature=1.0))
     engine.stats.clear()
+    config, runtime = engine.config, engine.runtime
+    if runtime.device.type == "cuda" and config.tensor_parallel_size == 1:
+        requests = config.max_running_requests
+        # a mixed pass: up to the budget and the decodes; a verify pass: every draft tree
+        trees = requests * (1 + config.draft_budget) if config.speculative else 0
+        most = max(config.chunk_size + requests, trees)
+        runtime.model.warm_products(
+            range(TOKEN_ALIGN, most + TOKEN_ALIGN, TOKEN_ALIGN), range(1, requests + 1)
+        )

@@ -208,3 +208,55 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
         )
     assert relative_error(outs[True], ref) < TOLERANCE[DTYPES[-1]]
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool) -> None:
+    """A pass padded to a token count (`TritonBackend.plan(padded_num_tokens=...)`): the
+    padding tokens' q/K/V may hold anything, NaN included (their rows are never stored), and
+    the requests' outputs equal the unpadded pass's. With tensor-memory loads the last
+    request's diagonal tile reads the padding tokens' V rows: weight 0 times NaN is NaN
+    unless those rows are zeroed."""
+    if tma and not ON_CUDA:
+        pytest.skip("tensor-memory loads need a Hopper GPU")
+    prefix, new = [5, 0, 37], [9, 20, 3]
+    dtype = DTYPES[-1]
+    case = make_case("extend", prefix, new, 2, 4, 128, dtype, seed=31)
+    real, pad = case.q.shape[0], 13
+    backend = TritonBackend(case.pool)
+    meta = backend.plan(case.batch)
+    padded_meta = backend.plan(case.batch, padded_num_tokens=real + pad)
+    assert padded_meta.out_slots.shape[0] == real + pad
+    case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
+    case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
+
+    def run(q, k, v, metadata):
+        out = torch.full_like(q, float("nan"))
+        triton_extend.extend_attention(
+            q,
+            k,
+            v,
+            case.pool.k_cache[0],
+            case.pool.v_cache[0],
+            metadata.kv_indices,
+            metadata.kv_indptr,
+            metadata.qo_indptr,
+            metadata.prefix_lens,
+            out,
+            metadata.max_new_len,
+            128**-0.5,
+            config={"TMA": tma},
+        )
+        return out
+
+    def with_nan_padding(t):
+        return torch.cat(
+            [t, torch.full((pad, *t.shape[1:]), float("nan"), dtype=t.dtype, device=t.device)]
+        )
+
+    expected = run(case.q, case.k, case.v, meta)
+    padded = run(*(with_nan_padding(t) for t in (case.q, case.k, case.v)), padded_meta)
+    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
+        pytest.skip("this GPU has no tensor-memory loads")
+    assert torch.isfinite(padded[:real]).all()
+    torch.testing.assert_close(padded[:real], expected, rtol=0, atol=0)

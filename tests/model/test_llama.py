@@ -89,3 +89,36 @@ def test_init_random_is_seeded_and_realistic():
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
     assert 0.015 < a.layers[0].gate_up_proj.std().item() < 0.025
+
+
+def test_warm_products_runs_each_distinct_product_at_each_count(tiny, monkeypatch):
+    """Through the op set's `linear` (as a pass calls it), once per distinct weight shape and
+    token count, and the output layer at each logit-row count."""
+    from engine import ops as op_sets
+    from engine.model import llama
+
+    ops = op_sets.load(tiny.op_set)
+    seen, heads = [], []
+    linear = ops.linear
+    monkeypatch.setattr(
+        ops, "linear", lambda x, w: seen.append((tuple(x.shape), tuple(w.shape))) or linear(x, w)
+    )
+    head = llama.linear
+    monkeypatch.setattr(llama, "linear", lambda x, w: heads.append(tuple(x.shape)) or head(x, w))
+    assert tiny.warm_products([3, 1, 3], [2, 1]) == 4 * 2 + 2
+    layer, hidden = tiny.layers[0], tiny.config.hidden_size
+    weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    shapes = [tuple(w.shape) for w in weights]
+    assert len(set(shapes)) == 4
+    assert sorted(seen) == sorted(((rows, s[1]), s) for s in shapes for rows in (1, 3))
+    assert heads == [(1, hidden), (2, hidden)]
+    with pytest.raises(ValueError, match="at least 1"):
+        tiny.warm_products([0, 4], [])
+
+
+def test_warm_products_refuses_one_ranks_part_of_a_model(tiny):
+    from engine.model.loader import shard_of
+
+    part = shard_of(LlamaModel(ModelConfig.tiny()).init_random(seed=0), 0, 2)
+    with pytest.raises(ValueError, match="one rank's"):
+        part.warm_products([1], [1])

@@ -11,7 +11,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import attrs
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +44,7 @@ def test_the_benchmarks_that_freeze_import_without_the_server_packages():
     assert done.stdout.strip().endswith("imported")
 
 
-def test_warm_up_runs_a_greedy_and_a_sampled_request_and_leaves_the_engine_as_it_found_it():
+def test_warm_up_runs_greedy_and_sampled_requests_and_leaves_the_engine_as_it_found_it():
     from engine.shell.engine import Engine
     from engine.shell.startup import WARM_UP_PROMPT, warm_up
     from engine.state import SamplingParams
@@ -55,11 +57,60 @@ def test_warm_up_runs_a_greedy_and_a_sampled_request_and_leaves_the_engine_as_it
         calls.append((prompts, params)) or generate(prompts, params)
     )
     warm_up(engine)
-    assert [params.greedy for _, params in calls] == [True, False]
-    assert calls[0][0] == [[t % engine.runtime.vocab_size for t in WARM_UP_PROMPT]]
+    greedy, sampled = calls
+    prompt = [t % engine.runtime.vocab_size for t in WARM_UP_PROMPT]
+    assert greedy[0] == [prompt, prompt[1:] + prompt[:1]]
+    assert [p.greedy for p in greedy[1]] == [True, True]
+    assert [p.max_tokens for p in greedy[1]] == [8, 6]  # one leaves before the other
+    assert sampled[0] == [prompt[::-1]] and not sampled[1].greedy
     assert not engine.has_work and not engine.stats
     assert engine.book.num_available == free  # its prompts' slots: cached, evictable
     assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids
+
+
+def test_warm_up_takes_a_pass_launched_ahead_without_a_request_that_left(monkeypatch):
+    """The gather of a launched pass's rows (`Launched.select`) runs once in the warm-up:
+    its first use in a CUDA process held the device 10-19 ms (`profile_steps.py`)."""
+    from engine.shell import logits
+    from engine.shell.engine import Engine
+    from engine.shell.startup import warm_up
+
+    engine = Engine(random_weights="tiny", device="cpu", launch_ahead=True)
+    taken = []
+    select = logits.Launched.select
+    monkeypatch.setattr(
+        logits.Launched, "select", lambda self, rows: taken.append(len(rows)) or select(self, rows)
+    )
+    warm_up(engine)
+    assert taken == [1]  # the longer request's row, once the shorter left
+
+
+def test_warm_up_runs_the_products_on_one_cuda_device_only(monkeypatch):
+    from engine.model.llama import LlamaModel
+    from engine.shell.engine import Engine
+    from engine.shell.runner import TOKEN_ALIGN
+    from engine.shell.startup import warm_up
+
+    warmed = []
+    monkeypatch.setattr(
+        LlamaModel, "warm_products", lambda self, counts, rows: warmed.append((counts, rows))
+    )
+    engine = Engine(random_weights="tiny", device="cpu", chunk_size=100, max_running_requests=5)
+    warm_up(engine)
+    assert warmed == []  # the CPU has no library kernels to load
+    monkeypatch.setattr(engine, "generate", lambda prompts, params: None)  # CUDA from here
+    monkeypatch.setattr(engine.runtime, "device", torch.device("cuda"))
+    warm_up(engine)
+    ((counts, rows),) = warmed
+    # every padded token count of a pass: up to the budget and a decode per request
+    assert list(counts) == list(range(TOKEN_ALIGN, 105 + TOKEN_ALIGN, TOKEN_ALIGN))
+    assert list(rows) == [1, 2, 3, 4, 5]
+    warmed.clear()
+    monkeypatch.setattr(
+        engine, "config", attrs.evolve(engine.config, speculative=True, draft_budget=30)
+    )
+    warm_up(engine)
+    assert max(warmed[0][0]) == 160  # 5 trees of 31 nodes: 155 tokens, padded
 
 
 def test_warm_up_fits_a_small_context():
