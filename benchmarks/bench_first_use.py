@@ -69,8 +69,8 @@ def child(args: argparse.Namespace) -> None:
         return host_ms
 
     # the counts rounded up to the step, as the runner pads eager passes, then the counts
-    align = args.step or 1
-    padded = first_calls([-(-count // align) * align for count in counts])
+    align = args.step
+    padded = first_calls([-(-count // align) * align for count in counts]) if align else []
     print(
         json.dumps(
             {"warm_s": warm_s, "products": ran, "padded": padded, "raw": first_calls(counts)}

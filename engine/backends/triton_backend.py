@@ -153,9 +153,8 @@ class TritonBackend(AttentionBackend):
     ) -> ForwardMetadata:
         """Metadata for one pass; with `buffers`, filled in place for a CUDA graph.
         `padded_num_tokens` (eager too): the pass runs that many tokens, its padding tokens
-        after the batch's (their K/V to the padding slot; decode and verify give them zero
-        outputs, extend leaves their rows unwritten). `num_splits` overrides the
-        decode/verify split count (tests, tuning)."""
+        after the batch's (their K/V to the padding slot, their outputs zeros).
+        `num_splits` overrides the decode/verify split count (tests, tuning)."""
         table = self.pool.req_to_token
         if batch.running.max_context > table.shape[1]:
             raise ValueError(
@@ -196,6 +195,7 @@ class TritonBackend(AttentionBackend):
             "num_splits": num_splits,
             "max_q": max_q,
             "counters": self._eager_counters(len(batch.running)),
+            "new_tokens": batch.new_lens.total,  # the rest are padding
         }
         return ForwardMetadata(kv_indices=kv_indices, extra=extra, **meta)
 
@@ -338,6 +338,12 @@ class TritonBackend(AttentionBackend):
         q_cache = q.to(k_cache.dtype)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         if metadata.mode == Mode.EXTEND:
+            # padding tokens' rows: zeros (the kernel writes the requests' rows only), so
+            # that their K/V in the next layer are finite: a masked key weighs 0 in the
+            # kernel, and 0 x NaN is NaN
+            real = metadata.extra.get("new_tokens", num_tokens)
+            if real < num_tokens:
+                out[real:num_tokens].zero_()
             return extend_attention(
                 q_cache,
                 k_new,

@@ -5,9 +5,12 @@ keys in the pool (whole blocks unmasked, the last partial one masked); stage 2 r
 tokens' K/V straight from the k/v inputs, unmasked below the diagonal block and causally
 masked on it. On Hopper, in bf16 and fp16, the new tokens' q, K and V tiles come through
 tensor-memory (TMA) descriptors of [tokens, heads * head_dim] rows: a tile that runs past the
-request's tokens reads the next request's or a padding token's (masked, its values zeroed,
-never stored) or zeros past the last. Padding tokens (after the last request's, in a pass
-padded to a token count) belong to no request: their output rows are left unwritten.
+request's tokens reads the next request's or a padding token's (masked, never stored) or
+zeros past the last. Masked keys weigh 0, so their values must be finite (0 x NaN is NaN):
+padding tokens (after the last request's, in a pass padded to a token count) belong to no
+request, and the backend zeroes their output rows, so that their K/V stay finite in every
+layer. Zeroing the masked values in the tile instead moved the values through registers:
+1.3-1.6x the time (H200).
 """
 
 from __future__ import annotations
@@ -175,12 +178,9 @@ def _extend_kernel(
         for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
             local = start + tl.arange(0, BLOCK_N)
             key_ok = local < num_new
-            if TMA:  # keys past the request's own: scores masked below, values zeroed
+            if TMA:  # keys past the request's own are masked below
                 k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
                 v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                # a padding token's V may be anything (its rows are never stored), and a
-                # weight of 0 times a NaN is NaN
-                v_block = tl.where(key_ok[:, None], v_block, 0.0)
             else:
                 keys = (qo_start + local).to(tl.int64)
                 k_block = tl.load(

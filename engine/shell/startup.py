@@ -7,6 +7,7 @@ import gc
 import attrs
 
 from engine.shell.engine import Engine
+from engine.shell.logits import warm_row_gathers
 from engine.shell.runner import TOKEN_ALIGN
 from engine.state import SamplingParams
 
@@ -39,7 +40,8 @@ def warm_up(engine: Engine) -> None:
     `benchmarks/bench_warm_up.py`):
 
     - two greedy requests in one batch, one stopping two tokens before the other: a pass
-      launched ahead then loses a row (`Launched.select`, gathered on the device);
+      launched ahead then loses a row (`Launched.select`, gathered on the device; on CUDA
+      its gathers also run at every row count, `logits.warm_row_gathers`);
     - a sampled request;
     - on one CUDA device, every product at every token count an eager pass can have
       (`LlamaModel.warm_products`: multiples of the runner's TOKEN_ALIGN, to which eager
@@ -75,3 +77,4 @@ def warm_up(engine: Engine) -> None:
         runtime.model.warm_products(
             range(TOKEN_ALIGN, most + TOKEN_ALIGN, TOKEN_ALIGN), range(1, requests + 1)
         )
+        warm_row_gathers(runtime.device, runtime.vocab_size, requests)

@@ -213,50 +213,51 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
 @pytest.mark.parametrize("tma", [False, True])
 def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool) -> None:
     """A pass padded to a token count (`TritonBackend.plan(padded_num_tokens=...)`): the
-    padding tokens' q/K/V may hold anything, NaN included (their rows are never stored), and
-    the requests' outputs equal the unpadded pass's. With tensor-memory loads the last
-    request's diagonal tile reads the padding tokens' V rows: weight 0 times NaN is NaN
-    unless those rows are zeroed."""
+    padding tokens' q/K/V hold whatever the layer before made of them (finite), and the
+    requests' outputs equal the unpadded pass's; the padding rows' outputs are zeros (so
+    that the next layer's padding K/V are finite: with tensor-memory loads the last
+    request's diagonal tile reads them, masked, and 0 x NaN is NaN)."""
     if tma and not ON_CUDA:
         pytest.skip("tensor-memory loads need a Hopper GPU")
     prefix, new = [5, 0, 37], [9, 20, 3]
-    dtype = DTYPES[-1]
-    case = make_case("extend", prefix, new, 2, 4, 128, dtype, seed=31)
+    case = make_case("extend", prefix, new, 2, 4, 128, DTYPES[-1], seed=31)
+    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
+        pytest.skip("this GPU has no tensor-memory loads")
     real, pad = case.q.shape[0], 13
     backend = TritonBackend(case.pool)
     meta = backend.plan(case.batch)
     padded_meta = backend.plan(case.batch, padded_num_tokens=real + pad)
     assert padded_meta.out_slots.shape[0] == real + pad
-    case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
-    case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
+    generator = torch.Generator(device=case.q.device).manual_seed(5)
+
+    def garbage_after(t):
+        noise = torch.randn((pad, *t.shape[1:]), generator=generator, device=t.device)
+        return torch.cat([t, (noise * 30).to(t.dtype)])
 
     def run(q, k, v, metadata):
         out = torch.full_like(q, float("nan"))
-        triton_extend.extend_attention(
-            q,
-            k,
-            v,
-            case.pool.k_cache[0],
-            case.pool.v_cache[0],
-            metadata.kv_indices,
-            metadata.kv_indptr,
-            metadata.qo_indptr,
-            metadata.prefix_lens,
-            out,
-            metadata.max_new_len,
-            128**-0.5,
-            config={"TMA": tma},
-        )
+        with triton_config(tma):
+            backend.forward(0, q, k, v, metadata, scale=128**-0.5, out=out)
         return out
 
-    def with_nan_padding(t):
-        return torch.cat(
-            [t, torch.full((pad, *t.shape[1:]), float("nan"), dtype=t.dtype, device=t.device)]
-        )
-
     expected = run(case.q, case.k, case.v, meta)
-    padded = run(*(with_nan_padding(t) for t in (case.q, case.k, case.v)), padded_meta)
-    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
-        pytest.skip("this GPU has no tensor-memory loads")
-    assert torch.isfinite(padded[:real]).all()
+    padded = run(*(garbage_after(t) for t in (case.q, case.k, case.v)), padded_meta)
     torch.testing.assert_close(padded[:real], expected, rtol=0, atol=0)
+    assert not padded[real:].any()  # zeros, where the buffer held NaN
+
+
+def triton_config(tma: bool):
+    """EXTEND_CONFIG with tensor-memory loads on or off, for the block."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def switched():
+        saved = dict(triton_extend.EXTEND_CONFIG)
+        triton_extend.EXTEND_CONFIG["TMA"] = tma
+        try:
+            yield
+        finally:
+            triton_extend.EXTEND_CONFIG.clear()
+            triton_extend.EXTEND_CONFIG.update(saved)
+
+    return switched()

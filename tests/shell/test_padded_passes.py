@@ -72,9 +72,11 @@ def test_padded_passes_give_the_logits_of_unpadded_ones(speculative):
 
 
 def test_the_runner_pads_on_cuda_with_the_triton_backend_only():
-    engine = Engine(random_weights="tiny", device="cpu", attention_backend="triton")
-    assert engine.runner.token_align == (TOKEN_ALIGN if DEVICE == "cuda" else 1)
-    assert Engine(random_weights="tiny", device="cpu").runner.token_align == 1
+    for device in {"cpu", DEVICE}:
+        engine = Engine(random_weights="tiny", device=device, attention_backend="triton")
+        assert engine.runner.token_align == (TOKEN_ALIGN if device == "cuda" else 1)
+        torch_backend = Engine(random_weights="tiny", device=device, attention_backend="torch")
+        assert torch_backend.runner.token_align == 1
 
 
 def test_host_metadata_pads_the_slots_and_tree_bits():

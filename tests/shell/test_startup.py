@@ -87,6 +87,7 @@ def test_warm_up_takes_a_pass_launched_ahead_without_a_request_that_left(monkeyp
 
 def test_warm_up_runs_the_products_on_one_cuda_device_only(monkeypatch):
     from engine.model.llama import LlamaModel
+    from engine.shell import startup
     from engine.shell.engine import Engine
     from engine.shell.runner import TOKEN_ALIGN
     from engine.shell.startup import warm_up
@@ -100,7 +101,10 @@ def test_warm_up_runs_the_products_on_one_cuda_device_only(monkeypatch):
     assert warmed == []  # the CPU has no library kernels to load
     monkeypatch.setattr(engine, "generate", lambda prompts, params: None)  # CUDA from here
     monkeypatch.setattr(engine.runtime, "device", torch.device("cuda"))
+    gathers = []
+    monkeypatch.setattr(startup, "warm_row_gathers", lambda *args: gathers.append(args))
     warm_up(engine)
+    assert gathers == [(torch.device("cuda"), engine.runtime.vocab_size, 5)]
     ((counts, rows),) = warmed
     # every padded token count of a pass: up to the budget and a decode per request
     assert list(counts) == list(range(TOKEN_ALIGN, 105 + TOKEN_ALIGN, TOKEN_ALIGN))
@@ -140,3 +144,23 @@ def test_warm_up_refuses_an_engine_with_work_and_loses_none_of_it():
         deltas.append(sink.get())
     assert deltas[-1].finish_reason == "length"
     assert sum(len(d.token_ids) for d in deltas) == 3
+
+
+def test_warm_row_gathers_runs_the_gathers_of_a_launched_pass_at_every_kept_count(monkeypatch):
+    from engine.shell import logits
+
+    taken = []
+    take = logits._take_rows
+    monkeypatch.setattr(
+        logits,
+        "_take_rows",
+        lambda index, *ts: (
+            taken.append((index.tolist(), [tuple(t.shape) for t in ts])) or take(index, *ts)
+        ),
+    )
+    logits.warm_row_gathers(torch.device("cpu"), 7, 4)
+    assert taken == [
+        ([0], [(2, 7), (2,)]),
+        ([0, 1], [(3, 7), (3,)]),
+        ([0, 1, 2], [(4, 7), (4,)]),
+    ]
