@@ -109,8 +109,9 @@ def warm_row_gathers(device: torch.device, vocab_size: int, max_rows: int) -> No
     """Run `Launched.select`'s gathers (a pass's fp32 logits and int64 tokens, by row) keeping
     each row count from 1 to max_rows - 1 of one more. Torch's kernel for them depends on
     the count, and its first use loads it while the device waits for the pass launched
-    ahead: on an H200 the first 63-of-64 token gather held the host 17 ms, after a 1-of-2
-    one had taken 0.03 ms (`startup.warm_up` runs this before serving)."""
+    ahead: in `profile_steps.py --prefill` runs on an H200 the first 63-of-64 gather left
+    the device idle 8-14 ms after the warm-up had run a 1-of-2 one (`startup.warm_up` runs
+    this before serving)."""
     logits = torch.zeros(max_rows, vocab_size, device=device)
     tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
     for kept in range(1, max_rows):
