@@ -67,7 +67,7 @@ def test_padded_passes_give_the_logits_of_unpadded_ones(speculative):
     wanted = {Mode.EXTEND, Mode.DECODE} | ({Mode.VERIFY} if speculative else set())
     assert wanted <= modes  # each kind of pass ran padded
     assert any(device_ids)  # and a decode launched ahead: its input ids padded on the device
-    for engine in (plain, padded):  # nothing held: every slot back, the padding slot unused
+    for engine in (plain, padded):  # both ran every request to its end
         assert not engine.has_work
 
 
