@@ -57,7 +57,6 @@ DECODE_SWEEP = [
     {"num_warps": 2, "num_stages": 4},
     {"num_warps": 2, "BLOCK_N": 32, "num_stages": 4},
     {"num_warps": 2, "BLOCK_N": 128, "num_stages": 2},
-    {"PDL": True, "FUSED_MERGE": False},
     {"FUSED_MERGE": False},
     {"FUSED_MERGE": True},
     {"SKIP_MERGE": True, "FUSED_MERGE": False},

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from engine import pdl
 from engine.shell.engine import Engine
 from engine.state import SamplingParams
 
@@ -174,7 +175,7 @@ def _gpu_runs(args: argparse.Namespace, engine: Engine, hf=None) -> dict[int, di
     tokens, `args.max_tokens` new tokens each (the same prompts for every engine)."""
     generator = torch.Generator().manual_seed(0)
     runs = {}
-    for batch in (1, 16, 64):
+    for batch in (int(b) for b in args.batches.split(",")):
         prompts = torch.randint(3, 30000, (batch, args.prompt_len), generator=generator).tolist()
         runs[batch] = run_engine(engine, prompts, batch, args.max_tokens)
         if hf is not None:
@@ -186,17 +187,30 @@ def _gpu_runs(args: argparse.Namespace, engine: Engine, hf=None) -> dict[int, di
 
 def gpu_main(args: argparse.Namespace) -> list[tuple]:
     """The engine as configured by default beside the same engine with `launch_ahead` off
-    (the A/B of launching each decode pass before the last one's tokens are read). The
+    (the A/B of launching each decode pass before the last one's tokens are read), or with
+    `--baseline pdl-off`, with programmatic dependent launch off (`engine.pdl`; `--pdl`:
+    the mode of the engine measured). The
     floor of a decode step: its weight and KV bytes over the copy bandwidth; end to end: the
     floor of every decode step over the wall clock of the whole group, prefill included;
     and the roofline floor: that plus the prefill's products at the measured dense peak."""
     bandwidth = copy_bandwidth("cuda")
     peak = matmul_peak("cuda")
-    engine = _gpu_engine(args.preset, launch_ahead=False)
-    without = _gpu_runs(args, engine)
+    with pdl.using("off" if args.baseline == "pdl-off" else args.pdl):
+        if args.baseline == "pdl-off":
+            engine = _gpu_engine(args.preset)
+        else:
+            engine = _gpu_engine(args.preset, launch_ahead=False)
+        without = _gpu_runs(args, engine)
     del engine
     torch.cuda.empty_cache()
-    engine = _gpu_engine(args.preset)
+    with pdl.using(args.pdl):
+        return _gpu_rows(args, _gpu_engine(args.preset), without, bandwidth, peak)
+
+
+def _gpu_rows(
+    args: argparse.Namespace, engine: Engine, without: dict, bandwidth: float, peak: float
+) -> list[tuple]:
+    """The rows of `gpu_main`'s tables: `engine`'s runs against the baseline's, `without`."""
     mc = engine.runtime.model_config
     weight_bytes = engine.runtime.model.num_bytes()
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
@@ -258,6 +272,19 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--batches", default="1,16,64", help="GPU batch sizes, comma-separated")
+    parser.add_argument(
+        "--baseline",
+        choices=["launch-ahead-off", "pdl-off"],
+        default="launch-ahead-off",
+        help="GPU: the engine beside the measured one: launch_ahead off, or PDL off",
+    )
+    parser.add_argument(
+        "--pdl",
+        choices=sorted(pdl.MODES),
+        default="off",
+        help="GPU: the programmatic dependent launch mode of the engine measured",
+    )
     args = parser.parse_args()
     if args.device == "cpu":
         args.max_tokens = args.max_tokens or 64
@@ -283,7 +310,7 @@ def main() -> None:
         )
         print(
             "| batch | engine tok/s | HF tok/s | ratio | decode step ms | floor ms | "
-            "floor/step | floor/wall | launch_ahead off: step ms | floor/step | floor/wall "
+            f"floor/step | floor/wall | {args.baseline}: step ms | floor/step | floor/wall "
             "| copy GB/s |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")

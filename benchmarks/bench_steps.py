@@ -3,15 +3,22 @@ tokens/s that speculation gives as a function of the accepted length per step.
 
     python benchmarks/bench_steps.py [--context 1024] [--accepted 0,0.5,1,1.5,2,3,4]
     python benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 --batches 1 --profile
+
+"forward" is `ModelRunner.forward` (plan + replay) one at a time; "replay" is the device's
+time a pass, planned once and replayed back to back. `--pdl off,late` times the passes in
+each programmatic dependent launch mode named (`engine.pdl`), one after the other in one
+process.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 
 import numpy as np
 import torch
 
+from engine import pdl
 from engine.shell.engine import Engine
 from engine.state import DraftTrees, FinishRules, Running, schedule_decode, schedule_verify
 
@@ -81,6 +88,21 @@ def time_forward(engine: Engine, batch, repeats: int = 30) -> float:
     return float(np.median(times))
 
 
+def time_replay(engine: Engine, batch, repeats: int = 50) -> float:
+    """The device's time a pass: planned once, then launched `repeats` times back to back."""
+    runner = engine.runner
+    prepared = runner.prepare(batch)
+    for _ in range(3):
+        runner.launch(prepared, batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        runner.launch(prepared, batch)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def profile_passes(engine: Engine, context: int, nodes: int) -> None:
     """Top CUDA kernels of one graph-replayed batch-1 decode forward and one verify forward
     (torch.profiler)."""
@@ -112,37 +134,65 @@ def main() -> None:
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--batches", default="1,16,64", help="batch sizes, comma-separated")
+    parser.add_argument(
+        "--pdl",
+        default="off",
+        help=f"programmatic dependent launch modes, comma-separated, of {sorted(pdl.MODES)}",
+    )
     args = parser.parse_args()
     nodes = args.draft_budget + 1
-    rows = []
-    engine = Engine(
-        random_weights=args.preset,
-        device="cuda",
-        dtype=args.dtype,
-        speculative=True,
-        draft_budget=args.draft_budget,
-        max_running_requests=64,
-        cuda_graph_max_batch=64,
-        max_context=args.context + 64,
-        kv_cache_fraction=0.3,
-    )
-    for batch in (int(b) for b in args.batches.split(",")):
-        decode, verify = batches(engine, batch, args.context, nodes)
-        t_decode, t_verify = time_forward(engine, decode), time_forward(engine, verify)
-        rows.append((batch, t_decode, t_verify))
-        release(engine, decode, verify)
-        engine.check()
-    if args.profile:
-        profile_passes(engine, args.context, nodes)
+    settings = args.pdl.split(",")
+    results = {}  # PDL mode -> [(batch, forward decode, verify, replay decode, verify)]
+    for on in settings:
+        with pdl.using(on):
+            engine = Engine(
+                random_weights=args.preset,
+                device="cuda",
+                dtype=args.dtype,
+                speculative=True,
+                draft_budget=args.draft_budget,
+                max_running_requests=64,
+                cuda_graph_max_batch=64,
+                max_context=args.context + 64,
+                kv_cache_fraction=0.3,
+            )
+            results[on] = []
+            for batch in (int(b) for b in args.batches.split(",")):
+                decode, verify = batches(engine, batch, args.context, nodes)
+                results[on].append(
+                    (
+                        batch,
+                        time_forward(engine, decode),
+                        time_forward(engine, verify),
+                        time_replay(engine, decode),
+                        time_replay(engine, verify),
+                    )
+                )
+                release(engine, decode, verify)
+                engine.check()
+            if args.profile:
+                profile_passes(engine, args.context, nodes)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
     accepted = [float(a) for a in args.accepted.split(",")]
     print(
         f"\n{torch.cuda.get_device_name()}, random {args.preset} {args.dtype}, "
         f"context {args.context}, {nodes}-node trees, CUDA graphs"
     )
-    print("| batch | decode ms | verify ms | verify/decode |")
-    print("|---|---|---|---|")
-    for batch, t_decode, t_verify in rows:
-        print(f"| {batch} | {t_decode:.2f} | {t_verify:.2f} | {t_verify / t_decode:.2f} |")
+    print(
+        "| PDL | batch | forward: decode ms | verify ms | verify/decode "
+        "| replay: decode ms | verify ms | verify/decode |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for on, rows in results.items():
+        for batch, f_decode, f_verify, r_decode, r_verify in rows:
+            print(
+                f"| {on} | {batch} | {f_decode:.3f} | {f_verify:.3f} | "
+                f"{f_verify / f_decode:.2f} | {r_decode:.3f} | {r_verify:.3f} | "
+                f"{r_verify / r_decode:.2f} |"
+            )
+    rows = [(b, fd, fv) for b, fd, fv, _, _ in results[settings[0]]]
     print("\ntokens/s with speculation at a mean accepted length a (tokens/step = 1 + a)")
     print("| batch | no spec | " + " | ".join(f"a={a:g}" for a in accepted) + " |")
     print("|---|---|" + "---|" * len(accepted))

@@ -9,7 +9,7 @@ GPU_TESTS=(tests/backends tests/ops/test_fused.py tests/ops/test_gemv.py tests/o
            tests/model/test_sampling.py
            tests/shell/test_graphs.py
            tests/shell/test_plan_ahead.py tests/shell/test_spec_overflow.py
-           tests/shell/test_prefix_cache.py)
+           tests/shell/test_prefix_cache.py tests/test_pdl.py)
 # The original scenario (verify on a batch larger than the largest captured graph), also
 # under memcheck with the caching allocator on, so that real CUDA graphs are captured.
 # Planning ahead (a plan written while a captured replay runs) is checked the same way.

@@ -17,6 +17,7 @@ PACKAGE = ROOT / "engine"
 LAYERS = {
     "engine.errors": (0, "errors"),
     "engine.cpu_kernels": (0, "cpu_kernels"),
+    "engine.pdl": (0, "pdl"),
     "engine.state": (1, "state"),
     "engine.spec": (2, "spec"),
     "engine.backends": (2, "backends"),

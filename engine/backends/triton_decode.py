@@ -15,8 +15,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
+from engine import pdl
 from engine.backends.triton_extend import online_softmax_step
 from engine.backends.triton_merge import (
     check_counters,
@@ -27,24 +27,24 @@ from engine.backends.triton_merge import (
     merge_tiles,
     pow2_floor,
 )
+from engine.pdl import enter, leave
 
 # The split policy's model of the chip (`choose_num_splits`), fitted on an H200
 # (`bench_attention.py --split-grid`: 46 shapes, policy within 1.03x of the best power of two).
 PROGRAMS_PER_SM = 4  # programs an SM needs resident to stream at its share of the bandwidth
 MIN_KEYS_PER_SPLIT = 128  # two key blocks; one block only while the programs leave SMs idle
 MAX_SPLITS = 64
-# Measured on an H200 (docs/benchmarks.md). PDL: launch the merge programmatically (Hopper)
-# so it waits on the GPU instead of on a launch; measured no faster, so off. num_warps: 4
+# Measured on an H200 (docs/benchmarks.md). num_warps: 4
 # where the grid is more than one wave of PROGRAMS_PER_SM programs an SM, else
 # ONE_WAVE_WARPS (`choose_decode_warps`).
-DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 ONE_WAVE_WARPS = 2
 # Verify (BLOCK_M 64 rows) is sensitive to how its programs fill the waves: each config with
 # the programs an H200 SM holds at once (compiler report: 148 registers and 49 KB shared -> 3;
 # 218 registers and 83 KB -> 2). The one whose last wave is fullest wins (measured).
 VERIFY_CONFIGS = (
-    ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "PDL": False}, 3),
-    ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PDL": False}, 2),
+    ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}, 3),
+    ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, 2),
 )
 # Fused merge: the last split program of each (request, kv head) merges its splits, so a
 # split pass is one launch, not two (`config={"FUSED_MERGE": ...}` overrides). Decode fuses
@@ -59,7 +59,6 @@ INTERPRETER_CONFIG = {
     "BLOCK_N": 16,
     "num_warps": 4,
     "num_stages": 1,  # small tests, all paths
-    "PDL": False,
 }
 
 
@@ -215,8 +214,7 @@ def _decode_split_kernel(
     SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_launch_dependents()  # the merge may start now; it waits for this grid to finish
+    enter(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -295,6 +293,7 @@ def _decode_split_kernel(
             TREE,
         )
 
+    leave(PDL)
     has_keys = l_i > 0.0
     result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if DIRECT:  # one split: the result is the output
@@ -482,7 +481,6 @@ def decode_attention(
         row_block, split_chunk = merge_tiles(
             block_s, max_q * group, head_dim, cfg["num_warps"], cfg.get("MERGE_TILE")
         )
-    pdl = bool(cfg["PDL"]) and not direct and not fused and q.device.type == "cuda"
     _decode_split_kernel[(num_requests, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -518,10 +516,10 @@ def decode_attention(
         FUSED=fused,
         ROW_BLOCK=row_block,
         SPLIT_CHUNK=split_chunk,
-        PDL=pdl,
+        **pdl.launch(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     if not direct and not fused and not cfg.get("SKIP_MERGE", False):  # skip: diagnostics
-        merge_splits(partial, lse, out, num_splits, pdl)
+        merge_splits(partial, lse, out, num_splits)
     return out

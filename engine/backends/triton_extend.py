@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import pdl
+from engine.pdl import enter, leave
+
 # Measured on an H200 (`bench_attention.py --extend-grid`, docs/benchmarks.md): the lowest
 # geometric mean over the extend shapes of its time against the best configuration at each.
 # TMA: the new tokens' q, K and V tiles come through tensor-memory descriptors (Hopper on,
@@ -88,7 +91,9 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest blocks start first
     req = tl.program_id(1)
     head = tl.program_id(2)
@@ -197,6 +202,7 @@ def _extend_kernel(
             m_i, l_i, acc = online_softmax_step(
                 q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
             )
+        leave(PDL)
         result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         store_ok = row_ok & (token < out_capacity)
         out_ptrs = out + token[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -301,6 +307,7 @@ def extend_attention(
         BLOCK_N=cfg["BLOCK_N"],
         HEAD_DIM=head_dim,
         TMA=tma,
+        **pdl.launch(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

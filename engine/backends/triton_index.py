@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import pdl
 from engine.backends.base import BufferTooSmall
+from engine.pdl import enter
 
 KV_INDEX_BLOCK = 1024
 MAX_CHUNKS_PER_REQUEST = 64  # grid-stride beyond this: the grid stays small for long contexts
@@ -29,7 +31,9 @@ def _kv_indices_kernel(
     kv_indices,
     kv_capacity,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     req = tl.program_id(0)
     kv_start = tl.load(kv_indptr + req)
     seq_len = tl.load(kv_indptr + req + 1) - kv_start
@@ -76,6 +80,7 @@ def launch_kv_indices(
         kv_indices,
         kv_capacity,
         BLOCK=KV_INDEX_BLOCK,
+        **pdl.launch(kv_indices.device),
     )
 
 

@@ -13,9 +13,10 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
+from engine import pdl
 from engine.backends.base import BufferTooSmall
+from engine.pdl import enter
 
 MERGE_VALUES_PER_THREAD = 64  # fp32 partial values a thread holds in the fused merge's tile
 
@@ -133,8 +134,7 @@ def _merge_splits_kernel(
     PDL: tl.constexpr,
 ):
     """One (token, q head) a program, every split at once."""
-    if PDL:
-        gdc_wait()  # every split program has finished and its stores are visible
+    enter(PDL)  # with PDL: every split program has finished and its stores are visible
     merge_rows(
         partial,
         lse,
@@ -160,11 +160,10 @@ def _merge_splits_kernel(
 
 
 def merge_splits(
-    partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int, pdl: bool
+    partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int
 ) -> None:
     """Merge partial [tokens, q heads, splits, head_dim] by lse [tokens, q heads, splits]
-    into out (rows past out's capacity dropped). `pdl`: launched programmatically after the
-    split kernel (Hopper), which must then have called gdc_launch_dependents."""
+    into out (rows past out's capacity dropped)."""
     num_tokens, num_q_heads, _, head_dim = partial.shape
     _merge_splits_kernel[(num_tokens, num_q_heads)](
         partial,
@@ -179,9 +178,8 @@ def merge_splits(
         out.stride(1),
         BLOCK_S=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
-        PDL=pdl,
         num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl.launch(out.device),
     )
 
 

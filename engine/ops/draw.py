@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import pdl
+from engine.pdl import enter
+
 DRAW_BLOCK = 4096  # a row's tokens a loop step
 DRAW_WARPS = 16
 
@@ -30,7 +33,9 @@ def _draw_kernel(
     vocab,
     stride,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
     cols = tl.arange(0, BLOCK)
@@ -95,5 +100,6 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor)
             logits.stride(0),
             BLOCK=block,
             num_warps=DRAW_WARPS if block >= 2048 else 4,
+            **pdl.launch(logits.device),
         )
     return out

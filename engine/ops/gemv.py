@@ -12,10 +12,14 @@ and keeps every row of x in registers: one launch, no reduction pass, fp32 accum
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+from engine import pdl
+from engine.pdl import enter, leave, prefetch_l2
 
 MAX_ROWS = 16  # x rows the kernel accepts (a verify pass of a 12-draft tree has 13)
 # `linear` takes the kernel for one row and weights up to MAX_WEIGHT_ELEMENTS. Measured on the
@@ -65,6 +69,9 @@ FUSED_ROWS = 1
 # against 19.2.
 NORM_SHORT_STEPS = 2
 NORM_PIPELINE_MAX_PROGRAMS_PER_SM = 2
+# With PDL (`engine.pdl`) a launch prefetches the first columns of its weight rows into
+# L2 while the kernel before it runs, at most PREFETCH_BYTES of them.
+PREFETCH_BYTES = int(os.environ.get("ENGINE_PREFETCH_BYTES", 16 * 2**20))
 
 
 @triton.jit
@@ -121,6 +128,18 @@ def _x_block(
 
 
 @triton.jit
+def _prefetch_rows(w, w_rows, in_n, K, PREFETCH_K: tl.constexpr, LINE: tl.constexpr):
+    """Prefetch the first PREFETCH_K columns of the program's weight rows into L2, a line
+    (LINE elements) a time. Weights: no kernel of the stream writes them, so this may run
+    before `enter`, beside the kernel before."""
+    if PREFETCH_K > 0:
+        # lines past a row's end fetch its last line again (not one shared address: every
+        # program asking for the same line would queue at one L2 slice)
+        lines = tl.minimum(tl.arange(0, PREFETCH_K // LINE) * LINE, K - 1)
+        prefetch_l2(tl.where(in_n[:, None], w_rows + lines[None, :], w))
+
+
+@triton.jit
 def _gemv_kernel(
     x,
     w,
@@ -143,12 +162,17 @@ def _gemv_kernel(
     LOOP_STAGES: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    LINE: tl.constexpr,
 ):
     """One x row at a time: each program's BLOCK_N weight rows against the row, summed
     across the threads at every key step."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = cols < N
     w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
+    _prefetch_rows(w, w_rows, in_n, K, PREFETCH_K, LINE)
+    enter(PDL)
     first = tl.program_id(0) == 0  # the program that writes the residual stream
     for m in tl.static_range(BLOCK_M):
         if m < M:
@@ -182,6 +206,7 @@ def _gemv_kernel(
                     sum_squares += squares
             if PROLOGUE == 1:
                 acc = acc * tl.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)
+            leave(PDL)
             tl.store(out + m * stride_om + cols, acc.to(out.dtype.element_ty), mask=in_n)
 
 
@@ -201,6 +226,9 @@ def _gemv_rows_kernel(
     BLOCK_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    LINE: tl.constexpr,
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
@@ -212,6 +240,10 @@ def _gemv_rows_kernel(
     in_n = cols < N
     in_m = rows < M
     w_rows = w + cols.to(tl.int64)[:, None] * stride_wn
+    _prefetch_rows(w, w_rows, in_n, K, PREFETCH_K, LINE)
+    if SILU_MUL:
+        _prefetch_rows(w, w_rows + N * stride_wn, in_n, K, PREFETCH_K, LINE)
+    enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K] if SILU_MUL else [1, 1, 1], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
@@ -229,6 +261,7 @@ def _gemv_rows_kernel(
             up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=tile_mask, other=0.0)
             acc_up += xs * up.to(tl.float32)[None, :, :]
     sums = tl.sum(acc, axis=2)
+    leave(PDL)
     if SILU_MUL:
         gate = sums.to(out.dtype.element_ty).to(tl.float32)
         up_sums = tl.sum(acc_up, axis=2).to(out.dtype.element_ty).to(tl.float32)
@@ -271,6 +304,29 @@ def _check(x: torch.Tensor, weight: torch.Tensor, k: int, what: str) -> None:
             f"{what} needs unit stride along K; got x strides {x.stride()}, "
             f"weight strides {weight.stride()}"
         )
+
+
+def _pdl_params(weight: torch.Tensor) -> dict:
+    """The launch's PDL arguments (`pdl.launch`) and, with PDL, its weight prefetch."""
+    mode = pdl.mode(weight.device)
+    if not mode:
+        return _NO_PREFETCH
+    return _prefetch(tuple(weight.shape), weight.element_size(), mode)
+
+
+_NO_PREFETCH = {"PDL": 0, "PREFETCH_K": 0, "LINE": 1}
+
+
+@functools.lru_cache(maxsize=256)
+def _prefetch(shape: tuple[int, int], element_size: int, mode: int) -> dict:
+    """PDL launch arguments for a weight of `shape` in PDL mode `mode`: the first PREFETCH_K
+    columns of each row prefetched before the wait (a power of two, at most PREFETCH_BYTES
+    in all)."""
+    (n, k), line = shape, pdl.LINE_BYTES // element_size
+    budget = max(PREFETCH_BYTES // (n * element_size), 1)
+    cols = min(triton.next_power_of_2(k), 1 << budget.bit_length() - 1)
+    prefetch_k = cols if cols >= line else 0
+    return {"PDL": mode, "launch_pdl": True, "PREFETCH_K": prefetch_k, "LINE": line}
 
 
 def _launch(
@@ -316,6 +372,7 @@ def _launch(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         **params,
+        **_pdl_params(weight),
     )
     return out, residual_out
 
@@ -340,6 +397,7 @@ def _launch_rows(
         BLOCK_M=triton.next_power_of_2(rows),
         SILU_MUL=silu_mul,
         **params,
+        **_pdl_params(weight),
     )
     return out
 

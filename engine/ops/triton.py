@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import pdl
 from engine.ops.checks import check_gate_up, check_norm, check_qkv_extras, check_rope_store
 from engine.ops.gemv import (  # noqa: F401  (the ops set's matrix products)
     linear,
@@ -21,6 +22,7 @@ from engine.ops.gemv import (  # noqa: F401  (the ops set's matrix products)
     silu_mul_linear,
 )
 from engine.ops.reference import QkvExtras, split_heads
+from engine.pdl import enter
 
 SILU_BLOCK = 1024
 ROPE_HEADS_PER_PROGRAM = 8
@@ -42,7 +44,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     in_row = cols < hidden
@@ -84,11 +88,13 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token's q, k, v heads (program axis 1 walks them in blocks): with HAS_BIAS the
     bias added to every head, with HAS_NORM each q and k head RMS-normed (rounded as the
     reference's separate ops round), then q and k rotated in place, and the rotated k and
     the v heads written to the caches at the token's slot."""
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
@@ -148,7 +154,10 @@ def _rope_store_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, out, stride_in, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_up, out, stride_in, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < inter
@@ -183,6 +192,7 @@ def _norm_launch(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=8 if block >= 4096 else 4,
+            **pdl.launch(x.device),
         )
     return out, residual_out
 
@@ -206,7 +216,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[0] > 0:
         block = min(SILU_BLOCK, triton.next_power_of_2(inter))
         _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block
+            gate_up,
+            out,
+            gate_up.stride(0),
+            out.stride(0),
+            inter,
+            BLOCK=block,
+            **pdl.launch(gate_up.device),
         )
     return out
 
@@ -259,5 +275,6 @@ def rope_qkv_store(
             HAS_NORM=has_norm,
             BLOCK_H=heads_per_program,
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            **pdl.launch(qkv.device),
         )
     return split_heads(qkv, num_heads, num_kv_heads, head_dim)

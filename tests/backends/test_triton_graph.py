@@ -18,6 +18,7 @@ from backend_cases import (
     relative_error,
 )
 
+from engine import pdl
 from engine.backends import BufferTooSmall
 from engine.backends.torch_backend import TorchBackend
 from engine.backends.triton_backend import TritonBackend
@@ -190,9 +191,15 @@ def _capture(fn):
 
 @pytest.mark.skipif(not ON_CUDA, reason="programmatic dependent launch needs a Hopper GPU")
 @pytest.mark.parametrize("mode", ["decode", "verify"])
-def test_programmatic_launch_merge_matches_reference(mode: str) -> None:
-    """The merge launched with PDL (config PDL=True, the merge not fused), eagerly and
-    replayed from a graph."""
+@pytest.mark.parametrize("launch", sorted(pdl.MODES))
+def test_programmatic_launch_merge_matches_reference(mode: str, launch: str) -> None:
+    """The split kernel and then the merge kernel (not fused), in each programmatic dependent
+    launch mode, eagerly and replayed from a graph."""
+    with pdl.using(launch):
+        _check_split_then_merge(mode)
+
+
+def _check_split_then_merge(mode: str) -> None:
     case = make_case(mode, [300, 1000, 7], [4, 9, 1], 2, 4, 128, DTYPE, seed=26)
     ref_backend = TorchBackend(clone_pool(case.pool))
     ref = ref_backend.forward(0, case.q, case.k, case.v, ref_backend.plan(case.batch))
@@ -216,7 +223,7 @@ def test_programmatic_launch_merge_matches_reference(mode: str) -> None:
             6,
             meta.extra["max_q"],
             128**-0.5,
-            config={"PDL": True, "FUSED_MERGE": False},  # PDL serves the merge launch
+            config={"FUSED_MERGE": False},
         )
 
     run()

@@ -1,0 +1,97 @@
+"""Programmatic dependent launch (PDL, Hopper on): a kernel launched with it may start while
+the kernel before it in the stream is still running, and waits for that kernel on the device
+(`gdc_wait`) instead of in the launch queue.
+
+Every Triton kernel of the package starts with `enter(PDL)`: with PDL, wait until the kernel
+before has finished and its stores are visible. Before the wait a kernel may read only what
+no kernel of the stream writes: the matrix kernels prefetch their weights into L2 there
+(`prefetch_l2`), beside the kernel before. When a kernel lets the next one launch is the
+mode: `top` right after its wait, `late` after its main loop (`leave(PDL)`), `exit` as its
+programs end. A kernel that skips `enter` must never be launched with PDL, so `launch(device)`
+gives the constexpr and the launch option together, and tests/test_pdl.py checks every
+kernel of the package for the call and every launch for the options.
+
+Off by default: on an H200 the `top` mode made a batch-1 decode pass of random Llama-3-8B
+7% slower and a verify pass of the default model's shape 32% slower, though batch-16
+decode and batch-1 verify of Llama-3-8B 4-5% faster (`bench_steps.py --pdl off,top`,
+docs/benchmarks.md). `ENGINE_PDL=<mode>` sets a process's mode, `using(mode)` a block's (a
+CUDA graph keeps the launches it captured), so benchmarks compare the modes in one run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+LINE_BYTES = 128  # an L2 line: one prefetch each
+MODES = {"off": 0, "top": 1, "late": 2, "exit": 3}  # the kernels' PDL constexpr
+
+
+def _mode(name: str, source: str) -> int:
+    if name not in MODES:
+        raise ValueError(f"{source} must be one of {sorted(MODES)}; got {name!r}")
+    return MODES[name]
+
+
+_state = {"mode": _mode(os.environ.get("ENGINE_PDL", "off"), "ENGINE_PDL")}
+
+
+@functools.cache
+def _capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def mode(device: torch.device) -> int:
+    """The PDL constexpr of a launch on `device` now (0: launched without PDL)."""
+    return _state["mode"] if _state["mode"] and _capable(device) else 0
+
+
+def launch(device: torch.device) -> dict:
+    """A launch's keyword arguments on `device`: the kernel's PDL constexpr, and where it is
+    not 0 the launch option too (the two always together)."""
+    on = mode(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": 0}
+
+
+@contextlib.contextmanager
+def using(name: str) -> Iterator[None]:
+    """Launches in this block run in PDL mode `name` (one of MODES)."""
+    before = _state["mode"]
+    _state["mode"] = _mode(name, "the PDL mode")
+    try:
+        yield
+    finally:
+        _state["mode"] = before
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """With PDL, wait for the kernel before in the stream (its stores visible); mode `top`
+    then lets the next one launch. Nothing that kernel writes may be read, and nothing it
+    reads written, before this call."""
+    if PDL:
+        gdc_wait()
+        if PDL == 1:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def leave(PDL: tl.constexpr):
+    """Mode `late`: let the next kernel launch (after the kernel's main loop)."""
+    if PDL == 2:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the line at each of `ptrs` (a hint: nothing is loaded into registers)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )

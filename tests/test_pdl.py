@@ -1,0 +1,180 @@
+"""Programmatic dependent launch (`engine.pdl`): a kernel launched with it runs beside the one
+before it, so every kernel of the package must wait (`enter(PDL)`) before it touches what
+another kernel writes, and every launch must give the constexpr and the launch option
+together. Read from the source here; on a Hopper GPU the engine's passes give the same
+logits, bit for bit, with it and without."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import pdl
+from engine.shell.engine import Engine
+from engine.state import SamplingParams
+
+PACKAGE = Path(__file__).resolve().parents[1] / "engine"
+# what a kernel may do before `enter`: nothing another kernel of the stream writes
+BEFORE_ENTER = {"_prefetch_rows"}
+MEMORY_OPS = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max"}
+LAUNCH_HELPERS = {"launch", "_pdl_params"}  # pdl.launch(device), gemv's with its prefetch
+
+
+def _sources() -> dict[Path, ast.Module]:
+    return {path: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_jit(node: ast.FunctionDef) -> bool:
+    return any(
+        isinstance(d, ast.Attribute)
+        and d.attr == "jit"
+        or isinstance(d, ast.Name)
+        and d.id == "jit"
+        for d in node.decorator_list
+    )
+
+
+def _kernels() -> dict[str, tuple[Path, ast.FunctionDef]]:
+    """Every Triton kernel the package launches: jit functions named *_kernel."""
+    found = {}
+    for path, tree in _sources().items():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.FunctionDef)
+                and _is_jit(node)
+                and node.name.endswith("_kernel")
+            ):
+                found[node.name] = (path, node)
+    return found
+
+
+def _called(node: ast.AST) -> set[str]:
+    names = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            func = sub.func
+            names.add(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
+    return names
+
+
+def test_the_package_has_the_kernels_this_checks():
+    assert {
+        "_gemv_kernel",
+        "_decode_split_kernel",
+        "_extend_kernel",
+        "_merge_splits_kernel",
+    } <= set(_kernels())
+
+
+@pytest.mark.parametrize("name", sorted(_kernels()))
+def test_every_kernel_waits_before_it_touches_memory(name):
+    path, kernel = _kernels()[name]
+    assert "PDL" in [a.arg for a in kernel.args.args], f"{name} ({path}) takes no PDL constexpr"
+    body = kernel.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    entered = [
+        i
+        for i, stmt in enumerate(body)
+        if isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Call)
+        and getattr(stmt.value.func, "id", "") == "enter"
+        and [getattr(a, "id", "") for a in stmt.value.args] == ["PDL"]
+    ]
+    assert entered, f"{name} ({path}) never calls enter(PDL)"
+    for stmt in body[: entered[0]]:
+        calls = _called(stmt)
+        assert not calls & MEMORY_OPS, (
+            f"{name} touches memory before enter(PDL): {ast.unparse(stmt)}"
+        )
+        assert isinstance(stmt, ast.Assign) or calls <= BEFORE_ENTER, (
+            f"{name} runs {ast.unparse(stmt)!r} before enter(PDL); only assignments and "
+            f"{sorted(BEFORE_ENTER)} may"
+        )
+
+
+def test_every_launch_passes_the_launch_options():
+    kernels = set(_kernels())
+    launches = 0
+    for path, tree in _sources().items():
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Subscript)
+                and getattr(node.func.value, "id", "") in kernels
+            ):
+                continue
+            launches += 1
+            spread = [k.value for k in node.keywords if k.arg is None]
+            helpers = {
+                call.func.attr if isinstance(call.func, ast.Attribute) else call.func.id
+                for call in spread
+                if isinstance(call, ast.Call)
+            }
+            where = f"{path.name}:{node.lineno} ({node.func.value.id})"
+            assert helpers & LAUNCH_HELPERS, f"{where} launches without **pdl.launch(...)"
+            named = {k.arg for k in node.keywords}
+            assert not named & {"PDL", "launch_pdl"}, f"{where} sets PDL apart from its option"
+    assert launches >= len(kernels)
+
+
+def test_launch_options_by_mode_and_device():
+    assert pdl.launch(torch.device("cpu")) == {"PDL": 0}  # off by default
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 9
+    for name, value in pdl.MODES.items():
+        with pdl.using(name):
+            assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
+            if torch.cuda.is_available():
+                on = {"PDL": value, "launch_pdl": True} if hopper and value else {"PDL": 0}
+                assert pdl.launch(torch.device("cuda", 0)) == on
+    assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
+
+
+def test_an_unknown_mode_is_refused_naming_the_modes():
+    with pytest.raises(ValueError, match="one of .*'late'.*got 'fast'"):
+        with pdl.using("fast"):
+            pass
+
+
+def _logits_of_a_run(dtype: str) -> tuple[list, list]:
+    engine = Engine(
+        random_weights="tiny",
+        device="cuda",
+        dtype=dtype,
+        max_context=256,
+        chunk_size=32,  # prompts prefill in chunks, decodes riding along
+        speculative=True,  # verify passes too (the all-rows products in float32)
+        draft_budget=4,
+    )
+    runner, passes = engine.runner, []
+    launch = runner.launch
+
+    def recorded(prepared, batch, input_ids=None):
+        logits = launch(prepared, batch, input_ids)
+        passes.append((batch.mode, logits.cpu()))
+        return logits
+
+    runner.launch = recorded
+    prompts = [[(7 * i + j % (3 + i)) % 250 + 3 for j in range(9 + 23 * i)] for i in range(3)]
+    done = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    return [c.token_ids for c in done], passes
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability(0)[0] < 9,
+    reason="programmatic dependent launch needs a Hopper GPU",
+)
+@pytest.mark.parametrize("mode", ["top", "late", "exit"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_passes_give_the_same_logits_with_and_without_programmatic_launch(dtype, mode):
+    with pdl.using(mode):
+        tokens, passes = _logits_of_a_run(dtype)
+    plain_tokens, plain_passes = _logits_of_a_run(dtype)
+    assert tokens == plain_tokens
+    assert [mode for mode, _ in passes] == [mode for mode, _ in plain_passes]
+    assert len({mode for mode, _ in passes}) == 3  # extend, decode and verify passes
+    for (_, logits), (_, plain) in zip(passes, plain_passes, strict=True):
+        assert torch.equal(logits, plain)
