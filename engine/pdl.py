@@ -11,10 +11,11 @@ programs end. A kernel that skips `enter` must never be launched with PDL, so `l
 gives the constexpr and the launch option together, and tests/test_pdl.py checks every
 kernel of the package for the call and every launch for the options.
 
-Off by default: on an H200 the `top` mode made a batch-1 decode pass of random Llama-3-8B
-7% slower and a verify pass of the default model's shape 32% slower, though batch-16
-decode and batch-1 verify of Llama-3-8B 4-5% faster (`bench_steps.py --pdl off,top`,
-docs/benchmarks.md). `ENGINE_PDL=<mode>` sets a process's mode, `using(mode)` a block's (a
+Off by default: on an H200 (`bench_steps.py --pdl off,top,late,exit`, docs/benchmarks.md)
+every mode made a batch-1 decode pass of random Llama-3-8B 4-9% slower (cuBLAS's products
+sit between the package's kernels there) and `top` the default model's verify pass 19%
+slower, while its one-row decode pass, all of whose kernels are the package's, ran 17%
+faster. `ENGINE_PDL=<mode>` sets a process's mode, `using(mode)` a block's (a
 CUDA graph keeps the launches it captured), so benchmarks compare the modes in one run.
 """
 
