@@ -70,7 +70,8 @@ FUSED_ROWS = 1
 NORM_SHORT_STEPS = 2
 NORM_PIPELINE_MAX_PROGRAMS_PER_SM = 2
 # With PDL (`engine.pdl`) a launch prefetches the first columns of its weight rows into
-# L2 while the kernel before it runs, at most PREFETCH_BYTES of them.
+# L2 while the kernel before it runs, at most PREFETCH_BYTES of them (ENGINE_PREFETCH_BYTES
+# sets it for a process; 0: none).
 PREFETCH_BYTES = int(os.environ.get("ENGINE_PREFETCH_BYTES", 16 * 2**20))
 
 
