@@ -195,11 +195,12 @@ def gpu_main(args: argparse.Namespace) -> list[tuple]:
     and the roofline floor: that plus the prefill's products at the measured dense peak."""
     bandwidth = copy_bandwidth("cuda")
     peak = matmul_peak("cuda")
-    with pdl.using("off" if args.baseline == "pdl-off" else args.pdl):
-        if args.baseline == "pdl-off":
-            engine = _gpu_engine(args.preset)
-        else:
-            engine = _gpu_engine(args.preset, launch_ahead=False)
+    if args.baseline == "pdl-off":
+        baseline_mode, baseline = "off", {}
+    else:
+        baseline_mode, baseline = args.pdl, {"launch_ahead": False}
+    with pdl.using(baseline_mode):
+        engine = _gpu_engine(args.preset, **baseline)
         without = _gpu_runs(args, engine)
     del engine
     torch.cuda.empty_cache()
