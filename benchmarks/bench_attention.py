@@ -38,7 +38,7 @@ GROUP = HQ // HKV
 SCALE = D**-0.5
 COLD_BYTES = 256 << 20
 DECODE = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]
-EXTEND = [(1, 0, 4096), (8, 0, 1024), (8, 2048, 512)]
+EXTEND = [(1, 0, 1024), (1, 0, 4096), (8, 0, 1024), (8, 2048, 512)]
 VERIFY = [(1, 4096), (48, 1024), (64, 2048)]
 # --fused-merge also times these decode shapes, which split 2-16 ways (B x kv heads >= 32)
 FEW_SPLITS = [(4, 8192), (8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048)]
@@ -65,6 +65,15 @@ EXTEND_SWEEP = [
     {"TMA": False},
     {"TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
+] + [  # the grid's order: q blocks outermost (every head's longest blocks first) or innermost
+    {**tiles, "Q_BLOCKS_OUTER": outer}
+    for tiles in (
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    )
+    for outer in (False, True)
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads

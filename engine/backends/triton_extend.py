@@ -28,14 +28,34 @@ from engine.pdl import enter, leave
 # geometric mean over the extend shapes of its time against the best configuration at each.
 # TMA: the new tokens' q, K and V tiles come through tensor-memory descriptors (Hopper on,
 # bf16 and fp16: `tma_ready`), the cached prefix through kv_indices as before.
-EXTEND_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": True}
+# Q_BLOCKS_OUTER: the grid's order (None: `q_blocks_outer` chooses).
+EXTEND_CONFIG = {
+    "BLOCK_M": 64,
+    "BLOCK_N": 64,
+    "num_warps": 4,
+    "num_stages": 3,
+    "TMA": True,
+    "Q_BLOCKS_OUTER": None,
+}
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
     "BLOCK_N": 32,
     "num_warps": 4,
     "num_stages": 1,
     "TMA": False,
+    "Q_BLOCKS_OUTER": None,
 }
+
+
+def q_blocks_outer(num_requests: int) -> bool:
+    """Whether the extend grid runs (heads, requests, q blocks), every head's longest q
+    blocks first, rather than (q blocks, requests, heads), each head's blocks in turn: for
+    one request. A q block's work grows with its index (causal), so in the second order the
+    last head's longest block starts last and ends the pass alone. Measured on an H200
+    (`bench_attention.py --extend`, docs/benchmarks.md): with one request (1024-4096 new
+    tokens, with or without a cached prefix) it takes 0.76-0.96 of the time; from two
+    requests on 0.92-1.08, no gain."""
+    return num_requests == 1
 
 
 @triton.jit
@@ -91,12 +111,17 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     TMA: tl.constexpr,
+    Q_BLOCKS_OUTER: tl.constexpr,
     PDL: tl.constexpr,
 ):
     enter(PDL)
-    q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest blocks start first
     req = tl.program_id(1)
-    head = tl.program_id(2)
+    if Q_BLOCKS_OUTER:  # grid (heads, requests, q blocks): every head's longest blocks first
+        q_block_id = tl.num_programs(2) - 1 - tl.program_id(2)
+        head = tl.program_id(0)
+    else:  # grid (q blocks, requests, heads): each head's longest blocks first
+        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
+        head = tl.program_id(2)
     kv_head = head // GROUP
     qo_start = tl.load(qo_indptr + req)
     num_new = tl.load(qo_indptr + req + 1) - qo_start
@@ -266,7 +291,12 @@ def extend_attention(
     if num_tokens == 0 or num_requests == 0:
         return out
     group = num_q_heads // k_cache.shape[1]
-    grid = (triton.cdiv(max_new_len, cfg["BLOCK_M"]), num_requests, num_q_heads)
+    q_blocks = triton.cdiv(max_new_len, cfg["BLOCK_M"])
+    outer = cfg["Q_BLOCKS_OUTER"]
+    outer = q_blocks_outer(num_requests) if outer is None else bool(outer)
+    grid = (num_q_heads, num_requests, q_blocks)
+    if not outer:
+        grid = (q_blocks, num_requests, num_q_heads)
     # 2-byte elements only (measured in bf16): a float32 q tile through TMA would sit in
     # shared memory beside the pipelined K/V stages, about 224 KB at head_dim 128 against the
     # H200's 227 KB, so float32 keeps the pointer loads
@@ -307,6 +337,7 @@ def extend_attention(
         BLOCK_N=cfg["BLOCK_N"],
         HEAD_DIM=head_dim,
         TMA=tma,
+        Q_BLOCKS_OUTER=outer,
         **pdl.launch(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

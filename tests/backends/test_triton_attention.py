@@ -210,6 +210,42 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
 
+def test_extend_grid_orders_give_the_same_outputs() -> None:
+    """The extend grid with the q blocks outermost (Q_BLOCKS_OUTER: every head's longest
+    blocks first) or innermost gives the same bits and matches the reference, on ragged
+    requests whose shorter ones own fewer q blocks than the grid has (those programs exit).
+    By default one request runs q blocks outermost, several innermost."""
+    assert triton_extend.q_blocks_outer(1) and not triton_extend.q_blocks_outer(3)
+    prefix, new = [40, 0, 7], [70, 9, 33]
+    dtype = DTYPES[-1]
+    case = make_case("extend", prefix, new, 2, 4, 64, dtype, seed=29)
+    ref_backend = TorchBackend(clone_pool(case.pool))
+    ref = ref_backend.forward(0, case.q, case.k, case.v, ref_backend.plan(case.batch))
+    meta = TritonBackend(case.pool).plan(case.batch)
+    case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
+    case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
+    outs = {}
+    for outer in (False, True):
+        outs[outer] = torch.full_like(case.q, float("nan"))
+        triton_extend.extend_attention(
+            case.q,
+            case.k,
+            case.v,
+            case.pool.k_cache[0],
+            case.pool.v_cache[0],
+            meta.kv_indices,
+            meta.kv_indptr,
+            meta.qo_indptr,
+            meta.prefix_lens,
+            outs[outer],
+            meta.max_new_len,
+            64**-0.5,
+            config={"Q_BLOCKS_OUTER": outer},
+        )
+    assert relative_error(outs[True], ref) < TOLERANCE[dtype]
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("tma", [False, True])
 def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool) -> None:
     """A pass padded to a token count (`TritonBackend.plan(padded_num_tokens=...)`): the
