@@ -65,15 +65,8 @@ EXTEND_SWEEP = [
     {"TMA": False},
     {"TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
-] + [  # the grid's order: q blocks outermost (every head's longest blocks first) or innermost
-    {**tiles, "Q_BLOCKS_OUTER": outer}
-    for tiles in (
-        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-    )
-    for outer in (False, True)
+] + [  # the grid's axis order (EXTEND_CONFIG's GRID_ORDER: "hqr")
+    {"GRID_ORDER": order} for order in ("qrh", "hrq", "qhr", "rqh", "rhq")
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads

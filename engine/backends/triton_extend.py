@@ -28,14 +28,21 @@ from engine.pdl import enter, leave
 # geometric mean over the extend shapes of its time against the best configuration at each.
 # TMA: the new tokens' q, K and V tiles come through tensor-memory descriptors (Hopper on,
 # bf16 and fp16: `tma_ready`), the cached prefix through kv_indices as before.
-# Q_BLOCKS_OUTER: the grid's order (None: `q_blocks_outer` chooses).
+# GRID_ORDER: the grid's axes from the fastest-varying, q blocks (q), requests (r), q heads
+# (h). "hqr": a request's q blocks in turn from its longest (causal: a block's work grows with
+# its index), each across every head at once (a kv head's q heads read its keys together).
+# Measured on an H200 against "qrh" (each head's blocks, longest first, heads in turn;
+# `bench_attention.py --extend`, docs/benchmarks.md): 0.78-0.98 of the time from one prompt of
+# 1024 new tokens to sixteen of 512, with a cached prefix 0.92-0.97. "hrq" (every request's
+# and head's longest blocks first) gained as much on one request but lost up to 1.10x on
+# several.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
     "num_warps": 4,
     "num_stages": 3,
     "TMA": True,
-    "Q_BLOCKS_OUTER": None,
+    "GRID_ORDER": "hqr",
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -43,19 +50,9 @@ INTERPRETER_CONFIG = {
     "num_warps": 4,
     "num_stages": 1,
     "TMA": False,
-    "Q_BLOCKS_OUTER": None,
+    "GRID_ORDER": "hqr",
 }
-
-
-def q_blocks_outer(num_requests: int) -> bool:
-    """Whether the extend grid runs (heads, requests, q blocks), every head's longest q
-    blocks first, rather than (q blocks, requests, heads), each head's blocks in turn: for
-    one request. A q block's work grows with its index (causal), so in the second order the
-    last head's longest block starts last and ends the pass alone. Measured on an H200
-    (`bench_attention.py --extend`, docs/benchmarks.md): with one request (1024-4096 new
-    tokens, with or without a cached prefix) it takes 0.76-0.96 of the time; from two
-    requests on 0.92-1.08, no gain."""
-    return num_requests == 1
+GRID_AXES = "qrh"
 
 
 @triton.jit
@@ -111,17 +108,15 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     TMA: tl.constexpr,
-    Q_BLOCKS_OUTER: tl.constexpr,
+    Q_AXIS: tl.constexpr,
+    R_AXIS: tl.constexpr,
+    H_AXIS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     enter(PDL)
-    req = tl.program_id(1)
-    if Q_BLOCKS_OUTER:  # grid (heads, requests, q blocks): every head's longest blocks first
-        q_block_id = tl.num_programs(2) - 1 - tl.program_id(2)
-        head = tl.program_id(0)
-    else:  # grid (q blocks, requests, heads): each head's longest blocks first
-        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
-        head = tl.program_id(2)
+    q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
+    req = tl.program_id(R_AXIS)
+    head = tl.program_id(H_AXIS)
     kv_head = head // GROUP
     qo_start = tl.load(qo_indptr + req)
     num_new = tl.load(qo_indptr + req + 1) - qo_start
@@ -291,12 +286,14 @@ def extend_attention(
     if num_tokens == 0 or num_requests == 0:
         return out
     group = num_q_heads // k_cache.shape[1]
-    q_blocks = triton.cdiv(max_new_len, cfg["BLOCK_M"])
-    outer = cfg["Q_BLOCKS_OUTER"]
-    outer = q_blocks_outer(num_requests) if outer is None else bool(outer)
-    grid = (num_q_heads, num_requests, q_blocks)
-    if not outer:
-        grid = (q_blocks, num_requests, num_q_heads)
+    order = cfg["GRID_ORDER"]
+    if sorted(order) != sorted(GRID_AXES):
+        raise ValueError(
+            f"GRID_ORDER={order!r} must order the letters of {GRID_AXES!r} (q blocks, "
+            "requests, q heads), the fastest-varying axis first"
+        )
+    sizes = {"q": triton.cdiv(max_new_len, cfg["BLOCK_M"]), "r": num_requests, "h": num_q_heads}
+    grid = tuple(sizes[axis] for axis in order)
     # 2-byte elements only (measured in bf16): a float32 q tile through TMA would sit in
     # shared memory beside the pipelined K/V stages, about 224 KB at head_dim 128 against the
     # H200's 227 KB, so float32 keeps the pointer loads
@@ -337,7 +334,9 @@ def extend_attention(
         BLOCK_N=cfg["BLOCK_N"],
         HEAD_DIM=head_dim,
         TMA=tma,
-        Q_BLOCKS_OUTER=outer,
+        Q_AXIS=order.index("q"),
+        R_AXIS=order.index("r"),
+        H_AXIS=order.index("h"),
         **pdl.launch(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -211,11 +211,9 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
 
 
 def test_extend_grid_orders_give_the_same_outputs() -> None:
-    """The extend grid with the q blocks outermost (Q_BLOCKS_OUTER: every head's longest
-    blocks first) or innermost gives the same bits and matches the reference, on ragged
-    requests whose shorter ones own fewer q blocks than the grid has (those programs exit).
-    By default one request runs q blocks outermost, several innermost."""
-    assert triton_extend.q_blocks_outer(1) and not triton_extend.q_blocks_outer(3)
+    """Every order of the extend grid's axes (GRID_ORDER) gives the same bits and matches the
+    reference, on ragged requests whose shorter ones own fewer q blocks than the grid has
+    (those programs exit); an order that is not one of the axes' is refused."""
     prefix, new = [40, 0, 7], [70, 9, 33]
     dtype = DTYPES[-1]
     case = make_case("extend", prefix, new, 2, 4, 64, dtype, seed=29)
@@ -224,9 +222,9 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
     meta = TritonBackend(case.pool).plan(case.batch)
     case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
     case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
-    outs = {}
-    for outer in (False, True):
-        outs[outer] = torch.full_like(case.q, float("nan"))
+
+    def run(order: str) -> torch.Tensor:
+        out = torch.full_like(case.q, float("nan"))
         triton_extend.extend_attention(
             case.q,
             case.k,
@@ -237,13 +235,20 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
             meta.kv_indptr,
             meta.qo_indptr,
             meta.prefix_lens,
-            outs[outer],
+            out,
             meta.max_new_len,
             64**-0.5,
-            config={"Q_BLOCKS_OUTER": outer},
+            config={"GRID_ORDER": order},
         )
-    assert relative_error(outs[True], ref) < TOLERANCE[dtype]
-    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+        return out
+
+    outs = {order: run(order) for order in ("qrh", "hqr", "hrq", "rhq")}
+    assert relative_error(outs["hqr"], ref) < TOLERANCE[dtype]
+    for order, out in outs.items():
+        torch.testing.assert_close(out, outs["hqr"], rtol=0, atol=0, msg=order)
+    for bad in ("qr", "qrr", "qrhx"):
+        with pytest.raises(ValueError, match="GRID_ORDER"):
+            run(bad)
 
 
 @pytest.mark.parametrize("tma", [False, True])
