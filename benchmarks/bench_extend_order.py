@@ -1,0 +1,59 @@
+"""The extend kernel's grid in each order of its axes, at more shapes than bench_attention.py's.
+
+    python3 benchmarks/bench_extend_order.py
+
+The grid's axes are q blocks (q), requests (r) and q heads (h), the fastest-varying first
+(`EXTEND_CONFIG["GRID_ORDER"]`; q blocks always run from the longest). Each shape is timed
+as bench_attention.py times it (a CUDA graph of independent copies, >= 256 MB of KV, slots in
+random order, 32 q / 8 kv heads, head_dim 128, bf16), in all six orders one after the other,
+and printed against the order before the default ("qrh") and the default's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_attention import HKV, D, Problem, graph_time_us, ours_extend  # noqa: E402
+
+from engine.backends import triton_extend  # noqa: E402
+
+SHAPES = [  # (requests, cached prefix, new tokens a request)
+    (1, 0, 1024),
+    (1, 0, 4096),
+    (1, 2048, 512),
+    (1, 4096, 1024),
+    (2, 0, 2048),
+    (4, 0, 1024),
+    (4, 0, 2048),
+    (8, 0, 512),
+    (8, 0, 1024),
+    (16, 0, 512),
+    (8, 2048, 512),
+]
+ORDERS = ["".join(axes) for axes in itertools.permutations(triton_extend.GRID_AXES)]
+BEFORE = "qrh"
+
+
+def main() -> None:
+    default = triton_extend.EXTEND_CONFIG["GRID_ORDER"]
+    print(f"{torch.cuda.get_device_name()}, default order {default!r}; us, and / {BEFORE!r}")
+    print("\n| shape | " + " | ".join(ORDERS) + f" | {default} / {BEFORE} |")
+    print("|---|" + "---|" * (len(ORDERS) + 1))
+    for batch, prefix, new in SHAPES:
+        problem = Problem("extend", batch, prefix, new, batch * (prefix + new) * HKV * D * 2 * 2)
+        times = {o: graph_time_us(ours_extend(problem, {"GRID_ORDER": o})) for o in ORDERS}
+        cells = [f"{times[o]:.1f} ({times[o] / times[BEFORE]:.2f})" for o in ORDERS]
+        ratio = times[default] / times[BEFORE]
+        print(f"| B={batch} prefix={prefix} new={new} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+        del problem
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
