@@ -28,21 +28,15 @@ from engine.pdl import enter, leave
 # geometric mean over the extend shapes of its time against the best configuration at each.
 # TMA: the new tokens' q, K and V tiles come through tensor-memory descriptors (Hopper on,
 # bf16 and fp16: `tma_ready`), the cached prefix through kv_indices as before.
-# GRID_ORDER: the grid's axes from the fastest-varying, q blocks (q), requests (r), q heads
-# (h). "hqr": a request's q blocks in turn from its longest (causal: a block's work grows with
-# its index), each across every head at once (a kv head's q heads read its keys together).
-# Measured on an H200 against "qrh" (each head's blocks, longest first, heads in turn;
-# `bench_attention.py --extend`, docs/benchmarks.md): 0.78-0.98 of the time from one prompt of
-# 1024 new tokens to sixteen of 512, with a cached prefix 0.92-0.97. "hrq" (every request's
-# and head's longest blocks first) gained as much on one request but lost up to 1.10x on
-# several.
+# GRID_ORDER: the grid's axes from the fastest-varying, of q blocks (q), requests (r) and
+# q heads (h); None: `grid_order` chooses by the request count.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
     "num_warps": 4,
     "num_stages": 3,
     "TMA": True,
-    "GRID_ORDER": "hqr",
+    "GRID_ORDER": None,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -50,9 +44,21 @@ INTERPRETER_CONFIG = {
     "num_warps": 4,
     "num_stages": 1,
     "TMA": False,
-    "GRID_ORDER": "hqr",
+    "GRID_ORDER": None,
 }
 GRID_AXES = "qrh"
+
+
+def grid_order(num_requests: int) -> str:
+    """The extend grid's axis order: "hqr" for one request, "qrh" for several. Q blocks run
+    from the longest (causal: a block's work grows with its index). In "qrh" a head's blocks
+    run together and the heads in turn, so with one request the last head's longest block
+    starts last and ends the pass alone; "hqr" runs each block across every head at once.
+    Measured on an H200 (`bench_extend_order.py`, docs/benchmarks.md): with one request
+    (1024-4096 new tokens, with or without a cached prefix) "hqr" took 0.77-0.95 of the time
+    in every run; with 2-16 requests no order won in every run (0.91-1.08 against "qrh"), so
+    they keep "qrh"."""
+    return "hqr" if num_requests == 1 else "qrh"
 
 
 @triton.jit
@@ -286,7 +292,7 @@ def extend_attention(
     if num_tokens == 0 or num_requests == 0:
         return out
     group = num_q_heads // k_cache.shape[1]
-    order = cfg["GRID_ORDER"]
+    order = cfg["GRID_ORDER"] or grid_order(num_requests)
     if sorted(order) != sorted(GRID_AXES):
         raise ValueError(
             f"GRID_ORDER={order!r} must order the letters of {GRID_AXES!r} (q blocks, "

@@ -213,7 +213,9 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
 def test_extend_grid_orders_give_the_same_outputs() -> None:
     """Every order of the extend grid's axes (GRID_ORDER) gives the same bits and matches the
     reference, on ragged requests whose shorter ones own fewer q blocks than the grid has
-    (those programs exit); an order that is not one of the axes' is refused."""
+    (those programs exit); an order that is not one of the axes' is refused. By default one
+    request runs "hqr", several "qrh"."""
+    assert triton_extend.grid_order(1) == "hqr" and triton_extend.grid_order(3) == "qrh"
     prefix, new = [40, 0, 7], [70, 9, 33]
     dtype = DTYPES[-1]
     case = make_case("extend", prefix, new, 2, 4, 64, dtype, seed=29)
