@@ -164,6 +164,37 @@ def test_rejects_unsupported_head_dim() -> None:
         backend.forward(0, bad_q, case.k, case.v, metadata)
 
 
+def _extend_direct(case):
+    """(the reference output, and a function running the extend kernel itself on q, k, v
+    with a config into a NaN-filled output) for an extend case, its new K/V in the pool."""
+    ref_backend = TorchBackend(clone_pool(case.pool))
+    ref = ref_backend.forward(0, case.q, case.k, case.v, ref_backend.plan(case.batch))
+    meta = TritonBackend(case.pool).plan(case.batch)
+    case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
+    case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
+
+    def run(q, k, v, config: dict) -> torch.Tensor:
+        out = torch.full_like(case.q, float("nan"))
+        triton_extend.extend_attention(
+            q,
+            k,
+            v,
+            case.pool.k_cache[0],
+            case.pool.v_cache[0],
+            meta.kv_indices,
+            meta.kv_indptr,
+            meta.qo_indptr,
+            meta.prefix_lens,
+            out,
+            meta.max_new_len,
+            q.shape[-1] ** -0.5,
+            config=config,
+        )
+        return out
+
+    return ref, run
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="tensor-memory loads need a Hopper GPU")
 @pytest.mark.parametrize("sliced", [False, True])
 def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
@@ -183,29 +214,8 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
         assert not q.is_contiguous()
     if not triton_extend.tma_ready(q, k, v):
         pytest.skip("this GPU has no tensor-memory loads")
-    ref_backend = TorchBackend(clone_pool(case.pool))
-    ref = ref_backend.forward(0, case.q, case.k, case.v, ref_backend.plan(case.batch))
-    meta = TritonBackend(case.pool).plan(case.batch)
-    case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
-    case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
-    outs = {}
-    for tma in (False, True):
-        outs[tma] = torch.full_like(case.q, float("nan"))
-        triton_extend.extend_attention(
-            q,
-            k,
-            v,
-            case.pool.k_cache[0],
-            case.pool.v_cache[0],
-            meta.kv_indices,
-            meta.kv_indptr,
-            meta.qo_indptr,
-            meta.prefix_lens,
-            outs[tma],
-            meta.max_new_len,
-            128**-0.5,
-            config={"TMA": tma},
-        )
+    ref, run = _extend_direct(case)
+    outs = {tma: run(q, k, v, {"TMA": tma}) for tma in (False, True)}
     assert relative_error(outs[True], ref) < TOLERANCE[DTYPES[-1]]
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
@@ -216,41 +226,16 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
     (those programs exit); an order that is not one of the axes' is refused. By default one
     request runs "hqr", several "qrh"."""
     assert triton_extend.grid_order(1) == "hqr" and triton_extend.grid_order(3) == "qrh"
-    prefix, new = [40, 0, 7], [70, 9, 33]
     dtype = DTYPES[-1]
-    case = make_case("extend", prefix, new, 2, 4, 64, dtype, seed=29)
-    ref_backend = TorchBackend(clone_pool(case.pool))
-    ref = ref_backend.forward(0, case.q, case.k, case.v, ref_backend.plan(case.batch))
-    meta = TritonBackend(case.pool).plan(case.batch)
-    case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
-    case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
-
-    def run(order: str) -> torch.Tensor:
-        out = torch.full_like(case.q, float("nan"))
-        triton_extend.extend_attention(
-            case.q,
-            case.k,
-            case.v,
-            case.pool.k_cache[0],
-            case.pool.v_cache[0],
-            meta.kv_indices,
-            meta.kv_indptr,
-            meta.qo_indptr,
-            meta.prefix_lens,
-            out,
-            meta.max_new_len,
-            64**-0.5,
-            config={"GRID_ORDER": order},
-        )
-        return out
-
-    outs = {order: run(order) for order in ("qrh", "hqr", "hrq", "rhq")}
+    case = make_case("extend", [40, 0, 7], [70, 9, 33], 2, 4, 64, dtype, seed=29)
+    ref, run = _extend_direct(case)
+    outs = {o: run(case.q, case.k, case.v, {"GRID_ORDER": o}) for o in ("qrh", "hqr", "rhq")}
     assert relative_error(outs["hqr"], ref) < TOLERANCE[dtype]
     for order, out in outs.items():
         torch.testing.assert_close(out, outs["hqr"], rtol=0, atol=0, msg=order)
     for bad in ("qr", "qrr", "qrhx"):
         with pytest.raises(ValueError, match="GRID_ORDER"):
-            run(bad)
+            run(case.q, case.k, case.v, {"GRID_ORDER": bad})
 
 
 @pytest.mark.parametrize("tma", [False, True])
