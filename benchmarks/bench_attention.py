@@ -65,8 +65,8 @@ EXTEND_SWEEP = [
     {"TMA": False},
     {"TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
-] + [  # the grid's axis order (EXTEND_CONFIG's GRID_ORDER: "hqr")
-    {"GRID_ORDER": order} for order in ("qrh", "hrq", "qhr", "rqh", "rhq")
+] + [  # the grid's axis orders (by default `triton_extend.grid_order` chooses one)
+    {"GRID_ORDER": order} for order in ("qrh", "hqr", "hrq", "qhr", "rqh", "rhq")
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads
