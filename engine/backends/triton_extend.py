@@ -54,10 +54,11 @@ def grid_order(num_requests: int) -> str:
     from the longest (causal: a block's work grows with its index). In "qrh" a head's blocks
     run together and the heads in turn, so with one request the last head's longest block
     starts last and ends the pass alone; "hqr" runs each block across every head at once.
-    Measured on an H200 (`bench_extend_order.py`, docs/benchmarks.md): with one request
-    (1024-4096 new tokens, with or without a cached prefix) "hqr" took 0.77-0.95 of the time
-    in every run; with 2-16 requests no order won in every run (0.91-1.08 against "qrh"), so
-    they keep "qrh"."""
+    Measured on an H200 (`bench_extend_order.py`, docs/benchmarks.md), four runs: with one
+    request (1024-4096 new tokens, with or without a cached prefix) "hqr" took 0.77-0.95 of
+    "qrh"'s time, but for one run's 4096-token prompt, where "qrh" read 289 us against
+    310-317 (1.03); with 2-16 requests no order won in every run (0.91-1.08 against "qrh"),
+    so they keep "qrh"."""
     return "hqr" if num_requests == 1 else "qrh"
 
 
