@@ -189,10 +189,10 @@ def gpu_main(args: argparse.Namespace) -> list[tuple]:
     """The engine as configured by default beside the same engine with `launch_ahead` off
     (the A/B of launching each decode pass before the last one's tokens are read), or with
     `--baseline pdl-off`, with programmatic dependent launch off (`engine.pdl`; `--pdl`:
-    the mode of the engine measured). The
-    floor of a decode step: its weight and KV bytes over the copy bandwidth; end to end: the
-    floor of every decode step over the wall clock of the whole group, prefill included;
-    and the roofline floor: that plus the prefill's products at the measured dense peak."""
+    the mode of the engine measured). The floor of a decode step: its weight and KV bytes
+    over the copy bandwidth; end to end: the floor of every decode step over the wall clock
+    of the whole group, prefill included; and the roofline floor: that plus the prefill's
+    products at the measured dense peak."""
     bandwidth = copy_bandwidth("cuda")
     peak = matmul_peak("cuda")
     if args.baseline == "pdl-off":

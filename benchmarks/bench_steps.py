@@ -142,6 +142,9 @@ def main() -> None:
     args = parser.parse_args()
     nodes = args.draft_budget + 1
     settings = args.pdl.split(",")
+    unknown = sorted(set(settings) - set(pdl.MODES))
+    if unknown:  # before any engine is built
+        parser.error(f"--pdl: unknown mode(s) {unknown}; the modes are {sorted(pdl.MODES)}")
     results = {}  # PDL mode -> [(batch, forward decode, verify, replay decode, verify)]
     for on in settings:
         with pdl.using(on):

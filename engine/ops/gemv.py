@@ -309,25 +309,23 @@ def _check(x: torch.Tensor, weight: torch.Tensor, k: int, what: str) -> None:
 
 def _pdl_params(weight: torch.Tensor) -> dict:
     """The launch's PDL arguments (`pdl.launch`) and, with PDL, its weight prefetch."""
-    mode = pdl.mode(weight.device)
-    if not mode:
-        return _NO_PREFETCH
-    return _prefetch(tuple(weight.shape), weight.element_size(), mode)
+    launch = pdl.launch(weight.device)
+    if not launch["PDL"]:
+        return {**launch, **_NO_PREFETCH}
+    return {**launch, **_prefetch(tuple(weight.shape), weight.element_size())}
 
 
-_NO_PREFETCH = {"PDL": 0, "PREFETCH_K": 0, "LINE": 1}
+_NO_PREFETCH = {"PREFETCH_K": 0, "LINE": 1}
 
 
 @functools.lru_cache(maxsize=256)
-def _prefetch(shape: tuple[int, int], element_size: int, mode: int) -> dict:
-    """PDL launch arguments for a weight of `shape` in PDL mode `mode`: the first PREFETCH_K
-    columns of each row prefetched before the wait (a power of two, at most PREFETCH_BYTES
-    in all)."""
+def _prefetch(shape: tuple[int, int], element_size: int) -> dict:
+    """The prefetch arguments for a weight of `shape`: the first PREFETCH_K columns of each
+    row prefetched before the wait (a power of two, at most PREFETCH_BYTES in all)."""
     (n, k), line = shape, pdl.LINE_BYTES // element_size
     budget = max(PREFETCH_BYTES // (n * element_size), 1)
     cols = min(triton.next_power_of_2(k), 1 << budget.bit_length() - 1)
-    prefetch_k = cols if cols >= line else 0
-    return {"PDL": mode, "launch_pdl": True, "PREFETCH_K": prefetch_k, "LINE": line}
+    return {"PREFETCH_K": cols if cols >= line else 0, "LINE": line}
 
 
 def _launch(
