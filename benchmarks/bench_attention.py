@@ -3,8 +3,8 @@
 Shapes: 32 q / 8 kv heads, head_dim 128, bf16. Each time is one problem's share of a CUDA-graph
 replay that runs enough independent copies of it (>= 256 MB of KV in all) to keep L2 cold;
 median of the replays after warm-up. "eager" is one launch timed by do_bench (L2 flushed).
-Run: python3 benchmarks/bench_attention.py [--quick | --decode | --fused-merge | --extend |
---extend-grid | --split-grid]
+Run: python3 benchmarks/bench_attention.py [--quick | --decode | --fused-merge | --pdl |
+--extend | --extend-grid | --split-grid]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.nn.functional as F  # noqa: N812
 import triton
 from torch.nn.attention.bias import causal_lower_right
 
+from engine import pdl
 from engine.backends import KVPool, triton_decode, triton_extend, triton_index, triton_merge
 from engine.backends.torch_backend import build_kv_indices
 from engine.backends.triton_backend import TritonBackend
@@ -375,6 +376,31 @@ def fused_merge_table(ceiling: float) -> None:
             torch.cuda.empty_cache()
 
 
+def pdl_table(ceiling: float) -> None:
+    """Decode and verify at each of their shapes with PDL off and in each mode, at the plan's
+    split count: consecutive copies overlap as consecutive kernels of a pass would."""
+    print(f"\nPDL modes (fraction of the copy ceiling, {ceiling:.0f} GB/s)")
+    print("| kind | shape | splits | off us | " + " | ".join(pdl.MODES) + " | best / off |")
+    print("|" + "---|" * (len(pdl.MODES) + 5))
+    for mode, shapes in (("decode", DECODE + FEW_SPLITS), ("verify", VERIFY)):
+        for batch, length in shapes:
+            p, _, _, nbytes = decode_like_problem(mode, batch, length)
+            times = []
+            for setting in pdl.MODES:
+                with pdl.using(setting):
+                    times.append(graph_time_us(ours_decode(p)))
+            frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+            print(
+                f"| {mode} | B={batch} L={length} | {p.metas[0].extra['num_splits']} | "
+                f"{times[0]:.1f} | "
+                + " | ".join(f"{frac(t):.2f}" for t in times)
+                + f" | {min(times) / times[0]:.2f} |",
+                flush=True,
+            )
+            del p
+            torch.cuda.empty_cache()
+
+
 def extend_rows(quick: bool, sweep: list | None = None) -> list:
     rows = []
     for batch, prefix, new in EXTEND:
@@ -620,6 +646,11 @@ def main() -> None:
         help="only decode and verify: the merge fused into the split kernel against two launches",
     )
     parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="only decode and verify, with PDL off and in each mode",
+    )
+    parser.add_argument(
         "--extend-grid",
         action="store_true",
         help="only extend, timed at every configuration of EXTEND_GRID against SDPA",
@@ -635,6 +666,9 @@ def main() -> None:
         return
     if args.fused_merge:
         fused_merge_table(ceiling)
+        return
+    if args.pdl:
+        pdl_table(ceiling)
         return
     if args.extend:
         print_table(extend_rows(False), ceiling)

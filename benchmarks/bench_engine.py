@@ -282,9 +282,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--pdl",
-        choices=sorted(pdl.MODES),
-        default="off",
-        help="GPU: the programmatic dependent launch mode of the engine measured",
+        choices=sorted(pdl.SETTINGS),
+        default="auto",
+        help="GPU: the programmatic dependent launch setting of the engine measured",
     )
     args = parser.parse_args()
     if args.device == "cpu":

@@ -5,9 +5,9 @@ tokens/s that speculation gives as a function of the accepted length per step.
     python benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 --batches 1 --profile
 
 "forward" is `ModelRunner.forward` (plan + replay) one at a time; "replay" is the device's
-time a pass, planned once and replayed back to back. `--pdl off,late` times the passes in
-each programmatic dependent launch mode named (`engine.pdl`), one after the other in one
-process.
+time a pass, planned once and replayed back to back. `--pdl off,auto,late` times the passes
+under each programmatic dependent launch setting named (`engine.pdl`: `auto`, the engine's
+default, chooses per pass), one after the other in one process.
 """
 
 from __future__ import annotations
@@ -136,16 +136,16 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64", help="batch sizes, comma-separated")
     parser.add_argument(
         "--pdl",
-        default="off",
-        help=f"programmatic dependent launch modes, comma-separated, of {sorted(pdl.MODES)}",
+        default="auto",
+        help=f"programmatic dependent launch settings, comma-separated, of {sorted(pdl.SETTINGS)}",
     )
     args = parser.parse_args()
     nodes = args.draft_budget + 1
     settings = args.pdl.split(",")
-    unknown = sorted(set(settings) - set(pdl.MODES))
+    unknown = sorted(set(settings) - set(pdl.SETTINGS))
     if unknown:  # before any engine is built
-        parser.error(f"--pdl: unknown mode(s) {unknown}; the modes are {sorted(pdl.MODES)}")
-    results = {}  # PDL mode -> [(batch, forward decode, verify, replay decode, verify)]
+        parser.error(f"--pdl: unknown setting(s) {unknown}; they are {sorted(pdl.SETTINGS)}")
+    results = {}  # PDL setting -> [(batch, forward decode, verify, replay decode, verify)]
     for on in settings:
         with pdl.using(on):
             engine = Engine(

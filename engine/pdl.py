@@ -11,12 +11,15 @@ programs end. A kernel that skips `enter` must never be launched with PDL, so `l
 gives the constexpr and the launch option together, and tests/test_pdl.py checks every
 kernel of the package for the call and every launch for the options.
 
-Off by default: on an H200 (`bench_steps.py --pdl off,top,late,exit`, docs/benchmarks.md)
-every mode made a batch-1 decode pass of random Llama-3-8B 4-9% slower (cuBLAS's products
-sit between the package's kernels there) and `top` the default model's verify pass 19%
-slower, while its one-row decode pass, all of whose kernels are the package's, ran 17%
-faster. `ENGINE_PDL=<mode>` sets a process's mode, `using(mode)` a block's (a
-CUDA graph keeps the launches it captured), so benchmarks compare the modes in one run.
+By default (`auto`) only one kind of pass uses it: a one-row decode pass whose products all
+run in the package's one-row kernel (`for_pass`), in mode `top`. On an H200
+(`bench_steps.py --pdl off,top,late,exit`, docs/benchmarks.md) that pass of the default
+model ran 17-18% faster with `top`, while every mode made a batch-1 decode pass of random
+Llama-3-8B 4-9% slower (cuBLAS's products sit between the package's kernels there), `top`
+the default model's verify pass 19% slower and its four-row decode pass 12% slower.
+`ENGINE_PDL=<setting>` sets a process's setting (`auto` or one mode for every launch),
+`using(setting)` a block's (a CUDA graph keeps the launches it captured), so benchmarks
+compare them in one run.
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ LINE_BYTES = 128  # an L2 line: one prefetch each
 MODES = {"off": 0, "top": 1, "late": 2, "exit": 3}  # the kernels' PDL constexpr
 
 
-def _mode(name: str, source: str) -> int:
-    if name not in MODES:
-        raise ValueError(f"{source} must be one of {sorted(MODES)}; got {name!r}")
-    return MODES[name]
+SETTINGS = ("auto", *MODES)  # auto: `for_pass` chooses a pass's mode, off elsewhere
 
 
-_state = {"mode": _mode(os.environ.get("ENGINE_PDL", "off"), "ENGINE_PDL")}
+def _setting(name: str, source: str) -> str:
+    if name not in SETTINGS:
+        raise ValueError(f"{source} must be one of {sorted(SETTINGS)}; got {name!r}")
+    return name
+
+
+_state = {"setting": _setting(os.environ.get("ENGINE_PDL", "auto"), "ENGINE_PDL")}
 
 
 @functools.cache
@@ -50,8 +56,20 @@ def _capable(device: torch.device) -> bool:
 
 
 def mode(device: torch.device) -> int:
-    """The PDL constexpr of a launch on `device` now (0: launched without PDL)."""
-    return _state["mode"] if _state["mode"] and _capable(device) else 0
+    """The PDL constexpr of a launch on `device` now (0: launched without PDL; `auto`
+    outside a pass that chose a mode)."""
+    on = MODES.get(_state["setting"], 0)
+    return on if on and _capable(device) else 0
+
+
+def for_pass(one_row_products: bool) -> str:
+    """The setting a pass runs under: the process's where it names a mode; under `auto`,
+    `top` for a one-row decode pass whose products all run in the package's one-row kernel
+    (`one_row_products`: the pass is then the package's kernels but for the embedding
+    lookup), else off."""
+    if _state["setting"] != "auto":
+        return _state["setting"]
+    return "top" if one_row_products else "off"
 
 
 def launch(device: torch.device) -> dict:
@@ -63,13 +81,13 @@ def launch(device: torch.device) -> dict:
 
 @contextlib.contextmanager
 def using(name: str) -> Iterator[None]:
-    """Launches in this block run in PDL mode `name` (one of MODES)."""
-    before = _state["mode"]
-    _state["mode"] = _mode(name, "the PDL mode")
+    """Launches in this block run under PDL setting `name` (one of SETTINGS)."""
+    before = _state["setting"]
+    _state["setting"] = _setting(name, "the PDL setting")
     try:
         yield
     finally:
-        _state["mode"] = before
+        _state["setting"] = before
 
 
 @triton.jit

@@ -7,6 +7,10 @@ logits, bit for bit, with it and without."""
 from __future__ import annotations
 
 import ast
+import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,6 +135,30 @@ def test_launch_options_by_mode_and_device():
                 on = {"PDL": value, "launch_pdl": True} if hopper and value else {"PDL": 0}
                 assert pdl.launch(torch.device("cuda", 0)) == on
     assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
+
+
+def test_a_pass_runs_under_auto_only_when_all_its_products_are_one_row_kernels():
+    with pdl.using("auto"):
+        assert (pdl.for_pass(True), pdl.for_pass(False)) == ("top", "off")
+        assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
+        if torch.cuda.is_available():  # outside a pass that chose a mode: off
+            assert pdl.launch(torch.device("cuda", 0)) == {"PDL": 0}
+    for name in pdl.MODES:  # a mode set for the process holds in every pass
+        with pdl.using(name):
+            assert (pdl.for_pass(True), pdl.for_pass(False)) == (name, name)
+
+
+def test_the_process_setting_is_auto_unless_engine_pdl_names_one():
+    read = "from engine import pdl; print(pdl._state['setting'])"
+    env = {k: v for k, v in os.environ.items() if k != "ENGINE_PDL"}
+    run = functools.partial(subprocess.run, capture_output=True, text=True, check=False)
+    assert run([sys.executable, "-c", read], env=env).stdout.strip() == "auto"
+    assert (
+        run([sys.executable, "-c", read], env={**env, "ENGINE_PDL": "late"}).stdout.strip()
+        == "late"
+    )
+    refused = run([sys.executable, "-c", read], env={**env, "ENGINE_PDL": "on"})
+    assert refused.returncode != 0 and "ENGINE_PDL must be one of ['auto'" in refused.stderr
 
 
 def test_an_unknown_mode_is_refused_naming_the_modes():

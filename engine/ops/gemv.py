@@ -486,6 +486,12 @@ def rows_config(columns: int, num_sms: int) -> dict:
     )
 
 
+def one_row_kernel_takes(weight_shape: tuple[int, ...]) -> bool:
+    """Whether a one-row product with a weight of `weight_shape` (N, K) runs in the kernel
+    on CUDA (`linear_config`): up to MAX_WEIGHT_ELEMENTS elements."""
+    return weight_shape[0] * weight_shape[1] <= MAX_WEIGHT_ELEMENTS
+
+
 @functools.lru_cache(maxsize=1024)
 def linear_config(
     rows: int, dtype: torch.dtype, weight_shape: tuple[int, int], num_sms: int
@@ -496,7 +502,7 @@ def linear_config(
     to MAX_ROWS rows with weights up to ROWS_MAX_WEIGHT_ELEMENTS. Cached (every product of
     a pass asks); the caller must not change the dict."""
     elements = weight_shape[0] * weight_shape[1]
-    if rows == LINEAR_ROWS and elements <= MAX_WEIGHT_ELEMENTS:
+    if rows == LINEAR_ROWS and one_row_kernel_takes(weight_shape):
         programs = triton.cdiv(weight_shape[0], GEMV_CONFIG["BLOCK_N"])
         stages = _loop_stages(GEMV_CONFIG["LOOP_STAGES"], programs, num_sms)
         return dict(GEMV_CONFIG, LOOP_STAGES=stages)

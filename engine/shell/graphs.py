@@ -5,6 +5,7 @@ sharing one memory pool and one set of static backend buffers. Before each repla
 plans into those buffers (outside the graph) and the inputs are copied into static tensors;
 padding requests own nothing and padding tokens write K/V to the padding slot. On a machine
 without CUDA the same static path runs eagerly (`capture=False`), so it is tested on CPU.
+Each graph's launches run under the PDL setting `pdl.for_pass` gives its pass.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 import numpy as np
 import torch
 
+from engine import pdl
+from engine.ops.gemv import LINEAR_ROWS, one_row_kernel_takes
 from engine.state import (
     PADDING_SLOT,
     Batch,
@@ -70,6 +73,7 @@ class GraphRunner:
             max_batch, max_tokens, max_batch * max_context, max_tree_nodes=max(self.per_request, 1)
         )
         self.graphs = {size: _Graph(size, size * self.per_request, device) for size in self.sizes}
+        self.pdl = {size: pdl.for_pass(self._one_row_products(size)) for size in self.sizes}
         # Capture allocates from torch's caching allocator; without it (as under memcheck with
         # PYTORCH_NO_CUDA_MEMORY_CACHING=1) the same static path runs uncaptured.
         self.capture = (
@@ -95,9 +99,20 @@ class GraphRunner:
             and batch.new_lens.max <= self.per_request
         )
 
+    def _one_row_products(self, size: int) -> bool:
+        """Whether a pass of `size` requests is a decode pass of one row and every matrix of
+        the model (the embedding too: tied, it is the output layer's) fits the one-row
+        kernel."""
+        if self.mode != Mode.DECODE or size != LINEAR_ROWS:
+            return False
+        return all(
+            one_row_kernel_takes(tuple(w.shape)) for w in self.model.parameters() if w.dim() == 2
+        )
+
     def _forward(self, graph: _Graph, metadata: object) -> torch.Tensor:
-        hidden = self.model(graph.input_ids, graph.positions, metadata, self.backend)
-        return self.model.logits(hidden)
+        with pdl.using(self.pdl[graph.batch_size]):
+            hidden = self.model(graph.input_ids, graph.positions, metadata, self.backend)
+            return self.model.logits(hidden)
 
     def _plan(self, graph: _Graph, batch: Batch) -> object:
         return self.backend.plan(

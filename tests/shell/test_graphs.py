@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import pdl
+from engine.ops import gemv
 from engine.shell.engine import Engine
 from engine.shell.graphs import GraphRunner, default_batch_sizes
 from engine.state import Mode, SamplingParams
@@ -67,6 +69,51 @@ def test_batch_sizes_cover_every_batch_up_to_the_maximum():
     assert default_batch_sizes(1) == [1]
     assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert default_batch_sizes(64)[-1] == 64
+
+
+def test_each_graph_runs_under_the_pdl_setting_of_its_pass(monkeypatch):
+    """Under `auto`, only the one-row decode pass of a model whose matrices all fit the
+    one-row kernel runs with PDL (`top`); a mode set for the process applies to every pass."""
+    runner = _engine().runner
+
+    def settings(mode: Mode) -> dict:
+        graphs = GraphRunner(runner.model, runner.backend, mode, 4, 3, capture=False)
+        return graphs.pdl
+
+    with pdl.using("auto"):
+        assert settings(Mode.DECODE) == {1: "top", 2: "off", 4: "off"}
+        assert settings(Mode.VERIFY) == {1: "off", 2: "off", 4: "off"}
+        largest = max(w.numel() for w in runner.model.parameters() if w.dim() == 2)
+        monkeypatch.setattr(gemv, "MAX_WEIGHT_ELEMENTS", largest - 1)  # one goes to cuBLAS
+        assert settings(Mode.DECODE) == {1: "off", 2: "off", 4: "off"}
+    with pdl.using("late"):
+        assert settings(Mode.DECODE) == {1: "late", 2: "late", 4: "late"}
+        assert settings(Mode.VERIFY) == {1: "late", 2: "late", 4: "late"}
+
+
+def test_a_graph_pass_launches_under_its_setting(monkeypatch):
+    """The static path's forward runs under the setting chosen for its batch size; the
+    eager (extend) passes under the process's. Uncaptured, so that each pass runs the
+    forward (a captured graph keeps the launches of its capture)."""
+    engine = _engine()
+    runner = engine.runner
+    graphs = GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=False)
+    runner.graphs = [graphs]
+    graphs.pdl = {size: "late" if size == 1 else "exit" for size in graphs.sizes}
+    seen = []
+    model_forward = graphs.model.forward
+
+    def forward(input_ids, *args, **kwargs):
+        seen.append((input_ids.shape[0], pdl._state["setting"]))
+        return model_forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(graphs.model, "forward", forward)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.generate(_prompts(1), params)
+    engine.generate(_prompts(3), params)
+    by_setting = {name: {tokens for tokens, s in seen if s == name} for _, name in seen}
+    assert by_setting["late"] == {1} and by_setting["exit"] == {4}  # 3 requests padded to 4
+    assert set(by_setting) == {"late", "exit", "auto"}
 
 
 @pytest.mark.parametrize("speculative", [False, True])
