@@ -56,8 +56,8 @@ def _capable(device: torch.device) -> bool:
 
 
 def mode(device: torch.device) -> int:
-    """The PDL constexpr of a launch on `device` now (0: launched without PDL; `auto`
-    outside a pass that chose a mode)."""
+    """The PDL constexpr of a launch on `device` now (0: launched without PDL, as under
+    `auto` outside a pass that chose a mode)."""
     on = MODES.get(_state["setting"], 0)
     return on if on and _capable(device) else 0
 
@@ -65,8 +65,7 @@ def mode(device: torch.device) -> int:
 def for_pass(one_row_products: bool) -> str:
     """The setting a pass runs under: the process's where it names a mode; under `auto`,
     `top` for a one-row decode pass whose products all run in the package's one-row kernel
-    (`one_row_products`: the pass is then the package's kernels but for the embedding
-    lookup), else off."""
+    (`one_row_products`), else off."""
     if _state["setting"] != "auto":
         return _state["setting"]
     return "top" if one_row_products else "off"
