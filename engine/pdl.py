@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -57,9 +58,26 @@ def _capable(device: torch.device) -> bool:
 
 def mode(device: torch.device) -> int:
     """The PDL constexpr of a launch on `device` now (0: launched without PDL, as under
-    `auto` outside a pass that chose a mode)."""
+    `auto` outside a pass that chose a mode). A mode ENGINE_PDL names, on a device without
+    PDL, is warned of once per device."""
     on = MODES.get(_state["setting"], 0)
-    return on if on and _capable(device) else 0
+    if not on:
+        return 0
+    if _capable(device):
+        return on
+    if _state["setting"] == os.environ.get("ENGINE_PDL"):
+        _warn_unavailable(str(device), _state["setting"])
+    return 0
+
+
+@functools.cache
+def _warn_unavailable(device: str, setting: str) -> None:
+    warnings.warn(
+        f"ENGINE_PDL={setting}: programmatic dependent launch needs a CUDA device of compute "
+        f"capability 9.0 or newer; launches on {device} run without it",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def for_pass(one_row_products: bool) -> str:

@@ -161,6 +161,25 @@ def test_the_process_setting_is_auto_unless_engine_pdl_names_one():
     assert refused.returncode != 0 and "ENGINE_PDL must be one of ['auto'" in refused.stderr
 
 
+def test_a_mode_named_for_a_device_without_pdl_is_warned_of_once():
+    launch_twice = (
+        "import torch; from engine import pdl; "
+        "print(pdl.launch(torch.device('cpu')), pdl.launch(torch.device('cpu')))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ENGINE_PDL"}
+    for setting, warned in (("top", 1), ("off", 0), ("auto", 0)):
+        done = subprocess.run(
+            [sys.executable, "-c", launch_twice],
+            env={**env, "ENGINE_PDL": setting},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert done.stdout.strip() == "{'PDL': 0} {'PDL': 0}"
+        assert done.stderr.count("ENGINE_PDL=") == warned, done.stderr
+        assert warned == ("capability 9.0 or newer; launches on cpu run without it" in done.stderr)
+
+
 def test_an_unknown_mode_is_refused_naming_the_modes():
     with pytest.raises(ValueError, match="one of .*'late'.*got 'fast'"):
         with pdl.using("fast"):
