@@ -48,7 +48,8 @@ def _setting(name: str, source: str) -> str:
     return name
 
 
-_state = {"setting": _setting(os.environ.get("ENGINE_PDL", "auto"), "ENGINE_PDL")}
+_NAMED = os.environ.get("ENGINE_PDL")  # the process's setting as ENGINE_PDL names it, if it does
+_state = {"setting": _setting(_NAMED or "auto", "ENGINE_PDL")}
 
 
 @functools.cache
@@ -65,7 +66,7 @@ def mode(device: torch.device) -> int:
         return 0
     if _capable(device):
         return on
-    if _state["setting"] == os.environ.get("ENGINE_PDL"):
+    if _state["setting"] == _NAMED:
         _warn_unavailable(str(device), _state["setting"])
     return 0
 

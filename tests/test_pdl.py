@@ -7,7 +7,6 @@ logits, bit for bit, with it and without."""
 from __future__ import annotations
 
 import ast
-import functools
 import os
 import subprocess
 import sys
@@ -148,16 +147,19 @@ def test_a_pass_runs_under_auto_only_when_all_its_products_are_one_row_kernels()
             assert (pdl.for_pass(True), pdl.for_pass(False)) == (name, name)
 
 
+def _python(code: str, setting: str | None) -> subprocess.CompletedProcess:
+    """`code` run by a fresh interpreter with ENGINE_PDL=`setting` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "ENGINE_PDL"}
+    if setting is not None:
+        env["ENGINE_PDL"] = setting
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
 def test_the_process_setting_is_auto_unless_engine_pdl_names_one():
     read = "from engine import pdl; print(pdl._state['setting'])"
-    env = {k: v for k, v in os.environ.items() if k != "ENGINE_PDL"}
-    run = functools.partial(subprocess.run, capture_output=True, text=True, check=False)
-    assert run([sys.executable, "-c", read], env=env).stdout.strip() == "auto"
-    assert (
-        run([sys.executable, "-c", read], env={**env, "ENGINE_PDL": "late"}).stdout.strip()
-        == "late"
-    )
-    refused = run([sys.executable, "-c", read], env={**env, "ENGINE_PDL": "on"})
+    assert _python(read, None).stdout.strip() == "auto"
+    assert _python(read, "late").stdout.strip() == "late"
+    refused = _python(read, "on")
     assert refused.returncode != 0 and "ENGINE_PDL must be one of ['auto'" in refused.stderr
 
 
@@ -166,15 +168,9 @@ def test_a_mode_named_for_a_device_without_pdl_is_warned_of_once():
         "import torch; from engine import pdl; "
         "print(pdl.launch(torch.device('cpu')), pdl.launch(torch.device('cpu')))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "ENGINE_PDL"}
     for setting, warned in (("top", 1), ("off", 0), ("auto", 0)):
-        done = subprocess.run(
-            [sys.executable, "-c", launch_twice],
-            env={**env, "ENGINE_PDL": setting},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        done = _python(launch_twice, setting)
+        assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "{'PDL': 0} {'PDL': 0}"
         assert done.stderr.count("ENGINE_PDL=") == warned, done.stderr
         assert warned == ("capability 9.0 or newer; launches on cpu run without it" in done.stderr)
