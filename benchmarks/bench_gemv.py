@@ -84,7 +84,7 @@ def configs(rows: int):
         space = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))
         limit, all_rows = 16384, False
     else:
-        space = itertools.product((2, 4, 8, 16), (32, 64, 128), (4, 8), (2, 3, 4))
+        space = itertools.product((2, 4, 8, 16), (32, 64, 128), (4, 8), (2, 3, 4, 8))
         limit, all_rows = 1024, True
     for bn, bk, warps, stages in space:  # stages: key steps in flight (LOOP_STAGES)
         if bn * bk <= limit:
@@ -180,7 +180,7 @@ def silu_after(shapes: dict, dtype: torch.dtype, rows_list: list[int], sms: int)
         def apart(x, w):
             return fused_ops.silu_mul(fused_ops.linear(x, w))
 
-        one_config = gemv.rows_config(n // 2, sms)
+        one_config = gemv.rows_config(n // 2, sms, silu_mul=True)
 
         def one(x, w, c=one_config):
             return gemv.gemv_silu(x, w, c)
@@ -202,7 +202,7 @@ def silu_after(shapes: dict, dtype: torch.dtype, rows_list: list[int], sms: int)
 def compare_loop_stages(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> None:
     """The launch `linear_config` picks, at each LOOP_STAGES (key steps in flight)."""
     sms = torch.cuda.get_device_properties().multi_processor_count
-    stages = (1, 2, 3, 4)
+    stages = (1, 2, 3, 4, 6, 8, 12)
     print(f"\n| shape | rows | cuBLAS us | {' | '.join(f'LOOP_STAGES={s} us' for s in stages)} |")
     print("|---|---|---|" + "---|" * len(stages))
     for name, (n, k) in shapes.items():

@@ -32,19 +32,22 @@ MAX_WEIGHT_ELEMENTS = 32 * 2**20
 # float32 products of 2..MAX_ROWS rows (a small model's verify pass: 13) go to the all-rows
 # kernel up to ROWS_MAX_WEIGHT_ELEMENTS: cuBLAS runs them on SIMT tiles with a split-K reduce.
 # On the H200 at SmolLM2-135M's shapes and 13 rows (`bench_gemv.py --shapes smollm2_135m
-# --dtype float32 --rows 13`) `rows_config`'s launches took 4.9-7.5 us against cuBLAS's
-# 10.0-13.3 us for qkv, o_proj, gate_up and down (0.55M-1.8M elements), but 98.5 us against
-# 65.1 us for the 28M-element output layer.
+# --dtype float32 --rows 13`) `rows_config`'s launches took 4.6-7.5 us against cuBLAS's
+# 10.0-13.4 us for qkv, o_proj, gate_up and down (0.55M-1.8M elements), but 98.5 us against
+# 65.1 us for the 28M-element output layer (a launch of the rule before).
 ROWS_MAX_WEIGHT_ELEMENTS = 4 * 2**20
-# The all-rows launch (`rows_config`): on the H200's 132 SMs the fastest swept launches with
-# the key loop pipelined (`bench_gemv.py --shapes smollm2_135m --dtype float32 --rows 13
-# --sweep`) were the widest tiles that still made about 1.8 or more programs an SM (BLOCK_N
-# 8 for 3072 columns: 384 programs; 4 for 960: 240; 2 for 576 x 1536: 288), 256 products a
-# row per key step (BLOCK_N x BLOCK_K), four warps, 4 key steps in flight: 4.8-7.5 us
-# against 5.7-8.6 us for the launches before (512 products, 3 steps in flight).
-ROWS_PROGRAMS_PER_SM = 1.75
-ROWS_PRODUCTS = 256
-ROWS_LOOP_STAGES = 4
+# The all-rows launch (`rows_config`): 512 products a row per key step, 8 key steps in flight,
+# BLOCK_N 8 x BLOCK_K 64, or 16 x 32 with SiLU*mul after the products (two weight tiles a
+# step). Swept on the H200 at SmolLM2-135M's shapes and 13 rows, these fewer, wider programs
+# with deeper pipelines beat the launches before (the widest BLOCK_N keeping 1.75 programs an
+# SM, 256 products, 4 steps). `bench_gemv.py --loop-stages` and `--fused` (`--shapes
+# smollm2_135m --dtype float32 --rows 13`, docs/benchmarks.md): qkv 4.8, o_proj 4.6, down
+# 7.1 us, gate_up with SiLU*mul 7.4, against 4.9, 5.1, 7.0 and 8.6 before; the verify pass
+# 4% faster.
+ROWS_BLOCK_N = 8
+ROWS_SILU_BLOCK_N = 16
+ROWS_PRODUCTS = 512
+ROWS_LOOP_STAGES = 8
 
 
 PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the products
@@ -468,14 +471,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def rows_config(columns: int, num_sms: int) -> dict:
-    """The all-rows kernel's launch for a weight of `columns` output columns on `num_sms` SMs:
-    the widest BLOCK_N of 8, 4, 2 that keeps ROWS_PROGRAMS_PER_SM programs an SM (2 if
-    none does), BLOCK_K ROWS_PRODUCTS / BLOCK_N, ROWS_LOOP_STAGES key steps in flight
-    (none from PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on)."""
-    block_n = next(
-        (n for n in (8, 4) if triton.cdiv(columns, n) >= ROWS_PROGRAMS_PER_SM * num_sms), 2
-    )
+def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
+    """The all-rows kernel's launch for a weight of `columns` output columns (with
+    `silu_mul`: columns of SiLU*mul's output, each reading a gate and an up row) on `num_sms`
+    SMs: ROWS_BLOCK_N columns a program (ROWS_SILU_BLOCK_N with `silu_mul`), ROWS_PRODUCTS
+    products a row per key step, ROWS_LOOP_STAGES key steps in flight (none from
+    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on)."""
+    block_n = ROWS_SILU_BLOCK_N if silu_mul else ROWS_BLOCK_N
     return dict(
         BLOCK_N=block_n,
         BLOCK_K=ROWS_PRODUCTS // block_n,
@@ -585,4 +587,6 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     config = _kernel_config(x, weight)
     if config is None or not config.get("all_rows") or weight.shape[0] % 2:
         return None
-    return gemv_silu(x, weight, rows_config(weight.shape[0] // 2, _num_sms(x.device)))
+    return gemv_silu(
+        x, weight, rows_config(weight.shape[0] // 2, _num_sms(x.device), silu_mul=True)
+    )

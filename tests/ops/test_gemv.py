@@ -51,13 +51,13 @@ def test_linear_takes_the_kernel_where_cublas_is_slower():
 
 
 def test_loop_stages_pipeline_the_key_steps_while_programs_are_few():
-    """Key steps in flight (one row 3, all rows 4) below PIPELINE_MAX_PROGRAMS_PER_SM
+    """Key steps in flight (one row 3, all rows 8) below PIPELINE_MAX_PROGRAMS_PER_SM
     programs an SM (measured
     faster at up to 5.8), none beyond (SmolLM2-135M's output layer: 6144 programs on 132
     SMs, measured slower pipelined)."""
     sms = 132
     assert gemv.linear_config(1, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 3
-    assert gemv.linear_config(13, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 4
+    assert gemv.linear_config(13, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 8
     assert gemv.linear_config(1, torch.bfloat16, (6144, 4096), sms)["LOOP_STAGES"] == 3
     assert gemv.linear_config(1, torch.float32, (49152, 576), sms)["LOOP_STAGES"] == 1
     assert gemv.rows_config(65536, sms)["LOOP_STAGES"] == 1
@@ -78,16 +78,28 @@ def test_norm_config_pipelines_short_loops_only_while_programs_are_few():
     assert gate_up["LOOP_STAGES"] == 3  # the cached dict is left as it was
 
 
-def test_rows_config_keeps_the_programs_per_sm():
-    """The launches measured fastest on the H200 (132 SMs) at SmolLM2-135M's widths: 8
-    columns a program for 3072, 4 for 960, 2 for 576 (256 products a key step, 4 steps in
-    flight); a tiny width still runs."""
-    picks = {n: gemv.rows_config(n, 132) for n in (3072, 960, 576, 8)}
-    assert [picks[n]["BLOCK_N"] for n in (3072, 960, 576, 8)] == [8, 4, 2, 2]
-    assert [picks[n]["BLOCK_K"] for n in (3072, 960, 576)] == [32, 64, 128]
-    assert [picks[n]["LOOP_STAGES"] for n in (3072, 960, 576)] == [4, 4, 4]
-    for config in picks.values():
-        assert config["BLOCK_N"] * config["BLOCK_K"] == gemv.ROWS_PRODUCTS
+def test_rows_config_takes_the_measured_tiles():
+    """The launches measured fastest on the H200 (132 SMs) at SmolLM2-135M's widths and 13
+    rows: 8 columns a program by 64 keys, 16 by 32 where SiLU*mul follows (its programs read
+    a gate and an up tile), 8 key steps in flight; whatever the width, a tiny one too."""
+    for n in (3072, 960, 576, 8):
+        plain, silu = gemv.rows_config(n, 132), gemv.rows_config(n, 132, silu_mul=True)
+        assert (plain["BLOCK_N"], plain["BLOCK_K"], plain["LOOP_STAGES"]) == (8, 64, 8)
+        assert (silu["BLOCK_N"], silu["BLOCK_K"], silu["LOOP_STAGES"]) == (16, 32, 8)
+        for config in (plain, silu):
+            assert config["BLOCK_N"] * config["BLOCK_K"] == gemv.ROWS_PRODUCTS
+            assert config["all_rows"]
+
+
+def test_the_model_runs_silu_after_gate_up_with_the_silu_launch(monkeypatch):
+    """`linear_silu_mul` launches `gemv_silu` with rows_config's SiLU*mul tiles for the
+    output's columns (half of gate_up's rows)."""
+    seen = []
+    monkeypatch.setattr(gemv, "_kernel_config", lambda x, w: gemv.rows_config(w.shape[0], 2))
+    monkeypatch.setattr(gemv, "_num_sms", lambda device: 2)
+    monkeypatch.setattr(gemv, "gemv_silu", lambda x, w, config: seen.append(config))
+    gemv.linear_silu_mul(torch.zeros(13, 64), torch.zeros(2 * 48, 64))
+    assert seen == [gemv.rows_config(48, 2, silu_mul=True)]
 
 
 def test_gemv_refuses_what_it_does_not_serve():
