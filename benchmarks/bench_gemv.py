@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +134,9 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
             t_apart = time_calls(apart, weights, x)
             if config is None or config.get("all_rows"):  # no op inside: plain products
                 kernel = "cuBLAS" if config is None else "all rows"
-                results.append((name, rows, t_apart, None, None, f"apart ({kernel})"))
+                results.append(
+                    Fused(prologue, name, rows, t_apart, None, None, f"apart ({kernel})")
+                )
                 continue
             expected = apart(x, weights[0]).float()
             assert torch.allclose(one(x, weights[0]).float(), expected, rtol=2e-2, atol=2e-2)
@@ -144,24 +147,48 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
                 time_calls(lambda a, w, c=c: one(a, w, c), weights, x)
                 for c in (launch, unpipelined)
             )
-            results.append((name, rows, t_apart, t_one, t_one1, chosen))
+            results.append(Fused(prologue, name, rows, t_apart, t_one, t_one1, chosen))
         del weights
         torch.cuda.empty_cache()
     results += silu_after(shapes, dtype, rows_list, sms)
-    print(
+    print(fused_table(results))
+
+
+class Fused(NamedTuple):
+    """One row of `--fused`: the op (a prologue of PROLOGUES, or SILU_AFTER) and the product,
+    the two launches' time, the one launch's (None: none), unpipelined, and what the op set
+    runs."""
+
+    op: str
+    product: str
+    rows: int
+    t_apart: float
+    t_one: float | None
+    t_one1: float | None
+    chosen: str
+
+
+SILU_AFTER = "silu after"  # SiLU*mul after the gate_up product, in the all-rows kernel
+
+
+def fused_table(results: list[Fused]) -> str:
+    """`--fused`'s markdown table; a row names the op first where it runs before the
+    product, after it for SILU_AFTER."""
+    lines = [
         "\n| product | rows | op + linear us | one launch us | apart / one | "
-        "one launch, LOOP_STAGES=1 us | the op set runs |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for name, rows, t_apart, t_one, t_one1, chosen in results:
-        op = PROLOGUES.get(name, "silu after")
-        one_text = "" if t_one is None else f"{t_one * 1e6:.1f}"
-        ratio = "" if t_one is None else f"{t_apart / t_one:.2f}x"
-        one1_text = "" if t_one1 is None else f"{t_one1 * 1e6:.1f}"
-        print(
-            f"| {op} + {name} | {rows} | {t_apart * 1e6:.1f} | {one_text} | "
-            f"{ratio} | {one1_text} | {chosen} |"
+        "one launch, LOOP_STAGES=1 us | the op set runs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        label = f"{r.product} + {r.op}" if r.op == SILU_AFTER else f"{r.op} + {r.product}"
+        one_text = "" if r.t_one is None else f"{r.t_one * 1e6:.1f}"
+        ratio = "" if r.t_one is None else f"{r.t_apart / r.t_one:.2f}x"
+        one1_text = "" if r.t_one1 is None else f"{r.t_one1 * 1e6:.1f}"
+        lines.append(
+            f"| {label} | {r.rows} | {r.t_apart * 1e6:.1f} | {one_text} | "
+            f"{ratio} | {one1_text} | {r.chosen} |"
         )
+    return "\n".join(lines)
 
 
 def silu_after(shapes: dict, dtype: torch.dtype, rows_list: list[int], sms: int) -> list:
@@ -193,7 +220,7 @@ def silu_after(shapes: dict, dtype: torch.dtype, rows_list: list[int], sms: int)
             time_calls(call, weights, x)
             for call in (apart, one, lambda a, w: one(a, w, unpipelined))
         )
-        results.append(("gate_up", rows, t_apart, t_one, t_one1, chosen))
+        results.append(Fused(SILU_AFTER, "gate_up", rows, t_apart, t_one, t_one1, chosen))
     del weights
     torch.cuda.empty_cache()
     return results

@@ -4,6 +4,8 @@ their launch policy, and a whole forward through an op set that fuses them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from op_cases import DEVICE, assert_close, random_tensor
@@ -322,3 +324,20 @@ def test_forward_with_silu_after_the_product_equals_torch_path(two_passes, monke
         torch.testing.assert_close(got_pass, reference_pass, atol=1e-4, rtol=1e-4)
     layers = ModelConfig.tiny().num_layers
     assert calls == [19] * layers + [2] * layers
+
+
+def test_bench_gemv_names_silu_after_gate_up_as_such(monkeypatch):
+    """`bench_gemv.py --fused` labels the gate_up product with SiLU*mul after it by that op,
+    not by the norm that comes before gate_up in the table's other rows."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_gemv
+
+    table = bench_gemv.fused_table(
+        [
+            bench_gemv.Fused("norm", "gate_up", 13, 10e-6, None, None, "apart (all rows)"),
+            bench_gemv.Fused(bench_gemv.SILU_AFTER, "gate_up", 13, 10e-6, 5e-6, 20e-6, "one"),
+        ]
+    )
+    labels = [line.split(" | ")[0] for line in table.splitlines()[3:]]
+    assert labels == ["| norm + gate_up", "| gate_up + silu after"]
+    assert "| gate_up + silu after | 13 | 10.0 | 5.0 | 2.00x | 20.0 | one |" in table
