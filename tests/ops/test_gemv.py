@@ -177,6 +177,7 @@ def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows, config):
         ROWS_CONFIG,
         dict(ROWS_CONFIG, BLOCK_N=4, BLOCK_K=32, LOOP_STAGES=1),
         gemv.rows_config(150, 2),
+        gemv.rows_config(150, 2, silu_mul=True),  # the model's launch
     ],
 )
 def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
@@ -298,7 +299,7 @@ class _SiluAfterProducts(TorchOps):
         if not 1 < x.shape[0] <= gemv.MAX_ROWS:
             return None
         inter = weight.shape[0] // 2
-        return gemv.gemv_silu(x, weight.contiguous(), gemv.rows_config(inter, 2))
+        return gemv.gemv_silu(x, weight.contiguous(), gemv.rows_config(inter, 2, silu_mul=True))
 
 
 def test_forward_with_silu_after_the_product_equals_torch_path(two_passes, monkeypatch):
