@@ -4,6 +4,8 @@ out).
 
     .venv/bin/python benchmarks/bench_host_step.py --baseline d04f8de [--rounds 5]
     .venv/bin/python benchmarks/bench_host_step.py            # this tree alone
+    .venv/bin/python benchmarks/bench_host_step.py --spec-against-plain   # what drafting
+                                                   # nothing costs a step, with speculation
 
 With a small model on a GPU a decode step is mostly host work (scheduling, planning the next
 pass, sampling inputs, the commit, outputs), so that work decides its speed. On a shared
@@ -131,7 +133,16 @@ def repetitive_prompts(
     return prompts, following
 
 
-def run_regime(packages: dict, batch: int, regime: dict, tokens: int, rounds: int) -> dict:
+def run_regime(
+    packages: dict,
+    batch: int,
+    regime: dict,
+    tokens: int,
+    rounds: int,
+    speculative: dict | None = None,
+) -> dict:
+    """`speculative`: engine name -> whether it speculates, where not as `regime` says."""
+    speculative = speculative or {}
     engines, stubs, params = {}, {}, {}
     for name, package in packages.items():
         engine_module = importlib.import_module(f"{package}.shell.engine")
@@ -140,7 +151,7 @@ def run_regime(packages: dict, batch: int, regime: dict, tokens: int, rounds: in
             random_weights="tiny",
             device="cpu",
             max_running_requests=8,
-            speculative=regime["speculative"],
+            speculative=speculative.get(name, regime["speculative"]),
         )
         sampled = dict(temperature=1.0, seed=1) if regime["sampled"] else {}
         params[name] = state.SamplingParams(max_tokens=tokens, ignore_eos=True, **sampled)
@@ -208,8 +219,17 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--tokens", type=int, default=400, help="new tokens a request")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--spec-against-plain",
+        action="store_true",
+        help="instead: this tree's engine with speculation against without it, greedy on "
+        "free text (chat: most speculative steps draft nothing), stepped in lockstep",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.spec_against_plain:
+        spec_against_plain(args)
+        return
     with tempfile.TemporaryDirectory() as scratch:
         packages = {"this tree": "engine"}
         if args.baseline:
@@ -225,6 +245,28 @@ def main() -> None:
                 result = run_regime(packages, batch, regime, args.tokens, args.rounds)
                 for kind in STEP_KINDS:
                     print_row(batch, regime_name, kind, names, result)
+
+
+def spec_against_plain(args: argparse.Namespace) -> None:
+    """What speculation adds to the host's work a decode step where nothing is drafted (the
+    proposer, the trie's growth, the statistics, the cost model): two engines of this tree,
+    without and with speculation, greedy on random prompts (few n-gram matches, as in chat).
+    Their tokens differ once a verify pass draws the stub's logits a different number of
+    times."""
+    packages = {"plain": "engine", "speculative": "engine"}
+    names = list(packages)
+    regime = dict(speculative=False, sampled=False, repetitive=False)
+    print(f"host time a step (us, median per round; {args.rounds} rounds), greedy, free text")
+    print(
+        "\n| batch | regime | step | plain (us) | speculative (us) | speculative / plain "
+        "| same tokens | accepted / verify |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        result = run_regime(
+            packages, batch, regime, args.tokens, args.rounds, {"speculative": True}
+        )
+        print_row(batch, "greedy, free text", "decode", names, result)
 
 
 def print_row(batch: int, regime: str, kind: str, names: list[str], result: dict) -> None:
