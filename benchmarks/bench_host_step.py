@@ -255,7 +255,7 @@ def spec_against_plain(args: argparse.Namespace) -> None:
     times."""
     packages = {"plain": "engine", "speculative": "engine"}
     names = list(packages)
-    regime = dict(speculative=False, sampled=False, repetitive=False)
+    regime = REGIMES["greedy"]  # the speculative engine set apart by `run_regime`
     print(f"host time a step (us, median per round; {args.rounds} rounds), greedy, free text")
     print(
         "\n| batch | regime | step | plain (us) | speculative (us) | speculative / plain "

@@ -109,8 +109,9 @@ def test_a_graph_pass_launches_under_its_setting(monkeypatch):
 
     monkeypatch.setattr(graphs.model, "forward", forward)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    engine.generate(_prompts(1), params)
-    engine.generate(_prompts(3), params)
+    with pdl.using("auto"):  # the process's setting, whatever ENGINE_PDL says
+        engine.generate(_prompts(1), params)
+        engine.generate(_prompts(3), params)
     tokens_under = {setting: {n for n, s in seen if s == setting} for setting in ("late", "exit")}
     assert tokens_under == {"late": {1}, "exit": {4}}  # 3 requests padded to 4
     assert {s for _, s in seen} == {"late", "exit", "auto"}  # extend passes: the process's
