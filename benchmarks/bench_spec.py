@@ -9,12 +9,13 @@ docs/spec_throughput.png.
 Run: .venv/bin/python benchmarks/bench_spec.py [--max-tokens 128] [--long-max-tokens 512]
      [--quick] [--threads 1] [--only WORKLOAD] [--row-major-weights] [--no-plots]
      [--device cuda --dtype float32]   (on a GPU: no plots; the docs' plots are the CPU's)
-     [--profile]
+     [--profile] [--without-run-limit]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from spec_systems import HF, OnFmas, Ours, timed  # benchmarks/, beside this scr
 from spec_workloads import PARTS, workloads
 
 from engine import cpu_kernels
+from engine.spec import SpecConfig
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -74,7 +76,7 @@ def replay(
     draft_cost c: the decode-phase speedup over plain decoding with adaptive drafting judged
     at c, if a pass with d drafts cost 1 + c * d decode passes (as the engine's cost model
     says): emitted tokens / that cost."""
-    from engine.spec import NgramProposer, SpecConfig, SpecStats
+    from engine.spec import NgramProposer, SpecStats
 
     adaptive = draft_cost is not None
     config = SpecConfig(draft_budget=budget, adaptive=adaptive)
@@ -112,6 +114,8 @@ def replay(
 
 
 REPLAY_COSTS = (0.0, 0.05, 0.1, 0.2)
+# adaptive drafting without the run's loss limit and the probes' backoff (`--without-run-limit`)
+ENDLESS_RUNS = {"max_run_loss": math.inf, "max_probe_interval": SpecConfig().probe_interval}
 
 
 def step_profile(system: Ours) -> str:
@@ -143,6 +147,10 @@ def run(args: argparse.Namespace) -> None:
     plain, spec = Ours(False, blocks, **on), Ours(True, blocks, **on)
     # A/B of adaptive drafting: budgets judged on acceptance alone (drafts counted free)
     acceptance_only = Ours(True, blocks, draft_cost=0.0, **on)
+    # A/B of the run's loss limit and the probes' backoff: drafting as before them
+    endless = (
+        Ours(True, blocks, spec_overrides=ENDLESS_RUNS, **on) if args.without_run_limit else None
+    )
     if args.row_major_weights:  # A/B of the CPU weight layout (the engines share the model)
         for weight in plain.engine.runtime.model.parameters():
             weight.data = weight.data.contiguous()
@@ -155,6 +163,8 @@ def run(args: argparse.Namespace) -> None:
         "HF": HF(None, hf_model),
         "HF+lookup": HF(args.lookup, hf_model),
     }
+    if endless is not None:
+        systems["spec, no run limit"] = endless
     if (
         args.device == "cpu"
         and blocks
@@ -173,12 +183,17 @@ def run(args: argparse.Namespace) -> None:
         if args.only and name not in args.only:
             continue
         prompts = [tokenizer.apply_chat_template(chat) for chat in chats]
-        for system in (plain, spec, acceptance_only):
-            system.clear()
+        for system in (plain, spec, acceptance_only, endless):
+            if system is not None:
+                system.clear()
         results = timed(systems, prompts, max_tokens)
         accepted_per_workload[name] = (list(spec.accepted), list(spec.boundaries))
         outputs = results["ours"][1]
-        same = outputs == results["ours+spec"][1] == results["spec, acceptance only"][1]
+        same = all(
+            results[key][1] == outputs
+            for key in ("ours+spec", "spec, acceptance only", "spec, no run limit")
+            if key in results
+        )
         rate = rates(results, plain, spec)
         parts = {} if args.quick else PARTS.get(name, {})  # quick: fewer prompts, no kinds
         for part, which in parts.items():
@@ -192,6 +207,14 @@ def run(args: argparse.Namespace) -> None:
             f"premium {spec.engine.spec.cost.verify_premium(1):.2f} decoded tokens a pass",
             flush=True,
         )
+        if endless is not None:
+            print(
+                f"[{name}] without the run limit and probe backoff: "
+                f"{rate['spec, no run limit'] / rate['ours']:.2f}x no-spec, "
+                f"{rate['ours+spec'] / rate['spec, no run limit']:.2f}x of it with them; "
+                f"steps {step_profile(endless)}",
+                flush=True,
+            )
         ceiling = replay(prompts, outputs)
         if "ours on FMAs" in results:
             rate["plain paths agree"] = results["ours on FMAs"][1] == outputs
@@ -362,6 +385,12 @@ def main() -> None:
         help="dense weights (no block kernel), stored row-major (the layout before column-major)",
     )
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--without-run-limit",
+        action="store_true",
+        help="also time speculation without the run's loss limit and the probes' backoff "
+        "(SpecConfig max_run_loss=inf, max_probe_interval=probe_interval)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (ours and HF alike)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(

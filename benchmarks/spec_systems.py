@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import attrs
 import torch
 
 from engine import cpu_kernels
@@ -25,7 +26,10 @@ class Ours:
         draft_cost: float | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        spec_overrides: dict | None = None,
     ) -> None:
+        """`spec_overrides`: `SpecConfig` fields the adaptive drafting (`SpecStats`) takes
+        in place of the engine's (an A/B of the drafting policy)."""
         # on a GPU each engine would size its KV pool from the free memory: three would not fit
         slots = None if device == "cpu" else 16384
         self.engine = Engine(
@@ -42,6 +46,7 @@ class Ours:
         self.decode_seconds: list[float] = []  # per request: its steps after prefill
         if speculative:
             stats = self.engine.spec.stats
+            stats.config = attrs.evolve(stats.config, **(spec_overrides or {}))
             original = stats.record_batch
 
             def record_batch(rids, trees, accepted_lens, *costs) -> None:

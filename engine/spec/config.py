@@ -30,6 +30,14 @@ class SpecConfig:
         A step that accepts its whole budget doubles it at once (the budget was the limit).
     probe_interval (16): steps a request waits at budget 0 before drafting again (budget 1);
         a probe that is rejected returns the request to budget 0 at once.
+    max_probe_interval (128): where the drafting that followed a probe lost time (its drafts
+        cost more decoded tokens' time than the accepted ones saved) the request's next wait
+        at budget 0 doubles, up to this; drafting that pays resets it to probe_interval.
+        Equal to probe_interval: every wait is probe_interval.
+    max_run_loss (4.0): decoded tokens' time the drafting since the last probe (or since the
+        request began) may lose in all; past it the budget returns to 0 at once (inf: no
+        limit). It ends drafting whose accepted drafts never pay for the verify passes, where
+        the window's halving and doubling would go on.
     draft_cost (None): the time of one draft row in decoded tokens' time (a decode pass's
         time per request); None: measured from the engine's own passes (`spec.cost`), with a
         verify pass's premium over a decode pass. A configured cost has no premium.
@@ -51,6 +59,8 @@ class SpecConfig:
     shrink_below: float = 0.5
     grow_at_least: float = 1.5
     probe_interval: int = 16
+    max_probe_interval: int = 128
+    max_run_loss: float = 4.0
     draft_cost: float | None = None
     shrink_after_loss: float = 2.0
 
@@ -108,6 +118,15 @@ class SpecConfig:
         )
         probe = self.probe_interval
         check_field("probe_interval", probe, is_int(probe) and probe >= 1, "an integer >= 1")
+        longest = self.max_probe_interval
+        check_field(
+            "max_probe_interval",
+            longest,
+            is_int(longest) and longest >= probe,
+            f"an integer >= probe_interval={probe}",
+        )
+        run = self.max_run_loss
+        check_field("max_run_loss", run, is_number(run) and run > 0, "a number > 0 (inf: no limit)")
         cost = self.draft_cost
         check_field(
             "draft_cost",

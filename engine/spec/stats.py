@@ -2,7 +2,12 @@
 whose recent drafts are mostly rejected, or cost more time than they saved, halves its budget
 (down to the root only); one that accepts its whole budget, or a high mean over a full window,
 doubles it. At the root only it probes with one draft now and then, and a rejected probe
-returns it to the root at once.
+returns it to the root at once, as does drafting that has lost more than `max_run_loss`
+decoded tokens' time since the last probe (or since the request began): on a device where a
+verify pass costs several decodes, one or two accepted drafts a step never pay, and the
+halving and doubling above would go on drafting at a loss. Where the drafting a probe led to
+lost time, the wait before the next probe doubles (up to `max_probe_interval`); drafting that
+pays resets it.
 
 The draft cost a request is judged with is decided here: `SpecConfig.draft_cost` when one is
 configured; else 0 for a request added as `timing_free` (a seeded sampling request, whose
@@ -78,18 +83,26 @@ class _Adaptive:
         "histogram",
         "idle",
         "idle_steps",
+        "probe_wait",
+        "probed",
         "probing",
         "recent",
+        "run_loss",
         "steps",
     )
 
-    def __init__(self, budget: int, window: int, fixed_cost: float | None) -> None:
+    def __init__(self, budget: int, window: int, fixed_cost: float | None, probe_wait: int) -> None:
         self.budget = budget
         self.fixed_cost = fixed_cost  # the cost this request is judged with, if not measured
         # (accepted, what the step's drafts cost in decoded tokens) per drafting step
         self.recent: deque[tuple[int, float]] = deque(maxlen=window)
-        self.idle_steps = 0  # steps at budget 0 since the last probe (`SpecConfig.probe_interval`)
-        self.probing = False
+        self.idle_steps = 0  # steps at budget 0 since the last probe
+        self.probe_wait = probe_wait  # idle steps at budget 0 before the next probe
+        self.probing = False  # the next drafting step is a probe
+        self.probed = False  # the drafting since budget 0 was last left began with a probe
+        # decoded tokens' time lost by the drafting since budget 0 was last left (negative:
+        # gained)
+        self.run_loss = 0.0
         # `AcceptanceStats`' counts, added to in place as each step is recorded (a value of
         # them is made when read: `stats`), with `idle` more steps that drafted nothing
         self.steps = self.drafting_steps = self.drafted = self.accepted = 0
@@ -130,6 +143,7 @@ class SpecStats:
             self.config.draft_budget,
             self.config.adapt_window,
             0.0 if fixed is None and timing_free else fixed,
+            self.config.probe_interval,
         )
 
     def remove(self, rid: int) -> None:
@@ -231,8 +245,9 @@ class SpecStats:
         """Nothing drafted: no evidence, unless the budget is 0 and it is time to probe."""
         if entry.budget == 0:
             entry.idle_steps += 1
-            if entry.idle_steps >= self.config.probe_interval:
+            if entry.idle_steps >= entry.probe_wait:
                 entry.budget, entry.idle_steps, entry.probing = 1, 0, True
+                entry.probed, entry.run_loss = True, 0.0
 
     def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, cost: float) -> None:
         """`cost`: what this step's drafting cost, in decoded tokens' time."""
@@ -242,6 +257,7 @@ class SpecStats:
             return
         probing, entry.probing = entry.probing, False
         entry.recent.append((accepted, cost))
+        entry.run_loss += cost - accepted
         # Time lost in the recent steps, in decoded tokens: what the drafts cost minus what the
         # accepted ones saved. A verify pass that costs several decodes shrinks fast.
         loss = sum(cost - taken for taken, cost in entry.recent)
@@ -249,8 +265,8 @@ class SpecStats:
         full = len(entry.recent) >= cfg.adapt_window
         # A small budget cannot reach a large mean: its bar to grow is budget / 2.
         grow_at = max(cfg.shrink_below, min(cfg.grow_at_least, entry.budget / 2))
-        if probing and accepted == 0:
-            entry.budget = 0  # the probe failed: back to the root only
+        if (probing and accepted == 0) or entry.run_loss > cfg.max_run_loss:
+            entry.budget = 0  # the probe failed, or the drafting since the last one lost
         elif loss > cfg.shrink_after_loss or (full and mean < cfg.shrink_below):
             entry.budget //= 2
         elif entry.budget < cfg.draft_budget and (
@@ -261,6 +277,16 @@ class SpecStats:
             return
         entry.recent.clear()
         entry.idle_steps = 0
+        if entry.budget == 0:
+            self._back_to_root(entry)
+
+    def _back_to_root(self, entry: _Adaptive) -> None:
+        """The budget reached 0: the wait before the next probe doubles where the drafting
+        since the last probe lost time, and starts over where it paid."""
+        if entry.run_loss <= 0:
+            entry.probe_wait = self.config.probe_interval
+        elif entry.probed:
+            entry.probe_wait = min(2 * entry.probe_wait, self.config.max_probe_interval)
 
     def _entry(self, rid: int) -> _Adaptive:
         entry = self._requests.get(rid)

@@ -127,8 +127,11 @@ def test_a_window_of_half_accepted_drafts_grows_the_budget() -> None:
 
 def test_costly_rejected_drafts_shrink_before_the_window_fills() -> None:
     # A draft row at 0.15 decoded tokens (a 13-row CPU verify pass ~ 2.8 decodes): twelve
-    # rejected drafts lose 1.8 tokens' time, two such steps pass shrink_after_loss=2.
-    config = SpecConfig(draft_budget=12, adapt_window=8, shrink_after_loss=2.0)
+    # rejected drafts lose 1.8 tokens' time, two such steps pass shrink_after_loss=2 (the
+    # run's limit, which would end this sooner, is tested apart).
+    config = SpecConfig(
+        draft_budget=12, adapt_window=8, shrink_after_loss=2.0, max_run_loss=float("inf")
+    )
     stats = SpecStats(config)
     stats.add(0)
     budgets = []
@@ -306,3 +309,77 @@ def test_record_idle_is_a_batch_of_root_only_trees() -> None:
         assert idle.total() == batched.total()
     with pytest.raises(KeyError, match="request 9 has no speculation statistics"):
         idle.record_idle([1, 9])
+
+
+def _waits_before_probes(stats: SpecStats, rid: int, probes: int, accepted: int, cost: float):
+    """Idle steps `rid` waits at budget 0 before each of `probes` probes, each probe's one
+    draft accepted `accepted` times and costing `cost` decoded tokens' time (where the budget
+    grew, it is brought back to 0 by rejected drafts that cost nothing)."""
+    waits = []
+    for _ in range(probes):
+        idle = 0
+        while stats.budget(rid) == 0:
+            stats.record(rid, drafted=0, accepted=0)
+            idle += 1
+        waits.append(idle)
+        stats.record(rid, drafted=1, accepted=accepted, step_cost=cost)
+        while stats.budget(rid):
+            stats.record(rid, drafted=stats.budget(rid), accepted=0)
+    return waits
+
+
+def _at_root(config: SpecConfig, timing_free: bool = False) -> SpecStats:
+    """A request whose first drafts lost time: at budget 0, its first wait ahead."""
+    stats = SpecStats(config)
+    stats.add(0, timing_free)
+    while stats.budget(0):
+        stats.record(0, drafted=stats.budget(0), accepted=0, step_cost=2.0)
+    return stats
+
+
+def test_probes_that_lose_time_wait_twice_as_long_each_time() -> None:
+    """Free text on a device where a verify pass costs two decoded tokens more than a
+    decode: a probe that drafts one token loses time even when it is accepted, so the waits
+    double up to max_probe_interval."""
+    config = SpecConfig(probe_interval=4, max_probe_interval=32)
+    for accepted in (0, 1):
+        stats = _at_root(config)
+        waits = _waits_before_probes(stats, 0, 6, accepted, cost=2.0)
+        assert waits == [4, 8, 16, 32, 32, 32], f"accepted={accepted}"
+
+
+def test_drafting_that_pays_resets_the_wait() -> None:
+    config = SpecConfig(probe_interval=4, max_probe_interval=32)
+    stats = _at_root(config)
+    assert _waits_before_probes(stats, 0, 3, 0, cost=2.0) == [4, 8, 16]
+    # a probe whose single draft is accepted where a draft costs little: drafting paid
+    assert _waits_before_probes(stats, 0, 2, 1, cost=0.1) == [32, 4]
+
+
+def test_free_drafts_and_a_fixed_interval_never_back_off() -> None:
+    """A timing-free request (drafts judged free) and max_probe_interval == probe_interval
+    probe at the same interval however the probes go."""
+    free = _at_root(SpecConfig(probe_interval=4, max_probe_interval=32), timing_free=True)
+    assert _waits_before_probes(free, 0, 4, 0, cost=2.0) == [4, 4, 4, 4]
+    fixed = _at_root(SpecConfig(probe_interval=4, max_probe_interval=4))
+    assert _waits_before_probes(fixed, 0, 4, 0, cost=2.0) == [4, 4, 4, 4]
+
+
+def test_drafting_that_keeps_losing_returns_to_the_root() -> None:
+    """One draft accepted a step where a verify pass costs 2.3 decoded tokens more than a
+    decode: every step loses 1.3 tokens' time. The window alone halves and doubles the
+    budget between 1 and 2 for ever; the run's loss sends it back to 0 once past
+    max_run_loss."""
+    for limit, reaches_root in ((4.0, True), (float("inf"), False)):
+        stats = SpecStats(SpecConfig(max_run_loss=limit))
+        stats.add(0)
+        budgets = []
+        for _ in range(40):
+            budget = stats.budget(0)
+            stats.record(0, drafted=budget, accepted=min(budget, 1), step_cost=2.3)
+            budgets.append(stats.budget(0))
+            if not budgets[-1]:
+                break
+        assert (budgets[-1] == 0) == reaches_root, f"max_run_loss={limit}: budgets {budgets}"
+        if reaches_root:  # 1.3 tokens lost a step: the fourth step passes 4.0
+            assert len(budgets) == 4, budgets
