@@ -420,19 +420,20 @@ class Engine:
         # the plan), handed out in batch order. A tree that did not fit would make the step
         # retract a request (or finish one alone in the pool) where a decode pass goes on.
         trees = spec.propose(running, self.book.num_available + self.ahead.num_held)
-        trees = self.grammars.prune(trees, running.rids.tolist())  # drafts grammars allow
-        drafted = trees.sizes.total > len(running)
-        if drafted and not self.ahead.launched:
+        if trees is not None:  # None: nothing drafted (most steps of free text)
+            trees = self.grammars.prune(trees, running.rids.tolist())  # drafts grammars allow
+            if trees.sizes.total == len(running):
+                trees = None  # the grammars cut every draft
+        if trees is not None and not self.ahead.launched:
             return self._verify_step(trees, started)
-        if drafted:  # a pass launched ahead decodes this step; the drafts wait for the next
+        if trees is not None:  # a pass launched ahead decodes this step; the drafts wait
             self.stats["drafts_deferred"] += 1
-            trees = state.DraftTrees.roots_only(running.last_tokens)
         # Nothing drafted: a root-only verify is a decode, and the decode pass is cheaper
         # (it may have been planned during the last pass). The statistics are recorded while
         # it runs: after its launch, so a step that retracts instead records nothing. The
         # next pass is launched ahead only where nothing waits to be verified.
         mode = self._decode_step(
-            during=lambda: spec.record_plain(running.rids, trees), launch_next=not drafted
+            during=lambda: spec.record_idle(running.rids), launch_next=trees is None
         )
         if mode == "decode":
             spec.observe(len(running), started)

@@ -72,27 +72,37 @@ class Speculator:
         return stats
 
     # --- one verify step -----------------------------------------------------------------------
-    def budgets(self, running: Running) -> np.ndarray:
-        """Adaptive budget, cut so the tree fits the context and the tokens still allowed."""
-        budget = self.stats.budget
-        adaptive = np.array([budget(u) for u in running.rids.tolist()], dtype=np.int64)
+    def budgets(self, running: Running, adaptive: list[int] | None = None) -> np.ndarray:
+        """Adaptive budget (`adaptive`: the requests' own, if read already), cut so the tree
+        fits the context and the tokens still allowed."""
+        if adaptive is None:
+            budget = self.stats.budget
+            adaptive = [budget(u) for u in running.rids.tolist()]
         room_context = running.max_context - running.kv_lens.lens - 1
         room_output = running.rules.max_new - running.num_output - 1
-        return np.maximum(np.minimum(adaptive, np.minimum(room_context, room_output)), 0)
+        cut = np.minimum(np.array(adaptive, dtype=np.int64), np.minimum(room_context, room_output))
+        return np.maximum(cut, 0)
 
     def draft_cost(self, batch: int) -> float:
         """A draft row's time in decoded tokens' time at this batch size (config, or measured)."""
         fixed = self.config.draft_cost
         return self.cost.draft_cost(batch) if fixed is None else fixed
 
-    def propose(self, running: Running, free_slots: int) -> DraftTrees:
+    def propose(self, running: Running, free_slots: int) -> DraftTrees | None:
         """A draft tree per request (a root alone where nothing matches); its drafts, all
-        trees together, fit in `free_slots` beside one token per request."""
-        return self.proposer.propose_batch(
+        trees together, fit in `free_slots` beside one token per request. None where no
+        request drafts (most steps of free text): no trees are built then, and where every
+        budget is 0 (requests that gain nothing from drafting) the proposer is not asked."""
+        budget = self.stats.budget
+        adaptive = [budget(u) for u in running.rids.tolist()]
+        if not any(adaptive):
+            return None
+        trees = self.proposer.propose_batch(
             running.rids.tolist(),
-            self.budgets(running).tolist(),
+            self.budgets(running, adaptive).tolist(),
             total_drafts=max(free_slots - len(running), 0),
         )
+        return None if trees.sizes.total == len(running) else trees
 
     def verify(
         self, batch: state.Batch, params: list, logits: torch.Tensor | np.ndarray
@@ -110,12 +120,9 @@ class Speculator:
         """A verify step's drafts and accepted counts, weighed at the costs `verify` used."""
         self.stats.record_batch(uids, trees, accepted, self.last_draft_cost, self._premium)
 
-    def record_plain(self, uids: np.ndarray, trees: DraftTrees) -> None:
+    def record_idle(self, uids: np.ndarray) -> None:
         """A step where nothing was drafted (it ran as a decode pass)."""
-        if len(trees.sizes) == trees.sizes.total == len(uids):  # roots only (most steps)
-            self.stats.record_idle(uids.tolist())
-        else:
-            self.stats.record_batch(uids.tolist(), trees, np.zeros(len(uids), np.int64))
+        self.stats.record_idle(uids.tolist())
 
     def observe(self, rows: int, started: float, verify: bool = False) -> None:
         """Fit the pass's time, unless the cost is fixed (configured, or not adapting)."""

@@ -276,6 +276,29 @@ def test_a_draft_less_step_records_statistics_only_if_it_decodes(assert_all_free
     assert_all_free(tight)
 
 
+def test_requests_at_budget_zero_are_not_proposed_for(assert_all_free):
+    """Where every request's budget is 0 (drafting lost it time), a step asks the proposer
+    nothing and builds no trees: it decodes, records an idle step, and gives the tokens of
+    plain decoding."""
+    prompts = _repetitive_prompts(5, 3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    expected = [c.token_ids for c in _tiny().generate(prompts, params)]
+    engine = _tiny(speculative=True)
+    spec = engine.spec
+    spec.stats.budget = lambda rid: 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the proposer was asked for trees at budget 0")
+
+    spec.proposer.propose_batch = refuse
+    requests, modes = _run_checked(engine, prompts, params)
+    assert _outputs(requests) == expected
+    assert set(modes) == {"decode"}
+    total = spec.stats.total()
+    assert total.drafted == 0 and total.steps >= modes.count("decode")
+    assert_all_free(engine)
+
+
 @pytest.mark.parametrize("prompt_len", [20, 32])
 def test_a_request_near_the_pools_size_runs_as_without_speculation(prompt_len, assert_all_free):
     """A pool of 40 slots, alone. 32 prompt tokens: the pool holds them and one more, not a
