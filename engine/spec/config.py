@@ -28,8 +28,10 @@ class SpecConfig:
     shrink_below (0.5): mean accepted drafts per step below which the budget halves.
     grow_at_least (1.5): mean accepted drafts per step at or above which the budget doubles.
         A step that accepts its whole budget doubles it at once (the budget was the limit).
-    probe_interval (16): steps a request waits at budget 0 before drafting again (budget 1);
-        a probe that is rejected returns the request to budget 0 at once.
+    probe_interval (16): steps a request waits at budget 0 before drafting again: a probe,
+        with the fewest drafts that would pay for the verify pass were all accepted (1 where
+        a pass costs no more than its rows); a probe that does not pay returns the request
+        to budget 0 at once.
     max_probe_interval (128): where the drafting that followed a probe lost time (its drafts
         cost more decoded tokens' time than the accepted ones saved) the request's next wait
         at budget 0 doubles, up to this; drafting that pays resets it to probe_interval.

@@ -1,13 +1,16 @@
 """Acceptance statistics per request and in total, and adaptive draft budgets: a request
 whose recent drafts are mostly rejected, or cost more time than they saved, halves its budget
 (down to the root only); one that accepts its whole budget, or a high mean over a full window,
-doubles it. At the root only it probes with one draft now and then, and a rejected probe
-returns it to the root at once, as does drafting that has lost more than `max_run_loss`
-decoded tokens' time since the last probe (or since the request began): on a device where a
-verify pass costs several decodes, one or two accepted drafts a step never pay, and the
-halving and doubling above would go on drafting at a loss. Where the drafting a probe led to
-lost time, the wait before the next probe doubles (up to `max_probe_interval`); drafting that
-pays resets it.
+doubles it.
+
+At the root only it probes now and then with the fewest drafts that would pay for their
+verify pass were all accepted (one where a pass costs no more than its rows). A probe that
+does not pay returns it to the root at once, as does drafting that has lost more than
+`max_run_loss` decoded tokens' time since the last probe (or since the request began): on a
+device where a verify pass costs several decodes, one or two accepted drafts a step never
+pay, and the halving and doubling above would go on drafting at a loss. Where the drafting
+a probe led to lost time, the wait before the next probe doubles (up to
+`max_probe_interval`); drafting that pays resets it.
 
 The draft cost a request is judged with is decided here: `SpecConfig.draft_cost` when one is
 configured; else 0 for a request added as `timing_free` (a seeded sampling request, whose
@@ -84,6 +87,7 @@ class _Adaptive:
         "idle",
         "idle_steps",
         "probe_wait",
+        "probe_budget",
         "probed",
         "probing",
         "recent",
@@ -99,6 +103,8 @@ class _Adaptive:
         self.idle_steps = 0  # steps at budget 0 since the last probe
         self.probe_wait = probe_wait  # idle steps at budget 0 before the next probe
         self.probing = False  # the next drafting step is a probe
+        # drafts a probe makes: the fewest that pay for a verify pass at the costs last seen
+        self.probe_budget = 1
         self.probed = False  # the drafting since budget 0 was last left began with a probe
         # decoded tokens' time lost by the drafting since budget 0 was last left (negative:
         # gained)
@@ -220,10 +226,21 @@ class SpecStats:
             entry.add(num_drafted, num_accepted)
             if self.config.adaptive:
                 fixed = entry.fixed_cost
+                if num_drafted:
+                    per_draft, premium = (draft_cost, step_cost) if fixed is None else (fixed, 0.0)
+                    entry.probe_budget = self._paying_budget(per_draft, premium)
                 cost = (
                     draft_cost * num_drafted + step_cost if fixed is None else fixed * num_drafted
                 )
                 self._adapt(entry, num_drafted, num_accepted, cost)
+
+    def _paying_budget(self, per_draft: float, premium: float) -> int:
+        """The fewest drafts that pay for a verify pass if every one is accepted: each saves
+        a decoded token and costs `per_draft`, and the pass costs `premium` more (decoded
+        tokens' time); at most the configured budget."""
+        if per_draft >= 1.0:
+            return self.config.draft_budget
+        return min(self.config.draft_budget, math.floor(premium / (1.0 - per_draft)) + 1)
 
     def record_idle(self, rids: Sequence[int] | np.ndarray) -> None:
         """A step where no request of `rids` drafted (it ran as a decode pass):
@@ -246,7 +263,7 @@ class SpecStats:
         if entry.budget == 0:
             entry.idle_steps += 1
             if entry.idle_steps >= entry.probe_wait:
-                entry.budget, entry.idle_steps, entry.probing = 1, 0, True
+                entry.budget, entry.idle_steps, entry.probing = entry.probe_budget, 0, True
                 entry.probed, entry.run_loss = True, 0.0
 
     def _adapt(self, entry: _Adaptive, drafted: int, accepted: int, cost: float) -> None:
@@ -265,7 +282,8 @@ class SpecStats:
         full = len(entry.recent) >= cfg.adapt_window
         # A small budget cannot reach a large mean: its bar to grow is budget / 2.
         grow_at = max(cfg.shrink_below, min(cfg.grow_at_least, entry.budget / 2))
-        if (probing and accepted == 0) or entry.run_loss > cfg.max_run_loss:
+        failed = probing and (accepted == 0 or cost > accepted)  # it did not pay
+        if failed or entry.run_loss > cfg.max_run_loss:
             entry.budget = 0  # the probe failed, or the drafting since the last one lost
         elif loss > cfg.shrink_after_loss or (full and mean < cfg.shrink_below):
             entry.budget //= 2

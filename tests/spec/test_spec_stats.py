@@ -383,3 +383,28 @@ def test_drafting_that_keeps_losing_returns_to_the_root() -> None:
         assert (budgets[-1] == 0) == reaches_root, f"max_run_loss={limit}: budgets {budgets}"
         if reaches_root:  # 1.3 tokens lost a step: the fourth step passes 4.0
             assert len(budgets) == 4, budgets
+
+
+def test_a_probe_drafts_what_could_pay_for_its_pass_and_must_pay() -> None:
+    """A verify pass costing 2.3 decoded tokens more than a decode, a draft 0.05: a probe of
+    one draft could never pay, so probes draft floor(2.3 / 0.95) + 1 = 3. One that accepts
+    2 of them loses time and returns to the root; one that accepts all 3 pays and grows."""
+    config = SpecConfig(probe_interval=2, max_probe_interval=2)
+    stats = SpecStats(config)
+    stats.add(0)
+    while stats.budget(0):
+        stats.record(0, drafted=stats.budget(0), accepted=0, draft_cost=0.05, step_cost=2.3)
+    for accepted, after in ((2, 0), (3, 6)):
+        for _ in range(2):
+            stats.record(0, drafted=0, accepted=0)
+        assert stats.budget(0) == 3
+        stats.record(0, drafted=3, accepted=accepted, draft_cost=0.05, step_cost=2.3)
+        assert stats.budget(0) == after, f"accepted={accepted}"
+    # where a pass costs only its rows the probe is one draft, as before
+    free = SpecStats(config)
+    free.add(0)
+    while free.budget(0):
+        free.record(0, drafted=free.budget(0), accepted=0, draft_cost=0.05)
+    for _ in range(2):
+        free.record(0, drafted=0, accepted=0)
+    assert free.budget(0) == 1
