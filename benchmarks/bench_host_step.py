@@ -249,7 +249,7 @@ def main() -> None:
 
 def spec_against_plain(args: argparse.Namespace) -> None:
     """What speculation adds to the host's work a decode step where nothing is drafted (the
-    proposer, the trie's growth, the statistics, the cost model): two engines of this tree,
+    proposer, the histories' growth, the statistics, the cost model): two engines of this tree,
     without and with speculation, greedy on random prompts (few n-gram matches, as in chat).
     Their tokens differ once a verify pass draws the stub's logits a different number of
     times."""

@@ -40,7 +40,7 @@ STAGES = [
     (speculator.Speculator, "budgets", "budgets"),
     (NgramProposer, "propose_batch", "propose_batch"),
     (SpecStats, "record_batch", "stats.record_batch"),
-    (speculator.Speculator, "extend", "trie extend"),
+    (speculator.Speculator, "extend", "history extend"),
     (speculator.Speculator, "_verify", "verify walk (+ argmax fetch)"),
     (PassCost, "observe", "cost.observe"),
     (PassCost, "fit", "cost.fit"),

@@ -17,9 +17,11 @@ class SpecConfig:
     draft_budget (12): draft tokens per tree, not counting the root (the pending token).
     min_breadth (1) / max_breadth (6): children kept per tree node; the breadth falls linearly
         from max_breadth at a match of min_match tokens to min_breadth at max_match tokens.
-    capacity (65536): trie nodes kept per trie (each request's and the shared corpus'; about
-        capacity / max_trie_depth tokens of fresh text); past it, the least recently seen
-        windows are evicted down to half the capacity.
+    capacity (65536): trie nodes kept in the shared corpus' trie (about capacity /
+        max_trie_depth tokens of fresh text); past it, the least recently seen windows are
+        evicted down to half the capacity. A request's own history is kept whole (memory
+        O(its tokens), bounded by its context; no eviction), and a match reads the newest
+        capacity / max_trie_depth occurrences of the suffix's last min(min_match, 2) tokens.
     min_match (2) / max_match (6): suffix lengths tried, longest first.
     adaptive (True): shrink a request's draft budget when its recent acceptance is low, or
         when its rejected drafts cost more time than its accepted ones saved.

@@ -1,52 +1,47 @@
-"""The n-gram proposer: per-request tries (plus a shared corpus) and draft trees from them.
+"""The n-gram proposer: each request's occurrence index (plus a shared corpus trie) and draft
+trees from them.
 
-A draft grows best-first from the node matching the request's latest suffix: each candidate
-is scored by its path's continuation frequency, children ranked by count then recency.
+A draft grows best-first from the longest suffix of the request's tokens that occurred before
+with a continuation: each candidate is scored by its path's continuation frequency, children
+ranked by count then recency. A request's index costs O(1) a token; the matching is done when a
+draft is proposed. The corpus is a `Trie` (built once, bounded by `SpecConfig.capacity`).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from engine.spec.config import SpecConfig
+from engine.spec.grow import Continuations, TrieNodes, grow
+from engine.spec.occurrences import OccurrenceIndex
 from engine.spec.tree import DraftTree
 from engine.spec.trie import Trie
 from engine.state.batch import DraftTrees
 from engine.state.seqlens import INDEX_DTYPE
 
 
-class _RequestHistory:
-    __slots__ = ("tokens", "trie")
-
-    def __init__(self, config: SpecConfig) -> None:
-        self.tokens: list[int] = []
-        self.trie = Trie(config.max_trie_depth, config.capacity)
-
-    def add(self, tokens: Sequence[int]) -> None:
-        tokens = [int(t) for t in tokens]
-        if tokens and (min(tokens) < 0 or max(tokens) >= 1 << 32):
-            raise ValueError(f"tokens must be in [0, 2**32); got {min(tokens)}..{max(tokens)}")
-        self.trie.add(tokens)
-        self.tokens.extend(tokens)
-
-
 class NgramProposer:
-    """Draft trees for requests from the token windows they (and the corpus) have seen."""
+    """Draft trees for requests from the n-grams they (and the corpus) have seen."""
 
     def __init__(self, config: SpecConfig | None = None) -> None:
         self.config = config if config is not None else SpecConfig()
-        self._requests: dict[int, _RequestHistory] = {}
-        self._corpus: Trie | None = None
+        self._requests: dict[int, OccurrenceIndex] = {}
+        self._corpus: TrieNodes | None = None
         self._documents = 0
 
     # --- histories ----------------------------------------------------------------------
     def add_request(self, rid: int, prompt_tokens: Sequence[int]) -> None:
         if rid in self._requests:
             raise KeyError(f"request {rid} is already known to the proposer")
-        history = _RequestHistory(self.config)
+        cfg = self.config
+        history = OccurrenceIndex(
+            key_len=min(cfg.min_match, 2),
+            depth=cfg.max_trie_depth,
+            max_candidates=cfg.capacity // cfg.max_trie_depth,
+        )
         history.add(prompt_tokens)
         self._requests[rid] = history
 
@@ -61,10 +56,10 @@ class NgramProposer:
     def add_corpus(self, tokens: Sequence[int]) -> None:
         """Add one document to the shared corpus (windows never span two documents)."""
         if self._corpus is None:
-            self._corpus = Trie(self.config.max_trie_depth, self.config.capacity)
+            self._corpus = TrieNodes(Trie(self.config.max_trie_depth, self.config.capacity))
         self._documents += 1
-        self._corpus.add(tokens, stream=self._documents)
-        self._corpus.close(self._documents)
+        self._corpus.trie.add(tokens, stream=self._documents)
+        self._corpus.trie.close(self._documents)
 
     def __contains__(self, rid: int) -> bool:
         return rid in self._requests
@@ -72,10 +67,7 @@ class NgramProposer:
     def history(self, rid: int) -> list[int]:
         return list(self._history(rid).tokens)
 
-    def trie(self, rid: int) -> Trie:
-        return self._history(rid).trie
-
-    def _history(self, rid: int) -> _RequestHistory:
+    def _history(self, rid: int) -> OccurrenceIndex:
         history = self._requests.get(rid)
         if history is None:
             raise KeyError(f"request {rid} is not known to the proposer; add_request() first")
@@ -153,93 +145,46 @@ class NgramProposer:
         return budget
 
     def _draft(
-        self, history: _RequestHistory, tokens: Sequence[int], budget: int
+        self, history: OccurrenceIndex, tokens: Sequence[int], budget: int
     ) -> tuple[list[int], list[int], int] | None:
         """(drafts, their local parents, match length) below the longest matching suffix of
         `tokens`, or None where nothing is drafted (no budget, or no match)."""
         if budget == 0:
             return None
-        trie, node, match_len = self._match(history.trie, tokens)
-        if trie is None:
+        matched = self._match(history, tokens, budget)
+        if matched is None:
             return None
-        drafts, parents = _grow(trie, node, budget, self.config.breadth(match_len))
+        source, node, match_len = matched
+        drafts, parents = grow(source, node, budget, self.config.breadth(match_len))
         return drafts, parents, match_len
 
-    def _match(self, trie: Trie, tokens: Sequence[int]) -> tuple[Trie | None, int, int]:
-        """The trie and node of the longest suffix (max_match down to min_match) with a
-        continuation; the request's own trie first, then the corpus."""
+    def _match(
+        self, history: OccurrenceIndex, tokens: Sequence[int], budget: int
+    ) -> tuple[Continuations, Any, int] | None:
+        """(source, node, length) of the longest suffix of `tokens` (max_match down to
+        min_match) that occurred with a continuation, or None; at equal lengths the
+        request's own history before the corpus. A tree of `budget` drafts reads at most
+        `budget` tokens after each of the history's occurrences."""
         cfg = self.config
-        tries = (trie,) if self._corpus is None else (trie, self._corpus)
-        # Most steps of free text match nothing: when the shortest suffix has no continuation,
-        # no longer one has (a window holding a longer suffix and its next token holds the
-        # shorter suffix and that token too, and is no older), so the search ends at once.
-        if len(tokens) < cfg.min_match or not any(
-            _continues(source, tokens[len(tokens) - cfg.min_match :]) for source in tries
-        ):
-            return None, -1, 0
-        for match_len in range(min(cfg.max_match, len(tokens)), cfg.min_match - 1, -1):
-            suffix = tokens[len(tokens) - match_len :]
-            for source in tries:
-                node = source.find(suffix)
-                if node >= 0 and source.first_child[node] >= 0:
-                    return source, node, match_len
-        return None, -1, 0
+        if len(tokens) < cfg.min_match:
+            return None
+        longest = min(cfg.max_match, len(tokens))
+        own_len, own_ends = history.match(tokens, longest, cfg.min_match)
+        corpus = self._corpus
+        # When the shortest suffix has no continuation in the corpus, no longer one has (a
+        # window holding a longer suffix and its next token holds the shorter suffix and that
+        # token too, and is no older), so most steps of free text look it up once.
+        if corpus is not None and corpus.continues(corpus.trie.find(tokens[-cfg.min_match :])):
+            for match_len in range(longest, max(own_len, cfg.min_match - 1), -1):
+                node = corpus.trie.find(tokens[len(tokens) - match_len :])
+                if corpus.continues(node):
+                    return corpus, node, match_len
+        if own_len == 0:
+            return None
+        window = history.window(own_len, own_ends, width=budget)
+        return window, window.root, own_len
 
 
 def _check_rooted(rid: int, tokens: Sequence[int]) -> None:
     if not tokens:
         raise ValueError(f"request {rid} has no tokens to root a draft tree at")
-
-
-def _continues(trie: Trie, suffix: Sequence[int]) -> bool:
-    node = trie.find(suffix)
-    return node >= 0 and trie.first_child[node] >= 0
-
-
-def _ranked(trie: Trie, node: int, breadth: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """The children's counts summed (the windows through `node` that go on), and (count,
-    stamp, id) of the `breadth` most frequent children (newest first among equals)."""
-    count, stamp, next_sibling = trie.count, trie.stamp, trie.next_sibling
-    child = trie.first_child[node]
-    if next_sibling[child] < 0:
-        only = count[child]
-        return only, [(only, stamp[child], child)]
-    ranked = []
-    total = 0
-    while child >= 0:
-        child_count = count[child]
-        total += child_count
-        ranked.append((child_count, stamp[child], child))
-        child = next_sibling[child]
-    if len(ranked) <= 2 * breadth:
-        ranked.sort(reverse=True)
-        return total, ranked[:breadth]
-    return total, heapq.nlargest(breadth, ranked)
-
-
-def _grow(trie: Trie, matched: int, budget: int, breadth: int) -> tuple[list[int], list[int]]:
-    """Best-first expansion below node `matched`: (draft tokens, their local parents), where
-    local 0 is the root; every parent precedes its children."""
-    drafts: list[int] = []
-    parents: list[int] = []
-    # Heap entries: (-path frequency, push order, node id, parent local id).
-    frontier: list[tuple[float, int, int, int]] = []
-    pushed = 0
-    first_child, token = trie.first_child, trie.token
-
-    def push_children(node: int, local: int, path_score: float) -> None:
-        nonlocal pushed
-        child_total, ranked = _ranked(trie, node, breadth)
-        scale = path_score / child_total
-        for count, _, child in ranked:
-            heapq.heappush(frontier, (-scale * count, pushed, child, local))
-            pushed += 1
-
-    push_children(matched, 0, 1.0)
-    while frontier and len(drafts) < budget:
-        negative_score, _, node, parent_local = heapq.heappop(frontier)
-        drafts.append(token[node])
-        parents.append(parent_local)
-        if first_child[node] >= 0:
-            push_children(node, len(drafts), -negative_score)
-    return drafts, parents

@@ -177,8 +177,9 @@ def test_every_tree_respects_budget_and_is_seen(
 def test_a_suffix_without_a_shorter_match_has_no_longer_one(
     history, corpus, min_match, extra, capacity
 ) -> None:
-    """The proposer stops when the shortest suffix has no continuation. Searched longest
-    first without that stop (as before it), every match is the same, eviction included."""
+    """The proposer looks the corpus up beyond its shortest suffix only when that one has a
+    continuation. Searched longest first without that stop, the request's history before the
+    corpus at each length, every match is the same, the corpus' eviction included."""
     config = SpecConfig(
         max_trie_depth=8, min_match=min_match, max_match=min_match + extra, capacity=capacity
     )
@@ -190,16 +191,20 @@ def test_a_suffix_without_a_shorter_match_has_no_longer_one(
         tokens = history[:position]
         if position > 1:
             proposer.extend(0, tokens[-1:])
-        history_trie = proposer._history(0).trie
-        tries = [history_trie] + ([proposer._corpus] if corpus else [])
-        expected = (None, -1, 0)
+        expected = None
         for length in range(min(config.max_match, len(tokens)), min_match - 1, -1):
-            found = [(t, t.find(tokens[-length:])) for t in tries]
-            hit = next(((t, n) for t, n in found if n >= 0 and t.first_child[n] >= 0), None)
-            if hit is not None:
-                expected = (hit[0], hit[1], length)
+            suffix = tokens[-length:]
+            if occurs(tokens[:-1], suffix):  # followed by a token
+                expected = ("history", length)
                 break
-        assert proposer._match(history_trie, tokens) == expected
+            if corpus and proposer._corpus.continues(proposer._corpus.trie.find(suffix)):
+                expected = ("corpus", length)
+                break
+        matched = proposer._match(proposer._history(0), tokens, budget=12)
+        found = None
+        if matched is not None:
+            found = ("corpus" if matched[0] is proposer._corpus else "history", matched[2])
+        assert found == expected
 
 
 def test_total_drafts_go_in_order_and_unused_ones_pass_on() -> None:
