@@ -127,7 +127,7 @@ class Speculator:
     def observe(self, rows: int, started: float, verify: bool = False) -> None:
         """Fit the pass's time, unless the cost is fixed (configured, or not adapting)."""
         if self.config.draft_cost is None and self.config.adaptive:
-            self.cost.observe(rows, time.perf_counter() - started, verify)
+            self.cost.observe_step(rows, time.perf_counter() - started, verify)
 
     def _verify(
         self, batch: state.Batch, uids: list[int], params: list, logits: torch.Tensor

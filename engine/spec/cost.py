@@ -48,6 +48,7 @@ class PassCost:
         self._sums = [[0.0] * 5, [0.0] * 5]
         self._fit: Fit | None = None
         self._fitted = True  # _fit is current
+        self._verify_step: tuple[int, float] | None = None  # (rows, seconds): `observe_step`
 
     def observe(self, rows: int, seconds: float, verify: bool = False) -> None:
         """One forward pass of `rows` query rows (requests plus their draft nodes); `verify`:
@@ -64,6 +65,43 @@ class PassCost:
         sums[3] = decay * sums[3] + t
         sums[4] = decay * sums[4] + r * t
         self._fitted = False
+
+    def observe_step(self, rows: int, seconds: float, verify: bool = False) -> None:
+        """An engine step's time (propose to commit) and its pass's rows. A verify step is
+        observed with the step after it: nothing was launched ahead during the verify pass
+        (the next pass is planned and launched after its walk), so a decode step after it
+        takes longer than a decode step; that time beyond the decode the fit expects is the
+        verify step's too, and that decode is not observed as one. A verify step after a
+        verify step is observed alone."""
+        verify_step, self._verify_step = self._verify_step, None
+        if verify:
+            if verify_step is not None:
+                self.observe(*verify_step, verify=True)
+            self._verify_step = (rows, seconds)
+            return
+        if verify_step is None:
+            self.observe(rows, seconds)
+            return
+        expected = self._decode_seconds(rows)
+        if expected is None:  # nothing to tell the decode's extra by: both as they are
+            self.observe(*verify_step, verify=True)
+            self.observe(rows, seconds)
+            return
+        extra = max(0.0, seconds - expected)
+        self.observe(verify_step[0], verify_step[1] + extra, verify=True)
+
+    def _decode_seconds(self, rows: int) -> float | None:
+        """A decode pass of `rows` rows, from the decode passes alone (the full fit moves
+        with the verify passes, which this is about to add to): their least-squares line in
+        rows where their rows differ, else their (decayed) mean; None before any."""
+        n, r, rr, t, rt = self._sums[0]
+        if n <= 0:
+            return None
+        spread = n * rr - r * r  # n^2 times the rows' variance
+        if spread <= 1e-9 * n * rr:  # one row count (batch 1): the mean
+            return t / n
+        per_row = (n * rt - r * t) / spread
+        return max(0.0, (t - per_row * r) / n + per_row * rows)
 
     def _normal(self, kind: int) -> tuple[list[list[float]], list[float]]:
         """The kind's sums of w * f f^T (3 x 3) and w * f * seconds (3), f = (1, rows, kind)."""

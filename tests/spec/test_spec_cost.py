@@ -74,6 +74,35 @@ def test_a_verify_pass_premium_is_told_apart_from_its_rows() -> None:
     assert premium == 0.0 and per_row == pytest.approx(0.0022 / 12)
 
 
+def test_a_verify_step_is_charged_the_slower_decode_step_after_it() -> None:
+    """A GPU at batch 1: a decode step 1.4 ms (its pass launched during the step before), a
+    verify step 3.5 ms plus 0.02 ms a row, and the decode step after it 2.4 ms (nothing was
+    launched during the verify pass). The verify step costs its own premium and that 1.0 ms
+    more: 3.12 ms, 2.2 decoded tokens. Observed pass by pass, the slow decodes raise the
+    decode's fixed part and the premium reads about half that (1.1 tokens)."""
+    steps, passes = PassCost(), PassCost()
+    for rows in [2, 13, 4, 7, 3, 13, 2, 9]:
+        for cost in (steps, passes):
+            observe = cost.observe_step if cost is steps else cost.observe
+            for _ in range(3):
+                observe(1, 0.0014)
+            observe(rows, 0.0035 + 0.00002 * rows, verify=True)
+            observe(1, 0.0024)
+    fixed, per_row, premium = steps.fit()
+    assert fixed + per_row == pytest.approx(0.0014)
+    assert per_row == pytest.approx(0.00002) and premium == pytest.approx(0.00312, rel=0.02)
+    assert steps.verify_premium(1) == pytest.approx(2.2, rel=0.02)
+    assert passes.verify_premium(1) < 1.2
+    # a verify step after a verify step is its own; the one before is observed alone
+    chained = PassCost()
+    for rows in [2, 13, 4, 7]:
+        chained.observe_step(1, 0.0014)
+        chained.observe_step(rows, 0.0035 + 0.00002 * rows, verify=True)
+        chained.observe_step(rows, 0.0035 + 0.00002 * rows, verify=True)
+    chained.observe_step(1, 0.0014)
+    assert chained.fit().verify_premium == pytest.approx(0.0035 - 0.0014 + 0.00002, rel=0.02)
+
+
 def test_a_long_run_of_one_kind_keeps_what_the_other_costs() -> None:
     """Copy-heavy text at batch 1 verifies every step for hundreds of steps, and free text
     decodes for thousands: each kind's passes decay only with passes of their own kind, so
