@@ -12,8 +12,9 @@ from engine.state.params import check_field, is_int, is_number
 class SpecConfig:
     """How drafts are proposed and how their size adapts.
 
-    max_trie_depth (16): length of the token windows kept in the trie; a match of length L
-        leaves at most max_trie_depth - L tokens of draft depth.
+    max_trie_depth (16): the longest n-gram a draft reads (a match and the tokens after it,
+        as in a trie of every window of this many tokens); a match of length L leaves at
+        most max_trie_depth - L tokens of draft depth.
     draft_budget (12): draft tokens per tree, not counting the root (the pending token).
     min_breadth (1) / max_breadth (6): children kept per tree node; the breadth falls linearly
         from max_breadth at a match of min_match tokens to min_breadth at max_match tokens.
