@@ -63,7 +63,8 @@ def test_steps_without_any_draft_run_as_plain_decode(monkeypatch):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     plain = _engine(speculative=False).generate(prompts, params)
     engine = _engine(speculative=True)
-    monkeypatch.setattr(engine.spec, "budgets", lambda running: np.zeros(len(running), np.int64))
+    zeros = lambda running, adaptive=None: np.zeros(len(running), np.int64)  # noqa: E731
+    monkeypatch.setattr(engine.spec, "budgets", zeros)
     out = engine.generate(prompts, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     modes = {mode for mode, _ in engine.step_times}
