@@ -72,12 +72,9 @@ class Speculator:
         return stats
 
     # --- one verify step -----------------------------------------------------------------------
-    def budgets(self, running: Running, adaptive: list[int] | None = None) -> np.ndarray:
-        """Adaptive budget (`adaptive`: the requests' own, if read already), cut so the tree
-        fits the context and the tokens still allowed."""
-        if adaptive is None:
-            budget = self.stats.budget
-            adaptive = [budget(u) for u in running.rids.tolist()]
+    def budgets(self, running: Running, adaptive: list[int]) -> np.ndarray:
+        """The requests' adaptive budgets (`adaptive`, in batch order), cut so each tree fits
+        the context and the tokens still allowed."""
         room_context = running.max_context - running.kv_lens.lens - 1
         room_output = running.rules.max_new - running.num_output - 1
         cut = np.minimum(np.array(adaptive, dtype=np.int64), np.minimum(room_context, room_output))

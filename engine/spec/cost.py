@@ -97,11 +97,10 @@ class PassCost:
         n, r, rr, t, rt = self._sums[0]
         if n <= 0:
             return None
-        spread = n * rr - r * r  # n^2 times the rows' variance
-        if spread <= 1e-9 * n * rr:  # one row count (batch 1): the mean
+        line = _solve([[n, r], [r, rr]], [t, rt])
+        if line is None:  # one row count (batch 1): the mean
             return t / n
-        per_row = (n * rt - r * t) / spread
-        return max(0.0, (t - per_row * r) / n + per_row * rows)
+        return max(0.0, line[0] + line[1] * rows)
 
     def _normal(self, kind: int) -> tuple[list[list[float]], list[float]]:
         """The kind's sums of w * f f^T (3 x 3) and w * f * seconds (3), f = (1, rows, kind)."""
