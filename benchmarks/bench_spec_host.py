@@ -38,7 +38,7 @@ from engine.state import SamplingParams
 # (owner, attribute, label): the stages timed, each its own calls' wall time
 STAGES = [
     (speculator.Speculator, "budgets", "budgets"),
-    (NgramProposer, "propose_batch", "propose_batch"),
+    (NgramProposer, "draft_batch", "draft_batch"),
     (SpecStats, "record_batch", "stats.record_batch"),
     (speculator.Speculator, "extend", "history extend"),
     (speculator.Speculator, "_verify", "verify walk (+ argmax fetch)"),

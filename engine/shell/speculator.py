@@ -89,17 +89,18 @@ class Speculator:
         """A draft tree per request (a root alone where nothing matches); its drafts, all
         trees together, fit in `free_slots` beside one token per request. None where no
         request drafts (most steps of free text): no trees are built then, and where every
-        budget is 0 (requests that gain nothing from drafting) the proposer is not asked."""
-        budget = self.stats.budget
-        adaptive = [budget(u) for u in running.rids.tolist()]
-        if not any(adaptive):
-            return None
-        trees = self.proposer.propose_batch(
-            running.rids.tolist(),
+        budget is 0 (requests that gain nothing from drafting) or no request's last tokens
+        occurred before (`NgramProposer.may_draft`) the proposer is not asked for trees."""
+        budget, may_draft = self.stats.budget, self.proposer.may_draft
+        rids = running.rids.tolist()
+        adaptive = [budget(u) for u in rids]
+        if not any(b and may_draft(u) for u, b in zip(rids, adaptive, strict=True)):
+            return None  # no budget, or no request's last tokens occurred before
+        return self.proposer.draft_batch(
+            rids,
             self.budgets(running, adaptive).tolist(),
             total_drafts=max(free_slots - len(running), 0),
         )
-        return None if trees.sizes.total == len(running) else trees
 
     def verify(
         self, batch: state.Batch, params: list, logits: torch.Tensor | np.ndarray

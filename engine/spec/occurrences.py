@@ -61,6 +61,19 @@ class OccurrenceIndex:
             else:
                 found.append(end)
 
+    def occurred(self, context: Sequence[int]) -> bool:
+        """Whether the last `key_len` tokens of `context` occurred here with a token after
+        them: a match needs it (one lookup)."""
+        if len(context) < self.key_len:
+            return False
+        last = context[-1]
+        if not 0 <= last < _TOKEN_LIMIT:
+            return False
+        if self.key_len == 1:
+            return last in self._ends
+        first = context[-2]
+        return 0 <= first < _TOKEN_LIMIT and (first << 32) | last in self._ends
+
     def match(self, context: Sequence[int], longest: int, shortest: int) -> tuple[int, Any]:
         """The longest suffix of `context` (`longest` down to `shortest` >= key_len tokens)
         that occurs here followed by a token: its length and the ends of its occurrences

@@ -89,6 +89,22 @@ class NgramProposer:
         drafts, parents, match_len = grown
         return DraftTree([int(tokens[-1]), *drafts], [-1, *parents], match_len)
 
+    def may_draft(self, rid: int) -> bool:
+        """Whether a draft for the request could match now: its last key occurred before with
+        a token after it, or the corpus continues its last `min_match` tokens. False means
+        no budget drafts anything (`propose` gives a root alone); one lookup each, so most
+        steps of free text end here."""
+        history = self._history(rid)
+        tokens = history.tokens
+        if len(tokens) < self.config.min_match:
+            return False
+        if history.occurred(tokens):
+            return True
+        corpus = self._corpus
+        return corpus is not None and corpus.continues(
+            corpus.trie.find(tokens[-self.config.min_match :])
+        )
+
     def propose_batch(
         self,
         rids: Sequence[int],
@@ -99,6 +115,20 @@ class NgramProposer:
         request's last known token, which must be its pending token). `total_drafts`: at
         most this many drafts in all, handed out in order, so that what one request's tree
         does not use (no match, a short one) goes to the next."""
+        trees = self.draft_batch(rids, budgets, total_drafts)
+        if trees is None:
+            roots = [self._history(int(rid)).tokens[-1] for rid in rids]
+            return DraftTrees.roots_only(np.array(roots, dtype=INDEX_DTYPE))
+        return trees
+
+    def draft_batch(
+        self,
+        rids: Sequence[int],
+        budgets: Sequence[int] | None = None,
+        total_drafts: int | None = None,
+    ) -> DraftTrees | None:
+        """`propose_batch`, or None where no request drafts (no tree beyond its root is
+        built then)."""
         if budgets is not None and len(budgets) != len(rids):
             raise ValueError(f"{len(budgets)} budgets for {len(rids)} requests")
         if total_drafts is not None and total_drafts < 0:
@@ -131,7 +161,7 @@ class NgramProposer:
             if left is not None:
                 left -= len(drafts)
         if len(tokens) == len(sizes):  # most steps of free text: roots only
-            return DraftTrees.roots_only(np.array(tokens, dtype=INDEX_DTYPE))
+            return None
         return DraftTrees.from_flat(sizes, tokens, parents)
 
     def _checked_budget(self, budget: int | None) -> int:

@@ -254,8 +254,9 @@ def test_a_draft_less_step_records_statistics_only_if_it_decodes(assert_all_free
     nothing (recording before the pass, as before its reservation, would count it)."""
     prompts, params, expected, tight = _tight_pool_case()
     spec = tight.spec
-    propose = spec.proposer.propose_batch
-    spec.proposer.propose_batch = lambda rids, budgets, **kw: propose(rids, [0] * len(rids))
+    spec.proposer.may_draft = lambda rid: True  # asked for trees every step
+    draft = spec.proposer.draft_batch
+    spec.proposer.draft_batch = lambda rids, budgets, **kw: draft(rids, [0] * len(rids))
     recorded: list[int] = []
     record_batch, record_idle = spec.stats.record_batch, spec.stats.record_idle
 
@@ -290,7 +291,7 @@ def test_requests_at_budget_zero_are_not_proposed_for(assert_all_free):
     def refuse(*args, **kwargs):
         raise AssertionError("the proposer was asked for trees at budget 0")
 
-    spec.proposer.propose_batch = refuse
+    spec.proposer.draft_batch = spec.proposer.may_draft = refuse
     requests, modes = _run_checked(engine, prompts, params)
     assert _outputs(requests) == expected
     assert set(modes) == {"decode"}

@@ -266,6 +266,33 @@ def test_propose_batch_equals_one_tree_per_request_stacked(
     assert trees.sizes == reference.sizes
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    history=st.lists(st.integers(0, 6), min_size=1, max_size=30),
+    corpus=st.lists(st.integers(0, 6), min_size=1, max_size=20) | st.none(),
+    min_match=st.integers(1, 3),
+)
+def test_a_request_that_may_not_draft_drafts_nothing(
+    history: list[int], corpus: list[int] | None, min_match: int
+) -> None:
+    """`may_draft` False: no budget grows a tree beyond its root, and `draft_batch` builds
+    none; True where a tree grows at some budget (a shorter match than `min_match` may
+    still leave it a root)."""
+    config = SpecConfig(max_trie_depth=6, min_match=min_match, max_match=4, capacity=144)
+    proposer = NgramProposer(config)
+    if corpus is not None:
+        proposer.add_corpus(corpus)
+    proposer.add_request(0, history)
+    grows = len(proposer.propose(0, budget=12).tokens) > 1
+    if not proposer.may_draft(0):
+        assert not grows
+        assert proposer.draft_batch([0], [12]) is None
+        assert proposer.propose_batch([0], [12]).sizes.total == 1
+    elif min_match <= 2:  # the key is the whole shortest match: a hit always drafts
+        assert grows
+    assert (proposer.draft_batch([0], [12]) is None) == (not grows)
+
+
 def reference_tree(history: list[int], config: SpecConfig, budget: int) -> DraftTree:
     """The draft tree, told from the history alone (no trie): a gram's continuations are the
     windows of up to `max_trie_depth` tokens that hold it and one more token, each ranked by
