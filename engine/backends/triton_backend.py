@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import triton
 
+from engine.backends import triton_index
 from engine.backends.base import (
     AttentionBackend,
     BufferTooSmall,
@@ -150,11 +151,14 @@ class TritonBackend(AttentionBackend):
         padded_batch_size: int | None = None,
         padded_num_tokens: int | None = None,
         num_splits: int | None = None,
+        indices_in_pass: bool = False,
     ) -> ForwardMetadata:
         """Metadata for one pass; with `buffers`, filled in place for a CUDA graph.
         `padded_num_tokens` (eager too): the pass runs that many tokens, its padding tokens
         after the batch's (their K/V to the padding slot, their outputs zeros).
-        `num_splits` overrides the decode/verify split count (tests, tuning)."""
+        `num_splits` overrides the decode/verify split count (tests, tuning).
+        `indices_in_pass` (with `buffers`): kv_indices is not built here but by the pass
+        itself (`build_kv_indices`, captured in its graph: no launch from the host a pass)."""
         table = self.pool.req_to_token
         if batch.running.max_context > table.shape[1]:
             raise ValueError(
@@ -162,7 +166,11 @@ class TritonBackend(AttentionBackend):
                 f"request table width {table.shape[1]}"
             )
         if buffers is not None:
-            return self._plan_into(batch, buffers, padded_batch_size, padded_num_tokens, num_splits)
+            return self._plan_into(
+                batch, buffers, padded_batch_size, padded_num_tokens, num_splits, indices_in_pass
+            )
+        if indices_in_pass:
+            raise ValueError("indices_in_pass applies to graph buffers; an eager plan builds them")
         if padded_batch_size is not None:
             raise ValueError("padded_batch_size applies to graph buffers; an eager plan has none")
         device = table.device
@@ -206,6 +214,7 @@ class TritonBackend(AttentionBackend):
         padded_batch_size: int | None,
         padded_num_tokens: int | None,
         num_splits: int | None,
+        indices_in_pass: bool,
     ) -> ForwardMetadata:
         mode = batch.mode
         if mode not in (Mode.DECODE, Mode.VERIFY):
@@ -241,17 +250,18 @@ class TritonBackend(AttentionBackend):
                 f"batch needs seq_lens.total = {total}"
             )
         views = self._fill(buffers, batch, padded, num_tokens)
-        build_kv_indices_into(
-            self.pool.req_to_token,
-            views["rows"],
-            views["prefix_lens"],
-            views["kv_indptr"],
-            views["qo_indptr"],
-            views["out_slots"],
-            buffers.kv_indices,
-            total,
-            batch.seq_lens.max,
-        )
+        if not indices_in_pass:
+            build_kv_indices_into(
+                self.pool.req_to_token,
+                views["rows"],
+                views["prefix_lens"],
+                views["kv_indptr"],
+                views["qo_indptr"],
+                views["out_slots"],
+                buffers.kv_indices,
+                total,
+                batch.seq_lens.max,
+            )
         if num_splits is None:
             num_splits = choose_num_splits(
                 padded,
@@ -259,7 +269,7 @@ class TritonBackend(AttentionBackend):
                 self.pool.req_to_token.shape[1],
                 _num_sms(buffers.kv_indices.device),
             )
-        views.pop("rows")
+        rows = views.pop("rows")
         tree_bits = views.pop("tree_bits")
         return ForwardMetadata(
             mode=mode,
@@ -272,8 +282,28 @@ class TritonBackend(AttentionBackend):
                 "max_q": per_request,
                 "graph": True,
                 "counters": buffers.merge_counters,
+                "rows": rows,
             },
             **views,
+        )
+
+    def build_kv_indices(self, metadata: ForwardMetadata) -> None:
+        """Fill a graph plan's kv_indices (planned with `indices_in_pass`) on the device, from
+        its staged arrays and the request table. Its launch shape depends only on the padded
+        batch and the table's width, so a captured pass does it at each replay."""
+        if not metadata.extra.get("graph"):
+            raise ValueError("build_kv_indices fills a graph plan's kv_indices; this plan is eager")
+        table = self.pool.req_to_token
+        triton_index.launch_kv_indices(
+            table,
+            metadata.extra["rows"],
+            metadata.prefix_lens,
+            metadata.kv_indptr,
+            metadata.qo_indptr,
+            metadata.out_slots,
+            metadata.kv_indices,
+            metadata.kv_indices.numel(),
+            table.shape[1],  # the longest a request can be: any replay's lengths fit
         )
 
     def _fill(

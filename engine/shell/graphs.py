@@ -3,7 +3,9 @@
 One graph per padded batch size P (decode: P tokens; verify: P * max_tree_nodes tokens),
 sharing one memory pool and one set of static backend buffers. Before each replay the backend
 plans into those buffers (outside the graph) and the inputs are copied into static tensors;
-padding requests own nothing and padding tokens write K/V to the padding slot. On a machine
+the pass's kv indices are built inside the graph from those buffers (where the backend can:
+`build_kv_indices`), so a replay launches one graph and nothing else. Padding requests own
+nothing and padding tokens write K/V to the padding slot. On a machine
 without CUDA the same static path runs eagerly (`capture=False`), so it is tested on CPU.
 Each graph's launches run under the PDL setting `pdl.for_pass` gives its pass.
 """
@@ -72,6 +74,9 @@ class GraphRunner:
         self.buffers = backend.graph_buffers(
             max_batch, max_tokens, max_batch * max_context, max_tree_nodes=max(self.per_request, 1)
         )
+        # a backend whose passes can build their own kv indices: each replay does, on the
+        # device (a plan then launches nothing)
+        self.indices_in_pass = hasattr(backend, "build_kv_indices")
         self.graphs = {size: _Graph(size, size * self.per_request, device) for size in self.sizes}
         self.pdl = {size: pdl.for_pass(self._one_row_products(size)) for size in self.sizes}
         # Capture allocates from torch's caching allocator; without it (as under memcheck with
@@ -111,15 +116,19 @@ class GraphRunner:
 
     def _forward(self, graph: _Graph, metadata: object) -> torch.Tensor:
         with pdl.using(self.pdl[graph.batch_size]):
+            if self.indices_in_pass:
+                self.backend.build_kv_indices(metadata)
             hidden = self.model(graph.input_ids, graph.positions, metadata, self.backend)
             return self.model.logits(hidden)
 
     def _plan(self, graph: _Graph, batch: Batch) -> object:
+        in_pass = {"indices_in_pass": True} if self.indices_in_pass else {}
         return self.backend.plan(
             batch,
             buffers=self.buffers,
             padded_batch_size=graph.batch_size,
             padded_num_tokens=graph.num_tokens,
+            **in_pass,
         )
 
     def _capture_all(self, device: torch.device) -> None:

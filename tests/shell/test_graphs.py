@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import pdl
+from engine.backends import triton_index
 from engine.ops import gemv
 from engine.shell.engine import Engine
 from engine.shell.graphs import GraphRunner, default_batch_sizes
@@ -139,3 +140,50 @@ def test_graph_path_equals_eager_path_with_padding_and_overflow(speculative):
     for engine in (graphed, overflow):
         engine.check()
         assert engine.book.num_available == engine.book.slots.capacity
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_graph_pass_builds_its_kv_indices_in_the_pass(monkeypatch, speculative):
+    """Planning a graph pass stages its arrays and launches nothing: its kv indices are
+    built by the pass (inside the captured graph), once a replay, so outputs are the eager
+    path's. Uncaptured here, so each replay runs the forward and is counted."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _prompts(3)
+    eager = _engine(speculative=speculative, draft_budget=4).generate(prompts, params)
+    engine = _engine(speculative=speculative, draft_budget=4)
+    runner = engine.runner
+    runner.graphs = [GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=False)]
+    if speculative:
+        runner.graphs.append(
+            GraphRunner(runner.model, runner.backend, Mode.VERIFY, 4, 5, capture=False)
+        )
+    launches: list[str] = []
+    where = ["host"]
+    real_launch = triton_index.launch_kv_indices
+
+    def launch(*args, **kwargs):
+        launches.append(where[0])
+        return real_launch(*args, **kwargs)
+
+    for graphs in runner.graphs:
+        graphs_prepare, graphs_replay = graphs.prepare, graphs.replay
+
+        def prepare(*args, real=graphs_prepare):
+            where[0] = "plan"
+            try:
+                return real(*args)
+            finally:
+                where[0] = "host"
+
+        def replay(*args, real=graphs_replay):
+            where[0] = "replay"
+            try:
+                return real(*args)
+            finally:
+                where[0] = "host"
+
+        graphs.prepare, graphs.replay = prepare, replay
+    monkeypatch.setattr(triton_index, "launch_kv_indices", launch)  # eager plans' and passes'
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager]
+    assert "replay" in launches, "no graph pass built its kv indices"
+    assert "plan" not in launches, "a graph plan launched the kv-index kernel"
