@@ -165,24 +165,19 @@ def test_a_graph_pass_builds_its_kv_indices_in_the_pass(monkeypatch, speculative
         launches.append(where[0])
         return real_launch(*args, **kwargs)
 
+    def inside(real, label: str):  # `real`, with launches in it counted as `label`'s
+        def marked(*args):
+            where[0] = label
+            try:
+                return real(*args)
+            finally:
+                where[0] = "host"
+
+        return marked
+
     for graphs in runner.graphs:
-        graphs_prepare, graphs_replay = graphs.prepare, graphs.replay
-
-        def prepare(*args, real=graphs_prepare):
-            where[0] = "plan"
-            try:
-                return real(*args)
-            finally:
-                where[0] = "host"
-
-        def replay(*args, real=graphs_replay):
-            where[0] = "replay"
-            try:
-                return real(*args)
-            finally:
-                where[0] = "host"
-
-        graphs.prepare, graphs.replay = prepare, replay
+        graphs.prepare = inside(graphs.prepare, "plan")
+        graphs.replay = inside(graphs.replay, "replay")
     monkeypatch.setattr(triton_index, "launch_kv_indices", launch)  # eager plans' and passes'
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager]
     assert "replay" in launches, "no graph pass built its kv indices"
