@@ -125,6 +125,26 @@ def test_graph_buffers_refuse_extend_and_large_trees() -> None:
         backend.plan(verify_case.batch, buffers=backend.graph_buffers(2, 8, 64, 4))
 
 
+def test_kv_indices_built_in_the_pass_are_the_plans() -> None:
+    """A graph plan with `indices_in_pass` stages its arrays and leaves kv_indices alone;
+    `build_kv_indices` then fills them as the plan without it does. Eager plans refuse
+    both (their indices are built by the plan)."""
+    case = make_case("decode", [7, 30, 2], [1] * 3, 1, 4, 64, DTYPE, seed=27)
+    backend = TritonBackend(case.pool)
+    built = backend.graph_buffers(max_batch=4, max_tokens=4, max_kv_tokens=256)
+    reference = backend.plan(case.batch, buffers=built, padded_batch_size=4)
+    expected = reference.kv_indices[: case.batch.seq_lens.total].clone()
+    buffers = backend.graph_buffers(max_batch=4, max_tokens=4, max_kv_tokens=256)
+    meta = backend.plan(case.batch, buffers=buffers, padded_batch_size=4, indices_in_pass=True)
+    assert (buffers.kv_indices == 0).all(), "the plan built kv indices"
+    backend.build_kv_indices(meta)
+    assert torch.equal(buffers.kv_indices[: case.batch.seq_lens.total], expected)
+    with pytest.raises(ValueError, match="an eager plan builds them"):
+        backend.plan(case.batch, indices_in_pass=True)
+    with pytest.raises(ValueError, match="this plan is eager"):
+        backend.build_kv_indices(backend.plan(case.batch))
+
+
 @pytest.mark.parametrize("mode", ["decode", "verify"])
 def test_replay_with_a_new_plan(mode: str) -> None:
     """Capture at padded size 4 with one batch, re-plan another batch into the same buffers
