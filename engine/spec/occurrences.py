@@ -64,24 +64,23 @@ class OccurrenceIndex:
     def occurred(self, context: Sequence[int]) -> bool:
         """Whether the last `key_len` tokens of `context` occurred here with a token after
         them: a match needs it (one lookup)."""
+        return self._found(context) is not None
+
+    def _found(self, context: Sequence[int]) -> array[int] | None:
+        """The ends of the occurrences of the last `key_len` tokens of `context` that a token
+        follows, or None (none, or too few tokens)."""
         if len(context) < self.key_len:
-            return False
-        last = context[-1]
-        if not 0 <= last < _TOKEN_LIMIT:
-            return False
-        if self.key_len == 1:
-            return last in self._ends
-        first = context[-2]
-        return 0 <= first < _TOKEN_LIMIT and (first << 32) | last in self._ends
+            return None
+        last = [int(t) for t in context[len(context) - self.key_len :]]
+        if not all(0 <= t < _TOKEN_LIMIT for t in last):  # (a key packs two 32-bit tokens)
+            return None
+        return self._ends.get((last[0] << 32) | last[1] if self.key_len == 2 else last[0])
 
     def match(self, context: Sequence[int], longest: int, shortest: int) -> tuple[int, Any]:
         """The longest suffix of `context` (`longest` down to `shortest` >= key_len tokens)
         that occurs here followed by a token: its length and the ends of its occurrences
         (ascending: a list of a few, else an array), or 0 and no ends where none does."""
-        last = [int(t) for t in context[len(context) - self.key_len :]]
-        if not all(0 <= t < _TOKEN_LIMIT for t in last):  # (a key packs two 32-bit tokens)
-            return 0, []
-        found = self._ends.get((last[0] << 32) | last[1] if self.key_len == 2 else last[0])
+        found = self._found(context)
         if found is None:
             return 0, []
         suffix = [int(t) for t in context[len(context) - longest :]]

@@ -100,9 +100,15 @@ class NgramProposer:
             return False
         if history.occurred(tokens):
             return True
+        return self._corpus_continues(tokens)
+
+    def _corpus_continues(self, tokens: Sequence[int]) -> bool:
+        """Whether the corpus has a continuation of the last `min_match` tokens. Where it has
+        none, no longer suffix has one (a window holding a longer suffix and its next token
+        holds the shorter suffix and that token too, and is no older)."""
         corpus = self._corpus
         return corpus is not None and corpus.continues(
-            corpus.trie.find(tokens[-self.config.min_match :])
+            corpus.trie.find(tokens[len(tokens) - self.config.min_match :])
         )
 
     def propose_batch(
@@ -201,10 +207,8 @@ class NgramProposer:
         longest = min(cfg.max_match, len(tokens))
         own_len, own_ends = history.match(tokens, longest, cfg.min_match)
         corpus = self._corpus
-        # When the shortest suffix has no continuation in the corpus, no longer one has (a
-        # window holding a longer suffix and its next token holds the shorter suffix and that
-        # token too, and is no older), so most steps of free text look it up once.
-        if corpus is not None and corpus.continues(corpus.trie.find(tokens[-cfg.min_match :])):
+        # most steps of free text look the corpus up once (`_corpus_continues`)
+        if corpus is not None and self._corpus_continues(tokens):
             for match_len in range(longest, max(own_len, cfg.min_match - 1), -1):
                 node = corpus.trie.find(tokens[len(tokens) - match_len :])
                 if corpus.continues(node):
