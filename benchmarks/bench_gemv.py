@@ -17,10 +17,11 @@ kernel that loads each weight tile once for every row (`gemv.rows_config`).
 `--fused` times instead the products that follow a norm (qkv, gate_up: RMSNorm with the
 residual add) or SiLU*mul (down): the op then `linear` (two launches) against the kernel
 with the op inside it (`norm_gemv`, `silu_gemv`: one launch, as `linear_config` and, for the
-norm, `norm_config` launch it), where the kernel takes the product; and the gate_up product
-then SiLU*mul against the all-rows kernel with SiLU*mul after its products (`gemv_silu`);
-and says which of the two the op set runs (`norm_linear`, `silu_mul_linear`,
-`linear_silu_mul`).
+one-row norm, `norm_config` launch it), where the kernel takes the product (in the all-rows
+kernel, float32 rows: the norm, with SiLU*mul after gate_up, `norm_gemv_silu`, against the
+norm then `linear_silu_mul`); and the gate_up product then SiLU*mul against the all-rows
+kernel with SiLU*mul after its products (`gemv_silu`); and says which of the two the op set
+runs (`norm_linear`, `silu_mul_linear`, `linear_silu_mul`, `norm_linear_silu_mul`).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
         norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
         for rows in rows_list:
-            config = gemv.linear_config(rows, dtype, (n, k), sms)
+            config, label = gemv.linear_config(rows, dtype, (n, k), sms), name
             if prologue == "norm":
                 x = torch.randn(rows, k, device="cuda", dtype=dtype)
                 residual = torch.randn(rows, k, device="cuda", dtype=dtype)
@@ -131,23 +132,37 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
                     return gemv.silu_gemv(x, w, c)
 
                 runs = fused_ops.silu_mul_linear(x, weights[0])
+            all_rows = config is not None and config.get("all_rows")
+            if all_rows and name == "gate_up":  # the model's launch: SiLU*mul after it too
+                config = gemv.rows_config(n // 2, sms, silu_mul=True)
+
+                def apart(x, w):
+                    normed, _ = fused_ops.add_rms_norm(x, residual, norm_w, 1e-5)
+                    return fused_ops.linear_silu_mul(normed, w)
+
+                def one(x, w, c=config):
+                    return gemv.norm_gemv_silu(x, residual, norm_w, 1e-5, w, c)[0]
+
+                runs = fused_ops.norm_linear_silu_mul(x, residual, norm_w, 1e-5, weights[0])
+                label = f"{name} + {SILU_AFTER}"
             t_apart = time_calls(apart, weights, x)
-            if config is None or config.get("all_rows"):  # no op inside: plain products
+            if config is None or (all_rows and prologue != "norm"):  # no op inside
                 kernel = "cuBLAS" if config is None else "all rows"
                 results.append(
-                    Fused(prologue, name, rows, t_apart, None, None, f"apart ({kernel})")
+                    Fused(prologue, label, rows, t_apart, None, None, f"apart ({kernel})")
                 )
                 continue
             expected = apart(x, weights[0]).float()
             assert torch.allclose(one(x, weights[0]).float(), expected, rtol=2e-2, atol=2e-2)
             chosen = "apart" if runs is None else "one launch"
-            launch = gemv.norm_config(config, (n, k), sms) if prologue == "norm" else config
+            one_row_norm = prologue == "norm" and not all_rows
+            launch = gemv.norm_config(config, (n, k), sms) if one_row_norm else config
             unpipelined = dict(config, LOOP_STAGES=1)
             t_one, t_one1 = (
                 time_calls(lambda a, w, c=c: one(a, w, c), weights, x)
                 for c in (launch, unpipelined)
             )
-            results.append(Fused(prologue, name, rows, t_apart, t_one, t_one1, chosen))
+            results.append(Fused(prologue, label, rows, t_apart, t_one, t_one1, chosen))
         del weights
         torch.cuda.empty_cache()
     results += silu_after(shapes, dtype, rows_list, sms)

@@ -122,6 +122,12 @@ def profile_passes(engine: Engine, context: int, nodes: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="the engine's max_context (its request table's width; default: context + 64)",
+    )
     parser.add_argument("--draft-budget", type=int, default=12)
     parser.add_argument("--accepted", default="0,0.5,1,1.5,2,3,4")
     parser.add_argument(
@@ -156,7 +162,7 @@ def main() -> None:
                 draft_budget=args.draft_budget,
                 max_running_requests=64,
                 cuda_graph_max_batch=64,
-                max_context=args.context + 64,
+                max_context=args.max_context or args.context + 64,
                 kv_cache_fraction=0.3,
             )
             results[on] = []
@@ -181,7 +187,8 @@ def main() -> None:
     accepted = [float(a) for a in args.accepted.split(",")]
     print(
         f"\n{torch.cuda.get_device_name()}, random {args.preset} {args.dtype}, "
-        f"context {args.context}, {nodes}-node trees, CUDA graphs"
+        f"context {args.context}, max_context {args.max_context or args.context + 64}, "
+        f"{nodes}-node trees, CUDA graphs"
     )
     print(
         "| PDL | batch | forward: decode ms | verify ms | verify/decode "

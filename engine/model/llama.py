@@ -76,11 +76,21 @@ def _mlp(
     ops: Any, hidden: torch.Tensor, residual: torch.Tensor, layer: DecoderLayer
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the SwiGLU MLP of RMSNorm(hidden + residual), the residual stream), in the op set's
-    fewest calls: the norm inside the gate_up product and SiLU*mul inside the down product
-    (`norm_linear`, `silu_mul_linear`: one row), or SiLU*mul inside the gate_up product
-    (`linear_silu_mul`: a few float32 rows), else one call an op."""
-    fused_norm = getattr(ops, "norm_linear", None)
+    fewest calls: the norm and SiLU*mul inside the gate_up product (`norm_linear_silu_mul`:
+    a few float32 rows), the norm inside the gate_up product and SiLU*mul inside the down
+    product (`norm_linear`, `silu_mul_linear`: one row), or SiLU*mul inside the gate_up
+    product (`linear_silu_mul`), else one call an op."""
     norm, gate_up_proj = layer.post_attention_layernorm, layer.gate_up_proj
+    fused_all = getattr(ops, "norm_linear_silu_mul", None)
+    both = (
+        fused_all(hidden, residual, norm.weight, norm.eps, gate_up_proj)
+        if fused_all is not None
+        else None
+    )
+    if both is not None:
+        act, residual = both
+        return ops.linear(act, layer.down_proj), residual
+    fused_norm = getattr(ops, "norm_linear", None)
     result = (
         fused_norm(hidden, residual, norm.weight, norm.eps, gate_up_proj)
         if fused_norm is not None

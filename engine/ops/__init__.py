@@ -7,8 +7,9 @@ A set has `rms_norm`, `add_rms_norm`, `linear`, `silu_mul`, `stores_kv` and eith
 `rope_qkv` (stores_kv False: the backend writes K/V) or `rope_qkv_store` (the rotation writes
 K/V too); a set may add `decoder_layer`, a whole layer in one call where it applies, and
 `norm_linear` / `silu_mul_linear`, a norm or SiLU*mul and the product after it in one call,
-and `linear_silu_mul`, a product and the SiLU*mul after it, where they apply (each returns
-None where it does not, and the model runs the ops apart).
+`linear_silu_mul`, a product and the SiLU*mul after it, and `norm_linear_silu_mul`, the norm,
+the gate_up product and SiLU*mul, where they apply (each returns None where it does not, and
+the model runs the ops apart).
 """
 
 from __future__ import annotations

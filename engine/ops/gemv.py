@@ -56,13 +56,17 @@ PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the product
 # sum is scaled by 1 / RMS at the end. `norm_linear` and `silu_mul_linear` fuse one-row
 # products, in the row-at-a-time kernel. Measured on the H200 (`bench_gemv.py --fused`): at
 # one row the one launch is 1.08x (Llama-3-8B's norm + qkv, bf16, K 4096) to 1.38x
-# (SmolLM2-135M's, fp32, K 576) as fast as the op and the product apart. At 13 rows an
-# all-rows kernel with the op inside (a variant not kept) ran at 1.03x (norm + qkv), 0.82x
-# (norm + gate_up) and 0.52x (SiLU*mul + down) the speed of the two launches: its programs
-# are narrow (2-8 columns) and each redoes the op over all of x, so the all-rows kernel has
-# no prologue.
+# (SmolLM2-135M's, fp32, K 576) as fast as the op and the product apart.
 # SiLU*mul *after* its gate_up product repeats nothing (the program that sums a gate column
 # sums its up column): `linear_silu_mul`, 1.05x the two launches at 13 rows.
+# The all-rows kernel takes the NORM prologue too (`norm_linear` for float32 rows, and with
+# SiLU*mul after the gate_up product `norm_linear_silu_mul`): each program redoes the norm's
+# loads and sums over all of x, which costs about what the norm's own launch did. At
+# SmolLM2-135M's shapes and 13 rows (`bench_gemv.py --fused`): norm + qkv 6.0 against 6.6 us
+# apart, norm + gate_up + SiLU*mul 9.3 against 9.3, with `rows_config`'s launches (a sweep of
+# launches with the norm inside found none more than 3% faster); the verify pass 1.7% faster
+# (`bench_steps.py`). SiLU*mul *before* a product (the down product) stays a one-row prologue:
+# at 13 rows a variant of it ran at 0.52x the two launches.
 FUSED_ROWS = 1
 # The norm prologue's loads and its row's sum of squares take registers. Where the key loop
 # has two steps or fewer and the launch two or more programs an SM, pipelining them cost more
@@ -219,16 +223,24 @@ def _gemv_rows_kernel(
     x,
     w,
     out,
+    residual,
+    norm_w,
+    residual_out,
     M,
     N,
     K,
+    eps,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
+    stride_ro,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
+    WITH_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     SILU_MUL: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
@@ -236,9 +248,11 @@ def _gemv_rows_kernel(
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
-    the end (no reduction across threads inside the loop). SILU_MUL: w is [gate; up]
-    (2N rows) and out gets SiLU(x @ gate^T) * (x @ up^T), each product rounded to out's
-    dtype first, as the SiLU*mul op after the product rounds them."""
+    the end (no reduction across threads inside the loop). WITH_NORM: x's rows go through
+    `_x_block`'s NORM prologue (program 0 writes the residual stream) and each sum is scaled
+    by its row's 1 / RMS, as in the row-at-a-time kernel. SILU_MUL: w is [gate; up] (2N
+    rows) and out gets SiLU(x @ gate^T) * (x @ up^T), each product rounded to out's dtype
+    first, as the SiLU*mul op after the product rounds them."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     in_n = cols < N
@@ -248,27 +262,55 @@ def _gemv_rows_kernel(
     if SILU_MUL:
         _prefetch_rows(w, w_rows + N * stride_wn, in_n, K, PREFETCH_K, LINE)
     enter(PDL)
+    first = tl.program_id(0) == 0  # the program that writes the residual stream
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K] if SILU_MUL else [1, 1, 1], dtype=tl.float32)
+    sum_squares = tl.zeros([BLOCK_M, BLOCK_K] if WITH_NORM else [1, 1], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         in_k = ks < K
         tile_mask = in_n[:, None] & in_k[None, :]
         tile = tl.load(w_rows + ks[None, :], mask=tile_mask, other=0.0)
-        xs = tl.load(
-            x + rows[:, None] * stride_xm + ks[None, :],
-            mask=in_m[:, None] & in_k[None, :],
-            other=0.0,
-        ).to(tl.float32)[:, None, :]
-        acc += xs * tile.to(tl.float32)[None, :, :]
+        if WITH_NORM:
+            xs, squares = _x_block(
+                x,
+                residual,
+                norm_w,
+                residual_out,
+                rows,
+                in_m,
+                ks,
+                in_k,
+                first,
+                stride_xm,
+                stride_rm,
+                stride_ro,
+                K,
+                1,  # the NORM prologue
+                HAS_RESIDUAL,
+            )
+            sum_squares += squares
+        else:
+            xs = tl.load(
+                x + rows[:, None] * stride_xm + ks[None, :],
+                mask=in_m[:, None] & in_k[None, :],
+                other=0.0,
+            ).to(tl.float32)
+        acc += xs[:, None, :] * tile.to(tl.float32)[None, :, :]
         if SILU_MUL:
             up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=tile_mask, other=0.0)
-            acc_up += xs * up.to(tl.float32)[None, :, :]
+            acc_up += xs[:, None, :] * up.to(tl.float32)[None, :, :]
     sums = tl.sum(acc, axis=2)
+    if WITH_NORM:
+        inv_rms = tl.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]
+        sums = sums * inv_rms
     leave(PDL)
     if SILU_MUL:
         gate = sums.to(out.dtype.element_ty).to(tl.float32)
-        up_sums = tl.sum(acc_up, axis=2).to(out.dtype.element_ty).to(tl.float32)
+        up_sums = tl.sum(acc_up, axis=2)
+        if WITH_NORM:
+            up_sums = up_sums * inv_rms
+        up_sums = up_sums.to(out.dtype.element_ty).to(tl.float32)
         sums = gate * tl.sigmoid(gate) * up_sums
     tl.store(
         out + rows[:, None] * stride_om + cols[None, :],
@@ -343,28 +385,24 @@ def _launch(
     rows, n = x.shape[0], weight.shape[0]
     params = dict(GEMV_CONFIG, **(config or {}))
     if params.pop("all_rows", False):
-        if prologue != PLAIN:
+        if prologue == SILU:
             raise ValueError(
-                "the all-rows kernel (config all_rows) takes no norm or SiLU*mul before its "
-                "products; those prologues run in the row-at-a-time kernel (config None)"
+                "the all-rows kernel (config all_rows) takes no SiLU*mul before its "
+                "products; that prologue runs in the row-at-a-time kernel (config None)"
             )
-        return _launch_rows(x, weight, params, silu_mul=False), None
+        return _launch_rows(x, weight, params, silu_mul=False, norm=norm)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, params["BLOCK_N"]),)
-    residual, norm_w, eps = norm if norm is not None else (None, x, 0.0)
-    residual_out = torch.empty_like(x) if residual is not None else None
-    unused = x  # a pointer the kernel never reads where there is nothing to point at
+    residual, residual_out, norm_args = _norm_args(x, norm)
     _gemv_kernel[grid](
         x,
         weight,
         out,
-        unused if residual is None else residual,
-        norm_w,
-        unused if residual_out is None else residual_out,
+        *norm_args,
         rows,
         n,
         k,
-        eps,
+        norm[2] if norm is not None else 0.0,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
@@ -379,29 +417,58 @@ def _launch(
     return out, residual_out
 
 
+def _norm_args(
+    x: torch.Tensor, norm: tuple[torch.Tensor | None, torch.Tensor, float] | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """(the residual, the residual stream's new tensor (None without a residual), the
+    kernels' residual, norm weight and stream pointers) of a NORM launch's `norm` (None: a
+    launch without it; x stands for the pointers the kernel never reads)."""
+    residual, norm_w = (norm[0], norm[1]) if norm is not None else (None, x)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    pointers = (
+        x if residual is None else residual,
+        norm_w,
+        x if residual_out is None else residual_out,
+    )
+    return residual, residual_out, pointers
+
+
 def _launch_rows(
-    x: torch.Tensor, weight: torch.Tensor, params: dict, silu_mul: bool
-) -> torch.Tensor:
-    """The all-rows kernel's output: x @ weight^T [rows, N], or (silu_mul) SiLU*mul of the
-    products with weight's first half of rows and its second [rows, N / 2]."""
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    params: dict,
+    silu_mul: bool,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the all-rows kernel's output: x' @ weight^T [rows, N], or (silu_mul) SiLU*mul of the
+    products with weight's first half of rows and its second [rows, N / 2]; the residual
+    stream the NORM prologue wrote, or None). x' is x, or with `norm` (residual or None,
+    norm weight, eps) RMSNorm(x + residual)."""
     (rows, k), n = x.shape, weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    residual, residual_out, norm_args = _norm_args(x, norm)
     _gemv_rows_kernel[(triton.cdiv(n, params["BLOCK_N"]),)](
         x,
         weight,
         out,
+        *norm_args,
         rows,
         n,
         k,
+        norm[2] if norm is not None else 0.0,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        0 if residual is None else residual.stride(0),
+        0 if residual_out is None else residual_out.stride(0),
         BLOCK_M=triton.next_power_of_2(rows),
+        WITH_NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None,
         SILU_MUL=silu_mul,
         **params,
         **_pdl_params(weight),
     )
-    return out
+    return out, residual_out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
@@ -421,21 +488,28 @@ def norm_gemv(
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch (residual None:
-    RMSNorm(x), and x is the stream). The stream is rounded as the RMSNorm op rounds it; the
-    product scales x's row by 1 / RMS after the sum, not before, so it differs from the op
-    and `gemv` in rounding only."""
+    RMSNorm(x), and x is the stream), in either kernel (`config` all_rows: the all-rows
+    kernel). The stream is rounded as the RMSNorm op rounds it; the product scales x's row
+    by 1 / RMS after the sum, not before, so it differs from the op and `gemv` in rounding
+    only."""
     k = x.shape[-1]
     _check(x, weight, k, "norm_gemv")
+    _check_norm(x, residual, norm_weight, k, "norm_gemv")
+    out, residual_out = _launch(x, weight, k, config, NORM, (residual, norm_weight, eps))
+    return out, x if residual_out is None else residual_out
+
+
+def _check_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, k: int, what: str
+) -> None:
     if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
         raise ValueError(
-            f"norm_gemv needs norm_weight [{k}] and a residual shaped as x {tuple(x.shape)}; "
+            f"{what} needs norm_weight [{k}] and a residual shaped as x {tuple(x.shape)}; "
             f"got {tuple(norm_weight.shape)} and "
             f"{None if residual is None else tuple(residual.shape)}"
         )
     if residual is not None and residual.stride(1) != 1:
-        raise ValueError(f"norm_gemv needs a unit-stride residual; got {residual.stride()}")
-    out, residual_out = _launch(x, weight, k, config, NORM, (residual, norm_weight, eps))
-    return out, x if residual_out is None else residual_out
+        raise ValueError(f"{what} needs a unit-stride residual; got {residual.stride()}")
 
 
 def silu_gemv(
@@ -455,15 +529,43 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor, config: dict) -> torch.Tens
     one launch of the all-rows kernel (`config`: an all_rows launch, e.g. `rows_config`
     for inter columns), as the product then the SiLU*mul op round and compute it: the
     gate_up product never reaches memory and no SiLU*mul launch follows."""
+    return _launch_silu_rows(x, weight, config, None, "gemv_silu")[0]
+
+
+def norm_gemv_silu(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    config: dict,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`gemv_silu` of RMSNorm(x + residual), x + residual) in one launch of the all-rows
+    kernel: the norm as `norm_gemv` computes it (1 / RMS after the sums), then SiLU*mul after
+    the products, so a float32 verify pass's MLP is two launches, this and the down product."""
+    _check_norm(x, residual, norm_weight, x.shape[-1], "norm_gemv_silu")
+    out, residual_out = _launch_silu_rows(
+        x, weight, config, (residual, norm_weight, eps), "norm_gemv_silu"
+    )
+    return out, x if residual_out is None else residual_out
+
+
+def _launch_silu_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: dict,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None,
+    what: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if weight.dim() != 2 or weight.shape[0] % 2:
-        raise ValueError(f"gemv_silu needs weight [2 * inter, K]; got {tuple(weight.shape)}")
-    _check(x, weight, x.shape[-1], "gemv_silu")
+        raise ValueError(f"{what} needs weight [2 * inter, K]; got {tuple(weight.shape)}")
+    _check(x, weight, x.shape[-1], what)
     params = dict(GEMV_CONFIG, **config)
     if not params.pop("all_rows", False):
         raise ValueError(
-            f"gemv_silu runs in the all-rows kernel: its config needs all_rows; got {config}"
+            f"{what} runs in the all-rows kernel: its config needs all_rows; got {config}"
         )
-    return _launch_rows(x, weight, params, silu_mul=True)
+    return _launch_rows(x, weight, params, silu_mul=True, norm=norm)
 
 
 @functools.cache
@@ -558,14 +660,15 @@ def norm_linear(
     eps: float,
     weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`norm_gemv` for one row where the kernel is the faster for the product
-    (`linear_config`); None elsewhere (the caller runs the norm and `linear`)."""
+    """`norm_gemv` where the kernel is the faster for the product (`linear_config`): one
+    row, or float32 rows in the all-rows kernel; None elsewhere (the caller runs the norm
+    and `linear`)."""
     config = _kernel_config(x, weight)
-    if (
-        config is None
-        or x.shape[0] != FUSED_ROWS
-        or (residual is not None and residual.stride(-1) != 1)
-    ):
+    if config is None or (residual is not None and residual.stride(-1) != 1):
+        return None
+    if config.get("all_rows"):
+        return norm_gemv(x, residual, norm_weight, eps, weight, config)
+    if x.shape[0] != FUSED_ROWS:
         return None
     launch = norm_config(config, tuple(weight.shape), _num_sms(x.device))
     return norm_gemv(x, residual, norm_weight, eps, weight, launch)
@@ -590,3 +693,25 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     return gemv_silu(
         x, weight, rows_config(weight.shape[0] // 2, _num_sms(x.device), silu_mul=True)
     )
+
+
+def norm_linear_silu_mul(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`norm_gemv_silu` (the norm before the gate_up product and SiLU*mul after it) where
+    the all-rows kernel is the faster for the product (`linear_config`: float32, 2 to
+    MAX_ROWS rows); None elsewhere (the caller fuses what else applies)."""
+    config = _kernel_config(x, weight)
+    if (
+        config is None
+        or not config.get("all_rows")
+        or weight.shape[0] % 2
+        or (residual is not None and residual.stride(-1) != 1)
+    ):
+        return None
+    launch = rows_config(weight.shape[0] // 2, _num_sms(x.device), silu_mul=True)
+    return norm_gemv_silu(x, residual, norm_weight, eps, weight, launch)

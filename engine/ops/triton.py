@@ -2,8 +2,9 @@
 with the residual add), RoPE on q and k in place with k and v stored into the KV cache in
 the same launch (with a family's q/k/v bias and q/k head norms before it), and
 SiLU(gate) * up; `linear` adds the matrix-vector kernel, `norm_linear` and
-`silu_mul_linear` run a norm or SiLU*mul inside it where it takes the product, and
-`linear_silu_mul` the SiLU*mul after the gate_up product inside the all-rows kernel. Math is fp32;
+`silu_mul_linear` run a norm or SiLU*mul inside it where it takes the product,
+`linear_silu_mul` the SiLU*mul after the gate_up product inside the all-rows kernel, and
+`norm_linear_silu_mul` the norm before it too. Math is fp32;
 results are rounded to the input dtype where the torch reference rounds them.
 """
 
@@ -19,6 +20,7 @@ from engine.ops.gemv import (  # noqa: F401  (the ops set's matrix products)
     linear,
     linear_silu_mul,
     norm_linear,
+    norm_linear_silu_mul,
     silu_mul_linear,
 )
 from engine.ops.reference import QkvExtras, split_heads

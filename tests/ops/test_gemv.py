@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from op_cases import DEVICE, assert_close, random_tensor
+from op_cases import DEVICE, TOLERANCE, assert_close, random_tensor
 
 from engine.model import LlamaModel, ModelConfig
 from engine.ops import gemv
@@ -126,11 +126,17 @@ FUSED_CONFIGS = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 13])
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("config", FUSED_CONFIGS)
+@pytest.mark.parametrize(
+    "config",
+    [
+        *FUSED_CONFIGS,
+        gemv.rows_config(20, 2),  # the all-rows kernel: 100 keys over two steps
+    ],
+)
 def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, with_residual, config):
-    """One launch gives the unfused pair's product (up to rounding: it scales by 1 / RMS
-    after the sum) and its residual stream, rounded as the op rounds it; the inputs are
-    left unchanged."""
+    """One launch (either kernel) gives the unfused pair's product (up to rounding: it
+    scales by 1 / RMS after the sum) and its residual stream, rounded as the op rounds it;
+    the inputs are left unchanged."""
     n, k = 20, 100
     x = random_tensor(rows, k, dtype=dtype, seed=31) * 3
     residual = random_tensor(rows, k, dtype=dtype, seed=32) if with_residual else None
@@ -194,6 +200,44 @@ def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
     assert_close(out, reference, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [2, 13])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(
+    "config",
+    [dict(ROWS_CONFIG, BLOCK_N=32, LOOP_STAGES=1), gemv.rows_config(150, 2, silu_mul=True)],
+)
+def test_norm_gemv_silu_equals_the_norm_then_gemv_silu(dtype, rows, with_residual, config):
+    """The norm before the gate_up product and SiLU*mul after it, in one launch: the
+    products as `norm_gemv` gives them (1 / RMS after the sums), rounded to the dtype, then
+    the op; the residual stream as the norm op gives it (inter 150: ragged column and key
+    tiles)."""
+    inter, k = 150, 70
+    x = random_tensor(rows, k, dtype=dtype, seed=41) * 3
+    residual = random_tensor(rows, k, dtype=dtype, seed=42) if with_residual else None
+    norm_weight = random_tensor(k, dtype=dtype, seed=43)
+    weight = random_tensor(2 * inter, k, dtype=dtype, seed=44) * 0.2
+    before = (x.clone(), None if residual is None else residual.clone())
+    out, stream = gemv.norm_gemv_silu(x, residual, norm_weight, 1e-5, weight, config)
+    gate_up, expected_stream = gemv.norm_gemv(x, residual, norm_weight, 1e-5, weight, config)
+    assert out.shape == (rows, inter)
+    assert_close(out, fused.silu_mul(gate_up), dtype)
+    assert torch.equal(stream, expected_stream)
+    assert stream is x if residual is None else stream.data_ptr() != x.data_ptr()
+    assert torch.equal(x, before[0])
+    assert residual is None or torch.equal(residual, before[1])
+    normed = (
+        TorchOps.rms_norm(x, norm_weight, 1e-5)
+        if residual is None
+        else TorchOps.add_rms_norm(x, residual, norm_weight, 1e-5)[0]
+    )
+    products = torch.nn.functional.linear(normed.float(), weight.float()).to(dtype)
+    # in float16 a product rounded one step apart (1 / RMS applied after its sum) moves
+    # SiLU(gate) * up by up to about twice that step
+    tolerance = TOLERANCE[dtype] if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), TorchOps.silu_mul(products).float(), **tolerance)
+
+
 def test_fused_products_refuse_what_they_do_not_serve():
     weight = torch.zeros(8, 16, device=DEVICE)
     norm_weight = torch.ones(16, device=DEVICE)
@@ -202,10 +246,14 @@ def test_fused_products_refuse_what_they_do_not_serve():
         gemv.norm_gemv(x, torch.zeros(3, 16, device=DEVICE), norm_weight, 1e-5, weight)
     with pytest.raises(ValueError, match=r"norm_weight \[16\]"):
         gemv.norm_gemv(x, None, torch.ones(15, device=DEVICE), 1e-5, weight)
-    with pytest.raises(ValueError, match="all-rows kernel .* no norm or SiLU\\*mul before"):
-        gemv.norm_gemv(x, None, norm_weight, 1e-5, weight, ROWS_CONFIG)
-    with pytest.raises(ValueError, match="all-rows kernel .* no norm or SiLU\\*mul before"):
+    with pytest.raises(ValueError, match="all-rows kernel .* no SiLU\\*mul before"):
         gemv.silu_gemv(torch.zeros(2, 32, device=DEVICE), weight, ROWS_CONFIG)
+    with pytest.raises(ValueError, match=r"norm_gemv_silu needs norm_weight \[16\]"):
+        gemv.norm_gemv_silu(x, None, torch.ones(15, device=DEVICE), 1e-5, weight, ROWS_CONFIG)
+    with pytest.raises(ValueError, match=r"norm_gemv_silu needs weight \[2 \* inter, K\]"):
+        gemv.norm_gemv_silu(x, None, norm_weight, 1e-5, torch.zeros(7, 16, device=DEVICE), {})
+    with pytest.raises(ValueError, match="norm_gemv_silu runs in the all-rows kernel"):
+        gemv.norm_gemv_silu(x, None, norm_weight, 1e-5, weight, gemv.GEMV_CONFIG)
     with pytest.raises(ValueError, match=r"gate_up \[M, 2 \* inter\]"):
         gemv.silu_gemv(torch.zeros(1, 15, device=DEVICE), weight)
     with pytest.raises(ValueError, match=r"K = 8"):
@@ -220,13 +268,14 @@ def test_fused_products_refuse_what_they_do_not_serve():
 
 def test_fused_products_decline_where_the_kernel_does_not_take_the_product():
     """None (the model runs the ops apart) where `linear_config` keeps cuBLAS (a CPU
-    tensor); the norm and SiLU*mul before a product are fused for one row (at Llama-3-8B's
-    width, 4096, too), not for more (the all-rows kernel with the op inside measured
-    slower); SiLU*mul after a product for float32 rows from two on (the all-rows kernel)."""
+    tensor); the norm before a product is fused for one row (at Llama-3-8B's width, 4096,
+    too) and for float32 rows from two on (the all-rows kernel), where SiLU*mul after the
+    gate_up product joins it; SiLU*mul before a product for one row only."""
     weight, norm_weight = torch.zeros(8, 16), torch.ones(16)
     assert gemv.norm_linear(torch.zeros(1, 16), None, norm_weight, 1e-5, weight) is None
     assert gemv.silu_mul_linear(torch.zeros(1, 32), weight) is None
     assert gemv.linear_silu_mul(torch.zeros(2, 16), weight) is None
+    assert gemv.norm_linear_silu_mul(torch.zeros(2, 16), None, norm_weight, 1e-5, weight) is None
     if DEVICE != "cuda":
         return
     weight, norm_weight = weight.cuda(), norm_weight.cuda()
@@ -234,11 +283,17 @@ def test_fused_products_decline_where_the_kernel_does_not_take_the_product():
     assert gemv.silu_mul_linear(torch.ones(1, 32, device="cuda"), weight) is not None
     for rows in (2, 13):
         x = torch.ones(rows, 16, device="cuda")
-        assert gemv.norm_linear(x, x, norm_weight, 1e-5, weight) is None
+        assert gemv.norm_linear(x, x, norm_weight, 1e-5, weight)[0].shape == (rows, 8)
+        assert gemv.norm_linear_silu_mul(x, x, norm_weight, 1e-5, weight)[0].shape == (rows, 4)
         assert gemv.silu_mul_linear(torch.ones(rows, 32, device="cuda"), weight) is None
         assert gemv.linear_silu_mul(x, weight).shape == (rows, 4)  # float32: all rows
         assert gemv.linear_silu_mul(x.bfloat16(), weight.bfloat16()) is None  # cuBLAS's
-    assert gemv.linear_silu_mul(torch.ones(1, 16, device="cuda"), weight) is None  # one row
+        bf16 = (x.bfloat16(), None, norm_weight.bfloat16(), 1e-5, weight.bfloat16())
+        assert gemv.norm_linear(*bf16) is None
+        assert gemv.norm_linear_silu_mul(*bf16) is None
+    one = torch.ones(1, 16, device="cuda")
+    assert gemv.linear_silu_mul(one, weight) is None  # one row
+    assert gemv.norm_linear_silu_mul(one, None, norm_weight, 1e-5, weight) is None
     wide = torch.zeros(8, 4096, device="cuda", dtype=torch.bfloat16)
     assert gemv.norm_linear(wide[:1], wide[:1], wide[0], 1e-5, wide) is not None
 
@@ -325,6 +380,57 @@ def test_forward_with_silu_after_the_product_equals_torch_path(two_passes, monke
         torch.testing.assert_close(got_pass, reference_pass, atol=1e-4, rtol=1e-4)
     layers = ModelConfig.tiny().num_layers
     assert calls == [19] * layers + [2] * layers
+
+
+class _NormInAllRows(TorchOps):
+    """TorchOps with the norms inside the products of 2 to MAX_ROWS rows, in the all-rows
+    kernel (and SiLU*mul after the gate_up product), as a float32 verify pass runs them on
+    CUDA."""
+
+    @staticmethod
+    def norm_linear(x, residual, norm_weight, eps, weight):
+        if not 1 < x.shape[0] <= gemv.MAX_ROWS:
+            return None
+        config = gemv.rows_config(weight.shape[0], 2)
+        return gemv.norm_gemv(x, residual, norm_weight, eps, weight.contiguous(), config)
+
+    @staticmethod
+    def norm_linear_silu_mul(x, residual, norm_weight, eps, weight):
+        if not 1 < x.shape[0] <= gemv.MAX_ROWS:
+            return None
+        config = gemv.rows_config(weight.shape[0] // 2, 2, silu_mul=True)
+        return gemv.norm_gemv_silu(x, residual, norm_weight, eps, weight.contiguous(), config)
+
+
+def test_forward_with_norms_in_the_all_rows_products_equals_torch_path(two_passes, monkeypatch):
+    """The layer takes norm_linear for qkv and norm_linear_silu_mul for the MLP's gate_up
+    where they apply (the two-row decode pass: two launches for the norms, the products and
+    SiLU*mul), and runs the ops apart where they return None (the 19-token prefill)."""
+    from engine import ops as op_sets
+
+    model = LlamaModel(ModelConfig.tiny(), torch.float32, DEVICE, op_set="reference")
+    model.init_random(seed=7)
+    prompts = [list(range(5, 17)), list(range(40, 47))]
+    reference = two_passes(model, prompts, DEVICE)
+    calls = []
+
+    def traced(name):
+        def call(*args):
+            calls.append((name, args[0].shape[0]))
+            return getattr(_NormInAllRows, name)(*args)
+
+        return staticmethod(call)
+
+    names = ("norm_linear", "norm_linear_silu_mul")
+    traced_ops = type("Traced", (TorchOps,), {n: traced(n) for n in names})
+    monkeypatch.setattr(op_sets, "load", lambda name: traced_ops)
+    got = two_passes(model, prompts, DEVICE)
+    for got_pass, reference_pass in zip(got, reference, strict=True):
+        torch.testing.assert_close(got_pass, reference_pass, atol=1e-4, rtol=1e-4)
+    layers = ModelConfig.tiny().num_layers
+    assert calls.count(("norm_linear", 2)) == layers  # qkv; the MLP takes the other
+    assert calls.count(("norm_linear_silu_mul", 2)) == layers
+    assert calls.count(("norm_linear_silu_mul", 19)) == layers  # declined: ops apart
 
 
 def test_bench_gemv_names_silu_after_gate_up_as_such(monkeypatch):
