@@ -315,13 +315,14 @@ class _KernelProducts(TorchOps):
         return gemv.silu_gemv(gate_up, weight.contiguous())
 
 
-def test_forward_with_fused_products_equals_torch_path(two_passes, monkeypatch):
-    """The layer takes an op set's norm_linear and silu_mul_linear where they apply (the
-    decode pass) and runs the ops apart where they return None (the 19-token prefill)."""
+def _traced_passes(two_passes, monkeypatch, kernels: type, names: tuple, seed: int) -> list:
+    """The tiny model's prefill and two-row decode pass through an op set whose `names`
+    are `kernels`'s, traced: checks they equal the reference op set's passes and returns
+    the calls, (name, rows) each."""
     from engine import ops as op_sets
 
     model = LlamaModel(ModelConfig.tiny(), torch.float32, DEVICE, op_set="reference")
-    model.init_random(seed=5)
+    model.init_random(seed=seed)
     prompts = [list(range(5, 17)), list(range(40, 47))]
     reference = two_passes(model, prompts, DEVICE)
     calls = []
@@ -329,17 +330,23 @@ def test_forward_with_fused_products_equals_torch_path(two_passes, monkeypatch):
     def traced(name):
         def call(*args):
             calls.append((name, args[0].shape[0]))
-            return getattr(_KernelProducts, name)(*args)
+            return getattr(kernels, name)(*args)
 
         return staticmethod(call)
 
-    traced_ops = type(
-        "Traced", (TorchOps,), {n: traced(n) for n in ("norm_linear", "silu_mul_linear")}
-    )
+    traced_ops = type("Traced", (TorchOps,), {n: traced(n) for n in names})
     monkeypatch.setattr(op_sets, "load", lambda name: traced_ops)
     got = two_passes(model, prompts, DEVICE)
     for got_pass, reference_pass in zip(got, reference, strict=True):
         torch.testing.assert_close(got_pass, reference_pass, atol=1e-4, rtol=1e-4)
+    return calls
+
+
+def test_forward_with_fused_products_equals_torch_path(two_passes, monkeypatch):
+    """The layer takes an op set's norm_linear and silu_mul_linear where they apply (the
+    decode pass) and runs the ops apart where they return None (the 19-token prefill)."""
+    names = ("norm_linear", "silu_mul_linear")
+    calls = _traced_passes(two_passes, monkeypatch, _KernelProducts, names, seed=5)
     layers = ModelConfig.tiny().num_layers
     assert calls.count(("norm_linear", 2)) == 2 * layers
     assert calls.count(("silu_mul_linear", 2)) == layers
@@ -406,27 +413,8 @@ def test_forward_with_norms_in_the_all_rows_products_equals_torch_path(two_passe
     """The layer takes norm_linear for qkv and norm_linear_silu_mul for the MLP's gate_up
     where they apply (the two-row decode pass: two launches for the norms, the products and
     SiLU*mul), and runs the ops apart where they return None (the 19-token prefill)."""
-    from engine import ops as op_sets
-
-    model = LlamaModel(ModelConfig.tiny(), torch.float32, DEVICE, op_set="reference")
-    model.init_random(seed=7)
-    prompts = [list(range(5, 17)), list(range(40, 47))]
-    reference = two_passes(model, prompts, DEVICE)
-    calls = []
-
-    def traced(name):
-        def call(*args):
-            calls.append((name, args[0].shape[0]))
-            return getattr(_NormInAllRows, name)(*args)
-
-        return staticmethod(call)
-
     names = ("norm_linear", "norm_linear_silu_mul")
-    traced_ops = type("Traced", (TorchOps,), {n: traced(n) for n in names})
-    monkeypatch.setattr(op_sets, "load", lambda name: traced_ops)
-    got = two_passes(model, prompts, DEVICE)
-    for got_pass, reference_pass in zip(got, reference, strict=True):
-        torch.testing.assert_close(got_pass, reference_pass, atol=1e-4, rtol=1e-4)
+    calls = _traced_passes(two_passes, monkeypatch, _NormInAllRows, names, seed=7)
     layers = ModelConfig.tiny().num_layers
     assert calls.count(("norm_linear", 2)) == layers  # qkv; the MLP takes the other
     assert calls.count(("norm_linear_silu_mul", 2)) == layers
