@@ -64,7 +64,7 @@ PLAIN, NORM, SILU = 0, 1, 2  # what a kernel does to x's rows before the product
 # loads and sums over all of x, which costs about what the norm's own launch did. At
 # SmolLM2-135M's shapes and 13 rows (`bench_gemv.py --fused`): norm + qkv 6.0 against 6.6 us
 # apart, norm + gate_up + SiLU*mul 9.3 against 9.3, with `rows_config`'s launches (a sweep of
-# launches with the norm inside found none more than 3% faster); the verify pass 1.7% faster
+# launches with the norm inside found none worth its own); the verify pass 1.7% faster
 # (`bench_steps.py`). SiLU*mul *before* a product (the down product) stays a one-row prologue:
 # at 13 rows a variant of it ran at 0.52x the two launches.
 FUSED_ROWS = 1
