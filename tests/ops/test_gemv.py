@@ -149,17 +149,25 @@ def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, with_residual, config)
         normed, stream = fused.add_rms_norm(x, residual, norm_weight, 1e-5)
     out, got_stream = gemv.norm_gemv(x, residual, norm_weight, 1e-5, weight, config)
     assert_close(out, gemv.gemv(normed, weight), dtype)
-    assert torch.equal(got_stream, stream)
-    assert got_stream is x if residual is None else got_stream.data_ptr() != x.data_ptr()
-    assert torch.equal(x, before[0])
-    assert residual is None or torch.equal(residual, before[1])
-    normed_reference = (
-        TorchOps.rms_norm(x, norm_weight, 1e-5)
-        if residual is None
-        else TorchOps.add_rms_norm(x, residual, norm_weight, 1e-5)[0]
-    )
+    _check_stream(got_stream, stream, x, residual, before)
+    normed_reference = _reference_norm(x, residual, norm_weight)
     reference = torch.nn.functional.linear(normed_reference.float(), weight.float())
     assert_close(out, reference.to(dtype), dtype)
+
+
+def _check_stream(got, expected, x, residual, before) -> None:
+    """A norm launch's residual stream is the norm op's (x itself without a residual, else a
+    new tensor), and x and the residual are as they were (`before`: their clones)."""
+    assert torch.equal(got, expected)
+    assert got is x if residual is None else got.data_ptr() != x.data_ptr()
+    assert torch.equal(x, before[0])
+    assert residual is None or torch.equal(residual, before[1])
+
+
+def _reference_norm(x, residual, norm_weight) -> torch.Tensor:
+    if residual is None:
+        return TorchOps.rms_norm(x, norm_weight, 1e-5)
+    return TorchOps.add_rms_norm(x, residual, norm_weight, 1e-5)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -222,15 +230,8 @@ def test_norm_gemv_silu_equals_the_norm_then_gemv_silu(dtype, rows, with_residua
     gate_up, expected_stream = gemv.norm_gemv(x, residual, norm_weight, 1e-5, weight, config)
     assert out.shape == (rows, inter)
     assert_close(out, fused.silu_mul(gate_up), dtype)
-    assert torch.equal(stream, expected_stream)
-    assert stream is x if residual is None else stream.data_ptr() != x.data_ptr()
-    assert torch.equal(x, before[0])
-    assert residual is None or torch.equal(residual, before[1])
-    normed = (
-        TorchOps.rms_norm(x, norm_weight, 1e-5)
-        if residual is None
-        else TorchOps.add_rms_norm(x, residual, norm_weight, 1e-5)[0]
-    )
+    _check_stream(stream, expected_stream, x, residual, before)
+    normed = _reference_norm(x, residual, norm_weight)
     products = torch.nn.functional.linear(normed.float(), weight.float()).to(dtype)
     # in float16 a product rounded one step apart (1 / RMS applied after its sum) moves
     # SiLU(gate) * up by up to about twice that step
