@@ -393,24 +393,23 @@ def _launch(
         return _launch_rows(x, weight, params, silu_mul=False, norm=norm)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, params["BLOCK_N"]),)
-    residual, residual_out, norm_args = _norm_args(x, norm)
+    residual_out, pointers, eps, norm_strides = _norm_args(x, norm)
     _gemv_kernel[grid](
         x,
         weight,
         out,
-        *norm_args,
+        *pointers,
         rows,
         n,
         k,
-        norm[2] if norm is not None else 0.0,
+        eps,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        0 if residual is None else residual.stride(0),
-        0 if residual_out is None else residual_out.stride(0),
+        *norm_strides,
         BLOCK_M=triton.next_power_of_2(rows),
         PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None,
+        HAS_RESIDUAL=residual_out is not None,
         **params,
         **_pdl_params(weight),
     )
@@ -419,18 +418,23 @@ def _launch(
 
 def _norm_args(
     x: torch.Tensor, norm: tuple[torch.Tensor | None, torch.Tensor, float] | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, ...]]:
-    """(the residual, the residual stream's new tensor (None without a residual), the
-    kernels' residual, norm weight and stream pointers) of a NORM launch's `norm` (None: a
-    launch without it; x stands for the pointers the kernel never reads)."""
-    residual, norm_w = (norm[0], norm[1]) if norm is not None else (None, x)
+) -> tuple[torch.Tensor | None, tuple, float, tuple[int, int]]:
+    """What a launch passes for `norm` (residual or None, norm weight, eps; None: a launch
+    without the NORM prologue): (the residual stream's new tensor, None without a residual;
+    the residual, norm weight and stream pointers, x for those the kernel never reads; eps;
+    the residual's and the stream's row strides)."""
+    residual, norm_w, eps = norm if norm is not None else (None, x, 0.0)
     residual_out = torch.empty_like(x) if residual is not None else None
     pointers = (
         x if residual is None else residual,
         norm_w,
         x if residual_out is None else residual_out,
     )
-    return residual, residual_out, pointers
+    strides = (
+        0 if residual is None else residual.stride(0),
+        0 if residual_out is None else residual_out.stride(0),
+    )
+    return residual_out, pointers, eps, strides
 
 
 def _launch_rows(
@@ -446,24 +450,23 @@ def _launch_rows(
     norm weight, eps) RMSNorm(x + residual)."""
     (rows, k), n = x.shape, weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    residual, residual_out, norm_args = _norm_args(x, norm)
+    residual_out, pointers, eps, norm_strides = _norm_args(x, norm)
     _gemv_rows_kernel[(triton.cdiv(n, params["BLOCK_N"]),)](
         x,
         weight,
         out,
-        *norm_args,
+        *pointers,
         rows,
         n,
         k,
-        norm[2] if norm is not None else 0.0,
+        eps,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        0 if residual is None else residual.stride(0),
-        0 if residual_out is None else residual_out.stride(0),
+        *norm_strides,
         BLOCK_M=triton.next_power_of_2(rows),
         WITH_NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None,
+        HAS_RESIDUAL=residual_out is not None,
         SILU_MUL=silu_mul,
         **params,
         **_pdl_params(weight),
