@@ -306,6 +306,11 @@ class TritonBackend(AttentionBackend):
             table.shape[1],  # the longest a request can be: any replay's lengths fit
         )
 
+    def apply_table_writes(self, writes: torch.Tensor) -> None:
+        """Apply staged request-table writes (`triton_index.launch_table_writes`) on the
+        device, in stream order: a captured pass does it before it reads the table."""
+        triton_index.launch_table_writes(self.pool.req_to_token, writes)
+
     def _fill(
         self, buffers: GraphBuffers, batch: Batch, padded: int, num_tokens: int
     ) -> dict[str, torch.Tensor]:

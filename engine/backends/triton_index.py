@@ -1,4 +1,5 @@
-"""Triton kv-index construction: kv_indices from the request table and the new tokens' slots.
+"""Triton kv-index construction: kv_indices from the request table and the new tokens' slots;
+and the request table's pending writes, applied inside a captured pass.
 
 The kernel receives the capacity of kv_indices and masks every store against it; the launcher
 refuses a buffer smaller than the snapshot's exact total before anything is launched.
@@ -119,3 +120,39 @@ def build_kv_indices_into(
         max_seq_len,
     )
     return kv_indices[:total]
+
+
+@triton.jit
+def _table_writes_kernel(
+    req_to_token, table_size, writes, capacity, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    enter(PDL)
+    count = tl.load(writes)
+    offs = tl.arange(0, BLOCK)
+    wanted = (offs < count) & (offs < capacity)
+    at = tl.load(writes + 1 + offs, mask=wanted, other=0)
+    slots = tl.load(writes + 1 + capacity + offs, mask=wanted, other=0)
+    tl.store(req_to_token + at, slots.to(tl.int32), mask=wanted & (at >= 0) & (at < table_size))
+
+
+def launch_table_writes(req_to_token: torch.Tensor, writes: torch.Tensor) -> None:
+    """Apply staged request-table writes on the device: `writes` (int64, 1 + 2 * capacity) is
+    [count, count flat places (row * width + column), then at 1 + capacity count slots];
+    the rest is ignored. Its launch shape depends only on the capacity, so a captured pass
+    applies each replay's writes (`RequestTable.take_writes`)."""
+    capacity = (writes.numel() - 1) // 2
+    if writes.dtype != torch.int64 or writes.dim() != 1 or writes.numel() != 1 + 2 * capacity:
+        raise ValueError(
+            f"writes must be a 1-D int64 tensor of 1 + 2 * capacity entries; got "
+            f"{writes.dtype} of shape {tuple(writes.shape)}"
+        )
+    if not req_to_token.is_contiguous():
+        raise ValueError("the request table must be contiguous (its places are flat)")
+    _table_writes_kernel[(1,)](
+        req_to_token,
+        req_to_token.numel(),
+        writes,
+        capacity,
+        BLOCK=triton.next_power_of_2(max(capacity, 1)),
+        **pdl.launch(writes.device),
+    )

@@ -4,8 +4,10 @@ One graph per padded batch size P (decode: P tokens; verify: P * max_tree_nodes 
 sharing one memory pool and one set of static backend buffers. Before each replay the backend
 plans into those buffers (outside the graph) and the inputs are copied into static tensors;
 the pass's kv indices are built inside the graph from those buffers (where the backend can:
-`build_kv_indices`), so a replay launches one graph and nothing else. Padding requests own
-nothing and padding tokens write K/V to the padding slot. On a machine
+`build_kv_indices`), so a replay launches one graph and nothing else. The request table's
+writes since the last pass travel in the inputs' copy and the graph applies them first
+(`apply_table_writes`): a step's commit then launches nothing to update the device table.
+Padding requests own nothing and padding tokens write K/V to the padding slot. On a machine
 without CUDA the same static path runs eagerly (`capture=False`), so it is tested on CPU.
 Each graph's launches run under the PDL setting `pdl.for_pass` gives its pass.
 """
@@ -20,6 +22,7 @@ import torch
 
 from engine import pdl
 from engine.ops.gemv import LINEAR_ROWS, one_row_kernel_takes
+from engine.shell.kv import RequestTable
 from engine.state import (
     PADDING_SLOT,
     Batch,
@@ -40,11 +43,15 @@ def default_batch_sizes(max_batch: int) -> list[int]:
 class _Graph:
     """Static inputs and outputs of one captured pass shape."""
 
-    def __init__(self, batch_size: int, num_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self, batch_size: int, num_tokens: int, device: torch.device, writes_size: int
+    ) -> None:
         self.batch_size, self.num_tokens = batch_size, num_tokens
-        # ids and positions in one tensor, so one host-to-device copy fills both
-        self.inputs = torch.zeros((2, num_tokens), dtype=torch.int64, device=device)
+        # ids, positions and the table writes in one tensor: one host-to-device copy
+        self.staged = torch.zeros(2 * num_tokens + writes_size, dtype=torch.int64, device=device)
+        self.inputs = self.staged[: 2 * num_tokens].view(2, num_tokens)
         self.input_ids, self.positions = self.inputs[0], self.inputs[1]
+        self.writes = self.staged[2 * num_tokens :] if writes_size else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -62,7 +69,11 @@ class GraphRunner:
         max_batch: int,
         max_tree_nodes: int = 1,
         capture: bool = True,
+        table: RequestTable | None = None,
     ) -> None:
+        """`table`: the request table the backend's pool mirrors; where the pass builds its
+        kv indices and the table's mirror is separate, its writes wait for the next replay,
+        which applies them on the device before it reads the table (`applies_writes`)."""
         if mode not in (Mode.DECODE, Mode.VERIFY):
             raise ValueError(f"graphs serve decode and verify passes, not {mode.value}")
         self.model, self.backend, self.mode = model, backend, mode
@@ -77,7 +88,20 @@ class GraphRunner:
         # a backend whose passes can build their own kv indices: each replay does, on the
         # device (a plan then launches nothing)
         self.indices_in_pass = hasattr(backend, "build_kv_indices")
-        self.graphs = {size: _Graph(size, size * self.per_request, device) for size in self.sizes}
+        self.table = table
+        self.applies_writes = (
+            table is not None
+            and table.mirrored
+            and self.indices_in_pass
+            and hasattr(backend, "apply_table_writes")
+        )
+        # a replay takes up to a pass's tokens of writes twice over (a decode pass's slots, a
+        # verify pass's accepted paths); more wait for `RequestTable.flush`
+        self.write_capacity = 2 * max_tokens if self.applies_writes else 0
+        writes_size = 1 + 2 * self.write_capacity if self.applies_writes else 0
+        self.graphs = {
+            size: _Graph(size, size * self.per_request, device, writes_size) for size in self.sizes
+        }
         self.pdl = {size: pdl.for_pass(self._one_row_products(size)) for size in self.sizes}
         # Capture allocates from torch's caching allocator; without it (as under memcheck with
         # PYTORCH_NO_CUDA_MEMORY_CACHING=1) the same static path runs uncaptured.
@@ -87,11 +111,14 @@ class GraphRunner:
             and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0")
         )
         self._staging = torch.zeros(
-            (2, max_tokens), dtype=torch.int64, pin_memory=device.type == "cuda"
+            2 * max_tokens + writes_size, dtype=torch.int64, pin_memory=device.type == "cuda"
         )
         self._staged: torch.cuda.Event | None = None
         if self.capture:
             self._capture_all(device)
+        if self.applies_writes:
+            assert table is not None
+            table.defer_writes()
 
     @property
     def max_batch(self) -> int:
@@ -116,6 +143,8 @@ class GraphRunner:
 
     def _forward(self, graph: _Graph, metadata: object) -> torch.Tensor:
         with pdl.using(self.pdl[graph.batch_size]):
+            if graph.writes is not None:
+                self.backend.apply_table_writes(graph.writes)
             if self.indices_in_pass:
                 self.backend.build_kv_indices(metadata)
             hidden = self.model(graph.input_ids, graph.positions, metadata, self.backend)
@@ -172,6 +201,22 @@ class GraphRunner:
         graph = self.graphs[self.sizes[bisect.bisect_left(self.sizes, len(batch.running))]]
         return graph, self._plan(graph, batch)
 
+    def _stage_writes(self, writes: np.ndarray) -> int:
+        """The table's waiting writes into `writes` (count, places, then at 1 + capacity the
+        slots), or a count of 0 where more wait than fit (applied at once instead). Returns
+        how much of `writes` the copy must take."""
+        assert self.table is not None
+        capacity = self.write_capacity
+        taken = self.table.take_writes(capacity)
+        if taken is None:
+            writes[0] = 0
+            return 1
+        at, slots = taken
+        writes[0] = at.size
+        writes[1 : 1 + at.size] = at
+        writes[1 + capacity : 1 + capacity + at.size] = slots
+        return 1 + capacity + at.size
+
     @torch.inference_mode()
     def replay(
         self,
@@ -184,15 +229,18 @@ class GraphRunner:
         the layout of the batch `prepare` planned (its input ids may differ). `input_ids`
         (on the device, one per new token): copied in on the device in place of
         `batch.input_ids`, in stream order (tokens a pass before sampled, not read back)."""
-        count = batch.new_lens.total
-        staged = self._staging[:, : graph.num_tokens]
+        count, num_tokens = batch.new_lens.total, graph.num_tokens
         if self._staged is not None:
             self._staged.synchronize()  # the last copy must have read the staging buffer
-        host = staged.numpy()
-        host[0, :count] = batch.input_ids
-        host[1, :count] = batch.positions
-        host[:, count:] = 0
-        graph.inputs.copy_(staged, non_blocking=True)
+        host = self._staging.numpy()
+        inputs = host[: 2 * num_tokens].reshape(2, num_tokens)
+        inputs[0, :count] = batch.input_ids
+        inputs[1, :count] = batch.positions
+        inputs[:, count:] = 0
+        end = 2 * num_tokens
+        if graph.writes is not None:  # the table's waiting writes: count, places, slots
+            end = self._stage_writes(host[end:]) + end
+        graph.staged[:end].copy_(self._staging[:end], non_blocking=True)
         if input_ids is not None:
             graph.input_ids[:count].copy_(input_ids)
         if self.capture:

@@ -9,6 +9,7 @@ import torch
 from engine.backends import AttentionBackend
 from engine.backends.base import upload
 from engine.shell.graphs import GraphRunner
+from engine.shell.kv import RequestTable
 from engine.state import Batch, Mode
 
 # Eager passes on CUDA run a multiple of TOKEN_ALIGN tokens, padding tokens after the
@@ -30,8 +31,13 @@ class ModelRunner:
         graph_max_batch: int = 0,
         max_tree_nodes: int = 0,
         capture: bool = True,
+        table: RequestTable | None = None,
     ) -> None:
+        """`table`: the request table the backend's pool mirrors. Its writes may wait for the
+        next captured pass (`GraphRunner`); any other pass applies them before it is
+        planned."""
         self.model = model
+        self.table = table
         self.backend = backend
         self.device = device
         # where eager passes are padded: CUDA, a backend whose plan pads (the Triton one)
@@ -40,7 +46,9 @@ class ModelRunner:
         self.graphs: list[GraphRunner] = []
         if graph_max_batch and hasattr(backend, "graph_buffers"):
             self.graphs.append(
-                GraphRunner(model, backend, Mode.DECODE, graph_max_batch, capture=capture)
+                GraphRunner(
+                    model, backend, Mode.DECODE, graph_max_batch, capture=capture, table=table
+                )
             )
             if max_tree_nodes:
                 self.graphs.append(
@@ -51,6 +59,7 @@ class ModelRunner:
                         graph_max_batch,
                         max_tree_nodes,
                         capture=capture,
+                        table=table,
                     )
                 )
 
@@ -60,11 +69,18 @@ class ModelRunner:
         Decode and verify passes small enough replay a captured graph; the rest run eagerly."""
         for graph in self.graphs:
             if graph.accepts(batch):
+                if not graph.applies_writes:
+                    self._flush()
                 return Prepared(batch, graph, *graph.prepare(batch))
+        self._flush()  # the plan reads the table on the device
         num_tokens = self.num_tokens(batch)
         if num_tokens == batch.new_lens.total:
             return Prepared(batch, None, None, self.backend.plan(batch))
         return Prepared(batch, None, None, self.backend.plan(batch, padded_num_tokens=num_tokens))
+
+    def _flush(self) -> None:
+        if self.table is not None:
+            self.table.flush()
 
     def num_tokens(self, batch: Batch) -> int:
         """The token count an eager pass of `batch` runs: its new tokens, rounded up to

@@ -81,6 +81,7 @@ class Runtime:
             self.device,
             graph_max_batch,
             tree_nodes,
+            table=table,
         )
 
     def sampling_inputs(

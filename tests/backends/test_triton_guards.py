@@ -12,7 +12,11 @@ from engine.backends.torch_backend import TorchBackend, build_kv_indices
 from engine.backends.triton_backend import TritonBackend
 from engine.backends.triton_decode import decode_attention
 from engine.backends.triton_extend import extend_attention
-from engine.backends.triton_index import build_kv_indices_into, launch_kv_indices
+from engine.backends.triton_index import (
+    build_kv_indices_into,
+    launch_kv_indices,
+    launch_table_writes,
+)
 
 SENTINEL = -7
 GUARD = 5
@@ -73,6 +77,26 @@ def test_kv_index_kernel_masks_stores_at_capacity() -> None:
     )
     assert torch.equal(backing[: total - 1], ref[: total - 1])
     assert (backing[total - 1 :] == SENTINEL).all()
+
+
+def test_table_writes_apply_their_count_within_the_table() -> None:
+    """The staged writes' first `count` entries land; later entries, and a place past the
+    table (its guard band), are left alone."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backing = torch.full((3 * 8 + GUARD,), SENTINEL, dtype=torch.int32, device=device)
+    table = backing[:24].view(3, 8)
+    capacity = 6
+    writes = torch.zeros(1 + 2 * capacity, dtype=torch.int64, device=device)
+    places, slots = [2, 17, 23, 24, 5], [40, 41, 42, 43, 44]  # 24: past the table
+    writes[0] = 4  # the fifth entry is staged but not counted
+    writes[1:6] = torch.tensor(places)
+    writes[1 + capacity : 6 + capacity] = torch.tensor(slots)
+    launch_table_writes(table, writes)
+    expected = torch.full((3 * 8 + GUARD,), SENTINEL, dtype=torch.int32)
+    expected[[2, 17, 23]] = torch.tensor([40, 41, 42], dtype=torch.int32)
+    assert torch.equal(backing.cpu(), expected)
+    with pytest.raises(ValueError, match="1 \\+ 2 \\* capacity"):
+        launch_table_writes(table, writes[:-1])
 
 
 @pytest.mark.parametrize("mode", ["decode", "extend", "verify"])

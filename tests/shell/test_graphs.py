@@ -6,6 +6,7 @@ the Triton backend in the interpreter; on CUDA the same test captures real graph
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from engine.backends import triton_index
 from engine.ops import gemv
 from engine.shell.engine import Engine
 from engine.shell.graphs import GraphRunner, default_batch_sizes
+from engine.shell.kv import RequestTable
 from engine.state import Mode, SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,6 +142,55 @@ def test_graph_path_equals_eager_path_with_padding_and_overflow(speculative):
     for engine in (graphed, overflow):
         engine.check()
         assert engine.book.num_available == engine.book.slots.capacity
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_table_writes_wait_for_the_graph_pass_that_reads_the_table(monkeypatch, speculative):
+    """With a device mirror apart from the host table (CUDA's; forced here on CPU), the
+    table's writes wait on the host and each replay applies them before its pass builds its
+    kv indices: tokens equal the eager path's, replays staged writes, eager passes found
+    none waiting, and the mirror ends equal to the host table."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = _prompts(3)
+    eager = _engine(speculative=speculative, draft_budget=4).generate(prompts, params)
+    monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
+    engine = _engine(speculative=speculative, draft_budget=4)
+    table, runner = engine.book.table, engine.runner
+    assert table.mirrored and runner.table is table
+    capture = DEVICE == "cuda"
+    runner.graphs = [
+        GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=capture, table=table)
+    ]
+    if speculative:
+        runner.graphs.append(
+            GraphRunner(
+                runner.model, runner.backend, Mode.VERIFY, 4, 5, capture=capture, table=table
+            )
+        )
+    assert all(graph.applies_writes for graph in runner.graphs) and table.deferring
+    staged: list[int] = []
+    for graph in runner.graphs:
+        real_stage = graph._stage_writes
+
+        def stage(writes, real_stage=real_stage):
+            end = real_stage(writes)
+            staged.append(int(writes[0]))
+            return end
+
+        monkeypatch.setattr(graph, "_stage_writes", stage)
+    real_plan = runner.backend.plan
+
+    def plan(batch, *args, **kwargs):  # an eager plan reads the mirror: nothing may wait
+        assert kwargs.get("buffers") is not None or not table.num_pending
+        return real_plan(batch, *args, **kwargs)
+
+    monkeypatch.setattr(runner.backend, "plan", plan)
+    replays = _count_replays(engine)
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]
+    assert tokens == [o.token_ids for o in eager]
+    assert replays and any(staged), "no replay took the table's writes"
+    assert np.array_equal(table.device.cpu().numpy(), table.host)
+    engine.check()
 
 
 @pytest.mark.parametrize("speculative", [False, True])

@@ -79,3 +79,53 @@ def test_released_row_is_cleared_on_the_device_too():
     table.release_row(row)
     assert not table.device[row].any().item()
     assert np.array_equal(table.device.cpu().numpy(), table.host)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_table_mirrors_the_host_after_writes():
+    """Writes of every row and width, later ones over earlier ones, reach the device mirror
+    (one flat scatter of int32 slots)."""
+    rng = np.random.default_rng(0)
+    table = RequestTable(5, 33, device="cuda")
+    for count in (1, 7, 40, 165):
+        places = rng.choice(5 * 33, size=count, replace=False)
+        rows, cols = np.divmod(places, 33)
+        table.write(rows, cols, rng.integers(1, 2**31 - 1, size=count))
+        assert np.array_equal(table.device.cpu().numpy(), table.host)
+
+
+def _waiting_table() -> RequestTable:
+    table = RequestTable(3, 8, mirror=True)  # a separate mirror, on CPU too
+    table.defer_writes()
+    return table
+
+
+def test_deferred_writes_reach_the_mirror_in_order_when_taken_or_read():
+    table = _waiting_table()
+    table.write(np.array([0, 0]), np.array([1, 2]), np.array([5, 6]))
+    table.write(np.array([2, 0]), np.array([7, 1]), np.array([9, 4]))  # (0, 1) again: 4 wins
+    assert table.num_pending == 4 and not table._device.any()
+    at, slots = table.take_writes(capacity=4)
+    assert sorted(zip(at.tolist(), slots.tolist(), strict=True)) == [(1, 4), (2, 6), (23, 9)]
+    assert table.num_pending == 0
+    table.write(np.array([1]), np.array([3]), np.array([8]))
+    assert table.take_writes(capacity=0) is None  # more than fit: applied at once
+    assert table._device[1, 3] == 8 and table.num_pending == 0
+    table.write(np.array([2, 2]), np.array([0, 1]), np.array([3, 2]))
+    assert np.array_equal(table.device.numpy()[2, :2], [3, 2])  # `device` applies them
+
+
+def test_clearing_a_row_applies_its_waiting_writes_first():
+    """A write that waited past a clear of its row would come back after it."""
+    table = _waiting_table()
+    row = table.alloc_row()
+    table.write(np.array([row]), np.array([4]), np.array([7]))
+    table.release_row(row)
+    assert table.num_pending == 0
+    assert np.array_equal(table._device.numpy(), table.host)
+
+
+def test_only_a_separate_mirror_defers_writes():
+    with pytest.raises(ValueError, match="separate device mirror"):
+        RequestTable(2, 4).defer_writes()
