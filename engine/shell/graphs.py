@@ -4,9 +4,10 @@ One graph per padded batch size P (decode: P tokens; verify: P * max_tree_nodes 
 sharing one memory pool and one set of static backend buffers. Before each replay the backend
 plans into those buffers (outside the graph) and the inputs are copied into static tensors;
 the pass's kv indices are built inside the graph from those buffers (where the backend can:
-`build_kv_indices`), so a replay launches one graph and nothing else. The request table's
-writes since the last pass travel in the inputs' copy and the graph applies them first
-(`apply_table_writes`): a step's commit then launches nothing to update the device table.
+`build_kv_indices`), so a replay launches one graph and nothing else. Before a verify pass
+the request table's writes since the last pass travel in the inputs' copy and the graph
+applies them first (`apply_table_writes`): the commit of the step before launches nothing
+to update the device table.
 Padding requests own nothing and padding tokens write K/V to the padding slot. On a machine
 without CUDA the same static path runs eagerly (`capture=False`), so it is tested on CPU.
 Each graph's launches run under the PDL setting `pdl.for_pass` gives its pass.
@@ -71,9 +72,10 @@ class GraphRunner:
         capture: bool = True,
         table: RequestTable | None = None,
     ) -> None:
-        """`table`: the request table the backend's pool mirrors; where the pass builds its
-        kv indices and the table's mirror is separate, its writes wait for the next replay,
-        which applies them on the device before it reads the table (`applies_writes`)."""
+        """`table`: the request table the backend's pool mirrors; for verify passes that
+        build their kv indices, with the table's mirror separate, its writes wait for the
+        next replay, which applies them on the device before it reads the table
+        (`applies_writes`)."""
         if mode not in (Mode.DECODE, Mode.VERIFY):
             raise ValueError(f"graphs serve decode and verify passes, not {mode.value}")
         self.model, self.backend, self.mode = model, backend, mode
@@ -89,14 +91,19 @@ class GraphRunner:
         # device (a plan then launches nothing)
         self.indices_in_pass = hasattr(backend, "build_kv_indices")
         self.table = table
+        # Verify passes only: the writes a verify pass's commit makes are the host's work
+        # between two passes, which the device waits for. A decode pass's writes are made
+        # while the pass before it runs (`PlanAhead`), so carrying them would cost the pass
+        # a launch and save no time (docs/benchmarks.md, `bench_steps.py`).
         self.applies_writes = (
-            table is not None
+            mode == Mode.VERIFY
+            and table is not None
             and table.mirrored
             and self.indices_in_pass
             and hasattr(backend, "apply_table_writes")
         )
-        # a replay takes up to a pass's tokens of writes twice over (a decode pass's slots, a
-        # verify pass's accepted paths); more wait for `RequestTable.flush`
+        # a replay takes up to twice its pass's tokens of writes (the accepted paths of a
+        # verify pass, and a decode pass's slots before it); more are applied at once
         self.write_capacity = 2 * max_tokens if self.applies_writes else 0
         writes_size = 1 + 2 * self.write_capacity if self.applies_writes else 0
         self.graphs = {

@@ -144,51 +144,52 @@ def test_graph_path_equals_eager_path_with_padding_and_overflow(speculative):
         assert engine.book.num_available == engine.book.slots.capacity
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_table_writes_wait_for_the_graph_pass_that_reads_the_table(monkeypatch, speculative):
+def test_table_writes_wait_for_the_verify_pass_that_reads_the_table(monkeypatch):
     """With a device mirror apart from the host table (CUDA's; forced here on CPU), the
-    table's writes wait on the host and each replay applies them before its pass builds its
-    kv indices: tokens equal the eager path's, replays staged writes, eager passes found
-    none waiting, and the mirror ends equal to the host table."""
+    table's writes wait on the host and each verify replay applies them before its pass
+    builds its kv indices; every other pass (decode graphs, eager passes) finds them applied
+    when planned. Tokens equal the eager path's, verify replays staged writes, and the
+    mirror ends equal to the host table."""
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = _prompts(3)
-    eager = _engine(speculative=speculative, draft_budget=4).generate(prompts, params)
+    eager = _engine(speculative=True, draft_budget=4).generate(prompts, params)
     monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
-    engine = _engine(speculative=speculative, draft_budget=4)
+    engine = _engine(speculative=True, draft_budget=4)
     table, runner = engine.book.table, engine.runner
     assert table.mirrored and runner.table is table
     capture = DEVICE == "cuda"
     runner.graphs = [
-        GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=capture, table=table)
+        GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=capture, table=table),
+        GraphRunner(runner.model, runner.backend, Mode.VERIFY, 4, 5, capture=capture, table=table),
     ]
-    if speculative:
-        runner.graphs.append(
-            GraphRunner(
-                runner.model, runner.backend, Mode.VERIFY, 4, 5, capture=capture, table=table
-            )
-        )
-    assert all(graph.applies_writes for graph in runner.graphs) and table.deferring
+    assert [graph.applies_writes for graph in runner.graphs] == [False, True]
+    assert table.deferring
     staged: list[int] = []
-    for graph in runner.graphs:
-        real_stage = graph._stage_writes
+    verify_graph = runner.graphs[1]
+    real_stage = verify_graph._stage_writes
 
-        def stage(writes, real_stage=real_stage):
-            end = real_stage(writes)
-            staged.append(int(writes[0]))
-            return end
+    def stage(writes):
+        end = real_stage(writes)
+        staged.append(int(writes[0]))
+        return end
 
-        monkeypatch.setattr(graph, "_stage_writes", stage)
+    monkeypatch.setattr(verify_graph, "_stage_writes", stage)
     real_plan = runner.backend.plan
+    planned = set()
 
-    def plan(batch, *args, **kwargs):  # an eager plan reads the mirror: nothing may wait
-        assert kwargs.get("buffers") is not None or not table.num_pending
+    def plan(batch, *args, **kwargs):  # only a verify graph's plan may leave writes waiting
+        planned.add((batch.mode, kwargs.get("buffers") is not None))
+        if batch.mode != Mode.VERIFY or kwargs.get("buffers") is None:
+            assert not table.num_pending
         return real_plan(batch, *args, **kwargs)
 
     monkeypatch.setattr(runner.backend, "plan", plan)
     replays = _count_replays(engine)
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
     assert tokens == [o.token_ids for o in eager]
-    assert replays and any(staged), "no replay took the table's writes"
+    assert Mode.VERIFY in replays and Mode.DECODE in replays
+    assert (Mode.EXTEND, False) in planned
+    assert any(staged), "no verify replay took the table's writes"
     assert np.array_equal(table.device.cpu().numpy(), table.host)
     engine.check()
 
