@@ -19,8 +19,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/engine generate "Write one sentence about the sea." --max-tokens 48
 
+# The suite in TEST_WORKERS processes (pytest-xdist): CI's machine has 2 cores, and most tests
+# are single-threaded Python (the Triton interpreter, the engine's host work).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=15 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
