@@ -247,6 +247,8 @@ class GraphRunner:
         end = 2 * num_tokens
         if graph.writes is not None:  # the table's waiting writes: count, places, slots
             end = self._stage_writes(host[end:]) + end
+        elif self.table is not None:  # writes since the plan: on the device before the pass
+            self.table.flush()
         graph.staged[:end].copy_(self._staging[:end], non_blocking=True)
         if input_ids is not None:
             graph.input_ids[:count].copy_(input_ids)

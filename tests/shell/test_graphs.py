@@ -148,8 +148,9 @@ def test_table_writes_wait_for_the_verify_pass_that_reads_the_table(monkeypatch)
     """With a device mirror apart from the host table (CUDA's; forced here on CPU), the
     table's writes wait on the host and each verify replay applies them before its pass
     builds its kv indices; every other pass (decode graphs, eager passes) finds them applied
-    when planned. Tokens equal the eager path's, verify replays staged writes, and the
-    mirror ends equal to the host table."""
+    when planned, and a decode replay applies writes made after its plan. Tokens equal the
+    eager path's, verify replays staged writes, no pass builds its kv indices with writes
+    waiting, and the mirror ends equal to the host table."""
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = _prompts(3)
     eager = _engine(speculative=True, draft_budget=4).generate(prompts, params)
@@ -184,6 +185,23 @@ def test_table_writes_wait_for_the_verify_pass_that_reads_the_table(monkeypatch)
         return real_plan(batch, *args, **kwargs)
 
     monkeypatch.setattr(runner.backend, "plan", plan)
+    decode_graph = runner.graphs[0]
+    real_prepare = decode_graph.prepare
+
+    def prepare(batch):  # a write after the plan (a slot again): its replay applies it first
+        planned = real_prepare(batch)
+        row = batch.running.rows[:1]
+        table.write(row, np.zeros(1, dtype=np.int64), table.host[row, 0].copy())
+        return planned
+
+    monkeypatch.setattr(decode_graph, "prepare", prepare)
+    real_build = runner.backend.build_kv_indices
+
+    def build(metadata):  # uncaptured (CPU): at every replay
+        assert not table.num_pending, "a pass read the table with writes waiting"
+        return real_build(metadata)
+
+    monkeypatch.setattr(runner.backend, "build_kv_indices", build)
     replays = _count_replays(engine)
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
     assert tokens == [o.token_ids for o in eager]
