@@ -96,7 +96,6 @@ class RequestTable:
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self.deferring = False
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (flat places, slots)
-        self._num_pending = 0
 
     @property
     def device(self) -> torch.Tensor:
@@ -107,7 +106,7 @@ class RequestTable:
     @property
     def num_pending(self) -> int:
         """Writes not applied to the device mirror yet."""
-        return self._num_pending
+        return sum(at.size for at, _ in self._pending)
 
     def defer_writes(self) -> None:
         """From now on writes wait for `take_writes` or `flush` (see the class)."""
@@ -144,7 +143,6 @@ class RequestTable:
             return
         at = np.asarray(rows, dtype=np.int64) * self.max_context + cols
         self._pending.append((at, np.asarray(slots, dtype=np.int64)))
-        self._num_pending += at.size
         if not self.deferring:
             self.flush()
 
@@ -152,7 +150,7 @@ class RequestTable:
         """The waiting writes (flat places, slots; oldest first, so a later write to a place
         wins where they are applied in order), handed over to be applied by the caller's
         pass; None where more than `capacity` wait: they are applied now (`flush`)."""
-        if self._num_pending > capacity:
+        if self.num_pending > capacity:
             self.flush()
             return None
         return self._take()
@@ -163,7 +161,7 @@ class RequestTable:
         queued, and the engine writes while a pass runs), then one scatter into the flat
         table. Torch's pinned-memory cache hands the buffer out again only once the copy
         has run."""
-        if not self._num_pending:
+        if not self._pending:
             return
         at, slots = self._take()
         count = at.size
@@ -176,7 +174,7 @@ class RequestTable:
         self._flat.index_copy_(0, at_d, slots_d)
 
     def _take(self) -> tuple[np.ndarray, np.ndarray]:
-        pending, self._pending, self._num_pending = self._pending, [], 0
+        pending, self._pending = self._pending, []
         if len(pending) == 1:
             return pending[0]
         if not pending:
