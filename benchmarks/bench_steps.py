@@ -3,11 +3,14 @@ tokens/s that speculation gives as a function of the accepted length per step.
 
     python benchmarks/bench_steps.py [--context 1024] [--accepted 0,0.5,1,1.5,2,3,4]
     python benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 --batches 1 --profile
+    python benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 --tree-nodes 2,4,8,13
 
 "forward" is `ModelRunner.forward` (plan + replay) one at a time; "replay" is the device's
 time a pass, planned once and replayed back to back. `--pdl off,auto,late` times the passes
 under each programmatic dependent launch setting named (`engine.pdl`: `auto`, the engine's
-default, chooses per pass), one after the other in one process.
+default, chooses per pass), one after the other in one process. `--tree-nodes` times verify
+passes of trees of those sizes in one engine (draft budget: the largest - 1), each replaying
+the verify graph of the narrowest width it fits (`engine.shell.graphs.verify_widths`).
 """
 
 from __future__ import annotations
@@ -129,6 +132,12 @@ def main() -> None:
         help="the engine's max_context (its request table's width; default: context + 64)",
     )
     parser.add_argument("--draft-budget", type=int, default=12)
+    parser.add_argument(
+        "--tree-nodes",
+        default=None,
+        help="verify tree sizes, comma-separated (default: the draft budget + 1); the "
+        "engine's draft budget becomes the largest - 1",
+    )
     parser.add_argument("--accepted", default="0,0.5,1,1.5,2,3,4")
     parser.add_argument(
         "--profile",
@@ -146,12 +155,18 @@ def main() -> None:
         help=f"programmatic dependent launch settings, comma-separated, of {sorted(pdl.SETTINGS)}",
     )
     args = parser.parse_args()
-    nodes = args.draft_budget + 1
+    tree_nodes = [int(n) for n in (args.tree_nodes or str(args.draft_budget + 1)).split(",")]
+    if min(tree_nodes) < 2:
+        parser.error(
+            f"--tree-nodes: sizes must be at least 2 (a root and a draft); got {tree_nodes}"
+        )
+    nodes = max(tree_nodes)
     settings = args.pdl.split(",")
     unknown = sorted(set(settings) - set(pdl.SETTINGS))
     if unknown:  # before any engine is built
         parser.error(f"--pdl: unknown setting(s) {unknown}; they are {sorted(pdl.SETTINGS)}")
-    results = {}  # PDL setting -> [(batch, forward decode, verify, replay decode, verify)]
+    # PDL setting -> [(batch, tree nodes, forward decode, verify, replay decode, verify)]
+    results: dict[str, list[tuple]] = {}
     for on in settings:
         with pdl.using(on):
             engine = Engine(
@@ -159,7 +174,7 @@ def main() -> None:
                 device="cuda",
                 dtype=args.dtype,
                 speculative=True,
-                draft_budget=args.draft_budget,
+                draft_budget=nodes - 1,
                 max_running_requests=64,
                 cuda_graph_max_batch=64,
                 max_context=args.max_context or args.context + 64,
@@ -167,18 +182,17 @@ def main() -> None:
             )
             results[on] = []
             for batch in (int(b) for b in args.batches.split(",")):
-                decode, verify = batches(engine, batch, args.context, nodes)
-                results[on].append(
-                    (
-                        batch,
-                        time_forward(engine, decode),
-                        time_forward(engine, verify),
-                        time_replay(engine, decode),
-                        time_replay(engine, verify),
+                decode_times = None
+                for size in tree_nodes:
+                    decode, verify = batches(engine, batch, args.context, size)
+                    if decode_times is None:
+                        decode_times = time_forward(engine, decode), time_replay(engine, decode)
+                    f_verify, r_verify = time_forward(engine, verify), time_replay(engine, verify)
+                    results[on].append(
+                        (batch, size, decode_times[0], f_verify, decode_times[1], r_verify)
                     )
-                )
-                release(engine, decode, verify)
-                engine.check()
+                    release(engine, decode, verify)
+                    engine.check()
             if args.profile:
                 profile_passes(engine, args.context, nodes)
         del engine
@@ -188,27 +202,26 @@ def main() -> None:
     print(
         f"\n{torch.cuda.get_device_name()}, random {args.preset} {args.dtype}, "
         f"context {args.context}, max_context {args.max_context or args.context + 64}, "
-        f"{nodes}-node trees, CUDA graphs"
+        f"draft budget {nodes - 1}, CUDA graphs"
     )
     print(
-        "| PDL | batch | forward: decode ms | verify ms | verify/decode "
+        "| PDL | batch | tree nodes | forward: decode ms | verify ms | verify/decode "
         "| replay: decode ms | verify ms | verify/decode |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for on, rows in results.items():
-        for batch, f_decode, f_verify, r_decode, r_verify in rows:
+        for batch, size, f_decode, f_verify, r_decode, r_verify in rows:
             print(
-                f"| {on} | {batch} | {f_decode:.3f} | {f_verify:.3f} | "
+                f"| {on} | {batch} | {size} | {f_decode:.3f} | {f_verify:.3f} | "
                 f"{f_verify / f_decode:.2f} | {r_decode:.3f} | {r_verify:.3f} | "
                 f"{r_verify / r_decode:.2f} |"
             )
-    rows = [(b, fd, fv) for b, fd, fv, _, _ in results[settings[0]]]
     print("\ntokens/s with speculation at a mean accepted length a (tokens/step = 1 + a)")
-    print("| batch | no spec | " + " | ".join(f"a={a:g}" for a in accepted) + " |")
-    print("|---|---|" + "---|" * len(accepted))
-    for batch, t_decode, t_verify in rows:
+    print("| batch | tree nodes | no spec | " + " | ".join(f"a={a:g}" for a in accepted) + " |")
+    print("|---|---|---|" + "---|" * len(accepted))
+    for batch, size, t_decode, t_verify, _, _ in results[settings[0]]:
         cells = [f"{batch * (1 + a) / t_verify * 1e3:.0f}" for a in accepted]
-        print(f"| {batch} | {batch / t_decode * 1e3:.0f} | " + " | ".join(cells) + " |")
+        print(f"| {batch} | {size} | {batch / t_decode * 1e3:.0f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

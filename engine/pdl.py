@@ -11,12 +11,15 @@ programs end. A kernel that skips `enter` must never be launched with PDL, so `l
 gives the constexpr and the launch option together, and tests/test_pdl.py checks every
 kernel of the package for the call and every launch for the options.
 
-By default (`auto`) only one kind of pass uses it: a one-row decode pass whose products all
-run in the package's one-row kernel (`for_pass`), in mode `top`. On an H200
-(`bench_steps.py --pdl off,top,late,exit`, docs/benchmarks.md) that pass of the default
-model ran 17-18% faster with `top`, while every mode made a batch-1 decode pass of random
-Llama-3-8B 4-9% slower (cuBLAS's products sit between the package's kernels there), `top`
-the default model's verify pass 19% slower and its four-row decode pass 12% slower.
+By default (`auto`) only passes of a few rows use it, in mode `top`: a graph pass of at most
+AUTO_MAX_ROWS rows whose layers' products all run in the package's matrix kernels (one-row
+or all-rows; the output layer, the pass's last product, may be cuBLAS's), as `for_pass`
+is told. On an H200 (`bench_steps.py --pdl off,top`, docs/benchmarks.md) `top` made the
+default model's decode passes of 1, 2, 4 and 8 rows 22%, 12%, 17% and 2% faster and its
+verify passes of 2, 4 and 8 rows at batch 1 14-18% faster, but its passes of 13 and 16 rows
+1-13% slower (the all-rows kernel holds 16 rows there); every mode made a batch-1 decode
+pass of random Llama-3-8B 4-9% slower (cuBLAS's products sit between the package's kernels
+there).
 `ENGINE_PDL=<setting>` sets a process's setting (`auto` or one mode for every launch),
 `using(setting)` a block's (a CUDA graph keeps the launches it captured), so benchmarks
 compare them in one run.
@@ -40,6 +43,7 @@ MODES = {"off": 0, "top": 1, "late": 2, "exit": 3}  # the kernels' PDL constexpr
 
 
 SETTINGS = ("auto", *MODES)  # auto: `for_pass` chooses a pass's mode, off elsewhere
+AUTO_MAX_ROWS = 8  # the most rows (tokens) of a pass that `auto` runs with PDL
 
 
 def _setting(name: str, source: str) -> str:
@@ -81,13 +85,13 @@ def _warn_unavailable(device: str, setting: str) -> None:
     )
 
 
-def for_pass(one_row_products: bool) -> str:
+def for_pass(package_products: bool) -> str:
     """The setting a pass runs under: the process's where it names a mode; under `auto`,
-    `top` for a one-row decode pass whose products all run in the package's one-row kernel
-    (`one_row_products`), else off."""
+    `top` for a pass of at most AUTO_MAX_ROWS rows whose layers' products all run in the
+    package's matrix kernels (`package_products`: the caller knows both), else off."""
     if _state["setting"] != "auto":
         return _state["setting"]
-    return "top" if one_row_products else "off"
+    return "top" if package_products else "off"
 
 
 def launch(device: torch.device) -> dict:

@@ -280,6 +280,15 @@ class LlamaModel(nn.Module):
         # gathered in the model's dtype (half the bytes of fp32; the cast after is exact)
         return parallel.gather_vocab(linear(hidden, self.lm_head), self.shard).float()
 
+    def layer_products(self) -> list[torch.Tensor]:
+        """The weights of the layers' matrix products (qkv, o_proj, gate_up, down of each
+        layer, in order); the output layer's is `lm_head`."""
+        return [
+            weight
+            for layer in self.layers
+            for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+
     @torch.inference_mode()
     def warm_products(self, token_counts: Iterable[int], logit_rows: Iterable[int]) -> int:
         """Run each distinct product of the layers on zeros of each of `token_counts` rows,
@@ -293,9 +302,8 @@ class LlamaModel(nn.Module):
             raise ValueError("warm_products runs a whole model's products; this is one rank's")
         ops = op_sets.load(self.op_set)
         weights = {}
-        for layer in self.layers:
-            for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                weights.setdefault(tuple(weight.shape), weight)
+        for weight in self.layer_products():
+            weights.setdefault(tuple(weight.shape), weight)
         counts, rows = sorted(set(token_counts)), sorted(set(logit_rows))
         if counts and min(counts) < 1 or rows and min(rows) < 1:
             raise ValueError(f"warm_products: row counts must be at least 1; got {counts}, {rows}")

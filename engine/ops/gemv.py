@@ -599,27 +599,35 @@ def one_row_kernel_takes(weight_shape: tuple[int, ...]) -> bool:
     return weight_shape[0] * weight_shape[1] <= MAX_WEIGHT_ELEMENTS
 
 
+def kernel_takes(rows: int, dtype: torch.dtype, weight_shape: tuple[int, ...]) -> bool:
+    """Whether a product of `rows` x rows of `dtype` with a weight of `weight_shape` (N, K)
+    runs in the package's kernels on CUDA (`linear_config` gives it a launch): one row of any
+    dtype with weights up to MAX_WEIGHT_ELEMENTS, or float32 up to MAX_ROWS rows with weights
+    up to ROWS_MAX_WEIGHT_ELEMENTS; cuBLAS's elsewhere."""
+    if rows == LINEAR_ROWS:
+        return one_row_kernel_takes(weight_shape)
+    return (
+        dtype == torch.float32
+        and LINEAR_ROWS < rows <= MAX_ROWS
+        and weight_shape[0] * weight_shape[1] <= ROWS_MAX_WEIGHT_ELEMENTS
+    )
+
+
 @functools.lru_cache(maxsize=1024)
 def linear_config(
     rows: int, dtype: torch.dtype, weight_shape: tuple[int, int], num_sms: int
 ) -> dict | None:
     """The kernel's launch for an x of `rows` rows against a weight of `weight_shape` (N, K)
     (GEMV_CONFIG, `rows_config`; LOOP_STAGES by the programs an SM), or None where cuBLAS is
-    the faster: one row of any dtype with weights up to MAX_WEIGHT_ELEMENTS, or float32 up
-    to MAX_ROWS rows with weights up to ROWS_MAX_WEIGHT_ELEMENTS. Cached (every product of
-    a pass asks); the caller must not change the dict."""
-    elements = weight_shape[0] * weight_shape[1]
-    if rows == LINEAR_ROWS and one_row_kernel_takes(weight_shape):
+    the faster (`kernel_takes`). Cached (every product of a pass asks); the caller must not
+    change the dict."""
+    if not kernel_takes(rows, dtype, weight_shape):
+        return None
+    if rows == LINEAR_ROWS:
         programs = triton.cdiv(weight_shape[0], GEMV_CONFIG["BLOCK_N"])
         stages = _loop_stages(GEMV_CONFIG["LOOP_STAGES"], programs, num_sms)
         return dict(GEMV_CONFIG, LOOP_STAGES=stages)
-    if (
-        dtype == torch.float32
-        and LINEAR_ROWS < rows <= MAX_ROWS
-        and elements <= ROWS_MAX_WEIGHT_ELEMENTS
-    ):
-        return rows_config(weight_shape[0], num_sms)
-    return None
+    return rows_config(weight_shape[0], num_sms)
 
 
 def norm_config(config: dict, weight_shape: tuple[int, int], num_sms: int) -> dict:

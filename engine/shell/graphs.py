@@ -1,7 +1,10 @@
 """Decode and verify passes replayed from captured CUDA graphs.
 
-One graph per padded batch size P (decode: P tokens; verify: P * max_tree_nodes tokens),
-sharing one memory pool and one set of static backend buffers. Before each replay the backend
+One graph per padded batch size P (decode: P tokens; verify: P * W tokens for trees of up to
+W nodes), sharing one memory pool and one set of static backend buffers. Verify graphs are
+captured at a few tree widths W (`verify_widths`: 4, 8 and the draft budget's trees), and a
+verify pass replays the narrowest its largest tree fits: its products and attention run
+only that many rows a request. Before each replay the backend
 plans into those buffers (outside the graph) and the inputs are copied into static tensors;
 the pass's kv indices are built inside the graph from those buffers (where the backend can:
 `build_kv_indices`), so a replay launches one graph and nothing else. Before a verify pass
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 
 from engine import pdl
-from engine.ops.gemv import LINEAR_ROWS, one_row_kernel_takes
+from engine.ops.gemv import kernel_takes
 from engine.shell.kv import RequestTable
 from engine.state import (
     PADDING_SLOT,
@@ -39,6 +42,54 @@ from engine.state.batch import DraftTrees
 def default_batch_sizes(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 8))
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
+
+
+# Tree widths (nodes a request) of the verify graphs below the widest, the draft budget's
+# trees. A verify pass of a narrower graph runs fewer rows through every product and its
+# attention; on the H200 (`bench_steps.py --tree-nodes`, the default model's shape, fp32,
+# batch 1) a pass of 2, 4, 8 and 13 rows took 0.77, 0.77, 0.84 and 1.31 ms against a decode
+# pass's 0.61 (with `pdl.for_pass`'s setting each).
+VERIFY_WIDTHS = (4, 8)
+
+
+def verify_widths(max_tree_nodes: int) -> list[int]:
+    """The tree widths of the verify graphs for trees of up to `max_tree_nodes` nodes."""
+    return sorted({w for w in VERIFY_WIDTHS if w < max_tree_nodes} | {max_tree_nodes})
+
+
+def graph_runners(
+    model: torch.nn.Module,
+    backend: object,
+    max_batch: int,
+    max_tree_nodes: int = 0,
+    capture: bool = True,
+    table: RequestTable | None = None,
+) -> list[GraphRunner]:
+    """The decode graphs, then (`max_tree_nodes`: speculation's widest trees) the verify
+    graphs of each of `verify_widths`, narrowest first: the first runner that `accepts` a
+    batch replays it. The verify runners share one memory pool (captured widest first, so
+    the others reuse its memory: one pass runs at a time) and take up to as many of the
+    table's writes as the widest."""
+    runners = [GraphRunner(model, backend, Mode.DECODE, max_batch, capture=capture, table=table)]
+    if not max_tree_nodes:
+        return runners
+    device = backend.pool.req_to_token.device
+    pool = torch.cuda.graph_pool_handle() if capture and device.type == "cuda" else None
+    verify = [
+        GraphRunner(
+            model,
+            backend,
+            Mode.VERIFY,
+            max_batch,
+            width,
+            capture=capture,
+            table=table,
+            pool=pool,
+            write_capacity=2 * max_batch * max_tree_nodes,
+        )
+        for width in reversed(verify_widths(max_tree_nodes))
+    ]
+    return runners + verify[::-1]
 
 
 class _Graph:
@@ -71,11 +122,15 @@ class GraphRunner:
         max_tree_nodes: int = 1,
         capture: bool = True,
         table: RequestTable | None = None,
+        pool: tuple | None = None,
+        write_capacity: int | None = None,
     ) -> None:
         """`table`: the request table the backend's pool mirrors; for verify passes that
         build their kv indices, with the table's mirror separate, its writes wait for the
         next replay, which applies them on the device before it reads the table
-        (`applies_writes`)."""
+        (`applies_writes`), up to `write_capacity` of them (None: twice the largest pass's
+        tokens). `pool`: the CUDA graph memory pool to capture into (None: one of its
+        own)."""
         if mode not in (Mode.DECODE, Mode.VERIFY):
             raise ValueError(f"graphs serve decode and verify passes, not {mode.value}")
         self.model, self.backend, self.mode = model, backend, mode
@@ -104,12 +159,14 @@ class GraphRunner:
         )
         # a replay takes up to twice its pass's tokens of writes (the accepted paths of a
         # verify pass, and a decode pass's slots before it); more are applied at once
-        self.write_capacity = 2 * max_tokens if self.applies_writes else 0
+        if write_capacity is None:
+            write_capacity = 2 * max_tokens
+        self.write_capacity = write_capacity if self.applies_writes else 0
         writes_size = 1 + 2 * self.write_capacity if self.applies_writes else 0
         self.graphs = {
             size: _Graph(size, size * self.per_request, device, writes_size) for size in self.sizes
         }
-        self.pdl = {size: pdl.for_pass(self._one_row_products(size)) for size in self.sizes}
+        self.pdl = {size: pdl.for_pass(self._package_products(size)) for size in self.sizes}
         # Capture allocates from torch's caching allocator; without it (as under memcheck with
         # PYTORCH_NO_CUDA_MEMORY_CACHING=1) the same static path runs uncaptured.
         self.capture = (
@@ -122,7 +179,7 @@ class GraphRunner:
         )
         self._staged: torch.cuda.Event | None = None
         if self.capture:
-            self._capture_all(device)
+            self._capture_all(device, torch.cuda.graph_pool_handle() if pool is None else pool)
         if self.applies_writes:
             assert table is not None
             table.defer_writes()
@@ -138,14 +195,12 @@ class GraphRunner:
             and batch.new_lens.max <= self.per_request
         )
 
-    def _one_row_products(self, size: int) -> bool:
-        """Whether a pass of `size` requests is a decode pass of one row and every matrix of
-        the model (the embedding too: tied, it is the output layer's) fits the one-row
-        kernel."""
-        if self.mode != Mode.DECODE or size != LINEAR_ROWS:
-            return False
-        return all(
-            one_row_kernel_takes(tuple(w.shape)) for w in self.model.parameters() if w.dim() == 2
+    def _package_products(self, size: int) -> bool:
+        """Whether a pass of `size` requests has at most `pdl.AUTO_MAX_ROWS` rows and the
+        package's matrix kernels run every product of its layers (`kernel_takes`)."""
+        rows = size * self.per_request
+        return rows <= pdl.AUTO_MAX_ROWS and all(
+            kernel_takes(rows, w.dtype, tuple(w.shape)) for w in self.model.layer_products()
         )
 
     def _forward(self, graph: _Graph, metadata: object) -> torch.Tensor:
@@ -167,8 +222,7 @@ class GraphRunner:
             **in_pass,
         )
 
-    def _capture_all(self, device: torch.device) -> None:
-        pool = torch.cuda.graph_pool_handle()
+    def _capture_all(self, device: torch.device, pool: tuple) -> None:
         stream = torch.cuda.Stream(device)
         for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
             graph = self.graphs[size]

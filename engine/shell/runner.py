@@ -8,7 +8,7 @@ import torch
 
 from engine.backends import AttentionBackend
 from engine.backends.base import upload
-from engine.shell.graphs import GraphRunner
+from engine.shell.graphs import GraphRunner, graph_runners
 from engine.shell.kv import RequestTable
 from engine.state import Batch, Mode
 
@@ -45,23 +45,9 @@ class ModelRunner:
         self.token_align = TOKEN_ALIGN if pads else 1
         self.graphs: list[GraphRunner] = []
         if graph_max_batch and hasattr(backend, "graph_buffers"):
-            self.graphs.append(
-                GraphRunner(
-                    model, backend, Mode.DECODE, graph_max_batch, capture=capture, table=table
-                )
+            self.graphs = graph_runners(
+                model, backend, graph_max_batch, max_tree_nodes, capture=capture, table=table
             )
-            if max_tree_nodes:
-                self.graphs.append(
-                    GraphRunner(
-                        model,
-                        backend,
-                        Mode.VERIFY,
-                        graph_max_batch,
-                        max_tree_nodes,
-                        capture=capture,
-                        table=table,
-                    )
-                )
 
     @torch.inference_mode()
     def prepare(self, batch: Batch) -> Prepared:

@@ -14,9 +14,17 @@ from engine import pdl
 from engine.backends import triton_index
 from engine.ops import gemv
 from engine.shell.engine import Engine
-from engine.shell.graphs import GraphRunner, default_batch_sizes
+from engine.shell.graphs import GraphRunner, default_batch_sizes, graph_runners, verify_widths
 from engine.shell.kv import RequestTable
-from engine.state import Mode, SamplingParams
+from engine.state import (
+    Batch,
+    DraftTrees,
+    FinishRules,
+    Mode,
+    Running,
+    SamplingParams,
+    schedule_verify,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -55,17 +63,73 @@ def _count_replays(engine: Engine) -> list:
 
 def _with_graphs(engine: Engine, max_batch: int, tree_nodes: int = 0) -> Engine:
     runner = engine.runner
-    capture = DEVICE == "cuda"
-    runner.graphs = [
-        GraphRunner(runner.model, runner.backend, Mode.DECODE, max_batch, capture=capture)
-    ]
-    if tree_nodes:
-        runner.graphs.append(
-            GraphRunner(
-                runner.model, runner.backend, Mode.VERIFY, max_batch, tree_nodes, capture=capture
-            )
-        )
+    runner.graphs = graph_runners(
+        runner.model, runner.backend, max_batch, tree_nodes, capture=DEVICE == "cuda"
+    )
     return engine
+
+
+def _verify_batch(engine: Engine, tree_sizes: list[int], context: int = 6) -> Batch:
+    """A verify pass of one request per tree size (chains of drafts), each at `context`
+    tokens of cache; `_release` gives back what it takes."""
+    book, count = engine.book, len(tree_sizes)
+    rows = [book.table.alloc_row() for _ in range(count)]
+    slots = book.slots.alloc(count * context)
+    book.table.write(np.repeat(rows, context), np.tile(np.arange(context), count), slots)
+    rules = FinishRules(
+        np.full(count, 100), np.zeros(count), -np.ones(count), np.zeros((count, 0), dtype=np.int64)
+    )
+    last = np.arange(count) + 5
+    lens = np.full(count, context + 1)
+    running = Running.admitted(
+        np.arange(count) + 1000, rows, lens, lens, last, rules, engine.max_context,
+        kv_lens=np.full(count, context),
+    )  # fmt: skip
+    trees = DraftTrees.from_lists(
+        [
+            [int(t)] + [9 + j for j in range(size - 1)]
+            for t, size in zip(last, tree_sizes, strict=True)
+        ],
+        [[-1] + list(range(size - 1)) for size in tree_sizes],
+    )
+    return schedule_verify(running, trees, book.slots.alloc(sum(tree_sizes)))
+
+
+def _release(engine: Engine, batch: Batch) -> None:
+    book = engine.book
+    book.slots.free(batch.out_slots)
+    for row, length in zip(
+        batch.running.rows.tolist(), batch.running.kv_lens.tolist(), strict=True
+    ):
+        book.slots.free(book.table.host[row, :length])
+        book.table.release_row(row)
+
+
+def test_a_verify_pass_replays_the_narrowest_graph_its_trees_fit():
+    """Verify graphs at widths 4, 8 and the widest trees (13 nodes): a verify pass replays the
+    narrowest its largest tree fits, and its logits are the eager pass's."""
+    assert verify_widths(13) == [4, 8, 13]
+    assert verify_widths(5) == [4, 5] and verify_widths(4) == [4] and verify_widths(2) == [2]
+    engine = _engine(speculative=True, draft_budget=12)
+    runner = engine.runner
+    graphs = graph_runners(runner.model, runner.backend, 4, 13, capture=DEVICE == "cuda")
+    assert [(g.mode, g.per_request) for g in graphs] == [
+        (Mode.DECODE, 1), (Mode.VERIFY, 4), (Mode.VERIFY, 8), (Mode.VERIFY, 13),
+    ]  # fmt: skip
+    cases = [([1], 4), ([4, 2], 4), ([5], 8), ([3, 8, 1], 8), ([9], 13), ([13, 2, 2, 2], 13)]
+    for sizes, width in cases:
+        batch = _verify_batch(engine, sizes)
+        runner.graphs = graphs
+        prepared = runner.prepare(batch)
+        assert prepared.runner is not None and prepared.runner.per_request == width, sizes
+        graphed = runner.launch(prepared, batch).clone()
+        runner.graphs = []
+        eager = runner.forward(batch)
+        assert graphed.shape == (sum(sizes), runner.model.config.vocab_size)
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+        _release(engine, batch)
+    engine.check()
+    assert engine.book.num_available == engine.book.slots.capacity
 
 
 def test_batch_sizes_cover_every_batch_up_to_the_maximum():
@@ -75,20 +139,28 @@ def test_batch_sizes_cover_every_batch_up_to_the_maximum():
 
 
 def test_each_graph_runs_under_the_pdl_setting_of_its_pass(monkeypatch):
-    """Under `auto`, only the one-row decode pass of a model whose matrices all fit the
-    one-row kernel runs with PDL (`top`); a mode set for the process applies to every pass."""
+    """Under `auto`, a graph pass of at most `pdl.AUTO_MAX_ROWS` rows whose layers' products
+    all run in the package's matrix kernels runs with PDL (`top`), any other off; a mode set
+    for the process applies to every pass."""
     runner = _engine().runner
 
-    def settings(mode: Mode) -> dict:
-        graphs = GraphRunner(runner.model, runner.backend, mode, 4, 3, capture=False)
+    def settings(mode: Mode, width: int = 3) -> dict:
+        graphs = GraphRunner(runner.model, runner.backend, mode, 4, width, capture=False)
         return graphs.pdl
 
+    on, off = "top", "off"
     with pdl.using("auto"):
-        assert settings(Mode.DECODE) == {1: "top", 2: "off", 4: "off"}
-        assert settings(Mode.VERIFY) == {1: "off", 2: "off", 4: "off"}
-        largest = max(w.numel() for w in runner.model.parameters() if w.dim() == 2)
-        monkeypatch.setattr(gemv, "MAX_WEIGHT_ELEMENTS", largest - 1)  # one goes to cuBLAS
-        assert settings(Mode.DECODE) == {1: "off", 2: "off", 4: "off"}
+        assert settings(Mode.DECODE) == {1: on, 2: on, 4: on}
+        assert settings(Mode.VERIFY) == {1: on, 2: on, 4: off}  # 3, 6 and 12 rows
+        assert settings(Mode.VERIFY, 8) == {1: on, 2: off, 4: off}  # 8, 16 and 32 rows
+        largest = max(w.numel() for w in runner.model.layer_products())
+        # one product of the layers goes to cuBLAS at one row
+        monkeypatch.setattr(gemv, "MAX_WEIGHT_ELEMENTS", largest - 1)
+        assert settings(Mode.DECODE) == {1: off, 2: on, 4: on}
+        # and at every row count
+        monkeypatch.setattr(gemv, "ROWS_MAX_WEIGHT_ELEMENTS", largest - 1)
+        assert settings(Mode.DECODE) == {1: off, 2: off, 4: off}
+        assert settings(Mode.VERIFY) == {1: off, 2: off, 4: off}
     with pdl.using("late"):
         assert settings(Mode.DECODE) == {1: "late", 2: "late", 4: "late"}
         assert settings(Mode.VERIFY) == {1: "late", 2: "late", 4: "late"}
@@ -159,22 +231,21 @@ def test_table_writes_wait_for_the_verify_pass_that_reads_the_table(monkeypatch)
     table, runner = engine.book.table, engine.runner
     assert table.mirrored and runner.table is table
     capture = DEVICE == "cuda"
-    runner.graphs = [
-        GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=capture, table=table),
-        GraphRunner(runner.model, runner.backend, Mode.VERIFY, 4, 5, capture=capture, table=table),
-    ]
-    assert [graph.applies_writes for graph in runner.graphs] == [False, True]
+    runner.graphs = graph_runners(runner.model, runner.backend, 4, 5, capture, table)
+    assert [graph.applies_writes for graph in runner.graphs] == [False, True, True]
     assert table.deferring
     staged: list[int] = []
-    verify_graph = runner.graphs[1]
-    real_stage = verify_graph._stage_writes
 
-    def stage(writes):
-        end = real_stage(writes)
-        staged.append(int(writes[0]))
-        return end
+    def staging(real):
+        def stage(writes):
+            end = real(writes)
+            staged.append(int(writes[0]))
+            return end
 
-    monkeypatch.setattr(verify_graph, "_stage_writes", stage)
+        return stage
+
+    for verify_graph in runner.graphs[1:]:  # widths 4 and 5
+        monkeypatch.setattr(verify_graph, "_stage_writes", staging(verify_graph._stage_writes))
     real_plan = runner.backend.plan
     planned = set()
 
@@ -222,11 +293,9 @@ def test_a_graph_pass_builds_its_kv_indices_in_the_pass(monkeypatch, speculative
     eager = _engine(speculative=speculative, draft_budget=4).generate(prompts, params)
     engine = _engine(speculative=speculative, draft_budget=4)
     runner = engine.runner
-    runner.graphs = [GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=False)]
-    if speculative:
-        runner.graphs.append(
-            GraphRunner(runner.model, runner.backend, Mode.VERIFY, 4, 5, capture=False)
-        )
+    runner.graphs = graph_runners(
+        runner.model, runner.backend, 4, 5 if speculative else 0, capture=False
+    )
     launches: list[str] = []
     where = ["host"]
     real_launch = triton_index.launch_kv_indices
