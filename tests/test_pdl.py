@@ -136,7 +136,7 @@ def test_launch_options_by_mode_and_device():
     assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
 
 
-def test_a_pass_runs_under_auto_only_when_all_its_products_are_one_row_kernels():
+def test_a_pass_runs_under_auto_only_where_the_package_runs_its_products():
     with pdl.using("auto"):
         assert (pdl.for_pass(True), pdl.for_pass(False)) == ("top", "off")
         assert pdl.launch(torch.device("cpu")) == {"PDL": 0}

@@ -593,23 +593,18 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
     )
 
 
-def one_row_kernel_takes(weight_shape: tuple[int, ...]) -> bool:
-    """Whether a one-row product with a weight of `weight_shape` (N, K) runs in the kernel
-    on CUDA (`linear_config`): up to MAX_WEIGHT_ELEMENTS elements."""
-    return weight_shape[0] * weight_shape[1] <= MAX_WEIGHT_ELEMENTS
-
-
 def kernel_takes(rows: int, dtype: torch.dtype, weight_shape: tuple[int, ...]) -> bool:
     """Whether a product of `rows` x rows of `dtype` with a weight of `weight_shape` (N, K)
     runs in the package's kernels on CUDA (`linear_config` gives it a launch): one row of any
     dtype with weights up to MAX_WEIGHT_ELEMENTS, or float32 up to MAX_ROWS rows with weights
     up to ROWS_MAX_WEIGHT_ELEMENTS; cuBLAS's elsewhere."""
+    elements = weight_shape[0] * weight_shape[1]
     if rows == LINEAR_ROWS:
-        return one_row_kernel_takes(weight_shape)
+        return elements <= MAX_WEIGHT_ELEMENTS
     return (
         dtype == torch.float32
         and LINEAR_ROWS < rows <= MAX_ROWS
-        and weight_shape[0] * weight_shape[1] <= ROWS_MAX_WEIGHT_ELEMENTS
+        and elements <= ROWS_MAX_WEIGHT_ELEMENTS
     )
 
 

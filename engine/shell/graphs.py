@@ -70,26 +70,22 @@ def graph_runners(
     batch replays it. The verify runners share one memory pool (captured widest first, so
     the others reuse its memory: one pass runs at a time) and take up to as many of the
     table's writes as the widest."""
-    runners = [GraphRunner(model, backend, Mode.DECODE, max_batch, capture=capture, table=table)]
+    decode = GraphRunner(model, backend, Mode.DECODE, max_batch, capture=capture, table=table)
     if not max_tree_nodes:
-        return runners
+        return [decode]
     device = backend.pool.req_to_token.device
     pool = torch.cuda.graph_pool_handle() if capture and device.type == "cuda" else None
-    verify = [
-        GraphRunner(
-            model,
-            backend,
-            Mode.VERIFY,
-            max_batch,
-            width,
-            capture=capture,
-            table=table,
-            pool=pool,
-            write_capacity=2 * max_batch * max_tree_nodes,
+    *narrower, widest = verify_widths(max_tree_nodes)
+
+    def verify(width: int, write_capacity: int | None) -> GraphRunner:
+        return GraphRunner(
+            model, backend, Mode.VERIFY, max_batch, width, capture, table, pool, write_capacity
         )
-        for width in reversed(verify_widths(max_tree_nodes))
-    ]
-    return runners + verify[::-1]
+
+    runners = [verify(widest, None)]  # captured first
+    for width in reversed(narrower):
+        runners.append(verify(width, runners[0].write_capacity or None))
+    return [decode, *reversed(runners)]
 
 
 class _Graph:
@@ -309,7 +305,6 @@ class GraphRunner:
         if self.capture:
             self._staged = self._staged or torch.cuda.Event()
             self._staged.record()
-        if self.capture:
             graph.graph.replay()
             return graph.logits[:count]
         return self._forward(graph, metadata)[:count]

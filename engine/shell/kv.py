@@ -86,12 +86,12 @@ class RequestTable:
         self.max_context = max_context
         self.host = np.zeros((num_rows, max_context), dtype=np.int32)
         device = torch.device(device)
-        self._device = (
-            torch.from_numpy(self.host)
-            if device.type == "cpu" and not mirror
-            else torch.zeros((num_rows, max_context), dtype=torch.int32, device=device)
-        )
         self.mirrored = device.type != "cpu" or mirror  # the device table is memory apart
+        self._device = (
+            torch.zeros((num_rows, max_context), dtype=torch.int32, device=device)
+            if self.mirrored
+            else torch.from_numpy(self.host)
+        )
         self._flat = self._device.view(-1)  # the device table, one row after another
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self.deferring = False
