@@ -1,14 +1,15 @@
 """The Triton attention backend: kv-index construction, split-KV decode, extend, tree verify.
 
 Eager use: `plan(batch)` sizes every buffer from the snapshot's exact totals. CUDA-graph use
-(decode and verify only): `buffers = backend.graph_buffers(max_batch, max_tokens,
+(decode, verify and extend): `buffers = backend.graph_buffers(max_batch, max_tokens,
 max_kv_tokens)` once, then before each capture or replay `plan(batch, buffers=buffers,
 padded_batch_size=P, padded_num_tokens=T)`, which fills the buffers in place (outside the
 graph) and returns metadata whose tensors are views at fixed addresses. Padding requests
 (P - B of them) own no keys and no tokens; the T - new_lens.total padding tokens belong to no
 request: their outputs are zeros and their K/V go to padding slot 0. The launch shape depends
 only on (P, T, buffers.max_tree_nodes), so a graph captured at (P, T) replays for any batch
-planned at (P, T). Keep q/k/v/out of a captured forward at fixed addresses as usual.
+planned at (P, T); an extend pass's attention runs a grid of T new tokens a request (its
+programs past a request's tokens return at once) and zeroes all T output rows first. Keep q/k/v/out of a captured forward at fixed addresses as usual.
 
 Split-KV decode passes of up to `triton_decode.FUSED_MERGE_MAX_SPLITS` splits merge them in
 the split kernel, counting arrivals in int32 counters that every launch leaves at zero: the
@@ -55,7 +56,7 @@ _STAGED = (
 
 @attrs.frozen(eq=False)
 class GraphBuffers:
-    """Static device inputs of captured decode/verify passes (sizes are capacities).
+    """Static device inputs of captured passes (sizes are capacities).
 
     The int64 arrays are fixed views of one device tensor, `staging_device`, laid out as
     `staging_host` (pinned on CUDA): a plan packs its host arrays into `staging_host` and one
@@ -217,17 +218,13 @@ class TritonBackend(AttentionBackend):
         indices_in_pass: bool,
     ) -> ForwardMetadata:
         mode = batch.mode
-        if mode not in (Mode.DECODE, Mode.VERIFY):
-            raise ValueError(
-                f"graph buffers serve decode and verify passes; this one is "
-                f"{mode.value} (extend runs eagerly)"
-            )
         real = len(batch.running)
         padded = real if padded_batch_size is None else padded_batch_size
-        per_request = 1 if mode == Mode.DECODE else buffers.max_tree_nodes
         num_tokens = padded_num_tokens
         if num_tokens is None:
             num_tokens = batch.new_lens.total + (padded - real)
+        # the most new tokens a request may have: an extend pass's may have all of them
+        per_request = {Mode.DECODE: 1, Mode.VERIFY: buffers.max_tree_nodes}.get(mode, num_tokens)
         if not real <= padded <= buffers.max_batch:
             raise BufferTooSmall(
                 f"{real} requests padded to {padded}; the graph buffers hold "
@@ -238,7 +235,7 @@ class TritonBackend(AttentionBackend):
                 f"{batch.new_lens.total} tokens padded to {num_tokens}; the "
                 f"graph buffers hold {buffers.max_tokens} tokens"
             )
-        if batch.new_lens.max > per_request:
+        if batch.new_lens.max > per_request:  # decode's is one token: a verify pass's
             raise ValueError(
                 f"a draft tree has {batch.new_lens.max} nodes; these graph buffers "
                 f"allow at most {per_request}"
@@ -262,6 +259,19 @@ class TritonBackend(AttentionBackend):
                 total,
                 batch.seq_lens.max,
             )
+        rows = views.pop("rows")
+        tree_bits = views.pop("tree_bits")
+        if mode == Mode.EXTEND:  # every output row zeroed, then the requests' written
+            extra = {"graph": True, "rows": rows, "new_tokens": 0}
+            return ForwardMetadata(
+                mode=mode,
+                kv_indices=buffers.kv_indices,
+                tree_bits=None,
+                max_new_len=num_tokens,
+                max_seq_len=batch.seq_lens.max,
+                extra=extra,
+                **views,
+            )
         if num_splits is None:
             num_splits = choose_num_splits(
                 padded,
@@ -269,8 +279,6 @@ class TritonBackend(AttentionBackend):
                 self.pool.req_to_token.shape[1],
                 _num_sms(buffers.kv_indices.device),
             )
-        rows = views.pop("rows")
-        tree_bits = views.pop("tree_bits")
         return ForwardMetadata(
             mode=mode,
             kv_indices=buffers.kv_indices,
@@ -375,7 +383,7 @@ class TritonBackend(AttentionBackend):
         if metadata.mode == Mode.EXTEND:
             # padding tokens' rows: zeros (the kernel writes the requests' rows only), so
             # that their K/V in the next layer are finite: a masked key weighs 0 in the
-            # kernel, and 0 x NaN is NaN
+            # kernel, and 0 x NaN is NaN. A graph's plan says 0: its count varies by replay.
             real = metadata.extra.get("new_tokens", num_tokens)
             if real < num_tokens:
                 out[real:num_tokens].zero_()

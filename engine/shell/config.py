@@ -148,6 +148,14 @@ class EngineConfig:
         "captured CUDA graphs; larger ones run eagerly; 0: off",
         _non_negative,
     )
+    cuda_graph_max_tokens: int = _field(
+        1024,
+        "extend passes (prompt chunks, with a mixed pass's decodes) of up to this many tokens "
+        "and cuda_graph_max_batch requests replay captured CUDA graphs too, their tokens "
+        "padded up to the next captured count; longer ones run eagerly; 0: extend passes "
+        "all eager",
+        _non_negative,
+    )
     plan_ahead: bool = _field(
         True,
         "plan each decode pass while the previous one runs on "

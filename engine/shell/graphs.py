@@ -1,10 +1,16 @@
-"""Decode and verify passes replayed from captured CUDA graphs.
+"""Decode, verify and extend passes replayed from captured CUDA graphs.
 
-One graph per padded batch size P (decode: P tokens; verify: P * W tokens for trees of up to
-W nodes), sharing one memory pool and one set of static backend buffers. Verify graphs are
-captured at a few tree widths W (`verify_widths`: 4, 8 and the draft budget's trees), and a
-verify pass replays the narrowest its largest tree fits: its products and attention run
-only that many rows a request. Before each replay the backend
+Decode and verify: one graph per padded batch size P (decode: P tokens; verify: P * W tokens
+for trees of up to W nodes), sharing one memory pool and one set of static backend buffers.
+Verify graphs are captured at a few tree widths W (`verify_widths`: 4, 8 and the draft
+budget's trees), and a verify pass replays the narrowest its largest tree fits: its products
+and attention run only that many rows a request. Extend passes (prompt chunks, with a mixed
+pass's decodes) of up to `cuda_graph_max_tokens` tokens replay one of a few token counts T
+(`extend_sizes`), their tokens padded up to it, with up to min(T, P) requests; the graph
+computes logits only for the rows that sample, which the inputs' copy names. An eager pass
+of a small model is its kernels' launches from Python: on the H200 the default model's
+took about 30 ms whatever its tokens, against 1-2 ms for its device work at 64 tokens.
+Before each replay the backend
 plans into those buffers (outside the graph) and the inputs are copied into static tensors;
 the pass's kv indices are built inside the graph from those buffers (where the backend can:
 `build_kv_indices`), so a replay launches one graph and nothing else. Before a verify pass
@@ -34,6 +40,7 @@ from engine.state import (
     Mode,
     Running,
     schedule_decode,
+    schedule_extend,
     schedule_verify,
 )
 from engine.state.batch import DraftTrees
@@ -57,6 +64,18 @@ def verify_widths(max_tree_nodes: int) -> list[int]:
     return sorted({w for w in VERIFY_WIDTHS if w < max_tree_nodes} | {max_tree_nodes})
 
 
+# Token counts of the extend graphs below the largest (`cuda_graph_max_tokens`): an extend
+# pass replays the smallest its tokens fit, so padding adds at most half its tokens from 256.
+EXTEND_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+def extend_sizes(max_tokens: int) -> list[int]:
+    """The token counts of the extend graphs for passes of up to `max_tokens` tokens."""
+    if max_tokens < 1:
+        return []
+    return sorted({t for t in EXTEND_TOKENS if t < max_tokens} | {max_tokens})
+
+
 def graph_runners(
     model: torch.nn.Module,
     backend: object,
@@ -64,15 +83,30 @@ def graph_runners(
     max_tree_nodes: int = 0,
     capture: bool = True,
     table: RequestTable | None = None,
+    extend_tokens: int = 0,
 ) -> list[GraphRunner]:
     """The decode graphs, then (`max_tree_nodes`: speculation's widest trees) the verify
-    graphs of each of `verify_widths`, narrowest first: the first runner that `accepts` a
-    batch replays it. The verify runners share one memory pool (captured widest first, so
-    the others reuse its memory: one pass runs at a time) and take up to as many of the
-    table's writes as the widest."""
+    graphs of each of `verify_widths`, narrowest first, then (`extend_tokens`) the extend
+    graphs of passes of up to that many tokens: the first runner that `accepts` a batch
+    replays it. The verify runners share one memory pool (captured widest first, so the
+    others reuse its memory: one pass runs at a time) and take up to as many of the table's
+    writes as the widest."""
     decode = GraphRunner(model, backend, Mode.DECODE, max_batch, capture=capture, table=table)
+    extend = []
+    if extend_tokens:
+        extend = [
+            GraphRunner(
+                model,
+                backend,
+                Mode.EXTEND,
+                max_batch,
+                capture=capture,
+                table=table,
+                extend_tokens=extend_tokens,
+            )
+        ]
     if not max_tree_nodes:
-        return [decode]
+        return [decode, *extend]
     device = backend.pool.req_to_token.device
     pool = torch.cuda.graph_pool_handle() if capture and device.type == "cuda" else None
     *narrower, widest = verify_widths(max_tree_nodes)
@@ -85,29 +119,43 @@ def graph_runners(
     runners = [verify(widest, None)]  # captured first
     for width in reversed(narrower):
         runners.append(verify(width, runners[0].write_capacity or None))
-    return [decode, *reversed(runners)]
+    return [decode, *reversed(runners), *extend]
 
 
 class _Graph:
-    """Static inputs and outputs of one captured pass shape."""
+    """Static inputs and outputs of one captured pass shape, `key` among its runner's:
+    `batch_size` requests (padded), `num_tokens` tokens, and for an extend pass
+    (`logit_rows`) the rows whose logits it computes."""
 
     def __init__(
-        self, batch_size: int, num_tokens: int, device: torch.device, writes_size: int
+        self,
+        key: int,
+        batch_size: int,
+        num_tokens: int,
+        device: torch.device,
+        writes_size: int,
+        logit_rows: bool = False,
     ) -> None:
-        self.batch_size, self.num_tokens = batch_size, num_tokens
-        # ids, positions and the table writes in one tensor: one host-to-device copy
-        self.staged = torch.zeros(2 * num_tokens + writes_size, dtype=torch.int64, device=device)
+        self.key, self.batch_size, self.num_tokens = key, batch_size, num_tokens
+        # ids, positions, the logit rows and the table writes in one tensor: one
+        # host-to-device copy
+        rows = batch_size if logit_rows else 0
+        self.staged = torch.zeros(
+            2 * num_tokens + rows + writes_size, dtype=torch.int64, device=device
+        )
         self.inputs = self.staged[: 2 * num_tokens].view(2, num_tokens)
         self.input_ids, self.positions = self.inputs[0], self.inputs[1]
-        self.writes = self.staged[2 * num_tokens :] if writes_size else None
+        self.rows = self.staged[2 * num_tokens : 2 * num_tokens + rows] if rows else None
+        self.writes = self.staged[2 * num_tokens + rows :] if writes_size else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
 
 class GraphRunner:
     """Captures (or, without CUDA, mimics) decode or verify passes for batch sizes up to
-    `max_batch`; `prepare(batch)` then `replay(...)` give logits for every new token of the
-    batch."""
+    `max_batch`, or extend passes of up to `extend_tokens` tokens and `max_batch` requests;
+    `prepare(batch)` then `replay(...)` give logits for the rows `batch.logit_rows` names
+    (a decode or verify pass: every new token)."""
 
     def __init__(
         self,
@@ -120,23 +168,39 @@ class GraphRunner:
         table: RequestTable | None = None,
         pool: tuple | None = None,
         write_capacity: int | None = None,
+        extend_tokens: int = 0,
     ) -> None:
         """`table`: the request table the backend's pool mirrors; for verify passes that
         build their kv indices, with the table's mirror separate, its writes wait for the
         next replay, which applies them on the device before it reads the table
         (`applies_writes`), up to `write_capacity` of them (None: twice the largest pass's
         tokens). `pool`: the CUDA graph memory pool to capture into (None: one of its
-        own)."""
-        if mode not in (Mode.DECODE, Mode.VERIFY):
-            raise ValueError(f"graphs serve decode and verify passes, not {mode.value}")
+        own). `extend_tokens` (extend passes only): the most tokens a replayed pass has; its
+        graphs are keyed by their token counts (`extend_sizes`), each with up to
+        min(tokens, max_batch) requests."""
+        if (mode == Mode.EXTEND) != (extend_tokens > 0):
+            raise ValueError(
+                f"extend_tokens={extend_tokens} for {mode.value} passes: extend graphs need "
+                "a positive token count, decode and verify graphs none"
+            )
         self.model, self.backend, self.mode = model, backend, mode
-        self.per_request = 1 if mode == Mode.DECODE else max_tree_nodes
-        self.sizes = default_batch_sizes(max_batch)
+        self.per_request = max_tree_nodes if mode == Mode.VERIFY else 1
+        # a graph's key: its batch size (decode, verify) or its token count (extend)
+        if mode == Mode.EXTEND:
+            self.sizes = extend_sizes(extend_tokens)
+            shapes = {t: (min(t, max_batch), t) for t in self.sizes}
+        else:
+            self.sizes = default_batch_sizes(max_batch)
+            shapes = {s: (s, s * self.per_request) for s in self.sizes}
+        self.max_batch = max(requests for requests, _ in shapes.values())
         device = backend.pool.req_to_token.device
-        max_tokens = max_batch * self.per_request
+        max_tokens = max(tokens for _, tokens in shapes.values())
         max_context = backend.pool.req_to_token.shape[1]
         self.buffers = backend.graph_buffers(
-            max_batch, max_tokens, max_batch * max_context, max_tree_nodes=max(self.per_request, 1)
+            self.max_batch,
+            max_tokens,
+            self.max_batch * max_context,
+            max_tree_nodes=max(self.per_request, 1),
         )
         # a backend whose passes can build their own kv indices: each replay does, on the
         # device (a plan then launches nothing)
@@ -159,8 +223,10 @@ class GraphRunner:
             write_capacity = 2 * max_tokens
         self.write_capacity = write_capacity if self.applies_writes else 0
         writes_size = 1 + 2 * self.write_capacity if self.applies_writes else 0
+        logit_rows = mode == Mode.EXTEND
         self.graphs = {
-            size: _Graph(size, size * self.per_request, device, writes_size) for size in self.sizes
+            size: _Graph(size, *shapes[size], device, writes_size, logit_rows)
+            for size in self.sizes
         }
         self.pdl = {size: pdl.for_pass(self._package_products(size)) for size in self.sizes}
         # Capture allocates from torch's caching allocator; without it (as under memcheck with
@@ -171,7 +237,9 @@ class GraphRunner:
             and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0")
         )
         self._staging = torch.zeros(
-            2 * max_tokens + writes_size, dtype=torch.int64, pin_memory=device.type == "cuda"
+            2 * max_tokens + (self.max_batch if logit_rows else 0) + writes_size,
+            dtype=torch.int64,
+            pin_memory=device.type == "cuda",
         )
         self._staged: torch.cuda.Event | None = None
         if self.capture:
@@ -180,19 +248,25 @@ class GraphRunner:
             assert table is not None
             table.defer_writes()
 
-    @property
-    def max_batch(self) -> int:
-        return self.sizes[-1]
-
     def accepts(self, batch: Batch) -> bool:
-        return (
-            batch.mode == self.mode
-            and len(batch.running) <= self.max_batch
-            and batch.new_lens.max <= self.per_request
-        )
+        if batch.mode != self.mode or len(batch.running) > self.max_batch:
+            return False
+        if self.mode == Mode.EXTEND:
+            return self._graph_for(batch) is not None
+        return batch.new_lens.max <= self.per_request
+
+    def _graph_for(self, batch: Batch) -> _Graph | None:
+        """The smallest graph that holds `batch`'s requests and tokens (None: none does)."""
+        if self.mode != Mode.EXTEND:  # the tokens follow the requests
+            at = bisect.bisect_left(self.sizes, len(batch.running))
+            return self.graphs[self.sizes[at]] if at < len(self.sizes) else None
+        tokens, requests = batch.new_lens.total, len(batch.running)
+        at = bisect.bisect_left(self.sizes, tokens)
+        fits = (self.graphs[t] for t in self.sizes[at:])
+        return next((g for g in fits if g.batch_size >= requests), None)
 
     def _package_products(self, size: int) -> bool:
-        """Whether a pass of `size` requests has at most `pdl.AUTO_MAX_ROWS` rows and the
+        """Whether a pass of graph key `size` has at most `pdl.AUTO_MAX_ROWS` rows and the
         package's matrix kernels run every product of its layers (`kernel_takes`)."""
         rows = size * self.per_request
         return rows <= pdl.AUTO_MAX_ROWS and all(
@@ -200,12 +274,14 @@ class GraphRunner:
         )
 
     def _forward(self, graph: _Graph, metadata: object) -> torch.Tensor:
-        with pdl.using(self.pdl[graph.batch_size]):
+        with pdl.using(self.pdl[graph.key]):
             if graph.writes is not None:
                 self.backend.apply_table_writes(graph.writes)
             if self.indices_in_pass:
                 self.backend.build_kv_indices(metadata)
             hidden = self.model(graph.input_ids, graph.positions, metadata, self.backend)
+            if graph.rows is not None:  # an extend pass: the rows that sample
+                hidden = hidden.index_select(0, graph.rows)
             return self.model.logits(hidden)
 
     def _plan(self, graph: _Graph, batch: Batch) -> object:
@@ -222,7 +298,7 @@ class GraphRunner:
         stream = torch.cuda.Stream(device)
         for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
             graph = self.graphs[size]
-            metadata = self._plan(graph, self._dummy_batch(size))
+            metadata = self._plan(graph, self._dummy_batch(graph.batch_size))
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: autotuning and lazy init outside the capture
@@ -234,7 +310,8 @@ class GraphRunner:
             torch.cuda.synchronize(device)
 
     def _dummy_batch(self, size: int) -> Batch:
-        """`size` one-token requests writing to the padding slot (used only to capture)."""
+        """`size` one-token requests writing to the padding slot (used only to capture): an
+        extend pass of their one-token prompts, or their decode or root-only verify pass."""
         rules = FinishRules(
             np.ones(size), np.zeros(size), -np.ones(size), np.zeros((size, 0), dtype=np.int64)
         )
@@ -248,6 +325,9 @@ class GraphRunner:
             self.backend.pool.req_to_token.shape[1],
         )
         slots = np.full(size, PADDING_SLOT)
+        if self.mode == Mode.EXTEND:
+            ones = np.ones(size, dtype=np.int64)
+            return schedule_extend(running, ones, np.zeros(size, dtype=np.int64), slots)
         if self.mode == Mode.DECODE:
             return schedule_decode(running, slots)
         return schedule_verify(running, DraftTrees.roots_only(np.zeros(size)), slots)
@@ -255,7 +335,12 @@ class GraphRunner:
     def prepare(self, batch: Batch) -> tuple[_Graph, object]:
         """Plan `batch` into the static buffers of the graph that will replay it. Runs on the
         stream after any pass already launched, so it may overlap that pass's execution."""
-        graph = self.graphs[self.sizes[bisect.bisect_left(self.sizes, len(batch.running))]]
+        graph = self._graph_for(batch)
+        if graph is None:
+            raise ValueError(
+                f"no {self.mode.value} graph holds {len(batch.running)} requests and "
+                f"{batch.new_lens.total} tokens (`accepts` says which do)"
+            )
         return graph, self._plan(graph, batch)
 
     def _stage_writes(self, writes: np.ndarray) -> int:
@@ -282,10 +367,11 @@ class GraphRunner:
         batch: Batch,
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [batch.new_lens.total, vocab] of every new token of `batch`, which must have
-        the layout of the batch `prepare` planned (its input ids may differ). `input_ids`
-        (on the device, one per new token): copied in on the device in place of
-        `batch.input_ids`, in stream order (tokens a pass before sampled, not read back)."""
+        """Logits [len(batch.logit_rows), vocab] of the rows `batch.logit_rows` names (a
+        decode or verify pass: every new token), for `batch` with the layout of the batch
+        `prepare` planned (its input ids may differ). `input_ids` (on the device, one per new
+        token): copied in on the device in place of `batch.input_ids`, in stream order
+        (tokens a pass before sampled, not read back)."""
         count, num_tokens = batch.new_lens.total, graph.num_tokens
         if self._staged is not None:
             self._staged.synchronize()  # the last copy must have read the staging buffer
@@ -295,6 +381,13 @@ class GraphRunner:
         inputs[1, :count] = batch.positions
         inputs[:, count:] = 0
         end = 2 * num_tokens
+        out_rows = count
+        if graph.rows is not None:  # an extend pass: the rows that sample, padded with row 0
+            rows = batch.logit_rows
+            out_rows = rows.shape[0]
+            host[end : end + out_rows] = rows
+            host[end + out_rows : end + graph.batch_size] = 0
+            end += graph.batch_size
         if graph.writes is not None:  # the table's waiting writes: count, places, slots
             end = self._stage_writes(host[end:]) + end
         elif self.table is not None:  # writes since the plan: on the device before the pass
@@ -306,5 +399,5 @@ class GraphRunner:
             self._staged = self._staged or torch.cuda.Event()
             self._staged.record()
             graph.graph.replay()
-            return graph.logits[:count]
-        return self._forward(graph, metadata)[:count]
+            return graph.logits[:out_rows]
+        return self._forward(graph, metadata)[:out_rows]

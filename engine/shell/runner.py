@@ -32,10 +32,12 @@ class ModelRunner:
         max_tree_nodes: int = 0,
         capture: bool = True,
         table: RequestTable | None = None,
+        graph_max_tokens: int = 0,
     ) -> None:
         """`table`: the request table the backend's pool mirrors. Its writes may wait for the
         next captured pass (`GraphRunner`); any other pass applies them before it is
-        planned."""
+        planned. `graph_max_tokens` (with `graph_max_batch`): extend passes of up to that
+        many tokens replay captured graphs too."""
         self.model = model
         self.table = table
         self.backend = backend
@@ -46,13 +48,19 @@ class ModelRunner:
         self.graphs: list[GraphRunner] = []
         if graph_max_batch and hasattr(backend, "graph_buffers"):
             self.graphs = graph_runners(
-                model, backend, graph_max_batch, max_tree_nodes, capture=capture, table=table
+                model,
+                backend,
+                graph_max_batch,
+                max_tree_nodes,
+                capture=capture,
+                table=table,
+                extend_tokens=graph_max_tokens,
             )
 
     @torch.inference_mode()
     def prepare(self, batch: Batch) -> Prepared:
         """Plan the pass (backend metadata; for a graph, its static buffers) ahead of `launch`.
-        Decode and verify passes small enough replay a captured graph; the rest run eagerly."""
+        Passes small enough replay a captured graph; the rest run eagerly."""
         for graph in self.graphs:
             if graph.accepts(batch):
                 if not graph.applies_writes:
@@ -87,10 +95,9 @@ class ModelRunner:
                 f"input_ids has shape {tuple(input_ids.shape)}; this pass has "
                 f"{batch.new_lens.total} new tokens"
             )
+        if prepared.runner is not None:  # the graph computes the logit rows' logits only
+            return prepared.runner.replay(prepared.graph, prepared.metadata, batch, input_ids)
         arrays = {} if every_row else {"logit_rows": batch.logit_rows.astype(np.int64)}
-        if prepared.runner is not None:
-            logits = prepared.runner.replay(prepared.graph, prepared.metadata, batch, input_ids)
-            return logits if every_row else logits[upload(self.device, arrays)["logit_rows"]]
         count, num_tokens = batch.new_lens.total, self.num_tokens(batch)
         arrays["positions"] = _padded(batch.positions, num_tokens)  # padding: position 0
         if input_ids is None:

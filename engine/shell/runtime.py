@@ -82,6 +82,7 @@ class Runtime:
             graph_max_batch,
             tree_nodes,
             table=table,
+            graph_max_tokens=cfg.cuda_graph_max_tokens,
         )
 
     def sampling_inputs(

@@ -14,7 +14,13 @@ from engine import pdl
 from engine.backends import triton_index
 from engine.ops import gemv
 from engine.shell.engine import Engine
-from engine.shell.graphs import GraphRunner, default_batch_sizes, graph_runners, verify_widths
+from engine.shell.graphs import (
+    GraphRunner,
+    default_batch_sizes,
+    extend_sizes,
+    graph_runners,
+    verify_widths,
+)
 from engine.shell.kv import RequestTable
 from engine.state import (
     Batch,
@@ -23,6 +29,7 @@ from engine.state import (
     Mode,
     Running,
     SamplingParams,
+    schedule_extend,
     schedule_verify,
 )
 
@@ -61,10 +68,17 @@ def _count_replays(engine: Engine) -> list:
     return replays
 
 
-def _with_graphs(engine: Engine, max_batch: int, tree_nodes: int = 0) -> Engine:
+def _with_graphs(
+    engine: Engine, max_batch: int, tree_nodes: int = 0, extend_tokens: int = 0
+) -> Engine:
     runner = engine.runner
     runner.graphs = graph_runners(
-        runner.model, runner.backend, max_batch, tree_nodes, capture=DEVICE == "cuda"
+        runner.model,
+        runner.backend,
+        max_batch,
+        tree_nodes,
+        capture=DEVICE == "cuda",
+        extend_tokens=extend_tokens,
     )
     return engine
 
@@ -198,11 +212,14 @@ def test_graph_path_equals_eager_path_with_padding_and_overflow(speculative):
     prompts = _prompts(3)  # 3 requests: padded to 4 in graph mode
     eager = _engine(speculative=speculative, draft_budget=4).generate(prompts, params)
     graphed = _with_graphs(
-        _engine(speculative=speculative, draft_budget=4), 4, tree_nodes=5 if speculative else 0
+        _engine(speculative=speculative, draft_budget=4),
+        4,
+        tree_nodes=5 if speculative else 0,
+        extend_tokens=48,  # the three prompts' 42 tokens in one pass
     )
     replays = _count_replays(graphed)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in eager]
-    assert replays, "no pass took the graph path"
+    assert Mode.EXTEND in replays and Mode.DECODE in replays
     # More requests than the largest graph: those steps take the eager path.
     overflow = _with_graphs(
         _engine(speculative=speculative, draft_budget=4), 2, tree_nodes=5 if speculative else 0
@@ -321,3 +338,73 @@ def test_a_graph_pass_builds_its_kv_indices_in_the_pass(monkeypatch, speculative
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager]
     assert "replay" in launches, "no graph pass built its kv indices"
     assert "plan" not in launches, "a graph plan launched the kv-index kernel"
+
+
+def test_extend_sizes_cover_every_pass_up_to_the_most_tokens():
+    assert extend_sizes(0) == []
+    assert extend_sizes(16) == [16] and extend_sizes(40) == [16, 32, 40]
+    assert extend_sizes(1024)[-3:] == [512, 768, 1024]
+    with pytest.raises(ValueError, match="extend_tokens=0 for extend passes"):
+        GraphRunner(_engine().runner.model, _engine().runner.backend, Mode.EXTEND, 4)
+
+
+def _extend_batch(engine: Engine, chunks: list[int], prefixes: list[int]) -> Batch:
+    """An extend pass of one request per chunk, each after a cached prefix of `prefixes`
+    tokens (its slots in the table); the last chunk stops short of its prompt's end (it
+    does not sample). `_release` gives back what it takes."""
+    book, count = engine.book, len(chunks)
+    rows = [book.table.alloc_row() for _ in range(count)]
+    for row, prefix in zip(rows, prefixes, strict=True):
+        if prefix:
+            book.table.write(np.full(prefix, row), np.arange(prefix), book.slots.alloc(prefix))
+    rules = FinishRules(
+        np.full(count, 100), np.zeros(count), -np.ones(count), np.zeros((count, 0), dtype=np.int64)
+    )
+    token_lens = np.array(prefixes) + np.array(chunks)
+    token_lens[-1] += 3  # a prompt chunk short of its end
+    running = Running.admitted(
+        np.arange(count) + 2000, rows, token_lens, token_lens, np.full(count, 5), rules,
+        engine.max_context, kv_lens=np.array(prefixes),
+    )  # fmt: skip
+    ids = np.arange(sum(chunks), dtype=np.int64) % 200 + 3
+    return schedule_extend(running, np.array(chunks), ids, book.slots.alloc(sum(chunks)))
+
+
+def test_an_extend_pass_replays_the_smallest_graph_it_fits():
+    """Extend graphs of 16, 32 and 40 tokens (up to 4 requests): an extend pass, with cached
+    prefixes and a chunk that does not sample, replays the smallest graph that holds its
+    tokens and requests, its logits (the sampling rows') equal the eager pass's; a pass over
+    40 tokens or 4 requests runs eagerly."""
+    engine = _engine()
+    runner = engine.runner
+    graphs = graph_runners(
+        runner.model, runner.backend, 4, capture=DEVICE == "cuda", extend_tokens=40
+    )
+    assert [(g.mode, g.sizes) for g in graphs] == [
+        (Mode.DECODE, [1, 2, 4]), (Mode.EXTEND, [16, 32, 40]),
+    ]  # fmt: skip
+    extend = graphs[1]
+    assert [(g.batch_size, g.num_tokens) for g in extend.graphs.values()] == [
+        (4, 16), (4, 32), (4, 40),
+    ]  # fmt: skip
+    cases = [
+        ([5], [0], 16), ([16], [7], 16), ([9, 1, 4], [3, 0, 20], 16), ([17], [0], 32),
+        ([20, 3, 2, 5], [0, 9, 1, 0], 32), ([33, 2], [0, 4], 40), ([41], [0], None),
+        ([2, 2, 2, 2, 2], [0, 0, 0, 0, 0], None),
+    ]  # fmt: skip
+    for chunks, prefixes, tokens in cases:
+        batch = _extend_batch(engine, chunks, prefixes)
+        runner.graphs = graphs
+        prepared = runner.prepare(batch)
+        if tokens is None:
+            assert prepared.runner is None, chunks
+        else:
+            assert prepared.runner is extend and prepared.graph.num_tokens == tokens, chunks
+        graphed = runner.launch(prepared, batch).clone()
+        runner.graphs = []
+        eager = runner.forward(batch)
+        assert graphed.shape == (len(chunks) - 1, runner.model.config.vocab_size)
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+        _release(engine, batch)
+    engine.check()
+    assert engine.book.num_available == engine.book.slots.capacity
