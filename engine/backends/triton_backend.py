@@ -9,7 +9,8 @@ graph) and returns metadata whose tensors are views at fixed addresses. Padding 
 request: their outputs are zeros and their K/V go to padding slot 0. The launch shape depends
 only on (P, T, buffers.max_tree_nodes), so a graph captured at (P, T) replays for any batch
 planned at (P, T); an extend pass's attention runs a grid of T new tokens a request (its
-programs past a request's tokens return at once) and zeroes all T output rows first. Keep q/k/v/out of a captured forward at fixed addresses as usual.
+programs past a request's tokens return at once) and zeroes all T output rows first.
+Keep q/k/v/out of a captured forward at fixed addresses as usual.
 
 Split-KV decode passes of up to `triton_decode.FUSED_MERGE_MAX_SPLITS` splits merge them in
 the split kernel, counting arrivals in int32 counters that every launch leaves at zero: the

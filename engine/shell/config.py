@@ -149,11 +149,11 @@ class EngineConfig:
         _non_negative,
     )
     cuda_graph_max_tokens: int = _field(
-        1024,
+        0,
         "extend passes (prompt chunks, with a mixed pass's decodes) of up to this many tokens "
         "and cuda_graph_max_batch requests replay captured CUDA graphs too, their tokens "
-        "padded up to the next captured count; longer ones run eagerly; 0: extend passes "
-        "all eager",
+        "padded up to the next captured count (16, 32, 64, 128, 256, 384, 512, 768, 1024, "
+        "...); longer ones run eagerly; 0: every extend pass runs eagerly",
         _non_negative,
     )
     plan_ahead: bool = _field(

@@ -19,6 +19,7 @@ from engine.shell.config import EngineConfig
         ("chunk_size", -1),
         ("max_running_requests", 2.0),
         ("cuda_graph_max_batch", -1),
+        ("cuda_graph_max_tokens", -1),
         ("draft_budget", 0),
         ("draft_cost", -0.5),
         ("draft_cost", 2),

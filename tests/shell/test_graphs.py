@@ -37,7 +37,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _engine(**overrides) -> Engine:
-    return Engine(
+    settings = dict(
         random_weights="tiny",
         attention_backend="triton",
         device=DEVICE,
@@ -45,8 +45,8 @@ def _engine(**overrides) -> Engine:
         kv_cache_slots=512,
         max_context=128,
         cuda_graph_max_batch=0,
-        **overrides,
     )
+    return Engine(**(settings | overrides))
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -387,6 +387,10 @@ def test_an_extend_pass_replays_the_smallest_graph_it_fits():
     assert [(g.batch_size, g.num_tokens) for g in extend.graphs.values()] == [
         (4, 16), (4, 32), (4, 40),
     ]  # fmt: skip
+    for graph in extend.graphs.values():  # the pass each graph captures: finite logits
+        captured = extend._forward(graph, extend._plan(graph, extend._dummy_batch(4)))
+        assert captured.shape == (4, runner.model.config.vocab_size)
+        assert torch.isfinite(captured).all()
     cases = [
         ([5], [0], 16), ([16], [7], 16), ([9, 1, 4], [3, 0, 20], 16), ([17], [0], 32),
         ([20, 3, 2, 5], [0, 9, 1, 0], 32), ([33, 2], [0, 4], 40), ([41], [0], None),
@@ -408,3 +412,19 @@ def test_an_extend_pass_replays_the_smallest_graph_it_fits():
         _release(engine, batch)
     engine.check()
     assert engine.book.num_available == engine.book.slots.capacity
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the engine captures graphs on CUDA only")
+def test_the_engine_replays_extend_graphs_when_asked():
+    """`cuda_graph_max_tokens`: the engine's own runner captures extend graphs, prompts
+    replay them, and tokens equal the eager engine's."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _prompts(3)
+    eager = _engine().generate(prompts, params)
+    engine = _engine(cuda_graph_max_batch=4, cuda_graph_max_tokens=64)
+    engine.runner.graphs = [g for g in engine.runner.graphs if g.mode == Mode.EXTEND]
+    assert [g.sizes for g in engine.runner.graphs] == [[16, 32, 64]]
+    replays = _count_replays(engine)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager]
+    assert Mode.EXTEND in replays
+    engine.check()
