@@ -7,12 +7,13 @@
 # in two calls made back to back (a machine stays warm for a short while after a call; the
 # first half waits outside the working tree, in $STORE). Here, before the calls:
 #   G=$(.venv/bin/python -c 'from engine.model import default_model_path as p; print(p())')
-#   mkdir -p .carry/pylib && S=$(( $(stat -c%s "$G") / 2 ))
+#   mkdir -p .carry && S=$(( $(stat -c%s "$G") / 2 ))
 #   head -c $S "$G" >.carry/a && tail -c +$((S + 1)) "$G" >.carry/b
-#   cp -r .venv/lib/python3.11/site-packages/gguf .carry/pylib/   # the GPU image lacks gguf
+#   .venv/bin/python -m pip download -q --no-deps gguf llguidance -d .carry/wheels
 #   sha256sum "$G"                                                # -> EXPECT below
-# Call 1 (carry .carry/a):               STAGE=a bash scripts/gpu_spec.sh
-# Call 2 (carry .carry/b, .carry/pylib): STAGE=b EXPECT=<sha256> bash scripts/gpu_spec.sh
+# (the wheels: the GPU image lacks gguf and llguidance; scripts/gpu_env.sh installs them)
+# Call 1 (carry .carry/a):                STAGE=a bash scripts/gpu_spec.sh
+# Call 2 (carry .carry/b, .carry/wheels): STAGE=b EXPECT=<sha256> bash scripts/gpu_spec.sh
 # Logs go to $OUT (the device tool brings that folder back).
 set -uo pipefail
 
@@ -47,9 +48,10 @@ b)
     ;;
 esac
 
-export PYTHONUNBUFFERED=1 PYTHONPATH=$STORE:$PWD/.carry/pylib${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT_DIR/install.log" 2>&1 \
-    || export PYTHONPATH=$PYTHONPATH:$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$STORE${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
+echo "$gpu_env_status"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
 timeout "${FP32_TIMEOUT:-330}" python3 benchmarks/bench_spec.py --device cuda --dtype float32 \
     >"$OUT_DIR/spec_fp32.log" 2>&1

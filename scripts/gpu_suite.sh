@@ -51,14 +51,11 @@ SUMMARY=()
 
 note() { SUMMARY+=("| $1 | $2 | $3 s |"); }
 
-# 1. install (no network there: --no-deps; torch and triton come with the image)
+# 1. install (no network there: the package with --no-deps, the wheels the image lacks)
 start=$SECONDS
-if python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT_DIR/install.log" 2>&1; then
-    note install ok $((SECONDS - start))
-else
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-    note install "failed; PYTHONPATH=$PWD used (see install.log)" $((SECONDS - start))
-fi
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
+note install "$gpu_env_status" $((SECONDS - start))
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader \
     >"$OUT_DIR/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
