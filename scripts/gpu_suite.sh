@@ -16,7 +16,7 @@ GPU_TESTS=(tests/backends tests/ops/test_fused.py tests/ops/test_gemv.py tests/o
 GRAPH_MEMCHECK_TESTS=(tests/shell/test_spec_overflow.py tests/shell/test_plan_ahead.py)
 BENCHES=(benchmarks/bench_attention.py benchmarks/bench_extend_order.py benchmarks/bench_engine.py
          benchmarks/bench_steps.py benchmarks/bench_gemv.py benchmarks/bench_spec_host.py
-         benchmarks/bench_sampling.py)
+         benchmarks/bench_sampling.py benchmarks/bench_prefill.py)
 # GPU_BENCHES="a.py b.py" runs only those (e.g. to re-check after a change, within one call)
 if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # The whole suite takes longer than one device call may run (10 minutes): split it with
