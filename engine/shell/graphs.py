@@ -150,6 +150,9 @@ class _Graph:
         self.writes = self.staged[2 * num_tokens + rows :] if writes_size else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        # the metadata of the pass the graph captured (its dummy batch's): its tensors are
+        # the static buffers each plan writes, its host values fixed in the graph
+        self.metadata: object = None
 
 
 class GraphRunner:
@@ -245,6 +248,9 @@ class GraphRunner:
         self._staged: torch.cuda.Event | None = None
         if self.capture:
             self._capture_all(device, torch.cuda.graph_pool_handle() if pool is None else pool)
+        else:  # what a capture would keep: the metadata of the pass it ran
+            for graph in self.graphs.values():
+                graph.metadata = self._plan(graph, self._dummy_batch(graph.batch_size))
         if self.applies_writes:
             assert table is not None
             table.defer_writes()
@@ -299,7 +305,7 @@ class GraphRunner:
         stream = torch.cuda.Stream(device)
         for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
             graph = self.graphs[size]
-            metadata = self._plan(graph, self._dummy_batch(graph.batch_size))
+            metadata = graph.metadata = self._plan(graph, self._dummy_batch(graph.batch_size))
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: autotuning and lazy init outside the capture
@@ -311,16 +317,18 @@ class GraphRunner:
             torch.cuda.synchronize(device)
 
     def _dummy_batch(self, size: int) -> Batch:
-        """`size` one-token requests writing to the padding slot (used only to capture): an
-        extend pass of their one-token prompts, or their decode or root-only verify pass."""
+        """`size` requests writing to the padding slot (used only to capture): the first
+        token of their two-token prompts (a one-token chunk of each prompt would be a decode
+        pass's shape), or their decode or root-only verify pass after a one-token prompt."""
+        prompt = 2 if self.mode == Mode.EXTEND else 1
         rules = FinishRules(
             np.ones(size), np.zeros(size), -np.ones(size), np.zeros((size, 0), dtype=np.int64)
         )
         running = Running.admitted(
             np.arange(size),
             np.arange(size),
-            np.ones(size),
-            np.ones(size),
+            np.full(size, prompt),
+            np.full(size, prompt),
             np.zeros(size),
             rules,
             self.backend.pool.req_to_token.shape[1],
@@ -328,10 +336,13 @@ class GraphRunner:
         slots = np.full(size, PADDING_SLOT)
         if self.mode == Mode.EXTEND:
             ones = np.ones(size, dtype=np.int64)
-            return schedule_extend(running, ones, np.zeros(size, dtype=np.int64), slots)
-        if self.mode == Mode.DECODE:
-            return schedule_decode(running, slots)
-        return schedule_verify(running, DraftTrees.roots_only(np.zeros(size)), slots)
+            batch = schedule_extend(running, ones, np.zeros(size, dtype=np.int64), slots)
+        elif self.mode == Mode.DECODE:
+            batch = schedule_decode(running, slots)
+        else:
+            batch = schedule_verify(running, DraftTrees.roots_only(np.zeros(size)), slots)
+        assert batch.mode == self.mode, (batch.mode, self.mode)
+        return batch
 
     def prepare(self, batch: Batch) -> tuple[_Graph, object]:
         """Plan `batch` into the static buffers of the graph that will replay it. Runs on the
@@ -362,17 +373,15 @@ class GraphRunner:
 
     @torch.inference_mode()
     def replay(
-        self,
-        graph: _Graph,
-        metadata: object,
-        batch: Batch,
-        input_ids: torch.Tensor | None = None,
+        self, graph: _Graph, batch: Batch, input_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits [len(batch.logit_rows), vocab] of the rows `batch.logit_rows` names (a
         decode or verify pass: every new token), for `batch` with the layout of the batch
-        `prepare` planned (its input ids may differ). `input_ids` (on the device, one per new
-        token): copied in on the device in place of `batch.input_ids`, in stream order
-        (tokens a pass before sampled, not read back)."""
+        `prepare` planned into the static buffers (its input ids may differ). `input_ids`
+        (on the device, one per new token): copied in on the device in place of
+        `batch.input_ids`, in stream order (tokens a pass before sampled, not read back).
+        Uncaptured, the pass runs with the metadata of the capture's pass, as a graph
+        would: the plan's host values do not reach it, only its buffers."""
         count, num_tokens = batch.new_lens.total, graph.num_tokens
         if self._staged is not None:
             self._staged.synchronize()  # the last copy must have read the staging buffer
@@ -401,4 +410,4 @@ class GraphRunner:
             self._staged.record()
             graph.graph.replay()
             return graph.logits[:out_rows]
-        return self._forward(graph, metadata)[:out_rows]
+        return self._forward(graph, graph.metadata)[:out_rows]

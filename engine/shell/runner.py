@@ -96,7 +96,7 @@ class ModelRunner:
                 f"{batch.new_lens.total} new tokens"
             )
         if prepared.runner is not None:  # the graph computes the logit rows' logits only
-            return prepared.runner.replay(prepared.graph, prepared.metadata, batch, input_ids)
+            return prepared.runner.replay(prepared.graph, batch, input_ids)
         arrays = {} if every_row else {"logit_rows": batch.logit_rows.astype(np.int64)}
         count, num_tokens = batch.new_lens.total, self.num_tokens(batch)
         arrays["positions"] = _padded(batch.positions, num_tokens)  # padding: position 0
