@@ -19,7 +19,8 @@ the request table's writes since the last pass travel in the inputs' copy and th
 applies them first (`apply_table_writes`): the commit of the step before launches nothing
 to update the device table.
 Padding requests own nothing and padding tokens write K/V to the padding slot. On a machine
-without CUDA the same static path runs eagerly (`capture=False`), so it is tested on CPU.
+without CUDA the same static path runs eagerly (`capture=False`), so it is tested on CPU: with
+the metadata of the pass a capture runs (a dummy batch's), as a graph keeps its host values.
 Each graph's launches run under the PDL setting `pdl.for_pass` gives its pass.
 """
 
