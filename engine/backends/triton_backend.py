@@ -236,7 +236,7 @@ class TritonBackend(AttentionBackend):
                 f"{batch.new_lens.total} tokens padded to {num_tokens}; the "
                 f"graph buffers hold {buffers.max_tokens} tokens"
             )
-        if batch.new_lens.max > per_request:  # decode's is one token: a verify pass's
+        if batch.new_lens.max > per_request:
             raise ValueError(
                 f"a draft tree has {batch.new_lens.max} nodes; these graph buffers "
                 f"allow at most {per_request}"

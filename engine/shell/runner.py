@@ -127,8 +127,9 @@ def _padded(values: np.ndarray, length: int) -> np.ndarray:
 
 @attrs.frozen(eq=False)
 class Prepared:
-    """A planned pass: the batch it was planned for, and the graph (or None: eager) with the
-    backend metadata that will run it; `launched`: what its launch returned, when it was
+    """A planned pass: the batch it was planned for, the graph runner and graph that will
+    replay it (None: eager) and the backend's plan (a graph's pass reads the plan's buffers,
+    with the host values of its capture); `launched`: what its launch returned, when it was
     launched ahead (before the tokens of the pass before it were read back)."""
 
     batch: Batch
