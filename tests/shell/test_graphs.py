@@ -430,3 +430,45 @@ def test_the_engine_replays_extend_graphs_when_asked():
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager]
     assert Mode.EXTEND in replays
     engine.check()
+
+
+def _staggered(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Submit a prompt every third step (the later ones prefill beside the earlier ones'
+    decodes: mixed passes), step to the end; the outputs, every slot and row back."""
+    requests, steps = [], 0
+    while len(requests) < len(prompts) or engine.has_work:
+        if len(requests) < len(prompts) and steps % 3 == 0:
+            requests.append(engine._submit(prompts[len(requests)], params, None, None))
+        engine.step()
+        engine.check()
+        steps += 1
+    assert engine.book.num_available == engine.book.slots.capacity
+    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+    return [r.output_ids for r in requests]
+
+
+def test_extend_graphs_serve_chunks_mixed_passes_and_cached_prefixes():
+    """Prompts sharing a prefix (the prefix cache's), chunked at 24 tokens, arriving while
+    others decode (mixed passes), over extend graphs of up to 32 tokens: the outputs are the
+    eager engine's, passes of every kind replay the extend graphs, nothing leaks."""
+    shared = [(5 * j) % 200 + 3 for j in range(20)]
+    prompts = [shared + [(11 * i + j) % 200 + 3 for j in range(4 + 7 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    settings = dict(chunk_size=24, mixed_chunk_size=24)
+    eager = _staggered(_engine(**settings), prompts, params)
+    engine = _with_graphs(_engine(**settings), 4, extend_tokens=32)
+    extend = engine.runner.graphs[-1]
+    seen = []  # (tokens, requests, requests that do not sample) of each extend replay
+    real_replay = extend.replay
+
+    def replay(graph, batch, *args):
+        requests = len(batch.running)
+        seen.append((batch.new_lens.total, requests, requests - batch.logit_rows.shape[0]))
+        return real_replay(graph, batch, *args)
+
+    extend.replay = replay
+    assert _staggered(engine, prompts, params) == eager
+    assert engine.stats["cached_prompt_tokens"] > 0, "no prompt reused the shared prefix"
+    assert any(requests > 1 for _, requests, _ in seen), "no mixed pass replayed a graph"
+    assert any(short for _, _, short in seen), "no chunk short of its prompt's end did"
+    assert any(tokens > 16 for tokens, _, _ in seen), "no pass replayed the 32-token graph"
