@@ -114,11 +114,14 @@ def test_graph_buffers_too_small_are_reported_and_untouched() -> None:
         backend.plan(case.batch, buffers=backend.graph_buffers(4, 16, 64), padded_num_tokens=17)
 
 
-def test_graph_buffers_refuse_extend_and_large_trees() -> None:
-    backend_case = make_case("extend", [3], [5], 1, 1, 64, DTYPE, seed=23)
-    backend = TritonBackend(backend_case.pool)
-    with pytest.raises(ValueError, match="extend runs eagerly"):
-        backend.plan(backend_case.batch, buffers=backend.graph_buffers(2, 8, 64))
+def test_padded_extend_matches_reference() -> None:
+    """An extend pass (cached prefixes, several requests) planned into graph buffers, padded
+    in requests and tokens: its attention runs a grid of all the padded tokens a request and
+    zeroes the padding rows."""
+    run_padded("extend", [12, 0, 3], [5, 9, 2], batch_size=4, tokens=24, num_splits=None)
+
+
+def test_graph_buffers_refuse_large_trees() -> None:
     verify_case = make_case("verify", [3], [6], 1, 1, 64, DTYPE, seed=24)
     backend = TritonBackend(verify_case.pool)
     with pytest.raises(ValueError, match="at most 4"):
