@@ -3,7 +3,8 @@
 Two engines with random weights, alike but for `cuda_graph_max_tokens` (0: every extend pass
 eager; N: passes of up to N tokens replay graphs), take turns on the same cases; the table
 gives each case's median step time (the step's wall clock, its first token read back) and
-the eager engine's time over the graph engine's:
+the eager engine's time over the graph engine's (and each engine's start-up, the graphs'
+capture included):
 
 - prefill: one fresh prompt of each `--lengths` length, nothing else running (its
   time to the first token, less admission);
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import numpy as np
 import torch
@@ -52,8 +54,12 @@ def first_token_step(engine: Engine, prompt: list[int]) -> float:
     return seconds
 
 
-def run(args: argparse.Namespace) -> list[tuple[str, int, float, float]]:
-    engines = {"eager": make_engine(args, 0), "graphs": make_engine(args, args.graph_tokens)}
+def run(args: argparse.Namespace) -> tuple[list[tuple[str, int, float, float]], dict]:
+    engines, startup = {}, {}
+    for name, tokens in (("eager", 0), ("graphs", args.graph_tokens)):
+        start = time.perf_counter()
+        engines[name] = make_engine(args, tokens)
+        startup[name] = time.perf_counter() - start
     vocab = engines["eager"].runtime.vocab_size
     rng = np.random.default_rng(0)
     fresh = lambda n: rng.integers(3, vocab, n).tolist()  # noqa: E731 (no cached prefix)
@@ -87,7 +93,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, int, float, float]]:
                 engine.abort(request.request_id)
             while engine.has_work:
                 engine.step()
-    return rows
+    return rows, startup
 
 
 def main() -> None:
@@ -102,7 +108,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--slots", type=int, default=65536, help="KV slots of each engine")
     args = parser.parse_args()
-    rows = run(args)
+    rows, startup = run(args)
     where = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
     print(
         f"\nrandom {args.preset}, {args.dtype}, {where}; graphs up to {args.graph_tokens} "
@@ -112,6 +118,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for case, n, eager, graphs in rows:
         print(f"| {case} | {n} | {eager * 1e3:.2f} | {graphs * 1e3:.2f} | {eager / graphs:.2f}x |")
+    print(f"\nstart-up: eager {startup['eager']:.1f} s, graphs {startup['graphs']:.1f} s")
 
 
 if __name__ == "__main__":
