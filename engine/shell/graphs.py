@@ -205,7 +205,7 @@ class GraphRunner:
             self.max_batch,
             max_tokens,
             self.max_batch * max_context,
-            max_tree_nodes=max(self.per_request, 1),
+            max_tree_nodes=self.per_request,
         )
         # a backend whose passes can build their own kv indices: each replay does, on the
         # device (a plan then launches nothing)
@@ -241,8 +241,9 @@ class GraphRunner:
             and device.type == "cuda"
             and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0")
         )
+        # the host side of every graph's staged copy: as long as the longest
         self._staging = torch.zeros(
-            2 * max_tokens + (self.max_batch if logit_rows else 0) + writes_size,
+            max(graph.staged.numel() for graph in self.graphs.values()),
             dtype=torch.int64,
             pin_memory=device.type == "cuda",
         )
