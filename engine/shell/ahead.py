@@ -11,8 +11,9 @@ tokens are read (its input ids taken on the device). When requests only left (a 
 a length limit, an abort), a launched pass is cut to the others (`state.narrow`): its work for
 those that left is discarded and their slots go back, once the device has queued the pass
 (the slots' next writers queue behind it). Any other change drops a launched pass too (its
-device work still runs, to slots given back). Nothing here decides *whether* to plan or
-launch: that is the engine's policy.
+device work still runs, to slots given back). A verify pass `batch` is planned from the same
+way, for the outcome in which no draft is accepted (its early writes are its roots'). Nothing
+here decides *whether* to plan or launch: that is the engine's policy.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class PlanAhead:
         return None if self.prepared is None else self.prepared.batch.out_slots
 
     def plan(self, batch: state.Batch) -> bool:
-        """Plan the pass after decode pass `batch` (which is running). Returns whether
-        `batch`'s table writes were applied (False: the pool had no room; nothing done)."""
+        """Plan the decode pass after decode or verify pass `batch` (which is running; a
+        verify pass: as if no draft is accepted). Returns whether `batch`'s early table
+        writes were applied (False: the pool had no room; nothing done)."""
         following = self.machine.assume_decoded(batch)
         if self.book.num_available < len(following):
             return False

@@ -456,6 +456,7 @@ class Engine:
             masks = None if checked else self.logits.start_tree(trees, uids)
             logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
             self.passes.hit("verify")
+            self._plan_after_verify(open_pass)  # while the device runs it
             if checked:  # read on the host here; otherwise the speculator's walk reads it
                 argmax = greedy_tokens(logits).cpu().numpy()
                 target = self.grammars.verify_paths(trees, uids, argmax, logits)
@@ -539,6 +540,22 @@ class Engine:
             self.ahead.launch(lambda p: self.passes.launch(p.batch, p, sampled.tokens, ahead=True))
         return launched
 
+    def _plan_after_verify(self, open_pass: OpenPass) -> None:
+        """Where the device runs apart from the host (`launch_ahead`), plan the decode pass
+        after verify pass `open_pass` while the device runs it, for the outcome in which no
+        request accepts a draft (`state.assume_decoded`); applies the roots' table writes
+        (every outcome makes them) first. The step after a verify pass whose drafts all
+        failed (chat's most common verify step) is then a decode pass that launches at once
+        rather than planning first; any other outcome drops the plan (`PlanAhead.fit`: the
+        committed lengths differ). The plan is not launched: its input ids are the walk's
+        bonus tokens. Not planned where the next step changes the batch anyway."""
+        if not (self.launch_ahead and self.config.plan_ahead and self.inbox.empty):
+            return
+        if self._admissible():
+            return
+        open_pass.table_written = True  # until the plan says otherwise: undone if it fails
+        open_pass.table_written = self.ahead.plan(open_pass.batch)
+
     def _write_early(self, open_pass: OpenPass) -> None:
         """Apply the pass's table writes now, while the device runs it, rather than at its
         commit, whose host work the device waits for (`state.decode_writes`: they do not
@@ -570,7 +587,9 @@ class Engine:
     ) -> None:
         """Commit a pass's transition; from here its slots belong to its requests."""
         self.passes.hit("commit")
-        self._apply(result, rest, open_pass.table_written)
+        # a verify pass's early writes are its roots': its commit writes its whole paths
+        written = open_pass.table_written and state.writes_whole(open_pass.batch)
+        self._apply(result, rest, written)
         open_pass.committed = True
         self._emit(result.effects)
 

@@ -27,6 +27,7 @@ from engine.state.transitions import (
     schedule_verify,
     share,
     verify,
+    writes_whole,
 )
 
 __all__ = [
@@ -63,4 +64,5 @@ __all__ = [
     "schedule_extend",
     "schedule_verify",
     "verify",
+    "writes_whole",
 ]

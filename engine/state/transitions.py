@@ -189,37 +189,63 @@ def _decode_table(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return batch.running.rows, batch.running.kv_lens.lens, batch.out_slots
 
 
+def _root_table(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A verify pass's table writes that every outcome makes (rows, columns, slots): each
+    tree's root (the request's pending token) at its committed length. `verify` writes them
+    with the accepted path; `decode_writes` alone."""
+    trees = batch.trees
+    assert trees is not None
+    run = batch.running
+    return run.rows, run.kv_lens.lens, freeze(batch.out_slots[trees.sizes.starts()])
+
+
 def decode_writes(batch: Batch) -> Effects:
-    """The part of `decode(batch, tokens)`'s (or an extend pass's `extend(batch, tokens)`'s)
-    effects that does not depend on the tokens: each new token's slot written at its
-    position in its request's row. The engine applies it while the pass still runs: for a
-    decode pass, so the next pass can be planned meanwhile (`assume_decoded`); for an extend
-    pass, so the host does it while the device computes. Applying it again with the full
-    effects rewrites the same entries."""
+    """The part of a pass's commit effects that does not depend on its tokens: for a decode
+    or extend pass (`decode`, `extend`), each new token's slot written at its position in its
+    request's row; for a verify pass (`verify`), each root's slot at its committed length
+    (the accepted drafts' slots are the walk's to choose). The engine applies it while the
+    pass still runs: for a decode or verify pass, so the next decode pass can be planned
+    meanwhile (`assume_decoded`); for an extend pass, so the host does it while the device
+    computes. Applying the full effects after it rewrites the same entries; for a decode or
+    extend pass these are all of them (`writes_whole`), so the commit may skip them."""
     if batch.mode == Mode.EXTEND:
         rows, cols, slots = _extend_table(batch)
     elif batch.mode in (Mode.DECODE, Mode.IDLE):
         rows, cols, slots = _decode_table(batch)
     else:
-        raise ValueError(
-            f"decode_writes() is for decode and extend passes; this pass is {batch.mode.value}"
-        )
+        rows, cols, slots = _root_table(batch)
     return Effects.of_valid(table_rows=rows, table_cols=cols, table_slots=slots)
 
 
+def writes_whole(batch: Batch) -> bool:
+    """Whether `decode_writes(batch)` are all the table writes its commit makes (decode and
+    extend passes), so that a commit after them need not write the table again; a verify
+    pass's commit writes its accepted paths too."""
+    return batch.mode != Mode.VERIFY
+
+
 def assume_decoded(batch: Batch) -> Running:
-    """The Running a decode pass leads to if no request finishes, with each request's pending
-    token not known yet (its old one stands in). Only its lengths, rows and order are used: to
-    plan the next pass while this one runs. The engine uses that plan only if the committed
-    Running has the same requests, rows and lengths (`same_layout`)."""
-    if batch.mode not in (Mode.DECODE, Mode.IDLE):
-        raise ValueError(f"assume_decoded() is for decode passes; this pass is {batch.mode.value}")
-    run = batch.running
+    """The Running a decode pass, or a verify pass in which no draft is accepted, leads to if
+    no request finishes, with each request's pending token not known yet (its old one stands
+    in). Only its lengths, rows and order are used: to plan the next decode pass while this
+    one runs. The engine uses that plan only if the committed Running has the same requests,
+    rows and lengths (`same_layout`): after a verify pass, only where every request kept its
+    root alone."""
+    if batch.mode == Mode.VERIFY:  # each request one token further: its root's
+        run = batch.running
+        kv_lens, token_lens = run.kv_lens.grow(1), run.token_lens.grow(1)
+    elif batch.mode in (Mode.DECODE, Mode.IDLE):
+        run = batch.running
+        kv_lens, token_lens = batch.seq_lens, run.token_lens + batch.new_lens
+    else:
+        raise ValueError(
+            f"assume_decoded() is for decode and verify passes; this pass is {batch.mode.value}"
+        )
     return Running.of_valid(
         run.rids,
         run.rows,
-        batch.seq_lens,
-        run.token_lens + batch.new_lens,
+        kv_lens,
+        token_lens,
         run.prompt_lens,
         run.last_tokens,
         run.rules,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -213,6 +214,78 @@ def test_launch_ahead_with_speculation_defers_drafts(backend):
     assert engine.stats["drafts_deferred"] > 0, "no draft waited for a launched pass"
     assert launched_at_verify, "no verify pass ran"
     assert not any(launched_at_verify), "a verify pass dropped a pass launched ahead"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_verify_pass_plans_the_decode_pass_after_it(backend):
+    """With the device apart from the host (`launch_ahead`), a verify pass plans the decode
+    pass that follows it if no draft is accepted: where every request kept its root alone
+    and the next step drafts nothing, that step uses the plan; otherwise it is dropped. The
+    steps are the same as without these plans (so are a seeded sampler's draws): outputs
+    equal, more plans used; no slot is lost, under retraction too."""
+    prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
+    for pool, params in ((256, _params(4)), (40, [SamplingParams(max_tokens=24)] * 4)):
+        without = _tiny(backend, speculative=True, launch_ahead=True, kv_cache_slots=pool)
+        without._plan_after_verify = lambda open_pass: None
+        reference = _run(without, prompts, params)
+        engine = _tiny(backend, speculative=True, launch_ahead=True, kv_cache_slots=pool)
+        plan_after_verify, planned, used = engine._plan_after_verify, [], []
+
+        def recording_plan(open_pass, real=plan_after_verify, engine=engine):
+            real(open_pass)
+            planned.append(engine.ahead.prepared is not None)
+            if planned[-1]:  # the roots' slots are in the table already; nothing else is
+                batch = open_pass.batch
+                table = engine.book.table.host[batch.running.rows]
+                kv = batch.running.kv_lens.lens
+                roots = batch.out_slots[batch.trees.sizes.starts()]
+                assert (table[np.arange(len(kv)), kv] == roots).all()
+                assert not table[np.arange(len(kv)), kv + 1].any()
+
+        engine._plan_after_verify = recording_plan
+        assert _run(engine, prompts, params) == reference
+        assert any(planned), "no verify pass planned the pass after it"
+        used = engine.stats["plans_ahead_used"] - without.stats["plans_ahead_used"]
+        assert used > 0, "no plan made during a verify pass was used"
+        modes = [mode for mode, _ in engine.step_times]
+        assert modes == [mode for mode, _ in without.step_times] and "verify" in modes
+        if pool == 40:
+            assert engine.stats["retractions"] > 0, "the pool was meant to retract"
+
+
+def test_a_verify_walk_that_fails_after_its_plan_loses_no_slot():
+    """A verify walk that fails once the decode pass after it is planned: the pass's
+    requests end with "error", the roots' early table writes are undone and the plan's
+    slots and the trees' go back; the engine serves the rest."""
+    engine = _tiny("torch", speculative=True, launch_ahead=True)
+    verify, held = engine.spec.verify, []
+
+    def flaky(*args):  # the first walk after a plan fails
+        if engine.ahead.num_held and not held:
+            held.append(engine.ahead.num_held)
+            raise RuntimeError("injected failure")
+        return verify(*args)
+
+    engine.spec.verify = flaky
+    prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
+    greedy = [SamplingParams(max_tokens=48, ignore_eos=True)] * 4
+    requests = [engine._submit(p, q, None, None) for p, q in zip(prompts, greedy, strict=True)]
+    while engine.has_work:
+        engine.step()
+        engine.check()
+        table = engine.book.table.host
+        for row, committed in zip(
+            engine.running.rows.tolist(), engine.running.kv_lens.tolist(), strict=True
+        ):
+            assert not table[row, committed:].any(), "a slot left past a row's committed length"
+    assert held, "no verify pass planned the pass after it"
+    assert any(r.finish_reason.openai == "error" for r in requests)
+    assert engine.book.num_available == engine.book.slots.capacity
+    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+    served = engine._submit(prompts[0], greedy[0], None, None)
+    while engine.has_work:
+        engine.step()
+    assert served.finish_reason.openai == "length" and len(served.output_ids) == 48
 
 
 @pytest.mark.parametrize("launch_ahead", [False, True])

@@ -222,9 +222,11 @@ def test_abandoning_a_pass_that_wrote_early_empties_those_entries(case):
 def test_planning_ahead_is_for_decode_passes_only():
     run = running_of([1], [0], [0], [3], [3], [2], [Rule(5, 0, -1, ())], MAX_CONTEXT)
     batch = state.schedule_extend(run, [3], [1, 2, 2], fresh_slots(3))
-    for plan in (state.assume_decoded, lambda b: state.narrow(b, [0])):
-        with pytest.raises(ValueError, match="for decode passes"):
-            plan(batch)
+    with pytest.raises(ValueError, match="for decode and verify passes"):
+        state.assume_decoded(batch)
+    with pytest.raises(ValueError, match="for decode passes"):
+        state.narrow(batch, [0])
+    assert state.writes_whole(batch)
 
 
 @fast
@@ -306,6 +308,55 @@ def test_verify_commits_the_accepted_path_and_frees_the_rest(case):
     assert eff.free_slots.tolist() == want_free
     assert len(eff.free_slots) + len(eff.table_slots) == len(slots)
     assert (result.running.pending_lens == 1).all()
+
+
+@fast
+@given(case=verify_cases())
+def test_planning_after_a_verify_pass_agrees_with_its_commit(case):
+    """A verify pass's early writes are its roots' slots at the committed lengths: part of
+    the commit's writes whatever is accepted, but not all of them (`writes_whole`). The
+    Running planned from it (`assume_decoded`) has the committed layout exactly when no
+    request accepted a draft and none finished; abandoning the pass empties the roots'
+    entries and frees every slot of its trees."""
+    run, _rules, trees, paths, bonus = case
+    draft, accepted_lens, nodes = verify_inputs(trees, paths)
+    batch = state.schedule_verify(run, draft, fresh_slots(draft.sizes.total))
+    result = state.verify(batch, accepted_lens, nodes, bonus)
+    early = state.decode_writes(batch)
+    committed = set(
+        zip(
+            result.effects.table_rows.tolist(),
+            result.effects.table_cols.tolist(),
+            result.effects.table_slots.tolist(),
+            strict=True,
+        )
+    )
+    roots = list(
+        zip(
+            early.table_rows.tolist(),
+            early.table_cols.tolist(),
+            early.table_slots.tolist(),
+            strict=True,
+        )
+    )
+    assert roots == [
+        (int(row), int(kv), int(batch.out_slots[start]))
+        for row, kv, start in zip(run.rows, run.kv_lens.lens, draft.sizes.starts(), strict=True)
+    ]
+    assert committed.issuperset(roots)
+    assert early.free_slots.size == early.release_rows.size == early.emitted_rids.size == 0
+    assert state.writes_whole(batch) == (batch.mode != Mode.VERIFY)
+    planned = state.assume_decoded(batch)
+    assert planned.kv_lens.tolist() == (run.kv_lens.lens + 1).tolist()
+    assert planned.token_lens.tolist() == (run.token_lens.lens + 1).tolist()
+    nothing_accepted = not any(accepted_lens)
+    nobody_left = result.effects.finished_rids.size == 0
+    assert state.same_layout(planned, result.running) == (nothing_accepted and nobody_left)
+    undo = state.abandon(batch, written=True)
+    assert undo.table_rows.tolist() == early.table_rows.tolist()
+    assert undo.table_cols.tolist() == early.table_cols.tolist()
+    assert not undo.table_slots.any() and undo.free_slots.tolist() == batch.out_slots.tolist()
+    check_trusted(undo)
 
 
 def test_a_stop_id_inside_the_accepted_path_ends_the_request_there():
