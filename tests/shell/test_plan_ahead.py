@@ -157,7 +157,9 @@ def test_plan_ahead_with_speculation(backend):
     prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
     params = _params(4)
     greedy = [SamplingParams(max_tokens=24, ignore_eos=True)] * 4
-    for pool in (256, 40):
+    # the Triton backend (minutes in the interpreter) with the small pool alone: retraction
+    # among its plans; the large pool's steps are the torch backend's
+    for pool in (256, 40) if backend == "torch" else (40,):
         plain = _run(_tiny(backend, launch_ahead=False, kv_cache_slots=pool), prompts, greedy)
         # (a seeded sampler's draws under speculation depend on its batch: the same pool)
         reference = _run(
@@ -198,7 +200,7 @@ def test_launch_ahead_with_speculation_defers_drafts(backend):
     (that step launches nothing ahead), so no verify pass ever finds a launched pass to
     drop. Greedy outputs are those of plain decoding; no slot is lost."""
     prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
-    greedy = [SamplingParams(max_tokens=48, ignore_eos=True)] * 4
+    greedy = [SamplingParams(max_tokens=32, ignore_eos=True)] * 4
     plain = _run(_tiny(backend), prompts, greedy)
     engine = _tiny(backend, speculative=True, launch_ahead=True)
     launched_at_verify = []
@@ -216,13 +218,15 @@ def test_launch_ahead_with_speculation_defers_drafts(backend):
     assert not any(launched_at_verify), "a verify pass dropped a pass launched ahead"
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_a_verify_pass_plans_the_decode_pass_after_it(backend):
+def test_a_verify_pass_plans_the_decode_pass_after_it():
     """With the device apart from the host (`launch_ahead`), a verify pass plans the decode
     pass that follows it if no draft is accepted: where every request kept its root alone
     and the next step drafts nothing, that step uses the plan; otherwise it is dropped. The
     steps are the same as without these plans (so are a seeded sampler's draws): outputs
-    equal, more plans used; no slot is lost, under retraction too."""
+    equal, more plans used; no slot is lost, under retraction too. (The torch backend: the
+    Triton backend plans a decode pass the same whatever pass ran before it, as
+    `test_plan_ahead_with_speculation[triton]` shows.)"""
+    backend = "torch"
     prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
     for pool, params in ((256, _params(4)), (40, [SamplingParams(max_tokens=24)] * 4)):
         without = _tiny(backend, speculative=True, launch_ahead=True, kv_cache_slots=pool)
@@ -253,6 +257,22 @@ def test_a_verify_pass_plans_the_decode_pass_after_it(backend):
             assert engine.stats["retractions"] > 0, "the pool was meant to retract"
 
 
+def _run_checking_rows(engine: Engine, prompts: list, params: list) -> list:
+    """Submit all and step to the end, checking after every step that no slot is lost and
+    that no row holds a slot past its committed length (a failed pass's early table writes
+    undone)."""
+    requests = [engine._submit(p, q, None, None) for p, q in zip(prompts, params, strict=True)]
+    while engine.has_work:
+        engine.step()
+        engine.check()
+        table = engine.book.table.host
+        for row, committed in zip(
+            engine.running.rows.tolist(), engine.running.kv_lens.tolist(), strict=True
+        ):
+            assert not table[row, committed:].any(), "a slot left past a row's committed length"
+    return requests
+
+
 def test_a_verify_walk_that_fails_after_its_plan_loses_no_slot():
     """A verify walk that fails once the decode pass after it is planned: the pass's
     requests end with "error", the roots' early table writes are undone and the plan's
@@ -269,15 +289,7 @@ def test_a_verify_walk_that_fails_after_its_plan_loses_no_slot():
     engine.spec.verify = flaky
     prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
     greedy = [SamplingParams(max_tokens=48, ignore_eos=True)] * 4
-    requests = [engine._submit(p, q, None, None) for p, q in zip(prompts, greedy, strict=True)]
-    while engine.has_work:
-        engine.step()
-        engine.check()
-        table = engine.book.table.host
-        for row, committed in zip(
-            engine.running.rows.tolist(), engine.running.kv_lens.tolist(), strict=True
-        ):
-            assert not table[row, committed:].any(), "a slot left past a row's committed length"
+    requests = _run_checking_rows(engine, prompts, greedy)
     assert held, "no verify pass planned the pass after it"
     assert any(r.finish_reason.openai == "error" for r in requests)
     assert engine.book.num_available == engine.book.slots.capacity
@@ -315,15 +327,7 @@ def test_a_failure_around_a_plan_loses_no_slot(failing, launch_ahead):
         return real(*args, **kwargs)
 
     setattr(target, name, flaky)
-    requests = [engine._submit(p, q, None, None) for p, q in zip(prompts, params, strict=True)]
-    while engine.has_work:
-        engine.step()
-        engine.check()
-        table = engine.book.table.host
-        for row, committed in zip(
-            engine.running.rows.tolist(), engine.running.kv_lens.tolist(), strict=True
-        ):  # early table writes of a failed pass undone
-            assert not table[row, committed:].any(), "a slot left past a row's committed length"
+    requests = _run_checking_rows(engine, prompts, params)
     setattr(target, name, real)
     reasons = [r.completion().finish_reason for r in requests]
     assert "error" in reasons and all(r in ("error", "length", "stop") for r in reasons)
