@@ -193,16 +193,18 @@ def _busy_seconds(cpus: set[int]) -> float:
 def _own_compute_seconds() -> float:
     """CPU seconds of this process, less its Python threads other than the caller's: the
     caller's thread and the native threads (the OpenMP pool) that run its passes. A server's
-    HTTP thread is one of the others."""
-    total = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
+    HTTP thread is one of the others. The others' clocks are read first: another thread
+    that runs between the reads (the interpreter may hand it the GIL there) adds to the
+    caller's time, never takes from it."""
+    others = 0.0
     me = threading.get_ident()
     for thread in threading.enumerate():
         if thread.ident is not None and thread.ident != me:
             try:
-                total -= time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                others += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
             except (OSError, ProcessLookupError):  # it ended in the meantime
                 pass
-    return total
+    return time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID) - others
 
 
 @dataclass

@@ -4,6 +4,7 @@ counters; nothing timed)."""
 import os
 import threading
 import time
+import types
 
 import torch
 
@@ -134,3 +135,31 @@ def test_governor_without_proc_keeps_torchs_count():
     governor = ThreadGovernor(busy=missing)
     assert governor.choose(3) == 3 and governor.blind
     assert ThreadGovernor(affinity=lambda: missing()).choose(5) == 5
+
+
+def test_own_time_never_reads_short_while_another_thread_runs(monkeypatch):
+    """Another Python thread keeps running while the clocks are read one after another (the
+    interpreter may hand it the GIL between two reads): the caller's own time may read long
+    by what it ran meanwhile, never short. Read the process clock before the other thread's
+    and the other thread's later run is taken from the caller's own time (a flaky
+    `test_real_counters` on a busy machine)."""
+    own, other = 1.0, 5.0  # CPU seconds so far: the caller's and another Python thread's
+    reads = []
+
+    def clock_gettime(clock: object) -> float:
+        nonlocal other
+        reads.append(clock)
+        value = own + other if clock == "process" else other
+        other += 0.005  # the other thread runs 5 ms between any two reads
+        return value
+
+    fake_time = types.SimpleNamespace(
+        clock_gettime=clock_gettime,
+        CLOCK_PROCESS_CPUTIME_ID="process",
+        pthread_getcpuclockid=lambda ident: "thread",
+    )
+    threads = [types.SimpleNamespace(ident=threading.get_ident() + 1)]
+    monkeypatch.setattr(cpu_kernels, "time", fake_time)
+    monkeypatch.setattr(cpu_kernels.threading, "enumerate", lambda: threads)
+    assert cpu_kernels._own_compute_seconds() >= own
+    assert sorted(reads) == ["process", "thread"]  # one read of each clock
