@@ -6,6 +6,8 @@ out).
     .venv/bin/python benchmarks/bench_host_step.py            # this tree alone
     .venv/bin/python benchmarks/bench_host_step.py --spec-against-plain   # what drafting
                                                    # nothing costs a step, with speculation
+    .venv/bin/python benchmarks/bench_host_step.py --gaps --baseline d04f8de   # the host's
+                                                   # time the device waits around verify passes
 
 With a small model on a GPU a decode step is mostly host work (scheduling, planning the next
 pass, sampling inputs, the commit, outputs), so that work decides its speed. On a shared
@@ -24,12 +26,20 @@ proposed and mostly accepted); batch 1 and 8. Each prints both engines' median t
 of each kind of step the regime ran (decode, verify), their ratio, whether they emitted the
 same tokens and accepted as many drafts, and the mean drafts accepted a verify step (its
 requests together).
+
+`--gaps`: the engines launch ahead as on a GPU (`launch_ahead=True`), greedy with speculation
+on repetitive text, and the host's time is taken where a GPU would wait for it around a verify
+pass: "before verify", from the read of a decode pass's tokens to the launch of the verify pass
+after it (that step's commit, the proposer's trees, the verify pass's plan); "after verify",
+from the verify walk's read of the pass's tokens to the next pass's launch (the walk, the
+commit, the next step's proposer and plan). A decode pass launched ahead leaves no such gap.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 import statistics
 import subprocess
@@ -51,6 +61,7 @@ REGIMES = {
     "speculative, greedy": dict(speculative=True, sampled=False, repetitive=True),
 }
 STEP_KINDS = ("decode", "verify")
+GAP_KINDS = ("before verify", "after verify")
 PERIOD = 12  # tokens in the pattern a repetitive prompt repeats
 FAVOUR = 4.0  # added to the logit of the pattern's next token: it wins most rows, not all
 
@@ -105,6 +116,79 @@ class StubbedModel:
         model.forward, model.logits = forward, logits
 
 
+class GapClock:
+    """Times the host's gaps around verify passes in one engine (`--gaps`): hooks on its
+    passes' launches and reads, and on its speculator's greedy read of a verify pass. A gap
+    that spans two steps counts the time inside them only (`pause`, `resume`: the other
+    engine steps in between). The engine being stepped sets `GapClock.current` (a package's
+    speculator module is shared by the engines of that package)."""
+
+    current: GapClock | None = None
+    _hooked: set[str] = set()
+
+    def __init__(self, engine, package: str) -> None:
+        self.read: tuple[str, float] | None = None  # the last pass read: its kind, when
+        self.carried = 0.0  # a gap's time in earlier steps
+        self.gaps: list[tuple[str, float]] = []
+        passes = engine.passes
+        for method, kind in (("launch", "decode"), ("forward", "verify")):
+            setattr(passes, method, self._on_launch(getattr(passes, method), kind))
+        tokens = passes.tokens
+
+        def read_tokens(*args, **kwargs):
+            out = tokens(*args, **kwargs)
+            GapClock._note_read("decode")
+            return out
+
+        passes.tokens = read_tokens
+        if package not in GapClock._hooked:
+            speculator = importlib.import_module(f"{package}.shell.speculator")
+            greedy = speculator.greedy_tokens
+
+            def read_verify(*args, **kwargs):
+                out = greedy(*args, **kwargs)
+                GapClock._note_read("verify")
+                return out
+
+            speculator.greedy_tokens = read_verify
+            GapClock._hooked.add(package)
+
+    @staticmethod
+    def _note_read(kind: str) -> None:
+        if GapClock.current is not None:
+            GapClock.current.read = (kind, time.perf_counter())
+
+    def _on_launch(self, launch, kind: str):
+        def launched(*args, **kwargs):
+            if self.read is not None:  # the first launch since a read
+                read_kind, at = self.read
+                seconds = self.carried + time.perf_counter() - at
+                if read_kind == "verify":
+                    self.gaps.append(("after verify", seconds))
+                elif kind == "verify":
+                    self.gaps.append(("before verify", seconds))
+                self.read, self.carried = None, 0.0
+            return launch(*args, **kwargs)
+
+        return launched
+
+    def pause(self) -> None:
+        """The engine's step ended: a gap open now goes on at its next step."""
+        if self.read is not None:
+            kind, at = self.read
+            self.carried += time.perf_counter() - at
+            self.read = (kind, math.inf)
+
+    def resume(self) -> None:
+        if self.read is not None:
+            self.read = (self.read[0], time.perf_counter())
+
+    def take(self) -> list[tuple[str, float]]:
+        """The gaps timed since the last call."""
+        gaps, self.gaps = self.gaps, []
+        return gaps
+
+
 def modelled_pass_times(cost) -> None:
     """Have `cost` (a PassCost) fit a GPU's pass times (1.4 ms a pass, 0.02 ms a row, 2 ms
     more a verify pass) instead of the stubbed passes' measured ones: the fit still runs
@@ -140,9 +224,13 @@ def run_regime(
     tokens: int,
     rounds: int,
     speculative: dict | None = None,
+    gaps: bool = False,
 ) -> dict:
-    """`speculative`: engine name -> whether it speculates, where not as `regime` says."""
+    """`speculative`: engine name -> whether it speculates, where not as `regime` says;
+    `gaps`: launch ahead, and time the gaps around verify passes (`GapClock`) instead of
+    whole steps."""
     speculative = speculative or {}
+    kinds = GAP_KINDS if gaps else STEP_KINDS
     engines, stubs, params = {}, {}, {}
     for name, package in packages.items():
         engine_module = importlib.import_module(f"{package}.shell.engine")
@@ -152,6 +240,7 @@ def run_regime(
             device="cpu",
             max_running_requests=8,
             speculative=speculative.get(name, regime["speculative"]),
+            **(dict(launch_ahead=True) if gaps else {}),
         )
         sampled = dict(temperature=1.0, seed=1) if regime["sampled"] else {}
         params[name] = state.SamplingParams(max_tokens=tokens, ignore_eos=True, **sampled)
@@ -167,9 +256,10 @@ def run_regime(
     for engine in engines.values():
         if engine.spec is not None:
             modelled_pass_times(engine.spec.cost)
+    clocks = {name: GapClock(engine, packages[name]) for name, engine in engines.items()}
     for name, engine in engines.items():  # warm-up
         engine.generate(prompts, params[name])
-    medians: dict = {name: {kind: [] for kind in STEP_KINDS} for name in engines}
+    medians: dict = {name: {kind: [] for kind in kinds} for name in engines}
     outputs: dict = {}
     accepted: dict = {name: [] for name in engines}  # per round: accepted drafts, verify steps
     for round_ in range(rounds):
@@ -177,7 +267,8 @@ def run_regime(
             name: [engine.inbox.add(ids, params[name], None, None) for ids in prompts]
             for name, engine in engines.items()
         }
-        times: dict = {name: {kind: [] for kind in STEP_KINDS} for name in engines}
+        times: dict = {name: {kind: [] for kind in kinds} for name in engines}
+        verify_steps = dict.fromkeys(engines, 0)
         accepted_before = {name: accepted_total(engine) for name, engine in engines.items()}
         order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
         while not all(r.done for name in engines for r in requests[name]):
@@ -186,19 +277,26 @@ def run_regime(
                 if all(r.done for r in requests[name]):
                     continue
                 stub.seconds = 0.0
+                GapClock.current = clocks[name]
+                clocks[name].resume()
                 started = time.perf_counter()
                 engine.step()
                 elapsed = time.perf_counter() - started
+                clocks[name].pause()
                 kind = engine.step_times[-1][0]
-                if kind in STEP_KINDS:
+                verify_steps[name] += kind == "verify"
+                if gaps:
+                    for gap_kind, seconds in clocks[name].take():
+                        times[name][gap_kind].append(seconds)
+                elif kind in STEP_KINDS:
                     times[name][kind].append(elapsed - stub.seconds)
         for name, engine in engines.items():
-            for kind in STEP_KINDS:
+            for kind in kinds:
                 if times[name][kind]:
                     medians[name][kind].append(statistics.median(times[name][kind]) * 1e6)
             outputs[name] = [r.output_ids for r in requests[name]]
             drafts = accepted_total(engine) - accepted_before[name]
-            accepted[name].append((drafts, len(times[name]["verify"])))
+            accepted[name].append((drafts, verify_steps[name]))
     same_accepted = len({str(a) for a in accepted.values()}) == 1
     drafts, verifies = (sum(column) for column in zip(*accepted[next(iter(engines))], strict=True))
     return dict(
@@ -225,6 +323,11 @@ def main() -> None:
         help="instead: this tree's engine with speculation against without it, greedy on "
         "free text (chat: most speculative steps draft nothing), stepped in lockstep",
     )
+    parser.add_argument(
+        "--gaps",
+        action="store_true",
+        help="instead: launching ahead, the host's time the device waits around a verify pass",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.spec_against_plain:
@@ -235,15 +338,21 @@ def main() -> None:
         if args.baseline:
             packages = {args.baseline: baseline_package(args.baseline, Path(scratch))} | packages
         names = list(packages)
-        print(f"host time a step (us, median per round; {args.rounds} rounds)")
+        timed = "a gap, launching ahead" if args.gaps else "a step"
+        print(f"host time {timed} (us, median per round; {args.rounds} rounds)")
         header = " | ".join(f"{name} (us)" for name in names)
         ratio = f" | {names[1]} / {names[0]} |" if len(names) == 2 else " |"
         print(f"\n| batch | regime | step | {header}{ratio} same tokens | accepted / verify |")
         print("|---|---|---|" + "---|" * (len(names) + (len(names) == 2) + 2))
         for batch in (int(b) for b in args.batches.split(",")):
-            for regime_name, regime in REGIMES.items():
-                result = run_regime(packages, batch, regime, args.tokens, args.rounds)
-                for kind in STEP_KINDS:
+            regimes = (
+                {"speculative, greedy": REGIMES["speculative, greedy"]} if args.gaps else REGIMES
+            )
+            for regime_name, regime in regimes.items():
+                result = run_regime(
+                    packages, batch, regime, args.tokens, args.rounds, gaps=args.gaps
+                )
+                for kind in GAP_KINDS if args.gaps else STEP_KINDS:
                     print_row(batch, regime_name, kind, names, result)
 
 
