@@ -88,6 +88,9 @@ class PlanAhead:
         planned = self.prepared.batch.running
         if state.same_layout(planned, running):  # most steps: checked first, cheaply
             return
+        if self.prepared.launched is None:  # only a launched pass is cut (`_narrow`)
+            self.drop()  # (a plan after a verify pass in which a draft was accepted)
+            return
         keep = self.machine.kept_rows(planned, running)
         if keep is None or not keep.size or not self._narrow(keep):
             self.drop()
