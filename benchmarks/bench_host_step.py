@@ -29,9 +29,9 @@ requests together).
 
 `--gaps`: the engines launch ahead as on a GPU (`launch_ahead=True`), greedy with speculation
 on repetitive text, and the host's time is taken where a GPU would wait for it around a verify
-pass: "before verify", from the read of a decode pass's tokens to the launch of the verify pass
-after it (that step's commit, the proposer's trees, the verify pass's plan); "after verify",
-from the verify walk's read of the pass's tokens to the next pass's launch (the walk, the
+pass: "before verify", from the read of a decode pass's tokens to the verify pass's forward
+call (that step's commit, the proposer's trees, the verify pass's plan); "after verify", from
+the verify walk's read of the pass's tokens to the next pass's forward call (the walk, the
 commit, the next step's proposer and plan). A decode pass launched ahead leaves no such gap.
 """
 
@@ -93,6 +93,8 @@ class StubbedModel:
         self.seconds, self.calls = 0.0, 0
 
         def forward(input_ids, *rest):
+            if GapClock.current is not None:
+                GapClock.current.device_work()
             started = time.perf_counter()
             if following is None:
                 out = torch.zeros(input_ids.shape[0], 1)
@@ -117,11 +119,13 @@ class StubbedModel:
 
 
 class GapClock:
-    """Times the host's gaps around verify passes in one engine (`--gaps`): hooks on its
-    passes' launches and reads, and on its speculator's greedy read of a verify pass. A gap
-    that spans two steps counts the time inside them only (`pause`, `resume`: the other
-    engine steps in between). The engine being stepped sets `GapClock.current` (a package's
-    speculator module is shared by the engines of that package)."""
+    """Times the host's gaps around verify passes in one engine (`--gaps`): from a pass's
+    read (hooks on its passes' reads and on its speculator's greedy read of a verify pass)
+    to the model's next forward call (`StubbedModel`), where a GPU's work would start; its
+    passes' forward calls say which kind of pass that is. A gap that spans two steps counts the
+    time inside them only (`pause`, `resume`: the other engine steps in between). The
+    engine being stepped sets `GapClock.current` (a package's speculator module is shared
+    by the engines of that package)."""
 
     current: GapClock | None = None
     _hooked: set[str] = set()
@@ -129,10 +133,10 @@ class GapClock:
     def __init__(self, engine, package: str) -> None:
         self.read: tuple[str, float] | None = None  # the last pass read: its kind, when
         self.carried = 0.0  # a gap's time in earlier steps
+        self.launching = "decode"  # the kind of pass launched last
         self.gaps: list[tuple[str, float]] = []
         passes = engine.passes
-        for method, kind in (("launch", "decode"), ("forward", "verify")):
-            setattr(passes, method, self._on_launch(getattr(passes, method), kind))
+        passes.forward = self._on_forward(passes.forward)  # `Passes.launch` calls it too
         tokens = passes.tokens
 
         def read_tokens(*args, **kwargs):
@@ -158,19 +162,23 @@ class GapClock:
         if GapClock.current is not None:
             GapClock.current.read = (kind, time.perf_counter())
 
-    def _on_launch(self, launch, kind: str):
-        def launched(*args, **kwargs):
-            if self.read is not None:  # the first launch since a read
-                read_kind, at = self.read
-                seconds = self.carried + time.perf_counter() - at
-                if read_kind == "verify":
-                    self.gaps.append(("after verify", seconds))
-                elif kind == "verify":
-                    self.gaps.append(("before verify", seconds))
-                self.read, self.carried = None, 0.0
-            return launch(*args, **kwargs)
+    def _on_forward(self, forward):
+        def launched(batch, *args, **kwargs):
+            self.launching = "decode" if batch.trees is None else "verify"
+            return forward(batch, *args, **kwargs)
 
         return launched
+
+    def device_work(self) -> None:
+        """The model's forward was called: the first since a read ends a gap."""
+        if self.read is not None:
+            read_kind, at = self.read
+            seconds = self.carried + time.perf_counter() - at
+            if read_kind == "verify":
+                self.gaps.append(("after verify", seconds))
+            elif self.launching == "verify":
+                self.gaps.append(("before verify", seconds))
+            self.read, self.carried = None, 0.0
 
     def pause(self) -> None:
         """The engine's step ended: a gap open now goes on at its next step."""
