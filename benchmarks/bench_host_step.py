@@ -29,10 +29,11 @@ requests together).
 
 `--gaps`: the engines launch ahead as on a GPU (`launch_ahead=True`), greedy with speculation
 on repetitive text, and the host's time is taken where a GPU would wait for it around a verify
-pass: "before verify", from the read of a decode pass's tokens to the verify pass's forward
-call (that step's commit, the proposer's trees, the verify pass's plan); "after verify", from
-the verify walk's read of the pass's tokens to the next pass's forward call (the walk, the
-commit, the next step's proposer and plan). A decode pass launched ahead leaves no such gap.
+pass: "decode, then verify", from the read of a decode pass's tokens to the verify pass's
+forward call (that step's commit, the proposer's trees, the verify pass's plan); "verify, then
+decode" and "verify, then verify", from the verify walk's read of the pass's tokens to the
+next pass's forward call (the walk, the commit, the next pass's plan, and before a verify
+pass the proposer's trees). A decode pass launched ahead leaves no such gap.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ REGIMES = {
     "speculative, greedy": dict(speculative=True, sampled=False, repetitive=True),
 }
 STEP_KINDS = ("decode", "verify")
-GAP_KINDS = ("before verify", "after verify")
+GAP_KINDS = ("decode, then verify", "verify, then decode", "verify, then verify")
 PERIOD = 12  # tokens in the pattern a repetitive prompt repeats
 FAVOUR = 4.0  # added to the logit of the pattern's next token: it wins most rows, not all
 
@@ -174,10 +175,8 @@ class GapClock:
         if self.read is not None:
             read_kind, at = self.read
             seconds = self.carried + time.perf_counter() - at
-            if read_kind == "verify":
-                self.gaps.append(("after verify", seconds))
-            elif self.launching == "verify":
-                self.gaps.append(("before verify", seconds))
+            if read_kind == "verify" or self.launching == "verify":
+                self.gaps.append((f"{read_kind}, then {self.launching}", seconds))
             self.read, self.carried = None, 0.0
 
     def pause(self) -> None:
