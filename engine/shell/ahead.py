@@ -12,8 +12,10 @@ a length limit, an abort), a launched pass is cut to the others (`state.narrow`)
 those that left is discarded and their slots go back, once the device has queued the pass
 (the slots' next writers queue behind it). Any other change drops a launched pass too (its
 device work still runs, to slots given back). A verify pass `batch` is planned from the same
-way, for the outcome in which no draft is accepted (its early writes are its roots'). Nothing
-here decides *whether* to plan or launch: that is the engine's policy.
+way, for the outcome in which no draft is accepted (its early writes are its roots');
+`plan_committed(running)` plans the decode pass of a Running already committed (after a
+verify pass whose outcome the plan missed). Nothing here decides *whether* to plan or launch:
+that is the engine's policy.
 """
 
 from __future__ import annotations
@@ -63,13 +65,27 @@ class PlanAhead:
         if self.book.num_available < len(following):
             return False
         self.book.apply(self.machine.decode_writes(batch))
-        nxt = self.machine.schedule_decode(following, self.book.alloc(len(following)))
+        self._prepare(following)
+        return True
+
+    def plan_committed(self, running: Running) -> bool:
+        """Plan the decode pass of `running` as committed (no pass running before it: its
+        table is written). False where the pool has no room (nothing done)."""
+        if self.prepared is not None:
+            raise ValueError("plan_committed() needs no plan held")
+        if self.book.num_available < len(running):
+            return False
+        self._prepare(running)
+        return True
+
+    def _prepare(self, running: Running) -> None:
+        """Hand out the slots of `running`'s decode pass and have the runner plan it."""
+        nxt = self.machine.schedule_decode(running, self.book.alloc(len(running)))
         try:
             self.prepared = self.runner.prepare(nxt)
         except BaseException:
             self.book.apply(self.machine.abandon(nxt))
             raise
-        return True
 
     def launch(self, launcher: Callable[[Prepared], Any]) -> None:
         """Launch the plan now: `launcher(prepared)` returns what the launch gives (the

@@ -480,6 +480,7 @@ class Engine:
             )
             self._commit_pass(open_pass, result)
         self.spec.observe(trees.sizes.total, started, verify=True)  # propose to commit
+        self._launch_after_verify()
         return "verify"
 
     def _decode_step(self, during: Any = None, launch_next: bool = True) -> str:
@@ -547,14 +548,48 @@ class Engine:
         (every outcome makes them) first. The step after a verify pass whose drafts all
         failed (chat's most common verify step) is then a decode pass that launches at once
         rather than planning first; any other outcome drops the plan (`PlanAhead.fit`: the
-        committed lengths differ). The plan is not launched: its input ids are the walk's
-        bonus tokens. Not planned where the next step changes the batch anyway."""
+        committed lengths differ). Where the next step surely decodes it is launched once the
+        verify pass is committed (`_launch_after_verify`), its input ids the walk's bonus
+        tokens. Not planned where the next step changes the batch anyway."""
         if not (self.launch_ahead and self.config.plan_ahead and self.inbox.empty):
             return
         if self._admissible():
             return
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
+
+    def _launch_after_verify(self) -> None:
+        """Where the device runs apart from the host (`launch_ahead`), launch the decode pass
+        after a verify pass as soon as the verify pass is committed, where the next step
+        surely runs that pass: no request will draft (`Speculator.will_draft`: the histories
+        are complete now), nothing waits to be admitted. The next step takes it as a pass
+        launched ahead (`_decode_step`) rather than planning and launching it while the
+        device waits; requests that leave before then are cut from it (`PlanAhead.fit`). The
+        plan made during the verify pass serves where no draft was accepted; otherwise the
+        pass is planned here. Where the pool has no room for it, the next step reserves as
+        usual. A failure here fails the running requests, as their pass's would."""
+        running = self.running
+        if not (self.launch_ahead and self.config.plan_ahead and self.inbox.empty):
+            return
+        assert self.spec is not None
+        if not len(running) or self._admissible() or self.spec.will_draft(running):
+            return
+        ahead = self.ahead
+        ahead.fit(running)
+        try:
+            if ahead.prepared is None and not ahead.plan_committed(running):
+                return
+            # the committed tokens: a plan made during the verify pass holds older ones
+            ahead.launch(
+                lambda p: self.passes.launch(
+                    self.machine.schedule_decode(running, p.batch.out_slots), p
+                )
+            )
+        except BaseException as error:
+            ahead.drop()
+            if isinstance(error, Exception):
+                raise PassFailed(running.rids, error) from error
+            raise
 
     def _write_early(self, open_pass: OpenPass) -> None:
         """Apply the pass's table writes now, while the device runs it, rather than at its

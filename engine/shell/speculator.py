@@ -91,16 +91,26 @@ class Speculator:
         request drafts (most steps of free text): no trees are built then, and where every
         budget is 0 (requests that gain nothing from drafting) or no request's last tokens
         occurred before (`NgramProposer.may_draft`) the proposer is not asked for trees."""
-        budget, may_draft = self.stats.budget, self.proposer.may_draft
         rids = running.rids.tolist()
-        adaptive = [budget(u) for u in rids]
-        if not any(b and may_draft(u) for u, b in zip(rids, adaptive, strict=True)):
+        adaptive = [self.stats.budget(u) for u in rids]
+        if not self._drafting(rids, adaptive):
             return None  # no budget, or no request's last tokens occurred before
         return self.proposer.draft_batch(
             rids,
             self.budgets(running, adaptive).tolist(),
             total_drafts=max(free_slots - len(running), 0),
         )
+
+    def will_draft(self, running: Running) -> bool:
+        """Whether `propose` asks the proposer for trees at `running` (it may still draft
+        nothing); where not, the step decodes."""
+        rids = running.rids.tolist()
+        return self._drafting(rids, [self.stats.budget(u) for u in rids])
+
+    def _drafting(self, rids: list[int], adaptive: list[int]) -> bool:
+        """Some request has a budget and last tokens that occurred before."""
+        may_draft = self.proposer.may_draft
+        return any(b and may_draft(u) for u, b in zip(rids, adaptive, strict=True))
 
     def verify(
         self, batch: state.Batch, params: list, logits: torch.Tensor | np.ndarray

@@ -239,6 +239,7 @@ def test_a_verify_pass_plans_the_decode_pass_after_it():
             real(open_pass)
             planned.append(engine.ahead.prepared is not None)
             if planned[-1]:  # the roots' slots are in the table already; nothing else is
+                batches.append(engine.ahead.prepared.batch)
                 batch = open_pass.batch
                 table = engine.book.table.host[batch.running.rows]
                 kv = batch.running.kv_lens.lens
@@ -246,11 +247,18 @@ def test_a_verify_pass_plans_the_decode_pass_after_it():
                 assert (table[np.arange(len(kv)), kv] == roots).all()
                 assert not table[np.arange(len(kv)), kv + 1].any()
 
-        engine._plan_after_verify = recording_plan
+        batches, take = [], engine.ahead.take
+
+        def recording_take(running, take=take):
+            prepared = take(running)
+            if prepared is not None and any(prepared.batch is b for b in batches):
+                used.append(prepared)
+            return prepared
+
+        engine._plan_after_verify, engine.ahead.take = recording_plan, recording_take
         assert _run(engine, prompts, params) == reference
         assert any(planned), "no verify pass planned the pass after it"
-        used = engine.stats["plans_ahead_used"] - without.stats["plans_ahead_used"]
-        assert used > 0, "no plan made during a verify pass was used"
+        assert used, "no plan made during a verify pass was used"
         modes = [mode for mode, _ in engine.step_times]
         assert modes == [mode for mode, _ in without.step_times] and "verify" in modes
         if pool == 40:
@@ -298,6 +306,101 @@ def test_a_verify_walk_that_fails_after_its_plan_loses_no_slot():
     while engine.has_work:
         engine.step()
     assert served.finish_reason.openai == "length" and len(served.output_ids) == 48
+
+
+def _spec_params() -> list[SamplingParams]:
+    """Greedy with a stop token and staggered lengths, a seeded sampler with penalties, and
+    logprobs beside a bias."""
+    return [
+        SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(9,)),
+        SamplingParams(max_tokens=20, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=5, repetition_penalty=1.3),
+        SamplingParams(max_tokens=18, ignore_eos=True, logprobs=2, logit_bias={7: 1.5}),
+    ]
+
+
+def _drafting_a_while() -> list[list[int]]:
+    """Prompts whose last tokens occurred before, in some repeating a pattern: requests draft
+    at first, and some stop drafting once their text diverges."""
+    return [[5, 6, 7, 8, 9] * 3 + [100, 101], [40, 41, 42] * 4 + [77]] + [
+        q + q[:2] for q in _prompts(3)[1:]
+    ]
+
+
+def test_the_decode_pass_after_a_verify_pass_is_launched_once_it_commits():
+    """Where no request will draft at the next step, the decode pass after a verify pass is
+    launched as soon as the verify pass commits (`_launch_after_verify`), its input ids the
+    committed tokens (also from the plan made during the verify pass, which holds older
+    ones), and the next step takes it. Outputs, logprobs and a seeded sampler's draws, and
+    the steps, are those of the engine that launches that pass at the next step; under
+    retraction too."""
+    prompts = _drafting_a_while()
+    for pool in (256, 40):
+        without = _tiny("torch", speculative=True, launch_ahead=True, kv_cache_slots=pool)
+        without._launch_after_verify = lambda: None
+        reference = _run_checking_rows(without, prompts, _spec_params())
+        engine = _tiny("torch", speculative=True, launch_ahead=True, kv_cache_slots=pool)
+        real, launched, taken = engine._launch_after_verify, [], []
+
+        def recording(real=real, engine=engine):
+            real()
+            if engine.ahead.launched:
+                launched.append(len(engine.step_times))
+
+        take = engine.ahead.take
+
+        def recording_take(running, take=take, engine=engine):
+            if launched and launched[-1] == len(engine.step_times) - 1:
+                taken.append(engine.ahead.launched)
+            return take(running)
+
+        engine._launch_after_verify, engine.ahead.take = recording, recording_take
+        got = _run_checking_rows(engine, prompts, _spec_params())
+        assert [(r.output_ids, r.finish_reason) for r in got] == [
+            (r.output_ids, r.finish_reason) for r in reference
+        ]
+        for have, want in zip(got[3].logprobs, reference[3].logprobs, strict=True):
+            assert have.token_id == want.token_id
+            assert have.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert launched, "no decode pass was launched after a verify pass"
+        assert taken and all(taken), "a pass launched after a verify pass was not taken"
+        modes = [mode for mode, _ in engine.step_times]
+        assert modes == [mode for mode, _ in without.step_times]
+        assert all(modes[step : step + 2] == ["verify", "decode"] for step in launched)
+        if pool == 40:
+            assert engine.stats["retractions"] > 0, "the pool was meant to retract"
+
+
+def test_a_launch_after_a_verify_pass_that_fails_loses_no_slot():
+    """The decode pass launched after a verify pass fails at its launch: the running
+    requests end with "error", the plan's slots are back, and the engine serves the next
+    request."""
+    engine = _tiny("torch", speculative=True, launch_ahead=True)
+    real, launch, failed = engine._launch_after_verify, engine.passes.launch, []
+
+    def failing_launch(*args, **kwargs):
+        if not failed:
+            failed.append(engine.ahead.num_held)
+            raise RuntimeError("injected failure")
+        return launch(*args, **kwargs)
+
+    def launch_after_verify():
+        engine.passes.launch = failing_launch
+        try:
+            real()
+        finally:
+            engine.passes.launch = launch
+
+    engine._launch_after_verify = launch_after_verify
+    prompts = _drafting_a_while()
+    requests = _run_checking_rows(engine, prompts, _spec_params())
+    assert failed and failed[0] > 0, "no pass was launched after a verify pass"
+    assert any(r.finish_reason.openai == "error" for r in requests)
+    assert all("injected failure" in r.error for r in requests if r.finish_reason.openai == "error")
+    assert engine.book.num_available == engine.book.slots.capacity
+    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
+    again = engine.generate(prompts[:1], _greedy(1))[0]
+    assert again.token_ids == _tiny("torch").generate(prompts[:1], _greedy(1))[0].token_ids
 
 
 @pytest.mark.parametrize("launch_ahead", [False, True])
