@@ -138,30 +138,23 @@ class GapClock:
         self.gaps: list[tuple[str, float]] = []
         passes = engine.passes
         passes.forward = self._on_forward(passes.forward)  # `Passes.launch` calls it too
-        tokens = passes.tokens
-
-        def read_tokens(*args, **kwargs):
-            out = tokens(*args, **kwargs)
-            GapClock._note_read("decode")
-            return out
-
-        passes.tokens = read_tokens
+        passes.tokens = GapClock._reading(passes.tokens, "decode")
         if package not in GapClock._hooked:
             speculator = importlib.import_module(f"{package}.shell.speculator")
-            greedy = speculator.greedy_tokens
-
-            def read_verify(*args, **kwargs):
-                out = greedy(*args, **kwargs)
-                GapClock._note_read("verify")
-                return out
-
-            speculator.greedy_tokens = read_verify
+            speculator.greedy_tokens = GapClock._reading(speculator.greedy_tokens, "verify")
             GapClock._hooked.add(package)
 
     @staticmethod
-    def _note_read(kind: str) -> None:
-        if GapClock.current is not None:
-            GapClock.current.read = (kind, time.perf_counter())
+    def _reading(read, kind: str):
+        """`read`, noting the time it returned at as a read of a `kind` pass's tokens."""
+
+        def noted(*args, **kwargs):
+            out = read(*args, **kwargs)
+            if GapClock.current is not None:
+                GapClock.current.read = (kind, time.perf_counter())
+            return out
+
+        return noted
 
     def _on_forward(self, forward):
         def launched(batch, *args, **kwargs):
