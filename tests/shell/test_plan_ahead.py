@@ -223,9 +223,9 @@ def test_a_verify_pass_plans_the_decode_pass_after_it():
     pass that follows it if no draft is accepted: where every request kept its root alone
     and the next step drafts nothing, that step uses the plan; otherwise it is dropped. The
     steps are the same as without these plans (so are a seeded sampler's draws): outputs
-    equal, more plans used; no slot is lost, under retraction too. (The torch backend: the
-    Triton backend plans a decode pass the same whatever pass ran before it, as
-    `test_plan_ahead_with_speculation[triton]` shows.)"""
+    equal, such plans taken by a step; no slot is lost, under retraction too. (The torch
+    backend: the Triton backend plans a decode pass the same whatever pass ran before it,
+    as `test_plan_ahead_with_speculation[triton]` shows.)"""
     backend = "torch"
     prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
     for pool, params in ((256, _params(4)), (40, [SamplingParams(max_tokens=24)] * 4)):
@@ -335,6 +335,7 @@ def test_the_decode_pass_after_a_verify_pass_is_launched_once_it_commits():
     the steps, are those of the engine that launches that pass at the next step; under
     retraction too."""
     prompts = _drafting_a_while()
+    planned = []  # per launch: from the plan made during the verify pass (else planned then)
     for pool in (256, 40):
         without = _tiny("torch", speculative=True, launch_ahead=True, kv_cache_slots=pool)
         without._launch_after_verify = lambda: None
@@ -343,9 +344,11 @@ def test_the_decode_pass_after_a_verify_pass_is_launched_once_it_commits():
         real, launched, taken = engine._launch_after_verify, [], []
 
         def recording(real=real, engine=engine):
+            during = engine.ahead.prepared  # planned during the verify pass, or None
             real()
             if engine.ahead.launched:
                 launched.append(len(engine.step_times))
+                planned.append(during is not None and engine.ahead.prepared.batch is during.batch)
 
         take = engine.ahead.take
 
@@ -369,6 +372,7 @@ def test_the_decode_pass_after_a_verify_pass_is_launched_once_it_commits():
         assert all(modes[step : step + 2] == ["verify", "decode"] for step in launched)
         if pool == 40:
             assert engine.stats["retractions"] > 0, "the pool was meant to retract"
+    assert any(planned) and not all(planned), "launched from one kind of plan only"
 
 
 def test_a_launch_after_a_verify_pass_that_fails_loses_no_slot():
