@@ -472,3 +472,35 @@ def test_extend_graphs_serve_chunks_mixed_passes_and_cached_prefixes():
     assert any(requests > 1 for _, requests, _ in seen), "no mixed pass replayed a graph"
     assert any(short for _, _, short in seen), "no chunk short of its prompt's end did"
     assert any(tokens > 16 for tokens, _, _ in seen), "no pass replayed the 32-token graph"
+
+
+def test_a_decode_pass_launched_after_a_verify_pass_replays_with_its_commits_writes(
+    monkeypatch,
+):
+    """Launching ahead with a device mirror of the table (CUDA's; forced here on CPU), the
+    decode pass launched once a verify pass commits (`Engine._launch_after_verify`) replays
+    the decode graph after the commit's table writes (the accepted paths): tokens equal the
+    eager path's and the mirror ends equal to the host table."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = _prompts(3)
+    eager = _engine(speculative=True, draft_budget=4).generate(prompts, params)
+    monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
+    engine = _engine(speculative=True, draft_budget=4, launch_ahead=True)
+    table, runner = engine.book.table, engine.runner
+    runner.graphs = graph_runners(runner.model, runner.backend, 4, 5, DEVICE == "cuda", table)
+    real, replays, launched = engine._launch_after_verify, [], []
+
+    def launch_after_verify():
+        real()
+        if engine.ahead.launched:  # replayed at its launch: the last replay
+            launched.append(len(replays))
+
+    engine._launch_after_verify = launch_after_verify
+    replays = _count_replays(engine)
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]
+    assert tokens == [o.token_ids for o in eager]
+    assert launched, "no decode pass was launched after a verify pass"
+    assert all(replays[at - 2 : at] == [Mode.VERIFY, Mode.DECODE] for at in launched)
+    assert np.array_equal(table.device.cpu().numpy(), table.host)
+    engine.check()
+    assert engine.book.num_available == engine.book.slots.capacity
