@@ -479,8 +479,10 @@ class Engine:
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
             )
             self._commit_pass(open_pass, result)
-        self.spec.observe(trees.sizes.total, started, verify=True)  # propose to commit
         self._launch_after_verify()
+        # propose to commit, and to the next pass's launch where made here (its host time,
+        # which the device waits for, was the next decode step's and charged to this one)
+        self.spec.observe(trees.sizes.total, started, verify=True)
         return "verify"
 
     def _decode_step(self, during: Any = None, launch_next: bool = True) -> str:

@@ -67,12 +67,13 @@ class PassCost:
         self._fitted = False
 
     def observe_step(self, rows: int, seconds: float, verify: bool = False) -> None:
-        """An engine step's time (propose to commit) and its pass's rows. A verify step is
-        observed with the step after it: nothing was launched ahead during the verify pass
-        (the next pass is launched after its walk, at best planned during it), so a decode
-        step after it takes longer than a decode step; that time beyond the decode the fit
-        expects is the verify step's too, and that decode is not observed as one. A verify
-        step after a verify step is observed alone."""
+        """An engine step's time (propose to commit; a verify step's up to the next pass's
+        launch where it makes that) and its pass's rows. A verify step is observed with the
+        step after it: nothing was launched ahead during the verify pass (the next pass is
+        launched after its walk, at best planned during it), so a decode step after it takes
+        longer than a decode step; that time beyond the decode the fit expects is the verify
+        step's too, and that decode is not observed as one. A verify step after a verify
+        step is observed alone."""
         verify_step, self._verify_step = self._verify_step, None
         if verify:
             if verify_step is not None:
