@@ -479,6 +479,8 @@ class Engine:
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
             )
             self._commit_pass(open_pass, result)
+        # a plan made during the pass stays only where it fits: nobody may be left to drop it
+        self.ahead.fit(self.running)
         self._launch_after_verify()
         # propose to commit, and to the next pass's launch where made here (its host time,
         # which the device waits for, was the next decode step's and charged to this one)
@@ -576,8 +578,7 @@ class Engine:
         assert self.spec is not None
         if not len(running) or self._admissible() or self.spec.will_draft(running):
             return
-        ahead = self.ahead
-        ahead.fit(running)
+        ahead = self.ahead  # its plan fits `running`, or there is none (`_verify_step`)
         try:
             if ahead.prepared is None and not ahead.plan_committed(running):
                 return

@@ -308,6 +308,26 @@ def test_a_verify_walk_that_fails_after_its_plan_loses_no_slot():
     assert served.finish_reason.openai == "length" and len(served.output_ids) == 48
 
 
+def test_the_plan_of_a_verify_pass_its_last_request_leaves_goes_back():
+    """The verify pass in which the last running request finishes planned the decode pass
+    after it: no step follows to take or drop that plan, so the verify step gives it back
+    itself; the pool is whole once the engine is idle. (Found by
+    `test_plan_ahead_changes_nothing_on_random_workloads` with more examples.)"""
+    engine = _tiny("torch", speculative=True, launch_ahead=True, kv_cache_slots=40)
+    real, held = engine._plan_after_verify, []
+
+    def recording(open_pass):
+        real(open_pass)
+        held.append(engine.ahead.num_held)
+
+    engine._plan_after_verify = recording
+    params = [SamplingParams(max_tokens=9, ignore_eos=True)]
+    ((tokens, reason),) = _run(engine, [[5, 28]], params)  # the pool whole at the end
+    assert len(tokens) == 9 and reason == FinishReason.LENGTH
+    assert engine.step_times[-1][0] == "verify" and held[-1] > 0, "no plan at the last verify"
+    assert engine.ahead.prepared is None
+
+
 def _spec_params() -> list[SamplingParams]:
     """Greedy with a stop token and staggered lengths, a seeded sampler with penalties, and
     logprobs beside a bias."""
