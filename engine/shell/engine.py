@@ -738,8 +738,11 @@ class Engine:
 
     def check(self) -> None:
         """Slot conservation and table integrity, now (raises AssertionError). The slots of
-        a pass planned ahead count as in flight. Under tensor parallelism, also every rank's
-        request-table mirror and KV pool against rank 0's."""
+        a pass planned ahead count as in flight; with no request running, no pass may be
+        planned. Under tensor parallelism, also every rank's request-table mirror and KV pool
+        against rank 0's."""
+        if not len(self.running) and self.ahead.prepared is not None:
+            raise AssertionError("a pass is planned ahead with no request running")
         self.book.check(self.running, self.ahead.held_slots, self._history())
         if isinstance(self.runner, ParallelRunner):
             self.runner.check()
