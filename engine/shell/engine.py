@@ -533,7 +533,7 @@ class Engine:
         it wait one step (`_run_decode`). Returns `launched`, with its checked rows' logits
         copied where a pass was launched ahead (it may write over them before they are
         checked: a CUDA graph's output buffer is every replay's)."""
-        if not self.config.plan_ahead or not self.inbox.empty or self._admissible():
+        if not self._batch_stays():
             return launched  # the next step changes the batch: a plan would be dropped
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
@@ -545,6 +545,12 @@ class Engine:
             self.ahead.launch(lambda p: self.passes.launch(p.batch, p, sampled.tokens, ahead=True))
         return launched
 
+    def _batch_stays(self) -> bool:
+        """Whether planning the next pass ahead may pay: it is on (`plan_ahead`), and the
+        next step keeps the batch as far as arrivals go (nothing in the inbox, nobody
+        admissible; a plan would be dropped otherwise)."""
+        return self.config.plan_ahead and self.inbox.empty and not self._admissible()
+
     def _plan_after_verify(self, open_pass: OpenPass) -> None:
         """Where the device runs apart from the host (`launch_ahead`), plan the decode pass
         after verify pass `open_pass` while the device runs it, for the outcome in which no
@@ -555,9 +561,7 @@ class Engine:
         committed lengths differ). Where the next step surely decodes it is launched once the
         verify pass is committed (`_launch_after_verify`), its input ids the walk's bonus
         tokens. Not planned where the next step changes the batch anyway."""
-        if not (self.launch_ahead and self.config.plan_ahead and self.inbox.empty):
-            return
-        if self._admissible():
+        if not (self.launch_ahead and self._batch_stays()):
             return
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
@@ -573,10 +577,10 @@ class Engine:
         pass is planned here. Where the pool has no room for it, the next step reserves as
         usual. A failure here fails the running requests, as their pass's would."""
         running = self.running
-        if not (self.launch_ahead and self.config.plan_ahead and self.inbox.empty):
+        if not (self.launch_ahead and len(running) and self._batch_stays()):
             return
         assert self.spec is not None
-        if not len(running) or self._admissible() or self.spec.will_draft(running):
+        if self.spec.will_draft(running):
             return
         ahead = self.ahead  # its plan fits `running`, or there is none (`_verify_step`)
         try:

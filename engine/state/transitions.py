@@ -231,11 +231,10 @@ def assume_decoded(batch: Batch) -> Running:
     one runs. The engine uses that plan only if the committed Running has the same requests,
     rows and lengths (`same_layout`): after a verify pass, only where every request kept its
     root alone."""
+    run = batch.running
     if batch.mode == Mode.VERIFY:  # each request one token further: its root's
-        run = batch.running
         kv_lens, token_lens = run.kv_lens.grow(1), run.token_lens.grow(1)
     elif batch.mode in (Mode.DECODE, Mode.IDLE):
-        run = batch.running
         kv_lens, token_lens = batch.seq_lens, run.token_lens + batch.new_lens
     else:
         raise ValueError(

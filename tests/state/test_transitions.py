@@ -219,7 +219,7 @@ def test_abandoning_a_pass_that_wrote_early_empties_those_entries(case):
         check_trusted(effects)
 
 
-def test_planning_ahead_is_for_decode_passes_only():
+def test_planning_ahead_refuses_an_extend_pass():
     run = running_of([1], [0], [0], [3], [3], [2], [Rule(5, 0, -1, ())], MAX_CONTEXT)
     batch = state.schedule_extend(run, [3], [1, 2, 2], fresh_slots(3))
     with pytest.raises(ValueError, match="for decode and verify passes"):
