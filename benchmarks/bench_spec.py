@@ -15,6 +15,7 @@ Run: .venv/bin/python benchmarks/bench_spec.py [--max-tokens 128] [--long-max-to
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 from pathlib import Path
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     # the layout A/B is about dense weights: it loads them dequantized (no block kernel)
     blocks = not args.row_major_weights
-    on = {"device": args.device, "dtype": args.dtype}
+    on = {"device": args.device, "dtype": args.dtype, **dict(args.engine_option)}
     plain, spec = Ours(False, blocks, **on), Ours(True, blocks, **on)
     # A/B of adaptive drafting: budgets judged on acceptance alone (drafts counted free)
     acceptance_only = Ours(True, blocks, draft_cost=0.0, **on)
@@ -399,7 +400,27 @@ def main() -> None:
         help="then profile the speculative engine's host code over one "
         "workload (the first --only, else copy-heavy)",
     )
+    parser.add_argument(
+        "--engine-option",
+        type=engine_option,
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="an engine setting every engine here takes (an EngineConfig field, its value "
+        "as JSON: e.g. cuda_graph_max_tokens=1024); repeatable",
+    )
     run(parser.parse_args())
+
+
+def engine_option(text: str) -> tuple[str, object]:
+    """`FIELD=VALUE` -> (field, value), the value read as JSON (a bare word as a string)."""
+    field, sep, value = text.partition("=")
+    if not sep or not field:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=VALUE")
+    try:
+        return field, json.loads(value)
+    except json.JSONDecodeError:
+        return field, value
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ class Ours:
         device: str = "cpu",
         dtype: str = "float32",
         spec_overrides: dict | None = None,
+        **options: object,
     ) -> None:
         """`spec_overrides`: `SpecConfig` fields the adaptive drafting (`SpecStats`) takes
-        in place of the engine's (an A/B of the drafting policy)."""
+        in place of the engine's (an A/B of the drafting policy); `options`: more engine
+        settings (`EngineConfig` fields)."""
         # on a GPU each engine would size its KV pool from the free memory: three would not fit
         slots = None if device == "cpu" else 16384
         self.engine = Engine(
@@ -39,6 +41,7 @@ class Ours:
             block_weights=block_weights,
             draft_cost=draft_cost,
             kv_cache_slots=slots,
+            **options,
         )
         self.accepted: list[int] = []
         self.boundaries: list[int] = []  # len(accepted) after each request

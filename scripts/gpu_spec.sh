@@ -53,13 +53,19 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$STORE${PYTHONPATH:+:$PYTHONPATH}
 source scripts/gpu_env.sh
 echo "$gpu_env_status"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+# FP32_ARGS: more arguments of the first run (e.g. --only copy-heavy --engine-option ...)
+# shellcheck disable=SC2086
 timeout "${FP32_TIMEOUT:-330}" python3 benchmarks/bench_spec.py --device cuda --dtype float32 \
-    >"$OUT_DIR/spec_fp32.log" 2>&1
+    ${FP32_ARGS:-} >"$OUT_DIR/spec_fp32.log" 2>&1
 rc32=$?
 echo "float32: rc=$rc32"
 # the second run: bf16 on the copy-heavy workloads, or, with PROFILE=WORKLOAD, that workload
 # profiled (one call may run 600 s: not both)
-if [ -n "${PROFILE:-}" ]; then  # where the speculative engine's host time goes
+# or, with SECOND_ARGS, a float32 run with those arguments (an A/B of an engine setting)
+if [ -n "${SECOND_ARGS:-}" ]; then
+    read -r -a extra <<<"$SECOND_ARGS"
+    second=(spec_second --dtype float32 "${extra[@]}")
+elif [ -n "${PROFILE:-}" ]; then  # where the speculative engine's host time goes
     second=(spec_profile --only "$PROFILE" --profile)
 else
     second=(spec_bf16 --dtype bfloat16 --only copy-heavy --only "copy-heavy, long")
