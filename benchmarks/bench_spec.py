@@ -166,6 +166,12 @@ def run(args: argparse.Namespace) -> None:
     }
     if endless is not None:
         systems["spec, no run limit"] = endless
+    # A/B of engine settings with speculation, in the same turns (`--spec-variant`)
+    variants = {
+        f"spec, {field}={json.dumps(value)}": Ours(True, blocks, **{**on, field: value})
+        for field, value in args.spec_variant
+    }
+    systems.update(variants)
     if (
         args.device == "cpu"
         and blocks
@@ -184,7 +190,7 @@ def run(args: argparse.Namespace) -> None:
         if args.only and name not in args.only:
             continue
         prompts = [tokenizer.apply_chat_template(chat) for chat in chats]
-        for system in (plain, spec, acceptance_only, endless):
+        for system in (plain, spec, acceptance_only, endless, *variants.values()):
             if system is not None:
                 system.clear()
         results = timed(systems, prompts, max_tokens)
@@ -192,7 +198,7 @@ def run(args: argparse.Namespace) -> None:
         outputs = results["ours"][1]
         same = all(
             results[key][1] == outputs
-            for key in ("ours+spec", "spec, acceptance only", "spec, no run limit")
+            for key in ("ours+spec", "spec, acceptance only", "spec, no run limit", *variants)
             if key in results
         )
         rate = rates(results, plain, spec)
@@ -214,6 +220,15 @@ def run(args: argparse.Namespace) -> None:
                 f"{rate['spec, no run limit'] / rate['ours']:.2f}x no-spec, "
                 f"{rate['ours+spec'] / rate['spec, no run limit']:.2f}x of it with them; "
                 f"steps {step_profile(endless)}",
+                flush=True,
+            )
+        for key, variant in variants.items():
+            decode_phase = sum(len(o) - 1 for o in results[key][1]) / sum(variant.decode_seconds)
+            print(
+                f"[{name}] {key}: {rate[key] / rate['ours']:.2f}x no-spec end to end, "
+                f"{decode_phase / rate['ours, decode phase']:.2f}x in the decode phase; "
+                f"ours+spec {rate['ours+spec'] / rate[key]:.2f}x of it; "
+                f"steps {step_profile(variant)}",
                 flush=True,
             )
         ceiling = replay(prompts, outputs)
@@ -408,6 +423,15 @@ def main() -> None:
         metavar="FIELD=VALUE",
         help="an engine setting every engine here takes (an EngineConfig field, its value "
         "as JSON: e.g. cuda_graph_max_tokens=1024); repeatable",
+    )
+    parser.add_argument(
+        "--spec-variant",
+        type=engine_option,
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="also time the speculative engine with this engine setting, in the same turns "
+        "(e.g. verify_ahead=false); repeatable, one engine each",
     )
     run(parser.parse_args())
 

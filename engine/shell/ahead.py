@@ -26,11 +26,50 @@ from typing import Any
 
 import attrs
 import numpy as np
+import torch
 
 from engine import state
+from engine.backends.base import upload
 from engine.shell.kv import KVBook
 from engine.shell.runner import ModelRunner, Prepared
-from engine.state import Running
+from engine.spec.tree import prune, with_roots
+from engine.state import DraftTrees, Mode, Running
+
+
+@attrs.frozen(eq=False)
+class VerifyLaunched:
+    """A verify pass launched ahead (`PlanAhead.plan_verify`): its logits (on the device, one
+    row per node) and each tree's guess for its root (-1: a root alone), the token its drafts
+    were proposed after. It is never cut to fewer requests (`select`): where some leave
+    before it is taken, it is dropped."""
+
+    logits: torch.Tensor
+    guesses: np.ndarray
+
+    def select(self, keep: np.ndarray) -> None:
+        return None
+
+    def recorded(self, trees: DraftTrees, accepted: np.ndarray) -> DraftTrees:
+        """`trees` (their roots known now) as speculation's statistics count them: a tree
+        whose root is not its guess, and that had nothing accepted, drafted nothing (its
+        drafts were for another token)."""
+        roots = trees.tokens[trees.sizes.starts()]
+        missed = (roots != self.guesses) & (np.asarray(accepted) == 0)
+        if not missed.any():
+            return trees
+        return prune(trees, ~missed[trees.sizes.segment_ids()])
+
+
+def root_ids(batch: state.Batch, tokens: torch.Tensor) -> torch.Tensor:
+    """A verify pass's input ids on `tokens`' device: `batch.input_ids`, each tree's root
+    replaced by its request's token in `tokens` (sampled by the pass before, still on the
+    device)."""
+    assert batch.trees is not None
+    starts = batch.trees.sizes.starts().astype(np.int64)
+    on_device = upload(tokens.device, {"ids": batch.input_ids.astype(np.int64), "at": starts})
+    ids = on_device["ids"]
+    ids.index_copy_(0, on_device["at"], tokens.to(ids.dtype))
+    return ids
 
 
 class PlanAhead:
@@ -68,6 +107,27 @@ class PlanAhead:
         self._prepare(following)
         return True
 
+    def plan_verify(self, batch: state.Batch, trees: state.DraftTrees) -> bool:
+        """Plan a verify pass of `trees` after decode pass `batch` (which is running), as
+        `plan` plans the decode pass after it; the trees' roots are the tokens `batch` will
+        sample (their tokens here stand in only). Returns whether `batch`'s early table
+        writes were applied (False: the pool had no room; nothing done)."""
+        following = self.machine.assume_decoded(batch)
+        if self.book.num_available < trees.sizes.total:
+            return False
+        self.book.apply(self.machine.decode_writes(batch))
+        trees = with_roots(trees, following.last_tokens)
+        nxt = self.machine.schedule_verify(following, trees, self.book.alloc(trees.sizes.total))
+        self._prepare_batch(nxt)
+        return True
+
+    def take_verify(self, running: Running) -> Prepared | None:
+        """The verify pass launched ahead (`plan_verify`), if one is held and fits `running`
+        as committed (`take`); None otherwise (a decode plan stays held)."""
+        if self.prepared is None or self.prepared.batch.mode != Mode.VERIFY:
+            return None
+        return self.take(running)
+
     def plan_committed(self, running: Running) -> bool:
         """Plan the decode pass of `running` as committed (no pass running before it: its
         table is written). False where the pool has no room (nothing done)."""
@@ -80,7 +140,10 @@ class PlanAhead:
 
     def _prepare(self, running: Running) -> None:
         """Hand out the slots of `running`'s decode pass and have the runner plan it."""
-        nxt = self.machine.schedule_decode(running, self.book.alloc(len(running)))
+        self._prepare_batch(self.machine.schedule_decode(running, self.book.alloc(len(running))))
+
+    def _prepare_batch(self, nxt: state.Batch) -> None:
+        """Have the runner plan `nxt` (its slots handed out); they go back if that fails."""
         try:
             self.prepared = self.runner.prepare(nxt)
         except BaseException:

@@ -172,6 +172,14 @@ class EngineConfig:
         "rank",
         _optional_bool,
     )
+    verify_ahead: bool = _field(
+        True,
+        "with speculation and launch_ahead: where drafts wait for a decode pass launched "
+        "ahead, launch the verify pass after it at once, rooted at the token that pass "
+        "samples (copied on the device), with the drafts below the best guess for that "
+        "token; a wrong guess still yields the token after it. Not for requests with a "
+        "grammar, a bias or penalties (their drafts wait a step)",
+    )
     block_weights: bool = _field(
         True,
         "cpu, float32: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in "

@@ -21,7 +21,7 @@ from engine import cpu_kernels, state
 from engine.errors import InvalidRequest
 from engine.model.sampling import greedy_tokens
 from engine.shell import scheduler
-from engine.shell.ahead import PlanAhead
+from engine.shell.ahead import PlanAhead, VerifyLaunched, root_ids
 from engine.shell.config import EngineConfig
 from engine.shell.distributed import WorkerFailed
 from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
@@ -33,12 +33,13 @@ from engine.shell.outputs import Outputs
 from engine.shell.passes import Passes
 from engine.shell.radix import Peek
 from engine.shell.request import Completion, Delta, Request
-from engine.shell.runner import ModelRunner
+from engine.shell.runner import ModelRunner, Prepared
 from engine.shell.runtime import Runtime, build_runtime
 from engine.shell.sharded import JournaledTable, ParallelRunner, start_workers
 from engine.shell.speculator import Speculator
 from engine.shell.textio import PromptInput, as_prompt_list, prompt_to_ids, to_params
 from engine.shell.trace import machine
+from engine.spec.tree import reroot, with_roots
 from engine.state import FinishReason, FinishRules, Running, SamplingParams
 
 Prompt = PromptInput
@@ -416,6 +417,9 @@ class Engine:
             return self._decode_step()
         started = time.perf_counter()
         running, spec = self.running, self.spec
+        verify_ahead = self.ahead.take_verify(running)
+        if verify_ahead is not None:  # launched at the last step, its roots now known
+            return self._verify_step(None, started, verify_ahead)
         # Drafts fit the pool's free slots (a plan's held slots count: a verify pass drops
         # the plan), handed out in batch order. A tree that did not fit would make the step
         # retract a request (or finish one alone in the pool) where a decode pass goes on.
@@ -433,23 +437,34 @@ class Engine:
         # it runs: after its launch, so a step that retracts instead records nothing. The
         # next pass is launched ahead only where nothing waits to be verified.
         mode = self._decode_step(
-            during=lambda: spec.record_idle(running.rids), launch_next=trees is None
+            during=lambda: spec.record_idle(running.rids), launch_next=trees is None, drafts=trees
         )
         if mode == "decode":
             spec.observe(len(running), started)
         return mode
 
-    def _verify_step(self, trees: state.DraftTrees, started: float) -> str:
+    def _verify_step(
+        self, trees: state.DraftTrees | None, started: float, ahead: Prepared | None = None
+    ) -> str:
+        """Verify `trees`; or, with `ahead` (a verify pass launched at the last step,
+        `_verify_ahead`), its trees with their roots now known."""
         assert self.spec is not None
-        self.ahead.drop()  # a pass planned as a decode: its slots go to the verify pass
-        if not self._reserve(lambda: trees.sizes.total):
-            return "retract"
         running = self.running
-        batch = self.machine.schedule_verify(running, trees, self.book.alloc(trees.sizes.total))
+        if ahead is None:
+            assert trees is not None
+            self.ahead.drop()  # a pass planned as a decode: its slots go to the verify pass
+            if not self._reserve(lambda: trees.sizes.total):
+                return "retract"
+            running = self.running
+            slots = self.book.alloc(trees.sizes.total)
+        else:
+            trees = with_roots(ahead.batch.trees, running.last_tokens)
+            slots = ahead.batch.out_slots
+        batch = self.machine.schedule_verify(running, trees, slots)
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()
             params = [self.requests[u].params for u in uids]
-            forward = self.passes.forward(batch)
+            forward = self.passes.forward(batch) if ahead is None else ahead.launched.logits
             # all greedy with a grammar among them: the argmax along each tree's accepted path
             # is checked against its grammar, no node masked first (`Grammars.verify_paths`)
             checked = all(p.greedy for p in params) and self.grammars.constrains(uids)
@@ -474,7 +489,10 @@ class Engine:
                 self.outputs.logprob_uids,
             )
             self.passes.logprobs = None if pending is None else pending.host()
-            self.spec.record(uids, trees, outcome.accepted_lens.lens)
+            recorded = trees
+            if ahead is not None:  # drafts that were for another token: not the proposer's
+                recorded = ahead.launched.recorded(trees, outcome.accepted_lens.lens)
+            self.spec.record(uids, recorded, outcome.accepted_lens.lens)
             result = self.machine.verify(
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
             )
@@ -487,11 +505,17 @@ class Engine:
         self.spec.observe(trees.sizes.total, started, verify=True)
         return "verify"
 
-    def _decode_step(self, during: Any = None, launch_next: bool = True) -> str:
+    def _decode_step(
+        self,
+        during: Any = None,
+        launch_next: bool = True,
+        drafts: state.DraftTrees | None = None,
+    ) -> str:
         """One decode pass; `during()`, if given, runs on the host while the device runs it
         (with the planning of the next pass), once nothing can retract the step any more.
         A pass planned during the last one may have been launched already (`launch_ahead`);
-        `launch_next` False: the next one is planned, not launched."""
+        `launch_next` False: the next one is planned, not launched, or where `drafts` (trees
+        that wait for this pass) may be, the verify pass after it launched (`_verify_ahead`)."""
         prepared = self.ahead.take(self.running)
         if prepared is not None:  # planned during the last pass: only the tokens are new
             batch = self.machine.schedule_decode(self.running, prepared.batch.out_slots)
@@ -508,14 +532,20 @@ class Engine:
                 during()
             # host work while the device runs this pass (and a pool thread fills its masks);
             # a pass with masks is sampled after it
-            launched = self._prepare_next(open_pass, launched, launch_next)
+            launched = self._prepare_next(open_pass, launched, launch_next, drafts)
             sampled = self.passes.tokens(launched)
             self._commit_pass(open_pass, self.machine.decode(batch, sampled))
         self.ahead.fit(self.running)  # requests that finished leave the plan
         return "decode"
 
     # --- planning the next decode pass while this one runs ----------------------------------
-    def _prepare_next(self, open_pass: OpenPass, launched: Launched, launch: bool) -> Launched:
+    def _prepare_next(
+        self,
+        open_pass: OpenPass,
+        launched: Launched,
+        launch: bool,
+        drafts: state.DraftTrees | None = None,
+    ) -> Launched:
         """Plan the decode pass after `open_pass`'s while it runs (`PlanAhead`), unless the
         next step will change the batch anyway; its table writes are then applied early. With
         speculation, the pass is a step where nothing was drafted; the next one is most often
@@ -535,6 +565,8 @@ class Engine:
         checked: a CUDA graph's output buffer is every replay's)."""
         if not self._batch_stays():
             return launched  # the next step changes the batch: a plan would be dropped
+        if drafts is not None and self._verify_ahead(open_pass, launched, drafts):
+            return launched
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
         sampled = launched.sampled  # None: masks to wait for
@@ -544,6 +576,45 @@ class Engine:
             # its rows sample one token further on (the seeds' step counts)
             self.ahead.launch(lambda p: self.passes.launch(p.batch, p, sampled.tokens, ahead=True))
         return launched
+
+    def _verify_ahead(
+        self, open_pass: OpenPass, launched: Launched, drafts: state.DraftTrees
+    ) -> bool:
+        """Where drafts wait for decode pass `open_pass` (launched ahead: its tokens stay on
+        the device), plan and launch the verify pass after it now: each tree's subtree under
+        its root's best child (`tree.reroot`: the drafts the next step would propose if
+        this pass samples that child), rooted at the token this pass samples, copied on the
+        device. Where the guess was wrong the pass still yields the token after that one.
+        The next step takes it (`_run_decode`), as `_decode_step` takes a decode pass
+        launched ahead; where requests come or leave first it is dropped (`PlanAhead.fit`).
+        Not where a row has a grammar (its tree is pruned after its tokens), a bias or
+        penalties (edited by the history), or where no draft is left below the guesses.
+        Returns whether it was launched (else the decode pass after this one is planned)."""
+        sampled = launched.sampled
+        uids = open_pass.batch.running.rids.tolist()
+        if (
+            not (self.config.verify_ahead and self.launch_ahead)
+            or sampled is None
+            or self.grammars.constrains(uids)
+            or not self.outputs.edited_uids.isdisjoint(uids)
+        ):
+            return False
+        trees, guesses = reroot(drafts)
+        if trees.sizes.total == len(trees.sizes):
+            return False  # roots alone: a decode pass
+        open_pass.table_written = True  # until the plan says otherwise: undone if it fails
+        open_pass.table_written = self.ahead.plan_verify(open_pass.batch, trees)
+        if not open_pass.table_written:
+            return False
+
+        def launcher(prepared: Prepared) -> VerifyLaunched:
+            batch = prepared.batch
+            ids = root_ids(batch, sampled.tokens)
+            return VerifyLaunched(self.passes.forward(batch, prepared, ids), guesses)
+
+        self.ahead.launch(launcher)
+        self.stats["verify_launched_ahead"] += 1
+        return True
 
     def _batch_stays(self) -> bool:
         """Whether planning the next pass ahead may pay: it is on (`plan_ahead`), and the

@@ -324,14 +324,9 @@ class Recorder:
         return self._finish(record, self._run(record, call))
 
     def schedule_decode(self, running: Running, slots: np.ndarray) -> Any:
-        record = self._start("schedule_decode", running=self._rids(running))
-        if self._assumed is not None and running is self._assumed[0]:
-            record["assumed"] = self._assumed[1]  # planned ahead from that step's Running
-        given = [step for batch, step in self._batches.values() if batch.out_slots is slots]
-        if given:  # the slots of a pass planned ahead, handed on
-            record["slots_of"] = given[-1]
-        else:
-            record["slots"] = ints(slots)
+        record = self._planned(
+            self._start("schedule_decode", running=self._rids(running)), running, slots
+        )
         call = lambda: state.schedule_decode(running, slots)  # noqa: E731
         return self._finish(record, self._run(record, call))
 
@@ -342,10 +337,23 @@ class Recorder:
             tree_sizes=ints(trees.sizes),
             tree_tokens=self._tokens(trees.tokens),
             tree_parents=ints(trees.parents),
-            slots=ints(slots),
         )
+        record = self._planned(record, running, slots)
         call = lambda: state.schedule_verify(running, trees, slots)  # noqa: E731
         return self._finish(record, self._run(record, call))
+
+    def _planned(self, record: dict, running: Running, slots: np.ndarray) -> dict:
+        """A decode or verify pass's record with where its Running and slots come from: a
+        Running assumed at an earlier step (planned ahead), slots handed on from a pass
+        planned ahead, or slots allocated now."""
+        if self._assumed is not None and running is self._assumed[0]:
+            record["assumed"] = self._assumed[1]  # planned ahead from that step's Running
+        given = [step for batch, step in self._batches.values() if batch.out_slots is slots]
+        if given:  # the slots of a pass planned ahead, handed on
+            record["slots_of"] = given[-1]
+        else:
+            record["slots"] = ints(slots)
+        return record
 
     def extend(self, batch: Batch, sampled: np.ndarray) -> Any:
         record = self._start("extend", batch=self._batch(batch), sampled=self._tokens(sampled))

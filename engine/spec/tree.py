@@ -125,3 +125,44 @@ def prune(trees: DraftTrees, keep: np.ndarray) -> DraftTrees:
     new_local = new_flat - new_starts[owner]
     new_parents = np.where(is_root, -1, new_local[np.maximum(parents, 0)])
     return DraftTrees(SeqLens(sizes), trees.tokens[kept], new_parents[kept].astype(INDEX_DTYPE))
+
+
+def reroot(trees: DraftTrees) -> tuple[DraftTrees, np.ndarray]:
+    """Each tree's subtree under its root's first child (the proposer's best guess for the
+    token after the root), rooted at that child, and the guessed tokens (-1 where a tree is
+    its root alone: it stays so). The drafts of the step after the root's token, if the
+    token is the guess: a verify pass can be launched with them before the token is known
+    (its root the token, as the device sampled it)."""
+    total = trees.sizes.total
+    parents = parent_flat(trees)
+    owner = trees.sizes.segment_ids()
+    starts = trees.sizes.starts()
+    # a tree's node 1, where it has one, is its root's first child (parents come first)
+    has_guess = trees.sizes.lens > 1
+    new_root = np.where(has_guess, starts + 1, starts)
+    kept = np.zeros(total, dtype=bool)
+    kept[new_root] = True
+    jump = np.where(parents < 0, np.arange(total), parents)
+    for _ in range(int(trees.depths.max(initial=0))):  # kept: a new root, or below one
+        kept = kept | kept[jump]
+        jump = jump[jump]
+    sizes = np.bincount(owner[kept], minlength=len(trees.sizes))
+    new_flat = np.cumsum(kept) - 1
+    new_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    new_local = new_flat - new_starts[owner]
+    is_new_root = np.zeros(total, dtype=bool)
+    is_new_root[new_root] = True
+    new_parents = np.where(is_new_root, -1, new_local[np.maximum(parents, 0)])
+    rerooted = DraftTrees(SeqLens(sizes), trees.tokens[kept], new_parents[kept].astype(INDEX_DTYPE))
+    guesses = np.where(has_guess, trees.tokens[new_root], -1).astype(INDEX_DTYPE)
+    return rerooted, guesses
+
+
+def with_roots(trees: DraftTrees, roots: np.ndarray) -> DraftTrees:
+    """`trees` with each root's token replaced by `roots` (one per tree)."""
+    roots = np.asarray(roots, dtype=INDEX_DTYPE).reshape(-1)
+    if roots.shape[0] != len(trees.sizes):
+        raise ValueError(f"{roots.shape[0]} root tokens for {len(trees.sizes)} trees")
+    tokens = trees.tokens.copy()
+    tokens[trees.sizes.starts()] = roots
+    return DraftTrees(trees.sizes, tokens, trees.parents)
