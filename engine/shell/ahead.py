@@ -49,12 +49,15 @@ class VerifyLaunched:
     def select(self, keep: np.ndarray) -> None:
         return None
 
+    def missed(self, trees: DraftTrees) -> np.ndarray:
+        """Per tree (its root known now): whether it drafted and its root is not its guess."""
+        return (self.guesses >= 0) & (trees.tokens[trees.sizes.starts()] != self.guesses)
+
     def recorded(self, trees: DraftTrees, accepted: np.ndarray) -> DraftTrees:
         """`trees` (their roots known now) as speculation's statistics count them: a tree
         whose root is not its guess, and that had nothing accepted, drafted nothing (its
         drafts were for another token)."""
-        roots = trees.tokens[trees.sizes.starts()]
-        missed = (roots != self.guesses) & (np.asarray(accepted) == 0)
+        missed = self.missed(trees) & (np.asarray(accepted) == 0)
         if not missed.any():
             return trees
         return prune(trees, ~missed[trees.sizes.segment_ids()])

@@ -149,7 +149,7 @@ class EngineConfig:
         _non_negative,
     )
     cuda_graph_max_tokens: int = _field(
-        0,
+        1024,
         "extend passes (prompt chunks, with a mixed pass's decodes) of up to this many tokens "
         "and cuda_graph_max_batch requests replay captured CUDA graphs too, their tokens "
         "padded up to the next captured count (16, 32, 64, 128, 256, 384, 512, 768, 1024, "
@@ -173,12 +173,13 @@ class EngineConfig:
         _optional_bool,
     )
     verify_ahead: bool = _field(
-        True,
+        False,
         "with speculation and launch_ahead: where drafts wait for a decode pass launched "
         "ahead, launch the verify pass after it at once, rooted at the token that pass "
         "samples (copied on the device), with the drafts below the best guess for that "
         "token; a wrong guess still yields the token after it. Not for requests with a "
-        "grammar, a bias or penalties (their drafts wait a step)",
+        "grammar, a bias or penalties (their drafts wait a step). Off by default: on the "
+        "H200 with the default model it ran more verify passes than it saved waits for",
     )
     block_weights: bool = _field(
         True,

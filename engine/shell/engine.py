@@ -460,6 +460,8 @@ class Engine:
         else:
             trees = with_roots(ahead.batch.trees, running.last_tokens)
             slots = ahead.batch.out_slots
+            self.stats["verify_ahead_guesses"] += int((ahead.launched.guesses >= 0).sum())
+            self.stats["verify_ahead_guesses_missed"] += int(ahead.launched.missed(trees).sum())
         batch = self.machine.schedule_verify(running, trees, slots)
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()

@@ -51,6 +51,7 @@ class EngineMachine(RuleBasedStateMachine):
         chunk=st.sampled_from([6, 64]),
         plan_ahead=st.booleans(),
         launch_ahead=st.booleans(),
+        verify_ahead=st.booleans(),
         prefix_cache=st.sampled_from([True, True, True, False]),
         mixed=st.booleans(),
         policy=st.sampled_from(["lpm", "fcfs"]),
@@ -62,6 +63,7 @@ class EngineMachine(RuleBasedStateMachine):
         chunk: int,
         plan_ahead: bool,
         launch_ahead: bool,
+        verify_ahead: bool,
         prefix_cache: bool,
         mixed: bool,
         policy: str,
@@ -81,6 +83,7 @@ class EngineMachine(RuleBasedStateMachine):
             speculative=speculative,
             plan_ahead=plan_ahead,
             launch_ahead=launch_ahead,
+            verify_ahead=verify_ahead,
             draft_budget=6,
             draft_cost=0.1,
         )

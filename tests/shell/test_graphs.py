@@ -504,3 +504,35 @@ def test_a_decode_pass_launched_after_a_verify_pass_replays_with_its_commits_wri
     assert np.array_equal(table.device.cpu().numpy(), table.host)
     engine.check()
     assert engine.book.num_available == engine.book.slots.capacity
+
+
+def test_a_verify_pass_launched_ahead_replays_after_the_decode_pass_it_follows(monkeypatch):
+    """`verify_ahead` with a device mirror of the table (CUDA's; forced here on CPU): the
+    verify pass launched while a decode pass launched ahead runs replays the verify graph
+    right after that decode replay, its roots' input ids copied from the decode pass's
+    tokens on the device (`ahead.root_ids`): tokens equal the eager path's, the mirror ends
+    equal to the host table, no slot is lost."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9] * 3, *_prompts(2)]
+    eager = _engine(speculative=True, draft_budget=4).generate(prompts, params)
+    monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
+    engine = _engine(speculative=True, draft_budget=4, launch_ahead=True, verify_ahead=True)
+    table, runner = engine.book.table, engine.runner
+    runner.graphs = graph_runners(runner.model, runner.backend, 4, 5, DEVICE == "cuda", table)
+    real, launched = engine._verify_ahead, []
+
+    def verify_ahead(*args):
+        done = real(*args)
+        if done:  # replayed at its launch: the last replay
+            launched.append(len(replays))
+        return done
+
+    engine._verify_ahead = verify_ahead
+    replays = _count_replays(engine)
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]
+    assert tokens == [o.token_ids for o in eager]
+    assert launched, "no verify pass was launched ahead"
+    assert all(replays[at - 2 : at] == [Mode.DECODE, Mode.VERIFY] for at in launched)
+    assert np.array_equal(table.device.cpu().numpy(), table.host)
+    engine.check()
+    assert engine.book.num_available == engine.book.slots.capacity

@@ -113,6 +113,7 @@ def test_a_recorded_run_replays_clean_and_faster(trace):
         dict(speculative=False, kv_cache_slots=120),
         dict(speculative=False, launch_ahead=True),
         dict(launch_ahead=True),
+        dict(launch_ahead=True, verify_ahead=True),
     ],
     ids=[
         "no-prefix-cache",
@@ -120,6 +121,7 @@ def test_a_recorded_run_replays_clean_and_faster(trace):
         "plain-decode",
         "launch-ahead",
         "spec-launch-ahead",
+        "spec-verify-ahead",
     ],
 )
 def test_other_settings_replay_clean(tmp_path, variant):
@@ -129,6 +131,10 @@ def test_other_settings_replay_clean(tmp_path, variant):
     assert replay_file(str(path)).steps == len(ops)
     if variant.get("launch_ahead"):  # requests that left were cut from a launched pass
         assert "narrow" in ops
+    if variant.get("verify_ahead"):  # verify passes planned ahead, their slots handed on
+        verifies = [r for r in records(path) if r["op"] == "schedule_verify"]
+        assert any("assumed" in r for r in verifies)
+        assert any("slots_of" in r for r in verifies)
 
 
 def test_prompts_sent_again_decode_their_first_token_and_replay_clean(tmp_path):

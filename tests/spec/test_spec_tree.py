@@ -16,7 +16,7 @@ from engine.spec import (
     prune,
     stack,
 )
-from engine.spec.tree import unstack
+from engine.spec.tree import reroot, unstack, with_roots
 from engine.state import SeqLens
 
 
@@ -145,3 +145,48 @@ def test_prune_keeps_exactly_the_nodes_whose_whole_path_is_kept(
         remap = {old: new for new, old in enumerate(kept)}
         assert got.parents == tuple(-1 if n == 0 else remap[tree.parents[n]] for n in kept)
         flat += len(tree.tokens)
+
+
+def test_reroot_takes_the_subtree_under_the_roots_first_child() -> None:
+    #       9            the root's first child (node 1) is the guess for the token after 9:
+    #    1     2         its subtree, rooted at it, is what the next step would verify
+    #   3 4     5
+    #   6
+    trees = stack(
+        [
+            DraftTree((9, 1, 2, 3, 4, 5, 6), (-1, 0, 0, 1, 1, 2, 3)),
+            DraftTree((7,), (-1,)),
+            DraftTree((8, 2), (-1, 0)),
+        ]
+    )
+    rerooted, guesses = reroot(trees)
+    assert unstack(rerooted) == [
+        DraftTree((1, 3, 4, 6), (-1, 0, 0, 1)),
+        DraftTree((7,), (-1,)),
+        DraftTree((2,), (-1,)),
+    ]
+    assert guesses.tolist() == [1, -1, 2]
+    assert unstack(with_roots(rerooted, [5, 6, 7]))[0] == DraftTree((5, 3, 4, 6), (-1, 0, 0, 1))
+    with pytest.raises(ValueError, match="2 root tokens for 3 trees"):
+        with_roots(rerooted, [5, 6])
+
+
+@settings(max_examples=200)
+@given(st.lists(draft_trees(), min_size=1, max_size=5))
+def test_reroot_keeps_exactly_the_first_childs_descendants(trees: list[DraftTree]) -> None:
+    rerooted, guesses = reroot(stack(trees))
+    for tree, got, guess in zip(trees, unstack(rerooted), guesses.tolist(), strict=True):
+        if len(tree.tokens) == 1:
+            assert got == tree and guess == -1
+            continue
+
+        def below_first_child(node: int) -> bool:
+            while node > 1:
+                node = tree.parents[node]
+            return node == 1
+
+        kept = [n for n in range(len(tree.tokens)) if below_first_child(n)]
+        remap = {old: new for new, old in enumerate(kept)}
+        assert guess == tree.tokens[1]
+        assert got.tokens == tuple(tree.tokens[n] for n in kept)
+        assert got.parents == tuple(-1 if n == 1 else remap[tree.parents[n]] for n in kept)
