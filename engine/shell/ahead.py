@@ -14,7 +14,10 @@ those that left is discarded and their slots go back, once the device has queued
 device work still runs, to slots given back). A verify pass `batch` is planned from the same
 way, for the outcome in which no draft is accepted (its early writes are its roots');
 `plan_committed(running)` plans the decode pass of a Running already committed (after a
-verify pass whose outcome the plan missed). Nothing here decides *whether* to plan or launch:
+verify pass whose outcome the plan missed). `plan_verify(batch, trees)` plans a verify pass
+after decode pass `batch` instead (`verify_ahead`: its roots are the tokens `batch` samples,
+`root_ids` copies them on the device at its launch); `take_verify` hands it to the next step.
+A verify pass launched ahead is never cut (`VerifyLaunched.select`): any change drops it. Nothing here decides *whether* to plan or launch:
 that is the engine's policy.
 """
 
