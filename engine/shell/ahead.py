@@ -17,8 +17,8 @@ way, for the outcome in which no draft is accepted (its early writes are its roo
 verify pass whose outcome the plan missed). `plan_verify(batch, trees)` plans a verify pass
 after decode pass `batch` instead (`verify_ahead`: its roots are the tokens `batch` samples,
 `root_ids` copies them on the device at its launch); `take_verify` hands it to the next step.
-A verify pass launched ahead is never cut (`VerifyLaunched.select`): any change drops it. Nothing here decides *whether* to plan or launch:
-that is the engine's policy.
+A verify pass launched ahead is never cut (`VerifyLaunched.select`): any change drops it.
+Nothing here decides *whether* to plan or launch: that is the engine's policy.
 """
 
 from __future__ import annotations
