@@ -4,6 +4,7 @@ checked at every step, and the check that an engine holds nothing any more."""
 from __future__ import annotations
 
 from engine.shell.engine import Engine
+from engine.state import DraftTrees
 
 
 def tiny(**overrides) -> Engine:
@@ -38,3 +39,29 @@ def run(engine: Engine, steps: int = 10_000) -> None:
         engine.step()
         engine.check()
     raise AssertionError("the engine did not finish")
+
+
+def draft_every_other_step(engine: Engine, drafts: int = 2) -> None:
+    """Make `engine`'s proposer draft at every other step it is asked (a chain of `drafts`
+    guesses a request: its pending token + 1, + 2, ..., where the pool has room) and draft
+    nothing between: a step that drafts nothing launches the next pass ahead (with
+    `launch_ahead`), and the next one's drafts then wait for it, whatever tokens the model
+    gives (which differ between devices). Greedy outputs stay those of plain decoding."""
+    spec = engine.spec
+    assert spec is not None
+    asked = [0]
+
+    def propose(running, free_slots):
+        asked[0] += 1
+        count = len(running)
+        if asked[0] % 2 or free_slots < count * (drafts + 1):
+            return None
+        roots = running.last_tokens.tolist()
+        vocab = engine.runtime.vocab_size
+        return DraftTrees.from_lists(
+            [[r, *((r + k) % vocab for k in range(1, drafts + 1))] for r in roots],
+            [[-1, *range(drafts)]] * count,
+        )
+
+    spec.propose = propose
+    spec.will_draft = lambda running: asked[0] % 2 == 1
