@@ -153,7 +153,8 @@ class EngineConfig:
         "extend passes (prompt chunks, with a mixed pass's decodes) of up to this many tokens "
         "and cuda_graph_max_batch requests replay captured CUDA graphs too, their tokens "
         "padded up to the next captured count (16, 32, 64, 128, 256, 384, 512, 768, 1024, "
-        "...); longer ones run eagerly; 0: every extend pass runs eagerly",
+        "...); longer ones run eagerly; 0: every extend pass runs eagerly. Graphs stop at "
+        "the longest pass chunk_size allows (with max_running_requests decodes)",
         _non_negative,
     )
     plan_ahead: bool = _field(

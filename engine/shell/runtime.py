@@ -20,6 +20,7 @@ from engine.model.tokenizer import Tokenizer, load_tokenizer
 from engine.shell.config import EngineConfig
 from engine.shell.kv import RequestTable
 from engine.shell.runner import ModelRunner
+from engine.shell.scheduler import most_extend_tokens
 from engine.state import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -82,7 +83,11 @@ class Runtime:
             graph_max_batch,
             tree_nodes,
             table=table,
-            graph_max_tokens=cfg.cuda_graph_max_tokens,
+            # no extend pass is longer than the scheduler's largest: no graph beyond it
+            graph_max_tokens=min(
+                cfg.cuda_graph_max_tokens,
+                most_extend_tokens(cfg.chunk_size, cfg.max_running_requests),
+            ),
         )
 
     def sampling_inputs(

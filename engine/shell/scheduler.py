@@ -80,6 +80,14 @@ def plan_extend(
     return ExtendPlan(indices, chunk_lens)
 
 
+def most_extend_tokens(token_budget: int, max_requests: int) -> int:
+    """The most tokens `plan_extend` puts in one pass of at most `max_requests` requests:
+    the budget, or, where decodes take more than half of it, half the budget (rounded up)
+    for the prompts beside up to `max_requests - 1` decodes. Extend graphs larger than this
+    would never replay."""
+    return max(token_budget, (token_budget + 1) // 2 + max_requests - 1)
+
+
 def admission_order(cached: Sequence[int], aged: Sequence[bool]) -> list[int]:
     """Longest cached prefix first (SGLang's LPM): indices into the waiting queue. `cached`:
     each request's cached prefix length; `aged`: requests passed over too often, which go

@@ -14,6 +14,7 @@ from engine_checks import draft_every_other_step
 from engine import pdl
 from engine.backends import triton_index
 from engine.ops import gemv
+from engine.shell import runtime
 from engine.shell.engine import Engine
 from engine.shell.graphs import (
     GraphRunner,
@@ -431,6 +432,25 @@ def test_the_engine_replays_extend_graphs_when_asked():
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager]
     assert Mode.EXTEND in replays
     engine.check()
+
+
+def test_extend_graphs_stop_at_the_longest_pass_the_scheduler_plans(monkeypatch):
+    """The runtime asks for extend graphs up to `cuda_graph_max_tokens`, or up to the longest
+    extend pass the scheduler plans where that is shorter (`most_extend_tokens`: the chunk
+    size, or half of it beside every other request's decode): a graph past it would never
+    replay."""
+    asked, real = [], runtime.ModelRunner
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs["graph_max_tokens"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "ModelRunner", recording)
+    _engine(chunk_size=32, max_running_requests=4)
+    _engine(chunk_size=32, max_running_requests=40)  # 16 prompt tokens beside 39 decodes
+    _engine(chunk_size=32, cuda_graph_max_tokens=16)
+    _engine()  # 1024 tokens by default, and so many a pass may have
+    assert asked == [32, 55, 16, 1024]
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:

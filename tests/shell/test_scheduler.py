@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine.shell.scheduler import admission_order, count_admissible, newest, plan_extend
+from engine.shell.scheduler import (
+    admission_order,
+    count_admissible,
+    most_extend_tokens,
+    newest,
+    plan_extend,
+)
 from engine.state import FinishRules, Running
 
 
@@ -177,3 +185,28 @@ def test_a_prompt_still_prefilling_keeps_out_a_newcomer_it_would_retract():
         f"still running after 60 steps: {engine.stats['retractions']} retractions"
     )
     assert all(r.finish_reason.openai == "length" for r in requests)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pending=st.lists(st.integers(1, 300), min_size=1, max_size=12),
+    sampled=st.data(),
+    budget=st.integers(1, 256),
+    mixed=st.booleans(),
+    mixed_budget=st.one_of(st.none(), st.integers(1, 64)),
+)
+def test_no_extend_pass_is_longer_than_the_bound_graphs_are_captured_to(
+    pending, sampled, budget, mixed, mixed_budget
+):
+    """`most_extend_tokens` bounds every plan (the extend graphs stop there), and is reached:
+    a full budget of prompt tokens, or half of it beside every other request's decode."""
+    n = len(pending)
+    kv = [5] * n
+    first = sampled.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    prompt_lens = [k + p if f else 1 for k, p, f in zip(kv, pending, first, strict=True)]
+    running = _running(kv, [k + p for k, p in zip(kv, pending, strict=True)], prompt_lens)
+    plan = plan_extend(running, budget, mixed, mixed_budget)
+    assert plan is None or plan.num_tokens <= most_extend_tokens(budget, n)
+    # reached: one long prompt beside n - 1 decodes
+    widest = _running([0] + [5] * (n - 1), [500] + [6] * (n - 1))
+    assert plan_extend(widest, budget).num_tokens == most_extend_tokens(budget, n)
