@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_checks import draft_every_other_step
+from engine_checks import draft_in_turns
 
 from engine import pdl
 from engine.backends import triton_index
@@ -534,7 +534,7 @@ def test_a_verify_pass_launched_ahead_replays_after_the_decode_pass_it_follows(m
     eager = _engine(speculative=True, draft_budget=4).generate(prompts, params)
     monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
     engine = _engine(speculative=True, draft_budget=4, launch_ahead=True, verify_ahead=True)
-    draft_every_other_step(engine)  # verify passes launched ahead on any device
+    draft_in_turns(engine)  # verify passes launched ahead on any device
     table, runner = engine.book.table, engine.runner
     runner.graphs = graph_runners(runner.model, runner.backend, 4, 5, DEVICE == "cuda", table)
     real, launched = engine._verify_ahead, []

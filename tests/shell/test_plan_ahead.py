@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from engine_checks import draft_every_other_step
+from engine_checks import draft_in_turns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -232,18 +232,23 @@ def test_a_verify_pass_plans_the_decode_pass_after_it():
     backend = "torch"
     used, planned_any = [], 0
     # which steps' drafts all fail follows the random model's tokens, which differ between
-    # devices: a batch of four (under retraction too), and single requests
     batch = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
+    # devices: a batch of four (under retraction too), single requests, and a proposer that
+    # drafts in turns whatever the tokens (its guesses fail)
     cases = [
-        (batch, 256, _params(4)),
-        (batch, 40, [SamplingParams(max_tokens=24)] * 4),
-        *(([p], 256, [SamplingParams(max_tokens=24)]) for p in ([5, 28], [5, 6, 7, 5, 6, 7, 5])),
+        (batch, 256, _params(4), False),
+        (batch, 40, [SamplingParams(max_tokens=24)] * 4, False),
+        *(([p], 256, [SamplingParams(max_tokens=24)], False) for p in ([5, 28], [5, 6, 7, 5])),
+        (batch, 256, [SamplingParams(max_tokens=16)] * 4, True),
     ]
-    for prompts, pool, params in cases:
+    for prompts, pool, params, fake in cases:
         without = _tiny(backend, speculative=True, launch_ahead=True, kv_cache_slots=pool)
         without._plan_after_verify = lambda open_pass: None
-        reference = _run(without, prompts, params)
         engine = _tiny(backend, speculative=True, launch_ahead=True, kv_cache_slots=pool)
+        if fake:
+            draft_in_turns(without)
+            draft_in_turns(engine)
+        reference = _run(without, prompts, params)
         plan_after_verify, planned = engine._plan_after_verify, []
 
         def recording_plan(open_pass, real=plan_after_verify, engine=engine, planned=planned):
@@ -328,8 +333,12 @@ def test_the_plan_of_a_verify_pass_its_last_request_leaves_goes_back():
     ended_so = 0  # runs whose last step was a verify step that held a plan
     # a few prompts and lengths: which run ends so follows the random model's tokens, which
     # differ between devices
-    for prompt, max_tokens in itertools.product([[5, 28], [5, 6, 7, 5, 6, 7, 5]], range(6, 14)):
+    # and a proposer that drafts in turns whatever the tokens (`draft_in_turns`)
+    prompts = [[5, 28], [5, 6, 7, 5, 6, 7, 5]]
+    for prompt, max_tokens, fake in itertools.product(prompts, range(6, 14), [False, True]):
         engine = _tiny("torch", speculative=True, launch_ahead=True, kv_cache_slots=40)
+        if fake:
+            draft_in_turns(engine)
         real, held = engine._plan_after_verify, []
 
         def recording(open_pass, real=real, held=held, engine=engine):
@@ -759,8 +768,9 @@ def test_a_verify_pass_launched_ahead_changes_no_greedy_output():
     drafts below each root's best guess; the next step walks it. Greedy outputs and
     logprobs are plain decoding's (in the small pool, where requests are cut short, those of
     speculation without it), the seeded sampler ends as asked; no slot is lost (checked after
-    every step), under retraction too. (On the CPU's torch backend the guesses both hit and
-    miss here; the random model's tokens differ elsewhere. The Triton backend's static path:
+    every step), under retraction too. On the CPU the guesses both hit and miss here (the
+    random model's tokens differ on other devices); on any device, a proposer that drafts in
+    turns launches verify passes ahead. (The Triton backend's static path:
     `tests/shell/test_graphs.py`.)"""
     backend = "torch"
     prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
@@ -801,12 +811,12 @@ def test_a_verify_pass_launched_ahead_changes_no_greedy_output():
         missed += engine.stats["verify_ahead_guesses_missed"]
         if pool == 40:
             assert engine.stats["retractions"] > 0, "the pool was meant to retract"
-    assert taken_any, "no verify pass launched ahead was taken"
-    if DEVICE == "cpu":
+    if DEVICE == "cpu":  # the model's tokens: the proposer's drafts and guesses follow them
+        assert taken_any, "no verify pass launched ahead was taken"
         assert 0 < missed < guesses, "the guesses did not both hit and miss"
-    # drafts at every other step, whatever the model's tokens (guesses it never samples)
+    # drafts in turns, whatever the model's tokens (guesses it hardly ever samples)
     engine = _tiny(backend, speculative=True, launch_ahead=True, verify_ahead=True)
-    draft_every_other_step(engine)
+    draft_in_turns(engine)
     got = _run_checking_rows(engine, prompts, params)
     want = _run_checking_rows(_tiny(backend), prompts, params)
     for have, asked, wanted in zip(got, params, want, strict=True):
@@ -834,7 +844,7 @@ def test_a_verify_pass_launched_ahead_that_fails_loses_no_slot(where):
     every slot and row is back (checked after every step), and the engine serves the next
     request with a fresh engine's tokens."""
     engine = _tiny("torch", speculative=True, launch_ahead=True, verify_ahead=True)
-    draft_every_other_step(engine)  # verify passes launched ahead on any device
+    draft_in_turns(engine)  # verify passes launched ahead on any device
     failed = []
     if where == "launch":
         real, forward = engine._verify_ahead, engine.passes.forward
