@@ -175,8 +175,9 @@ class EngineConfig:
     )
     verify_ahead: bool = _field(
         False,
-        "with speculation and launch_ahead: where drafts wait for a decode pass launched "
-        "ahead, launch the verify pass after it at once, rooted at the token that pass "
+        "with speculation and launch_ahead (refused without them): where drafts wait for a "
+        "decode pass launched ahead, launch the verify pass after it at once, rooted at the "
+        "token that pass "
         "samples (copied on the device), with the drafts below the best guess for that "
         "token; a wrong guess still yields the token after it. Not for requests with a "
         "grammar, a bias or penalties (their drafts wait a step). Off by default: on the "
@@ -242,6 +243,14 @@ class EngineConfig:
                 f"launch_ahead=True with tensor_parallel_size={self.tensor_parallel_size} is "
                 "not allowed: a pass launched ahead reads its input ids from rank 0's device, "
                 "which the other ranks do not have; use launch_ahead=False or None"
+            )
+
+        # (plan_ahead=False turns off every pass planned ahead, as it does launch_ahead)
+        if self.verify_ahead and not (self.speculative and self.launch_ahead is not False):
+            raise ValueError(
+                f"verify_ahead=True with speculative={self.speculative}, launch_ahead="
+                f"{self.launch_ahead} is not allowed: it launches verify passes ahead, which "
+                "needs speculative=True and launch_ahead True or None"
             )
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -107,6 +107,12 @@ class Engine:
         if launch_ahead is None:
             launch_ahead = rt.device.type == "cuda" and self.config.tensor_parallel_size == 1
         self.launch_ahead: bool = launch_ahead
+        if self.config.verify_ahead and not launch_ahead:
+            raise ValueError(
+                f"verify_ahead=True with launch_ahead=None on {rt.device.type} (tensor_parallel_"
+                f"size={self.config.tensor_parallel_size}) is not allowed: passes are launched "
+                "ahead by default only on CUDA with one rank; set launch_ahead=True (one rank)"
+            )
         self.health = Health()
         # on the CPU, each step's thread count (torch's, which the kernels are passed): at most
         # the CPUs others leave free, since a spinning OpenMP team stalls behind a busy neighbour

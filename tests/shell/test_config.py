@@ -45,6 +45,19 @@ def test_invalid_field_is_named(field: str, value: object) -> None:
         EngineConfig(**{field: value})
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(speculative=False),
+        dict(speculative=True, launch_ahead=False),
+    ],
+)
+def test_verify_ahead_is_refused_where_it_could_never_launch(settings: dict) -> None:
+    with pytest.raises(ValueError, match=r"^verify_ahead=True with .* is not allowed: it"):
+        EngineConfig(verify_ahead=True, **settings)
+    EngineConfig(verify_ahead=True, speculative=True)  # launch_ahead None: decided on the device
+
+
 def test_replace_refuses_unknown_options_and_lists_the_known_ones() -> None:
     config = EngineConfig().replace(draft_cost=0.15)
     assert config.draft_cost == 0.15 and EngineConfig().draft_cost is None

@@ -83,7 +83,8 @@ class EngineMachine(RuleBasedStateMachine):
             speculative=speculative,
             plan_ahead=plan_ahead,
             launch_ahead=launch_ahead,
-            verify_ahead=verify_ahead,
+            # verify passes launched ahead need speculation and launches (refused otherwise)
+            verify_ahead=verify_ahead and speculative and launch_ahead,
             draft_budget=6,
             draft_cost=0.1,
         )

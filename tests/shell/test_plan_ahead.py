@@ -232,9 +232,9 @@ def test_a_verify_pass_plans_the_decode_pass_after_it():
     backend = "torch"
     used, planned_any = [], 0
     # which steps' drafts all fail follows the random model's tokens, which differ between
-    batch = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
     # devices: a batch of four (under retraction too), single requests, and a proposer that
     # drafts in turns whatever the tokens (its guesses fail)
+    batch = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6, *_prompts(2)]
     cases = [
         (batch, 256, _params(4), False),
         (batch, 40, [SamplingParams(max_tokens=24)] * 4, False),
@@ -332,8 +332,7 @@ def test_the_plan_of_a_verify_pass_its_last_request_leaves_goes_back():
     `test_plan_ahead_changes_nothing_on_random_workloads` with more examples.)"""
     ended_so = 0  # runs whose last step was a verify step that held a plan
     # a few prompts and lengths: which run ends so follows the random model's tokens, which
-    # differ between devices
-    # and a proposer that drafts in turns whatever the tokens (`draft_in_turns`)
+    # differ between devices; and a proposer that drafts in turns whatever the tokens
     prompts = [[5, 28], [5, 6, 7, 5, 6, 7, 5]]
     for prompt, max_tokens, fake in itertools.product(prompts, range(6, 14), [False, True]):
         engine = _tiny("torch", speculative=True, launch_ahead=True, kv_cache_slots=40)
@@ -525,7 +524,10 @@ def workloads(draw):
         kv_cache_slots=draw(st.sampled_from([40, 64, 256])),
         speculative=draw(st.booleans()),
         launch_ahead=draw(st.booleans()),  # on the CPU too: the same order of work
-        verify_ahead=draw(st.booleans()),
+    )
+    # verify passes launched ahead: with speculation and launches only (refused otherwise)
+    settings_["verify_ahead"] = (
+        draw(st.booleans()) and settings_["speculative"] and (settings_["launch_ahead"])
     )
     abort_at = draw(st.sampled_from([None, 2, 5]))
     return prompts, params, settings_, abort_at
@@ -728,6 +730,9 @@ def test_launch_ahead_is_on_by_default_with_a_cuda_device_and_one_rank():
     assert not _tiny("torch", launch_ahead=False).launch_ahead
     with pytest.raises(ValueError, match=r"launch_ahead='yes' is not allowed; it must be True"):
         _tiny("torch", launch_ahead="yes")
+    # verify passes launched ahead where nothing is launched ahead: refused, not ignored
+    with pytest.raises(ValueError, match=r"^verify_ahead=True with launch_ahead=None on cpu"):
+        _tiny("torch", device="cpu", speculative=True, verify_ahead=True)
 
 
 def test_a_plan_that_fits_is_kept_without_looking_for_rows_left():

@@ -32,6 +32,7 @@ def _engine(speculative: bool) -> Engine:
         max_context=512,
         max_running_requests=16,
         cuda_graph_max_batch=GRAPH_MAX_BATCH,
+        cuda_graph_max_tokens=0,  # decode and verify graphs: this file's subject (and time)
         speculative=speculative,
         draft_budget=12,
         draft_cost=DRAFT_COST,
