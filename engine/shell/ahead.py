@@ -14,8 +14,8 @@ those that left is discarded and their slots go back, once the device has queued
 device work still runs, to slots given back). A verify pass `batch` is planned from the same
 way, for the outcome in which no draft is accepted (its early writes are its roots');
 `plan_committed(running)` plans the decode pass of a Running already committed (after a
-verify pass whose outcome the plan missed). `plan_verify(batch, trees)` plans a verify pass
-after decode pass `batch` instead (`verify_ahead`: its roots are the tokens `batch` samples,
+verify pass whose outcome the plan missed). `plan(batch, trees)` plans a verify pass after
+decode pass `batch` instead (`verify_ahead`: its roots are the tokens `batch` samples,
 `root_ids` copies them on the device at its launch); `take_verify` hands it to the next step.
 A verify pass launched ahead is never cut (`VerifyLaunched.select`): any change drops it.
 Nothing here decides *whether* to plan or launch: that is the engine's policy.
@@ -41,7 +41,7 @@ from engine.state import DraftTrees, Mode, Running
 
 @attrs.frozen(eq=False)
 class VerifyLaunched:
-    """A verify pass launched ahead (`PlanAhead.plan_verify`): its logits (on the device, one
+    """A verify pass launched ahead (`PlanAhead.plan` with trees): its logits (on the device, one
     row per node) and each tree's guess for its root (-1: a root alone), the token its drafts
     were proposed after. It is never cut to fewer requests (`select`): where some leave
     before it is taken, it is dropped."""
@@ -102,33 +102,26 @@ class PlanAhead:
         """The slots the plan holds (in flight: owned by no request yet), or None."""
         return None if self.prepared is None else self.prepared.batch.out_slots
 
-    def plan(self, batch: state.Batch) -> bool:
-        """Plan the decode pass after decode or verify pass `batch` (which is running; a
-        verify pass: as if no draft is accepted). Returns whether `batch`'s early table
-        writes were applied (False: the pool had no room; nothing done)."""
+    def plan(self, batch: state.Batch, trees: state.DraftTrees | None = None) -> bool:
+        """Plan the pass after decode or verify pass `batch` (which is running; a verify
+        pass: as if no draft is accepted): its decode pass, or with `trees` (after a decode
+        pass) a verify pass of them, whose roots are the tokens `batch` will sample (their
+        tokens here stand in only). Returns whether `batch`'s early table writes were
+        applied (False: the pool had no room; nothing done)."""
         following = self.machine.assume_decoded(batch)
-        if self.book.num_available < len(following):
+        if self.book.num_available < (len(following) if trees is None else trees.sizes.total):
             return False
         self.book.apply(self.machine.decode_writes(batch))
-        self._prepare(following)
-        return True
-
-    def plan_verify(self, batch: state.Batch, trees: state.DraftTrees) -> bool:
-        """Plan a verify pass of `trees` after decode pass `batch` (which is running), as
-        `plan` plans the decode pass after it; the trees' roots are the tokens `batch` will
-        sample (their tokens here stand in only). Returns whether `batch`'s early table
-        writes were applied (False: the pool had no room; nothing done)."""
-        following = self.machine.assume_decoded(batch)
-        if self.book.num_available < trees.sizes.total:
-            return False
-        self.book.apply(self.machine.decode_writes(batch))
-        trees = with_roots(trees, following.last_tokens)
-        nxt = self.machine.schedule_verify(following, trees, self.book.alloc(trees.sizes.total))
-        self._prepare_batch(nxt)
+        if trees is None:
+            self._prepare(following)
+        else:
+            trees = with_roots(trees, following.last_tokens)
+            slots = self.book.alloc(trees.sizes.total)
+            self._prepare_batch(self.machine.schedule_verify(following, trees, slots))
         return True
 
     def take_verify(self, running: Running) -> Prepared | None:
-        """The verify pass launched ahead (`plan_verify`), if one is held and fits `running`
+        """The verify pass launched ahead (`plan` with trees), if one is held and fits `running`
         as committed (`take`); None otherwise (a decode plan stays held)."""
         if self.prepared is None or self.prepared.batch.mode != Mode.VERIFY:
             return None

@@ -611,7 +611,7 @@ class Engine:
         if trees.sizes.total == len(trees.sizes):
             return False  # roots alone: a decode pass
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
-        open_pass.table_written = self.ahead.plan_verify(open_pass.batch, trees)
+        open_pass.table_written = self.ahead.plan(open_pass.batch, trees)
         if not open_pass.table_written:
             return False
 

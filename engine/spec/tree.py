@@ -133,29 +133,21 @@ def reroot(trees: DraftTrees) -> tuple[DraftTrees, np.ndarray]:
     its root alone: it stays so). The drafts of the step after the root's token, if the
     token is the guess: a verify pass can be launched with them before the token is known
     (its root the token, as the device sampled it)."""
-    total = trees.sizes.total
-    parents = parent_flat(trees)
-    owner = trees.sizes.segment_ids()
-    starts = trees.sizes.starts()
-    # a tree's node 1, where it has one, is its root's first child (parents come first)
-    has_guess = trees.sizes.lens > 1
-    new_root = np.where(has_guess, starts + 1, starts)
-    kept = np.zeros(total, dtype=bool)
-    kept[new_root] = True
-    jump = np.where(parents < 0, np.arange(total), parents)
-    for _ in range(int(trees.depths.max(initial=0))):  # kept: a new root, or below one
-        kept = kept | kept[jump]
-        jump = jump[jump]
-    sizes = np.bincount(owner[kept], minlength=len(trees.sizes))
-    new_flat = np.cumsum(kept) - 1
-    new_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    new_local = new_flat - new_starts[owner]
-    is_new_root = np.zeros(total, dtype=bool)
-    is_new_root[new_root] = True
-    new_parents = np.where(is_new_root, -1, new_local[np.maximum(parents, 0)])
-    rerooted = DraftTrees(SeqLens(sizes), trees.tokens[kept], new_parents[kept].astype(INDEX_DTYPE))
-    guesses = np.where(has_guess, trees.tokens[new_root], -1).astype(INDEX_DTYPE)
-    return rerooted, guesses
+    # a tree's node 1, where it has one, is its root's first child (parents come first):
+    # the root's other children go, with everything below them
+    local = trees.sizes.offsets_within()
+    kept = prune(trees, (trees.parents != 0) | (local == 1))
+    has_guess = kept.sizes.lens > 1
+    starts = kept.sizes.starts()
+    guesses = np.where(has_guess, kept.tokens[np.where(has_guess, starts + 1, starts)], -1)
+    # then each guessed tree's root: its only child becomes the root, every node one earlier
+    guessed = has_guess[kept.sizes.segment_ids()]
+    stays = ~(guessed & (kept.parents < 0))
+    parents = np.where(guessed, kept.parents - 1, kept.parents)[stays]
+    rerooted = DraftTrees(
+        SeqLens(kept.sizes.lens - has_guess), kept.tokens[stays], parents.astype(INDEX_DTYPE)
+    )
+    return rerooted, guesses.astype(INDEX_DTYPE)
 
 
 def with_roots(trees: DraftTrees, roots: np.ndarray) -> DraftTrees:
