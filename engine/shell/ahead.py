@@ -14,7 +14,8 @@ those that left is discarded and their slots go back, once the device has queued
 device work still runs, to slots given back). A verify pass `batch` is planned from the same
 way, for the outcome in which no draft is accepted (its early writes are its roots');
 `plan_committed(running)` plans the decode pass of a Running already committed (after a
-verify pass whose outcome the plan missed). `plan(batch, trees)` plans a verify pass after
+verify pass whose outcome the plan missed), or with trees its verify pass (launched at the
+commit of the step before). `plan(batch, trees)` plans a verify pass after
 decode pass `batch` instead (`verify_ahead`: its roots are the tokens `batch` samples,
 `root_ids` copies them on the device at its launch); `take_verify` hands it to the next step.
 A verify pass launched ahead is never cut (`VerifyLaunched.select`): any change drops it.
@@ -41,13 +42,15 @@ from engine.state import DraftTrees, Mode, Running
 
 @attrs.frozen(eq=False)
 class VerifyLaunched:
-    """A verify pass launched ahead (`PlanAhead.plan` with trees): its logits (on the device, one
-    row per node) and each tree's guess for its root (-1: a root alone), the token its drafts
-    were proposed after. It is never cut to fewer requests (`select`): where some leave
-    before it is taken, it is dropped."""
+    """A verify pass launched for the next step: ahead (`PlanAhead.plan` with trees), or at
+    a commit (`plan_committed` with trees). Its logits (on the device, one row per node) and
+    each tree's guess for its root (-1: a root alone, or a root known at its launch), the
+    token its drafts were proposed after. It is never cut to fewer requests (`select`):
+    where some leave before it is taken, it is dropped."""
 
     logits: torch.Tensor
     guesses: np.ndarray
+    seconds: float = 0.0  # host time of its launch where the device waited for it
 
     def select(self, keep: np.ndarray) -> None:
         return None
@@ -127,14 +130,19 @@ class PlanAhead:
             return None
         return self.take(running)
 
-    def plan_committed(self, running: Running) -> bool:
+    def plan_committed(self, running: Running, trees: DraftTrees | None = None) -> bool:
         """Plan the decode pass of `running` as committed (no pass running before it: its
-        table is written). False where the pool has no room (nothing done)."""
+        table is written), or with `trees` (rooted at its last tokens) the verify pass of
+        them. False where the pool has no room (nothing done)."""
         if self.prepared is not None:
             raise ValueError("plan_committed() needs no plan held")
-        if self.book.num_available < len(running):
+        if self.book.num_available < (len(running) if trees is None else trees.sizes.total):
             return False
-        self._prepare(running)
+        if trees is None:
+            self._prepare(running)
+        else:
+            slots = self.book.alloc(trees.sizes.total)
+            self._prepare_batch(self.machine.schedule_verify(running, trees, slots))
         return True
 
     def _prepare(self, running: Running) -> None:

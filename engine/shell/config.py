@@ -183,6 +183,14 @@ class EngineConfig:
         "grammar, a bias or penalties (their drafts wait a step). Off by default: on the "
         "H200 with the default model it ran more verify passes than it saved waits for",
     )
+    verify_at_commit: bool = _field(
+        True,
+        "with speculation and launch_ahead: where a step's pass commits and the proposer "
+        "drafts from its tokens, launch the verify pass at once, before the step's outputs "
+        "are emitted (their host work then runs beside the device's); where it drafts "
+        "nothing, the decode pass. False: the next step proposes and launches. Not for "
+        "requests with a grammar, a bias or penalties (their next pass follows the outputs)",
+    )
     block_weights: bool = _field(
         True,
         "cpu, float32: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in "

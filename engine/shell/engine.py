@@ -424,7 +424,8 @@ class Engine:
         started = time.perf_counter()
         running, spec = self.running, self.spec
         verify_ahead = self.ahead.take_verify(running)
-        if verify_ahead is not None:  # launched at the last step, its roots now known
+        if verify_ahead is not None:  # launched at the last step: its launch is this step's
+            started -= verify_ahead.launched.seconds
             return self._verify_step(None, started, verify_ahead)
         # Drafts fit the pool's free slots (a plan's held slots count: a verify pass drops
         # the plan), handed out in batch order. A tree that did not fit would make the step
@@ -445,15 +446,16 @@ class Engine:
         mode = self._decode_step(
             during=lambda: spec.record_idle(running.rids), launch_next=trees is None, drafts=trees
         )
-        if mode == "decode":
-            spec.observe(len(running), started)
+        if mode == "decode":  # a verify pass launched at its commit is the next step's
+            spec.observe(len(running), started + self._verify_launched_seconds())
         return mode
 
     def _verify_step(
         self, trees: state.DraftTrees | None, started: float, ahead: Prepared | None = None
     ) -> str:
-        """Verify `trees`; or, with `ahead` (a verify pass launched at the last step,
-        `_verify_ahead`), its trees with their roots now known."""
+        """Verify `trees`; or, with `ahead`, the verify pass launched at the last step: at its
+        commit (`_launch_next`), or during its pass (`_verify_ahead`: its trees' roots are
+        known now)."""
         assert self.spec is not None
         running = self.running
         if ahead is None:
@@ -463,12 +465,16 @@ class Engine:
                 return "retract"
             running = self.running
             slots = self.book.alloc(trees.sizes.total)
-        else:
+            batch = self.machine.schedule_verify(running, trees, slots)
+        elif ahead.batch.running is running:  # planned at the last commit (`_launch_next`)
+            batch = ahead.batch
+        else:  # planned during the last pass (`_verify_ahead`): its roots are known now
             trees = with_roots(ahead.batch.trees, running.last_tokens)
-            slots = ahead.batch.out_slots
             self.stats["verify_ahead_guesses"] += int((ahead.launched.guesses >= 0).sum())
             self.stats["verify_ahead_guesses_missed"] += int(ahead.launched.missed(trees).sum())
-        batch = self.machine.schedule_verify(running, trees, slots)
+            batch = self.machine.schedule_verify(running, trees, ahead.batch.out_slots)
+        trees = batch.trees
+        assert trees is not None
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()
             params = [self.requests[u].params for u in uids]
@@ -504,14 +510,20 @@ class Engine:
             result = self.machine.verify(
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
             )
-            self._commit_pass(open_pass, result)
+            self._commit_pass(open_pass, result, launch_next=True)
         # a plan made during the pass stays only where it fits: nobody may be left to drop it
         self.ahead.fit(self.running)
-        self._launch_after_verify()
-        # propose to commit, and to the next pass's launch where made here (its host time,
-        # which the device waits for, was the next decode step's and charged to this one)
-        self.spec.observe(trees.sizes.total, started, verify=True)
+        # propose to commit, and to the next pass's launch where made here (a decode pass's:
+        # its host time, which the device waits for, was the next decode step's and is
+        # charged to this one; a verify pass's is the next step's)
+        self.spec.observe(trees.sizes.total, started + self._verify_launched_seconds(), verify=True)
         return "verify"
+
+    def _verify_launched_seconds(self) -> float:
+        """The host time of the launch of the verify pass held for the next step (0 without
+        one): the next step's cost, not this one's (`spec.observe`)."""
+        launched = None if self.ahead.prepared is None else self.ahead.prepared.launched
+        return launched.seconds if isinstance(launched, VerifyLaunched) else 0.0
 
     def _decode_step(
         self,
@@ -542,7 +554,8 @@ class Engine:
             # a pass with masks is sampled after it
             launched = self._prepare_next(open_pass, launched, launch_next, drafts)
             sampled = self.passes.tokens(launched)
-            self._commit_pass(open_pass, self.machine.decode(batch, sampled))
+            result = self.machine.decode(batch, sampled)
+            self._commit_pass(open_pass, result, launch_next=self.spec is not None)
         self.ahead.fit(self.running)  # requests that finished leave the plan
         return "decode"
 
@@ -638,44 +651,59 @@ class Engine:
         failed (chat's most common verify step) is then a decode pass that launches at once
         rather than planning first; any other outcome drops the plan (`PlanAhead.fit`: the
         committed lengths differ). Where the next step surely decodes it is launched once the
-        verify pass is committed (`_launch_after_verify`), its input ids the walk's bonus
+        verify pass is committed (`_launch_next`), its input ids the walk's bonus
         tokens. Not planned where the next step changes the batch anyway."""
         if not (self.launch_ahead and self._batch_stays()):
             return
         open_pass.table_written = True  # until the plan says otherwise: undone if it fails
         open_pass.table_written = self.ahead.plan(open_pass.batch)
 
-    def _launch_after_verify(self) -> None:
-        """Where the device runs apart from the host (`launch_ahead`), launch the decode pass
-        after a verify pass as soon as the verify pass is committed, where the next step
-        surely runs that pass: no request will draft (`Speculator.will_draft`: the histories
-        are complete now), nothing waits to be admitted. The next step takes it as a pass
-        launched ahead (`_decode_step`) rather than planning and launching it while the
-        device waits; requests that leave before then are cut from it (`PlanAhead.fit`). The
-        plan made during the verify pass serves where no draft was accepted; otherwise the
-        pass is planned here. Where the pool has no room for it, the next step reserves as
-        usual. A failure here fails the running requests, as their pass's would."""
-        running = self.running
+    def _launch_next(self, verify: bool) -> None:
+        """Where the device runs apart from the host (`launch_ahead`), launch the pass after
+        a speculative step's as soon as that step's pass is committed, where nothing was
+        launched for it yet and nothing waits to be admitted: with `verify`
+        (`verify_at_commit`) and drafts the proposer makes now (the histories are complete:
+        `_apply`), the verify pass of them; otherwise, where no request will draft
+        (`Speculator.will_draft`) or the proposer drafted nothing, the decode pass (the plan
+        made during the pass where it fits, `_plan_after_verify`, `_prepare_next`; else
+        planned here, its input ids the committed tokens). The next step takes it as a pass
+        launched ahead (`_run_decode`, `_decode_step`); requests that leave before then are
+        cut from a decode pass and drop a verify pass (`PlanAhead.fit`). Where the pool has
+        no room for it, the next step reserves as usual. The host time of a verify pass's
+        launch is charged to the step that takes it (`VerifyLaunched.seconds`)."""
+        running, ahead = self.running, self.ahead
+        if ahead.launched:  # during the pass (`launch_ahead`, `verify_ahead`)
+            return
         if not (self.launch_ahead and len(running) and self._batch_stays()):
             return
+        ahead.fit(running)  # a plan made during the pass stays only where it fits
         assert self.spec is not None
         if self.spec.will_draft(running):
-            return
-        ahead = self.ahead  # its plan fits `running`, or there is none (`_verify_step`)
-        try:
-            if ahead.prepared is None and not ahead.plan_committed(running):
+            if not verify:
+                return  # the next step proposes
+            started = time.perf_counter()
+            trees = self.spec.propose(running, self.book.num_available + ahead.num_held)
+            if trees is not None:
+                ahead.drop()  # a decode plan: its slots go to the verify pass
+                if ahead.plan_committed(running, trees):
+                    unguessed = np.full(len(running), -1, dtype=np.int64)
+                    ahead.launch(  # the seconds: propose to launch, read after the forward
+                        lambda p: VerifyLaunched(
+                            self.passes.forward(p.batch, p),
+                            unguessed,
+                            time.perf_counter() - started,
+                        )
+                    )
+                    self.stats["verify_launched_at_commit"] += 1
                 return
-            # the committed tokens: a plan made during the verify pass holds older ones
-            ahead.launch(
-                lambda p: self.passes.launch(
-                    self.machine.schedule_decode(running, p.batch.out_slots), p
-                )
+        if ahead.prepared is None and not ahead.plan_committed(running):
+            return
+        # the committed tokens: a plan made during the pass holds older ones
+        ahead.launch(
+            lambda p: self.passes.launch(
+                self.machine.schedule_decode(running, p.batch.out_slots), p
             )
-        except BaseException as error:
-            ahead.drop()
-            if isinstance(error, Exception):
-                raise PassFailed(running.rids, error) from error
-            raise
+        )
 
     def _write_early(self, open_pass: OpenPass) -> None:
         """Apply the pass's table writes now, while the device runs it, rather than at its
@@ -704,15 +732,41 @@ class Engine:
 
     # --- effects -> resources and outputs ---------------------------------------------------------
     def _commit_pass(
-        self, open_pass: OpenPass, result: state.Result, rest: Running | None = None
+        self,
+        open_pass: OpenPass,
+        result: state.Result,
+        rest: Running | None = None,
+        launch_next: bool = False,
     ) -> None:
-        """Commit a pass's transition; from here its slots belong to its requests."""
+        """Commit a pass's transition; from here its slots belong to its requests. With
+        `launch_next` (a speculative step's pass), the next pass is launched where it may be
+        (`_launch_next`): before the outputs are emitted, so that their host work runs
+        beside the device's, unless a request's next pass follows them (a grammar's state,
+        the counts of penalties or a bias); a failure there is raised once they are out."""
         self.passes.hit("commit")
         # a verify pass's early writes are its roots': its commit writes its whole paths
         written = open_pass.table_written and state.writes_whole(open_pass.batch)
         self._apply(result, rest, written)
         open_pass.committed = True
+        early = launch_next and self._launches_before_outputs()
+        failure = None
+        if early:
+            try:
+                self._launch_next(verify=self.config.verify_at_commit)
+            except Exception as error:
+                failure = error
         self._emit(result.effects)
+        if failure is not None:
+            raise failure
+        if launch_next and not early:
+            self._launch_next(verify=False)
+
+    def _launches_before_outputs(self) -> bool:
+        """Whether the running requests' next pass may launch before the last pass's outputs
+        are emitted: none has a grammar (its state advances with them), a bias or penalties
+        (their counts)."""
+        uids = self.running.rids.tolist()
+        return not self.grammars.constrains(uids) and self.outputs.edited_uids.isdisjoint(uids)
 
     def _commit(self, result: state.Result, rest: Running | None = None) -> None:
         """Apply a transition that runs no pass (admission, retraction, finish, abort)."""
@@ -722,13 +776,18 @@ class Engine:
     def _apply(
         self, result: state.Result, rest: Running | None = None, table_written: bool = False
     ) -> None:
-        """A transition's effects to the KV book, its snapshot in place. `rest`: the running
-        requests that were not part of the transition's batch; `table_written`: its table
-        writes were applied early (`PlanAhead.plan`)."""
-        self.book.apply(result.effects, table_written, self._history(result.effects))
+        """A transition's effects to the KV book, its snapshot in place, its tokens to the
+        proposer's histories. `rest`: the running requests that were not part of the
+        transition's batch; `table_written`: its table writes were applied early
+        (`PlanAhead.plan`)."""
+        effects = result.effects
+        self.book.apply(effects, table_written, self._history(effects))
         self.running = (
             result.running if rest is None or not len(rest) else state.merge(rest, result.running)
         )
+        if self.spec is not None and effects.emitted_tokens.shape[0]:
+            for uid, tokens in effects.emitted().items():  # the proposer's histories
+                self.spec.extend(uid, tokens)
 
     def _history(self, effects: state.Effects | None = None) -> Any:
         """(uid, n) -> the first n tokens of a request, for the KV book: those its record

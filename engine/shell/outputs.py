@@ -71,8 +71,6 @@ class Outputs:
             request.output_ids.extend(tokens)
             if request.logprobs is not None and logprobs is not None:
                 request.logprobs.extend(logprobs.get(uid, [])[: len(tokens)])
-            if self.spec is not None:
-                self.spec.extend(uid, tokens)
             ending = self._grammar_end(request, progress[uid]) if uid in progress else None
             if self.text.update(request, tokens) and ending is not FinishReason.ERROR:
                 ending = FinishReason.STOP  # the text was cut at a stop string

@@ -83,7 +83,9 @@ class Passes:
         uids = batch.running.rids[batch.samples].tolist()
         if outputs.sampling_uids:  # built before the launch (see Runtime.sampling_inputs)
             params = [self.requests[u].params for u in uids]
-            steps = [len(self.requests[u].output_ids) + int(ahead) for u in uids]
+            # each row's draw is its request's output count: the batch's Running says it
+            # (planned ahead: one token further on), its outputs may not be emitted yet
+            steps = batch.running.num_output[batch.samples].tolist()
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
         forward = self.forward(batch, prepared, input_ids)
         # greedy rows go unmasked, and are masked only if their grammar refuses their token

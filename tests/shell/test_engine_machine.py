@@ -52,6 +52,7 @@ class EngineMachine(RuleBasedStateMachine):
         plan_ahead=st.booleans(),
         launch_ahead=st.booleans(),
         verify_ahead=st.booleans(),
+        verify_at_commit=st.booleans(),
         prefix_cache=st.sampled_from([True, True, True, False]),
         mixed=st.booleans(),
         policy=st.sampled_from(["lpm", "fcfs"]),
@@ -64,6 +65,7 @@ class EngineMachine(RuleBasedStateMachine):
         plan_ahead: bool,
         launch_ahead: bool,
         verify_ahead: bool,
+        verify_at_commit: bool,
         prefix_cache: bool,
         mixed: bool,
         policy: str,
@@ -85,6 +87,7 @@ class EngineMachine(RuleBasedStateMachine):
             launch_ahead=launch_ahead,
             # verify passes launched ahead need speculation and launches (refused otherwise)
             verify_ahead=verify_ahead and speculative and launch_ahead,
+            verify_at_commit=verify_at_commit,
             draft_budget=6,
             draft_cost=0.1,
         )

@@ -252,6 +252,7 @@ def workloads(draw):
     settings_["verify_ahead"] = (
         draw(st.booleans()) and settings_["speculative"] and (settings_["launch_ahead"])
     )
+    settings_["verify_at_commit"] = draw(st.booleans())
     abort_at = draw(st.sampled_from([None, 2, 5]))
     return prompts, params, settings_, abort_at
 

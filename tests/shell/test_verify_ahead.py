@@ -8,6 +8,7 @@ retraction and failures too; the scenarios are reached whatever the model's toke
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -164,79 +165,103 @@ def _drafting_a_while() -> list[list[int]]:
     ]
 
 
-def test_the_decode_pass_after_a_verify_pass_is_launched_once_it_commits():
-    """Where no request will draft at the next step, the decode pass after a verify pass is
-    launched as soon as the verify pass commits (`_launch_after_verify`), its input ids the
-    committed tokens (also from the plan made during the verify pass, which holds older
-    ones), and the next step takes it. Outputs, logprobs and a seeded sampler's draws, and
-    the steps, are those of the engine that launches that pass at the next step; under
-    retraction too."""
+def test_the_pass_after_a_speculative_step_is_launched_once_it_commits():
+    """With `launch_ahead`, where nothing was launched during a speculative step's pass, the
+    next pass is launched as soon as that pass commits (`_launch_next`), before its outputs
+    are emitted where no request's next pass follows them: a verify pass of the drafts the
+    proposer makes then (`verify_at_commit`), else the decode pass, from the plan made
+    during the pass (which holds older tokens) or planned then; and the next step takes it.
+    Outputs, logprobs and a seeded sampler's draws, and the steps, are those of the engine
+    that launches at the next step; under retraction too. Rows with a bias or penalties
+    launch after the outputs, and no verify pass."""
     prompts = _drafting_a_while()
-    planned = []  # per launch: from the plan made during the verify pass (else planned then)
-    for pool in (256, 40):
+    planned = []  # per decode launch: from the plan made during the pass (else planned then)
+    kinds, asked = set(), set()
+    for pool, params in itertools.product((256, 40), (_spec_params(), _ahead_params())):
         without = tiny_engine("torch", speculative=True, launch_ahead=True, kv_cache_slots=pool)
-        without._launch_after_verify = lambda: None
-        reference = run_checking_rows(without, prompts, _spec_params())
+        without._launch_next = lambda verify: None
+        reference = run_checking_rows(without, prompts, params)
         engine = tiny_engine("torch", speculative=True, launch_ahead=True, kv_cache_slots=pool)
-        real, launched, taken = engine._launch_after_verify, [], []
+        real, launched, taken = engine._launch_next, [], []
 
-        def recording(real=real, engine=engine):
-            during = engine.ahead.prepared  # planned during the verify pass, or None
-            real()
-            if engine.ahead.launched:
-                launched.append(len(engine.step_times))
-                planned.append(during is not None and engine.ahead.prepared.batch is during.batch)
+        def recording(verify, real=real, engine=engine):
+            asked.add(verify)
+            before = engine.ahead.prepared  # planned during the pass, or None
+            if before is not None and before.launched is not None:
+                return real(verify)  # launched during the pass (`launch_ahead`)
+            real(verify)
+            prepared = engine.ahead.prepared
+            if prepared is not None and prepared.launched is not None:
+                kind = "verify" if prepared.batch.trees is not None else "decode"
+                launched.append((len(engine.step_times), kind))
+                if kind == "decode":
+                    planned.append(before is not None and prepared.batch is before.batch)
 
         take = engine.ahead.take
 
         def recording_take(running, take=take, engine=engine):
-            if launched and launched[-1] == len(engine.step_times) - 1:
+            if launched and launched[-1][0] == len(engine.step_times) - 1:
                 taken.append(engine.ahead.launched)
             return take(running)
 
-        engine._launch_after_verify, engine.ahead.take = recording, recording_take
-        got = run_checking_rows(engine, prompts, _spec_params())
+        engine._launch_next, engine.ahead.take = recording, recording_take
+        got = run_checking_rows(engine, prompts, params)
         assert [(r.output_ids, r.finish_reason) for r in got] == [
             (r.output_ids, r.finish_reason) for r in reference
         ]
         for have, want in zip(got[3].logprobs, reference[3].logprobs, strict=True):
             assert have.token_id == want.token_id
             assert have.logprob == pytest.approx(want.logprob, abs=1e-5)
-        assert launched, "no decode pass was launched after a verify pass"
-        assert taken and all(taken), "a pass launched after a verify pass was not taken"
+        assert taken and all(taken), "a pass launched at a commit was not taken"
         modes = [mode for mode, _ in engine.step_times]
         assert modes == [mode for mode, _ in without.step_times]
-        assert all(modes[step : step + 2] == ["verify", "decode"] for step in launched)
+        assert all(modes[step + 1] == kind for step, kind in launched)
+        kinds |= {(modes[step], kind) for step, kind in launched}
+        assert engine.stats["verify_launched_at_commit"] == sum(
+            kind == "verify" for _, kind in launched
+        )
         if pool == 40:
             assert engine.stats["retractions"] > 0, "the pool was meant to retract"
+    assert {("verify", "decode"), ("verify", "verify"), ("decode", "verify")} <= kinds
+    assert asked == {True, False}, "outputs that a next pass follows were not met"
     assert any(planned) and not all(planned), "launched from one kind of plan only"
 
 
-def test_a_launch_after_a_verify_pass_that_fails_loses_no_slot():
-    """The decode pass launched after a verify pass fails at its launch: the running
-    requests end with "error", the plan's slots are back, and the engine serves the next
-    request."""
+@pytest.mark.parametrize(
+    "kind, after_outputs", [("decode", True), ("decode", False), ("verify", False)]
+)
+def test_a_launch_at_a_commit_that_fails_loses_no_slot(kind, after_outputs):
+    """The pass launched as a speculative step's pass commits (a decode pass, or a verify
+    pass; before its outputs are emitted, or after them for rows with a bias or penalties)
+    fails at its launch: the running requests end with "error", their outputs up to the
+    commit emitted, the plan's slots are back, and the engine serves the next request."""
+    params = _spec_params() if after_outputs else _ahead_params()
     engine = tiny_engine("torch", speculative=True, launch_ahead=True)
-    real, launch, failed = engine._launch_after_verify, engine.passes.launch, []
+    real, forward, failed = engine._launch_next, engine.passes.forward, []
 
-    def failing_launch(*args, **kwargs):
-        if not failed:
+    def failing_forward(batch, *args, **kwargs):
+        if not failed and (batch.trees is not None) == (kind == "verify"):
             failed.append(engine.ahead.num_held)
             raise RuntimeError("injected failure")
-        return launch(*args, **kwargs)
+        return forward(batch, *args, **kwargs)
 
-    def launch_after_verify():
-        engine.passes.launch = failing_launch
+    def launch_next(verify):
+        engine.passes.forward = failing_forward
         try:
-            real()
+            real(verify)
         finally:
-            engine.passes.launch = launch
+            engine.passes.forward = forward
 
-    engine._launch_after_verify = launch_after_verify
+    engine._launch_next = launch_next
     prompts = _drafting_a_while()
-    requests = run_checking_rows(engine, prompts, _spec_params())
-    assert failed and failed[0] > 0, "no pass was launched after a verify pass"
+    requests = run_checking_rows(engine, prompts, params)
+    assert failed and failed[0] > 0, f"no {kind} pass was launched at a commit"
     _failed_cleanly(engine, requests, prompts)
+    without = tiny_engine("torch", speculative=True, launch_ahead=True)
+    without._launch_next = lambda verify: None
+    reference = without.generate(prompts, params)
+    for request, want in zip(requests, reference, strict=True):  # nothing committed is lost
+        assert request.output_ids == list(want.token_ids[: len(request.output_ids)])
 
 
 def _failed_cleanly(engine: Engine, requests: list, prompts: list) -> None:
@@ -290,8 +315,10 @@ def test_a_verify_pass_launched_ahead_changes_no_greedy_output():
         )
         verify_step, taken = engine._verify_step, []
 
-        def recording(trees, started, ahead=None, real=verify_step):
-            taken.append(ahead is not None)
+        def recording(trees, started, ahead=None, real=verify_step, engine=engine):
+            # launched ahead (not at the last commit: `verify_at_commit`, planned on this
+            # Running)
+            taken.append(ahead is not None and ahead.batch.running is not engine.running)
             return real(trees, started, ahead)
 
         engine._verify_step = recording
@@ -384,3 +411,58 @@ def test_a_verify_pass_launched_ahead_that_fails_loses_no_slot(where):
     requests = run_checking_rows(engine, prompts, _ahead_params())
     assert failed and failed[0] > 0, f"no verify pass launched ahead failed at its {where}"
     _failed_cleanly(engine, requests, prompts)
+
+
+def test_a_verify_pass_launched_at_a_commit_is_charged_to_the_step_that_takes_it(monkeypatch):
+    """The measured pass costs (`PassCost`, fitted from each step's time) see a verify pass's
+    launch at a commit, the proposal included, in the verify step that takes it, not in the
+    step that launched it. A clock that moves only when the proposer is asked (one unit a
+    call) makes each step's observed time its proposals."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    engine = tiny_engine("torch", speculative=True, launch_ahead=True, draft_cost=None)
+    spec = engine.spec
+    propose, observe, step, verify_step = (
+        spec.propose,
+        spec.observe,
+        engine.step,
+        engine._verify_step,
+    )
+    observed, steps, took = [], [], []
+
+    def proposing(*args):
+        clock[0] += 1.0
+        return propose(*args)
+
+    def observing(rows, started, verify=False):
+        observed.append(clock[0] - started)
+        return observe(rows, started, verify)
+
+    def stepping():
+        before, launched = clock[0], engine.stats["verify_launched_at_commit"]
+        step()
+        steps.append((clock[0] - before, engine.stats["verify_launched_at_commit"] > launched))
+
+    def verifying(trees, started, ahead=None):
+        took.append(ahead is not None and ahead.batch.running is engine.running)
+        return verify_step(trees, started, ahead)
+
+    spec.propose, spec.observe = proposing, observing
+    engine.step, engine._verify_step = stepping, verifying
+    run_checking_rows(engine, _drafting_a_while(), _ahead_params())
+    modes = [mode for mode, _ in engine.step_times]
+    assert len(steps) == len(modes) and len(observed) == sum(
+        m in ("decode", "verify") for m in modes
+    )
+    taking, seen = iter(took), iter(observed)
+    charged = checked = 0
+    for (mode, _), (proposals, launched) in zip(engine.step_times, steps, strict=True):
+        if mode not in ("decode", "verify"):
+            continue
+        taken = mode == "verify" and next(taking)
+        # this step's proposals, less the one that launched the next step's verify pass,
+        # plus the one of the verify pass it took
+        assert next(seen) == proposals - launched + taken, (mode, proposals, launched, taken)
+        charged += taken
+        checked += launched
+    assert charged and checked, "no verify pass was launched at a commit and taken"
