@@ -129,10 +129,13 @@ def timed(
     systems: dict[str, object], prompts: list[list[int]], max_tokens: int
 ) -> dict[str, tuple[list[float], list[list[int]]]]:
     """Per system: (seconds per prompt, outputs), one prompt at a time. The systems take
-    turns on each prompt, so a change in machine load hits them all alike."""
+    turns on each prompt, so a change in machine load hits them all alike; the order of the
+    turns is reversed on every other prompt, so that none always runs right after the same
+    one (a slow HF run, say)."""
     results: dict[str, tuple[list[float], list[list[int]]]] = {k: ([], []) for k in systems}
-    for ids in prompts:
-        for key, system in systems.items():
+    for index, ids in enumerate(prompts):
+        order = list(systems.items())
+        for key, system in order if index % 2 == 0 else reversed(order):
             started = time.perf_counter()
             output = system.generate(ids, max_tokens)
             results[key][0].append(time.perf_counter() - started)

@@ -41,14 +41,14 @@ def run(engine: Engine, steps: int = 10_000) -> None:
     raise AssertionError("the engine did not finish")
 
 
-def draft_in_turns(engine: Engine, drafts: int = 2) -> None:
-    """Make `engine`'s proposer draft nothing, then draft twice, in turns as it is asked (a
-    chain of `drafts` guesses a request, its pending token + 1, + 2, ..., which the model
-    hardly ever samples; nothing where the pool has no room), whatever tokens the model gives
-    (they differ between devices). With `launch_ahead` the step that drafts nothing launches
-    the next pass ahead, the first drafts then wait for it (or, with `verify_ahead`, are
-    launched after it), and the second are verified at once. Greedy outputs stay those of
-    plain decoding."""
+def draft_in_turns(engine: Engine, drafts: int = 2, turn: int = 3) -> None:
+    """Make `engine`'s proposer draft nothing, then draft `turn` - 1 times, in turns as it is
+    asked (a chain of `drafts` guesses a request, its pending token + 1, + 2, ..., which the
+    model hardly ever samples; nothing where the pool has no room), whatever tokens the model
+    gives (they differ between devices). With `launch_ahead` the step that drafts nothing
+    launches the next pass ahead, the first drafts then wait for it (or, with `verify_ahead`,
+    are launched after it), and the next are verified at once (launched at the commit of the
+    step before). Greedy outputs stay those of plain decoding."""
     spec = engine.spec
     assert spec is not None
     asked = [0]
@@ -56,7 +56,7 @@ def draft_in_turns(engine: Engine, drafts: int = 2) -> None:
     def propose(running, free_slots):
         asked[0] += 1
         count = len(running)
-        if asked[0] % 3 == 1 or free_slots < count * (drafts + 1):
+        if asked[0] % turn == 1 or free_slots < count * (drafts + 1):
             return None
         roots = running.last_tokens.tolist()
         vocab = engine.runtime.vocab_size
@@ -66,4 +66,4 @@ def draft_in_turns(engine: Engine, drafts: int = 2) -> None:
         )
 
     spec.propose = propose
-    spec.will_draft = lambda running: (asked[0] + 1) % 3 != 1
+    spec.will_draft = lambda running: (asked[0] + 1) % turn != 1

@@ -500,30 +500,33 @@ def test_a_pass_launched_at_a_commit_replays_after_the_commits_writes(monkeypatc
     pass launched once a speculative step's pass commits (`Engine._launch_next`: a decode
     pass after a verify pass, a verify pass after either) replays its graph after the
     commit's table writes (a verify pass's accepted paths): tokens equal the eager path's
-    and the mirror ends equal to the host table."""
+    and the mirror ends equal to the host table. With the proposer's drafts (a repeating
+    prompt: paths accepted), and with drafts in turns whatever the model's tokens (every
+    kind of launch on any device)."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9] * 3, *_prompts(2)]
     eager = _engine(speculative=True, draft_budget=4).generate(prompts, params)
     monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
-    engine = _engine(speculative=True, draft_budget=4, launch_ahead=True)
-    table, runner = engine.book.table, engine.runner
-    runner.graphs = graph_runners(runner.model, runner.backend, 4, 5, DEVICE == "cuda", table)
-    real, replays, launched = engine._launch_next, [], []
+    kinds = set()
+    for in_turns in (False, True):
+        engine = _engine(speculative=True, draft_budget=4, launch_ahead=True)
+        if in_turns:
+            draft_in_turns(engine, turn=4)
+        table, runner = engine.book.table, engine.runner
+        runner.graphs = graph_runners(runner.model, runner.backend, 4, 5, DEVICE == "cuda", table)
+        real, launched, replays = engine._launch_next, [], _count_replays(engine)
 
-    def launch_next(verify):
-        before = engine.ahead.launched
-        real(verify)
-        if engine.ahead.launched and not before:  # replayed at its launch: the last replay
-            launched.append((len(replays), engine.ahead.prepared.batch.mode))
+        def launch_next(verify, real=real, engine=engine, launched=launched, replays=replays):
+            before = engine.ahead.launched
+            real(verify)
+            if engine.ahead.launched and not before:  # replayed at its launch: the last one
+                launched.append((len(replays), engine.ahead.prepared.batch.mode))
 
-    engine._launch_next = launch_next
-    replays = _count_replays(engine)
-    _replays_as_eager(engine, prompts, params, eager)
-    assert {(replays[at - 2], mode) for at, mode in launched} >= {
-        (Mode.VERIFY, Mode.DECODE),
-        (Mode.VERIFY, Mode.VERIFY),
-    }, "no pass of each kind was launched after a verify pass"
-    assert all(replays[at - 1] == mode for at, mode in launched)
+        engine._launch_next = launch_next
+        _replays_as_eager(engine, prompts, params, eager)
+        assert all(replays[at - 1] == mode for at, mode in launched)
+        kinds |= {(replays[at - 2], mode) for at, mode in launched}
+    assert kinds >= {(Mode.VERIFY, Mode.DECODE), (Mode.VERIFY, Mode.VERIFY)}, kinds
 
 
 def test_a_verify_pass_launched_ahead_replays_after_the_decode_pass_it_follows(monkeypatch):
