@@ -125,8 +125,9 @@ def _extend_kernel(
     req = tl.program_id(R_AXIS)
     head = tl.program_id(H_AXIS)
     kv_head = head // GROUP
-    qo_start = tl.load(qo_indptr + req)
-    num_new = tl.load(qo_indptr + req + 1) - qo_start
+    # int32 whatever the offsets' type (a graph's are int64): descriptor loads take 32 bits
+    qo_start = tl.load(qo_indptr + req).to(tl.int32)
+    num_new = tl.load(qo_indptr + req + 1).to(tl.int32) - qo_start
     first = q_block_id * BLOCK_M
     if first < num_new:
         prefix = tl.load(prefix_lens + req)

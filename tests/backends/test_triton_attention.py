@@ -173,8 +173,13 @@ def _extend_direct(case):
     case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
     case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
 
-    def run(q, k, v, config: dict) -> torch.Tensor:
+    def run(q, k, v, config: dict, offsets: torch.dtype | None = None) -> torch.Tensor:
+        """`offsets`: the requests' offsets in that dtype (a CUDA graph's are int64)."""
         out = torch.full_like(case.q, float("nan"))
+        kv_indptr, qo_indptr, prefix_lens = (
+            t if offsets is None else t.to(offsets)
+            for t in (meta.kv_indptr, meta.qo_indptr, meta.prefix_lens)
+        )
         triton_extend.extend_attention(
             q,
             k,
@@ -182,9 +187,9 @@ def _extend_direct(case):
             case.pool.k_cache[0],
             case.pool.v_cache[0],
             meta.kv_indices,
-            meta.kv_indptr,
-            meta.qo_indptr,
-            meta.prefix_lens,
+            kv_indptr,
+            qo_indptr,
+            prefix_lens,
             out,
             meta.max_new_len,
             q.shape[-1] ** -0.5,
@@ -200,8 +205,9 @@ def _extend_direct(case):
 def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
     """Extend with the new tokens' q/K/V through TMA descriptors (config TMA=True) equals the
     pointer loads and the reference, on ragged requests whose tiles run past their own tokens
-    into the next request's (masked) and past the last token (zero-filled). `sliced`: q, k, v
-    as views of one fused qkv tensor, the layout the model hands over."""
+    into the next request's (masked) and past the last token (zero-filled), with the
+    requests' offsets in int32 (an eager pass's) or int64 (a CUDA graph's). `sliced`: q, k,
+    v as views of one fused qkv tensor, the layout the model hands over."""
     prefix, new = [300, 0, 7, 64], [70, 129, 1, 64]
     case = make_case("extend", prefix, new, 2, 4, 128, DTYPES[-1], seed=27)
     q, k, v = case.q, case.k, case.v
@@ -218,6 +224,9 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
     outs = {tma: run(q, k, v, {"TMA": tma}) for tma in (False, True)}
     assert relative_error(outs[True], ref) < TOLERANCE[DTYPES[-1]]
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-3, atol=1e-3)
+    # a CUDA graph's offsets are int64: the descriptor loads take them as 32-bit rows
+    wide = run(q, k, v, {"TMA": True}, offsets=torch.int64)
+    torch.testing.assert_close(wide, outs[True], rtol=0, atol=0)
 
 
 def test_extend_grid_orders_give_the_same_outputs() -> None:

@@ -434,6 +434,21 @@ def test_the_engine_replays_extend_graphs_when_asked():
     engine.check()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="half-precision graphs of the Triton kernels")
+def test_extend_graphs_capture_in_half_precision():
+    """In bf16 (where a Hopper GPU's extend attention reads q, K and V through tensor-memory
+    descriptors, whose offsets are 32-bit while a graph's are int64) the engine captures its
+    extend graphs (the default) and prompts replay them: tokens equal the eager engine's."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _prompts(3)
+    eager = _engine(dtype="bfloat16", cuda_graph_max_tokens=0).generate(prompts, params)
+    engine = _engine(dtype="bfloat16", cuda_graph_max_batch=4, cuda_graph_max_tokens=64)
+    replays = _count_replays(engine)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager]
+    assert Mode.EXTEND in replays
+    engine.check()
+
+
 def test_extend_graphs_stop_at_the_longest_pass_the_scheduler_plans(monkeypatch):
     """The runtime asks for extend graphs up to `cuda_graph_max_tokens`, or up to the longest
     extend pass the scheduler plans where that is shorter (`most_extend_tokens`: the chunk
