@@ -77,7 +77,8 @@ class Passes:
         its logprobs after, where asked, from the logits before the mask; the tokens stay on
         the device until `fetch` (their copy to the host starts at once). `input_ids`: on
         the device, in place of `batch.input_ids` (`ModelRunner.launch`); `ahead`: launched
-        before the running pass's tokens reach the requests (one step further on)."""
+        before the running pass's tokens reach the requests (its penalties count those
+        `input_ids`; its seeded draws are numbered by `batch`'s Running, one step on)."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
