@@ -234,9 +234,7 @@ class SpeculativeSteps:
             return
         ahead.fit(running)  # a plan made during the pass stays only where it fits
         assert self.spec is not None
-        if self.spec.will_draft(running):
-            if not verify:
-                return  # the next step proposes
+        if verify:  # `propose` asks the proposer only where `will_draft` would say so
             started = time.perf_counter()
             trees = self.spec.propose(running, self.book.num_available + ahead.num_held)
             if trees is not None:
@@ -252,6 +250,8 @@ class SpeculativeSteps:
                     )
                     self.stats["verify_launched_at_commit"] += 1
                 return
+        elif self.spec.will_draft(running):
+            return  # the next step proposes
         if ahead.prepared is None and not ahead.plan_committed(running):
             return
         # the committed tokens: a plan made during the pass holds older ones
