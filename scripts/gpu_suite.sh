@@ -18,6 +18,7 @@ GRAPH_MEMCHECK_TESTS=(tests/shell/test_spec_overflow.py tests/shell/test_plan_ah
     tests/shell/test_verify_ahead.py
     tests/shell/test_graphs.py::test_an_extend_pass_replays_the_smallest_graph_it_fits
     tests/shell/test_graphs.py::test_the_engine_replays_extend_graphs_when_asked
+    tests/shell/test_graphs.py::test_extend_graphs_capture_in_half_precision
     tests/shell/test_graphs.py::test_extend_graphs_serve_chunks_mixed_passes_and_cached_prefixes
     tests/shell/test_graphs.py::test_a_pass_launched_at_a_commit_replays_after_the_commits_writes
     tests/shell/test_graphs.py::test_a_verify_pass_launched_ahead_replays_after_the_decode_pass_it_follows)
