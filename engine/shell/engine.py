@@ -452,7 +452,9 @@ class Engine(SpeculativeSteps):
             launched = self._prepare_next(open_pass, launched, launch_next, drafts)
             sampled = self.passes.tokens(launched)
             result = self.machine.decode(batch, sampled)
-            self._commit_pass(open_pass, result, launch_next=self.spec is not None)
+            # with speculation, the next pass where none was launched during this one
+            launch_next = self.spec is not None and not self.ahead.launched
+            self._commit_pass(open_pass, result, launch_next=launch_next)
         self.ahead.fit(self.running)  # requests that finished leave the plan
         return "decode"
 
