@@ -112,15 +112,12 @@ class PlanAhead:
         tokens here stand in only). Returns whether `batch`'s early table writes were
         applied (False: the pool had no room; nothing done)."""
         following = self.machine.assume_decoded(batch)
-        if self.book.num_available < (len(following) if trees is None else trees.sizes.total):
+        if not self._fits(following, trees):
             return False
         self.book.apply(self.machine.decode_writes(batch))
-        if trees is None:
-            self._prepare(following)
-        else:
-            trees = with_roots(trees, following.last_tokens)
-            slots = self.book.alloc(trees.sizes.total)
-            self._prepare_batch(self.machine.schedule_verify(following, trees, slots))
+        self._prepare(
+            following, None if trees is None else with_roots(trees, following.last_tokens)
+        )
         return True
 
     def take_verify(self, running: Running) -> Prepared | None:
@@ -136,21 +133,23 @@ class PlanAhead:
         them. False where the pool has no room (nothing done)."""
         if self.prepared is not None:
             raise ValueError("plan_committed() needs no plan held")
-        if self.book.num_available < (len(running) if trees is None else trees.sizes.total):
+        if not self._fits(running, trees):
             return False
-        if trees is None:
-            self._prepare(running)
-        else:
-            slots = self.book.alloc(trees.sizes.total)
-            self._prepare_batch(self.machine.schedule_verify(running, trees, slots))
+        self._prepare(running, trees)
         return True
 
-    def _prepare(self, running: Running) -> None:
-        """Hand out the slots of `running`'s decode pass and have the runner plan it."""
-        self._prepare_batch(self.machine.schedule_decode(running, self.book.alloc(len(running))))
+    def _fits(self, running: Running, trees: DraftTrees | None) -> bool:
+        """Whether the pool can hand out the slots of `running`'s decode pass (a slot a
+        request), or with `trees` its verify pass (a slot a node)."""
+        return self.book.num_available >= (len(running) if trees is None else trees.sizes.total)
 
-    def _prepare_batch(self, nxt: state.Batch) -> None:
-        """Have the runner plan `nxt` (its slots handed out); they go back if that fails."""
+    def _prepare(self, running: Running, trees: DraftTrees | None = None) -> None:
+        """Hand out the slots of `running`'s decode pass, or with `trees` its verify pass, and
+        have the runner plan it; the slots go back if that fails."""
+        if trees is None:
+            nxt = self.machine.schedule_decode(running, self.book.alloc(len(running)))
+        else:
+            nxt = self.machine.schedule_verify(running, trees, self.book.alloc(trees.sizes.total))
         try:
             self.prepared = self.runner.prepare(nxt)
         except BaseException:

@@ -544,7 +544,7 @@ class Engine(SpeculativeSteps):
         self.passes.hit("commit")
         # a verify pass's early writes are its roots': its commit writes its whole paths
         written = open_pass.table_written and state.writes_whole(open_pass.batch)
-        self._apply(result, rest, written)
+        emitted = self._apply(result, rest, written)
         open_pass.committed = True
         early = launch_next and self._launches_before_outputs()
         failure = None
@@ -553,7 +553,7 @@ class Engine(SpeculativeSteps):
                 self._launch_next(verify=self.config.verify_at_commit)
             except Exception as error:
                 failure = error
-        self._emit(result.effects)
+        self._emit(result.effects, emitted)
         if failure is not None:
             raise failure
         if launch_next and not early:
@@ -561,24 +561,26 @@ class Engine(SpeculativeSteps):
 
     def _commit(self, result: state.Result, rest: Running | None = None) -> None:
         """Apply a transition that runs no pass (admission, retraction, finish, abort)."""
-        self._apply(result, rest)
-        self._emit(result.effects)
+        self._emit(result.effects, self._apply(result, rest))
 
     def _apply(
         self, result: state.Result, rest: Running | None = None, table_written: bool = False
-    ) -> None:
+    ) -> dict[int, list[int]]:
         """A transition's effects to the KV book, its snapshot in place, its tokens to the
         proposer's histories. `rest`: the running requests that were not part of the
         transition's batch; `table_written`: its table writes were applied early
-        (`PlanAhead.plan`)."""
+        (`PlanAhead.plan`). Returns the tokens it emitted by request (`Effects.emitted`), for
+        the outputs."""
         effects = result.effects
         self.book.apply(effects, table_written, self._history(effects))
         self.running = (
             result.running if rest is None or not len(rest) else state.merge(rest, result.running)
         )
-        if self.spec is not None and effects.emitted_tokens.shape[0]:
-            for uid, tokens in effects.emitted().items():  # the proposer's histories
+        emitted = effects.emitted() if effects.emitted_tokens.shape[0] else {}
+        if self.spec is not None:
+            for uid, tokens in emitted.items():  # the proposer's histories
                 self.spec.extend(uid, tokens)
+        return emitted
 
     def _history(self, effects: state.Effects | None = None) -> Any:
         """(uid, n) -> the first n tokens of a request, for the KV book: those its record
@@ -598,10 +600,10 @@ class Engine(SpeculativeSteps):
 
         return history
 
-    def _emit(self, effects: state.Effects) -> None:
-        """A transition's tokens and finishes to its requests; a stop string's end, or the
-        end of a request's grammar, commits."""
-        ending = self.outputs.emit(effects, self.passes.take_logprobs())
+    def _emit(self, effects: state.Effects, emitted: dict[int, list[int]]) -> None:
+        """A transition's tokens (`emitted`, from `_apply`) and finishes to its requests; a
+        stop string's end, or the end of a request's grammar, commits."""
+        ending = self.outputs.emit(effects, self.passes.take_logprobs(), emitted)
         if not ending:  # most passes: nobody ends here
             return
         for reason in (FinishReason.STOP, FinishReason.ERROR):

@@ -174,12 +174,10 @@ class SpeculativeSteps:
         penalties (edited by the history), or where no draft is left below the guesses.
         Returns whether it was launched (else the decode pass after this one is planned)."""
         sampled = launched.sampled
-        uids = open_pass.batch.running.rids.tolist()
         if (
             not (self.config.verify_ahead and self.launch_ahead)
             or sampled is None
-            or self.grammars.constrains(uids)
-            or not self.outputs.edited_uids.isdisjoint(uids)
+            or not self._launches_before_outputs(open_pass.batch.running)
         ):
             return False
         trees, guesses = reroot(drafts)
@@ -261,9 +259,9 @@ class SpeculativeSteps:
             )
         )
 
-    def _launches_before_outputs(self) -> bool:
-        """Whether the running requests' next pass may launch before the last pass's outputs
-        are emitted: none has a grammar (its state advances with them), a bias or penalties
-        (their counts)."""
-        uids = self.running.rids.tolist()
+    def _launches_before_outputs(self, running: Running | None = None) -> bool:
+        """Whether the next pass of `running` (default: the running requests) may launch
+        before the last pass's outputs reach them: none has a grammar (its state advances
+        with them), a bias or penalties (their counts)."""
+        uids = (self.running if running is None else running).rids.tolist()
         return not self.grammars.constrains(uids) and self.outputs.edited_uids.isdisjoint(uids)
