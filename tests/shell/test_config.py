@@ -25,6 +25,10 @@ from engine.shell.config import EngineConfig
         ("draft_cost", 2),
         ("draft_cost", True),
         ("draft_cost", "0.1"),
+        ("draft_min_match", 0),
+        ("draft_min_match", 16),
+        ("draft_min_match", 2.0),
+        ("draft_min_match", True),
         # a bool is not a count, and a fraction must be a number (these passed, or raised a
         # TypeError that named nothing)
         ("max_running_requests", True),

@@ -300,6 +300,35 @@ def test_requests_at_budget_zero_are_not_proposed_for(assert_all_free):
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize(
+    ("settings", "min_match"),
+    [
+        (dict(), 2),  # passes run in step with the host: drafting costs no wait
+        (dict(launch_ahead=True), 4),  # a step that may draft holds the next pass back
+        (dict(launch_ahead=True, plan_ahead=False), 2),  # nothing is launched ahead
+        (dict(draft_min_match=3), 3),
+        (dict(launch_ahead=True, draft_min_match=3), 3),
+        (dict(draft_min_match=9), 9),
+    ],
+)
+def test_the_shortest_match_a_draft_continues(settings, min_match):
+    """`draft_min_match` reaches the proposer (the longest match tried is at least it); its
+    default is 4 where passes are launched ahead, else 2. A text whose last `min_match`
+    tokens occurred before, followed by a token, drafts that token; one whose last
+    `min_match` tokens did not (only a shorter suffix did) drafts nothing."""
+    spec = _tiny(speculative=True, **settings).spec
+    assert spec is not None
+    assert spec.config.min_match == spec.proposer.config.min_match == min_match
+    assert spec.proposer.config.max_match == max(min_match, 6)
+    motif, other = list(range(10, 10 + min_match)), list(range(40, 40 + min_match))
+    spec.add_request(1, [3, *motif, 4, *motif])  # its last min_match tokens, then 4, before
+    spec.add_request(2, [3, *other[1:], 4, 5, *other])  # only the last min_match - 1 before
+    drafted = spec.proposer.propose_batch([1, 2], [4, 4])
+    first, second = drafted.sizes.lens.tolist()
+    assert first > 1 and drafted.tokens[1] == 4  # request 1's root has 4 below it
+    assert second == 1  # request 2's root alone
+
+
 @pytest.mark.parametrize("prompt_len", [20, 32])
 def test_a_request_near_the_pools_size_runs_as_without_speculation(prompt_len, assert_all_free):
     """A pool of 40 slots, alone. 32 prompt tokens: the pool holds them and one more, not a

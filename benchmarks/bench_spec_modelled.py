@@ -1,0 +1,266 @@
+"""Speculation's speed-up on a GPU, modelled on a CPU: the default model runs here (fp32, batch
+1, greedy, the prompts of `bench_spec.py`), and each engine's steps are timed as a GPU would
+run them, from a table of its pass times and the host's gaps.
+
+    .venv/bin/python benchmarks/bench_spec_modelled.py [--only nothing-to-copy] [--quick]
+        [--gap-ms 0.35] [--variant FIELD=VALUE ...]
+
+Why: the policies that decide what speculation drafts (`SpecConfig`, the engine's launches)
+change which passes run, not how long a pass takes; a GPU session is short, and its run to
+run noise (tens of percent between processes) hides changes of a few percent. The tokens,
+trees and launches here are the engine's own; only the clock is modelled.
+
+The model of the device: passes run one after another. A decode pass takes `--decode-ms`; a
+verify pass the time of the verify graph its widest tree replays (`graphs.verify_widths`:
+trees of up to 4, 8 and 13 nodes, `--verify-ms`). Where a pass's tokens are read on the host
+and no later pass was launched yet (nothing queued on the device), the device waits for the
+host's work up to the next launch: `--gap-ms` (the commit, the proposer, the plan). A pass
+launched ahead (before the last one's tokens are read) leaves no such wait; neither a plain
+engine's decode steps nor a speculative engine's where no request will draft wait at all.
+Prompts' extend passes are left out (the same in both engines): the figures are the decode
+phase's. The engines' cost model (`PassCost`) fits these modelled step times, not the CPU's,
+so adaptive drafting decides as on that GPU.
+
+Defaults: the H200's pass times for the default model, fp32, batch 1, CUDA graphs
+(`bench_steps.py --tree-nodes`, commits d334021/adb8462: decode 0.61 ms; verify 0.77, 0.84 and
+1.31 ms for 4, 8 and 13 rows); the gap is the host's time between a verify pass's read and the
+next launch on a 2-vCPU VM (`bench_host_step.py --gaps`: 0.29-0.47 ms).
+
+Each variant (`--variant FIELD=VALUE`: a `SpecConfig` field, else an `EngineConfig` field;
+`name:FIELD=VALUE,FIELD=VALUE` for several) runs beside the default speculative engine and
+the plain one, prompt by prompt; every engine must emit the same tokens (greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import sys
+from pathlib import Path
+
+import attrs
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_workloads import workloads  # noqa: E402  (benchmarks/, beside this script)
+
+from engine.shell.engine import Engine  # noqa: E402
+from engine.shell.graphs import verify_widths  # noqa: E402
+from engine.spec import SpecConfig  # noqa: E402
+from engine.state import SamplingParams  # noqa: E402
+
+SPEC_FIELDS = {a.name for a in attrs.fields(SpecConfig)}
+
+
+class DeviceModel:
+    """The modelled device of one engine: its passes in launch order (a FIFO of pass times),
+    each read taking the oldest; a read that leaves nothing queued costs the gap."""
+
+    def __init__(self, decode_ms: float, verify_ms: dict[int, float], gap_ms: float) -> None:
+        self.decode_ms, self.gap_ms = decode_ms, gap_ms
+        self.widths = sorted(verify_ms)
+        self.verify_ms = verify_ms
+        self.queued: list[float] = []
+        self.step_ms = 0.0  # the modelled time of the step running now
+        self.total_ms = 0.0  # of the decode phase so far
+        self.passes: dict[str, int] = {}
+        self.waited: str | None = None  # the kind of pass whose read left the device idle
+        self.wait_kinds: dict[str, int] = {}  # "read kind > next launch kind" -> count
+
+    def pass_ms(self, batch) -> tuple[str, float]:
+        if batch.trees is not None:
+            nodes = int(batch.trees.sizes.lens.max())
+            width = self.widths[bisect.bisect_left(self.widths, nodes)]
+            return f"verify {width}", self.verify_ms[width]
+        if batch.mode.name == "DECODE":
+            return "decode", self.decode_ms
+        return "extend", 0.0  # the prompt's: left out
+
+    def launched(self, batch) -> None:
+        kind, ms = self.pass_ms(batch)
+        if self.waited is not None and kind == "extend":  # between two requests: not counted
+            self.total_ms -= self.gap_ms
+        elif self.waited is not None:
+            key = f"{self.waited} > {kind.split()[0]}"
+            self.wait_kinds[key] = self.wait_kinds.get(key, 0) + 1
+        self.waited = None
+        self.passes[kind] = self.passes.get(kind, 0) + 1
+        self.queued.append(ms)
+
+    def read(self, kind: str = "decode") -> None:
+        ms = self.queued.pop(0) if self.queued else 0.0
+        if ms and not self.queued:  # the device waits for the host's next launch
+            ms += self.gap_ms
+            self.waited = kind
+        self.step_ms += ms
+        self.total_ms += ms
+
+    def request_done(self) -> None:
+        """Passes launched ahead for a request that then finished are dropped unread."""
+        self.queued.clear()
+
+
+def modelled_engine(device: DeviceModel, spec: bool, options: dict) -> Engine:
+    """An engine launching as on a GPU (`launch_ahead`), its reads and launches hooked to
+    `device`, its cost model fed the modelled step times."""
+    spec_options = {k: v for k, v in options.items() if k in SPEC_FIELDS}
+    engine_options = {k: v for k, v in options.items() if k not in SPEC_FIELDS}
+    engine = Engine(speculative=spec, launch_ahead=True, **engine_options)
+    passes = engine.passes
+    forward = passes.forward
+
+    def launched(batch, *args, **kwargs):
+        device.launched(batch)
+        return forward(batch, *args, **kwargs)
+
+    passes.forward = launched
+    tokens = passes.tokens
+
+    def read_tokens(*args, **kwargs):
+        out = tokens(*args, **kwargs)
+        device.read()
+        return out
+
+    passes.tokens = read_tokens
+    if engine.spec is not None:
+        spec_state = engine.spec
+        spec_state.stats.config = attrs.evolve(spec_state.stats.config, **spec_options)
+        spec_state.config = spec_state.stats.config
+        spec_state.proposer.config = spec_state.stats.config
+        verify = spec_state._verify
+
+        def read_verify(*args, **kwargs):
+            out = verify(*args, **kwargs)
+            device.read("verify")
+            return out
+
+        spec_state._verify = read_verify
+
+        def observe(rows: int, started: float, verify: bool = False) -> None:
+            if spec_state.config.draft_cost is None and spec_state.config.adaptive:
+                spec_state.cost.observe_step(rows, device.step_ms / 1e3, verify)
+
+        spec_state.observe = observe
+    elif spec_options:
+        raise SystemExit(f"{sorted(spec_options)}: speculation settings need speculation")
+    step = engine.step
+
+    def modelled_step():
+        device.step_ms = 0.0
+        return step()
+
+    engine.step = modelled_step
+    return engine
+
+
+class System:
+    """One engine and its modelled device; per workload: tokens, accepted drafts."""
+
+    def __init__(self, name: str, spec: bool, options: dict, args: argparse.Namespace) -> None:
+        widths = verify_widths(options.get("draft_budget", SpecConfig().draft_budget) + 1)
+        table = dict(zip((4, 8, 13), args.verify_ms, strict=True))
+        verify_ms = {w: table[min(t for t in table if t >= w)] for w in widths}
+        self.name = name
+        self.device = DeviceModel(args.decode_ms, verify_ms, args.gap_ms)
+        self.engine = modelled_engine(self.device, spec, options)
+
+    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
+        out = self.engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0]
+        self.device.request_done()
+        return list(out.token_ids)
+
+    def accepted(self) -> int:
+        spec = self.engine.spec
+        return 0 if spec is None else spec.stats.total().accepted
+
+
+def variant(text: str) -> tuple[str, dict]:
+    """`FIELD=VALUE` or `name:FIELD=VALUE,FIELD=VALUE` -> (name, options); values as JSON."""
+    name, _, settings = text.rpartition(":")
+    options = {}
+    for item in settings.split(","):
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=VALUE[,FIELD=VALUE]")
+        try:
+            options[field] = json.loads(value)
+        except json.JSONDecodeError:
+            options[field] = value
+    return name or settings, options
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--long-max-tokens", type=int, default=512)
+    parser.add_argument("--only", action="append", default=[], help="workload (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="one or two prompts per workload")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--decode-ms", type=float, default=0.61)
+    parser.add_argument(
+        "--verify-ms",
+        type=lambda t: tuple(float(x) for x in t.split(",")),
+        default=(0.77, 0.84, 1.31),
+        help="verify passes of trees of up to 4, 8 and 13 nodes",
+    )
+    parser.add_argument("--gap-ms", type=float, default=0.35)
+    parser.add_argument("--variant", type=variant, action="append", default=[])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    chosen = workloads(args.quick, args.max_tokens, args.long_max_tokens)
+    unknown = set(args.only) - set(chosen)
+    if unknown:
+        raise SystemExit(f"--only: no workload {sorted(unknown)}; there are {sorted(chosen)}")
+    systems = [System("plain", False, {}, args), System("spec", True, {}, args)]
+    systems += [System(name, True, options, args) for name, options in args.variant]
+    tokenizer = systems[0].engine.tokenizer
+    print(
+        f"modelled device: decode {args.decode_ms} ms, verify {args.verify_ms} ms "
+        f"(4/8/13 nodes), gap {args.gap_ms} ms\n"
+    )
+    print(
+        "| workload | engine | decode phase (ms) | plain / this | verify passes (by tree "
+        "width) | device waits: after a decode, then a decode / then a verify; after a verify "
+        "| accepted drafts | same tokens |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (chats, max_tokens) in chosen.items():
+        if args.only and name not in args.only:
+            continue
+        before = [
+            (s.device.total_ms, dict(s.device.wait_kinds), dict(s.device.passes), s.accepted())
+            for s in systems
+        ]
+        outputs: dict[str, list[list[int]]] = {s.name: [] for s in systems}
+        for index, chat in enumerate(chats):
+            ids = tokenizer.apply_chat_template(chat)
+            order = systems if index % 2 == 0 else list(reversed(systems))
+            for system in order:
+                outputs[system.name].append(system.generate(ids, max_tokens))
+        plain_ms = systems[0].device.total_ms - before[0][0]
+        for system, (ms, waits, passes, accepted) in zip(systems, before, strict=True):
+            device = system.device
+            spent = device.total_ms - ms
+            new = {k: v - passes.get(k, 0) for k, v in device.passes.items()}
+            verify = ", ".join(
+                f"{k.split()[1]}: {v}"
+                for k, v in sorted(new.items())
+                if k.startswith("verify") and v
+            )
+            waited = {k: v - waits.get(k, 0) for k, v in device.wait_kinds.items()}
+            after_verify = waited.get("verify > decode", 0) + waited.get("verify > verify", 0)
+            kinds = (
+                f"{waited.get('decode > decode', 0)} / {waited.get('decode > verify', 0)}; "
+                f"{after_verify}"
+            )
+            same = outputs[system.name] == outputs["plain"]
+            print(
+                f"| {name} | {system.name} | {spent:.1f} | {plain_ms / spent:.3f} | "
+                f"{verify or '-'} | {kinds} | {system.accepted() - accepted} | {same} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
