@@ -46,7 +46,7 @@ import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_workloads import workloads  # noqa: E402  (benchmarks/, beside this script)
+from spec_workloads import CHATS_MORE, workloads  # noqa: E402  (benchmarks/, beside this)
 
 from engine.shell.engine import Engine  # noqa: E402
 from engine.shell.graphs import verify_widths  # noqa: E402
@@ -212,6 +212,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     chosen = workloads(args.quick, args.max_tokens, args.long_max_tokens)
+    if not args.quick:
+        chats = [[{"role": "user", "content": text}] for text in CHATS_MORE]
+        chosen["chat, more"] = (chats, args.long_max_tokens // 2)
     unknown = set(args.only) - set(chosen)
     if unknown:
         raise SystemExit(f"--only: no workload {sorted(unknown)}; there are {sorted(chosen)}")

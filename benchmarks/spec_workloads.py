@@ -56,6 +56,23 @@ CHATS = [
     "Why do people enjoy travelling to new places?",
 ]
 
+# more open-ended chat, longer answers: a policy that decides when to draft is judged on more
+# than CHATS' four (`bench_spec_modelled.py`'s "chat, more" workload)
+CHATS_MORE = [
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "Give me advice for my first week at a new job.",
+    "Write a poem about the sea at night.",
+    "What is the difference between weather and climate?",
+    "Plan a three-day trip to Rome for someone who loves history.",
+    "How do I start learning to play the guitar as an adult?",
+    "Compare cats and dogs as pets for a small apartment.",
+    "Tell me about the history of the bicycle.",
+    "Write a friendly email inviting my neighbours to a garden party.",
+    "What should I consider when choosing a laptop for university?",
+    "Describe a busy market in a small town on a Saturday morning.",
+    "Why is sleep important, and how can I sleep better?",
+]
+
 # copy-heavy at the length of real requests: a whole class or module to rename in, a passage
 # of a page to summarise (the short prompts above give 14-70 token answers, where prefill is
 # most of a request's time)
