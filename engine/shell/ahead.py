@@ -156,6 +156,16 @@ class PlanAhead:
             self.book.apply(self.machine.abandon(nxt))
             raise
 
+    def rebatch(self, batch: state.Batch) -> None:
+        """The plan's pass is `batch` from here: the planned pass scheduled again (its layout
+        and its slots, newer tokens). It holds the slots now, so a drop gives up that pass,
+        not the plan it took them from."""
+        if self.prepared is None or self.prepared.launched is not None:
+            raise ValueError("rebatch() needs a plan that was not launched yet")
+        if batch.out_slots is not self.prepared.batch.out_slots:
+            raise ValueError("rebatch() needs the pass that takes the plan's slots")
+        self.prepared = attrs.evolve(self.prepared, batch=batch)
+
     def launch(self, launcher: Callable[[Prepared], Any]) -> None:
         """Launch the plan now: `launcher(prepared)` returns what the launch gives (the
         launched pass, sampled on the device), kept with the plan for the step that takes it."""

@@ -252,12 +252,12 @@ class SpeculativeSteps:
             return  # the next step proposes
         if ahead.prepared is None and not ahead.plan_committed(running):
             return
-        # the committed tokens: a plan made during the pass holds older ones
-        ahead.launch(
-            lambda p: self.passes.launch(
-                self.machine.schedule_decode(running, p.batch.out_slots), p
-            )
-        )
+        # the committed tokens: a plan made during the pass holds older ones; the pass so
+        # scheduled takes the plan's slots, and is the one given up if the launch fails
+        held = ahead.prepared
+        assert held is not None
+        ahead.rebatch(self.machine.schedule_decode(running, held.batch.out_slots))
+        ahead.launch(lambda p: self.passes.launch(p.batch, p))
 
     def _launches_before_outputs(self, running: Running | None = None) -> bool:
         """Whether the next pass of `running` (default: the running requests) may launch

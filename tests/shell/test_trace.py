@@ -137,6 +137,46 @@ def test_other_settings_replay_clean(tmp_path, variant):
         assert any("slots_of" in r for r in verifies)
 
 
+@pytest.mark.parametrize("outcome", ["fails", "is dropped"])
+def test_a_decode_pass_launched_at_a_commit_replays_clean(tmp_path, outcome):
+    """The decode pass launched as a speculative step commits (`Engine._launch_next`) is
+    scheduled again from the committed tokens, taking the plan's slots. Where its launch
+    fails, or where requests leave before the next step takes it, the pass given up must be
+    that one, which holds the slots now, not the plan it took them from: the trace named the
+    plan, and its replay found the launched pass's slots both free and held."""
+    path = tmp_path / "run.jsonl"
+    engine = tiny(trace_path=str(path), speculative=True, launch_ahead=True, draft_min_match=2)
+    launch_next, ahead, seen = engine._launch_next, engine.ahead, []
+
+    def launching(verify):  # the decode pass launched at a commit: fail it, or drop it
+        seen.append(True)
+        launched = ahead.launched
+        launch_next(verify)
+        if outcome == "is dropped" and not launched and ahead.launched:
+            ahead.drop()
+
+    forward = engine.passes.forward
+
+    def failing(batch, *args, **kwargs):
+        if outcome == "fails" and seen and batch.trees is None:
+            seen.clear()
+            raise RuntimeError("injected at a commit's launch")
+        return forward(batch, *args, **kwargs)
+
+    engine._launch_next, engine.passes.forward = launching, failing
+    prompts = [family(20 + i, 6) * 4 for i in range(3)]  # repeats: drafts, verify steps
+    for prompt in prompts:
+        engine.submit(prompt, dict(max_tokens=30, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+        engine.check()
+        seen.clear()
+    engine.close()
+    ops = [r["op"] for r in records(path)]
+    assert "abandon" in ops
+    assert replay_file(str(path)).steps == len(ops)
+
+
 def test_prompts_sent_again_decode_their_first_token_and_replay_clean(tmp_path):
     """Prompts cached but for their last token join the decode pass (no extend pass for
     them): the trace's decode records carry requests that have not sampled yet."""
