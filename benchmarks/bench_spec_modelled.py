@@ -48,12 +48,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_workloads import CHATS_MORE, workloads  # noqa: E402  (benchmarks/, beside this)
 
+from engine.shell.config import EngineConfig  # noqa: E402
 from engine.shell.engine import Engine  # noqa: E402
 from engine.shell.graphs import verify_widths  # noqa: E402
 from engine.spec import SpecConfig  # noqa: E402
 from engine.state import SamplingParams  # noqa: E402
 
-SPEC_FIELDS = {a.name for a in attrs.fields(SpecConfig)}
+# adaptive drafting's and the proposer's settings that are no engine option: set on the
+# engine's SpecConfig after it is built
+SPEC_FIELDS = {a.name for a in attrs.fields(SpecConfig)} - {
+    a.name for a in attrs.fields(EngineConfig)
+}
 
 
 class DeviceModel:
@@ -163,6 +168,8 @@ class System:
     def __init__(self, name: str, spec: bool, options: dict, args: argparse.Namespace) -> None:
         widths = verify_widths(options.get("draft_budget", SpecConfig().draft_budget) + 1)
         table = dict(zip((4, 8, 13), args.verify_ms, strict=True))
+        if widths[-1] > max(table):
+            raise SystemExit(f"--verify-ms times trees of up to {max(table)} nodes")
         verify_ms = {w: table[min(t for t in table if t >= w)] for w in widths}
         self.name = name
         self.device = DeviceModel(args.decode_ms, verify_ms, args.gap_ms)

@@ -40,8 +40,9 @@ from engine.state import DraftTrees, Running
 # matches are common in free text and seldom continue it, so most of those waits bought
 # nothing; a longer match waits less often, for drafts more often accepted.
 # `bench_spec_modelled.py` (the default model's tokens, the H200's pass times, a modelled host
-# gap of 0.35-0.6 ms): chat 0.958 -> 0.984 of plain decoding, long copy-heavy prompts 1.73 ->
-# 1.77x, the short copy-heavy ones 1.70 -> 1.66x (at a gap of 0.45 ms).
+# gap of 0.45 ms), matches of 2 -> 4: chat 0.959 -> 0.984x plain decoding (longer chats
+# 1.110 -> 1.152x), long copy-heavy prompts 1.731 -> 1.767x, short ones 1.744 -> 1.692x
+# (docs/benchmarks.md: at gaps of 0.35 and 0.6 ms too).
 MIN_MATCH_AHEAD = 4
 
 
@@ -51,7 +52,7 @@ class Speculator:
     def __init__(self, runtime: Runtime, config: EngineConfig, launched_ahead: bool) -> None:
         """`launched_ahead`: the engine launches passes before the last one's tokens are read
         (a step that may draft waits for them instead): the default shortest match is then
-        `draft_min_match_ahead`'s."""
+        `MIN_MATCH_AHEAD`."""
         self.vocab_size = runtime.vocab_size
         min_match = config.draft_min_match
         if min_match is None:
