@@ -25,9 +25,15 @@ Defaults: the H200's pass times for the default model, fp32, batch 1, CUDA graph
 (`bench_steps.py --tree-nodes`, commits d334021/adb8462: decode 0.61 ms; verify 0.77, 0.84 and
 1.31 ms for 4, 8 and 13 rows). The gap, 0.45 ms, lies among the host's times from a pass's read
 to the next launch that `bench_host_step.py --gaps` measures on a 2-vCPU VM (0.29-0.51 ms);
-with it the modelled ratios of the engine before `draft_min_match` (matches of 2) fall within
-those measured on the H200 (chat 0.91-0.97x; copy-heavy 1.6-1.8x in the decode phase). Run
-`--gap-ms` 0.35 and 0.6 as well: a policy that wins at one gap only is not a win.
+with it the modelled ratios fall within those measured on the H200 (chat 0.91-0.97x;
+copy-heavy 1.6-1.8x in the decode phase).
+
+`--host-scale S` models the host instead of a constant gap (`HostTimeline`): this process's
+own time outside the model's forward, times S, on a clock of its own beside the device's. Where
+the host's work per step outlasts a pass (a small model on a fast GPU: the H200's plain decode
+steps took 0.68-0.81 ms against a 0.61 ms pass) the device waits on every step, and what
+counts is the host's work per token rather than the waits around verify passes. The two
+models can disagree: a policy is settled on the GPU, and these runs say which A/Bs to make.
 
 Each variant (`--variant FIELD=VALUE`: a `SpecConfig` field, else an `EngineConfig` field;
 `name:FIELD=VALUE,FIELD=VALUE` for several) runs beside the default speculative engine and
@@ -40,6 +46,7 @@ import argparse
 import bisect
 import json
 import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -109,6 +116,65 @@ class DeviceModel:
         self.queued.clear()
 
 
+class HostTimeline(DeviceModel):
+    """`--host-scale`: the host's own time measured instead of a constant gap. Two clocks:
+    the host's (this process's time outside the model's forward, which on a GPU would be the
+    device's, times `scale`) and the device's. A launch starts its pass once the device is
+    free and the host has got there; a read waits for its pass to end. So the device waits
+    wherever the host's work between a read and the next launch, or between launches, is
+    longer than the passes queued (a step whose host work outlasts its pass included), and
+    the host's proposals, plans and walks are charged as they took here."""
+
+    def __init__(self, decode_ms: float, verify_ms: dict[int, float], scale: float) -> None:
+        super().__init__(decode_ms, verify_ms, 0.0)
+        self.scale = scale
+        self.host_ms = 0.0
+        self.device_free_ms = 0.0
+        self.ends: list[float] = []  # the queued passes' modelled ends
+        self.mark = time.perf_counter()
+
+    def _host_work(self) -> None:
+        now = time.perf_counter()
+        spent = (now - self.mark) * 1e3 * self.scale
+        self.host_ms += spent
+        self.step_ms += spent
+        self.total_ms += spent
+        self.mark = now
+
+    def launched(self, batch) -> None:
+        self._host_work()
+        kind, ms = self.pass_ms(batch)
+        self.passes[kind] = self.passes.get(kind, 0) + 1
+        start = max(self.device_free_ms, self.host_ms)
+        if start > self.device_free_ms and self.device_free_ms and ms:  # the device waited
+            key = f"{self.waited or 'launch'} > {kind.split()[0]}"  # launch: the host was late
+            self.wait_kinds[key] = self.wait_kinds.get(key, 0) + 1
+        self.waited = None
+        self.device_free_ms = start + ms
+        self.ends.append(self.device_free_ms)
+
+    def resume(self) -> None:
+        """The model's forward returned (its time on this CPU is no host's work)."""
+        self.mark = time.perf_counter()
+
+    def read(self, kind: str = "decode") -> None:
+        self._host_work()
+        end = self.ends.pop(0) if self.ends else self.host_ms
+        if not self.ends:
+            self.waited = kind
+        if end > self.host_ms:  # the host waits for the pass
+            waited = end - self.host_ms
+            self.host_ms = end
+            self.step_ms += waited
+            self.total_ms += waited
+        self.mark = time.perf_counter()
+
+    def request_done(self) -> None:
+        self._host_work()
+        self.ends.clear()
+        self.waited = None
+
+
 def modelled_engine(device: DeviceModel, spec: bool, options: dict) -> Engine:
     """An engine launching as on a GPU (`launch_ahead`), its reads and launches hooked to
     `device`, its cost model fed the modelled step times."""
@@ -120,7 +186,11 @@ def modelled_engine(device: DeviceModel, spec: bool, options: dict) -> Engine:
 
     def launched(batch, *args, **kwargs):
         device.launched(batch)
-        return forward(batch, *args, **kwargs)
+        try:
+            return forward(batch, *args, **kwargs)
+        finally:
+            if isinstance(device, HostTimeline):
+                device.resume()
 
     passes.forward = launched
     tokens = passes.tokens
@@ -172,10 +242,16 @@ class System:
             raise SystemExit(f"--verify-ms times trees of up to {max(table)} nodes")
         verify_ms = {w: table[min(t for t in table if t >= w)] for w in widths}
         self.name = name
-        self.device = DeviceModel(args.decode_ms, verify_ms, args.gap_ms)
+        self.device = (
+            DeviceModel(args.decode_ms, verify_ms, args.gap_ms)
+            if args.host_scale is None
+            else HostTimeline(args.decode_ms, verify_ms, args.host_scale)
+        )
         self.engine = modelled_engine(self.device, spec, options)
 
     def generate(self, ids: list[int], max_tokens: int) -> list[int]:
+        if isinstance(self.device, HostTimeline):
+            self.device.mark = time.perf_counter()
         out = self.engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0]
         self.device.request_done()
         return list(out.token_ids)
@@ -215,6 +291,12 @@ def main() -> None:
         help="verify passes of trees of up to 4, 8 and 13 nodes",
     )
     parser.add_argument("--gap-ms", type=float, default=0.45)
+    parser.add_argument(
+        "--host-scale",
+        type=float,
+        help="instead of --gap-ms: the host's own time as measured here, times this "
+        "(`HostTimeline`)",
+    )
     parser.add_argument("--variant", type=variant, action="append", default=[])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -66,10 +66,9 @@ def _draft_cost(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 def _min_match(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     depth = SpecConfig().max_trie_depth
-    if value is not None and not (is_int(value) and 1 <= value < depth):
+    if not (is_int(value) and 1 <= value < depth):
         raise ValueError(
-            f"{attribute.name}={value!r} is not allowed; it must be None (the default for "
-            f"the device) or an integer in [1, {depth - 1}]"
+            f"{attribute.name}={value!r} is not allowed; it must be an integer in [1, {depth - 1}]"
         )
 
 
@@ -209,12 +208,10 @@ class EngineConfig:
     )
     speculative: bool = _field(False, "n-gram speculative decoding with draft trees")
     draft_budget: int = _field(12, "draft tokens per request per verify step", _positive)
-    draft_min_match: int | None = _field(
-        None,
+    draft_min_match: int = _field(
+        2,
         "shortest n-gram (the last tokens of a request's text, found earlier in it or in "
-        "other requests' text) that a draft continues; the longest tried is max(6, this). "
-        "None: 4 where passes are launched ahead (launch_ahead: a step that may draft makes "
-        "the device wait for the host's proposal), else 2",
+        "other requests' text) that a draft continues; the longest tried is max(6, this)",
         _min_match,
     )
     draft_cost: float | None = _field(

@@ -87,21 +87,7 @@ class Engine(SpeculativeSteps):
         self.inbox = Inbox()  # submissions and aborts from any thread
         self.stats = collections.Counter()
         self.step_times: collections.deque = collections.deque(maxlen=1024)
-        launch_ahead = self.config.launch_ahead  # None: where the device runs apart from us
-        if launch_ahead is None:
-            launch_ahead = rt.device.type == "cuda" and self.config.tensor_parallel_size == 1
-        self.launch_ahead: bool = launch_ahead
-        if self.config.verify_ahead and not launch_ahead:
-            raise ValueError(
-                f"verify_ahead=True with launch_ahead=None on {rt.device.type} (tensor_parallel_"
-                f"size={self.config.tensor_parallel_size}) is not allowed: passes are launched "
-                "ahead by default only on CUDA with one rank; set launch_ahead=True (one rank)"
-            )
-        self.spec = (
-            Speculator(rt, self.config, launch_ahead and self.config.plan_ahead)
-            if self.config.speculative
-            else None
-        )
+        self.spec = Speculator(rt, self.config) if self.config.speculative else None
         # structured output: matchers, masks
         self.grammars = Grammars(
             rt.tokenizer, rt.vocab_size, rt.eos_id, self.stats, rt.device.type == "cuda"
@@ -116,6 +102,16 @@ class Engine(SpeculativeSteps):
         self.machine = machine(self.config, rt.vocab_size, self.book, self.requests)
         self.ahead = PlanAhead(self.book, runner, self.stats, self.machine)  # next decode
         self.passes = Passes(rt, runner, self.outputs, self.logits, self.ahead)  # launch to tokens
+        launch_ahead = self.config.launch_ahead  # None: where the device runs apart from us
+        if launch_ahead is None:
+            launch_ahead = rt.device.type == "cuda" and self.config.tensor_parallel_size == 1
+        self.launch_ahead: bool = launch_ahead
+        if self.config.verify_ahead and not launch_ahead:
+            raise ValueError(
+                f"verify_ahead=True with launch_ahead=None on {rt.device.type} (tensor_parallel_"
+                f"size={self.config.tensor_parallel_size}) is not allowed: passes are launched "
+                "ahead by default only on CUDA with one rank; set launch_ahead=True (one rank)"
+            )
         self.health = Health()
         # on the CPU, each step's thread count (torch's, which the kernels are passed): at most
         # the CPUs others leave free, since a spinning OpenMP team stalls behind a busy neighbour

@@ -33,35 +33,17 @@ from engine.spec import (
 )
 from engine.state import DraftTrees, Running
 
-# The shortest n-gram a draft continues where passes are launched ahead (`EngineConfig.
-# draft_min_match`'s default there). A step that may draft holds the next pass back until its
-# tokens are read and the proposer has run: the device waits for the host's commit, proposal
-# and plan, whether the proposer then drafts or not, and again after the verify pass. Two-token
-# matches are common in free text and seldom continue it, so most of those waits bought
-# nothing; a longer match waits less often, for drafts more often accepted.
-# `bench_spec_modelled.py` (the default model's tokens, the H200's pass times, a modelled host
-# gap of 0.45 ms), matches of 2 -> 4: chat 0.959 -> 0.984x plain decoding (longer chats
-# 1.110 -> 1.152x), long copy-heavy prompts 1.731 -> 1.767x, short ones 1.744 -> 1.692x
-# (docs/benchmarks.md: at gaps of 0.35 and 0.6 ms too).
-MIN_MATCH_AHEAD = 4
-
 
 class Speculator:
     """Per-request proposer state, acceptance statistics and verify generators."""
 
-    def __init__(self, runtime: Runtime, config: EngineConfig, launched_ahead: bool) -> None:
-        """`launched_ahead`: the engine launches passes before the last one's tokens are read
-        (a step that may draft waits for them instead): the default shortest match is then
-        `MIN_MATCH_AHEAD`."""
+    def __init__(self, runtime: Runtime, config: EngineConfig) -> None:
         self.vocab_size = runtime.vocab_size
-        min_match = config.draft_min_match
-        if min_match is None:
-            min_match = MIN_MATCH_AHEAD if launched_ahead else SpecConfig().min_match
         self.config = SpecConfig(
             draft_budget=config.draft_budget,
             draft_cost=config.draft_cost,
-            min_match=min_match,
-            max_match=max(min_match, SpecConfig().max_match),
+            min_match=config.draft_min_match,
+            max_match=max(config.draft_min_match, SpecConfig().max_match),
         )
         self.proposer = NgramProposer(self.config)
         self.stats = SpecStats(self.config)

@@ -58,9 +58,6 @@ def tiny_engine(backend: str, **overrides) -> Engine:
         cuda_graph_max_batch=0,
         kv_cache_slots=256,
         draft_cost=DRAFT_COST,
-        # the drafts these cases were built on, with passes launched ahead or not (where they
-        # are, the default shortest match is 4)
-        draft_min_match=2,
     )
     return Engine(**{**settings, **overrides})
 

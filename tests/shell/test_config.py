@@ -29,6 +29,7 @@ from engine.shell.config import EngineConfig
         ("draft_min_match", 16),
         ("draft_min_match", 2.0),
         ("draft_min_match", True),
+        ("draft_min_match", None),
         # a bool is not a count, and a fraction must be a number (these passed, or raised a
         # TypeError that named nothing)
         ("max_running_requests", True),

@@ -53,7 +53,7 @@ class EngineMachine(RuleBasedStateMachine):
         launch_ahead=st.booleans(),
         verify_ahead=st.booleans(),
         verify_at_commit=st.booleans(),
-        min_match=st.sampled_from([None, 2]),
+        min_match=st.sampled_from([2, 4]),
         prefix_cache=st.sampled_from([True, True, True, False]),
         mixed=st.booleans(),
         policy=st.sampled_from(["lpm", "fcfs"]),
@@ -67,7 +67,7 @@ class EngineMachine(RuleBasedStateMachine):
         launch_ahead: bool,
         verify_ahead: bool,
         verify_at_commit: bool,
-        min_match: int | None,
+        min_match: int,
         prefix_cache: bool,
         mixed: bool,
         policy: str,
@@ -90,7 +90,7 @@ class EngineMachine(RuleBasedStateMachine):
             # verify passes launched ahead need speculation and launches (refused otherwise)
             verify_ahead=verify_ahead and speculative and launch_ahead,
             verify_at_commit=verify_at_commit,
-            draft_min_match=min_match,  # None: 4 where passes are launched ahead, else 2
+            draft_min_match=min_match,
             draft_budget=6,
             draft_cost=0.1,
         )

@@ -47,9 +47,6 @@ def _engine(**overrides) -> Engine:
         kv_cache_slots=512,
         max_context=128,
         cuda_graph_max_batch=0,
-        # the drafts these cases were built on, on any device (with passes launched ahead,
-        # as on CUDA, the default shortest match is 4)
-        draft_min_match=2,
     )
     return Engine(**(settings | overrides))
 

@@ -253,7 +253,7 @@ def workloads(draw):
         draw(st.booleans()) and settings_["speculative"] and (settings_["launch_ahead"])
     )
     settings_["verify_at_commit"] = draw(st.booleans())
-    settings_["draft_min_match"] = draw(st.sampled_from([None, 2]))  # None: the device's
+    settings_["draft_min_match"] = draw(st.sampled_from([2, 4]))
     abort_at = draw(st.sampled_from([None, 2, 5]))
     return prompts, params, settings_, abort_at
 

@@ -303,17 +303,16 @@ def test_requests_at_budget_zero_are_not_proposed_for(assert_all_free):
 @pytest.mark.parametrize(
     ("settings", "min_match"),
     [
-        (dict(), 2),  # passes run in step with the host: drafting costs no wait
-        (dict(launch_ahead=True), 4),  # a step that may draft holds the next pass back
-        (dict(launch_ahead=True, plan_ahead=False), 2),  # nothing is launched ahead
+        (dict(), 2),
+        (dict(launch_ahead=True), 2),
         (dict(draft_min_match=3), 3),
-        (dict(launch_ahead=True, draft_min_match=3), 3),
+        (dict(launch_ahead=True, draft_min_match=4), 4),
         (dict(draft_min_match=9), 9),
     ],
 )
 def test_the_shortest_match_a_draft_continues(settings, min_match):
-    """`draft_min_match` reaches the proposer (the longest match tried is at least it); its
-    default is 4 where passes are launched ahead, else 2. A text whose last `min_match`
+    """`draft_min_match` (default 2) reaches the proposer (the longest match tried is at
+    least it). A text whose last `min_match`
     tokens occurred before, followed by a token, drafts that token; one whose last
     `min_match` tokens did not (only a shorter suffix did) drafts nothing."""
     spec = _tiny(speculative=True, **settings).spec

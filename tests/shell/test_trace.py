@@ -145,7 +145,7 @@ def test_a_decode_pass_launched_at_a_commit_replays_clean(tmp_path, outcome):
     that one, which holds the slots now, not the plan it took them from: the trace named the
     plan, and its replay found the launched pass's slots both free and held."""
     path = tmp_path / "run.jsonl"
-    engine = tiny(trace_path=str(path), speculative=True, launch_ahead=True, draft_min_match=2)
+    engine = tiny(trace_path=str(path), speculative=True, launch_ahead=True)
     launch_next, ahead, seen = engine._launch_next, engine.ahead, []
 
     def launching(verify):  # the decode pass launched at a commit: fail it, or drop it
