@@ -312,9 +312,9 @@ def test_requests_at_budget_zero_are_not_proposed_for(assert_all_free):
 )
 def test_the_shortest_match_a_draft_continues(settings, min_match):
     """`draft_min_match` (default 2) reaches the proposer (the longest match tried is at
-    least it). A text whose last `min_match`
-    tokens occurred before, followed by a token, drafts that token; one whose last
-    `min_match` tokens did not (only a shorter suffix did) drafts nothing."""
+    least it). A text whose last `min_match` tokens occurred before, followed by a token,
+    drafts that token; one whose last `min_match` tokens did not (only a shorter suffix did)
+    drafts nothing."""
     spec = _tiny(speculative=True, **settings).spec
     assert spec is not None
     assert spec.config.min_match == spec.proposer.config.min_match == min_match
