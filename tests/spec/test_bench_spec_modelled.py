@@ -1,0 +1,73 @@
+"""`benchmarks/bench_spec_modelled.py`'s models of the device: which reads leave the device
+waiting, how verify passes are priced, and the host's clock beside the device's."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+VERIFY_MS = {4: 0.77, 8: 0.84, 13: 1.31}
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_spec_modelled
+
+    return bench_spec_modelled
+
+
+def decode_pass():
+    return SimpleNamespace(trees=None, mode=SimpleNamespace(name="DECODE"))
+
+
+def verify_pass(*sizes):
+    trees = SimpleNamespace(sizes=SimpleNamespace(lens=np.array(sizes)))
+    return SimpleNamespace(trees=trees, mode=SimpleNamespace(name="VERIFY"))
+
+
+def test_a_read_that_leaves_nothing_queued_costs_the_gap(bench):
+    device = bench.DeviceModel(0.61, VERIFY_MS, 0.45)
+    device.launched(decode_pass())
+    device.launched(decode_pass())  # launched ahead of the first one's read
+    device.read()  # the second is queued: no wait
+    assert device.total_ms == pytest.approx(0.61) and device.wait_kinds == {}
+    device.read()  # nothing queued: the device waits for the host's next launch
+    device.launched(verify_pass(3, 9))  # the widest tree (9 nodes) replays the 13-wide graph
+    device.read("verify")
+    device.launched(decode_pass())
+    assert device.total_ms == pytest.approx(0.61 + 0.61 + 0.45 + 1.31 + 0.45)
+    assert device.wait_kinds == {"decode > verify": 1, "verify > decode": 1}
+    assert device.passes == {"decode": 3, "verify 13": 1}
+
+
+def test_a_wait_before_the_next_prompt_is_not_counted(bench):
+    device = bench.DeviceModel(0.61, VERIFY_MS, 0.45)
+    device.launched(decode_pass())
+    device.read()
+    device.request_done()
+    device.launched(SimpleNamespace(trees=None, mode=SimpleNamespace(name="EXTEND")))
+    assert device.total_ms == pytest.approx(0.61) and device.wait_kinds == {}
+
+
+def test_the_host_clock_waits_for_a_pass_and_the_device_for_the_host(bench):
+    """A read waits for its pass to end; a pass launched after more host work than the passes
+    queued starts when the host gets there (the device idle in between)."""
+    device = bench.HostTimeline(0.61, VERIFY_MS, scale=1.0)
+    device.mark = time.perf_counter()
+    device.launched(decode_pass())
+    device.resume()
+    device.read()  # the host waits for the pass: its clock is at least its end
+    assert device.host_ms >= 0.61
+    assert device.waited == "decode"  # nothing queued after it
+    time.sleep(0.002)  # 2 ms of host work before the next launch
+    device.launched(decode_pass())
+    device.resume()
+    assert device.wait_kinds == {"decode > decode": 1}
+    assert device.device_free_ms >= 0.61 + 2.0 + 0.61
+    device.read()  # the host's clock is at the pass's end or past it, never before
+    assert device.host_ms >= device.device_free_ms
