@@ -128,15 +128,18 @@ class HostTimeline(DeviceModel):
     def __init__(self, decode_ms: float, verify_ms: dict[int, float], scale: float) -> None:
         super().__init__(decode_ms, verify_ms, 0.0)
         self.scale = scale
-        self.host_ms = 0.0
         self.device_free_ms = 0.0
         self.ends: list[float] = []  # the queued passes' modelled ends
         self.mark = time.perf_counter()
 
+    @property
+    def host_ms(self) -> float:
+        """The host's clock: every modelled millisecond is the host's, working or waiting."""
+        return self.total_ms
+
     def _host_work(self) -> None:
         now = time.perf_counter()
         spent = (now - self.mark) * 1e3 * self.scale
-        self.host_ms += spent
         self.step_ms += spent
         self.total_ms += spent
         self.mark = now
@@ -164,7 +167,6 @@ class HostTimeline(DeviceModel):
             self.waited = kind
         if end > self.host_ms:  # the host waits for the pass
             waited = end - self.host_ms
-            self.host_ms = end
             self.step_ms += waited
             self.total_ms += waited
         self.mark = time.perf_counter()

@@ -572,29 +572,27 @@ class Engine(SpeculativeSteps):
         (`PlanAhead.plan`). Returns the tokens it emitted by request (`Effects.emitted`), for
         the outputs."""
         effects = result.effects
-        self.book.apply(effects, table_written, self._history(effects))
+        emitted = effects.emitted() if effects.emitted_tokens.shape[0] else {}
+        self.book.apply(effects, table_written, self._history(emitted))
         self.running = (
             result.running if rest is None or not len(rest) else state.merge(rest, result.running)
         )
-        emitted = effects.emitted() if effects.emitted_tokens.shape[0] else {}
         if self.spec is not None:
             for uid, tokens in emitted.items():  # the proposer's histories
                 self.spec.extend(uid, tokens)
         return emitted
 
-    def _history(self, effects: state.Effects | None = None) -> Any:
+    def _history(self, emitted: dict[int, list[int]] | None = None) -> Any:
         """(uid, n) -> the first n tokens of a request, for the KV book: those its record
-        holds, then those `effects` emit to it (applied to the book before the record)."""
-        emitted: dict[int, list[int]] | None = None
+        holds, then those a transition emits to it (`emitted`, by request: applied to the
+        book before the record)."""
 
         def history(uid: int, n: int) -> np.ndarray | list[int]:
-            nonlocal emitted
             request = self.requests[uid]
             if n <= request.num_tokens:
                 return request.id_array()[:n]
             ids = request.all_ids
-            if effects is not None:
-                emitted = effects.emitted() if emitted is None else emitted
+            if emitted:
                 ids = ids + emitted.get(uid, [])[: n - len(ids)]
             return ids
 

@@ -52,17 +52,16 @@ class Outputs:
     def emit(
         self,
         effects: state.Effects,
-        logprobs: dict[int, list[TokenLogprob]] | None = None,
-        emitted: dict[int, list[int]] | None = None,
+        logprobs: dict[int, list[TokenLogprob]] | None,
+        emitted: dict[int, list[int]],
     ) -> dict[int, FinishReason]:
         """A transition's tokens (with their `logprobs`, for requests that asked) and
         finishes to its requests and their streams. Returns the requests still running that
         must end, by uid, with their reason: STOP where a stop string ended the text or the
         grammar is complete, ERROR where the grammar refused a token. The caller finishes
-        them. `emitted`: the tokens by request, where the caller has them already
-        (`Effects.emitted`)."""
+        them. `emitted`: the transition's tokens by request (`Effects.emitted`, built once
+        by the caller)."""
         finished = effects.finished()
-        emitted = effects.emitted() if emitted is None else emitted
         stopped: dict[int, FinishReason] = {}
         progress: dict[int, Progress] = {}
         if self.grammars:  # some request has a grammar

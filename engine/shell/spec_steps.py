@@ -263,5 +263,7 @@ class SpeculativeSteps:
         """Whether the next pass of `running` (default: the running requests) may launch
         before the last pass's outputs reach them: none has a grammar (its state advances
         with them), a bias or penalties (their counts)."""
+        if not self.grammars and not self.outputs.edited_uids:  # most steps: nobody has any
+            return True
         uids = (self.running if running is None else running).rids.tolist()
         return not self.grammars.constrains(uids) and self.outputs.edited_uids.isdisjoint(uids)
