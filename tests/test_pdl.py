@@ -65,7 +65,7 @@ def _called(node: ast.AST) -> set[str]:
 
 def test_the_package_has_the_kernels_this_checks():
     assert {
-        "_gemv_kernel",
+        "gemv_kernel",
         "_decode_split_kernel",
         "_extend_kernel",
         "_merge_splits_kernel",
