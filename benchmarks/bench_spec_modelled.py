@@ -3,7 +3,7 @@
 run them, from a table of its pass times and the host's gaps.
 
     .venv/bin/python benchmarks/bench_spec_modelled.py [--only nothing-to-copy] [--quick]
-        [--gap-ms 0.45] [--variant FIELD=VALUE ...]
+        [--gap-ms 0.45] [--verify-gap-ms 0] [--variant FIELD=VALUE ...]
 
 Why: the policies that decide what speculation drafts (`SpecConfig`, the engine's launches)
 change which passes run, not how long a pass takes; a GPU session is short, and its run to
@@ -17,9 +17,13 @@ and no later pass was launched yet (nothing queued on the device), the device wa
 host's work up to the next launch: `--gap-ms` (the commit, the proposer, the plan). A pass
 launched ahead (before the last one's tokens are read) leaves no such wait; neither a plain
 engine's decode steps nor a speculative engine's where no request will draft wait at all.
-Prompts' extend passes are left out (the same in both engines): the figures are the decode
-phase's. The engines' cost model (`PassCost`) fits these modelled step times, not the CPU's,
-so adaptive drafting decides as on that GPU.
+`--verify-gap-ms` sets the wait after a verify pass's read apart: 0 models the next pass
+launched before the host's walk of the verify pass's trees (a walk on the device), the ceiling
+of that design; the "best path" column says how often such a walk along each tree's best path
+would have found the accepted drafts (`best_path_outcomes`). Prompts' extend passes are left
+out (the same in both engines): the figures are the decode phase's. The engines' cost model
+(`PassCost`) fits these modelled step times, not the CPU's, so adaptive drafting decides as on
+that GPU.
 
 Defaults: the H200's pass times for the default model, fp32, batch 1, CUDA graphs
 (`bench_steps.py --tree-nodes`, commits d334021/adb8462: decode 0.61 ms; verify 0.77, 0.84 and
@@ -72,8 +76,17 @@ class DeviceModel:
     """The modelled device of one engine: its passes in launch order (a FIFO of pass times),
     each read taking the oldest; a read that leaves nothing queued costs the gap."""
 
-    def __init__(self, decode_ms: float, verify_ms: dict[int, float], gap_ms: float) -> None:
+    def __init__(
+        self,
+        decode_ms: float,
+        verify_ms: dict[int, float],
+        gap_ms: float,
+        verify_gap_ms: float | None = None,
+    ) -> None:
+        """`verify_gap_ms`: the wait after a verify pass's read instead (default `gap_ms`)."""
         self.decode_ms, self.gap_ms = decode_ms, gap_ms
+        self.verify_gap_ms = gap_ms if verify_gap_ms is None else verify_gap_ms
+        self.charged = 0.0  # the wait charged at the last read
         self.widths = sorted(verify_ms)
         self.verify_ms = verify_ms
         self.queued: list[float] = []
@@ -95,7 +108,7 @@ class DeviceModel:
     def launched(self, batch) -> None:
         kind, ms = self.pass_ms(batch)
         if self.waited is not None and kind == "extend":  # between two requests: not counted
-            self.total_ms -= self.gap_ms
+            self.total_ms -= self.charged
         elif self.waited is not None:
             key = f"{self.waited} > {kind.split()[0]}"
             self.wait_kinds[key] = self.wait_kinds.get(key, 0) + 1
@@ -105,8 +118,10 @@ class DeviceModel:
 
     def read(self, kind: str = "decode") -> None:
         ms = self.queued.pop(0) if self.queued else 0.0
+        self.charged = 0.0
         if ms and not self.queued:  # the device waits for the host's next launch
-            ms += self.gap_ms
+            self.charged = self.verify_gap_ms if kind == "verify" else self.gap_ms
+            ms += self.charged
             self.waited = kind
         self.step_ms += ms
         self.total_ms += ms
@@ -177,9 +192,40 @@ class HostTimeline(DeviceModel):
         self.waited = None
 
 
-def modelled_engine(device: DeviceModel, spec: bool, options: dict) -> Engine:
+def best_path_outcomes(trees, outcome) -> list[str]:
+    """Per tree that drafted, where its accepted drafts lie against its best path (from the
+    root, each node's first child: the proposer ranks siblings best first): "none" accepted,
+    "all" of it, "part" of it (a prefix), or "off" it (another branch). A walk on the device
+    that follows the best path would know the next pass's input before the host's walk in
+    every case but "off"."""
+    starts, sizes = trees.sizes.starts().tolist(), trees.sizes.lens.tolist()
+    bounds = outcome.accepted_lens.indptr().tolist()
+    out = []
+    for i, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+        if size == 1:
+            continue
+        parents = trees.parents[start : start + size].tolist()
+        first_child: dict[int, int] = {}
+        for node in range(size - 1, 0, -1):  # children follow their parents: lowest id first
+            first_child[parents[node]] = node
+        path, node = [], 0
+        while node in first_child:
+            node = first_child[node]
+            path.append(node)
+        accepted = outcome.accepted_nodes[bounds[i] : bounds[i + 1]].tolist()
+        if accepted != path[: len(accepted)]:
+            out.append("off")
+        else:
+            out.append("none" if not accepted else "all" if accepted == path else "part")
+    return out
+
+
+def modelled_engine(
+    device: DeviceModel, spec: bool, options: dict, outcomes: dict[str, int]
+) -> Engine:
     """An engine launching as on a GPU (`launch_ahead`), its reads and launches hooked to
-    `device`, its cost model fed the modelled step times."""
+    `device`, its cost model fed the modelled step times; its verify outcomes counted in
+    `outcomes` (`best_path_outcomes`)."""
     spec_options = {k: v for k, v in options.items() if k in SPEC_FIELDS}
     engine_options = {k: v for k, v in options.items() if k not in SPEC_FIELDS}
     engine = Engine(speculative=spec, launch_ahead=True, **engine_options)
@@ -210,9 +256,11 @@ def modelled_engine(device: DeviceModel, spec: bool, options: dict) -> Engine:
         spec_state.proposer.config = spec_state.stats.config
         verify = spec_state._verify
 
-        def read_verify(*args, **kwargs):
-            out = verify(*args, **kwargs)
+        def read_verify(batch, *args, **kwargs):
+            out = verify(batch, *args, **kwargs)
             device.read("verify")
+            for kind in best_path_outcomes(batch.trees, out):
+                outcomes[kind] = outcomes.get(kind, 0) + 1
             return out
 
         spec_state._verify = read_verify
@@ -245,11 +293,12 @@ class System:
         verify_ms = {w: table[min(t for t in table if t >= w)] for w in widths}
         self.name = name
         self.device = (
-            DeviceModel(args.decode_ms, verify_ms, args.gap_ms)
+            DeviceModel(args.decode_ms, verify_ms, args.gap_ms, args.verify_gap_ms)
             if args.host_scale is None
             else HostTimeline(args.decode_ms, verify_ms, args.host_scale)
         )
-        self.engine = modelled_engine(self.device, spec, options)
+        self.outcomes: dict[str, int] = {}
+        self.engine = modelled_engine(self.device, spec, options, self.outcomes)
 
     def generate(self, ids: list[int], max_tokens: int) -> list[int]:
         if isinstance(self.device, HostTimeline):
@@ -294,6 +343,12 @@ def main() -> None:
     )
     parser.add_argument("--gap-ms", type=float, default=0.45)
     parser.add_argument(
+        "--verify-gap-ms",
+        type=float,
+        help="the wait after a verify pass's read instead of --gap-ms (0: the next pass "
+        "launched before the host's walk, as a walk on the device would)",
+    )
+    parser.add_argument(
         "--host-scale",
         type=float,
         help="instead of --gap-ms: the host's own time as measured here, times this "
@@ -301,6 +356,8 @@ def main() -> None:
     )
     parser.add_argument("--variant", type=variant, action="append", default=[])
     args = parser.parse_args()
+    if args.host_scale is not None and args.verify_gap_ms is not None:
+        parser.error("--verify-gap-ms is a constant gap's: not with --host-scale")
     torch.set_num_threads(args.threads)
     chosen = workloads(args.quick, args.max_tokens, args.long_max_tokens)
     if not args.quick:
@@ -314,19 +371,28 @@ def main() -> None:
     tokenizer = systems[0].engine.tokenizer
     print(
         f"modelled device: decode {args.decode_ms} ms, verify {args.verify_ms} ms "
-        f"(4/8/13 nodes), gap {args.gap_ms} ms\n"
+        f"(4/8/13 nodes), gap {args.gap_ms} ms"
+        + ("" if args.verify_gap_ms is None else f", after a verify pass {args.verify_gap_ms} ms")
+        + "\n"
     )
     print(
         "| workload | engine | decode phase (ms) | plain / this | verify passes (by tree "
         "width) | device waits: after a decode, then a decode / then a verify; after a verify "
-        "| accepted drafts | same tokens |"
+        "| accepted drafts | trees' accepted drafts on their best path: none / part / all; "
+        "off it | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (chats, max_tokens) in chosen.items():
         if args.only and name not in args.only:
             continue
         before = [
-            (s.device.total_ms, dict(s.device.wait_kinds), dict(s.device.passes), s.accepted())
+            (
+                s.device.total_ms,
+                dict(s.device.wait_kinds),
+                dict(s.device.passes),
+                s.accepted(),
+                dict(s.outcomes),
+            )
             for s in systems
         ]
         outputs: dict[str, list[list[int]]] = {s.name: [] for s in systems}
@@ -336,7 +402,7 @@ def main() -> None:
             for system in order:
                 outputs[system.name].append(system.generate(ids, max_tokens))
         plain_ms = systems[0].device.total_ms - before[0][0]
-        for system, (ms, waits, passes, accepted) in zip(systems, before, strict=True):
+        for system, (ms, waits, passes, accepted, outcomes) in zip(systems, before, strict=True):
             device = system.device
             spent = device.total_ms - ms
             new = {k: v - passes.get(k, 0) for k, v in device.passes.items()}
@@ -352,9 +418,15 @@ def main() -> None:
                 f"{after_verify}"
             )
             same = outputs[system.name] == outputs["plain"]
+            new_outcomes = {k: v - outcomes.get(k, 0) for k, v in system.outcomes.items()}
+            paths = "-"
+            if new_outcomes:
+                paths = " / ".join(str(new_outcomes.get(k, 0)) for k in ("none", "part", "all"))
+                paths += f"; {new_outcomes.get('off', 0)}"
             print(
                 f"| {name} | {system.name} | {spent:.1f} | {plain_ms / spent:.3f} | "
-                f"{verify or '-'} | {kinds} | {system.accepted() - accepted} | {same} |",
+                f"{verify or '-'} | {kinds} | {system.accepted() - accepted} | {paths} | "
+                f"{same} |",
                 flush=True,
             )
 

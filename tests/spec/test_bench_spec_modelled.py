@@ -71,3 +71,35 @@ def test_the_host_clock_waits_for_a_pass_and_the_device_for_the_host(bench):
     assert device.device_free_ms >= 0.61 + 2.0 + 0.61
     device.read()  # the host's clock is at the pass's end or past it, never before
     assert device.host_ms >= device.device_free_ms
+
+
+def test_the_wait_after_a_verify_pass_can_be_set_apart(bench):
+    device = bench.DeviceModel(0.61, VERIFY_MS, 0.45, verify_gap_ms=0.0)
+    device.launched(verify_pass(4))
+    device.read("verify")  # nothing queued: the verify gap (0) is charged
+    device.launched(decode_pass())
+    device.read()  # the decode gap is
+    assert device.total_ms == pytest.approx(0.77 + 0.61 + 0.45)
+    device.request_done()
+    device.launched(SimpleNamespace(trees=None, mode=SimpleNamespace(name="EXTEND")))
+    assert device.total_ms == pytest.approx(0.77 + 0.61)  # the wait charged is taken back
+
+
+def test_accepted_drafts_against_the_trees_best_paths(bench):
+    from engine.spec.verify import VerifyOutcome
+    from engine.state import DraftTrees, SeqLens
+
+    # tree 0: root -> 1 -> 2 (the best path: each node's first child), 3 a sibling of 1;
+    # tree 1: a root alone (drafted nothing: not counted); tree 2: root -> 1 -> 2 -> 3
+    trees = DraftTrees.from_flat(
+        [4, 1, 4, 4, 4, 4],
+        [5, 6, 7, 8, 9, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8],
+        [-1, 0, 1, 0, -1, -1, 0, 1, 2, -1, 0, 1, 2, -1, 0, 1, 2, -1, 0, 0, 0],
+    )
+    accepted = [[3], [], [1, 2, 3], [1], [], [2]]
+    outcome = VerifyOutcome(
+        SeqLens(np.array([len(a) for a in accepted])),
+        np.array([n for a in accepted for n in a], dtype=np.int32),
+        np.zeros(6, dtype=np.int64),
+    )
+    assert bench.best_path_outcomes(trees, outcome) == ["off", "all", "part", "none", "off"]
