@@ -17,6 +17,7 @@ import torch
 
 from engine import pdl
 from engine.shell.engine import Engine
+from engine.spec.cost import PassCost
 from engine.state import SamplingParams
 
 PACKAGE = Path(__file__).resolve().parents[1] / "engine"
@@ -182,16 +183,20 @@ def test_an_unknown_mode_is_refused_naming_the_modes():
             pass
 
 
-def _logits_of_a_run(dtype: str) -> tuple[list, list]:
+def _logits_of_a_run(dtype: str, device: str = "cuda") -> tuple[list, list]:
     engine = Engine(
         random_weights="tiny",
-        device="cuda",
+        device=device,
         dtype=dtype,
         max_context=256,
         kv_cache_slots=1024,  # not sized from free memory: it runs under compute-sanitizer
         chunk_size=32,  # prompts prefill in chunks, decodes riding along
         speculative=True,  # verify passes too (the all-rows products in float32)
         draft_budget=4,
+        # a fixed draft cost: adaptive drafting then weighs drafts by it, not by the passes'
+        # measured times, so both runs draft alike and run the same passes (in bfloat16 a
+        # verify pass rounds otherwise than a decode pass)
+        draft_cost=0.1,
     )
     runner, passes = engine.runner, []
     launch = runner.launch
@@ -222,3 +227,22 @@ def test_passes_give_the_same_logits_with_and_without_programmatic_launch(dtype,
     assert len({mode for mode, _ in passes}) == 3  # extend, decode and verify passes
     for (_, logits), (_, plain) in zip(passes, plain_passes, strict=True):
         assert torch.equal(logits, plain)
+
+
+def test_the_compared_runs_make_the_same_passes_whatever_their_timing(monkeypatch):
+    """The comparison above holds only if its two runs make the same passes: with drafting
+    weighed by measured step times, a run whose verify steps took longer (a kernel compiled
+    in one run only, PDL's own timing) drafted otherwise. Here verify steps cost 1 and then 5
+    decode steps' time."""
+    observe = PassCost.observe_step
+    modes = []
+    for verify_ms in (1.0, 5.0):
+
+        def timed(cost, rows, seconds, verify=False, verify_ms=verify_ms):
+            return observe(cost, rows, (verify_ms if verify else 1.0) * 1e-3, verify)
+
+        monkeypatch.setattr(PassCost, "observe_step", timed)
+        _, passes = _logits_of_a_run("float32", device="cpu")
+        modes.append([mode for mode, _ in passes])
+    assert modes[0] == modes[1]
+    assert len(set(modes[0])) == 3  # extend, decode and verify passes
