@@ -89,8 +89,10 @@ def test_accepted_drafts_against_the_trees_best_paths(bench):
     from engine.spec.verify import VerifyOutcome
     from engine.state import DraftTrees, SeqLens
 
-    # tree 0: root -> 1 -> 2 (the best path: each node's first child), 3 a sibling of 1;
-    # tree 1: a root alone (drafted nothing: not counted); tree 2: root -> 1 -> 2 -> 3
+    # tree 0: root -> 1 -> 2 (the best path: each node's first child), 3 a sibling of 1,
+    # accepted; tree 1: a root alone (drafted nothing: not counted); trees 2-4: the chain
+    # root -> 1 -> 2 -> 3, all, a part and none of it accepted; tree 5: the root's three
+    # children, the second accepted
     trees = DraftTrees.from_flat(
         [4, 1, 4, 4, 4, 4],
         [5, 6, 7, 8, 9, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8],
