@@ -64,8 +64,11 @@ def _draft_cost(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     SpecConfig(draft_cost=value)  # its check, with its message
 
 
+SPEC_DEFAULTS = SpecConfig()  # the proposer's settings the engine's options leave as they are
+
+
 def _min_match(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    depth = SpecConfig().max_trie_depth
+    depth = SPEC_DEFAULTS.max_trie_depth
     if not (is_int(value) and 1 <= value < depth):
         raise ValueError(
             f"{attribute.name}={value!r} is not allowed; it must be an integer in [1, {depth - 1}]"
@@ -211,7 +214,8 @@ class EngineConfig:
     draft_min_match: int = _field(
         2,
         "shortest n-gram (the last tokens of a request's text, found earlier in it or in "
-        "other requests' text) that a draft continues; the longest tried is max(6, this)",
+        "other requests' text) that a draft continues; the longest tried is "
+        f"max({SPEC_DEFAULTS.max_match}, this)",
         _min_match,
     )
     draft_cost: float | None = _field(
@@ -274,6 +278,17 @@ class EngineConfig:
                 f"{self.launch_ahead} is not allowed: it launches verify passes ahead, which "
                 "needs speculative=True and launch_ahead True or None"
             )
+
+    def spec_config(self) -> SpecConfig:
+        """Speculation's settings from these options (the rest as `SpecConfig` has them): the
+        longest match tried is the default's or the shortest, whichever is longer."""
+        return attrs.evolve(
+            SPEC_DEFAULTS,
+            draft_budget=self.draft_budget,
+            draft_cost=self.draft_cost,
+            min_match=self.draft_min_match,
+            max_match=max(self.draft_min_match, SPEC_DEFAULTS.max_match),
+        )
 
     def replace(self, **changes: Any) -> EngineConfig:
         unknown = sorted(set(changes) - {a.name for a in attrs.fields(EngineConfig)})

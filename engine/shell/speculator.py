@@ -24,7 +24,6 @@ from engine.spec import (
     AcceptanceStats,
     NgramProposer,
     PassCost,
-    SpecConfig,
     SpecStats,
     VerifyOutcome,
     request_rng,
@@ -39,12 +38,7 @@ class Speculator:
 
     def __init__(self, runtime: Runtime, config: EngineConfig) -> None:
         self.vocab_size = runtime.vocab_size
-        self.config = SpecConfig(
-            draft_budget=config.draft_budget,
-            draft_cost=config.draft_cost,
-            min_match=config.draft_min_match,
-            max_match=max(config.draft_min_match, SpecConfig().max_match),
-        )
+        self.config = config.spec_config()
         self.proposer = NgramProposer(self.config)
         self.stats = SpecStats(self.config)
         self.cost = PassCost()  # what a draft row costs here, from the passes below
