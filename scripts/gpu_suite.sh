@@ -9,13 +9,15 @@ GPU_TESTS=(tests/backends tests/ops/test_fused.py tests/ops/test_gemv.py tests/o
            tests/model/test_sampling.py
            tests/shell/test_graphs.py
            tests/shell/test_plan_ahead.py tests/shell/test_verify_ahead.py
-           tests/shell/test_spec_overflow.py tests/shell/test_prefix_cache.py tests/test_pdl.py)
+           tests/shell/test_spec_overflow.py tests/shell/test_prefix_cache.py tests/test_pdl.py
+           tests/shell/test_walk_ahead.py)
 # The original scenario (verify on a batch larger than the largest captured graph), also
 # under memcheck with the caching allocator on, so that real CUDA graphs are captured.
 # Planning ahead (a plan written while a captured replay runs) is checked the same way, and
-# the extend graphs (prefixes, several requests, a chunk that does not sample).
+# the extend graphs (prefixes, several requests, a chunk that does not sample), and the
+# decode pass launched on a verify pass's walk on the device.
 GRAPH_MEMCHECK_TESTS=(tests/shell/test_spec_overflow.py tests/shell/test_plan_ahead.py
-    tests/shell/test_verify_ahead.py
+    tests/shell/test_verify_ahead.py tests/shell/test_walk_ahead.py
     tests/shell/test_graphs.py::test_an_extend_pass_replays_the_smallest_graph_it_fits
     tests/shell/test_graphs.py::test_the_engine_replays_extend_graphs_when_asked
     tests/shell/test_graphs.py::test_extend_graphs_capture_in_half_precision

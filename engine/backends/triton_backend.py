@@ -315,6 +315,24 @@ class TritonBackend(AttentionBackend):
             table.shape[1],  # the longest a request can be: any replay's lengths fit
         )
 
+    def shift_plan(self, metadata: ForwardMetadata, shift: torch.Tensor) -> None:
+        """Move a graph plan's first `shift.shape[0]` requests `shift` tokens further on (on
+        the device, in stream order: counts the host does not know yet): each request's
+        prefix grows by its shift, and so do its kv range and those after it. Their new
+        tokens stay where they were (`out_slots`); the request table must hold the keys of
+        the positions they move over before the pass reads it."""
+        if not metadata.extra.get("graph"):
+            raise ValueError("shift_plan moves a graph plan's requests; this plan is eager")
+        real = shift.shape[0]
+        if not 0 < real < metadata.kv_indptr.shape[0]:
+            raise ValueError(
+                f"{real} shifts for a plan of {metadata.kv_indptr.shape[0] - 1} requests"
+            )
+        ends = torch.cumsum(shift, 0)
+        metadata.prefix_lens[:real] += shift
+        metadata.kv_indptr[1 : real + 1] += ends
+        metadata.kv_indptr[real + 1 :] += ends[-1]  # padding requests: the total repeated
+
     def apply_table_writes(self, writes: torch.Tensor) -> None:
         """Apply staged request-table writes (`triton_index.launch_table_writes`) on the
         device, in stream order: a captured pass does it before it reads the table."""

@@ -166,6 +166,17 @@ class PlanAhead:
             raise ValueError("rebatch() needs the pass that takes the plan's slots")
         self.prepared = attrs.evolve(self.prepared, batch=batch)
 
+    def relayout(self, batch: state.Batch) -> None:
+        """The launched plan's pass is `batch` from here: the layout its launch took on the
+        device, now known to the host (a decode pass after a verify pass, its requests moved
+        on by the drafts a walk on the device accepted: `DeviceWalk`). It holds the plan's
+        slots."""
+        if self.prepared is None or self.prepared.launched is None:
+            raise ValueError("relayout() needs a plan that was launched")
+        if batch.out_slots is not self.prepared.batch.out_slots:
+            raise ValueError("relayout() needs the pass that takes the plan's slots")
+        self.prepared = attrs.evolve(self.prepared, batch=batch)
+
     def launch(self, launcher: Callable[[Prepared], Any]) -> None:
         """Launch the plan now: `launcher(prepared)` returns what the launch gives (the
         launched pass, sampled on the device), kept with the plan for the step that takes it."""

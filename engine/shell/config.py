@@ -202,6 +202,14 @@ class EngineConfig:
         "nothing, the decode pass. False: the next step proposes and launches. Not for "
         "requests with a grammar, a bias or penalties (their next pass follows the outputs)",
     )
+    walk_ahead: bool = _field(
+        True,
+        "with speculation and launch_ahead: after a verify pass of greedy requests (no "
+        "grammar, bias or penalties) whose last steps accepted no draft, walk each tree's "
+        "best path on the device and launch the decode pass after it at once, on the "
+        "drafts accepted there; the host's walk confirms it, or drops it where another "
+        "branch was accepted. Decode passes that replay a CUDA graph only",
+    )
     block_weights: bool = _field(
         True,
         "cpu, float32: keep a GGUF's Q4_0/Q4_1/Q8_0 weights in "

@@ -375,15 +375,27 @@ class GraphRunner:
 
     @torch.inference_mode()
     def replay(
-        self, graph: _Graph, batch: Batch, input_ids: torch.Tensor | None = None
+        self,
+        graph: _Graph,
+        batch: Batch,
+        input_ids: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [len(batch.logit_rows), vocab] of the rows `batch.logit_rows` names (a
         decode or verify pass: every new token), for `batch` with the layout of the batch
         `prepare` planned into the static buffers (its input ids may differ). `input_ids`
         (on the device, one per new token): copied in on the device in place of
         `batch.input_ids`, in stream order (tokens a pass before sampled, not read back).
+        `shift` (a decode pass, on the device, one per request): the requests are that many
+        tokens further on than `batch` says (`TritonBackend.shift_plan`; their positions
+        too), counts found on the device after `batch` was planned.
         Uncaptured, the pass runs with the metadata of the capture's pass, as a graph
         would: the plan's host values do not reach it, only its buffers."""
+        if shift is not None and (self.mode != Mode.DECODE or shift.shape != (len(batch.running),)):
+            raise ValueError(
+                f"a shift of shape {tuple(shift.shape)} for a {self.mode.value} pass of "
+                f"{len(batch.running)} requests: a decode pass takes one per request"
+            )
         count, num_tokens = batch.new_lens.total, graph.num_tokens
         if self._staged is not None:
             self._staged.synchronize()  # the last copy must have read the staging buffer
@@ -407,6 +419,9 @@ class GraphRunner:
         graph.staged[:end].copy_(self._staging[:end], non_blocking=True)
         if input_ids is not None:
             graph.input_ids[:count].copy_(input_ids)
+        if shift is not None:
+            graph.positions[:count] += shift
+            self.backend.shift_plan(graph.metadata, shift)
         if self.capture:
             self._staged = self._staged or torch.cuda.Event()
             self._staged.record()

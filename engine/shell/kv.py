@@ -135,6 +135,15 @@ class RequestTable:
         if self.mirrored:
             self.device[row] = PADDING_SLOT  # after the writes that wait (they may be its)
 
+    def write_on_device(self, at: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:
+        """On the device, in stream order after the writes that wait: `slots` at the flat
+        places `at` (row * max_context + position) where `keep` (values the device found;
+        the others' places keep their entries). The host's table learns them by its own
+        writes (`write`); without a separate mirror it is the device table, and such writes
+        that the host does not make again are its to clear (`DeviceWalk.cleared`)."""
+        flat = self.device.view(-1)
+        flat[at] = torch.where(keep, slots.to(flat.dtype), flat[at])
+
     def write(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
         if rows.size == 0:
             return

@@ -52,14 +52,17 @@ class Passes:
         return logprobs
 
     def forward(
-        self, batch: state.Batch, prepared: Any = None, input_ids: Any = None
+        self, batch: state.Batch, prepared: Any = None, input_ids: Any = None, shift: Any = None
     ) -> torch.Tensor:
         """The pass's logits (on the device): eagerly, or from its prepared plan (a graph's
-        replay), `input_ids` on the device in place of `batch.input_ids`."""
+        replay), `input_ids` on the device in place of `batch.input_ids`, `shift` tokens
+        further on (`ModelRunner.launch`)."""
         self.hit("forward")
         if prepared is None:
             return self.runner.forward(batch)
-        return self.runner.launch(prepared, batch, input_ids)
+        if shift is None:  # (a tensor-parallel runner takes no shift)
+            return self.runner.launch(prepared, batch, input_ids)
+        return self.runner.launch(prepared, batch, input_ids, shift)
 
     def launch(
         self,
@@ -67,6 +70,7 @@ class Passes:
         prepared: Any = None,
         input_ids: Any = None,
         ahead: bool = False,
+        shift: Any = None,
     ) -> Launched:
         """Launch the pass, then start its grammars' masks: the host fills them (with a GPU,
         on a pool thread) while the device runs the forward and the loop does its other host
@@ -78,7 +82,9 @@ class Passes:
         the device until `fetch` (their copy to the host starts at once). `input_ids`: on
         the device, in place of `batch.input_ids` (`ModelRunner.launch`); `ahead`: launched
         before the running pass's tokens reach the requests (its penalties count those
-        `input_ids`; its seeded draws are numbered by `batch`'s Running, one step on)."""
+        `input_ids`; its seeded draws are numbered by `batch`'s Running, one step on);
+        `shift`: its requests further on than `batch` says, by counts on the device (a walk
+        of the verify pass before it, `DeviceWalk`)."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
@@ -88,7 +94,7 @@ class Passes:
             # (planned ahead: one token further on), its outputs may not be emitted yet
             steps = batch.running.num_output[batch.samples].tolist()
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
-        forward = self.forward(batch, prepared, input_ids)
+        forward = self.forward(batch, prepared, input_ids, shift)
         # greedy rows go unmasked, and are masked only if their grammar refuses their token
         checked = self.logits.checked_rows(uids, outputs.logprob_uids)
         masks = self.logits.start(uids, checked)  # after the launch: filled as the device runs

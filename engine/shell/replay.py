@@ -267,7 +267,10 @@ class Replayer:
         return state.decode_writes(self._batch(record))
 
     def _assume_decoded(self, record: Mapping[str, Any]) -> Running:
-        following = state.assume_decoded(self._batch(record))
+        accepted = record.get("accepted")
+        following = state.assume_decoded(
+            self._batch(record), None if accepted is None else np.array(accepted, dtype=np.int64)
+        )
         self.assumed = {record["step"]: following}  # only the newest is ever scheduled
         return following
 

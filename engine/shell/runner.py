@@ -83,12 +83,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(
-        self, prepared: Prepared, batch: Batch, input_ids: torch.Tensor | None = None
+        self,
+        prepared: Prepared,
+        batch: Batch,
+        input_ids: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """fp32 logits [len(batch.logit_rows), vocab] for the rows `batch.logit_rows` names.
         `batch` has the layout `prepared` was planned for; its input ids may be newer.
         `input_ids`: the pass's input ids on the device (the tokens the last pass sampled,
-        not read back yet), which replace `batch.input_ids`."""
+        not read back yet), which replace `batch.input_ids`. `shift`: a decode pass's
+        requests are that many tokens further on (on the device: `GraphRunner.replay`); a
+        graph's pass only."""
         every_row = batch.mode in (Mode.DECODE, Mode.VERIFY)  # logit_rows is all of them
         if input_ids is not None and tuple(input_ids.shape) != (batch.new_lens.total,):
             raise ValueError(
@@ -96,7 +102,9 @@ class ModelRunner:
                 f"{batch.new_lens.total} new tokens"
             )
         if prepared.runner is not None:  # the graph computes the logit rows' logits only
-            return prepared.runner.replay(prepared.graph, batch, input_ids)
+            return prepared.runner.replay(prepared.graph, batch, input_ids, shift)
+        if shift is not None:
+            raise ValueError("a shift on the device needs a graph's pass; this pass is eager")
         arrays = {} if every_row else {"logit_rows": batch.logit_rows.astype(np.int64)}
         count, num_tokens = batch.new_lens.total, self.num_tokens(batch)
         arrays["positions"] = _padded(batch.positions, num_tokens)  # padding: position 0

@@ -24,6 +24,7 @@ from engine.shell.outputs import Outputs
 from engine.shell.passes import Passes
 from engine.shell.runner import Prepared
 from engine.shell.speculator import Speculator
+from engine.shell.walk import DeviceWalk
 from engine.spec.tree import reroot, with_roots
 from engine.state import Running
 
@@ -121,7 +122,10 @@ class SpeculativeSteps:
             logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
             self.passes.hit("verify")
             self._plan_after_verify(open_pass)  # while the device runs it
-            if checked:  # read on the host here; otherwise the speculator's walk reads it
+            walk = self._walk_ahead(open_pass, logits, params)
+            if walk is not None:  # the walk's argmax, read on the host
+                outcome = self.spec.verify(batch, params, walk.target())
+            elif checked:  # read on the host here; otherwise the speculator's walk reads it
                 argmax = greedy_tokens(logits).cpu().numpy()
                 target = self.grammars.verify_paths(trees, uids, argmax, logits)
                 outcome = self.spec.verify(batch, params, target)
@@ -145,6 +149,8 @@ class SpeculativeSteps:
             result = self.machine.verify(
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
             )
+            if walk is not None:
+                self._confirm_walk(walk, outcome)
             self._commit_pass(open_pass, result, launch_next=True)
         # a plan made during the pass stays only where it fits: nobody may be left to drop it
         self.ahead.fit(self.running)
@@ -153,6 +159,49 @@ class SpeculativeSteps:
         # charged to this one; a verify pass's is the next step's)
         self.spec.observe(trees.sizes.total, started + self._verify_launched_seconds(), verify=True)
         return "verify"
+
+    def _walk_ahead(self, open_pass: OpenPass, logits: Any, params: list) -> DeviceWalk | None:
+        """Where the decode pass after verify pass `open_pass` was planned during it
+        (`_plan_after_verify`) to replay a graph, every request is greedy, none has a
+        grammar, a bias or penalties, and none accepted drafts at its last step (after such
+        a step the next most often verifies again: `Speculator.accepting`), walk the trees'
+        best paths on the device (`DeviceWalk`) and launch that pass at once, moved on by the
+        drafts accepted there; its input ids are the argmax after them. Returns the walk
+        (None: nothing launched)."""
+        prepared, running = self.ahead.prepared, open_pass.batch.running
+        assert self.spec is not None
+        if (
+            not self.config.walk_ahead
+            or prepared is None
+            or prepared.launched is not None
+            or prepared.runner is None  # an eager plan's kv indices are built already
+            or not all(p.greedy for p in params)
+            or not self._launches_before_outputs(running)
+            or self.spec.accepting(running.rids.tolist())
+        ):
+            return None
+        # (where the pass fails from here, its requests end and their rows are cleared)
+        walk = DeviceWalk.launch(logits, open_pass.batch, self.book.table)
+        self.ahead.launch(
+            lambda p: self.passes.launch(p.batch, p, walk.ids, ahead=True, shift=walk.shift)
+        )
+        self.stats["walks_ahead"] += 1
+        return walk
+
+    def _confirm_walk(self, walk: DeviceWalk, outcome: Any) -> None:
+        """The host's walk `outcome` against the device's (`_walk_ahead`): where they accepted
+        the same drafts, the launched decode pass is laid out for them; otherwise it is
+        dropped, and what the device wrote past the accepted paths is cleared."""
+        accepted = walk.confirmed(outcome)
+        if accepted is None:
+            self.ahead.drop()
+            self.book.apply(walk.cleared(outcome.accepted_lens.lens))
+            self.stats["walks_ahead_dropped"] += 1
+            return
+        held = self.ahead.prepared
+        assert held is not None
+        following = self.machine.assume_decoded(walk.batch, accepted)
+        self.ahead.relayout(self.machine.schedule_decode(following, held.batch.out_slots))
 
     def _verify_launched_seconds(self) -> float:
         """The host time of the launch of the verify pass held for the next step (0 without

@@ -45,6 +45,7 @@ class Speculator:
         self.last_draft_cost = 0.0  # measured (or configured) at the last verify pass's batch
         self._premium = 0.0  # the last verify pass's premium over a decode (`PassCost`)
         self._rngs: dict[int, np.random.Generator] = {}
+        self._accepting: set[int] = set()  # requests whose last step accepted drafts
 
     # --- request lifetime (history must end with the pending token) ---------------------------
     def add_request(self, uid: int, all_ids: list[int], timing_free: bool = False) -> None:
@@ -68,6 +69,7 @@ class Speculator:
             self.proposer.remove(uid)
             self.stats.remove(uid)
         self._rngs.pop(uid, None)
+        self._accepting.discard(uid)
         return stats
 
     # --- one verify step -----------------------------------------------------------------------
@@ -126,10 +128,21 @@ class Speculator:
     def record(self, uids: list[int], trees: DraftTrees, accepted: np.ndarray) -> None:
         """A verify step's drafts and accepted counts, weighed at the costs `verify` used."""
         self.stats.record_batch(uids, trees, accepted, self.last_draft_cost, self._premium)
+        for uid, count in zip(uids, np.asarray(accepted).tolist(), strict=True):
+            if count:
+                self._accepting.add(uid)
+            else:
+                self._accepting.discard(uid)
+
+    def accepting(self, uids: list[int]) -> bool:
+        """Whether some request accepted drafts at its last step (a run of copied text: its
+        next step most likely drafts again)."""
+        return not self._accepting.isdisjoint(uids)
 
     def record_idle(self, uids: np.ndarray) -> None:
         """A step where nothing was drafted (it ran as a decode pass)."""
         self.stats.record_idle(uids.tolist())
+        self._accepting.difference_update(uids.tolist())
 
     def observe(self, rows: int, started: float, verify: bool = False) -> None:
         """Fit the pass's time, unless the cost is fixed (configured, or not adapting)."""

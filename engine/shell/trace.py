@@ -378,9 +378,12 @@ class Recorder:
         record = self._start("decode_writes", batch=self._batch(batch))
         return self._finish(record, self._run(record, lambda: state.decode_writes(batch)))
 
-    def assume_decoded(self, batch: Batch) -> Any:
+    def assume_decoded(self, batch: Batch, accepted: Any = None) -> Any:
         record = self._start("assume_decoded", batch=self._batch(batch))
-        return self._finish(record, self._run(record, lambda: state.assume_decoded(batch)))
+        if accepted is not None:
+            record["accepted"] = ints(accepted)
+        call = lambda: state.assume_decoded(batch, accepted)  # noqa: E731
+        return self._finish(record, self._run(record, call))
 
     def narrow(self, batch: Batch, indices: Any) -> Any:
         record = self._start(

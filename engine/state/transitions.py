@@ -224,16 +224,26 @@ def writes_whole(batch: Batch) -> bool:
     return batch.mode != Mode.VERIFY
 
 
-def assume_decoded(batch: Batch) -> Running:
+def assume_decoded(batch: Batch, accepted: np.ndarray | None = None) -> Running:
     """The Running a decode pass, or a verify pass in which no draft is accepted, leads to if
     no request finishes, with each request's pending token not known yet (its old one stands
     in). Only its lengths, rows and order are used: to plan the next decode pass while this
     one runs. The engine uses that plan only if the committed Running has the same requests,
     rows and lengths (`same_layout`): after a verify pass, only where every request kept its
-    root alone."""
+    root alone. `accepted` (a verify pass only): per request the drafts accepted, which the
+    device found before the host's walk (a pass launched on them is laid out for this
+    Running once the host knows them)."""
     run = batch.running
-    if batch.mode == Mode.VERIFY:  # each request one token further: its root's
-        kv_lens, token_lens = run.kv_lens.grow(1), run.token_lens.grow(1)
+    if accepted is not None and batch.mode != Mode.VERIFY:
+        raise ValueError(
+            f"assume_decoded() takes accepted drafts after a verify pass; this pass is "
+            f"{batch.mode.value}"
+        )
+    if batch.mode == Mode.VERIFY:  # each request one token further (its root's), or more
+        grown = 1
+        if accepted is not None:
+            grown = _accepted_counts(batch, accepted) + 1
+        kv_lens, token_lens = run.kv_lens.grow(grown), run.token_lens.grow(grown)
     elif batch.mode in (Mode.DECODE, Mode.IDLE):
         kv_lens, token_lens = batch.seq_lens, run.token_lens + batch.new_lens
     else:
@@ -251,6 +261,25 @@ def assume_decoded(batch: Batch) -> Running:
         run.max_context,
         run.shared_lens,
     )
+
+
+def _accepted_counts(batch: Batch, accepted: np.ndarray) -> np.ndarray:
+    """`accepted` checked against verify pass `batch`: one count a request, each at least 0
+    and below its tree's size."""
+    counts = np.asarray(accepted, dtype=INDEX_DTYPE).reshape(-1)
+    trees = batch.trees
+    assert trees is not None
+    if counts.shape[0] != len(batch.running):
+        raise ValueError(
+            f"{counts.shape[0]} accepted counts for the {len(batch.running)} requests of the "
+            "verify pass"
+        )
+    if ((counts < 0) | (counts >= trees.sizes.lens)).any():
+        raise ValueError(
+            f"accepted counts {counts.tolist()[:16]} must lie in 0..tree size - 1 "
+            f"(sizes {trees.sizes.lens.tolist()[:16]})"
+        )
+    return counts
 
 
 def same_layout(first: Running, second: Running) -> bool:

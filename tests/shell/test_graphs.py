@@ -527,7 +527,8 @@ def test_a_pass_launched_at_a_commit_replays_after_the_commits_writes(monkeypatc
     monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
     kinds = set()
     for in_turns in (False, True):
-        engine = _engine(speculative=True, draft_budget=4, launch_ahead=True)
+        # (not after a verify pass walked on the device: `test_walk_ahead.py`)
+        engine = _engine(speculative=True, draft_budget=4, launch_ahead=True, walk_ahead=False)
         if in_turns:
             draft_in_turns(engine, turn=4)
         table, runner = engine.book.table, engine.runner
