@@ -122,18 +122,24 @@ ENDLESS_RUNS = {"max_run_loss": math.inf, "max_probe_interval": SpecConfig().pro
 def step_profile(system: Ours) -> str:
     """Mean and median step time per mode (ms) over the steps of the workload: two decimals,
     as a small model's steps on a GPU (about 1 ms) differ by tenths of a millisecond. A
-    decode step right after a verify step counts apart ("decode after verify": no pass was
-    launched during the verify pass)."""
+    decode step right after a verify step counts apart ("decode after verify"), and so do the
+    verify passes walked on the device and those of them whose walk the host's contradicted
+    (the decode pass launched on it dropped)."""
     by_mode: dict[str, list[float]] = {}
     previous = None
     for mode, seconds in system.steps:
         kind = "decode after verify" if mode == "decode" and previous == "verify" else mode
         by_mode.setdefault(kind, []).append(seconds * 1e3)
         previous = mode
-    return ", ".join(
+    times = ", ".join(
         f"{mode} {statistics.mean(v):.2f} ms (median {statistics.median(v):.2f}) x{len(v)}"
         for mode, v in sorted(by_mode.items())
     )
+    walks = system.since_clear("walks_ahead")
+    if not walks:
+        return times
+    dropped = system.since_clear("walks_ahead_dropped")
+    return f"{times}; verify passes walked on the device x{walks} (dropped x{dropped})"
 
 
 def run(args: argparse.Namespace) -> None:

@@ -47,6 +47,7 @@ class Ours:
         self.boundaries: list[int] = []  # len(accepted) after each request
         self.steps: list[tuple[str, float]] = []  # (mode, seconds) of every step since clear()
         self.decode_seconds: list[float] = []  # per request: its steps after prefill
+        self.counted: dict[str, int] = {}  # the engine's counters at clear()
         if speculative:
             stats = self.engine.spec.stats
             stats.config = attrs.evolve(stats.config, **(spec_overrides or {}))
@@ -74,6 +75,11 @@ class Ours:
         self.boundaries.clear()
         self.steps.clear()
         self.decode_seconds.clear()
+        self.counted = dict(self.engine.stats)
+
+    def since_clear(self, counter: str) -> int:
+        """How much the engine's `counter` (`Engine.stats`) grew since `clear()`."""
+        return self.engine.stats[counter] - self.counted.get(counter, 0)
 
 
 class OnFmas(Ours):
