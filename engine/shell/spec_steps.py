@@ -80,7 +80,9 @@ class SpeculativeSteps:
         # it runs: after its launch, so a step that retracts instead records nothing. The
         # next pass is launched ahead only where nothing waits to be verified.
         mode = self._decode_step(
-            during=lambda: spec.record_idle(running.rids), launch_next=trees is None, drafts=trees
+            during=lambda: spec.record_idle(running.rids, drafted=trees is not None),
+            launch_next=trees is None,
+            drafts=trees,
         )
         if mode == "decode":  # a verify pass launched at its commit is the next step's
             spec.observe(len(running), started + self._verify_launched_seconds())
@@ -163,11 +165,11 @@ class SpeculativeSteps:
     def _walk_ahead(self, open_pass: OpenPass, logits: Any, params: list) -> DeviceWalk | None:
         """Where the decode pass after verify pass `open_pass` was planned during it
         (`_plan_after_verify`) to replay a graph, every request is greedy, none has a
-        grammar, a bias or penalties, and none accepted drafts at its last step (after such
-        a step the next most often verifies again: `Speculator.accepting`), walk the trees'
-        best paths on the device (`DeviceWalk`) and launch that pass at once, moved on by the
-        drafts accepted there; its input ids are the argmax after them. Returns the walk
-        (None: nothing launched)."""
+        grammar, a bias or penalties, and the speculator allows it (`Speculator.may_walk`:
+        drafts the next step finds wait for the launched pass, so not within a run of
+        copied text), walk the trees' best paths on the device (`DeviceWalk`) and launch
+        that pass at once, moved on by the drafts accepted there; its input ids are the
+        argmax after them. Returns the walk (None: nothing launched)."""
         prepared, running = self.ahead.prepared, open_pass.batch.running
         assert self.spec is not None
         if (
@@ -177,7 +179,7 @@ class SpeculativeSteps:
             or prepared.runner is None  # an eager plan's kv indices are built already
             or not all(p.greedy for p in params)
             or not self._launches_before_outputs(running)
-            or self.spec.accepting(running.rids.tolist())
+            or not self.spec.may_walk(running.rids.tolist())
         ):
             return None
         # (where the pass fails from here, its requests end and their rows are cleared)
@@ -199,7 +201,8 @@ class SpeculativeSteps:
             self.stats["walks_ahead_dropped"] += 1
             return
         held = self.ahead.prepared
-        assert held is not None
+        assert held is not None and self.spec is not None
+        self.spec.walked(walk.batch.running.rids.tolist())
         following = self.machine.assume_decoded(walk.batch, accepted)
         self.ahead.relayout(self.machine.schedule_decode(following, held.batch.out_slots))
 

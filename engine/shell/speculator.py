@@ -45,7 +45,12 @@ class Speculator:
         self.last_draft_cost = 0.0  # measured (or configured) at the last verify pass's batch
         self._premium = 0.0  # the last verify pass's premium over a decode (`PassCost`)
         self._rngs: dict[int, np.random.Generator] = {}
-        self._accepting: set[int] = set()  # requests whose last step accepted drafts
+        # where a verify pass may be walked on the device (`may_walk`): requests whose last
+        # verify step accepted drafts; whose last walk was followed by drafts that had to
+        # wait for the pass launched on it (until a step drafts nothing); walked last step
+        self._accepting: set[int] = set()
+        self._no_walk: set[int] = set()
+        self._walked: set[int] = set()
 
     # --- request lifetime (history must end with the pending token) ---------------------------
     def add_request(self, uid: int, all_ids: list[int], timing_free: bool = False) -> None:
@@ -69,7 +74,8 @@ class Speculator:
             self.proposer.remove(uid)
             self.stats.remove(uid)
         self._rngs.pop(uid, None)
-        self._accepting.discard(uid)
+        for kept in (self._accepting, self._no_walk, self._walked):
+            kept.discard(uid)
         return stats
 
     # --- one verify step -----------------------------------------------------------------------
@@ -128,21 +134,37 @@ class Speculator:
     def record(self, uids: list[int], trees: DraftTrees, accepted: np.ndarray) -> None:
         """A verify step's drafts and accepted counts, weighed at the costs `verify` used."""
         self.stats.record_batch(uids, trees, accepted, self.last_draft_cost, self._premium)
+        self._walked.difference_update(uids)
         for uid, count in zip(uids, np.asarray(accepted).tolist(), strict=True):
             if count:
                 self._accepting.add(uid)
             else:
                 self._accepting.discard(uid)
 
-    def accepting(self, uids: list[int]) -> bool:
-        """Whether some request accepted drafts at its last step (a run of copied text: its
-        next step most likely drafts again)."""
-        return not self._accepting.isdisjoint(uids)
+    def may_walk(self, uids: list[int]) -> bool:
+        """Whether a verify step of these requests may be walked on the device, the decode
+        pass after it launched at once (drafts the next step finds wait for that pass): not
+        where a request accepted drafts at its last verify step (in a run of copied text the
+        next step most often verifies again), nor where drafts waited for the pass launched
+        on its last walk (until a step drafts nothing: `record_idle`)."""
+        return self._accepting.isdisjoint(uids) and self._no_walk.isdisjoint(uids)
 
-    def record_idle(self, uids: np.ndarray) -> None:
-        """A step where nothing was drafted (it ran as a decode pass)."""
-        self.stats.record_idle(uids.tolist())
-        self._accepting.difference_update(uids.tolist())
+    def walked(self, uids: list[int]) -> None:
+        """A verify step of these requests was walked on the device, and the decode pass
+        launched on it serves their next step."""
+        self._walked.update(uids)
+
+    def record_idle(self, uids: np.ndarray, drafted: bool = False) -> None:
+        """A step where nothing was verified (it ran as a decode pass); `drafted`: drafts
+        were proposed and wait for the next step (a pass launched ahead decodes this one)."""
+        rids = uids.tolist()
+        self.stats.record_idle(rids)
+        self._accepting.difference_update(rids)
+        if drafted:
+            self._no_walk.update(self._walked.intersection(rids))
+        else:
+            self._no_walk.difference_update(rids)
+        self._walked.difference_update(rids)
 
     def observe(self, rows: int, started: float, verify: bool = False) -> None:
         """Fit the pass's time, unless the cost is fixed (configured, or not adapting)."""

@@ -141,18 +141,22 @@ def _engine(monkeypatch, **overrides) -> Engine:
     return engine
 
 
-def _oracle(engine: Engine, reference: list[list[int]]) -> list[str]:
+KINDS = ("all", "none", "branch", "part")
+# each twice (after a walked verify pass the next drafts wait for the pass launched on it,
+# and the proposer is asked again at its commit), after a step that drafts nothing (a walk is
+# allowed again after one)
+TURNS = tuple(turn for kind in KINDS for turn in ("nothing", kind, kind))
+
+
+def _oracle(engine: Engine, reference: list[list[int]], turns: tuple = TURNS) -> list[str]:
     """Make `engine`'s proposer draft from `reference` (each of PROMPTS with its plain
-    output), in turns: nothing; the next three tokens (all
-    accepted); a wrong first draft (none); the right token as a second child (another
-    branch); one right, one wrong (a part). Returns the kinds drafted, in order."""
+    output), in `turns`: nothing; the next three tokens (all accepted); a wrong first draft
+    (none); the right token as a second child (another branch); one right, one wrong (a
+    part). Returns the kinds drafted, in order."""
     spec = engine.spec
     assert spec is not None
     vocab = engine.runtime.vocab_size
     asked, kinds = [0], []
-    # each twice: after a walked verify pass the next drafts wait for the pass launched on
-    # it, and the proposer is asked again at its commit
-    turns = ["nothing", "all", "all", "none", "none", "branch", "branch", "part", "part"]
 
     def propose(running, free_slots):
         kind = turns[asked[0] % len(turns)]
@@ -235,7 +239,7 @@ def test_walked_verify_passes_give_plain_decodings_tokens(monkeypatch):
     assert engine.book.num_available == engine.book.slots.capacity
     assert any(compared)  # a pass moved on by drafts accepted on the device
     stats = engine.stats
-    assert {"all", "none", "branch", "part"} <= set(kinds)
+    assert {"all", "none", "branch"} <= set(kinds)
     # every walk reached its host's: confirmed, with drafts accepted on the device, or not
     assert len(confirmed) == stats["walks_ahead"]
     assert stats["walks_ahead_dropped"] == sum(c is None for c in confirmed) > 0
@@ -245,23 +249,45 @@ def test_walked_verify_passes_give_plain_decodings_tokens(monkeypatch):
     assert stats["plans_ahead_used"] >= sum(c is not None for c in confirmed)
 
 
-def test_no_walk_after_a_step_that_accepted_drafts(monkeypatch):
-    """After a step that accepted drafts the next step most often verifies again: its verify
-    pass is not walked (the drafts would wait for the decode pass launched on it)."""
+def test_when_the_speculator_lets_a_verify_pass_be_walked():
+    """Not after a verify step that accepted drafts (the next most often verifies again),
+    nor after a walk whose next step's drafts had to wait for the pass launched on it, until
+    a step drafts nothing."""
+    spec = Engine(random_weights="tiny", device="cpu", speculative=True).spec
+    for uid in (1, 2):
+        spec.add_request(uid, [5, 6, 7])
+    trees = DraftTrees.from_lists([[7, 8], [7, 9]], [[-1, 0], [-1, 0]])
+    assert spec.may_walk([1, 2])
+    spec.record([1, 2], trees, np.array([1, 0]))
+    assert not spec.may_walk([1, 2]) and spec.may_walk([2])
+    spec.record_idle(np.array([1]), drafted=True)  # drafts that waited for a plain pass
+    assert spec.may_walk([1, 2])
+    spec.walked([1, 2])
+    spec.record_idle(np.array([1, 2]), drafted=True)  # the drafts waited for the walk's pass
+    assert not spec.may_walk([1]) and not spec.may_walk([2])
+    spec.record([1, 2], trees, np.array([0, 0]))  # a verify step: still
+    assert not spec.may_walk([1])
+    spec.record_idle(np.array([1]))  # nothing drafted
+    assert spec.may_walk([1]) and not spec.may_walk([1, 2])
+    spec.remove(2)
+    assert spec.may_walk([1, 2])
+
+
+def test_verify_passes_are_walked_only_where_the_speculator_lets_them(monkeypatch):
     reference = _reference(monkeypatch)
     engine = _engine(monkeypatch)
-    _oracle(engine, reference)
+    _oracle(engine, reference, ("nothing", *(k for kind in KINDS for k in (kind, kind))))
     walked, real = [], engine._walk_ahead
 
     def walk_ahead(open_pass, logits, params):
-        accepting = engine.spec.accepting(open_pass.batch.running.rids.tolist())
+        allowed = engine.spec.may_walk(open_pass.batch.running.rids.tolist())
         walk = real(open_pass, logits, params)
-        walked.append((accepting, walk is not None))
+        walked.append((allowed, walk is not None))
         return walk
 
     engine._walk_ahead = walk_ahead
     _run(engine)
-    assert (True, True) not in walked and (False, True) in walked and (True, False) in walked
+    assert (False, True) not in walked and (True, True) in walked and (False, False) in walked
     off = _engine(monkeypatch, walk_ahead=False)
     _oracle(off, reference)
     requests = _run(off)
