@@ -203,12 +203,14 @@ class EngineConfig:
         "requests with a grammar, a bias or penalties (their next pass follows the outputs)",
     )
     walk_ahead: bool = _field(
-        True,
+        False,
         "with speculation and launch_ahead: after a verify pass of greedy requests (no "
-        "grammar, bias or penalties) whose last steps accepted no draft, walk each tree's "
-        "best path on the device and launch the decode pass after it at once, on the "
-        "drafts accepted there; the host's walk confirms it, or drops it where another "
-        "branch was accepted. Decode passes that replay a CUDA graph only",
+        "grammar, bias or penalties) outside a run of copied text, walk each tree's best "
+        "path on the device and launch the decode pass after it at once, on the drafts "
+        "accepted there; the host's walk confirms it, or drops it where another branch was "
+        "accepted; drafts the next step finds wait for it. Decode passes that replay a CUDA "
+        "graph only. Off by default: on an H100 with the default model it gained nothing "
+        "where the host's work a step is the device's pass or longer",
     )
     block_weights: bool = _field(
         True,

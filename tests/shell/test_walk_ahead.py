@@ -133,6 +133,7 @@ def _engine(monkeypatch, **overrides) -> Engine:
         speculative=True,
         draft_budget=4,
         launch_ahead=True,
+        walk_ahead=True,
         draft_cost=0.1,
     )
     engine = Engine(**(settings | overrides))
