@@ -240,7 +240,7 @@ def assume_decoded(batch: Batch, accepted: np.ndarray | None = None) -> Running:
             f"{batch.mode.value}"
         )
     if batch.mode == Mode.VERIFY:  # each request one token further (its root's), or more
-        grown = 1
+        grown: int | np.ndarray = 1
         if accepted is not None:
             grown = _accepted_counts(batch, accepted) + 1
         kv_lens, token_lens = run.kv_lens.grow(grown), run.token_lens.grow(grown)
