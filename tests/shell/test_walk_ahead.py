@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from plan_cases import DEVICE, tiny_engine
 
 from engine import state
 from engine.shell.engine import Engine
@@ -23,7 +24,6 @@ from engine.shell.walk import BestPaths, DeviceWalk
 from engine.spec.verify import verify_greedy
 from engine.state import DraftTrees, FinishRules, Running, SamplingParams
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43]]
 PARAMS = [
     SamplingParams(max_tokens=14, ignore_eos=True),
@@ -123,20 +123,9 @@ def _engine(monkeypatch, **overrides) -> Engine:
     CPU), passes launched ahead."""
     monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
     settings = dict(
-        random_weights="tiny",
-        attention_backend="triton",
-        device=DEVICE,
-        dtype="float32",
-        kv_cache_slots=512,
-        max_context=128,
-        cuda_graph_max_batch=0,
-        speculative=True,
-        draft_budget=4,
-        launch_ahead=True,
-        walk_ahead=True,
-        draft_cost=0.1,
+        kv_cache_slots=512, speculative=True, draft_budget=4, launch_ahead=True, walk_ahead=True
     )
-    engine = Engine(**(settings | overrides))
+    engine = tiny_engine("triton", **(settings | overrides))
     table, runner = engine.book.table, engine.runner
     runner.graphs = graph_runners(runner.model, runner.backend, 4, 5, DEVICE == "cuda", table)
     return engine
