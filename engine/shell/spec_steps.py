@@ -26,7 +26,7 @@ from engine.shell.runner import Prepared
 from engine.shell.speculator import Speculator
 from engine.shell.walk import DeviceWalk
 from engine.spec.tree import reroot, with_roots
-from engine.state import Running
+from engine.state import Mode, Running
 
 
 class SpeculativeSteps:
@@ -176,6 +176,7 @@ class SpeculativeSteps:
             not self.config.walk_ahead
             or prepared is None
             or prepared.launched is not None
+            or prepared.batch.mode != Mode.DECODE
             or prepared.runner is None  # an eager plan's kv indices are built already
             or not all(p.greedy for p in params)
             or not self._launches_before_outputs(running)

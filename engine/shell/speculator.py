@@ -46,8 +46,9 @@ class Speculator:
         self._premium = 0.0  # the last verify pass's premium over a decode (`PassCost`)
         self._rngs: dict[int, np.random.Generator] = {}
         # where a verify pass may be walked on the device (`may_walk`): requests whose last
-        # verify step accepted drafts; whose last walk was followed by drafts that had to
-        # wait for the pass launched on it (until a step drafts nothing); walked last step
+        # step was a verify step that accepted drafts; whose last walk was followed by drafts
+        # that had to wait for the pass launched on it (until a step drafts nothing); walked
+        # at their last step
         self._accepting: set[int] = set()
         self._no_walk: set[int] = set()
         self._walked: set[int] = set()
@@ -144,9 +145,9 @@ class Speculator:
     def may_walk(self, uids: list[int]) -> bool:
         """Whether a verify step of these requests may be walked on the device, the decode
         pass after it launched at once (drafts the next step finds wait for that pass): not
-        where a request accepted drafts at its last verify step (in a run of copied text the
-        next step most often verifies again), nor where drafts waited for the pass launched
-        on its last walk (until a step drafts nothing: `record_idle`)."""
+        where a request's last step was a verify step that accepted drafts (in a run of
+        copied text the next step most often verifies again), nor where drafts waited for
+        the pass launched on its last walk (until a step drafts nothing: `record_idle`)."""
         return self._accepting.isdisjoint(uids) and self._no_walk.isdisjoint(uids)
 
     def walked(self, uids: list[int]) -> None:

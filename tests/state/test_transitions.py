@@ -352,6 +352,15 @@ def test_planning_after_a_verify_pass_agrees_with_its_commit(case):
     nothing_accepted = not any(accepted_lens)
     nobody_left = result.effects.finished_rids.size == 0
     assert state.same_layout(planned, result.running) == (nothing_accepted and nobody_left)
+    # moved on by the accepted drafts (a walk on the device found them): the commit's
+    # layout wherever nobody finished; the requests left kept theirs where some did
+    if batch.mode == Mode.VERIFY:  # (roots alone make a decode pass)
+        moved = state.assume_decoded(batch, np.asarray(accepted_lens))
+        assert state.same_layout(moved, result.running) == nobody_left
+        left = set(result.running.rids.tolist())
+        keep = state.kept_rows(moved, result.running)
+        assert keep is not None
+        assert keep.tolist() == [i for i, rid in enumerate(run.rids.tolist()) if rid in left]
     undo = state.abandon(batch, written=True)
     assert undo.table_rows.tolist() == early.table_rows.tolist()
     assert undo.table_cols.tolist() == early.table_cols.tolist()
