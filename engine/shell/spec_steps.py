@@ -148,11 +148,11 @@ class SpeculativeSteps:
             if ahead is not None:  # drafts that were for another token: not the proposer's
                 recorded = ahead.launched.recorded(trees, outcome.accepted_lens.lens)
             self.spec.record(uids, recorded, outcome.accepted_lens.lens)
+            if walk is not None:  # (before the transition: its effects are applied next)
+                self._confirm_walk(walk, outcome)
             result = self.machine.verify(
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
             )
-            if walk is not None:
-                self._confirm_walk(walk, outcome)
             self._commit_pass(open_pass, result, launch_next=True)
         # a plan made during the pass stays only where it fits: nobody may be left to drop it
         self.ahead.fit(self.running)

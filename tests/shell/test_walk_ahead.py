@@ -10,6 +10,8 @@ the best path all accepted, a part of it, none of it, and another branch."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from engine.shell.engine import Engine
 from engine.shell.failures import Faults
 from engine.shell.graphs import graph_runners
 from engine.shell.kv import RequestTable
+from engine.shell.replay import replay_file
 from engine.shell.walk import BestPaths, DeviceWalk
 from engine.spec.verify import verify_greedy
 from engine.state import DraftTrees, FinishRules, Running, SamplingParams
@@ -313,3 +316,19 @@ def test_a_pass_that_fails_after_its_walk_leaves_nothing_in_the_table(monkeypatc
     assert list(again[0].token_ids) == reference[0][len(PROMPTS[0]) :]
     engine.check()
     assert engine.book.num_available == engine.book.slots.capacity
+
+
+def test_a_run_with_walks_replays_clean(monkeypatch, tmp_path):
+    """The trace of a run whose verify passes were walked on the device: the passes launched
+    on them laid out for the accepted drafts (`assume_decoded` with them, the plan's slots
+    handed on) and the table writes that clear a dropped walk's replay as recorded."""
+    reference = _reference(monkeypatch)
+    path = tmp_path / "run.jsonl"
+    engine = _engine(monkeypatch, trace_path=str(path))
+    _oracle(engine, reference)
+    _run(engine)
+    assert engine.stats["walks_ahead_dropped"] > 0
+    records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+    assert any(r["op"] == "assume_decoded" and any(r.get("accepted", ())) for r in records)
+    assert any(r["op"] == "apply" for r in records)  # a dropped walk's writes cleared
+    assert replay_file(str(path)).steps == len(records)
