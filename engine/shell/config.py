@@ -64,6 +64,13 @@ def _draft_cost(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     SpecConfig(draft_cost=value)  # its check, with its message
 
 
+# speculation's options that launch passes before the host reads the pass before: what each
+# launches (they need speculation and passes launched ahead)
+AHEAD_OF_THE_HOST = {
+    "verify_ahead": "verify passes ahead",
+    "walk_ahead": "the decode pass after a verify pass walked on the device",
+}
+
 SPEC_DEFAULTS = SpecConfig()  # the proposer's settings the engine's options leave as they are
 
 
@@ -282,12 +289,13 @@ class EngineConfig:
             )
 
         # (plan_ahead=False turns off every pass planned ahead, as it does launch_ahead)
-        if self.verify_ahead and not (self.speculative and self.launch_ahead is not False):
-            raise ValueError(
-                f"verify_ahead=True with speculative={self.speculative}, launch_ahead="
-                f"{self.launch_ahead} is not allowed: it launches verify passes ahead, which "
-                "needs speculative=True and launch_ahead True or None"
-            )
+        for name, launches in AHEAD_OF_THE_HOST.items():
+            if getattr(self, name) and not (self.speculative and self.launch_ahead is not False):
+                raise ValueError(
+                    f"{name}=True with speculative={self.speculative}, launch_ahead="
+                    f"{self.launch_ahead} is not allowed: it launches {launches}, which needs "
+                    "speculative=True and launch_ahead True or None"
+                )
 
     def spec_config(self) -> SpecConfig:
         """Speculation's settings from these options (the rest as `SpecConfig` has them): the

@@ -21,7 +21,7 @@ from engine.errors import InvalidRequest
 from engine.shell import scheduler
 from engine.shell.admission import Admission
 from engine.shell.ahead import PlanAhead
-from engine.shell.config import EngineConfig
+from engine.shell.config import AHEAD_OF_THE_HOST, EngineConfig
 from engine.shell.distributed import WorkerFailed
 from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
 from engine.shell.grammar import Grammars
@@ -104,12 +104,14 @@ class Engine(Admission, SpeculativeSteps):
         if launch_ahead is None:
             launch_ahead = rt.device.type == "cuda" and self.config.tensor_parallel_size == 1
         self.launch_ahead: bool = launch_ahead
-        if self.config.verify_ahead and not launch_ahead:
-            raise ValueError(
-                f"verify_ahead=True with launch_ahead=None on {rt.device.type} (tensor_parallel_"
-                f"size={self.config.tensor_parallel_size}) is not allowed: passes are launched "
-                "ahead by default only on CUDA with one rank; set launch_ahead=True (one rank)"
-            )
+        for name in AHEAD_OF_THE_HOST:
+            if getattr(self.config, name) and not launch_ahead:
+                raise ValueError(
+                    f"{name}=True with launch_ahead=None on {rt.device.type} (tensor_parallel_"
+                    f"size={self.config.tensor_parallel_size}) is not allowed: passes are "
+                    "launched ahead by default only on CUDA with one rank; set "
+                    "launch_ahead=True (one rank)"
+                )
         self.health = Health()
         # on the CPU, each step's thread count (torch's, which the kernels are passed): at most
         # the CPUs others leave free, since a spinning OpenMP team stalls behind a busy neighbour

@@ -57,10 +57,13 @@ def test_invalid_field_is_named(field: str, value: object) -> None:
         dict(speculative=True, launch_ahead=False),
     ],
 )
-def test_verify_ahead_is_refused_where_it_could_never_launch(settings: dict) -> None:
-    with pytest.raises(ValueError, match=r"^verify_ahead=True with .* is not allowed: it"):
-        EngineConfig(verify_ahead=True, **settings)
-    EngineConfig(verify_ahead=True, speculative=True)  # launch_ahead None: decided on the device
+@pytest.mark.parametrize("name", ["verify_ahead", "walk_ahead"])
+def test_passes_ahead_of_the_host_are_refused_where_they_could_never_launch(
+    settings: dict, name: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"^{name}=True with .* is not allowed: it"):
+        EngineConfig(**{name: True}, **settings)
+    EngineConfig(**{name: True}, speculative=True)  # launch_ahead None: decided on the device
 
 
 def test_replace_refuses_unknown_options_and_lists_the_known_ones() -> None:

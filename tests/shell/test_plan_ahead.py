@@ -449,8 +449,9 @@ def test_launch_ahead_is_on_by_default_with_a_cuda_device_and_one_rank():
     with pytest.raises(ValueError, match=r"launch_ahead='yes' is not allowed; it must be True"):
         tiny_engine("torch", launch_ahead="yes")
     # verify passes launched ahead where nothing is launched ahead: refused, not ignored
-    with pytest.raises(ValueError, match=r"^verify_ahead=True with launch_ahead=None on cpu"):
-        tiny_engine("torch", device="cpu", speculative=True, verify_ahead=True)
+    for name in ("verify_ahead", "walk_ahead"):
+        with pytest.raises(ValueError, match=rf"^{name}=True with launch_ahead=None on cpu"):
+            tiny_engine("torch", device="cpu", speculative=True, **{name: True})
 
 
 def test_a_plan_that_fits_is_kept_without_looking_for_rows_left():
