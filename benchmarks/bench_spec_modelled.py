@@ -62,6 +62,7 @@ from spec_workloads import CHATS_MORE, workloads  # noqa: E402  (benchmarks/, be
 from engine.shell.config import EngineConfig  # noqa: E402
 from engine.shell.engine import Engine  # noqa: E402
 from engine.shell.graphs import verify_widths  # noqa: E402
+from engine.shell.walk import BestPaths  # noqa: E402
 from engine.spec import SpecConfig  # noqa: E402
 from engine.state import SamplingParams  # noqa: E402
 
@@ -195,23 +196,18 @@ class HostTimeline(DeviceModel):
 def best_path_outcomes(trees, outcome) -> list[str]:
     """Per tree that drafted, where its accepted drafts lie against its best path (from the
     root, each node's first child: the proposer ranks siblings best first): "none" accepted,
-    "all" of it, "part" of it (a prefix), or "off" it (another branch). A walk on the device
-    that follows the best path would know the next pass's input before the host's walk in
-    every case but "off"."""
-    starts, sizes = trees.sizes.starts().tolist(), trees.sizes.lens.tolist()
+    "all" of it, "part" of it (a prefix), or "off" it (another branch). The walk on the
+    device (`walk_ahead`, `engine.shell.walk.BestPaths`) knows the next pass's input before
+    the host's walk in every case but "off"."""
+    paths = BestPaths.of(trees)
     bounds = outcome.accepted_lens.indptr().tolist()
     out = []
-    for i, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+    for i, (size, length) in enumerate(
+        zip(trees.sizes.lens.tolist(), paths.lens.tolist(), strict=True)
+    ):
         if size == 1:
             continue
-        parents = trees.parents[start : start + size].tolist()
-        first_child: dict[int, int] = {}
-        for node in range(size - 1, 0, -1):  # children follow their parents: lowest id first
-            first_child[parents[node]] = node
-        path, node = [], 0
-        while node in first_child:
-            node = first_child[node]
-            path.append(node)
+        path = paths.nodes[i, 1 : 1 + length].tolist()
         accepted = outcome.accepted_nodes[bounds[i] : bounds[i + 1]].tolist()
         if accepted != path[: len(accepted)]:
             out.append("off")

@@ -160,21 +160,22 @@ class PlanAhead:
         """The plan's pass is `batch` from here: the planned pass scheduled again (its layout
         and its slots, newer tokens). It holds the slots now, so a drop gives up that pass,
         not the plan it took them from."""
-        if self.prepared is None or self.prepared.launched is not None:
-            raise ValueError("rebatch() needs a plan that was not launched yet")
-        if batch.out_slots is not self.prepared.batch.out_slots:
-            raise ValueError("rebatch() needs the pass that takes the plan's slots")
-        self.prepared = attrs.evolve(self.prepared, batch=batch)
+        self._rebatched(batch, launched=False, what="rebatch")
 
     def relayout(self, batch: state.Batch) -> None:
         """The launched plan's pass is `batch` from here: the layout its launch took on the
         device, now known to the host (a decode pass after a verify pass, its requests moved
         on by the drafts a walk on the device accepted: `DeviceWalk`). It holds the plan's
         slots."""
-        if self.prepared is None or self.prepared.launched is None:
-            raise ValueError("relayout() needs a plan that was launched")
+        self._rebatched(batch, launched=True, what="relayout")
+
+    def _rebatched(self, batch: state.Batch, launched: bool, what: str) -> None:
+        """The plan's batch replaced by `batch`, which takes its slots; the plan launched
+        already or not, as `launched` says (`what`: the caller, for the error)."""
+        if self.prepared is None or (self.prepared.launched is not None) != launched:
+            raise ValueError(f"{what}() needs a plan that was {'' if launched else 'not '}launched")
         if batch.out_slots is not self.prepared.batch.out_slots:
-            raise ValueError("relayout() needs the pass that takes the plan's slots")
+            raise ValueError(f"{what}() needs the pass that takes the plan's slots")
         self.prepared = attrs.evolve(self.prepared, batch=batch)
 
     def launch(self, launcher: Callable[[Prepared], Any]) -> None:

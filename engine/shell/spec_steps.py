@@ -119,14 +119,16 @@ class SpeculativeSteps:
             forward = self.passes.forward(batch) if ahead is None else ahead.launched.logits
             # all greedy with a grammar among them: the argmax along each tree's accepted path
             # is checked against its grammar, no node masked first (`Grammars.verify_paths`)
-            checked = all(p.greedy for p in params) and self.grammars.constrains(uids)
+            greedy = all(p.greedy for p in params)
+            checked = greedy and self.grammars.constrains(uids)
             masks = None if checked else self.logits.start_tree(trees, uids)
             logits = self.logits.edit_tree(forward, trees, uids, self.outputs.edited_uids)
             self.passes.hit("verify")
             self._plan_after_verify(open_pass)  # while the device runs it
-            walk = self._walk_ahead(open_pass, logits, params)
+            walk = self._walk_ahead(open_pass, logits, greedy)
             if walk is not None:  # the walk's argmax, read on the host
-                outcome = self.spec.verify(batch, params, walk.target())
+                target = walk.target()
+                outcome = self.spec.verify(batch, params, target)
             elif checked:  # read on the host here; otherwise the speculator's walk reads it
                 argmax = greedy_tokens(logits).cpu().numpy()
                 target = self.grammars.verify_paths(trees, uids, argmax, logits)
@@ -149,7 +151,7 @@ class SpeculativeSteps:
                 recorded = ahead.launched.recorded(trees, outcome.accepted_lens.lens)
             self.spec.record(uids, recorded, outcome.accepted_lens.lens)
             if walk is not None:  # (before the transition: its effects are applied next)
-                self._confirm_walk(walk, outcome)
+                self._confirm_walk(walk, outcome, target)
             result = self.machine.verify(
                 batch, outcome.accepted_lens, outcome.accepted_nodes, outcome.bonus
             )
@@ -162,9 +164,9 @@ class SpeculativeSteps:
         self.spec.observe(trees.sizes.total, started + self._verify_launched_seconds(), verify=True)
         return "verify"
 
-    def _walk_ahead(self, open_pass: OpenPass, logits: Any, params: list) -> DeviceWalk | None:
+    def _walk_ahead(self, open_pass: OpenPass, logits: Any, greedy: bool) -> DeviceWalk | None:
         """Where the decode pass after verify pass `open_pass` was planned during it
-        (`_plan_after_verify`) to replay a graph, every request is greedy, none has a
+        (`_plan_after_verify`) to replay a graph, every request is `greedy`, none has a
         grammar, a bias or penalties, and the speculator allows it (`Speculator.may_walk`:
         drafts the next step finds wait for the launched pass, so not within a run of
         copied text), walk the trees' best paths on the device (`DeviceWalk`) and launch
@@ -178,7 +180,7 @@ class SpeculativeSteps:
             or prepared.launched is not None
             or prepared.batch.mode != Mode.DECODE
             or prepared.runner is None  # an eager plan's kv indices are built already
-            or not all(p.greedy for p in params)
+            or not greedy
             or not self._launches_before_outputs(running)
             or not self.spec.may_walk(running.rids.tolist())
         ):
@@ -191,11 +193,12 @@ class SpeculativeSteps:
         self.stats["walks_ahead"] += 1
         return walk
 
-    def _confirm_walk(self, walk: DeviceWalk, outcome: Any) -> None:
-        """The host's walk `outcome` against the device's (`_walk_ahead`): where they accepted
-        the same drafts, the launched decode pass is laid out for them; otherwise it is
-        dropped, and what the device wrote past the accepted paths is cleared."""
-        accepted = walk.confirmed(outcome)
+    def _confirm_walk(self, walk: DeviceWalk, outcome: Any, target: np.ndarray) -> None:
+        """The host's walk `outcome` (of `target`, the argmax it read) against the device's
+        (`_walk_ahead`): where they accepted the same drafts, the launched decode pass is
+        laid out for them; otherwise it is dropped, and what the device wrote past the
+        accepted paths is cleared."""
+        accepted = walk.confirmed(outcome, target)
         if accepted is None:
             self.ahead.drop()
             self.book.apply(walk.cleared(outcome.accepted_lens.lens))

@@ -45,10 +45,11 @@ class Speculator:
         self.last_draft_cost = 0.0  # measured (or configured) at the last verify pass's batch
         self._premium = 0.0  # the last verify pass's premium over a decode (`PassCost`)
         self._rngs: dict[int, np.random.Generator] = {}
-        # where a verify pass may be walked on the device (`may_walk`): requests whose last
-        # step was a verify step that accepted drafts; whose last walk was followed by drafts
-        # that had to wait for the pass launched on it (until a step drafts nothing); walked
-        # at their last step
+        # where a verify pass may be walked on the device (`may_walk`; kept with walk_ahead
+        # only): requests whose last step was a verify step that accepted drafts; whose last
+        # walk was followed by drafts that had to wait for the pass launched on it (until a
+        # step drafts nothing); walked at their last step
+        self._walks = config.walk_ahead
         self._accepting: set[int] = set()
         self._no_walk: set[int] = set()
         self._walked: set[int] = set()
@@ -135,12 +136,10 @@ class Speculator:
     def record(self, uids: list[int], trees: DraftTrees, accepted: np.ndarray) -> None:
         """A verify step's drafts and accepted counts, weighed at the costs `verify` used."""
         self.stats.record_batch(uids, trees, accepted, self.last_draft_cost, self._premium)
-        self._walked.difference_update(uids)
-        for uid, count in zip(uids, np.asarray(accepted).tolist(), strict=True):
-            if count:
-                self._accepting.add(uid)
-            else:
-                self._accepting.discard(uid)
+        if self._walks:
+            self._walked.difference_update(uids)
+            self._accepting.difference_update(uids)
+            self._accepting.update(np.asarray(uids)[np.asarray(accepted) > 0].tolist())
 
     def may_walk(self, uids: list[int]) -> bool:
         """Whether a verify step of these requests may be walked on the device, the decode
@@ -160,6 +159,8 @@ class Speculator:
         were proposed and wait for the next step (a pass launched ahead decodes this one)."""
         rids = uids.tolist()
         self.stats.record_idle(rids)
+        if not self._walks:
+            return
         self._accepting.difference_update(rids)
         if drafted:
             self._no_walk.update(self._walked.intersection(rids))

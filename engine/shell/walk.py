@@ -26,6 +26,7 @@ from engine.backends.base import upload
 from engine.model.sampling import greedy_tokens
 from engine.shell.kv import RequestTable
 from engine.shell.logits import Sampled
+from engine.spec.tree import child_links
 from engine.spec.verify import VerifyOutcome
 from engine.state import PADDING_SLOT, DraftTrees
 
@@ -41,22 +42,20 @@ class BestPaths:
 
     @classmethod
     def of(cls, trees: DraftTrees) -> BestPaths:
-        paths = []
-        for start, size in zip(
-            trees.sizes.starts().tolist(), trees.sizes.lens.tolist(), strict=True
-        ):
-            parents = trees.parents[start : start + size].tolist()
-            first_child: dict[int, int] = {}
-            for node in range(size - 1, 0, -1):  # children follow their parents
-                first_child[parents[node]] = node
-            path, node = [0], 0
-            while node in first_child:
-                node = first_child[node]
-                path.append(node)
-            paths.append(path)
-        depth = max(len(p) for p in paths)
-        nodes = np.array([p + [p[-1]] * (depth - len(p)) for p in paths], dtype=np.int64)
-        return cls(nodes, np.array([len(p) - 1 for p in paths], dtype=np.int64))
+        first_child, _ = child_links(trees)
+        starts = trees.sizes.starts()
+        node = np.zeros(len(trees.sizes), dtype=np.int64)  # each path's last node so far
+        lens = np.zeros(len(trees.sizes), dtype=np.int64)
+        path = [node]
+        while True:  # one step down every path at once, as deep as the deepest
+            child = first_child[starts + node]
+            going = child >= 0
+            if not going.any():
+                break
+            node = np.where(going, child, node)
+            lens += going
+            path.append(node)
+        return cls(np.stack(path, axis=1), lens)
 
     @property
     def depth(self) -> int:
@@ -125,21 +124,19 @@ class DeviceWalk:
         """The verify pass's argmax per node on the host (the host's walk reads it)."""
         return self.argmax.tokens_on_host()
 
-    def confirmed(self, outcome: VerifyOutcome) -> np.ndarray | None:
-        """The drafts each request accepted, where the host's walk (`outcome`) accepted the
-        paths the device's did; None where a request accepted another branch."""
+    def confirmed(self, outcome: VerifyOutcome, target: np.ndarray) -> np.ndarray | None:
+        """The drafts each request accepted, where the host's walk (`outcome`, of `target`)
+        accepted the paths the device's did; None where a request accepted another
+        branch."""
         trees = self.batch.trees
         assert trees is not None
-        counts = self.paths.accepted(trees, self.target())
-        if not np.array_equal(counts, outcome.accepted_lens.lens):
+        counts = self.paths.accepted(trees, target)
+        # the device's paths, in the outcome's layout (each request's nodes below its root)
+        on_path = np.arange(1, self.paths.depth + 1) <= counts[:, None]
+        if not np.array_equal(counts, outcome.accepted_lens.lens) or not np.array_equal(
+            self.paths.nodes[:, 1:][on_path], outcome.accepted_nodes
+        ):
             return None
-        bounds = outcome.accepted_lens.indptr()
-        for i, count in enumerate(counts.tolist()):
-            if count and not np.array_equal(
-                outcome.accepted_nodes[bounds[i] : bounds[i + 1]],
-                self.paths.nodes[i, 1 : 1 + count],
-            ):
-                return None
         return counts
 
     def cleared(self, accepted: np.ndarray) -> state.Effects:

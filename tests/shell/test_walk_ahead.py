@@ -88,7 +88,7 @@ def test_the_device_walk_writes_the_accepted_slots_and_moves_the_next_pass_on():
     assert not table.host[0].any()  # nothing accepted on tree 1's best path
     assert walk.target().tolist() == argmax.tolist()
     outcome = verify_greedy(trees, argmax)
-    assert walk.confirmed(outcome) is None  # tree 1 accepted node 2, not node 1
+    assert walk.confirmed(outcome, argmax) is None  # tree 1 accepted node 2, not node 1
     cleared = walk.cleared(outcome.accepted_lens.lens)  # past [2, 1] on paths of [3, 1]
     assert list(zip(cleared.table_rows, cleared.table_cols, strict=True)) == [(1, 6)]
     every = walk.cleared(np.zeros(2, dtype=np.int64))
@@ -102,7 +102,8 @@ def test_the_device_walk_writes_the_accepted_slots_and_moves_the_next_pass_on():
     logits[4, 1] = 1.0  # tree 1 now accepts nothing: the host's walk is the device's
     walk = DeviceWalk.launch(logits, batch, RequestTable(2, 16))
     outcome = verify_greedy(trees, walk.target())
-    assert walk.confirmed(outcome).tolist() == [2, 0] and walk.ids.tolist() == [9, 1]
+    assert walk.confirmed(outcome, walk.target()).tolist() == [2, 0]
+    assert walk.ids.tolist() == [9, 1]
 
 
 def test_assume_decoded_moves_a_verify_pass_on_by_its_accepted_drafts():
@@ -182,7 +183,7 @@ def _oracle(engine: Engine, reference: list[list[int]], turns: tuple = TURNS) ->
 
 def _reference(monkeypatch) -> list[list[int]]:
     """PROMPTS with their outputs from plain decoding on the same graphs."""
-    outputs = _engine(monkeypatch, speculative=False).generate(PROMPTS, PARAMS)
+    outputs = _engine(monkeypatch, speculative=False, walk_ahead=False).generate(PROMPTS, PARAMS)
     return [p + list(o.token_ids) for p, o in zip(PROMPTS, outputs, strict=True)]
 
 
@@ -204,9 +205,9 @@ def test_walked_verify_passes_give_plain_decodings_tokens(monkeypatch):
     confirmed, launched = [], {}  # the walks' outcomes; the passes launched on them
     real = engine._confirm_walk
 
-    def confirm(walk, outcome):
-        real(walk, outcome)
-        confirmed.append(walk.confirmed(outcome))
+    def confirm(walk, outcome, target):
+        real(walk, outcome, target)
+        confirmed.append(walk.confirmed(outcome, target))
         if confirmed[-1] is not None:
             launched[id(engine.ahead.prepared.batch.out_slots)] = int(confirmed[-1].sum())
 
@@ -246,7 +247,9 @@ def test_when_the_speculator_lets_a_verify_pass_be_walked():
     """Not after a verify step that accepted drafts (the next most often verifies again),
     nor after a walk whose next step's drafts had to wait for the pass launched on it, until
     a step drafts nothing."""
-    spec = Engine(random_weights="tiny", device="cpu", speculative=True).spec
+    spec = Engine(
+        random_weights="tiny", device="cpu", speculative=True, launch_ahead=True, walk_ahead=True
+    ).spec
     for uid in (1, 2):
         spec.add_request(uid, [5, 6, 7])
     trees = DraftTrees.from_lists([[7, 8], [7, 9]], [[-1, 0], [-1, 0]])
@@ -272,9 +275,9 @@ def test_verify_passes_are_walked_only_where_the_speculator_lets_them(monkeypatc
     _oracle(engine, reference, ("nothing", *(k for kind in KINDS for k in (kind, kind))))
     walked, real = [], engine._walk_ahead
 
-    def walk_ahead(open_pass, logits, params):
+    def walk_ahead(open_pass, logits, greedy):
         allowed = engine.spec.may_walk(open_pass.batch.running.rids.tolist())
-        walk = real(open_pass, logits, params)
+        walk = real(open_pass, logits, greedy)
         walked.append((allowed, walk is not None))
         return walk
 
@@ -300,9 +303,9 @@ def test_a_pass_that_fails_after_its_walk_leaves_nothing_in_the_table(monkeypatc
     real = engine._confirm_walk
     failed = []
 
-    def confirm(walk, outcome):
-        real(walk, outcome)
-        accepted = walk.confirmed(outcome)
+    def confirm(walk, outcome, target):
+        real(walk, outcome, target)
+        accepted = walk.confirmed(outcome, target)
         if accepted is not None and accepted.any() and not failed:  # the commit right after
             failed.append(True)
             engine.faults = Faults.at(commit=[1])
