@@ -34,18 +34,16 @@ from engine.state import PADDING_SLOT, DraftTrees
 @attrs.frozen(eq=False)
 class BestPaths:
     """Each tree's best path: from the root, each node's first child (the lowest id). `nodes`
-    [trees, depth + 1]: local ids, the root's first, padded with each path's last node;
-    `lens`: each path's drafts (0: a root alone)."""
+    [trees, depth + 1]: local ids, the root's first, padded with each path's last node (a
+    child's id is above its parent's, so a path's steps are where its ids change)."""
 
     nodes: np.ndarray
-    lens: np.ndarray
 
     @classmethod
     def of(cls, trees: DraftTrees) -> BestPaths:
         first_child, _ = child_links(trees)
         starts = trees.sizes.starts()
         node = np.zeros(len(trees.sizes), dtype=np.int64)  # each path's last node so far
-        lens = np.zeros(len(trees.sizes), dtype=np.int64)
         path = [node]
         while True:  # one step down every path at once, as deep as the deepest
             child = first_child[starts + node]
@@ -53,9 +51,13 @@ class BestPaths:
             if not going.any():
                 break
             node = np.where(going, child, node)
-            lens += going
             path.append(node)
-        return cls(np.stack(path, axis=1), lens)
+        return cls(np.stack(path, axis=1))
+
+    @property
+    def lens(self) -> np.ndarray:
+        """Each path's drafts (0: a root alone)."""
+        return np.count_nonzero(np.diff(self.nodes, axis=1), axis=1)
 
     @property
     def depth(self) -> int:
