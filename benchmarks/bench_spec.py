@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from spec_systems import HF, OnFmas, Ours, timed  # benchmarks/, beside this script
+from spec_systems import HF, OnFmas, Ours, split_options, timed, variant  # benchmarks/
 from spec_workloads import PARTS, workloads
 
 from engine import cpu_kernels
@@ -173,10 +173,12 @@ def run(args: argparse.Namespace) -> None:
     if endless is not None:
         systems["spec, no run limit"] = endless
     # A/B of engine settings with speculation, in the same turns (`--spec-variant`)
-    variants = {
-        f"spec, {field}={json.dumps(value)}": Ours(True, blocks, **{**on, field: value})
-        for field, value in args.spec_variant
-    }
+    variants = {}
+    for name, options in args.spec_variant:
+        spec_options, engine_options = split_options(options)
+        variants[f"spec, {name}"] = Ours(
+            True, blocks, spec_overrides=spec_options, **{**on, **engine_options}
+        )
     systems.update(variants)
     if (
         args.device == "cpu"
@@ -228,13 +230,13 @@ def run(args: argparse.Namespace) -> None:
                 f"steps {step_profile(endless)}",
                 flush=True,
             )
-        for key, variant in variants.items():
-            decode_phase = sum(len(o) - 1 for o in results[key][1]) / sum(variant.decode_seconds)
+        for key, other in variants.items():
+            decode_phase = sum(len(o) - 1 for o in results[key][1]) / sum(other.decode_seconds)
             print(
                 f"[{name}] {key}: {rate[key] / rate['ours']:.2f}x no-spec end to end, "
                 f"{decode_phase / rate['ours, decode phase']:.2f}x in the decode phase; "
                 f"ours+spec {rate['ours+spec'] / rate[key]:.2f}x of it; "
-                f"steps {step_profile(variant)}",
+                f"steps {step_profile(other)}",
                 flush=True,
             )
         ceiling = replay(prompts, outputs)
@@ -432,11 +434,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--spec-variant",
-        type=engine_option,
+        type=variant,
         action="append",
         default=[],
-        metavar="FIELD=VALUE",
-        help="also time the speculative engine with this engine setting, in the same turns "
+        metavar="[NAME:]FIELD=VALUE[,FIELD=VALUE]",
+        help="also time the speculative engine with these settings (EngineConfig fields, or "
+        "SpecConfig fields that are no engine option, values as JSON), in the same turns "
         "(e.g. verify_ahead=false); repeatable, one engine each",
     )
     run(parser.parse_args())

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import sys
 import time
 from pathlib import Path
@@ -57,20 +56,14 @@ import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_workloads import CHATS_MORE, workloads  # noqa: E402  (benchmarks/, beside this)
+from spec_systems import split_options, variant  # noqa: E402  (benchmarks/, beside this)
+from spec_workloads import CHATS_MORE, workloads  # noqa: E402
 
-from engine.shell.config import EngineConfig  # noqa: E402
 from engine.shell.engine import Engine  # noqa: E402
 from engine.shell.graphs import verify_widths  # noqa: E402
 from engine.shell.walk import BestPaths  # noqa: E402
 from engine.spec import SpecConfig  # noqa: E402
 from engine.state import SamplingParams  # noqa: E402
-
-# adaptive drafting's and the proposer's settings that are no engine option: set on the
-# engine's SpecConfig after it is built
-SPEC_FIELDS = {a.name for a in attrs.fields(SpecConfig)} - {
-    a.name for a in attrs.fields(EngineConfig)
-}
 
 
 class DeviceModel:
@@ -222,8 +215,7 @@ def modelled_engine(
     """An engine launching as on a GPU (`launch_ahead`), its reads and launches hooked to
     `device`, its cost model fed the modelled step times; its verify outcomes counted in
     `outcomes` (`best_path_outcomes`)."""
-    spec_options = {k: v for k, v in options.items() if k in SPEC_FIELDS}
-    engine_options = {k: v for k, v in options.items() if k not in SPEC_FIELDS}
+    spec_options, engine_options = split_options(options)
     engine = Engine(speculative=spec, launch_ahead=True, **engine_options)
     passes = engine.passes
     forward = passes.forward
@@ -306,21 +298,6 @@ class System:
     def accepted(self) -> int:
         spec = self.engine.spec
         return 0 if spec is None else spec.stats.total().accepted
-
-
-def variant(text: str) -> tuple[str, dict]:
-    """`FIELD=VALUE` or `name:FIELD=VALUE,FIELD=VALUE` -> (name, options); values as JSON."""
-    name, _, settings = text.rpartition(":")
-    options = {}
-    for item in settings.split(","):
-        field, sep, value = item.partition("=")
-        if not sep or not field:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=VALUE[,FIELD=VALUE]")
-        try:
-            options[field] = json.loads(value)
-        except json.JSONDecodeError:
-            options[field] = value
-    return name or settings, options
 
 
 def main() -> None:

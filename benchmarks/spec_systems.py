@@ -1,10 +1,13 @@
 """The systems benchmarks/bench_spec.py times at batch 1, one prompt at a time: the engine
 with and without speculation (`Ours`), the plain engine on the block kernel's FMA path
 (`OnFmas`), and HF transformers with and without prompt lookup (`HF`); `timed` runs them in
-turns."""
+turns. `variant` reads a variant of the speculative engine from the command line."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
 import time
 
 import attrs
@@ -12,8 +15,38 @@ import torch
 
 from engine import cpu_kernels
 from engine.model import default_model_path
+from engine.shell.config import EngineConfig
 from engine.shell.engine import Engine
+from engine.spec import SpecConfig
 from engine.state import SamplingParams
+
+# adaptive drafting's and the proposer's settings that are no engine option: set on the
+# engine's SpecConfig after it is built
+SPEC_FIELDS = {a.name for a in attrs.fields(SpecConfig)} - {
+    a.name for a in attrs.fields(EngineConfig)
+}
+
+
+def variant(text: str) -> tuple[str, dict]:
+    """`FIELD=VALUE` or `name:FIELD=VALUE,FIELD=VALUE` -> (name, options); values as JSON
+    (a bare word as a string; a comma inside a value, as in a list, stays)."""
+    name, _, settings = text.rpartition(":")
+    options = {}
+    for item in re.split(r",(?=\w+=)", settings):
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=VALUE[,FIELD=VALUE]")
+        try:
+            options[field] = json.loads(value)
+        except json.JSONDecodeError:
+            options[field] = value
+    return name or settings, options
+
+
+def split_options(options: dict) -> tuple[dict, dict]:
+    """(the `SPEC_FIELDS` of `options`, the rest: engine options)."""
+    spec = {k: v for k, v in options.items() if k in SPEC_FIELDS}
+    return spec, {k: v for k, v in options.items() if k not in SPEC_FIELDS}
 
 
 class Ours:

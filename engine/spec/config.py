@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from engine.state.batch import MAX_TREE_NODES
-from engine.state.params import check_field, is_int, is_number
+from engine.state.params import as_tuple, check_field, is_int, is_number
 
 
 @attrs.frozen
@@ -50,6 +50,12 @@ class SpecConfig:
         the accepted drafts (sum of draft_cost * drafted + the step's share of the verify
         premium - accepted, in decoded tokens) exceeds this, the budget halves without
         waiting for a full window.
+    budget_levels (()): the budgets adaptive drafting moves between besides 0, lowest first,
+        the last draft_budget; shrinking goes to the next level down (below the lowest: 0),
+        growing to the next level up. Empty: the budget halves and doubles. Where a verify
+        pass's time steps up at tree widths (its CUDA graphs), the levels fill those widths.
+    start_budget (None): a new request's budget (None: draft_budget); with budget_levels, a
+        level. Below draft_budget, a request reaches the widest trees only by growing to them.
     """
 
     max_trie_depth: int = 16
@@ -68,6 +74,8 @@ class SpecConfig:
     max_run_loss: float = 4.0
     draft_cost: float | None = None
     shrink_after_loss: float = 2.0
+    budget_levels: tuple[int, ...] = attrs.field(default=(), converter=as_tuple)
+    start_budget: int | None = None
 
     def __attrs_post_init__(self) -> None:
         depth = self.max_trie_depth
@@ -141,6 +149,48 @@ class SpecConfig:
         )
         loss = self.shrink_after_loss
         check_field("shrink_after_loss", loss, is_number(loss) and loss > 0, "a number > 0")
+        budget, levels = self.draft_budget, self.budget_levels
+        check_field(
+            "budget_levels",
+            levels,
+            levels == ()
+            or (
+                isinstance(levels, tuple)
+                and all(is_int(level) for level in levels)
+                and levels[0] >= 1
+                and all(a < b for a, b in zip(levels, levels[1:], strict=False))
+                and levels[-1] == budget
+            ),
+            f"() or increasing integers >= 1 ending at draft_budget={budget}",
+        )
+        start = self.start_budget
+        check_field(
+            "start_budget",
+            start,
+            start is None
+            or (is_int(start) and 1 <= start <= budget and (not levels or start in levels)),
+            f"None or an integer in [1, draft_budget={budget}]"
+            + (f", one of budget_levels={levels}" if levels else ""),
+        )
+
+    def lower_budget(self, budget: int) -> int:
+        """The budget a request shrinks to from `budget`: the next level down (0 below the
+        lowest), or half."""
+        if not self.budget_levels:
+            return budget // 2
+        return max((level for level in self.budget_levels if level < budget), default=0)
+
+    def higher_budget(self, budget: int) -> int:
+        """The budget a request grows to from `budget` (< draft_budget): the next level up,
+        or double, at most draft_budget."""
+        if not self.budget_levels:
+            return min(self.draft_budget, 2 * budget)
+        return min(level for level in self.budget_levels if level > budget)
+
+    @property
+    def first_budget(self) -> int:
+        """A new request's budget."""
+        return self.draft_budget if self.start_budget is None else self.start_budget
 
     def breadth(self, match_len: int) -> int:
         """Children kept per node for a match of `match_len` tokens (shorter: more)."""

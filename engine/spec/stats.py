@@ -146,7 +146,7 @@ class SpecStats:
             raise KeyError(f"request {rid} already has speculation statistics")
         fixed = self.config.draft_cost
         self._requests[rid] = _Adaptive(
-            self.config.draft_budget,
+            self.config.first_budget,
             self.config.adapt_window,
             0.0 if fixed is None and timing_free else fixed,
             self.config.probe_interval,
@@ -286,11 +286,11 @@ class SpecStats:
         if failed or entry.run_loss > cfg.max_run_loss:
             entry.budget = 0  # the probe failed, or the drafting since the last one lost
         elif loss > cfg.shrink_after_loss or (full and mean < cfg.shrink_below):
-            entry.budget //= 2
+            entry.budget = cfg.lower_budget(entry.budget)
         elif entry.budget < cfg.draft_budget and (
             accepted == drafted == entry.budget or (full and mean >= grow_at)
         ):
-            entry.budget = min(cfg.draft_budget, 2 * entry.budget)
+            entry.budget = cfg.higher_budget(entry.budget)
         else:
             return
         entry.recent.clear()

@@ -15,7 +15,7 @@ def check_field(field: str, value: object, ok: bool, allowed: str) -> None:
         raise ValueError(f"{field}={value!r} is not allowed; {field} must be {allowed}")
 
 
-def _as_tuple(value: object) -> object:
+def as_tuple(value: object) -> object:
     """A string or an iterable as a tuple; anything else is kept for the validator to name."""
     if isinstance(value, str):
         return (value,)
@@ -49,7 +49,7 @@ def _as_bias(value: object) -> object:
             return tuple(sorted((int(k), v) for k, v in value.items()))
         except (TypeError, ValueError):
             return value
-    return _as_tuple(value)
+    return as_tuple(value)
 
 
 @attrs.frozen
@@ -80,8 +80,8 @@ class SamplingParams:
     top_k: int = -1
     max_tokens: int | None = 64  # None: up to the context limit (set at submission)
     min_tokens: int = 0
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=as_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=as_tuple)
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine.spec import SpecConfig
@@ -48,10 +50,19 @@ def test_defaults_are_valid_and_documented() -> None:
         ("draft_cost", float("nan")),
         ("shrink_after_loss", 0),
         ("shrink_after_loss", None),
+        ("budget_levels", (3, 7)),  # must end at draft_budget
+        ("budget_levels", (7, 3, 12)),
+        ("budget_levels", (0, 12)),
+        ("budget_levels", (3.0, 12)),
+        ("budget_levels", 12),
+        ("start_budget", 0),
+        ("start_budget", 13),
+        ("start_budget", 7.0),
     ],
 )
 def test_invalid_field_is_named(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=rf"^{field}={value!r} is not allowed; {field} must be"):
+    message = re.escape(f"{field}={value!r} is not allowed; {field} must be")
+    with pytest.raises(ValueError, match=f"^{message}"):
         SpecConfig(**{field: value})
 
 
@@ -61,3 +72,20 @@ def test_breadth_is_larger_for_shorter_matches() -> None:
     assert widths == [10, 8, 6, 4, 2]
     assert config.breadth(0) == 10 and config.breadth(9) == 2
     assert SpecConfig(min_match=3, max_match=3).breadth(3) == SpecConfig().max_breadth
+
+
+def test_budget_levels_move_a_budget_a_level_at_a_time() -> None:
+    halving = SpecConfig(draft_budget=12)
+    assert [halving.lower_budget(b) for b in (12, 6, 3, 1)] == [6, 3, 1, 0]
+    assert [halving.higher_budget(b) for b in (1, 2, 3, 6, 7)] == [2, 4, 6, 12, 12]
+    assert halving.first_budget == 12
+    levels = SpecConfig(draft_budget=12, budget_levels=[3, 7, 12], start_budget=7)
+    assert levels.budget_levels == (3, 7, 12)  # a list is taken as a tuple
+    assert [levels.lower_budget(b) for b in (12, 7, 3, 2, 1)] == [7, 3, 0, 0, 0]
+    assert [levels.higher_budget(b) for b in (1, 2, 3, 5, 7, 11)] == [3, 3, 7, 7, 12, 12]
+    assert levels.first_budget == 7
+
+
+def test_a_start_budget_between_levels_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^start_budget=5 is not allowed; .*one of budget_lev"):
+        SpecConfig(budget_levels=(3, 7, 12), start_budget=5)

@@ -95,6 +95,33 @@ def test_budget_shrinks_to_root_only_probes_and_grows_back() -> None:
     assert budgets == [2, 4, 8, 8, 8]
 
 
+def test_budget_levels_start_below_the_widest_trees_and_step_between_levels() -> None:
+    config = SpecConfig(
+        draft_budget=12,
+        budget_levels=(3, 7, 12),
+        start_budget=7,
+        adapt_window=2,
+        probe_interval=2,
+        draft_cost=0.0,
+    )
+    stats = SpecStats(config)
+    stats.add(0)
+    assert stats.budget(0) == 7  # the widest trees are earned
+    stats.record(0, drafted=7, accepted=7)  # the whole tree: the budget was the limit
+    assert stats.budget(0) == 12
+    budgets = []
+    for _ in range(6):  # nothing accepted: a level down each full window
+        stats.record(0, drafted=stats.budget(0), accepted=0)
+        budgets.append(stats.budget(0))
+    assert budgets == [12, 7, 7, 3, 3, 0]
+    for _ in range(2):
+        stats.record(0, drafted=0, accepted=0)
+    probe = stats.budget(0)
+    assert probe == 1  # free drafts: one pays for its pass
+    stats.record(0, drafted=1, accepted=1)
+    assert stats.budget(0) == 3  # up to the next level, not to double
+
+
 def test_a_rejected_probe_returns_to_root_only_at_once() -> None:
     stats = SpecStats(SpecConfig(draft_budget=1, adapt_window=8, probe_interval=2))
     stats.add(0)
