@@ -47,6 +47,12 @@ ROWS_BLOCK_N = 8
 ROWS_SILU_BLOCK_N = 16
 ROWS_PRODUCTS = 512
 ROWS_LOOP_STAGES = 8
+DOT_MIN_BLOCK = 16  # `tl.dot`'s smallest tile side
+# ENGINE_ROWS_DOT (an input precision of `tl.dot`, e.g. tf32x3): the all-rows launches sum
+# each key step's products by the matrix instruction, ROWS_DOT_TILE (BLOCK_N, BLOCK_K,
+# LOOP_STAGES) a program; unset: elementwise products (`gemv_rows_kernel`).
+ROWS_DOT = os.environ.get("ENGINE_ROWS_DOT", "")
+ROWS_DOT_TILE = (16, 64, 4)
 
 
 # The NORM prologue needs no pass over the row before the products: RMSNorm(x) . w =
@@ -203,6 +209,9 @@ def _launch_rows(
     (rows, k), n = x.shape, weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     residual_out, pointers, eps, norm_strides = _norm_args(x, norm)
+    block_m = triton.next_power_of_2(rows)
+    if params.get("DOT"):  # a matrix instruction takes 16 rows or more
+        block_m = max(block_m, DOT_MIN_BLOCK)
     gemv_rows_kernel[(triton.cdiv(n, params["BLOCK_N"]),)](
         x,
         weight,
@@ -216,7 +225,7 @@ def _launch_rows(
         weight.stride(0),
         out.stride(0),
         *norm_strides,
-        BLOCK_M=triton.next_power_of_2(rows),
+        BLOCK_M=block_m,
         WITH_NORM=norm is not None,
         HAS_RESIDUAL=residual_out is not None,
         SILU_MUL=silu_mul,
@@ -334,6 +343,17 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
     SMs: ROWS_BLOCK_N columns a program (ROWS_SILU_BLOCK_N with `silu_mul`), ROWS_PRODUCTS
     products a row per key step, ROWS_LOOP_STAGES key steps in flight (none from
     PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on)."""
+    if ROWS_DOT:
+        block_n, block_k, stages = ROWS_DOT_TILE
+        return dict(
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=4,
+            num_stages=3,
+            LOOP_STAGES=_loop_stages(stages, triton.cdiv(columns, block_n), num_sms),
+            all_rows=True,
+            DOT=ROWS_DOT,
+        )
     block_n = ROWS_SILU_BLOCK_N if silu_mul else ROWS_BLOCK_N
     return dict(
         BLOCK_N=block_n,
