@@ -276,6 +276,39 @@ DOT_PRECISIONS = ("tf32x3",)
 DOT_TILES = ((16, 32, 4), (16, 64, 4), (32, 64, 8))  # BLOCK_N, BLOCK_K, LOOP_STAGES
 
 
+def _verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
+    """(the model's all-rows launch, the call as a verify pass makes it, its float64 value)
+    for the product `name`: the norm inside qkv, the norm and SiLU*mul around gate_up, plain
+    o_proj and down."""
+    eps = 1e-5
+
+    def normed(a):
+        a = a.double()
+        return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * norm_w.double()
+
+    if name == "gate_up":
+
+        def silu_after(a, w):
+            gate, up = (
+                F.linear(normed(a), w[: n // 2].double()),
+                F.linear(normed(a), w[n // 2 :].double()),
+            )
+            return F.silu(gate) * up
+
+        return (
+            gemv.rows_config(n // 2, sms, silu_mul=True),
+            lambda a, w, c: gemv.norm_gemv_silu(a, None, norm_w, eps, w, c)[0],
+            silu_after,
+        )
+    if name == "qkv":
+        return (
+            gemv.rows_config(n, sms),
+            lambda a, w, c: gemv.norm_gemv(a, None, norm_w, eps, w, c)[0],
+            lambda a, w: F.linear(normed(a), w.double()),
+        )
+    return gemv.rows_config(n, sms), gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
+
+
 def compare_dot(shapes: dict, rows_list: list[int]) -> None:
     """float32 rows in the all-rows kernel: the launch the model takes (`rows_config`, with
     the norm or SiLU*mul as a verify pass runs them) against the same products summed by
@@ -293,69 +326,28 @@ def compare_dot(shapes: dict, rows_list: list[int]) -> None:
         copies = max(2, -(-512 * 2**20 // (n * k * 4)))
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
         norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+        base, call, exact = _verify_launch(name, n, sms, norm_w)
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
-            if name == "gate_up":
-                base = gemv.rows_config(n // 2, sms, silu_mul=True)
-
-                def call(a, w, c):
-                    return gemv.norm_gemv_silu(a, None, norm_w, 1e-5, w, c)[0]
-
-                def exact(a, w):
-                    normed = (
-                        a.double()
-                        * torch.rsqrt(a.double().pow(2).mean(-1, keepdim=True) + 1e-5)
-                        * norm_w.double()
-                    )
-                    g, u = (
-                        F.linear(normed, w[: n // 2].double()),
-                        F.linear(normed, w[n // 2 :].double()),
-                    )
-                    return F.silu(g) * u
-            elif name == "qkv":
-                base = gemv.rows_config(n, sms)
-
-                def call(a, w, c):
-                    return gemv.norm_gemv(a, None, norm_w, 1e-5, w, c)[0]
-
-                def exact(a, w):
-                    normed = (
-                        a.double()
-                        * torch.rsqrt(a.double().pow(2).mean(-1, keepdim=True) + 1e-5)
-                        * norm_w.double()
-                    )
-                    return F.linear(normed, w.double())
-            else:
-                base = gemv.rows_config(n, sms)
-
-                def call(a, w, c):
-                    return gemv.gemv(a, w, c)
-
-                def exact(a, w):
-                    return F.linear(a.double(), w.double())
-
             want = exact(x, weights[0])
 
             def error(c):
                 got = call(x, weights[0], c).double()
                 return ((got - want).abs().max() / want.abs().max()).item()
 
-            t_base = time_calls(lambda a, w: call(a, w, base), weights, x)
+            t_base, base_error = time_calls(lambda a, w: call(a, w, base), weights, x), error(base)
             for precision in DOT_PRECISIONS:
                 for bn, bk, stages in DOT_TILES:
                     c = dict(base, BLOCK_N=bn, BLOCK_K=bk, LOOP_STAGES=stages, DOT=precision)
+                    launch = f"{precision} {bn} x {bk}, {stages} steps"
                     try:
                         t = time_calls(lambda a, w, c=c: call(a, w, c), weights, x)
                     except Exception as exc:  # a tile the compiler refuses
-                        print(
-                            f"| {name} | {rows} | {precision} {bn}x{bk} {stages} | "
-                            f"{type(exc).__name__} |"
-                        )
+                        print(f"| {name} | {rows} | | {launch} | {type(exc).__name__} | | |")
                         continue
                     print(
-                        f"| {name} {n} x {k} | {rows} | {t_base * 1e6:.1f} | {precision} "
-                        f"{bn} x {bk}, {stages} steps | {t * 1e6:.1f} | {t / t_base:.2f} | "
-                        f"{error(base):.1e}, {error(c):.1e} |",
+                        f"| {name} {n} x {k} | {rows} | {t_base * 1e6:.1f} | {launch} | "
+                        f"{t * 1e6:.1f} | {t / t_base:.2f} | {base_error:.1e}, {error(c):.1e} |",
                         flush=True,
                     )
         del weights
