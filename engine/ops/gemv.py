@@ -48,10 +48,22 @@ ROWS_SILU_BLOCK_N = 16
 ROWS_PRODUCTS = 512
 ROWS_LOOP_STAGES = 8
 DOT_MIN_BLOCK = 16  # `tl.dot`'s smallest tile side
-# ENGINE_ROWS_DOT (an input precision of `tl.dot`, e.g. tf32x3): the all-rows launches sum
-# each key step's products by the matrix instruction, ROWS_DOT_TILE (BLOCK_N, BLOCK_K,
-# LOOP_STAGES) a program; unset: elementwise products (`gemv_rows_kernel`).
-ROWS_DOT = os.environ.get("ENGINE_ROWS_DOT", "")
+DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")  # `tl.dot`'s input precisions
+
+
+def dot_precision(value: str, source: str) -> str:
+    """`value` where it is one of DOT_PRECISIONS or "" (none), else a ValueError naming
+    `source`."""
+    if value and value not in DOT_PRECISIONS:
+        raise ValueError(f"{source} must be one of {list(DOT_PRECISIONS)} or unset; got {value!r}")
+    return value
+
+
+# ENGINE_ROWS_DOT (an input precision of `tl.dot`: tf32x3 keeps float32's accuracy): the
+# all-rows launches sum each key step's products by the matrix instruction, ROWS_DOT_TILE
+# (BLOCK_N, BLOCK_K, LOOP_STAGES) a program; unset: elementwise products
+# (`gemv_rows_kernel`). Not yet timed against them on a GPU (`bench_gemv.py --dot`).
+ROWS_DOT = dot_precision(os.environ.get("ENGINE_ROWS_DOT", ""), "ENGINE_ROWS_DOT")
 ROWS_DOT_TILE = (16, 64, 4)
 
 
@@ -342,7 +354,7 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
     `silu_mul`: columns of SiLU*mul's output, each reading a gate and an up row) on `num_sms`
     SMs: ROWS_BLOCK_N columns a program (ROWS_SILU_BLOCK_N with `silu_mul`), ROWS_PRODUCTS
     products a row per key step, ROWS_LOOP_STAGES key steps in flight (none from
-    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on)."""
+    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on); with ROWS_DOT, its tile and precision."""
     if ROWS_DOT:
         block_n, block_k, stages = ROWS_DOT_TILE
         return dict(

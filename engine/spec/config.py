@@ -52,9 +52,10 @@ class SpecConfig:
         waiting for a full window.
     budget_levels (()): the budgets adaptive drafting moves between besides 0, lowest first,
         the last draft_budget; shrinking goes to the next level down (below the lowest: 0),
-        growing to the next level up. Empty: the budget halves and doubles. Levels at a
-        GPU's verify graph widths (3, 7, 12) read within the spread between runs of the
-        default on an H100 (docs/benchmarks.md), so they are off.
+        growing to the next level up (a probe's budget may lie between levels). Empty: the
+        budget halves and doubles. Levels at a GPU's verify graph widths (3, 7, 12) read
+        within the spread between runs of the default on an H100 (docs/benchmarks.md), so
+        they are off.
     start_budget (None): a new request's budget (None: draft_budget); with budget_levels, a
         level. Below draft_budget, a request reaches the widest trees only by growing to them.
     """

@@ -1,7 +1,7 @@
 """Acceptance statistics per request and in total, and adaptive draft budgets: a request
 whose recent drafts are mostly rejected, or cost more time than they saved, halves its budget
 (down to the root only); one that accepts its whole budget, or a high mean over a full window,
-doubles it.
+doubles it (with `SpecConfig.budget_levels`, a level down or up instead).
 
 At the root only it probes now and then with the fewest drafts that would pay for their
 verify pass were all accepted (one where a pass costs no more than its rows). A probe that

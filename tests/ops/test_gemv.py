@@ -115,6 +115,13 @@ def test_rows_config_with_dot_takes_its_tile(monkeypatch):
     assert_close(gemv.gemv(x, weight, gemv.rows_config(40, 2)), expected, torch.float32)
 
 
+def test_an_unknown_dot_precision_is_refused_by_name():
+    assert gemv.dot_precision("tf32x3", "ENGINE_ROWS_DOT") == "tf32x3"
+    assert gemv.dot_precision("", "ENGINE_ROWS_DOT") == ""
+    with pytest.raises(ValueError, match=r"^ENGINE_ROWS_DOT must be one of .*tf32x3.*; got 'fp64'"):
+        gemv.dot_precision("fp64", "ENGINE_ROWS_DOT")
+
+
 def test_the_model_runs_silu_after_gate_up_with_the_silu_launch(monkeypatch):
     """`linear_silu_mul` launches `gemv_silu` with rows_config's SiLU*mul tiles for the
     output's columns (half of gate_up's rows)."""
