@@ -105,17 +105,3 @@ def test_accepted_drafts_against_the_trees_best_paths(bench):
         np.zeros(6, dtype=np.int64),
     )
     assert bench.best_path_outcomes(trees, outcome) == ["off", "all", "part", "none", "off"]
-
-
-def test_a_variant_keeps_a_list_whole_and_splits_spec_fields_from_engine_options(bench):
-    import spec_systems
-
-    name, options = spec_systems.variant("lv:draft_budget=12,budget_levels=[3,7,12],start_budget=7")
-    assert (name, options) == (
-        "lv",
-        {"draft_budget": 12, "budget_levels": [3, 7, 12], "start_budget": 7},
-    )
-    assert spec_systems.variant("walk_ahead=false") == ("walk_ahead=false", {"walk_ahead": False})
-    spec, engine = spec_systems.split_options(options)
-    assert spec == {"budget_levels": [3, 7, 12], "start_budget": 7}
-    assert engine == {"draft_budget": 12}  # an engine option too: the engine takes it
