@@ -60,8 +60,6 @@ class Passes:
         self.hit("forward")
         if prepared is None:
             return self.runner.forward(batch)
-        if shift is None:  # (a tensor-parallel runner takes no shift)
-            return self.runner.launch(prepared, batch, input_ids)
         return self.runner.launch(prepared, batch, input_ids, shift)
 
     def launch(

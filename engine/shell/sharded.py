@@ -98,11 +98,13 @@ class ParallelRunner:
     def prepare(self, batch: Batch) -> Prepared:
         return self.inner.prepare(batch)
 
-    def launch(self, prepared: Prepared, batch: Batch, input_ids: Any = None) -> torch.Tensor:
-        """Send the pass to every worker, then run rank 0's part. `input_ids` on the device
-        (a pass launched ahead) exist on rank 0 alone: refused (`EngineConfig` refuses
-        `launch_ahead` with several ranks)."""
-        if input_ids is not None:
+    def launch(
+        self, prepared: Prepared, batch: Batch, input_ids: Any = None, shift: Any = None
+    ) -> torch.Tensor:
+        """Send the pass to every worker, then run rank 0's part. `input_ids` and `shift` on
+        the device (a pass launched ahead, one moved on by a walk on the device) exist on rank
+        0 alone: refused (`EngineConfig` refuses `launch_ahead` with several ranks)."""
+        if input_ids is not None or shift is not None:
             raise ValueError("a pass launched ahead cannot run on several ranks")
         if self.failed is not None:
             raise self.failed

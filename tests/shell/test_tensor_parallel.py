@@ -305,3 +305,19 @@ def test_launch_ahead_with_several_ranks_is_refused_naming_both_options():
     with pytest.raises(ValueError, match="launch_ahead=True with tensor_parallel_size=2"):
         EngineConfig(tensor_parallel_size=2, launch_ahead=True)
     assert EngineConfig(tensor_parallel_size=1, launch_ahead=True).launch_ahead
+
+
+def test_rank_0s_runner_refuses_a_pass_launched_ahead_before_sending_it():
+    """Input ids or a shift on rank 0's device (a pass launched ahead, or moved on by a walk
+    on the device) are refused before the pass reaches the workers."""
+    from types import SimpleNamespace
+
+    from engine.shell.sharded import ParallelRunner
+
+    sent = []
+    inner = SimpleNamespace(model=None, backend=None, graphs=[])
+    runner = ParallelRunner(inner, SimpleNamespace(send=sent.append), None)
+    for launched_ahead in (dict(input_ids=torch.zeros(1)), dict(shift=torch.zeros(1))):
+        with pytest.raises(ValueError, match="cannot run on several ranks"):
+            runner.launch(None, None, **launched_ahead)
+    assert sent == []
