@@ -52,11 +52,10 @@ import sys
 import time
 from pathlib import Path
 
-import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_systems import split_options, variant  # noqa: E402  (benchmarks/, beside this)
+from spec_systems import override_spec, split_options, variant  # noqa: E402  (benchmarks/, beside this)
 from spec_workloads import CHATS_MORE, workloads  # noqa: E402
 
 from engine.shell.engine import Engine  # noqa: E402
@@ -238,10 +237,8 @@ def modelled_engine(
 
     passes.tokens = read_tokens
     if engine.spec is not None:
+        override_spec(engine, spec_options)
         spec_state = engine.spec
-        spec_state.stats.config = attrs.evolve(spec_state.stats.config, **spec_options)
-        spec_state.config = spec_state.stats.config
-        spec_state.proposer.config = spec_state.stats.config
         verify = spec_state._verify
 
         def read_verify(batch, *args, **kwargs):

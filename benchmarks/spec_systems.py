@@ -57,6 +57,15 @@ def freeze(engines: list[Engine]) -> int:
     return frozen
 
 
+def override_spec(engine: Engine, options: dict) -> None:
+    """The engine's speculation settings with `options` (`SPEC_FIELDS`) in place of its own,
+    for its proposer and its adaptive drafting alike; before its first request (a request's
+    history and the corpus read their settings when they are made)."""
+    spec = engine.spec
+    config = attrs.evolve(spec.config, **options)
+    spec.config = spec.stats.config = spec.proposer.config = config
+
+
 def split_options(options: dict) -> tuple[dict, dict]:
     """(the `SPEC_FIELDS` of `options`, the rest: engine options)."""
     spec = {k: v for k, v in options.items() if k in SPEC_FIELDS}
@@ -76,8 +85,8 @@ class Ours:
         spec_overrides: dict | None = None,
         **options: object,
     ) -> None:
-        """`spec_overrides`: `SpecConfig` fields the adaptive drafting (`SpecStats`) takes
-        in place of the engine's (an A/B of the drafting policy); `options`: more engine
+        """`spec_overrides`: `SpecConfig` fields that are no engine option, in place of the
+        engine's (`override_spec`: an A/B of the drafting policy); `options`: more engine
         settings (`EngineConfig` fields)."""
         # on a GPU each engine would size its KV pool from the free memory: three would not fit
         slots = None if device == "cpu" else 16384
@@ -96,8 +105,8 @@ class Ours:
         self.decode_seconds: list[float] = []  # per request: its steps after prefill
         self.counted: dict[str, int] = {}  # the engine's counters at clear()
         if speculative:
+            override_spec(self.engine, spec_overrides or {})
             stats = self.engine.spec.stats
-            stats.config = attrs.evolve(stats.config, **(spec_overrides or {}))
             original = stats.record_batch
 
             def record_batch(rids, trees, accepted_lens, *costs) -> None:

@@ -55,3 +55,14 @@ def test_garbage_is_collected_before_each_run_outside_its_time(systems, monkeypa
     for seconds, outputs in results.values():
         assert seconds == [0.0, 0.0]  # no run paid for a collection
         assert outputs == [[1, 2], [3]]
+
+
+def test_a_variants_spec_fields_reach_the_proposer_and_the_drafting(systems):
+    """A `SpecConfig` field of a variant is the proposer's (breadth) as much as the adaptive
+    drafting's (levels): none is taken and then ignored."""
+    ours = systems.Ours(
+        True, random_weights="tiny", spec_overrides={"max_breadth": 1, "budget_levels": [3, 7, 12]}
+    )
+    spec = ours.engine.spec
+    for config in (spec.config, spec.stats.config, spec.proposer.config):
+        assert config.max_breadth == 1 and config.budget_levels == (3, 7, 12)
