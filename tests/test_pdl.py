@@ -201,8 +201,8 @@ def _logits_of_a_run(dtype: str, device: str = "cuda") -> tuple[list, list]:
     runner, passes = engine.runner, []
     launch = runner.launch
 
-    def recorded(prepared, batch, input_ids=None):
-        logits = launch(prepared, batch, input_ids)
+    def recorded(prepared, batch, input_ids=None, shift=None):
+        logits = launch(prepared, batch, input_ids, shift)
         passes.append((batch.mode, logits.cpu()))
         return logits
 

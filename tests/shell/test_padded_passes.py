@@ -36,8 +36,8 @@ def _engine(align: int, speculative: bool) -> tuple[Engine, list, list]:
     passes, device_ids = [], []
     launch = runner.launch
 
-    def recorded(prepared, batch, input_ids=None):
-        logits = launch(prepared, batch, input_ids)
+    def recorded(prepared, batch, input_ids=None, shift=None):
+        logits = launch(prepared, batch, input_ids, shift)
         passes.append((batch.mode, batch.new_lens.total, runner.num_tokens(batch), logits.cpu()))
         device_ids.append(input_ids is not None)
         return logits
