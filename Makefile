@@ -20,11 +20,17 @@ demo: $(STAMP)
 	$(VENV)/bin/engine generate "Write one sentence about the sea." --max-tokens 48
 
 # The suite in TEST_WORKERS processes (pytest-xdist): CI's machine has 2 cores, and most tests
-# are single-threaded Python (the Triton interpreter, the engine's host work).
+# are single-threaded Python (the Triton interpreter, the engine's host work). Then every
+# distinct Triton launch the suite ran in the interpreter is compiled for the GPU (sm_90),
+# which the interpreter never checks (tests/kernel_launches.py).
 TEST_WORKERS ?= 2
+LAUNCHES := build/kernel-launches
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=15 tests
+	rm -rf $(LAUNCHES)
+	ENGINE_RECORD_LAUNCHES=$(CURDIR)/$(LAUNCHES) \
+		$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=15 tests
+	$(PY) tests/kernel_launches.py $(LAUNCHES) --workers $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

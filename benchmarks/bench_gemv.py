@@ -338,7 +338,14 @@ def compare_dot(shapes: dict, rows_list: list[int]) -> None:
             t_base, base_error = time_calls(lambda a, w: call(a, w, base), weights, x), error(base)
             for precision in DOT_PRECISIONS:
                 for bn, bk, stages in DOT_TILES:
-                    c = dict(base, BLOCK_N=bn, BLOCK_K=bk, LOOP_STAGES=stages, DOT=precision)
+                    c = dict(
+                        base,
+                        BLOCK_N=bn,
+                        BLOCK_K=bk,
+                        LOOP_STAGES=stages,
+                        DOT=True,
+                        DOT_PRECISION=precision,
+                    )
                     launch = f"{precision} {bn} x {bk}, {stages} steps"
                     try:
                         t = time_calls(lambda a, w, c=c: call(a, w, c), weights, x)

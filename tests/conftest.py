@@ -46,3 +46,37 @@ def pytest_runtest_setup(item):
         status = cpu_kernels.status()
         if not status.available:
             pytest.skip(f"CPU kernels: {status.reason}")
+
+
+def _load_kernel_launches():
+    """tests/kernel_launches.py as the module `kernel_launches` (the suite imports test
+    files by path, so tests/ is not on sys.path)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "kernel_launches", Path(__file__).with_name("kernel_launches.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernel_launches"] = module  # before it runs: its dataclass looks itself up
+    spec.loader.exec_module(module)
+    return module
+
+
+kernel_launches = _load_kernel_launches()
+
+# ENGINE_RECORD_LAUNCHES=DIR: record every Triton launch the interpreter runs, one file a
+# process, for `tests/kernel_launches.py DIR` to compile for the GPU (`make test` does).
+_RECORD = os.environ.get("ENGINE_RECORD_LAUNCHES")
+if _RECORD and os.environ.get("TRITON_INTERPRET") == "1":
+    from pathlib import Path
+
+    _recorder = kernel_launches.Recorder()
+    _recorder.install()
+
+    def pytest_sessionfinish(session):
+        if _recorder.launches:
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            _recorder.save(Path(_RECORD) / f"{worker}.pickle")

@@ -364,7 +364,8 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
             num_stages=3,
             LOOP_STAGES=_loop_stages(stages, triton.cdiv(columns, block_n), num_sms),
             all_rows=True,
-            DOT=ROWS_DOT,
+            DOT=True,
+            DOT_PRECISION=ROWS_DOT,
         )
     block_n = ROWS_SILU_BLOCK_N if silu_mul else ROWS_BLOCK_N
     return dict(

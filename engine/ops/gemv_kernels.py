@@ -182,7 +182,8 @@ def gemv_rows_kernel(
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,
-    DOT: tl.constexpr = "",
+    DOT: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr = "tf32x3",
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
@@ -190,9 +191,9 @@ def gemv_rows_kernel(
     `_x_block`'s NORM prologue (program 0 writes the residual stream) and each sum is scaled
     by its row's 1 / RMS, as in the row-at-a-time kernel. SILU_MUL: w is [gate; up] (2N
     rows) and out gets SiLU(x @ gate^T) * (x @ up^T), each product rounded to out's dtype
-    first, as the SiLU*mul op after the product rounds them. DOT (an input precision of
-    `tl.dot`, e.g. "tf32x3"; "": none): each key step's products summed by the matrix
-    instruction into [rows, columns] instead (BLOCK_M, BLOCK_N, BLOCK_K >= 16)."""
+    first, as the SiLU*mul op after the product rounds them. DOT: each key step's products
+    summed by the matrix instruction (`tl.dot` at DOT_PRECISION, e.g. "tf32x3") into [rows,
+    columns] instead (BLOCK_M, BLOCK_N, BLOCK_K >= 16)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     in_n = cols < N
@@ -241,13 +242,15 @@ def gemv_rows_kernel(
                 other=0.0,
             ).to(tl.float32)
         if DOT:
-            acc = tl.dot(xs, tl.trans(tile.to(tl.float32)), acc, input_precision=DOT)
+            acc = tl.dot(xs, tl.trans(tile.to(tl.float32)), acc, input_precision=DOT_PRECISION)
         else:
             acc += xs[:, None, :] * tile.to(tl.float32)[None, :, :]
         if SILU_MUL:
             up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=tile_mask, other=0.0)
             if DOT:
-                acc_up = tl.dot(xs, tl.trans(up.to(tl.float32)), acc_up, input_precision=DOT)
+                acc_up = tl.dot(
+                    xs, tl.trans(up.to(tl.float32)), acc_up, input_precision=DOT_PRECISION
+                )
             else:
                 acc_up += xs[:, None, :] * up.to(tl.float32)[None, :, :]
     if DOT:

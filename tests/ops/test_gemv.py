@@ -16,7 +16,15 @@ from engine.ops import triton as fused
 from engine.ops.reference import TorchOps
 
 # the all-rows kernel with each key step's products summed by tl.dot (ENGINE_ROWS_DOT)
-DOT_CONFIG = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, LOOP_STAGES=2, all_rows=True, DOT="tf32x3")
+DOT_CONFIG = dict(
+    BLOCK_N=16,
+    BLOCK_K=32,
+    num_warps=4,
+    LOOP_STAGES=2,
+    all_rows=True,
+    DOT=True,
+    DOT_PRECISION="tf32x3",
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -103,7 +111,7 @@ def test_rows_config_with_dot_takes_its_tile(monkeypatch):
     monkeypatch.setattr(gemv, "ROWS_DOT", "tf32x3")
     block_n, block_k, stages = gemv.ROWS_DOT_TILE
     for config in (gemv.rows_config(960, 132), gemv.rows_config(1536, 132, silu_mul=True)):
-        assert config["DOT"] == "tf32x3" and config["all_rows"]
+        assert config["DOT"] and config["DOT_PRECISION"] == "tf32x3" and config["all_rows"]
         assert (config["BLOCK_N"], config["BLOCK_K"], config["LOOP_STAGES"]) == (
             block_n,
             block_k,

@@ -1,0 +1,232 @@
+"""Every Triton launch the CPU tests make, compiled for the GPU the engine targets (sm_90:
+H100 and H200), on a machine without one.
+
+The CPU suite runs the kernels in Triton's interpreter, which executes each kernel body as
+Python: a construct the compiler refuses (an `if` on a string constexpr, a tile shape the
+code generator rejects, a launch keyword that no kernel parameter or compiler option takes)
+passes there and fails only on a device. Triton's compiler needs no device (its PTX assembler
+ships in the wheel), so with `ENGINE_RECORD_LAUNCHES=DIR` the suite records each distinct
+launch (kernel, argument types, constexpr values, compiler options, as the JIT would
+specialise them on a device) into DIR, one file a process (`tests/conftest.py`), and
+
+    python tests/kernel_launches.py DIR
+
+compiles each one to a cubin in processes without the interpreter, and exits 1 naming every
+launch that does not compile. `make test` runs both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import pickle
+import sys
+import types
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TARGET = ("cuda", 90, 32)  # backend, compute capability (H100, H200), warp size
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the JIT specialises it: where the kernel lives, its parameters'
+    types and constexpr values, the alignment attributes, and the compiler options. `error`
+    holds why the launch could not be specialised (e.g. an unrecognised keyword)."""
+
+    module: str
+    file: str
+    name: str
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[tuple[int, ...], Any], ...]
+    attrs: tuple[tuple[tuple[int, ...], Any], ...]
+    options: tuple[tuple[str, Any], ...]
+    error: str = ""
+
+    @property
+    def key(self) -> tuple:
+        """What makes two launches compile differently, but for the alignment attributes
+        (which only tune the code the rest decides)."""
+        return (self.module, self.name, self.signature, self.constexprs, self.options, self.error)
+
+    def describe(self) -> str:
+        values = ", ".join(
+            f"{self.signature[path[0]][0]}={value!r}" for path, value in self.constexprs
+        )
+        return f"{self.module}.{self.name}({values})"
+
+
+def _target():
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget(*TARGET)
+
+
+class Recorder:
+    """Records the interpreter's launches (`InterpretedFunction.run`) as `Launch`es while
+    installed; each distinct one is kept once. One installed inside another takes the
+    launches from it until it is uninstalled (a test's own launches stay out of the suite's
+    record)."""
+
+    def __init__(self) -> None:
+        self.launches: dict[tuple, Launch] = {}
+        self._binders: dict[Any, tuple] = {}
+        self._original = None
+
+    def install(self) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        original = InterpretedFunction.run
+        interpret = getattr(original, "interpret", original)  # the interpreter's own
+        recorder = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            recorder.record(fn.fn, args, kwargs)
+            return interpret(fn, *args, grid=grid, warmup=warmup, **kwargs)
+
+        run.interpret = interpret  # type: ignore[attr-defined]
+        self._original = original
+        InterpretedFunction.run = run  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if self._original is not None:
+            InterpretedFunction.run = self._original  # type: ignore[method-assign]
+            self._original = None
+
+    def __enter__(self) -> Recorder:
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def _binder(self, fn) -> tuple:
+        if fn not in self._binders:
+            from triton.compiler import make_backend
+            from triton.runtime.jit import KernelParam, create_function_from_signature
+
+            backend = make_backend(_target())
+            sig = inspect.signature(fn)
+            params = [
+                KernelParam(i, p, False, False) for i, p in enumerate(sig.parameters.values())
+            ]
+            self._binders[fn] = (
+                backend,
+                params,
+                create_function_from_signature(sig, params, backend),
+            )
+        return self._binders[fn]
+
+    def record(self, fn, args: tuple, kwargs: dict) -> None:
+        """Specialise one launch as `JITFunction.run` would for the target and keep it."""
+        from triton import knobs
+        from triton.runtime.jit import JITFunction
+
+        backend, params, binder = self._binder(fn)
+        kwargs = dict(
+            kwargs, debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode
+        )
+        where = dict(module=fn.__module__, file=inspect.getsourcefile(fn) or "", name=fn.__name__)
+        try:
+            bound, specialization, options = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = JITFunction._pack_args(
+                types.SimpleNamespace(params=params),
+                backend,
+                kwargs,
+                bound,
+                specialization,
+                options,
+            )
+        except Exception as exc:  # the launch itself is wrong: reported by `compile_all`
+            launch = Launch(
+                **where, signature=(), constexprs=(), attrs=(), options=(), error=repr(exc)
+            )
+        else:
+            launch = Launch(
+                **where,
+                signature=tuple(signature.items()),
+                constexprs=tuple(sorted(constexprs.items(), key=lambda kv: kv[0])),
+                attrs=tuple(sorted(attrs.items(), key=lambda kv: kv[0])),
+                options=tuple(sorted(vars(options).items())),
+            )
+        self.launches.setdefault(launch.key, launch)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps([vars(launch) for launch in self.launches.values()]))
+
+
+def load(directory: Path) -> list[Launch]:
+    """The distinct launches of every file in `directory`."""
+    launches: dict[tuple, Launch] = {}
+    for path in sorted(directory.glob("*.pickle")):
+        for fields in pickle.loads(path.read_bytes()):
+            launch = Launch(**fields)
+            launches.setdefault(launch.key, launch)
+    return list(launches.values())
+
+
+def _kernel(launch: Launch):
+    try:
+        module = importlib.import_module(launch.module)
+    except ImportError:  # a kernel defined in a test module, which pytest imported by path
+        spec = importlib.util.spec_from_file_location(launch.module, launch.file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return getattr(module, launch.name)
+
+
+def compile_launch(launch: Launch) -> str:
+    """ "" where `launch` compiles to a cubin for TARGET, else why not."""
+    if launch.error:
+        return launch.error
+    import triton
+    from triton.compiler import ASTSource
+
+    try:
+        source = ASTSource(
+            _kernel(launch), dict(launch.signature), dict(launch.constexprs), dict(launch.attrs)
+        )
+        triton.compile(source, target=_target(), options=dict(launch.options))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def compile_all(launches: list[Launch], workers: int) -> list[tuple[Launch, str]]:
+    """(launch, why) for each launch that does not compile; the compilers run in `workers`
+    processes without the interpreter."""
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        errors = list(pool.map(compile_launch, launches, chunksize=4))
+    return [(launch, error) for launch, error in zip(launches, errors, strict=True) if error]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", type=Path, help="where the suite recorded its launches")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # before the workers import any kernel
+    launches = load(args.directory)
+    if not launches:
+        print(f"no launches recorded in {args.directory}", file=sys.stderr)
+        return 1
+    failures = compile_all(launches, args.workers)
+    kernels = len({(launch.module, launch.name) for launch in launches})
+    counts = f"{len(launches)} launches of {kernels} kernels"
+    print(f"{counts} compiled for sm_{TARGET[1]}: {len(failures)} failed")
+    for launch, error in failures:
+        print(f"\n{launch.describe()}:\n  " + "\n  ".join(error.strip().splitlines()[-40:]))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

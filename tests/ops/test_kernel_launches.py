@@ -1,0 +1,87 @@
+"""tests/kernel_launches.py: launches recorded in the interpreter compile for sm_90 on this
+machine, and a launch the compiler refuses is reported with its kernel and the reason."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from kernel_launches import Recorder
+
+from engine.ops import gemv
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="records the interpreter's launches"
+)
+
+SCRIPT = Path(__file__).parents[1] / "kernel_launches.py"
+
+
+@triton.jit
+def _flag_kernel(out, FLAG: tl.constexpr):
+    if FLAG:  # the compiler takes a bool or an int here, the interpreter anything
+        tl.store(out, 1.0)
+
+
+def _compile(directory: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(directory), "--workers", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+def test_the_all_rows_launches_compile_for_hopper(tmp_path):
+    """The all-rows kernel with its products summed elementwise and by `tl.dot`: both took a
+    string constexpr in an `if` (DOT=""), which only the interpreter ran."""
+    x = torch.randn(13, 64)
+    weight = torch.randn(48, 64)
+    with Recorder() as recorder:
+        gemv.gemv(x, weight, gemv.rows_config(48, 2))
+        gemv.gemv(x, weight, dict(gemv.rows_config(48, 2), BLOCK_N=16, DOT=True))
+    assert len(recorder.launches) == 2
+    recorder.save(tmp_path / "main.pickle")
+    result = _compile(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 launches of 1 kernels compiled for sm_90: 0 failed" in result.stdout
+
+
+def test_a_launch_the_compiler_refuses_is_named_with_its_reason(tmp_path):
+    out = torch.zeros(1)
+    with Recorder() as recorder:
+        _flag_kernel[(1,)](out, FLAG=True)
+        _flag_kernel[(1,)](out, FLAG="on")  # runs in the interpreter
+        _flag_kernel[(1,)](out, FLAG=True, NUM_WARPS=4)  # a keyword no parameter takes
+    assert out.item() == 1.0
+    recorder.save(tmp_path / "main.pickle")
+    result = _compile(tmp_path)
+    assert result.returncode == 1
+    assert "3 launches of 1 kernels compiled for sm_90: 2 failed" in result.stdout
+    assert "_flag_kernel(FLAG='on')" in result.stdout
+    assert "`if` conditionals can only accept values of type" in result.stdout
+    assert "Keyword argument NUM_WARPS was specified but unrecognised" in result.stdout
+
+
+def test_an_empty_record_fails(tmp_path):
+    result = _compile(tmp_path)
+    assert result.returncode == 1
+    assert "no launches recorded" in result.stderr
+
+
+def test_a_recorder_inside_another_keeps_its_launches_from_it():
+    out = torch.zeros(1)
+    with Recorder() as outer:
+        with Recorder() as inner:
+            _flag_kernel[(1,)](out, FLAG="on")
+        _flag_kernel[(1,)](out, FLAG=True)
+    assert [launch.constexprs for launch in inner.launches.values()] == [(((1,), "on"),)]
+    assert [launch.constexprs for launch in outer.launches.values()] == [(((1,), True),)]
