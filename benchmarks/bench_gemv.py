@@ -10,10 +10,6 @@ time is one call's share, median of 10 replays. GB/s counts the weight bytes. "a
 kernel that loads each weight tile once for every row (`gemv.rows_config`).
 `--sweep` also tries every launch configuration and prints the fastest per shape;
 `--loop-stages` times the launch the model takes at 1-4 key steps in flight (LOOP_STAGES).
-`--dot` (float32 rows, e.g. `--shapes smollm2_135m --dtype float32 --rows 8,13`) times the
-all-rows launches a verify pass makes (norm + qkv, o_proj, norm + gate_up + SiLU*mul, down)
-against the same launches with each key step's products summed by `tl.dot` at a few tiles
-(`ENGINE_ROWS_DOT` makes the model take that path), with each one's error against float64.
 
     python3 benchmarks/bench_gemv.py --fused [--shapes smollm2_135m --dtype float32]
                                      [--max-weight-elements 134217728]
@@ -272,103 +268,11 @@ def compare_loop_stages(shapes: dict, dtype: torch.dtype, rows_list: list[int]) 
         torch.cuda.empty_cache()
 
 
-DOT_PRECISIONS = ("tf32x3",)
-DOT_TILES = ((16, 32, 4), (16, 64, 4), (32, 64, 8))  # BLOCK_N, BLOCK_K, LOOP_STAGES
-
-
-def _verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
-    """(the model's all-rows launch, the call as a verify pass makes it, its float64 value)
-    for the product `name`: the norm inside qkv, the norm and SiLU*mul around gate_up, plain
-    o_proj and down."""
-    eps = 1e-5
-
-    def normed(a):
-        a = a.double()
-        return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * norm_w.double()
-
-    if name == "gate_up":
-
-        def silu_after(a, w):
-            gate, up = (
-                F.linear(normed(a), w[: n // 2].double()),
-                F.linear(normed(a), w[n // 2 :].double()),
-            )
-            return F.silu(gate) * up
-
-        return (
-            gemv.rows_config(n // 2, sms, silu_mul=True),
-            lambda a, w, c: gemv.norm_gemv_silu(a, None, norm_w, eps, w, c)[0],
-            silu_after,
-        )
-    if name == "qkv":
-        return (
-            gemv.rows_config(n, sms),
-            lambda a, w, c: gemv.norm_gemv(a, None, norm_w, eps, w, c)[0],
-            lambda a, w: F.linear(normed(a), w.double()),
-        )
-    return gemv.rows_config(n, sms), gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
-
-
-def compare_dot(shapes: dict, rows_list: list[int]) -> None:
-    """float32 rows in the all-rows kernel: the launch the model takes (`rows_config`, with
-    the norm or SiLU*mul as a verify pass runs them) against the same products summed by
-    `tl.dot` (DOT: its input precision) at a few tiles; the error against float64."""
-    sms = torch.cuda.get_device_properties().multi_processor_count
-    dtype = torch.float32
-    print(
-        "\n| product | rows | model's launch us | DOT launch | DOT us | DOT / model's | "
-        "max rel err: model's, DOT |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for name, (n, k) in shapes.items():
-        if name == "lm_head":
-            continue
-        copies = max(2, -(-512 * 2**20 // (n * k * 4)))
-        weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
-        norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
-        base, call, exact = _verify_launch(name, n, sms, norm_w)
-        for rows in rows_list:
-            x = torch.randn(rows, k, device="cuda", dtype=dtype)
-            want = exact(x, weights[0])
-
-            def error(c):
-                got = call(x, weights[0], c).double()
-                return ((got - want).abs().max() / want.abs().max()).item()
-
-            t_base, base_error = time_calls(lambda a, w: call(a, w, base), weights, x), error(base)
-            for precision in DOT_PRECISIONS:
-                for bn, bk, stages in DOT_TILES:
-                    c = dict(
-                        base,
-                        BLOCK_N=bn,
-                        BLOCK_K=bk,
-                        LOOP_STAGES=stages,
-                        DOT=True,
-                        DOT_PRECISION=precision,
-                    )
-                    launch = f"{precision} {bn} x {bk}, {stages} steps"
-                    try:
-                        t = time_calls(lambda a, w, c=c: call(a, w, c), weights, x)
-                    except Exception as exc:  # a tile the compiler refuses
-                        print(f"| {name} | {rows} | | {launch} | {type(exc).__name__} | | |")
-                        continue
-                    print(
-                        f"| {name} {n} x {k} | {rows} | {t_base * 1e6:.1f} | {launch} | "
-                        f"{t * 1e6:.1f} | {t / t_base:.2f} | {base_error:.1e}, {error(c):.1e} |",
-                        flush=True,
-                    )
-        del weights
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fused", action="store_true")
     parser.add_argument("--loop-stages", action="store_true")
-    parser.add_argument(
-        "--dot", action="store_true", help="float32 rows: the all-rows kernel with tl.dot"
-    )
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama3_8b")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -386,9 +290,6 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {args.shapes} shapes, {args.dtype}")
     if args.fused:
         compare_fused(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])
-        return
-    if args.dot:
-        compare_dot(SHAPES[args.shapes], [int(r) for r in args.rows.split(",")])
         return
     if args.loop_stages:
         compare_loop_stages(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])

@@ -47,24 +47,6 @@ ROWS_BLOCK_N = 8
 ROWS_SILU_BLOCK_N = 16
 ROWS_PRODUCTS = 512
 ROWS_LOOP_STAGES = 8
-DOT_MIN_BLOCK = 16  # `tl.dot`'s smallest tile side
-DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")  # `tl.dot`'s input precisions
-
-
-def dot_precision(value: str, source: str) -> str:
-    """`value` where it is one of DOT_PRECISIONS or "" (none), else a ValueError naming
-    `source`."""
-    if value and value not in DOT_PRECISIONS:
-        raise ValueError(f"{source} must be one of {list(DOT_PRECISIONS)} or unset; got {value!r}")
-    return value
-
-
-# ENGINE_ROWS_DOT (an input precision of `tl.dot`: tf32x3 keeps float32's accuracy): the
-# all-rows launches sum each key step's products by the matrix instruction, ROWS_DOT_TILE
-# (BLOCK_N, BLOCK_K, LOOP_STAGES) a program; unset: elementwise products
-# (`gemv_rows_kernel`). Not yet timed against them on a GPU (`bench_gemv.py --dot`).
-ROWS_DOT = dot_precision(os.environ.get("ENGINE_ROWS_DOT", ""), "ENGINE_ROWS_DOT")
-ROWS_DOT_TILE = (16, 64, 4)
 
 
 # The NORM prologue needs no pass over the row before the products: RMSNorm(x) . w =
@@ -221,9 +203,6 @@ def _launch_rows(
     (rows, k), n = x.shape, weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     residual_out, pointers, eps, norm_strides = _norm_args(x, norm)
-    block_m = triton.next_power_of_2(rows)
-    if params.get("DOT"):  # a matrix instruction takes 16 rows or more
-        block_m = max(block_m, DOT_MIN_BLOCK)
     gemv_rows_kernel[(triton.cdiv(n, params["BLOCK_N"]),)](
         x,
         weight,
@@ -237,7 +216,7 @@ def _launch_rows(
         weight.stride(0),
         out.stride(0),
         *norm_strides,
-        BLOCK_M=block_m,
+        BLOCK_M=triton.next_power_of_2(rows),
         WITH_NORM=norm is not None,
         HAS_RESIDUAL=residual_out is not None,
         SILU_MUL=silu_mul,
@@ -354,19 +333,7 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
     `silu_mul`: columns of SiLU*mul's output, each reading a gate and an up row) on `num_sms`
     SMs: ROWS_BLOCK_N columns a program (ROWS_SILU_BLOCK_N with `silu_mul`), ROWS_PRODUCTS
     products a row per key step, ROWS_LOOP_STAGES key steps in flight (none from
-    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on); with ROWS_DOT, its tile and precision."""
-    if ROWS_DOT:
-        block_n, block_k, stages = ROWS_DOT_TILE
-        return dict(
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            num_warps=4,
-            num_stages=3,
-            LOOP_STAGES=_loop_stages(stages, triton.cdiv(columns, block_n), num_sms),
-            all_rows=True,
-            DOT=True,
-            DOT_PRECISION=ROWS_DOT,
-        )
+    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on)."""
     block_n = ROWS_SILU_BLOCK_N if silu_mul else ROWS_BLOCK_N
     return dict(
         BLOCK_N=block_n,

@@ -182,8 +182,6 @@ def gemv_rows_kernel(
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,
-    DOT: tl.constexpr = False,
-    DOT_PRECISION: tl.constexpr = "tf32x3",
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
@@ -191,9 +189,7 @@ def gemv_rows_kernel(
     `_x_block`'s NORM prologue (program 0 writes the residual stream) and each sum is scaled
     by its row's 1 / RMS, as in the row-at-a-time kernel. SILU_MUL: w is [gate; up] (2N
     rows) and out gets SiLU(x @ gate^T) * (x @ up^T), each product rounded to out's dtype
-    first, as the SiLU*mul op after the product rounds them. DOT: each key step's products
-    summed by the matrix instruction (`tl.dot` at DOT_PRECISION, e.g. "tf32x3") into [rows,
-    columns] instead (BLOCK_M, BLOCK_N, BLOCK_K >= 16)."""
+    first, as the SiLU*mul op after the product rounds them."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     in_n = cols < N
@@ -204,12 +200,8 @@ def gemv_rows_kernel(
         _prefetch_rows(w, w_rows + N * stride_wn, in_n, K, PREFETCH_K, LINE)
     enter(PDL)
     first = tl.program_id(0) == 0  # the program that writes the residual stream
-    if DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N] if SILU_MUL else [1, 1], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K] if SILU_MUL else [1, 1, 1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K] if SILU_MUL else [1, 1, 1], dtype=tl.float32)
     sum_squares = tl.zeros([BLOCK_M, BLOCK_K] if WITH_NORM else [1, 1], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -241,32 +233,18 @@ def gemv_rows_kernel(
                 mask=in_m[:, None] & in_k[None, :],
                 other=0.0,
             ).to(tl.float32)
-        if DOT:
-            acc = tl.dot(xs, tl.trans(tile.to(tl.float32)), acc, input_precision=DOT_PRECISION)
-        else:
-            acc += xs[:, None, :] * tile.to(tl.float32)[None, :, :]
+        acc += xs[:, None, :] * tile.to(tl.float32)[None, :, :]
         if SILU_MUL:
             up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=tile_mask, other=0.0)
-            if DOT:
-                acc_up = tl.dot(
-                    xs, tl.trans(up.to(tl.float32)), acc_up, input_precision=DOT_PRECISION
-                )
-            else:
-                acc_up += xs[:, None, :] * up.to(tl.float32)[None, :, :]
-    if DOT:
-        sums = acc
-    else:
-        sums = tl.sum(acc, axis=2)
+            acc_up += xs[:, None, :] * up.to(tl.float32)[None, :, :]
+    sums = tl.sum(acc, axis=2)
     if WITH_NORM:
         inv_rms = tl.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]
         sums = sums * inv_rms
     leave(PDL)
     if SILU_MUL:
         gate = sums.to(out.dtype.element_ty).to(tl.float32)
-        if DOT:
-            up_sums = acc_up
-        else:
-            up_sums = tl.sum(acc_up, axis=2)
+        up_sums = tl.sum(acc_up, axis=2)
         if WITH_NORM:
             up_sums = up_sums * inv_rms
         up_sums = up_sums.to(out.dtype.element_ty).to(tl.float32)

@@ -15,17 +15,6 @@ from engine.ops import gemv
 from engine.ops import triton as fused
 from engine.ops.reference import TorchOps
 
-# the all-rows kernel with each key step's products summed by tl.dot (ENGINE_ROWS_DOT)
-DOT_CONFIG = dict(
-    BLOCK_N=16,
-    BLOCK_K=32,
-    num_warps=4,
-    LOOP_STAGES=2,
-    all_rows=True,
-    DOT=True,
-    DOT_PRECISION="tf32x3",
-)
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 13])
@@ -40,7 +29,6 @@ def test_gemv_matches_linear(dtype, rows, n, k):
         dict(BLOCK_N=2, BLOCK_K=128, num_warps=8, all_rows=True),
         gemv.rows_config(n, 2),
         dict(gemv.rows_config(n, 2), LOOP_STAGES=1),
-        DOT_CONFIG,  # the products summed by tl.dot, 16 rows a tile
     ):
         assert_close(gemv.gemv(x, weight, config), expected, dtype)
 
@@ -105,31 +93,6 @@ def test_rows_config_takes_the_measured_tiles():
             assert config["all_rows"]
 
 
-def test_rows_config_with_dot_takes_its_tile(monkeypatch):
-    """With ENGINE_ROWS_DOT the all-rows launches sum by tl.dot at ROWS_DOT_TILE, plain and
-    with SiLU*mul alike; their rows are padded to a 16-row tile."""
-    monkeypatch.setattr(gemv, "ROWS_DOT", "tf32x3")
-    block_n, block_k, stages = gemv.ROWS_DOT_TILE
-    for config in (gemv.rows_config(960, 132), gemv.rows_config(1536, 132, silu_mul=True)):
-        assert config["DOT"] and config["DOT_PRECISION"] == "tf32x3" and config["all_rows"]
-        assert (config["BLOCK_N"], config["BLOCK_K"], config["LOOP_STAGES"]) == (
-            block_n,
-            block_k,
-            stages,
-        )
-    x = random_tensor(3, 64, dtype=torch.float32, seed=5)
-    weight = random_tensor(40, 64, dtype=torch.float32, seed=6) * 0.1
-    expected = torch.nn.functional.linear(x, weight)
-    assert_close(gemv.gemv(x, weight, gemv.rows_config(40, 2)), expected, torch.float32)
-
-
-def test_an_unknown_dot_precision_is_refused_by_name():
-    assert gemv.dot_precision("tf32x3", "ENGINE_ROWS_DOT") == "tf32x3"
-    assert gemv.dot_precision("", "ENGINE_ROWS_DOT") == ""
-    with pytest.raises(ValueError, match=r"^ENGINE_ROWS_DOT must be one of .*tf32x3.*; got 'fp64'"):
-        gemv.dot_precision("fp64", "ENGINE_ROWS_DOT")
-
-
 def test_the_model_runs_silu_after_gate_up_with_the_silu_launch(monkeypatch):
     """`linear_silu_mul` launches `gemv_silu` with rows_config's SiLU*mul tiles for the
     output's columns (half of gate_up's rows)."""
@@ -168,7 +131,6 @@ FUSED_CONFIGS = [
     [
         *FUSED_CONFIGS,
         gemv.rows_config(20, 2),  # the all-rows kernel: 100 keys over two steps
-        DOT_CONFIG,
     ],
 )
 def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, with_residual, config):
@@ -230,7 +192,6 @@ def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows, config):
         dict(ROWS_CONFIG, BLOCK_N=4, BLOCK_K=32, LOOP_STAGES=1),
         gemv.rows_config(150, 2),
         gemv.rows_config(150, 2, silu_mul=True),  # the model's launch
-        DOT_CONFIG,
     ],
 )
 def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
@@ -252,11 +213,7 @@ def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize(
     "config",
-    [
-        dict(ROWS_CONFIG, BLOCK_N=32, LOOP_STAGES=1),
-        gemv.rows_config(150, 2, silu_mul=True),
-        DOT_CONFIG,
-    ],
+    [dict(ROWS_CONFIG, BLOCK_N=32, LOOP_STAGES=1), gemv.rows_config(150, 2, silu_mul=True)],
 )
 def test_norm_gemv_silu_equals_the_norm_then_gemv_silu(dtype, rows, with_residual, config):
     """The norm before the gate_up product and SiLU*mul after it, in one launch: the

@@ -41,13 +41,14 @@ def _compile(directory: Path) -> subprocess.CompletedProcess:
 
 
 def test_the_all_rows_launches_compile_for_hopper(tmp_path):
-    """The all-rows kernel with its products summed elementwise and by `tl.dot`: both took a
-    string constexpr in an `if` (DOT=""), which only the interpreter ran."""
+    """The all-rows kernel plain and with the norm and SiLU*mul: it once branched on a
+    string constexpr (DOT=""), which the interpreter ran and the compiler refused."""
     x = torch.randn(13, 64)
     weight = torch.randn(48, 64)
     with Recorder() as recorder:
         gemv.gemv(x, weight, gemv.rows_config(48, 2))
-        gemv.gemv(x, weight, dict(gemv.rows_config(48, 2), BLOCK_N=16, DOT=True))
+        config = gemv.rows_config(24, 2, silu_mul=True)
+        gemv.norm_gemv_silu(x, None, torch.ones(64), 1e-5, weight, config)
     assert len(recorder.launches) == 2
     recorder.save(tmp_path / "main.pickle")
     result = _compile(tmp_path)
