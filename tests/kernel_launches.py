@@ -11,8 +11,9 @@ specialise them on a device) into DIR, one file a process (`tests/conftest.py`),
 
     python tests/kernel_launches.py DIR
 
-compiles each one to a cubin in processes without the interpreter, and exits 1 naming every
-launch that does not compile. `make test` runs both.
+compiles each one to a cubin in processes without the interpreter, and one launch of each
+kernel in every programmatic-dependent-launch mode besides (the interpreter runs without
+PDL), and exits 1 naming every launch that does not compile. `make test` runs both.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pickle
 import sys
 import types
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,26 @@ def _kernel(launch: Launch):
     return getattr(module, launch.name)
 
 
+def with_pdl(launches: list[Launch]) -> list[Launch]:
+    """For one launch of each kernel that takes the PDL constexpr, the same launch in each of
+    `engine.pdl`'s modes, launched with PDL: the interpreter runs without it (mode 0), so
+    the suite records none of these."""
+    from engine.pdl import MODES
+
+    variants, seen = [], set()
+    for launch in launches:
+        names = [name for name, _ in launch.signature]
+        if launch.error or "PDL" not in names or (launch.module, launch.name) in seen:
+            continue
+        seen.add((launch.module, launch.name))
+        at = (names.index("PDL"),)
+        options = tuple((k, True if k == "launch_pdl" else v) for k, v in launch.options)
+        for mode in sorted(set(MODES.values()) - {0}):
+            constexprs = tuple((p, mode if p == at else v) for p, v in launch.constexprs)
+            variants.append(replace(launch, constexprs=constexprs, options=options))
+    return variants
+
+
 def compile_launch(launch: Launch) -> str:
     """ "" where `launch` compiles to a cubin for TARGET, else why not."""
     if launch.error:
@@ -219,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if not launches:
         print(f"no launches recorded in {args.directory}", file=sys.stderr)
         return 1
+    launches += with_pdl(launches)
     failures = compile_all(launches, args.workers)
     kernels = len({(launch.module, launch.name) for launch in launches})
     counts = f"{len(launches)} launches of {kernels} kernels"

@@ -244,11 +244,15 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether Hopper's tensor-memory loads can read these [T, H, D] tensors as [T, H*D] rows:
-    compute capability 9 or more, heads adjacent, 16-byte aligned base and row stride."""
-    if _capability(tensors[0].device)[0] < 9:
+    a GPU of compute capability 9 or more, 2-byte elements, heads adjacent, 16-byte aligned
+    base and row stride. (2-byte elements only, measured in bf16: a float32 q tile through
+    TMA would sit in shared memory beside the pipelined K/V stages, about 224 KB at head_dim
+    128 against the H200's 227 KB.)"""
+    if not tensors[0].is_cuda or _capability(tensors[0].device)[0] < 9:
         return False
     return all(
-        t.stride(2) == 1
+        t.element_size() == 2
+        and t.stride(2) == 1
         and t.stride(1) == t.shape[2]
         and t.data_ptr() % 16 == 0
         and (t.stride(0) * t.element_size()) % 16 == 0
@@ -302,10 +306,7 @@ def extend_attention(
         )
     sizes = {"q": triton.cdiv(max_new_len, cfg["BLOCK_M"]), "r": num_requests, "h": num_q_heads}
     grid = tuple(sizes[axis] for axis in order)
-    # 2-byte elements only (measured in bf16): a float32 q tile through TMA would sit in
-    # shared memory beside the pipelined K/V stages, about 224 KB at head_dim 128 against the
-    # H200's 227 KB, so float32 keeps the pointer loads
-    tma = bool(cfg["TMA"]) and q.is_cuda and q.element_size() == 2 and tma_ready(q, k, v)
+    tma = bool(cfg["TMA"]) and tma_ready(q, k, v)
     if tma:
         q_desc = _rows_descriptor(q, cfg["BLOCK_M"])
         k_desc, v_desc = _rows_descriptor(k, cfg["BLOCK_N"]), _rows_descriptor(v, cfg["BLOCK_N"])

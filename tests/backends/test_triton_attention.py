@@ -200,11 +200,11 @@ def _extend_direct(case):
     return ref, run
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="tensor-memory loads need a Hopper GPU")
 @pytest.mark.parametrize("sliced", [False, True])
-def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
-    """Extend with the new tokens' q/K/V through TMA descriptors (config TMA=True) equals the
-    pointer loads and the reference, on ragged requests whose tiles run past their own tokens
+def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool, monkeypatch) -> None:
+    """Extend with the new tokens' q/K/V through TMA descriptors (config TMA=True; on a CPU
+    in the interpreter, which reads them as Hopper does) equals the pointer loads and the
+    reference, on ragged requests whose tiles run past their own tokens
     into the next request's (masked) and past the last token (zero-filled), with the
     requests' offsets in int32 (an eager pass's) or int64 (a CUDA graph's). `sliced`: q, k,
     v as views of one fused qkv tensor, the layout the model hands over."""
@@ -218,6 +218,8 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool) -> None:
             for part in fused.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
         )
         assert not q.is_contiguous()
+    if not ON_CUDA:  # the interpreter reads the descriptors as Hopper's loads do
+        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
     if not triton_extend.tma_ready(q, k, v):
         pytest.skip("this GPU has no tensor-memory loads")
     ref, run = _extend_direct(case)
@@ -248,14 +250,14 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
 
 
 @pytest.mark.parametrize("tma", [False, True])
-def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool) -> None:
+def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool, monkeypatch) -> None:
     """A pass padded to a token count (`TritonBackend.plan(padded_num_tokens=...)`): the
     padding tokens' q/K/V hold whatever the layer before made of them (finite), and the
     requests' outputs equal the unpadded pass's; the padding rows' outputs are zeros (so
     that the next layer's padding K/V are finite: with tensor-memory loads the last
     request's diagonal tile reads them, masked, and 0 x NaN is NaN)."""
-    if tma and not ON_CUDA:
-        pytest.skip("tensor-memory loads need a Hopper GPU")
+    if tma and not ON_CUDA:  # the interpreter reads the descriptors as Hopper's loads do
+        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
     prefix, new = [5, 0, 37], [9, 20, 3]
     case = make_case("extend", prefix, new, 2, 4, 128, DTYPES[-1], seed=31)
     if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
@@ -284,17 +286,21 @@ def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool) -> None:
 
 
 def triton_config(tma: bool):
-    """EXTEND_CONFIG with tensor-memory loads on or off, for the block."""
+    """The extend configs (the GPU's and the interpreter's) with tensor-memory loads on or
+    off, for the block."""
     import contextlib
 
     @contextlib.contextmanager
     def switched():
-        saved = dict(triton_extend.EXTEND_CONFIG)
-        triton_extend.EXTEND_CONFIG["TMA"] = tma
+        configs = (triton_extend.EXTEND_CONFIG, triton_extend.INTERPRETER_CONFIG)
+        saved = [dict(config) for config in configs]
+        for config in configs:
+            config["TMA"] = tma
         try:
             yield
         finally:
-            triton_extend.EXTEND_CONFIG.clear()
-            triton_extend.EXTEND_CONFIG.update(saved)
+            for config, before in zip(configs, saved, strict=True):
+                config.clear()
+                config.update(before)
 
     return switched()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kernel_launches
 import pytest
 import torch
 import triton
@@ -53,7 +54,8 @@ def test_the_all_rows_launches_compile_for_hopper(tmp_path):
     recorder.save(tmp_path / "main.pickle")
     result = _compile(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 launches of 1 kernels compiled for sm_90: 0 failed" in result.stdout
+    # and the first in each PDL mode (top, late, exit)
+    assert "5 launches of 1 kernels compiled for sm_90: 0 failed" in result.stdout
 
 
 def test_a_launch_the_compiler_refuses_is_named_with_its_reason(tmp_path):
@@ -66,7 +68,7 @@ def test_a_launch_the_compiler_refuses_is_named_with_its_reason(tmp_path):
     recorder.save(tmp_path / "main.pickle")
     result = _compile(tmp_path)
     assert result.returncode == 1
-    assert "3 launches of 1 kernels compiled for sm_90: 2 failed" in result.stdout
+    assert "3 launches of 1 kernels compiled for sm_90: 2 failed" in result.stdout  # no PDL
     assert "_flag_kernel(FLAG='on')" in result.stdout
     assert "`if` conditionals can only accept values of type" in result.stdout
     assert "Keyword argument NUM_WARPS was specified but unrecognised" in result.stdout
@@ -86,3 +88,20 @@ def test_a_recorder_inside_another_keeps_its_launches_from_it():
         _flag_kernel[(1,)](out, FLAG=True)
     assert [launch.constexprs for launch in inner.launches.values()] == [(((1,), "on"),)]
     assert [launch.constexprs for launch in outer.launches.values()] == [(((1,), True),)]
+
+
+def test_one_launch_a_kernel_is_added_in_each_pdl_mode():
+    x = torch.randn(13, 64)
+    with Recorder() as recorder:
+        gemv.gemv(x, torch.randn(48, 64), gemv.rows_config(48, 2))
+        gemv.gemv(x, torch.randn(48, 64), dict(gemv.rows_config(48, 2), LOOP_STAGES=1))
+        _flag_kernel[(1,)](torch.zeros(1), FLAG=True)  # no PDL parameter
+    launches = list(recorder.launches.values())
+    variants = kernel_launches.with_pdl(launches)
+    pdl_index = [name for name, _ in launches[0].signature].index("PDL")
+    assert [dict(v.constexprs)[(pdl_index,)] for v in variants] == [1, 2, 3]
+    assert all(dict(v.options)["launch_pdl"] for v in variants)
+    assert not dict(launches[0].options)["launch_pdl"]
+    for variant in variants:  # the first launch of the kernel but for its PDL
+        assert variant.name == "gemv_rows_kernel"
+        assert dict(variant.constexprs) | {(pdl_index,): 0} == dict(launches[0].constexprs)
