@@ -13,7 +13,8 @@ specialise them on a device) into DIR, one file a process (`tests/conftest.py`),
 
 compiles each one to a cubin in processes without the interpreter, and one launch of each
 kernel in every programmatic-dependent-launch mode besides (the interpreter runs without
-PDL), and exits 1 naming every launch that does not compile. `make test` runs both.
+PDL), and exits 1 naming every launch that does not compile or needs more shared memory
+than an sm_90 block has. `make test` runs both.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 TARGET = ("cuda", 90, 32)  # backend, compute capability (H100, H200), warp size
+MAX_SHARED = 232448  # bytes of shared memory a block may have on sm_90 (227 KB)
 
 
 @dataclass(frozen=True)
@@ -216,9 +218,11 @@ def compile_launch(launch: Launch) -> str:
         source = ASTSource(
             _kernel(launch), dict(launch.signature), dict(launch.constexprs), dict(launch.attrs)
         )
-        triton.compile(source, target=_target(), options=dict(launch.options))
+        kernel = triton.compile(source, target=_target(), options=dict(launch.options))
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
+    if kernel.metadata.shared > MAX_SHARED:  # the launch would fail: out of resources
+        return f"needs {kernel.metadata.shared} bytes of shared memory; sm_90 has {MAX_SHARED}"
     return ""
 
 

@@ -74,6 +74,18 @@ def test_a_launch_the_compiler_refuses_is_named_with_its_reason(tmp_path):
     assert "Keyword argument NUM_WARPS was specified but unrecognised" in result.stdout
 
 
+def test_a_launch_past_the_shared_memory_of_an_sm_90_block_is_named(tmp_path):
+    """A tile the compiler takes but no sm_90 block can hold: 8 key steps in flight of 64 x
+    512 float32 weights (a launch would fail for resources)."""
+    x = torch.randn(2, 64)
+    with Recorder() as recorder:
+        gemv.gemv(x, torch.randn(64, 64), dict(gemv.rows_config(64, 2), BLOCK_N=64, BLOCK_K=512))
+    recorder.save(tmp_path / "main.pickle")
+    result = _compile(tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "bytes of shared memory; sm_90 has 232448" in result.stdout
+
+
 def test_an_empty_record_fails(tmp_path):
     result = _compile(tmp_path)
     assert result.returncode == 1
