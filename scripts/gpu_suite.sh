@@ -40,19 +40,28 @@ if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # their first use): GPU_PART=tests1 and tests2 run their halves (kernel tests / engine tests),
 # GPU_PART=graphcheck the memcheck with CUDA graphs captured, each within one call. The
 # graph memcheck's 60 tests no longer fit one call either (H100: 37 of them in 420 s):
-# GPU_PART=graphcheck1 (spec overflow, plan ahead: 35) and graphcheck2 (the rest).
+# GPU_PART=graphcheck1 (spec overflow, plan ahead: 35), graphcheck2 (verify ahead: on an
+# H100 its first 4 tests took 300 s), graphcheck3 (walk ahead) and graphcheck4 (the graph
+# tests). MEMCHECK_ONLY="tests/a.py tests/b.py::test_c" runs those instead in the memcheck
+# parts (memcheck*, graphcheck*).
 GPU_PART=${GPU_PART:-all}
 part() { [ "$GPU_PART" = all ] || [ "$GPU_PART" = "$1" ]; }
 MEMCHECK_TESTS=("${GPU_TESTS[@]}")
 PYTEST_TESTS=("${GPU_TESTS[@]}")
 case "$GPU_PART" in
     graphcheck1) GRAPH_MEMCHECK_TESTS=("${GRAPH_MEMCHECK_TESTS[@]:0:2}"); GPU_PART=graphcheck ;;
-    graphcheck2) GRAPH_MEMCHECK_TESTS=("${GRAPH_MEMCHECK_TESTS[@]:2}"); GPU_PART=graphcheck ;;
+    graphcheck2) GRAPH_MEMCHECK_TESTS=("${GRAPH_MEMCHECK_TESTS[@]:2:1}"); GPU_PART=graphcheck ;;
+    graphcheck3) GRAPH_MEMCHECK_TESTS=("${GRAPH_MEMCHECK_TESTS[@]:3:1}"); GPU_PART=graphcheck ;;
+    graphcheck4) GRAPH_MEMCHECK_TESTS=("${GRAPH_MEMCHECK_TESTS[@]:4}"); GPU_PART=graphcheck ;;
     memcheck1) MEMCHECK_TESTS=("${GPU_TESTS[@]:0:5}"); GPU_PART=memcheck ;;
     memcheck2) MEMCHECK_TESTS=("${GPU_TESTS[@]:5}"); GPU_PART=memcheck ;;
     tests1) PYTEST_TESTS=("${GPU_TESTS[@]:0:5}"); GPU_PART=pytest ;;
     tests2) PYTEST_TESTS=("${GPU_TESTS[@]:5}"); GPU_PART=pytest ;;
 esac
+if [ -n "${MEMCHECK_ONLY:-}" ]; then
+    read -r -a MEMCHECK_TESTS <<<"$MEMCHECK_ONLY"
+    GRAPH_MEMCHECK_TESTS=("${MEMCHECK_TESTS[@]}")
+fi
 if ! part benches; then BENCHES=(); fi
 TEST_TIMEOUT=${TEST_TIMEOUT:-540}            # seconds per step
 SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-560}
