@@ -14,7 +14,8 @@ specialise them on a device) into DIR, one file a process (`tests/conftest.py`),
 compiles each one to a cubin in processes without the interpreter, and one launch of each
 kernel in every programmatic-dependent-launch mode besides (the interpreter runs without
 PDL), and exits 1 naming every launch that does not compile or needs more shared memory
-than an sm_90 block has. `make test` runs both.
+than an sm_90 block has. `make test` runs both. `--usage` also prints each launch's
+registers, spills and shared memory, as the device would report them.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ import importlib.util
 import inspect
 import os
 import pickle
+import re
+import subprocess
 import sys
+import tempfile
 import types
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -207,10 +212,37 @@ def with_pdl(launches: list[Launch]) -> list[Launch]:
     return variants
 
 
-def compile_launch(launch: Launch) -> str:
-    """ "" where `launch` compiles to a cubin for TARGET, else why not."""
+@dataclass(frozen=True)
+class Compiled:
+    """What compiling a launch gave: why it failed ("" where it did not), and the kernel's
+    registers a thread, bytes spilled to local memory a thread and shared memory a block
+    (from the cubin: `cuobjdump -res-usage`, which ships with Triton)."""
+
+    error: str
+    registers: int = 0
+    spilled: int = 0
+    shared: int = 0
+
+
+def _usage(cubin: bytes) -> dict[str, int]:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        out = subprocess.run(
+            [str(tool), "-res-usage", file.name], capture_output=True, text=True, check=True
+        ).stdout
+    fields = dict(re.findall(r"(REG|LOCAL):(\d+)", out))
+    return {"registers": int(fields.get("REG", 0)), "spilled": int(fields.get("LOCAL", 0))}
+
+
+def compile_launch(launch: Launch, usage: bool = False) -> Compiled:
+    """`launch` compiled to a cubin for TARGET: an error where it does not compile or its
+    shared memory does not fit an sm_90 block; with `usage`, its resources too."""
     if launch.error:
-        return launch.error
+        return Compiled(launch.error)
     import triton
     from triton.compiler import ASTSource
 
@@ -220,24 +252,47 @@ def compile_launch(launch: Launch) -> str:
         )
         kernel = triton.compile(source, target=_target(), options=dict(launch.options))
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    if kernel.metadata.shared > MAX_SHARED:  # the launch would fail: out of resources
-        return f"needs {kernel.metadata.shared} bytes of shared memory; sm_90 has {MAX_SHARED}"
-    return ""
+        return Compiled(f"{type(exc).__name__}: {exc}")
+    shared = kernel.metadata.shared
+    error = ""
+    if shared > MAX_SHARED:  # the launch would fail: out of resources
+        error = f"needs {shared} bytes of shared memory; sm_90 has {MAX_SHARED}"
+    return Compiled(error, shared=shared, **(_usage(kernel.asm["cubin"]) if usage else {}))
 
 
-def compile_all(launches: list[Launch], workers: int) -> list[tuple[Launch, str]]:
-    """(launch, why) for each launch that does not compile; the compilers run in `workers`
-    processes without the interpreter."""
+def compile_all(launches: list[Launch], workers: int, usage: bool = False) -> list[Compiled]:
+    """Each launch compiled (`compile_launch`), in `workers` processes without the
+    interpreter."""
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        errors = list(pool.map(compile_launch, launches, chunksize=4))
-    return [(launch, error) for launch, error in zip(launches, errors, strict=True) if error]
+        return list(pool.map(partial(compile_launch, usage=usage), launches, chunksize=4))
+
+
+def print_usage(launches: list[Launch], compiled: list[Compiled]) -> None:
+    """A table of each launch's resources, by kernel."""
+    print("\n| kernel | constexprs | warps | stages | registers | spilled B | shared B |")
+    print("|---|---|---|---|---|---|---|")
+    rows = sorted(zip(launches, compiled, strict=True), key=lambda lc: lc[0].describe())
+    for launch, result in rows:
+        options = dict(launch.options)
+        values = ", ".join(
+            f"{launch.signature[path[0]][0]}={value}" for path, value in launch.constexprs
+        )
+        print(
+            f"| {launch.name} | {values} | {options.get('num_warps')} | "
+            f"{options.get('num_stages')} | {result.registers} | {result.spilled} | "
+            f"{result.shared} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path, help="where the suite recorded its launches")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--usage",
+        action="store_true",
+        help="also print each launch's registers, spilled bytes and shared memory",
+    )
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # before the workers import any kernel
     launches = load(args.directory)
@@ -245,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no launches recorded in {args.directory}", file=sys.stderr)
         return 1
     launches += with_pdl(launches)
-    failures = compile_all(launches, args.workers)
+    compiled = compile_all(launches, args.workers, usage=args.usage)
+    failures = [(launch, c.error) for launch, c in zip(launches, compiled, strict=True) if c.error]
+    if args.usage:
+        print_usage(launches, compiled)
     kernels = len({(launch.module, launch.name) for launch in launches})
     counts = f"{len(launches)} launches of {kernels} kernels"
     print(f"{counts} compiled for sm_{TARGET[1]}: {len(failures)} failed")

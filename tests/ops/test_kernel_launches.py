@@ -30,10 +30,10 @@ def _flag_kernel(out, FLAG: tl.constexpr):
         tl.store(out, 1.0)
 
 
-def _compile(directory: Path) -> subprocess.CompletedProcess:
+def _compile(directory: Path, *options: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(
-        [sys.executable, str(SCRIPT), str(directory), "--workers", "1"],
+        [sys.executable, str(SCRIPT), str(directory), "--workers", "1", *options],
         capture_output=True,
         text=True,
         env=env,
@@ -52,10 +52,16 @@ def test_the_all_rows_launches_compile_for_hopper(tmp_path):
         gemv.norm_gemv_silu(x, None, torch.ones(64), 1e-5, weight, config)
     assert len(recorder.launches) == 2
     recorder.save(tmp_path / "main.pickle")
-    result = _compile(tmp_path)
+    result = _compile(tmp_path, "--usage")
     assert result.returncode == 0, result.stdout + result.stderr
     # and the first in each PDL mode (top, late, exit)
     assert "5 launches of 1 kernels compiled for sm_90: 0 failed" in result.stdout
+    # --usage: registers, spilled bytes and shared memory, as the device reports them
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| gemv_rows_kernel")]
+    assert len(rows) == 5
+    for row in rows:
+        registers, spilled, shared = (int(cell) for cell in row.strip("| ").split(" | ")[-3:])
+        assert 0 < registers <= 255 and spilled == 0 and 0 < shared <= 232448
 
 
 def test_a_launch_the_compiler_refuses_is_named_with_its_reason(tmp_path):
