@@ -62,11 +62,14 @@ class Launch:
         (which only tune the code the rest decides)."""
         return (self.module, self.name, self.signature, self.constexprs, self.options, self.error)
 
-    def describe(self) -> str:
-        values = ", ".join(
-            f"{self.signature[path[0]][0]}={value!r}" for path, value in self.constexprs
+    def values(self, show=repr) -> str:
+        """The constexpr parameters as `NAME=value, ...`."""
+        return ", ".join(
+            f"{self.signature[path[0]][0]}={show(value)}" for path, value in self.constexprs
         )
-        return f"{self.module}.{self.name}({values})"
+
+    def describe(self) -> str:
+        return f"{self.module}.{self.name}({self.values()})"
 
 
 def _target():
@@ -274,11 +277,8 @@ def print_usage(launches: list[Launch], compiled: list[Compiled]) -> None:
     rows = sorted(zip(launches, compiled, strict=True), key=lambda lc: lc[0].describe())
     for launch, result in rows:
         options = dict(launch.options)
-        values = ", ".join(
-            f"{launch.signature[path[0]][0]}={value}" for path, value in launch.constexprs
-        )
         print(
-            f"| {launch.name} | {values} | {options.get('num_warps')} | "
+            f"| {launch.name} | {launch.values(str)} | {options.get('num_warps')} | "
             f"{options.get('num_stages')} | {result.registers} | {result.spilled} | "
             f"{result.shared} |"
         )
