@@ -84,7 +84,10 @@ class Recorder:
     launches from it until it is uninstalled (a test's own launches stay out of the suite's
     record)."""
 
-    def __init__(self) -> None:
+    def __init__(self, execute: bool = True) -> None:
+        """`execute=False`: record the launches and run none (for launches the interpreter
+        cannot run, such as those with PDL: their outputs are left as they were)."""
+        self.execute = execute
         self.launches: dict[tuple, Launch] = {}
         self._binders: dict[Any, tuple] = {}
         self._original = None
@@ -98,7 +101,9 @@ class Recorder:
 
         def run(fn, *args, grid, warmup, **kwargs):
             recorder.record(fn.fn, args, kwargs)
-            return interpret(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            if recorder.execute:
+                return interpret(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            return None
 
         run.interpret = interpret  # type: ignore[attr-defined]
         self._original = original

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from kernel_launches import Recorder
 
+from engine import pdl
 from engine.ops import gemv
 
 pytestmark = pytest.mark.skipif(
@@ -90,6 +91,30 @@ def test_a_launch_past_the_shared_memory_of_an_sm_90_block_is_named(tmp_path):
     result = _compile(tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "bytes of shared memory; sm_90 has 232448" in result.stdout
+
+
+def test_the_matrix_launches_with_pdl_and_their_prefetch_compile(tmp_path, monkeypatch):
+    """With PDL the matrix kernels prefetch their weights into L2 before their wait
+    (PREFETCH_K > 0), a path the interpreter cannot run: recorded without running, as a
+    Hopper GPU would launch them (the default model's shapes: one row, with the norm, and
+    13 rows with the norm and SiLU*mul after)."""
+    monkeypatch.setattr(pdl, "_capable", lambda device: True)
+    x, one = torch.randn(13, 576), torch.randn(1, 576)
+    norm = torch.ones(576)
+    with Recorder(execute=False) as recorder, pdl.using("top"):
+        gemv.gemv(one, torch.randn(960, 576), gemv.GEMV_CONFIG)
+        gemv.norm_gemv(one, None, norm, 1e-5, torch.randn(960, 576), gemv.GEMV_CONFIG)
+        config = gemv.rows_config(1536, 132, silu_mul=True)
+        gemv.norm_gemv_silu(x, None, norm, 1e-5, torch.randn(3072, 576), config)
+    launches = list(recorder.launches.values())
+    assert len(launches) == 3
+    for launch in launches:
+        constexprs = {launch.signature[p[0]][0]: v for p, v in launch.constexprs}
+        assert constexprs["PDL"] == 1 and constexprs["PREFETCH_K"] > 0
+        assert dict(launch.options)["launch_pdl"]
+    recorder.save(tmp_path / "main.pickle")
+    result = _compile(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_an_empty_record_fails(tmp_path):
