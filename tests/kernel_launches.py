@@ -242,8 +242,11 @@ def _usage(cubin: bytes) -> dict[str, int]:
         out = subprocess.run(
             [str(tool), "-res-usage", file.name], capture_output=True, text=True, check=True
         ).stdout
-    fields = dict(re.findall(r"(REG|LOCAL):(\d+)", out))
-    return {"registers": int(fields.get("REG", 0)), "spilled": int(fields.get("LOCAL", 0))}
+    fields = {name: int(value) for name, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", out)}
+    # a thread's local memory: its stack frame (where registers spill) and the rest, the
+    # figure the driver gives a loaded kernel (Triton's `n_spills`)
+    spilled = fields.get("STACK", 0) + fields.get("LOCAL", 0)
+    return {"registers": fields.get("REG", 0), "spilled": spilled}
 
 
 def compile_launch(launch: Launch, usage: bool = False) -> Compiled:

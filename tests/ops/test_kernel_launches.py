@@ -117,6 +117,22 @@ def test_the_matrix_launches_with_pdl_and_their_prefetch_compile(tmp_path, monke
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_usage_counts_the_registers_a_launch_spills(tmp_path):
+    """A launch held to 40 registers (the compiler option `maxnreg`) spills its 13 rows'
+    sums to the stack, which `--usage` counts as the device does."""
+    with Recorder() as recorder:
+        config = dict(gemv.rows_config(960, 132), maxnreg=40)
+        gemv.gemv(torch.randn(13, 576), torch.randn(960, 576), config)
+    recorder.save(tmp_path / "main.pickle")
+    result = _compile(tmp_path, "--usage")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| gemv_rows_kernel")]
+    assert rows
+    for row in rows:
+        registers, spilled, _ = (int(cell) for cell in row.strip("| ").split(" | ")[-3:])
+        assert registers == 40 and spilled > 0
+
+
 def test_an_empty_record_fails(tmp_path):
     result = _compile(tmp_path)
     assert result.returncode == 1
