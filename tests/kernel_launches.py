@@ -24,6 +24,7 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import multiprocessing
 import os
 import pickle
 import re
@@ -273,8 +274,12 @@ def compile_launch(launch: Launch, usage: bool = False) -> Compiled:
 
 def compile_all(launches: list[Launch], workers: int, usage: bool = False) -> list[Compiled]:
     """Each launch compiled (`compile_launch`), in `workers` processes without the
-    interpreter."""
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    interpreter (TRITON_INTERPRET is taken out of this process's environment for them)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    # spawned, not forked: a caller that recorded in the interpreter has its kernels
+    # imported as interpreted functions, which the compiler cannot read
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         return list(pool.map(partial(compile_launch, usage=usage), launches, chunksize=4))
 
 
@@ -302,7 +307,6 @@ def main(argv: list[str] | None = None) -> int:
         help="also print each launch's registers, spilled bytes and shared memory",
     )
     args = parser.parse_args(argv)
-    os.environ.pop("TRITON_INTERPRET", None)  # before the workers import any kernel
     launches = load(args.directory)
     if not launches:
         print(f"no launches recorded in {args.directory}", file=sys.stderr)

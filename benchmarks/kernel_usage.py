@@ -1,0 +1,187 @@
+"""The GPU launches' resources without a GPU: each configuration compiled for sm_90 (H100,
+H200), with its registers a thread, local memory a thread (spills), shared memory a program,
+and the programs an SM can hold by each.
+
+    .venv/bin/python benchmarks/kernel_usage.py [--only extend,decode,verify,rows]
+
+The engine's own launch functions make each launch on CPU tensors of the GPU's shapes (bf16
+at Llama-3-8B's heads for attention; float32 at the default model's widths, 13 rows, for the
+all-rows matrix kernel); the launches are recorded as the JIT would specialise them on a
+Hopper GPU and not run (`tests/kernel_launches.py`), then compiled by Triton's compiler, and
+`cuobjdump` (shipped with Triton) reads each cubin. A device reports the same figures for the
+same launch (`bench_attention.py` prints them for the launches it times). An SM of sm_90 has
+65536 registers (allocated 8 a thread at a time), 233472 bytes of shared memory (1024 of
+them reserved a program) and 64 warps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SM_REGISTERS, SM_SHARED, SM_WARPS, RESERVED_SHARED = 65536, 233472, 64, 1024
+KINDS = ("extend", "decode", "verify", "rows")
+
+
+def per_sm(registers: int, shared: int, warps: int) -> tuple[int, int, int]:
+    """Programs an SM holds by its registers, by its shared memory, and in all (warps too)."""
+    by_registers = SM_REGISTERS // (-(-registers // 8) * 8 * 32 * warps)
+    by_shared = SM_SHARED // (shared + RESERVED_SHARED)
+    return by_registers, by_shared, min(by_registers, by_shared, SM_WARPS // warps)
+
+
+def attention_launches(kind: str) -> list[tuple[str, dict]]:
+    """(label, config) for each configuration of `kind` the table shows."""
+    from engine.backends import triton_decode, triton_extend
+
+    if kind == "extend":
+        return [
+            (f"{m} x {n}, {w} warps, {st} stages", dict(triton_extend.EXTEND_CONFIG, **c))
+            for m in (64, 128)
+            for n in (32, 64, 128)
+            if m % n == 0
+            for w in (4, 8)
+            for st in (2, 3, 4)
+            for c in [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, TMA=True)]
+        ]
+    if kind == "decode":
+        return [
+            (f"{n} keys, {w} warps, {st} stages, merge {merge}", c)
+            for n in (32, 64, 128)
+            for w in (2, 4)
+            for st in (2, 3, 4)
+            for merge in ("fused", "apart")
+            for c in [dict(BLOCK_N=n, num_warps=w, num_stages=st, FUSED_MERGE=merge == "fused")]
+        ]
+    return [
+        (f"{c['BLOCK_N']} keys, {c['num_warps']} warps, {c['num_stages']} stages", c)
+        for c, _ in triton_decode.VERIFY_CONFIGS
+    ]
+
+
+def _recorded(kernels_launches, launch) -> object:
+    """The one launch of the main kernel that `launch()` makes, recorded and not run."""
+    recorder = kernels_launches.Recorder(execute=False)
+    with recorder:
+        launch()
+    main = [lc for lc in recorder.launches.values() if "merge" not in lc.name]
+    assert len(main) == 1, [lc.name for lc in recorder.launches.values()]
+    return main[0]
+
+
+def attention(kind: str, kernel_launches) -> list[tuple[str, object]]:
+    """(label, launch) for `kind` at each of its configurations."""
+    import torch
+
+    from engine.backends import triton_decode, triton_extend
+
+    q_heads, kv_heads, dim, dtype = 32, 8, 128, torch.bfloat16
+    requests, context, nodes = 4, 1024, 13
+    new = {"extend": 512, "decode": 1, "verify": nodes}[kind]
+    tokens = requests * new
+    per_request = context + (new if kind != "extend" else 0)
+    k_cache = torch.zeros(requests * (context + new), kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.zeros(tokens, q_heads, dim, dtype=dtype)
+    k, v = (torch.zeros(tokens, kv_heads, dim, dtype=dtype) for _ in range(2))
+    out = torch.zeros_like(q)
+    kv_indptr = torch.arange(requests + 1, dtype=torch.int32) * per_request
+    kv_indices = torch.arange(requests * per_request, dtype=torch.int32)
+    qo_indptr = torch.arange(requests + 1, dtype=torch.int32) * new
+    prefix_lens = torch.full((requests,), context, dtype=torch.int32)
+    bits = torch.ones(tokens, dtype=torch.int64) if kind == "verify" else None
+    counters = torch.zeros(requests * kv_heads, dtype=torch.int32)
+    triton_extend.tma_ready = lambda *tensors: True  # as Hopper reads these tensors
+
+    def launch(config: dict) -> None:
+        if kind == "extend":
+            triton_extend.extend_attention(
+                q, k, v, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens,
+                out, new, dim**-0.5, config=config,
+            )  # fmt: skip
+        else:
+            triton_decode.decode_attention(
+                q, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens, bits,
+                out, 4, max(new, 1), dim**-0.5, config=config, counters=counters,
+            )  # fmt: skip
+
+    return [
+        (label, _recorded(kernel_launches, lambda c=config: launch(c)))
+        for label, config in attention_launches(kind)
+    ]
+
+
+def rows(kernel_launches) -> list[tuple[str, object]]:
+    """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
+    rows, as a verify pass launches it (`rows_config`)."""
+    import torch
+
+    from engine.ops import gemv
+
+    n_rows, hidden, inter, qkv = 13, 576, 1536, 960
+    x, norm = torch.zeros(n_rows, hidden), torch.ones(hidden)
+    wide = torch.zeros(n_rows, inter)
+    launches = {
+        "norm + qkv 960 x 576": lambda: gemv.norm_gemv(
+            x, None, norm, 1e-5, torch.zeros(qkv, hidden), gemv.rows_config(qkv, 132)
+        ),
+        "o_proj 576 x 576": lambda: gemv.gemv(
+            x, torch.zeros(hidden, hidden), gemv.rows_config(hidden, 132)
+        ),
+        "norm + gate_up 3072 x 576 + SiLU*mul": lambda: gemv.norm_gemv_silu(
+            x,
+            None,
+            norm,
+            1e-5,
+            torch.zeros(2 * inter, hidden),
+            gemv.rows_config(inter, 132, silu_mul=True),
+        ),  # fmt: skip
+        "down 576 x 1536": lambda: gemv.gemv(
+            wide, torch.zeros(hidden, inter), gemv.rows_config(hidden, 132)
+        ),
+    }
+    return [(label, _recorded(kernel_launches, fn)) for label, fn in launches.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    kinds = args.only.split(",")
+    if unknown := set(kinds) - set(KINDS):
+        parser.error(f"--only takes {', '.join(KINDS)}; got {', '.join(sorted(unknown))}")
+    os.environ["TRITON_INTERPRET"] = "1"  # the kernels as interpreted functions, to record
+    sys.path.insert(0, str(ROOT / "tests"))
+    import kernel_launches
+    import torch
+
+    torch.set_num_threads(1)
+    recorded = {  # every kind before the first compile takes the interpreter away
+        kind: rows(kernel_launches) if kind == "rows" else attention(kind, kernel_launches)
+        for kind in kinds
+    }
+    for kind, labelled in recorded.items():
+        launches = [launch for _, launch in labelled]
+        compiled = kernel_launches.compile_all(launches, args.workers, usage=True)
+        print(f"\n{kind}:\n")
+        print("| launch | warps | registers | local B | shared B | programs an SM: "
+              "by registers, by shared, in all |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        for (label, launch), result in zip(labelled, compiled, strict=True):
+            warps = dict(launch.options)["num_warps"]
+            if result.error:
+                print(f"| {label} | {warps} | {result.error} | | | |")
+                continue
+            counts = per_sm(result.registers, result.shared, warps)
+            print(
+                f"| {label} | {warps} | {result.registers} | {result.spilled} | "
+                f"{result.shared} | {counts[0]}, {counts[1]}, {counts[2]} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
