@@ -62,9 +62,9 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
     ]
 
 
-def _recorded(kernels_launches, launch) -> object:
+def _recorded(kernel_launches, launch) -> object:
     """The one launch of the main kernel that `launch()` makes, recorded and not run."""
-    recorder = kernels_launches.Recorder(execute=False)
+    recorder = kernel_launches.Recorder(execute=False)
     with recorder:
         launch()
     main = [lc for lc in recorder.launches.values() if "merge" not in lc.name]
@@ -94,6 +94,7 @@ def attention(kind: str, kernel_launches) -> list[tuple[str, object]]:
     prefix_lens = torch.full((requests,), context, dtype=torch.int32)
     bits = torch.ones(tokens, dtype=torch.int64) if kind == "verify" else None
     counters = torch.zeros(requests * kv_heads, dtype=torch.int32)
+    max_q = triton_decode.triton.next_power_of_2(new)  # as the backend plans a pass
     triton_extend.tma_ready = lambda *tensors: True  # as Hopper reads these tensors
 
     def launch(config: dict) -> None:
@@ -105,7 +106,7 @@ def attention(kind: str, kernel_launches) -> list[tuple[str, object]]:
         else:
             triton_decode.decode_attention(
                 q, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens, bits,
-                out, 4, max(new, 1), dim**-0.5, config=config, counters=counters,
+                out, 4, max_q, dim**-0.5, config=config, counters=counters,
             )  # fmt: skip
 
     return [
