@@ -164,3 +164,16 @@ def test_one_launch_a_kernel_is_added_in_each_pdl_mode():
     for variant in variants:  # the first launch of the kernel but for its PDL
         assert variant.name == "gemv_rows_kernel"
         assert dict(variant.constexprs) | {(pdl_index,): 0} == dict(launches[0].constexprs)
+
+
+def test_kernel_usage_counts_the_programs_an_sm_holds(monkeypatch):
+    """`benchmarks/kernel_usage.py`'s occupancy: the verify configurations' compiler reports
+    as `triton_decode.VERIFY_CONFIGS` reads them (148 registers and 49 KB -> 3 programs an
+    SM; 218 registers and 83 KB -> 2), and each limit on its own."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import kernel_usage
+
+    assert kernel_usage.per_sm(148, 49280, 4) == (3, 4, 3)
+    assert kernel_usage.per_sm(218, 82944, 4) == (2, 2, 2)
+    assert kernel_usage.per_sm(32, 0, 32) == (2, 228, 2)  # warps: 64 an SM
+    assert kernel_usage.per_sm(255, 0, 4)[0] == 2  # 256 a thread, allocated 8 at a time
