@@ -66,3 +66,22 @@ def test_a_variants_spec_fields_reach_the_proposer_and_the_drafting(systems):
     spec = ours.engine.spec
     for config in (spec.config, spec.stats.config, spec.proposer.config):
         assert config.max_breadth == 1 and config.budget_levels == (3, 7, 12)
+
+
+def test_freeze_waits_for_every_engine_then_collects_and_freezes_once(systems, monkeypatch):
+    """The freeze moves the whole process's objects, so one collection and one freeze serve
+    every engine (each engine's grammar vocabulary ready first)."""
+    from types import SimpleNamespace
+
+    import engine.shell.startup as startup
+
+    calls: list[str] = []
+    monkeypatch.setattr(startup.gc, "collect", lambda: calls.append("collect"))
+    monkeypatch.setattr(startup.gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(startup.gc, "get_freeze_count", lambda: 7)
+    engines = [
+        SimpleNamespace(grammars=SimpleNamespace(wait_ready=lambda i=i: calls.append(f"ready {i}")))
+        for i in range(3)
+    ]
+    assert systems.freeze(engines) == 7
+    assert calls == ["ready 0", "ready 1", "ready 2", "collect", "freeze"]
