@@ -4,7 +4,7 @@ Shapes: 32 q / 8 kv heads, head_dim 128, bf16. Each time is one problem's share 
 replay that runs enough independent copies of it (>= 256 MB of KV in all) to keep L2 cold;
 median of the replays after warm-up. "eager" is one launch timed by do_bench (L2 flushed).
 Run: python3 benchmarks/bench_attention.py [--quick | --decode | --fused-merge | --pdl |
---extend | --extend-grid | --split-grid]
+--short | --extend | --extend-grid | --split-grid]
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ EXTEND = [(1, 0, 1024), (1, 0, 4096), (8, 0, 1024), (8, 2048, 512)]
 VERIFY = [(1, 4096), (48, 1024), (64, 2048)]
 # --fused-merge also times these decode shapes, which split 2-16 ways (B x kv heads >= 32)
 FEW_SPLITS = [(4, 8192), (8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048)]
+# --short: decode where B x kv heads >= 128 at short contexts, against SDPA and a copy of as
+# many bytes
+SHORT = [(16, 1024), (16, 2048), (32, 1024), (32, 2048), (64, 1024), (16, 4096)]
 KV_INDEX = [(64, 2048), (256, 4096)]
 TREE = 12
 # overrides of the defaults (DECODE_CONFIG, the chosen VERIFY_CONFIGS entry, EXTEND_CONFIG)
@@ -376,6 +379,40 @@ def fused_merge_table(ceiling: float) -> None:
             torch.cuda.empty_cache()
 
 
+def copy_time_us(nbytes: int) -> float:
+    """A device-to-device copy moving `nbytes` (half read, half written), timed as the
+    problems are: its share of a graph of independent copies past COLD_BYTES."""
+    half, copies = max(nbytes // 2, 1), max(1, min(32, math.ceil(COLD_BYTES / nbytes)))
+    srcs = [torch.empty(half, dtype=torch.uint8, device="cuda").random_() for _ in range(copies)]
+    return graph_time_us([lambda s=s, d=torch.empty_like(s): d.copy_(s) for s in srcs])
+
+
+def short_table(ceiling: float) -> None:
+    """Decode at short contexts (SHORT): ours (the plan's splits, as the engine launches it),
+    SDPA on contiguous KV, and a plain copy moving the same bytes, each timed the same way:
+    how much of a short call's shortfall a copy of its size shares."""
+    print(f"\nshort contexts (copy ceiling {ceiling:.0f} GB/s; frac: of that ceiling)")
+    print(
+        "| shape | splits | ours us | ours frac | SDPA us | SDPA frac | same-bytes copy us | "
+        "copy frac | ours / copy |"
+    )
+    print("|" + "---|" * 9)
+    for batch, length in SHORT:
+        p, prefix, new, nbytes = decode_like_problem("decode", batch, length)
+        ours = graph_time_us(ours_decode(p))
+        theirs = graph_time_us(sdpa(p, "decode", prefix, new)[0])
+        copy = copy_time_us(nbytes)
+        frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+        print(
+            f"| B={batch} L={length} | {p.metas[0].extra['num_splits']} | {ours:.1f} | "
+            f"{frac(ours):.2f} | {theirs:.1f} | {frac(theirs):.2f} | {copy:.1f} | "
+            f"{frac(copy):.2f} | {ours / copy:.2f} |",
+            flush=True,
+        )
+        del p
+        torch.cuda.empty_cache()
+
+
 def pdl_table(ceiling: float) -> None:
     """Decode and verify at each of their shapes with PDL off and in each mode, at the plan's
     split count: consecutive copies overlap as consecutive kernels of a pass would."""
@@ -651,6 +688,11 @@ def main() -> None:
         help="only decode and verify, with PDL off and in each mode",
     )
     parser.add_argument(
+        "--short",
+        action="store_true",
+        help="only decode at short contexts, against SDPA and a copy of the same bytes",
+    )
+    parser.add_argument(
         "--extend-grid",
         action="store_true",
         help="only extend, timed at every configuration of EXTEND_GRID against SDPA",
@@ -669,6 +711,9 @@ def main() -> None:
         return
     if args.pdl:
         pdl_table(ceiling)
+        return
+    if args.short:
+        short_table(ceiling)
         return
     if args.extend:
         print_table(extend_rows(False), ceiling)
