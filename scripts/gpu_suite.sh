@@ -71,6 +71,18 @@ GRAPH_SANITIZER_TIMEOUT=${GRAPH_SANITIZER_TIMEOUT:-540}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
 SANITIZER_EXAMPLES=${SANITIZER_EXAMPLES:-3}  # hypothesis examples per property under memcheck
 BENCH_ARGS=${BENCH_ARGS:-}                   # e.g. --quick
+# GPU_WORKERS=N runs each pytest step (the tests and both memchecks) in N pytest-xdist worker
+# processes sharing the GPU: a fresh machine compiles the Triton kernels at their first use, and
+# the sanitizer's cost is mostly the host's, both spread over the machine's cores. memcheck
+# follows the workers (compute-sanitizer's --target-processes all); every process's ERROR
+# SUMMARY is added up below. 1 (the default): one process, as before.
+GPU_WORKERS=${GPU_WORKERS:-1}
+WORKER_ARGS=()
+SANITIZER_ARGS=()
+if [ "$GPU_WORKERS" -gt 1 ]; then
+    WORKER_ARGS=(-n "$GPU_WORKERS")
+    SANITIZER_ARGS=(--target-processes all)
+fi
 
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -79,6 +91,11 @@ export PYTHONUNBUFFERED=1
 SUMMARY=()
 
 note() { SUMMARY+=("| $1 | $2 | $3 s |"); }
+# the sanitizer's errors in a log: its processes' ERROR SUMMARY lines added up (none: empty)
+error_summary() {
+    grep -o "ERROR SUMMARY: [0-9]* error" "$1" \
+        | awk '{n += 1; s += $3} END {if (n) printf "ERROR SUMMARY: %d errors (%d processes)", s, n}'
+}
 
 # 1. install (no network there: the package with --no-deps, the wheels the image lacks)
 start=$SECONDS
@@ -95,7 +112,7 @@ if part tests || part pytest; then
 # 2. GPU tests
 start=$SECONDS
 timeout "$TEST_TIMEOUT" python3 -m pytest -q -m "not slow" -p no:cacheprovider \
-    "${PYTEST_TESTS[@]}" >"$OUT_DIR/pytest.log" 2>&1
+    "${WORKER_ARGS[@]}" "${PYTEST_TESTS[@]}" >"$OUT_DIR/pytest.log" 2>&1
 rc=$?
 tail -n 25 "$OUT_DIR/pytest.log"
 note "pytest (CUDA)" "rc=$rc: $(tail -n 1 "$OUT_DIR/pytest.log")" $((SECONDS - start))
@@ -107,10 +124,12 @@ if part memcheck; then
 start=$SECONDS
 ENGINE_TEST_EXAMPLES=$SANITIZER_EXAMPLES PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
     timeout "$SANITIZER_TIMEOUT" compute-sanitizer --tool memcheck --print-limit 50 \
-    python3 -m pytest -q -m "not slow" -p no:cacheprovider "${MEMCHECK_TESTS[@]}" \
+    "${SANITIZER_ARGS[@]}" \
+    python3 -m pytest -q -m "not slow" -p no:cacheprovider "${WORKER_ARGS[@]}" \
+    "${MEMCHECK_TESTS[@]}" \
     >"$OUT_DIR/memcheck.log" 2>&1
 rc=$?
-errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT_DIR/memcheck.log" | tail -n 1)
+errors=$(error_summary "$OUT_DIR/memcheck.log")
 tests=$(grep -E "passed|failed|error" "$OUT_DIR/memcheck.log" | grep -v "ERROR SUMMARY" | tail -n 1)
 grep -m 20 -E "Invalid|out of bounds|FAILED" "$OUT_DIR/memcheck.log"
 note "memcheck" "rc=$rc: ${errors:-no summary (timeout?)}; ${tests}" $((SECONDS - start))
@@ -122,10 +141,11 @@ if part tests || part graphcheck; then
 start=$SECONDS
 ENGINE_TEST_EXAMPLES=$SANITIZER_EXAMPLES \
     timeout "$GRAPH_SANITIZER_TIMEOUT" compute-sanitizer --tool memcheck --print-limit 50 \
-    python3 -m pytest -q -p no:cacheprovider "${GRAPH_MEMCHECK_TESTS[@]}" \
+    "${SANITIZER_ARGS[@]}" \
+    python3 -m pytest -q -p no:cacheprovider "${WORKER_ARGS[@]}" "${GRAPH_MEMCHECK_TESTS[@]}" \
     >"$OUT_DIR/memcheck_graphs.log" 2>&1
 rc=$?
-errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT_DIR/memcheck_graphs.log" | tail -n 1)
+errors=$(error_summary "$OUT_DIR/memcheck_graphs.log")
 tests=$(grep -E "passed|failed" "$OUT_DIR/memcheck_graphs.log" | grep -v "ERROR SUMMARY" \
     | tail -n 1)
 note "memcheck, CUDA graphs captured" "rc=$rc: ${errors:-no summary (timeout?)}; ${tests}" \
