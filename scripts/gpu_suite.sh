@@ -94,7 +94,8 @@ note() { SUMMARY+=("| $1 | $2 | $3 s |"); }
 # the sanitizer's errors in a log: its processes' ERROR SUMMARY lines added up (none: empty)
 error_summary() {
     grep -o "ERROR SUMMARY: [0-9]* error" "$1" \
-        | awk '{n += 1; s += $3} END {if (n) printf "ERROR SUMMARY: %d errors (%d processes)", s, n}'
+        | awk '{n += 1; s += $3}
+               END {if (n) printf "ERROR SUMMARY: %d errors%s", s, (n > 1 ? " (" n " processes)" : "")}'
 }
 
 # 1. install (no network there: the package with --no-deps, the wheels the image lacks)
