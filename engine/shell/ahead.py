@@ -36,37 +36,9 @@ from engine import state
 from engine.backends.base import upload
 from engine.shell.kv import KVBook
 from engine.shell.runner import ModelRunner, Prepared
-from engine.spec.tree import prune, with_roots
+from engine.shell.sharded import ParallelRunner
+from engine.spec.tree import with_roots
 from engine.state import DraftTrees, Mode, Running
-
-
-@attrs.frozen(eq=False)
-class VerifyLaunched:
-    """A verify pass launched for the next step: ahead (`PlanAhead.plan` with trees), or at
-    a commit (`plan_committed` with trees). Its logits (on the device, one row per node) and
-    each tree's guess for its root (-1: a root alone, or a root known at its launch), the
-    token its drafts were proposed after. It is never cut to fewer requests (`select`):
-    where some leave before it is taken, it is dropped."""
-
-    logits: torch.Tensor
-    guesses: np.ndarray
-    seconds: float = 0.0  # host time of its launch where the device waited for it
-
-    def select(self, keep: np.ndarray) -> None:
-        return None
-
-    def missed(self, trees: DraftTrees) -> np.ndarray:
-        """Per tree (its root known now): whether it drafted and its root is not its guess."""
-        return (self.guesses >= 0) & (trees.tokens[trees.sizes.starts()] != self.guesses)
-
-    def recorded(self, trees: DraftTrees, accepted: np.ndarray) -> DraftTrees:
-        """`trees` (their roots known now) as speculation's statistics count them: a tree
-        whose root is not its guess, and that had nothing accepted, drafted nothing (its
-        drafts were for another token)."""
-        missed = self.missed(trees) & (np.asarray(accepted) == 0)
-        if not missed.any():
-            return trees
-        return prune(trees, ~missed[trees.sizes.segment_ids()])
 
 
 def root_ids(batch: state.Batch, tokens: torch.Tensor) -> torch.Tensor:
@@ -85,7 +57,11 @@ class PlanAhead:
     """`machine`: what the transitions are called on (`engine.state`, or a trace recorder)."""
 
     def __init__(
-        self, book: KVBook, runner: ModelRunner, stats: collections.Counter, machine: Any = state
+        self,
+        book: KVBook,
+        runner: ModelRunner | ParallelRunner,
+        stats: collections.Counter,
+        machine: Any = state,
     ) -> None:
         self.book, self.runner, self.stats, self.machine = book, runner, stats, machine
         self.prepared: Prepared | None = None

@@ -77,9 +77,10 @@ class Engine(Admission, SpeculativeSteps):
             prefix_cache=self.config.prefix_cache,
             table=table,
         )
-        runner: ModelRunner | ParallelRunner = rt.make_runner(self.book.table)
+        local = rt.make_runner(self.book.table)
+        runner: ModelRunner | ParallelRunner = local
         if self.workers is not None and table is not None:
-            runner = ParallelRunner(runner, self.workers, table)
+            runner = ParallelRunner(local, self.workers, table)
         self.running = Running.empty(rt.max_context)
         self.waiting: collections.deque[Request] = collections.deque()
         self.inbox = Inbox()  # submissions and aborts from any thread
@@ -328,6 +329,7 @@ class Engine(Admission, SpeculativeSteps):
         with self._open(batch) as open_pass:
             if prepared is not None and prepared.launched is not None:
                 launched = prepared.launched  # its input ids were the last pass's tokens
+                assert isinstance(launched, Launched)  # a decode plan's launch
             else:
                 launched = self.passes.launch(batch, prepared)
             if during is not None:

@@ -12,8 +12,8 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Iterator, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import llguidance
@@ -28,9 +28,12 @@ from engine.shell.masks import POOL, SERIAL, MaskFills, PendingMasks, apply_mask
 from engine.spec import prune
 from engine.state import DraftTrees, StructuredOutputs
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # the stub's type; not at runtime
+
 # JSON comes out compact (no whitespace between tokens): a small model can otherwise spend its
 # tokens on newlines. A schema's "x-guidance" options override this.
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 COMPILED_KEPT = 256  # compiled grammars kept (by their StructuredOutputs value)
 # A greedy row whose checked tokens were refused twice in a row is masked first for its next
 # 1, 2, 4, ... passes (a model that rarely follows its grammar pays for a mask, not a redraw
@@ -102,11 +105,11 @@ class Grammars:
         tokenizer: Any,
         vocab_size: int,
         eos_id: int,
-        stats: collections.Counter | None = None,
+        stats: MutableMapping[str, Any] | None = None,  # counts and seconds
         parallel: bool = False,
     ) -> None:
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
-        self.stats = collections.Counter() if stats is None else stats
+        self.stats: MutableMapping[str, Any] = collections.Counter() if stats is None else stats
         self.matchers: dict[int, llguidance.LLMatcher] = {}
         # uid -> [passes still masked first, length of its last masked run] (`checks_first`)
         self._masked_runs: dict[int, list[int]] = {}

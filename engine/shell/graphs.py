@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,6 +47,13 @@ from engine.state import (
     schedule_verify,
 )
 from engine.state.batch import DraftTrees
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from engine.backends.base import ForwardMetadata
+    from engine.backends.triton_backend import TritonBackend
+    from engine.model.llama import LlamaModel
 
 
 def default_batch_sizes(max_batch: int) -> list[int]:
@@ -79,8 +87,8 @@ def extend_sizes(max_tokens: int) -> list[int]:
 
 
 def graph_runners(
-    model: torch.nn.Module,
-    backend: object,
+    model: LlamaModel,
+    backend: TritonBackend,
     max_batch: int,
     max_tree_nodes: int = 0,
     capture: bool = True,
@@ -124,7 +132,7 @@ def graph_runners(
     return [decode, *reversed(runners), *extend]
 
 
-class _Graph:
+class CapturedPass:
     """Static inputs and outputs of one captured pass shape, `key` among its runner's:
     `batch_size` requests (padded), `num_tokens` tokens, and for an extend pass
     (`logit_rows`) the rows whose logits it computes."""
@@ -153,7 +161,7 @@ class _Graph:
         self.logits: torch.Tensor | None = None
         # the metadata of the pass the graph captured (its dummy batch's): its tensors are
         # the static buffers each plan writes, its host values fixed in the graph
-        self.metadata: object = None
+        self.metadata: ForwardMetadata | None = None
 
 
 class GraphRunner:
@@ -164,14 +172,14 @@ class GraphRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        backend: object,
+        model: LlamaModel,
+        backend: TritonBackend,
         mode: Mode,
         max_batch: int,
         max_tree_nodes: int = 1,
         capture: bool = True,
         table: RequestTable | None = None,
-        pool: tuple | None = None,
+        pool: _POOL_HANDLE | None = None,
         write_capacity: int | None = None,
         extend_tokens: int = 0,
     ) -> None:
@@ -230,7 +238,7 @@ class GraphRunner:
         writes_size = 1 + 2 * self.write_capacity if self.applies_writes else 0
         logit_rows = mode == Mode.EXTEND
         self.graphs = {
-            size: _Graph(size, *shapes[size], device, writes_size, logit_rows)
+            size: CapturedPass(size, *shapes[size], device, writes_size, logit_rows)
             for size in self.sizes
         }
         self.pdl = {size: pdl.for_pass(self._package_products(size)) for size in self.sizes}
@@ -264,7 +272,7 @@ class GraphRunner:
             return self._graph_for(batch) is not None
         return batch.new_lens.max <= self.per_request
 
-    def _graph_for(self, batch: Batch) -> _Graph | None:
+    def _graph_for(self, batch: Batch) -> CapturedPass | None:
         """The smallest graph that holds `batch`'s requests and tokens (None: none does)."""
         if self.mode != Mode.EXTEND:  # the tokens follow the requests
             at = bisect.bisect_left(self.sizes, len(batch.running))
@@ -282,7 +290,7 @@ class GraphRunner:
             kernel_takes(rows, w.dtype, tuple(w.shape)) for w in self.model.layer_products()
         )
 
-    def _forward(self, graph: _Graph, metadata: object) -> torch.Tensor:
+    def _forward(self, graph: CapturedPass, metadata: ForwardMetadata) -> torch.Tensor:
         with pdl.using(self.pdl[graph.key]):
             if graph.writes is not None:
                 self.backend.apply_table_writes(graph.writes)
@@ -293,7 +301,7 @@ class GraphRunner:
                 hidden = hidden.index_select(0, graph.rows)
             return self.model.logits(hidden)
 
-    def _plan(self, graph: _Graph, batch: Batch) -> object:
+    def _plan(self, graph: CapturedPass, batch: Batch) -> ForwardMetadata:
         in_pass = {"indices_in_pass": True} if self.indices_in_pass else {}
         return self.backend.plan(
             batch,
@@ -303,7 +311,7 @@ class GraphRunner:
             **in_pass,
         )
 
-    def _capture_all(self, device: torch.device, pool: tuple) -> None:
+    def _capture_all(self, device: torch.device, pool: _POOL_HANDLE | None) -> None:
         stream = torch.cuda.Stream(device)
         for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
             graph = self.graphs[size]
@@ -346,7 +354,7 @@ class GraphRunner:
         assert batch.mode == self.mode, (batch.mode, self.mode)
         return batch
 
-    def prepare(self, batch: Batch) -> tuple[_Graph, object]:
+    def prepare(self, batch: Batch) -> tuple[CapturedPass, ForwardMetadata]:
         """Plan `batch` into the static buffers of the graph that will replay it. Runs on the
         stream after any pass already launched, so it may overlap that pass's execution."""
         graph = self._graph_for(batch)
@@ -376,7 +384,7 @@ class GraphRunner:
     @torch.inference_mode()
     def replay(
         self,
-        graph: _Graph,
+        graph: CapturedPass,
         batch: Batch,
         input_ids: torch.Tensor | None = None,
         shift: torch.Tensor | None = None,
@@ -396,6 +404,8 @@ class GraphRunner:
                 f"a shift of shape {tuple(shift.shape)} for a {self.mode.value} pass of "
                 f"{len(batch.running)} requests: a decode pass takes one per request"
             )
+        metadata = graph.metadata
+        assert metadata is not None  # planned, or captured, as the runner was built
         count, num_tokens = batch.new_lens.total, graph.num_tokens
         if self._staged is not None:
             self._staged.synchronize()  # the last copy must have read the staging buffer
@@ -421,10 +431,11 @@ class GraphRunner:
             graph.input_ids[:count].copy_(input_ids)
         if shift is not None:
             graph.positions[:count] += shift
-            self.backend.shift_plan(graph.metadata, shift)
+            self.backend.shift_plan(metadata, shift)
         if self.capture:
+            assert graph.graph is not None and graph.logits is not None  # captured
             self._staged = self._staged or torch.cuda.Event()
             self._staged.record()
             graph.graph.replay()
             return graph.logits[:out_rows]
-        return self._forward(graph, graph.metadata)[:out_rows]
+        return self._forward(graph, metadata)[:out_rows]

@@ -15,10 +15,17 @@ import attrs
 import numpy as np
 import torch
 
-from engine.model.sampling import LogitsEdit, Logprobs, greedy_tokens, host_to_device
+from engine.model.sampling import (
+    LogitsEdit,
+    Logprobs,
+    SamplingTensors,
+    greedy_tokens,
+    host_to_device,
+)
 from engine.shell.grammar import Grammars
 from engine.shell.masks import PendingMasks
 from engine.shell.request import Request, TokenLogprob
+from engine.spec.tree import prune
 from engine.state import DraftTrees
 
 
@@ -67,7 +74,7 @@ class Launched:
 
     logits: torch.Tensor
     uids: list[int]
-    inputs: object
+    inputs: SamplingTensors | None
     masks: PendingMasks | None = None
     sampled: Sampled | None = None
     checked: list[int] = attrs.Factory(list)  # rows drawn unmasked, checked after (`recheck`)
@@ -98,6 +105,35 @@ class Launched:
             ),
             checked=[renumbered[row] for row in self.checked if row in renumbered],
         )
+
+
+@attrs.frozen(eq=False)
+class VerifyLaunched:
+    """A verify pass launched for the next step: ahead (`PlanAhead.plan` with trees), or at
+    a commit (`plan_committed` with trees). Its logits (on the device, one row per node) and
+    each tree's guess for its root (-1: a root alone, or a root known at its launch), the
+    token its drafts were proposed after. It is never cut to fewer requests (`select`):
+    where some leave before it is taken, it is dropped."""
+
+    logits: torch.Tensor
+    guesses: np.ndarray
+    seconds: float = 0.0  # host time of its launch where the device waited for it
+
+    def select(self, keep: np.ndarray) -> None:
+        return None
+
+    def missed(self, trees: DraftTrees) -> np.ndarray:
+        """Per tree (its root known now): whether it drafted and its root is not its guess."""
+        return (self.guesses >= 0) & (trees.tokens[trees.sizes.starts()] != self.guesses)
+
+    def recorded(self, trees: DraftTrees, accepted: np.ndarray) -> DraftTrees:
+        """`trees` (their roots known now) as speculation's statistics count them: a tree
+        whose root is not its guess, and that had nothing accepted, drafted nothing (its
+        drafts were for another token)."""
+        missed = self.missed(trees) & (np.asarray(accepted) == 0)
+        if not missed.any():
+            return trees
+        return prune(trees, ~missed[trees.sizes.segment_ids()])
 
 
 def _take_rows(index: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -4,12 +4,11 @@ waiting for the pass, unpacked there and applied (every token a row does not all
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import llguidance
@@ -66,7 +65,7 @@ class PendingMasks:
         self,
         bitmask: np.ndarray,
         words: torch.Tensor,
-        stats: collections.Counter,
+        stats: MutableMapping[str, Any],  # counts and seconds
         count: int,
         job: concurrent.futures.Future | None,
         staging: Staging,
@@ -184,7 +183,7 @@ class MaskFills:
     the cores run the model, and a pool's threads would wait behind it). `stats` counts the
     masks and their host time (`grammar_masks`, `grammar_mask_seconds`)."""
 
-    def __init__(self, stats: collections.Counter, parallel: bool) -> None:
+    def __init__(self, stats: MutableMapping[str, Any], parallel: bool) -> None:
         self.stats, self.parallel = stats, parallel
         self.staging = Staging(pinned=parallel and torch.cuda.is_available())
         self.rows_way, self.trees_way = Faster(), Faster()  # pool or serial, measured

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import attrs
 import numpy as np
 import torch
 
-from engine.backends import AttentionBackend
+from engine.backends import AttentionBackend, ForwardMetadata
 from engine.backends.base import upload
-from engine.shell.graphs import GraphRunner, graph_runners
+from engine.shell.graphs import CapturedPass, GraphRunner, graph_runners
 from engine.shell.kv import RequestTable
+from engine.shell.logits import Launched, VerifyLaunched
 from engine.state import Batch, Mode
+
+if TYPE_CHECKING:
+    from engine.backends.triton_backend import TritonBackend
+    from engine.model.llama import LlamaModel
 
 # Eager passes on CUDA run a multiple of TOKEN_ALIGN tokens, padding tokens after the
 # batch's (`TritonBackend.plan`'s padded_num_tokens): the products then meet no more token
@@ -25,7 +32,7 @@ TOKEN_ALIGN = 16
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaModel,
         backend: AttentionBackend,
         device: torch.device,
         graph_max_batch: int = 0,
@@ -49,7 +56,7 @@ class ModelRunner:
         if graph_max_batch and hasattr(backend, "graph_buffers"):
             self.graphs = graph_runners(
                 model,
-                backend,
+                cast("TritonBackend", backend),  # the backend that captures graphs
                 graph_max_batch,
                 max_tree_nodes,
                 capture=capture,
@@ -70,7 +77,8 @@ class ModelRunner:
         num_tokens = self.num_tokens(batch)
         if num_tokens == batch.new_lens.total:
             return Prepared(batch, None, None, self.backend.plan(batch))
-        return Prepared(batch, None, None, self.backend.plan(batch, padded_num_tokens=num_tokens))
+        padding = cast("TritonBackend", self.backend)  # `token_align` > 1: a padding backend
+        return Prepared(batch, None, None, padding.plan(batch, padded_num_tokens=num_tokens))
 
     def _flush(self) -> None:
         if self.table is not None:
@@ -102,6 +110,7 @@ class ModelRunner:
                 f"{batch.new_lens.total} new tokens"
             )
         if prepared.runner is not None:  # the graph computes the logit rows' logits only
+            assert prepared.graph is not None  # a runner's plan names its graph
             return prepared.runner.replay(prepared.graph, batch, input_ids, shift)
         if shift is not None:
             raise ValueError("a shift on the device needs a graph's pass; this pass is eager")
@@ -142,6 +151,12 @@ class Prepared:
 
     batch: Batch
     runner: GraphRunner | None
-    graph: object
-    metadata: object
-    launched: object = None
+    graph: CapturedPass | None
+    metadata: ForwardMetadata
+    launched: Launched | VerifyLaunched | None = None
+
+    def verify_launched(self) -> VerifyLaunched:
+        """What this verify pass's launch gave: a verify pass is held launched (`PlanAhead`'s
+        `plan` and `plan_committed` with trees)."""
+        assert isinstance(self.launched, VerifyLaunched)
+        return self.launched

@@ -14,12 +14,12 @@ import numpy as np
 
 from engine import state
 from engine.model.sampling import greedy_tokens
-from engine.shell.ahead import PlanAhead, VerifyLaunched, root_ids
+from engine.shell.ahead import PlanAhead, root_ids
 from engine.shell.config import EngineConfig
 from engine.shell.failures import OpenPass
 from engine.shell.grammar import Grammars
 from engine.shell.kv import KVBook
-from engine.shell.logits import Launched, LogitsWork
+from engine.shell.logits import Launched, LogitsWork, VerifyLaunched
 from engine.shell.outputs import Outputs
 from engine.shell.passes import Passes
 from engine.shell.runner import Prepared
@@ -61,7 +61,7 @@ class SpeculativeSteps:
         running, spec = self.running, self.spec
         verify_ahead = self.ahead.take_verify(running)
         if verify_ahead is not None:  # launched at the last step: its launch is this step's
-            started -= verify_ahead.launched.seconds
+            started -= verify_ahead.verify_launched().seconds
             return self._verify_step(None, started, verify_ahead)
         # Drafts fit the pool's free slots (a plan's held slots count: a verify pass drops
         # the plan), handed out in batch order. A tree that did not fit would make the step
@@ -107,16 +107,21 @@ class SpeculativeSteps:
         elif ahead.batch.running is running:  # planned at the last commit (`_launch_next`)
             batch = ahead.batch
         else:  # planned during the last pass (`_verify_ahead`): its roots are known now
+            assert ahead.batch.trees is not None  # a verify pass's
             trees = with_roots(ahead.batch.trees, running.last_tokens)
-            self.stats["verify_ahead_guesses"] += int((ahead.launched.guesses >= 0).sum())
-            self.stats["verify_ahead_guesses_missed"] += int(ahead.launched.missed(trees).sum())
+            self.stats["verify_ahead_guesses"] += int((ahead.verify_launched().guesses >= 0).sum())
+            self.stats["verify_ahead_guesses_missed"] += int(
+                ahead.verify_launched().missed(trees).sum()
+            )
             batch = self.machine.schedule_verify(running, trees, ahead.batch.out_slots)
         trees = batch.trees
         assert trees is not None
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()
             params = [self.requests[u].params for u in uids]
-            forward = self.passes.forward(batch) if ahead is None else ahead.launched.logits
+            forward = (
+                self.passes.forward(batch) if ahead is None else ahead.verify_launched().logits
+            )
             # all greedy with a grammar among them: the argmax along each tree's accepted path
             # is checked against its grammar, no node masked first (`Grammars.verify_paths`)
             greedy = all(p.greedy for p in params)
@@ -148,7 +153,7 @@ class SpeculativeSteps:
             self.passes.logprobs = None if pending is None else pending.host()
             recorded = trees
             if ahead is not None:  # drafts that were for another token: not the proposer's
-                recorded = ahead.launched.recorded(trees, outcome.accepted_lens.lens)
+                recorded = ahead.verify_launched().recorded(trees, outcome.accepted_lens.lens)
             self.spec.record(uids, recorded, outcome.accepted_lens.lens)
             if walk is not None:  # (before the transition: its effects are applied next)
                 self._confirm_walk(walk, outcome, target)

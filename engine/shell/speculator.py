@@ -174,12 +174,19 @@ class Speculator:
             self.cost.observe_step(rows, time.perf_counter() - started, verify)
 
     def _verify(
-        self, batch: state.Batch, uids: list[int], params: list, logits: torch.Tensor
+        self,
+        batch: state.Batch,
+        uids: list[int],
+        params: list,
+        logits: torch.Tensor | np.ndarray,
     ) -> Any:
+        """`logits`: the pass's, or (all greedy) its argmax per node on the host."""
         trees = batch.trees
+        assert trees is not None  # a verify pass's
         if all(p.greedy for p in params):
             argmax = logits if isinstance(logits, np.ndarray) else greedy_tokens(logits)
             return verify_greedy(trees, argmax)
+        assert isinstance(logits, torch.Tensor)  # an argmax on the host is all greedy's
         # One row of filters per request, repeated over its tree's nodes on the device.
         sizes = trees.sizes.lens_to(logits.device)
         filters = [

@@ -180,14 +180,14 @@ class Running:
     @classmethod
     def admitted(
         cls,
-        rids: Sequence[int],
-        rows: Sequence[int],
-        token_lens: Sequence[int],
-        prompt_lens: Sequence[int],
-        last_tokens: Sequence[int],
+        rids: Sequence[int] | np.ndarray,
+        rows: Sequence[int] | np.ndarray,
+        token_lens: Sequence[int] | np.ndarray,
+        prompt_lens: Sequence[int] | np.ndarray,
+        last_tokens: Sequence[int] | np.ndarray,
         rules: FinishRules,
         max_context: int,
-        kv_lens: Sequence[int] | None = None,
+        kv_lens: Sequence[int] | np.ndarray | None = None,
     ) -> Running:
         """Requests entering with no KV committed yet (kv_lens 0), or with a cached prefix
         of `kv_lens` tokens whose slots the prefix cache holds (shared)."""

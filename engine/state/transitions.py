@@ -125,7 +125,7 @@ class Result:
 def schedule_extend(
     running: Running,
     chunk_lens: Sequence[int] | np.ndarray,
-    input_ids: np.ndarray,
+    input_ids: Sequence[int] | np.ndarray,
     slots: np.ndarray,
 ) -> Batch:
     """The next chunk of each request's pending tokens (a whole prompt, or part of it)."""

@@ -24,7 +24,7 @@ from plan_cases import (
     tiny_engine,
 )
 
-from engine.shell.ahead import VerifyLaunched
+from engine.shell.logits import VerifyLaunched
 from engine.shell.engine import Engine
 from engine.state import DraftTrees, FinishReason, SamplingParams
 
