@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from engine.shell.distributed import WorkerFailed
 from engine.shell.engine import Engine, Prompt
@@ -215,7 +215,7 @@ class AsyncEngine:
         prompt: Prompt,
         params: SamplingParams | dict | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """Deltas of one request. Closing the iterator early aborts the request."""
         rid, sink = self.submit(prompt, params, request_id)
         finished = False

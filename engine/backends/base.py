@@ -121,7 +121,7 @@ def host_metadata(
         raise ValueError(f"num_tokens={num_tokens}: the batch has {real} new tokens")
     out_slots = np.full(num_tokens, PADDING_SLOT, dtype=np.int64)
     out_slots[:real] = batch.out_slots
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "kv_indptr": batch.seq_lens.indptr().astype(np.int32),
         "prefix_lens": batch.prefix_lens.lens.astype(np.int32),
         "qo_indptr": batch.new_lens.indptr().astype(np.int32),

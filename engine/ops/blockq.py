@@ -120,6 +120,7 @@ class BlockWeight:
         quants, scale, offset = self.rows()
         rows, blocks = scale.shape
         if self.nibbles:
+            assert offset is not None  # nibble blocks have one (the constructor checks)
             packed = quants.view(rows, blocks, BLOCK // 2)
             q = torch.cat((packed & 15, packed >> 4), dim=-1).float()
             return (q * scale[..., None] + offset[..., None]).view(rows, -1)

@@ -428,7 +428,7 @@ def norm_linear(
         return norm_gemv(x, residual, norm_weight, eps, weight, config)
     if x.shape[0] != FUSED_ROWS:
         return None
-    launch = norm_config(config, tuple(weight.shape), _num_sms(x.device))
+    launch = norm_config(config, (weight.shape[0], weight.shape[1]), _num_sms(x.device))
     return norm_gemv(x, residual, norm_weight, eps, weight, launch)
 
 

@@ -249,7 +249,10 @@ def rope_qkv_store(
     check_rope_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
     check_qkv_extras(extras, qkv, head_dim)
     bias = None if extras is None else extras.bias
-    has_norm = extras is not None and extras.q_norm is not None
+    q_norm = None if extras is None else extras.q_norm  # q_norm and k_norm: both or neither
+    k_norm = None if extras is None else extras.k_norm
+    eps = 0.0 if extras is None or q_norm is None else extras.eps
+    has_norm = q_norm is not None
     if qkv.shape[0] > 0:
         total_heads = num_heads + 2 * num_kv_heads
         heads_per_program = min(ROPE_HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
@@ -262,8 +265,8 @@ def rope_qkv_store(
             k_cache,
             v_cache,
             qkv if bias is None else bias,  # an unread pointer where there is none
-            extras.q_norm if has_norm else qkv,
-            extras.k_norm if has_norm else qkv,
+            qkv if q_norm is None else q_norm,  # unread pointers where there are none
+            qkv if k_norm is None else k_norm,
             qkv.stride(0),
             cos.stride(0),
             sin.stride(0),
@@ -272,7 +275,7 @@ def rope_qkv_store(
             num_heads,
             num_kv_heads,
             head_dim // 2,
-            extras.eps if has_norm else 0.0,
+            eps,
             HAS_BIAS=bias is not None,
             HAS_NORM=has_norm,
             BLOCK_H=heads_per_program,

@@ -64,7 +64,9 @@ def _is_union_branch(part: Any) -> bool:
 def validation_error(exc: RequestValidationError) -> OpenAIError:
     """The first pydantic error, as a 400 that names the field and the value it got."""
     errors = exc.errors()
-    first = errors[0] if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
+    first: dict[str, Any] = (
+        errors[0] if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
+    )
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", first["msg"])
         return OpenAIError(400, f"request body is not valid JSON: {detail}", None, "invalid_json")

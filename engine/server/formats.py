@@ -59,7 +59,7 @@ class StructuredOutputsBody(_Strict):
     json_object: bool | None = None
 
     def structured(self) -> StructuredOutputs:
-        fields = dict(
+        fields: dict[str, Any] = dict(
             json=self.json_schema,
             regex=self.regex,
             grammar=self.grammar,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import attrs
-from attrs.validators import ge, gt, instance_of, min_len, optional
+from attrs.validators import and_, ge, gt, instance_of, min_len, optional
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -17,11 +17,14 @@ class ServerOptions:
 
     # requests submitted and not yet admitted; past it a request gets 429. None: no bound
     max_waiting_requests: int | None = attrs.field(
-        default=DEFAULT_MAX_WAITING_REQUESTS, validator=optional([instance_of(int), ge(1)])
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        # attrs' stub takes the field's type from the default alone (int), so a validator of
+        # `int | None` is refused (python-attrs/attrs#515, open)
+        validator=optional(and_(instance_of(int), ge(1))),  # type: ignore[arg-type]
     )
     # seconds from arrival after which a request is aborted (408). None: no deadline
     request_timeout_s: float | None = attrs.field(
-        default=None, validator=optional([instance_of((int, float)), gt(0)])
+        default=None, validator=optional(and_(instance_of((int, float)), gt(0)))
     )
     # larger request bodies get 413
     max_body_bytes: int = attrs.field(

@@ -7,9 +7,9 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from fastapi import APIRouter, Request, Response
@@ -161,11 +161,17 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(events, headers=headers)
+        self.events = events  # the `body_iterator`, typed as what it is: it has aclose
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self.events.aclose()
 
 
 @attrs.frozen(eq=False)
@@ -175,7 +181,7 @@ class _Run:
 
     index: int
     first: Any
-    deltas: AsyncIterator[Any]
+    deltas: AsyncGenerator[Any, None]
     echo: str = ""
 
 
@@ -185,10 +191,11 @@ async def _sse(
     include_usage: bool,
     n: int,
     tools: ToolCalls | HermesToolParser | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The chunks of every choice as they come (tool-call deltas where `tools`), then the
     usage (when asked) and [DONE]."""
-    events: asyncio.Queue = asyncio.Queue()
+    # (choice index, item): its next delta, the OpenAIError that ended it, or None (pump done)
+    events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(run: _Run) -> None:
         try:
@@ -283,13 +290,14 @@ async def _collect(
             raise _engine_failure(last)
         entries = logprobs if last.logprobs is not None or run.first.logprobs is not None else None
         text, reason, calls = "".join(pieces), last.finish_reason, None
+        content: str | None = text  # None: a chat message of tool calls alone
         if tools is not None:
-            content, found = tools.read(text, reason == "stop")
+            read, found = tools.read(text, reason == "stop")
             if found:
-                text = content
+                content = read
                 calls = [tool_call(name, arguments) for name, arguments in found]
                 reason = "tool_calls" if reason == "stop" else reason
-        return shape.choice(run.index, text, reason, entries, calls), last.usage
+        return shape.choice(run.index, content, reason, entries, calls), last.usage
 
     done = await asyncio.gather(*(one(run) for run in runs))
     return shape.full([choice for choice, _ in done], combined_usage([u for _, u in done], n))
@@ -322,7 +330,7 @@ def _engine_failure(delta: Any) -> OpenAIError:
 async def _generate(
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
-    prompts: list[Any],
+    prompts: Sequence[str | list[int] | ChatPrompt],
     max_tokens: int | None,
     chat: bool,
 ) -> Response:
@@ -390,7 +398,9 @@ def _echo_text(tokenizer: Any, prompt: Any) -> str:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await _generate(request, body, body.prompt, body.max_tokens, chat=False)
+    # CompletionRequest's validator made `prompt` a list of prompts, whatever it was sent as
+    prompts = cast(list[str | list[int]], body.prompt)
+    return await _generate(request, body, prompts, body.max_tokens, chat=False)
 
 
 @router.post("/v1/chat/completions")

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -144,7 +144,7 @@ async def _next_delta(deltas: AsyncIterator[Any], deadline: float | None) -> Any
 
 async def run_request(
     state: ServerState, request: Request, endpoint: str, prompt: Any, params: Any, request_id: str
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """The deltas of one request. The engine's InvalidRequest surfaces on the first step; a
     full waiting queue as a 429 OpenAIError, and a passed deadline as a 408 (at any step).
 

@@ -24,8 +24,10 @@ def hermes_template(tokenizer: Any) -> bool:
     """Whether the model's chat template asks for Hermes-style `<tool_call>` blocks that
     reach the output text (a tag that is a special token is dropped from it)."""
     hf = getattr(tokenizer, "hf", None)
+    if hf is None or not takes_tools(tokenizer):
+        return False
     specials = getattr(hf, "all_special_tokens", ())
-    return takes_tools(tokenizer) and OPEN in hf.chat_template and not {OPEN, CLOSE} & set(specials)
+    return OPEN in hf.chat_template and not {OPEN, CLOSE} & set(specials)
 
 
 def reader_for(body: Any, tokenizer: Any) -> ToolCalls | HermesToolParser:
@@ -137,7 +139,8 @@ class HermesStream:
         """The end of the output: an open block counts if its JSON is whole and the output
         ended by itself (`complete`: not out of tokens); what was held back is content
         (leading whitespace only where no call was made)."""
-        out, deltas = "", []
+        out = ""
+        deltas: list[dict[str, Any]] = []
         if self.inside:
             self.inside = False
             if complete:

@@ -29,7 +29,9 @@ class FunctionDef(_Strict):
     strict: bool | None = None
 
     @property
-    def schema(self) -> dict[str, Any] | bool:
+    def arguments_schema(self) -> dict[str, Any] | bool:
+        """The schema a call's arguments are generated to (no `parameters`: no arguments),
+        lenient unless `strict` (`with_leniency`); not named `schema`, which is BaseModel's."""
         return with_leniency(self.parameters or NO_PARAMETERS, self.strict)
 
 
@@ -72,12 +74,12 @@ class ToolCalls:
                     f"tool_choice names function {self.named!r}, which is not among the tools "
                     f"({', '.join(functions) or 'none given'})"
                 )
-            self.structured = StructuredOutputs(json=functions[self.named].schema)
+            self.structured = StructuredOutputs(json=functions[self.named].arguments_schema)
             return
         one_of = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "parameters": function.schema},
+                "properties": {"name": {"const": name}, "parameters": function.arguments_schema},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }

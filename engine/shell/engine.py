@@ -10,7 +10,7 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -30,7 +30,7 @@ from engine.shell.kv import KVBook
 from engine.shell.logits import Launched, LogitsWork
 from engine.shell.outputs import Outputs
 from engine.shell.passes import Passes
-from engine.shell.request import Completion, Delta, Request
+from engine.shell.request import Completion, Delta, DeltaSink, Request
 from engine.shell.runner import ModelRunner
 from engine.shell.runtime import Runtime, build_runtime
 from engine.shell.sharded import JournaledTable, ParallelRunner, start_workers
@@ -143,7 +143,7 @@ class Engine(Admission, SpeculativeSteps):
         prompt: Prompt,
         params: SamplingParams | dict | None = None,
         request_id: str | None = None,
-        sink: queue.SimpleQueue | None = None,
+        sink: DeltaSink | None = None,
     ) -> str:
         """Validate and queue one request; raises InvalidRequest, allocating nothing."""
         return self._submit(prompt, params, request_id, sink).request_id
@@ -153,7 +153,7 @@ class Engine(Admission, SpeculativeSteps):
         prompt: Prompt,
         params: SamplingParams | dict | None,
         request_id: str | None,
-        sink: queue.SimpleQueue | None,
+        sink: DeltaSink | None,
     ) -> Request:
         params = to_params(params)
         if params.n != 1:
@@ -499,7 +499,7 @@ class Engine(Admission, SpeculativeSteps):
     # --- convenience API (drives the loop itself) ---------------------------------------------
     def generate(
         self,
-        prompts: Prompt | list[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | dict | list | None = None,
     ) -> list[Completion]:
         """Results in input order; one params value or one per prompt. A prompt whose params

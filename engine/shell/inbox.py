@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from engine.errors import InvalidRequest
-from engine.shell.request import Request
+from engine.shell.request import DeltaSink, Request
 from engine.state import SamplingParams
 
 
@@ -43,18 +43,18 @@ def validate_params(
     """The parameters for this prompt (max_tokens None: the room the context leaves); raise
     InvalidRequest unless they fit the prompt, the vocabulary and the context."""
     room = max_context - num_prompt
+    max_tokens = room if params.max_tokens is None else params.max_tokens
     if params.max_tokens is None:
-        params = attrs.evolve(params, max_tokens=room)
-    if params.min_tokens > params.max_tokens:
+        params = attrs.evolve(params, max_tokens=max_tokens)
+    if params.min_tokens > max_tokens:
         raise InvalidRequest(
             "min_tokens",
-            f"min_tokens={params.min_tokens} exceeds the {params.max_tokens} tokens the "
-            "context leaves",
+            f"min_tokens={params.min_tokens} exceeds the {max_tokens} tokens the context leaves",
         )
-    if params.max_tokens > room:
+    if max_tokens > room:
         raise InvalidRequest(
             "max_tokens",
-            f"max_tokens={params.max_tokens} does not fit: the prompt has {num_prompt} tokens "
+            f"max_tokens={max_tokens} does not fit: the prompt has {num_prompt} tokens "
             f"and max_context is {max_context}, which leaves room for {room}",
         )
     for field, ids in (
@@ -82,7 +82,11 @@ class Inbox:
         return self._queue.empty()
 
     def add(
-        self, ids: list[int], params: SamplingParams, request_id: str | None, sink: Any = None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        sink: DeltaSink | None = None,
     ) -> Request:
         """Queue a request whose prompt and parameters are validated. Its id is taken
         atomically: of two submits with one id, the second is refused."""

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import queue
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -50,6 +49,13 @@ class Delta:
     error: str | None = None  # finish_reason "error": what failed
     prompt_token_ids: tuple[int, ...] | None = None  # in the last delta
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked
+
+
+class DeltaSink(Protocol):
+    """Where a request's deltas go as the engine makes them (`Engine.stream`'s queue,
+    `AsyncEngine`'s sink); `put` is called on the thread that steps the engine."""
+
+    def put(self, delta: Delta, /) -> None: ...
 
 
 @attrs.frozen
@@ -101,7 +107,7 @@ class Request:
     sent_chars: int = 0
     finish_reason: FinishReason = FinishReason.NONE
     detok: Any = None
-    sink: queue.SimpleQueue | None = None  # deltas for stream()/AsyncEngine; None: collect only
+    sink: DeltaSink | None = None  # deltas for stream()/AsyncEngine; None: collect only
     stopped_by_string: bool = False
     speculation: AcceptanceStats | None = None  # set when it finishes, with speculation on
     error: str | None = None  # set when its pass failed (finish reason ERROR)

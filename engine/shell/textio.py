@@ -4,7 +4,8 @@ produced)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import attrs
 
@@ -13,6 +14,19 @@ from engine.model.tokenizer import IncrementalDetokenizer
 from engine.shell.request import Request
 from engine.state import SamplingParams
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+
+# ChatPrompt's converters, typed: with `tuple` itself, mypy's attrs plugin cannot bind its
+# type variable and refuses a list of messages
+def _dict_tuple(dicts: Iterable[dict]) -> tuple[dict, ...]:
+    return tuple(dicts)
+
+
+def _dict_tuple_or_none(dicts: Iterable[dict] | None) -> tuple[dict, ...] | None:
+    return None if dicts is None else tuple(dicts)
+
 
 @attrs.frozen
 class ChatPrompt:
@@ -20,10 +34,8 @@ class ChatPrompt:
     function tools; None: no tools). Messages are OpenAI's, as the template reads them: an
     assistant's `tool_calls` (their arguments as objects), a tool's `tool_call_id`."""
 
-    messages: tuple[dict, ...] = attrs.field(converter=tuple)
-    tools: tuple[dict, ...] | None = attrs.field(
-        default=None, converter=lambda tools: None if tools is None else tuple(tools)
-    )
+    messages: tuple[dict, ...] = attrs.field(converter=_dict_tuple)
+    tools: tuple[dict, ...] | None = attrs.field(default=None, converter=_dict_tuple_or_none)
 
 
 PromptInput = str | list[int] | list[dict] | ChatPrompt
@@ -31,9 +43,9 @@ PromptInput = str | list[int] | list[dict] | ChatPrompt
 
 def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
     """Token ids of a prompt: a string, a list of token ids, chat messages or a ChatPrompt."""
-    sequence = isinstance(prompt, (list, tuple))
-    ids = sequence and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    if tokenizer is None and not ids:
+    if _is_token_ids(prompt):
+        return list(prompt)
+    if tokenizer is None:
         raise InvalidRequest(
             "prompt",
             "this engine has no tokenizer (random weights); give the prompt as a list of token ids",
@@ -42,16 +54,25 @@ def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, ChatPrompt):
         return _chat_ids(tokenizer, list(prompt.messages), prompt.tools)
-    if sequence:
-        if ids:
-            return list(prompt)
-        if all(isinstance(m, dict) for m in prompt):
-            return _chat_ids(tokenizer, list(prompt), None)
+    if _is_messages(prompt):
+        return _chat_ids(tokenizer, list(prompt), None)
     raise InvalidRequest(
         "prompt",
         f"must be a string, a list of token ids or a list of chat "
         f"messages; got {type(prompt).__name__}",
     )
+
+
+def _is_token_ids(prompt: object) -> TypeGuard[Sequence[int]]:
+    """Whether `prompt` is a list (or tuple) of token ids (ints, not bools; empty counts)."""
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    )
+
+
+def _is_messages(prompt: object) -> TypeGuard[Sequence[dict]]:
+    """Whether `prompt` is a list (or tuple) of chat messages."""
+    return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict], tools: tuple[dict, ...] | None) -> list[int]:
@@ -123,10 +144,16 @@ def to_params(params: SamplingParams | dict | None) -> SamplingParams:
         raise InvalidRequest(field, str(error)) from None
 
 
-def as_prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput]:
+def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     """One prompt, or a list of them, as a list."""
-    if isinstance(prompts, (str, ChatPrompt)):
+    if _is_one_prompt(prompts):
         return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)):
-        return [prompts]  # one prompt of token ids, or one chat of messages
     return list(prompts)
+
+
+def _is_one_prompt(prompts: PromptInput | Sequence[PromptInput]) -> TypeIs[PromptInput]:
+    """Whether `prompts` is one prompt rather than a list of them: a string, a ChatPrompt, or
+    a list that begins with a token id or a chat message (an empty list has no prompts)."""
+    if isinstance(prompts, (str, ChatPrompt)):
+        return True
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], (int, dict))

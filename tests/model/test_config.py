@@ -354,3 +354,10 @@ def test_from_gguf_qwen3_metadata():
     assert _from_gguf(qwen2, vocab_size=10).qkv_bias
     with pytest.raises(ModelConfigError, match="qwen3.rope.scaling.type 'longrope'"):
         _from_gguf({**meta, "qwen3.rope.scaling.type": "longrope"}, vocab_size=10)
+
+
+def test_a_family_refuses_gguf_metadata_without_its_architecture():
+    """`config_from_gguf` reads every key under general.architecture: metadata without it is
+    refused by name (not read as keys under "None.")."""
+    with pytest.raises(ModelConfigError, match="general.architecture"):
+        families.FAMILIES["llama"].config_from_gguf({"llama.block_count": 2}, None, True)

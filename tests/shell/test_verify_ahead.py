@@ -24,8 +24,8 @@ from plan_cases import (
     tiny_engine,
 )
 
-from engine.shell.logits import VerifyLaunched
 from engine.shell.engine import Engine
+from engine.shell.logits import VerifyLaunched
 from engine.state import DraftTrees, FinishReason, SamplingParams
 
 

@@ -135,6 +135,10 @@ class Family:
         """From GGUF key/value metadata (`<arch>.*`, `tokenizer.ggml.*`). `vocab_size` falls
         back to the token list's length; ties follow from whether `output.weight` exists."""
         arch = meta.get("general.architecture")
+        if not isinstance(arch, str):  # it prefixes every key below
+            raise ModelConfigError(
+                f"GGUF metadata lacks general.architecture (a string; got {arch!r})"
+            )
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
