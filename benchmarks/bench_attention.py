@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +51,7 @@ SHORT = [(16, 1024), (16, 2048), (32, 1024), (32, 2048), (64, 1024), (16, 4096)]
 KV_INDEX = [(64, 2048), (256, 4096)]
 TREE = 12
 # overrides of the defaults (DECODE_CONFIG, the chosen VERIFY_CONFIGS entry, EXTEND_CONFIG)
-DECODE_SWEEP = [
+DECODE_SWEEP: list[dict[str, Any]] = [
     {"BLOCK_N": 64, "num_stages": 3},
     {"BLOCK_N": 32, "num_stages": 4},
     {"num_stages": 2},
@@ -65,12 +67,12 @@ DECODE_SWEEP = [
     {"FUSED_MERGE": True},
     {"SKIP_MERGE": True, "FUSED_MERGE": False},
 ]  # the last leaves the merge out: what the merge costs
-EXTEND_SWEEP = [
+EXTEND_SWEEP: list[dict[str, Any]] = [
     {"TMA": False},
     {"TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
-] + [  # the grid's axis orders (by default `triton_extend.grid_order` chooses one)
-    {"GRID_ORDER": order} for order in ("qrh", "hqr", "hrq", "qhr", "rqh", "rhq")
+    # the grid's axis orders (by default `triton_extend.grid_order` chooses one)
+    *({"GRID_ORDER": order} for order in ("qrh", "hqr", "hrq", "qhr", "rqh", "rhq")),
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads
@@ -234,13 +236,20 @@ def ours_extend(p: Problem, config: dict | None = None) -> list:
     return [make(i) for i in range(p.copies)]
 
 
-def sdpa(p: Problem, mode: str, prefix: int, new: int) -> tuple[list, torch.Tensor]:
+def sdpa(
+    p: Problem, mode: str, prefix: int, new: int
+) -> tuple[list[Callable[[], torch.Tensor]], torch.Tensor]:
     """SDPA closures on contiguous KV and the first copy's output in our [T, Hq, D] layout."""
-    fns, first = [], None
+    fns: list[Callable[[], torch.Tensor]] = []
+    first: torch.Tensor | None = None
     for i in range(p.copies):
         k, v = p.contiguous_kv(i)
         n = k.shape[0]
         q = p.q[i].view(n, -1, HQ, D)
+        # closures over this copy's values, bound as defaults: called as fn() and layout(out)
+        fn: Callable[..., torch.Tensor]
+        layout: Callable[..., torch.Tensor]
+        mask: torch.Tensor | None  # a CausalBias (a Tensor) for extend
         if mode == "extend":
             k, v = k.repeat_interleave(GROUP, 1), v.repeat_interleave(GROUP, 1)
             qh = q.transpose(1, 2)
@@ -253,7 +262,9 @@ def sdpa(p: Problem, mode: str, prefix: int, new: int) -> tuple[list, torch.Tens
             qh = q.view(n, new, HKV, GROUP, D).permute(0, 2, 1, 3, 4).reshape(n, HKV, -1, D)
             mask = None
             if mode == "verify":
-                bits = p.metas[i].tree_bits.view(n, new)
+                tree_bits = p.metas[i].tree_bits
+                assert tree_bits is not None  # a verify pass's plan has its tree
+                bits = tree_bits.view(n, new)
                 node = torch.arange(new, device="cuda")
                 tree = ((bits[:, :, None] >> node) & 1).bool().repeat_interleave(GROUP, 1)
                 mask = torch.cat(
@@ -269,6 +280,7 @@ def sdpa(p: Problem, mode: str, prefix: int, new: int) -> tuple[list, torch.Tens
         fns.append(fn)
         if first is None:
             first = layout(fn())
+    assert first is not None  # at least one copy
     return fns, first
 
 
@@ -287,7 +299,7 @@ def attention_row(
     flops: float,
     ours_variants: dict,
 ) -> dict:
-    row = dict(kind=kind, shape=shape, bytes=nbytes, flops=flops)
+    row: dict[str, Any] = dict(kind=kind, shape=shape, bytes=nbytes, flops=flops)
     try:
         fns, ref = sdpa(p, mode, prefix, new)
         row["sdpa_us"] = graph_time_us(fns)
@@ -563,7 +575,7 @@ def split_grid(ceiling: float) -> None:
         "best frac | policy | policy frac | policy/best time |"
     )
     print("|" + "---|" * (len(SPLIT_COUNTS) + 8))
-    records = []
+    records: list[dict[str, Any]] = []
     for kv_heads, subset in SPLIT_GRID_HEADS.items():
         batches, lengths = subset or (SPLIT_GRID_BATCHES, SPLIT_GRID_LENGTHS)
         for batch in batches:
@@ -580,7 +592,7 @@ def split_grid(ceiling: float) -> None:
                 policy = choose_num_splits(batch, kv_heads, length, sms)
                 if policy not in times:
                     times[policy] = graph_time_us(ours_decode(p, splits=policy))
-                best = min(times, key=times.get)
+                best = min(times, key=times.__getitem__)
                 frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
                 cells = " | ".join(f"{times[s]:.1f}" for s in SPLIT_COUNTS)
                 print(

@@ -24,11 +24,15 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine import Engine, SamplingParams, cpu_kernels
 from engine.model import default_model_path
+
+if TYPE_CHECKING:  # transformers is imported only where HF runs
+    from transformers import GenerationMixin
 
 BUSY = (
     "import sys, time\nend = time.time() + float(sys.argv[1])\nwhile time.time() < end:\n    pass\n"
@@ -82,7 +86,8 @@ def engine_system(engine: Engine, ids: list[int], governed: bool):
         if own is not None:
             engine.cpu_threads = own if governed else None
         elif governed:
-            engine.step = step  # the instance's steps only; Engine.generate calls self.step
+            # the instance's steps only; Engine.generate calls self.step
+            engine.step = step  # type: ignore[method-assign]
         try:
             out = engine.generate([ids], SamplingParams(max_tokens=tokens, ignore_eos=True))
         finally:
@@ -94,7 +99,7 @@ def engine_system(engine: Engine, ids: list[int], governed: bool):
     return generate, governor
 
 
-def hf_system(model: torch.nn.Module, ids: list[int], pad: int):
+def hf_system(model: GenerationMixin, ids: list[int], pad: int):
     input_ids = torch.tensor([ids])
 
     def generate(tokens: int) -> int:
@@ -164,7 +169,9 @@ def main() -> None:
     print(f"others' CPU use over 1 s before starting: {before.value:.2f} CPUs")
 
     engine = Engine(device="cpu", dtype="float32")
-    ids = engine.tokenizer.apply_chat_template(PROMPT)
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None and tokenizer.eos_token_id is not None  # the default model's
+    ids = tokenizer.apply_chat_template(PROMPT)
     systems = {"engine fixed": engine_system(engine, ids, False)[0]}
     systems["engine gov"], governor = engine_system(engine, ids, True)
     if not args.no_hf:
@@ -174,7 +181,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         ).eval()
-        systems["HF"] = hf_system(model, ids, engine.tokenizer.eos_token_id)
+        systems["HF"] = hf_system(model, ids, tokenizer.eos_token_id)
     for generate in systems.values():  # warm-up: kernels built, first-call costs paid
         generate(4)
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
 from engine import pdl
+from engine.backends.torch_backend import TorchBackend
 from engine.shell.engine import Engine
+from engine.shell.runner import ModelRunner
 from engine.state import SamplingParams
 
 TOPICS = ["the sea", "a mountain", "bread", "rain", "a library", "the moon", "trains", "gardens"]
@@ -127,14 +130,21 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
     # the same engine with every weight dequantized at load and the torch ops (no CPU kernels)
     dense = Engine(device="cpu", dtype="float32", max_running_requests=16, block_weights=False)
     dense.runtime.model.op_set = "reference"  # this process's only dense-weight model
-    dense.runner.backend.use_cpu_kernel = False  # its passes only: read by each plan
+    runner = dense.runner
+    assert isinstance(runner, ModelRunner)  # one rank's
+    backend = runner.backend
+    assert isinstance(backend, TorchBackend)  # a CPU engine's ("auto") attention backend
+    backend.use_cpu_kernel = False  # its passes only: read by each plan
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None  # the default model's (only random weights come without)
     chats = [[{"role": "user", "content": f"Write a short story about {t}."}] for t in TOPICS]
-    ids = [engine.tokenizer.apply_chat_template(c) for c in chats]
+    ids = [tokenizer.apply_chat_template(c) for c in chats]
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    pad = engine.tokenizer.eos_token_id
+    pad = tokenizer.eos_token_id
+    assert pad is not None  # the default model has an EOS token
     rows = []
     for batch in (1, 8):
         prompts = ids[: args.num_prompts if batch == 1 else 8]
@@ -157,7 +167,7 @@ def cpu_main(args: argparse.Namespace) -> list[tuple]:
 
 
 def _gpu_engine(preset: str = "llama3_8b", **overrides) -> Engine:
-    settings = dict(
+    settings: dict[str, Any] = dict(
         random_weights=preset,
         device="cuda",
         dtype="bfloat16",

@@ -50,8 +50,7 @@ def child(args: argparse.Namespace) -> None:
     rng = random.Random(0)
     counts = list(PASS_TOKENS) + [rng.randint(2, most) for _ in range(40)]
     counts += [rng.randint(2, 300) for _ in range(30)]
-    layer = model.layers[0]
-    weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    weights = model.layer_products()  # the one layer's qkv, o_proj, gate_up, down
     inputs = {
         w.shape[1]: torch.randn(most, w.shape[1], dtype=torch.bfloat16, device="cuda")
         for w in weights

@@ -121,6 +121,7 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
                 def one(x, w, c=config):
                     return gemv.norm_gemv(x, residual, norm_w, 1e-5, w, c)[0]
 
+                runs: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None  # None: apart
                 runs = fused_ops.norm_linear(x, residual, norm_w, 1e-5, weights[0])
             else:
                 x = torch.randn(rows, 2 * k, device="cuda", dtype=dtype)

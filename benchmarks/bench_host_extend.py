@@ -16,7 +16,7 @@ import cProfile
 import pstats
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ class Timers:
     """Time per phase, inclusive of nested phases but not of the model's compute."""
 
     def __init__(self) -> None:
-        self.spent: collections.Counter = collections.Counter()
+        self.spent: MutableMapping[str, Any] = collections.Counter()  # label -> seconds
         self.compute = 0.0  # seconds in the model's forward, since start
         self.labels: list[str] = []  # the phases wrapped
 
@@ -108,7 +108,7 @@ def extend_steps(
     params: SamplingParams,
     timers: Timers | None,
     admitting: bool = False,
-) -> list[collections.Counter]:
+) -> list[MutableMapping[str, Any]]:
     """Submit `prompts`, step until none waits or prefills; each extend step's phase times
     (`admitting`: only the steps that began with prompts waiting, whose passes are full)."""
     for prompt in prompts:
@@ -126,7 +126,7 @@ def extend_steps(
                 break
             continue
         if timers is not None:
-            spent = collections.Counter(timers.spent)
+            spent: MutableMapping[str, Any] = collections.Counter(timers.spent)
             host = time.perf_counter() - started - spent[COMPUTE]
             spent[HOST] = host
             # what a GPU waits for: less the CPU backend's plan and the work done meanwhile

@@ -50,6 +50,7 @@ import tempfile
 import time
 from io import BytesIO
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -140,7 +141,8 @@ class GapClock:
         passes.forward = self._on_forward(passes.forward)  # `Passes.launch` calls it too
         passes.tokens = GapClock._reading(passes.tokens, "decode")
         if package not in GapClock._hooked:
-            speculator = importlib.import_module(f"{package}.shell.speculator")
+            # the package is named at run time: its module's attributes are not known here
+            speculator: Any = importlib.import_module(f"{package}.shell.speculator")
             speculator.greedy_tokens = GapClock._reading(speculator.greedy_tokens, "verify")
             GapClock._hooked.add(package)
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from engine.shell.engine import Engine
+from engine.shell.request import Request
 from engine.state import SamplingParams
 
 
@@ -62,7 +63,10 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, int, float, float]], 
         startup[name] = time.perf_counter() - start
     vocab = engines["eager"].runtime.vocab_size
     rng = np.random.default_rng(0)
-    fresh = lambda n: rng.integers(3, vocab, n).tolist()  # noqa: E731 (no cached prefix)
+
+    def fresh(n: int) -> list[int]:  # no cached prefix
+        return rng.integers(3, vocab, n).tolist()
+
     lengths = [int(x) for x in args.lengths.split(",")]
     for engine in engines.values():  # first uses (compiles, cuBLAS loads) out of the timing
         for n in lengths:
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[str, int, float, float]], 
     for case in ("prefill", "mixed"):
         if case == "mixed" and not args.decoding:
             continue
-        decoding = {name: [] for name in engines}
+        decoding: dict[str, list[Request]] = {name: [] for name in engines}
         if case == "mixed":
             for name, engine in engines.items():
                 decoding[name] = [

@@ -117,8 +117,8 @@ def main() -> None:
     )
     print("| batch | sampling | decode tok/s | / greedy | sampler alone, build + sample (ms) |")
     print("|---|---|---|---|---|")
-    for batch, name, rate, ratio, ms in rows:
-        print(f"| {batch} | {name} | {rate:.1f} | {ratio:.2f}x | {ms:.2f} |")
+    for batch, name, rate, ratio, alone_ms in rows:
+        print(f"| {batch} | {name} | {rate:.1f} | {ratio:.2f}x | {alone_ms:.2f} |")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from spec_systems import (  # benchmarks/, beside this script
 from spec_workloads import PARTS, workloads
 
 from engine import cpu_kernels
+from engine.model.tokenizer import Tokenizer
 from engine.spec import SpecConfig
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -170,8 +171,15 @@ def run(args: argparse.Namespace) -> None:
         for weight in plain.engine.runtime.model.parameters():
             weight.data = weight.data.contiguous()
     tokenizer = plain.engine.tokenizer
+    if tokenizer is None:
+        raise SystemExit(
+            "bench_spec.py needs the model's tokenizer for its chat prompts: "
+            "no --engine-option random_weights"
+        )
+    speculator = spec.engine.spec
+    assert speculator is not None  # Ours(True) builds a speculative engine
     hf_model = HF.load(args.device, args.dtype)
-    systems = {
+    systems: dict[str, Ours | HF] = {
         "ours": plain,
         "ours+spec": spec,
         "spec, acceptance only": acceptance_only,
@@ -207,9 +215,9 @@ def run(args: argparse.Namespace) -> None:
         if args.only and name not in args.only:
             continue
         prompts = [tokenizer.apply_chat_template(chat) for chat in chats]
-        for system in (plain, spec, acceptance_only, endless, *variants.values()):
-            if system is not None:
-                system.clear()
+        for ours in (plain, spec, acceptance_only, endless, *variants.values()):
+            if ours is not None:
+                ours.clear()
         results = timed(systems, prompts, max_tokens)
         accepted_per_workload[name] = (list(spec.accepted), list(spec.boundaries))
         outputs = results["ours"][1]
@@ -227,8 +235,8 @@ def run(args: argparse.Namespace) -> None:
         print(
             f"[{name}] steps: plain {step_profile(plain)}; "
             f"spec {step_profile(spec)}; measured draft cost "
-            f"{spec.engine.spec.last_draft_cost:.3f} decoded tokens per draft row, verify "
-            f"premium {spec.engine.spec.cost.verify_premium(1):.2f} decoded tokens a pass",
+            f"{speculator.last_draft_cost:.3f} decoded tokens per draft row, verify "
+            f"premium {speculator.cost.verify_premium(1):.2f} decoded tokens a pass",
             flush=True,
         )
         if endless is not None:
@@ -274,7 +282,7 @@ def run(args: argparse.Namespace) -> None:
         plot(accepted_per_workload, rows, args)
 
 
-def profile_host(spec: Ours, tokenizer: object, workload: tuple[list, int]) -> None:
+def profile_host(spec: Ours, tokenizer: Tokenizer, workload: tuple[list, int]) -> None:
     """The speculative engine's Python functions by their own time, over one workload (where
     a step's host time goes: on a GPU it is most of a small model's step)."""
     import cProfile

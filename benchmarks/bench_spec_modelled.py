@@ -227,7 +227,7 @@ def modelled_engine(
             if isinstance(device, HostTimeline):
                 device.resume()
 
-    passes.forward = launched
+    passes.forward = launched  # type: ignore[method-assign]  # the device's launches
     tokens = passes.tokens
 
     def read_tokens(*args, **kwargs):
@@ -235,7 +235,7 @@ def modelled_engine(
         device.read()
         return out
 
-    passes.tokens = read_tokens
+    passes.tokens = read_tokens  # type: ignore[method-assign]  # the device's reads
     if engine.spec is not None:
         override_spec(engine, spec_options)
         spec_state = engine.spec
@@ -248,13 +248,14 @@ def modelled_engine(
                 outcomes[kind] = outcomes.get(kind, 0) + 1
             return out
 
-        spec_state._verify = read_verify
+        spec_state._verify = read_verify  # type: ignore[method-assign]  # a verify pass's read
 
         def observe(rows: int, started: float, verify: bool = False) -> None:
             if spec_state.config.draft_cost is None and spec_state.config.adaptive:
                 spec_state.cost.observe_step(rows, device.step_ms / 1e3, verify)
 
-        spec_state.observe = observe
+        # the cost model fits the modelled step times, not the CPU's
+        spec_state.observe = observe  # type: ignore[method-assign]
     elif spec_options:
         raise SystemExit(f"{sorted(spec_options)}: speculation settings need speculation")
     step = engine.step
@@ -263,7 +264,7 @@ def modelled_engine(
         device.step_ms = 0.0
         return step()
 
-    engine.step = modelled_step
+    engine.step = modelled_step  # type: ignore[method-assign]  # each step's time from 0
     return engine
 
 
@@ -339,6 +340,7 @@ def main() -> None:
     systems = [System("plain", False, {}, args), System("spec", True, {}, args)]
     systems += [System(name, True, options, args) for name, options in args.variant]
     tokenizer = systems[0].engine.tokenizer
+    assert tokenizer is not None  # the plain engine loads the default model
     print(
         f"modelled device: decode {args.decode_ms} ms, verify {args.verify_ms} ms "
         f"(4/8/13 nodes), gap {args.gap_ms} ms"

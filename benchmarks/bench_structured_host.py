@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -57,17 +58,18 @@ class CopyRunner:
         self.passes: collections.Counter = collections.Counter()
 
     def prepare(self, batch) -> Prepared:
-        return Prepared(batch, None, None, None)
+        return Prepared(batch, None, None, None)  # type: ignore[arg-type]  # no backend plan
 
     def _pick(self, uid: int, ahead: int = 0) -> int:
         target = self.targets[uid]
         done = len(self.engine.requests[uid].output_ids) + ahead
         return target[done] if done < len(target) else self.eos
 
-    def launch(self, prepared: Prepared, batch, input_ids=None) -> torch.Tensor:
-        """The pass's logits (`input_ids`, a pass launched ahead: unused: `launch_ahead`
-        is off on the CPU, so the engine never sends them)."""
-        if input_ids is not None:
+    def launch(self, prepared: Prepared, batch, input_ids=None, shift=None) -> torch.Tensor:
+        """The pass's logits (`input_ids`, a pass launched ahead, and `shift`, a graph's:
+        unused: `launch_ahead` is off on the CPU and no pass replays a graph, so the engine
+        never sends them)."""
+        if input_ids is not None or shift is not None:
             raise ValueError("CopyRunner does not run passes launched ahead")
         self.passes[batch.mode.name.lower()] += 1
         trees = batch.trees
@@ -98,12 +100,14 @@ class PromptCopyRunner(CopyRunner):
 
     def _pick(self, uid: int, ahead: int = 0) -> int:
         if uid not in self.targets:
-            prompt = self.engine.tokenizer.decode(list(self.engine.requests[uid].prompt_ids))
+            tokenizer = self.engine.tokenizer
+            assert tokenizer is not None  # the default model's
+            prompt = tokenizer.decode(list(self.engine.requests[uid].prompt_ids))
             found = self.ASK.search(prompt)
             if found is None:
                 raise ValueError(f"not a copy request: {prompt[-200:]!r}")
             document = json.loads(found.group(2)) | {"id": int(found.group(1))}
-            self.targets[uid] = self.engine.tokenizer.encode(compact(document))
+            self.targets[uid] = tokenizer.encode(compact(document))
         return super()._pick(uid, ahead)
 
 
@@ -152,7 +156,7 @@ def run(
     constrained: bool,
     max_tokens: int,
     runner: CopyRunner | None,
-):
+) -> dict[str, Any]:
     """`clients` requests in flight until `requests` per client are done (greedy); `runner`:
     a `CopyRunner` in place of the engine's own (None: the model's forward)."""
     if runner is not None:
@@ -162,13 +166,15 @@ def run(
     total, submitted, done = clients * requests, 0, 0
     live: list[str] = []
     tokens = 0
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None  # the default model's
     started = time.perf_counter()
 
     def submit() -> None:
         nonlocal submitted
         schema, message = json_task("copy", submitted)
-        target = engine.tokenizer.encode(compact(copy_document(submitted, answer=True)))
-        ids = engine.tokenizer.encode(message)
+        target = tokenizer.encode(compact(copy_document(submitted, answer=True)))
+        ids = tokenizer.encode(message)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0,
@@ -253,7 +259,7 @@ def main() -> None:
     print("| clients | kind | tok/s | ms/decode step | passes | plans used/dropped | masks |")
     print("|---|---|---|---|---|---|---|")
     for clients in [int(c) for c in args.clients.split(",")]:
-        best = {}
+        best: dict[str, dict[str, Any]] = {}
         length = args.max_tokens  # the unconstrained requests': as many as the JSON ones made
         for counted in [False] + [True] * args.rounds:  # a warm-up round first
             for constrained in (True, False):

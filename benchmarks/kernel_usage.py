@@ -20,6 +20,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # tests/kernel_launches.py, imported from tests/ as main() does
+    from kernel_launches import Launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SM_REGISTERS, SM_SHARED, SM_WARPS, RESERVED_SHARED = 65536, 233472, 64, 1024
@@ -62,7 +66,7 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
     ]
 
 
-def _recorded(kernel_launches, launch) -> object:
+def _recorded(kernel_launches, launch) -> Launch:
     """The one launch of the main kernel that `launch()` makes, recorded and not run."""
     recorder = kernel_launches.Recorder(execute=False)
     with recorder:
@@ -72,7 +76,7 @@ def _recorded(kernel_launches, launch) -> object:
     return main[0]
 
 
-def attention(kind: str, kernel_launches) -> list[tuple[str, object]]:
+def attention(kind: str, kernel_launches) -> list[tuple[str, Launch]]:
     """(label, launch) for `kind` at each of its configurations."""
     import torch
 
@@ -115,7 +119,7 @@ def attention(kind: str, kernel_launches) -> list[tuple[str, object]]:
     ]
 
 
-def rows(kernel_launches) -> list[tuple[str, object]]:
+def rows(kernel_launches) -> list[tuple[str, Launch]]:
     """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
     rows, as a verify pass launches it (`rows_config`)."""
     import torch

@@ -10,6 +10,8 @@ import gc
 import json
 import re
 import time
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -63,6 +65,7 @@ def override_spec(engine: Engine, options: dict) -> None:
     for its proposer and its adaptive drafting alike; before its first request (a request's
     history and the corpus read their settings when they are made)."""
     spec = engine.spec
+    assert spec is not None, "override_spec needs a speculative engine"
     config = attrs.evolve(spec.config, **options)
     spec.config = spec.stats.config = spec.proposer.config = config
 
@@ -84,7 +87,7 @@ class Ours:
         device: str = "cpu",
         dtype: str = "float32",
         spec_overrides: dict | None = None,
-        **options: object,
+        **options: Any,
     ) -> None:
         """`spec_overrides`: `SpecConfig` fields that are no engine option, in place of the
         engine's (`override_spec`: an A/B of the drafting policy); `options`: more engine
@@ -107,6 +110,7 @@ class Ours:
         self.counted: dict[str, int] = {}  # the engine's counters at clear()
         if speculative:
             override_spec(self.engine, spec_overrides or {})
+            assert self.engine.spec is not None  # speculative=True builds one
             stats = self.engine.spec.stats
             original = stats.record_batch
 
@@ -114,7 +118,8 @@ class Ours:
                 self.accepted.extend(int(a) for a in accepted_lens)
                 original(rids, trees, accepted_lens, *costs)
 
-            stats.record_batch = record_batch
+            # counts the accepted lengths, then records the batch as before
+            stats.record_batch = record_batch  # type: ignore[method-assign, assignment]
 
     def generate(self, ids: list[int], max_tokens: int) -> list[int]:
         self.engine.step_times.clear()
@@ -157,21 +162,19 @@ class OnFmas(Ours):
 class HF:
     """HF transformers loading the same GGUF: plain greedy, or greedy with prompt lookup."""
 
-    def __init__(self, lookup: int | None, model: object) -> None:
+    # `model`: an HF causal LM (transformers is imported only where one is loaded)
+    def __init__(self, lookup: int | None, model: Any) -> None:
         self.lookup, self.model = lookup, model
 
     @staticmethod
-    def load(device: str = "cpu", dtype: str = "float32") -> object:
+    def load(device: str = "cpu", dtype: str = "float32") -> Any:
         from transformers import AutoModelForCausalLM
 
         path = default_model_path()
-        return (
-            AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
-            )
-            .to(device)
-            .eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
         )
+        return model.to(device).eval()
 
     def generate(self, ids: list[int], max_tokens: int) -> list[int]:
         input_ids = torch.tensor([ids], device=self.model.device)
@@ -188,8 +191,14 @@ class HF:
         return out[0, len(ids) :].tolist()
 
 
+class System(Protocol):
+    """What `timed` runs: `Ours`, `HF`."""
+
+    def generate(self, ids: list[int], max_tokens: int) -> list[int]: ...
+
+
 def timed(
-    systems: dict[str, object], prompts: list[list[int]], max_tokens: int
+    systems: Mapping[str, System], prompts: list[list[int]], max_tokens: int
 ) -> dict[str, tuple[list[float], list[list[int]]]]:
     """Per system: (seconds per prompt, outputs), one prompt at a time. The systems take
     turns on each prompt, so a change in machine load hits them all alike; the order of the

@@ -1,8 +1,16 @@
 """engine: the scheduling core of an LLM inference server, built as a state machine."""
 
+from typing import TYPE_CHECKING
+
 from engine.errors import InvalidRequest
 from engine.shell.config import EngineConfig
 from engine.state import SamplingParams
+
+if TYPE_CHECKING:  # the lazy names below, as the type checker should see them
+    from engine.api import AsyncEngine
+    from engine.shell.engine import Engine
+    from engine.shell.request import Completion, Delta
+    from engine.shell.textio import ChatPrompt
 
 __all__ = [
     "AsyncEngine",

@@ -52,7 +52,7 @@ def _signature(obj: Any, method: bool = False) -> str:
 
 def _members(cls: type) -> list[tuple[str, Any]]:
     """Public methods, class methods and properties defined on `cls` itself."""
-    found = []
+    found: list[tuple[str, Any]] = []
     for name, member in vars(cls).items():
         if name.startswith("_") or not (member.__doc__ or isinstance(member, property)):
             continue

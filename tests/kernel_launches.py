@@ -108,13 +108,13 @@ class Recorder:
 
         run.interpret = interpret  # type: ignore[attr-defined]
         self._original = original
-        InterpretedFunction.run = run  # type: ignore[method-assign]
+        InterpretedFunction.run = run
 
     def uninstall(self) -> None:
         from triton.runtime.interpreter import InterpretedFunction
 
         if self._original is not None:
-            InterpretedFunction.run = self._original  # type: ignore[method-assign]
+            InterpretedFunction.run = self._original
             self._original = None
 
     def __enter__(self) -> Recorder:

@@ -35,8 +35,7 @@ import torch
 from engine import state
 from engine.backends.base import upload
 from engine.shell.kv import KVBook
-from engine.shell.runner import ModelRunner, Prepared
-from engine.shell.sharded import ParallelRunner
+from engine.shell.runner import PassRunner, Prepared
 from engine.spec.tree import with_roots
 from engine.state import DraftTrees, Mode, Running
 
@@ -59,7 +58,7 @@ class PlanAhead:
     def __init__(
         self,
         book: KVBook,
-        runner: ModelRunner | ParallelRunner,
+        runner: PassRunner,
         stats: collections.Counter,
         machine: Any = state,
     ) -> None:

@@ -31,7 +31,7 @@ from engine.shell.logits import Launched, LogitsWork
 from engine.shell.outputs import Outputs
 from engine.shell.passes import Passes
 from engine.shell.request import Completion, Delta, DeltaSink, Request
-from engine.shell.runner import ModelRunner
+from engine.shell.runner import PassRunner
 from engine.shell.runtime import Runtime, build_runtime
 from engine.shell.sharded import JournaledTable, ParallelRunner, start_workers
 from engine.shell.spec_steps import SpeculativeSteps
@@ -78,7 +78,7 @@ class Engine(Admission, SpeculativeSteps):
             table=table,
         )
         local = rt.make_runner(self.book.table)
-        runner: ModelRunner | ParallelRunner = local
+        runner: PassRunner = local
         if self.workers is not None and table is not None:
             runner = ParallelRunner(local, self.workers, table)
         self.running = Running.empty(rt.max_context)
@@ -119,13 +119,13 @@ class Engine(Admission, SpeculativeSteps):
         self.cpu_threads = cpu_kernels.ThreadGovernor() if rt.device.type == "cpu" else None
 
     @property
-    def runner(self) -> ModelRunner | ParallelRunner:
+    def runner(self) -> PassRunner:
         """The runner the passes launch on and plans are prepared with (a benchmark or test
         may replace it: both take the new one)."""
         return self.passes.runner
 
     @runner.setter
-    def runner(self, runner: Any) -> None:
+    def runner(self, runner: PassRunner) -> None:
         self.passes.runner = self.ahead.runner = runner
 
     @property

@@ -20,6 +20,7 @@ from engine.shell.ahead import PlanAhead
 from engine.shell.failures import Faults
 from engine.shell.logits import Launched, LogitsWork, Sampled
 from engine.shell.outputs import Outputs
+from engine.shell.runner import PassRunner
 from engine.shell.runtime import Runtime
 
 
@@ -30,7 +31,7 @@ class Passes:
     def __init__(
         self,
         runtime: Runtime,
-        runner: Any,
+        runner: PassRunner,
         outputs: Outputs,
         logits: LogitsWork,
         ahead: PlanAhead,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import attrs
 import numpy as np
@@ -27,6 +27,24 @@ if TYPE_CHECKING:
 # first calls at other counts still took over 1 ms). A pass pays at most TOKEN_ALIGN - 1
 # tokens for it.
 TOKEN_ALIGN = 16
+
+
+class PassRunner(Protocol):
+    """What the engine's passes launch on and its plans are prepared with: a model's runner
+    (`ModelRunner`), rank 0's over its workers (`ParallelRunner`), or a stand-in for the
+    model (a benchmark's)."""
+
+    def prepare(self, batch: Batch) -> Prepared: ...
+
+    def launch(
+        self,
+        prepared: Prepared,
+        batch: Batch,
+        input_ids: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def forward(self, batch: Batch) -> torch.Tensor: ...
 
 
 class ModelRunner:
