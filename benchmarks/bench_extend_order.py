@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_attention import HKV, D, Problem, graph_time_us, ours_extend  # noqa: E402
+from attention_problems import HKV, D, Problem, graph_time_us, ours_extend  # noqa: E402
 
 from engine.backends import triton_extend  # noqa: E402
 
