@@ -76,8 +76,11 @@ def _recorded(kernel_launches, launch) -> Launch:
     return main[0]
 
 
-def attention(kind: str, kernel_launches) -> list[tuple[str, Launch]]:
-    """(label, launch) for `kind` at each of its configurations."""
+def attention(
+    kind: str, kernel_launches, configs: list[tuple[str, dict]] | None = None, splits: int = 4
+) -> list[tuple[str, Launch]]:
+    """(label, launch) for `kind` at each of its configurations (`configs`: these instead);
+    decode and verify split each request's keys `splits` ways (1: no merge)."""
     import torch
 
     from engine.backends import triton_decode, triton_extend
@@ -110,12 +113,12 @@ def attention(kind: str, kernel_launches) -> list[tuple[str, Launch]]:
         else:
             triton_decode.decode_attention(
                 q, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens, bits,
-                out, 4, max_q, dim**-0.5, config=config, counters=counters,
+                out, splits, max_q, dim**-0.5, config=config, counters=counters,
             )  # fmt: skip
 
     return [
         (label, _recorded(kernel_launches, lambda c=config: launch(c)))
-        for label, config in attention_launches(kind)
+        for label, config in (attention_launches(kind) if configs is None else configs)
     ]
 
 

@@ -177,3 +177,44 @@ def test_kernel_usage_counts_the_programs_an_sm_holds(monkeypatch):
     assert kernel_usage.per_sm(218, 82944, 4) == (2, 2, 2)
     assert kernel_usage.per_sm(32, 0, 32) == (2, 228, 2)  # warps: 64 an SM
     assert kernel_usage.per_sm(255, 0, 4)[0] == 2  # 256 a thread, allocated 8 at a time
+
+
+def test_the_engines_launches_hold_what_their_policies_assume(monkeypatch):
+    """The attention kernels at the engine's GPU configurations and the all-rows matrix
+    kernel at a verify pass's launches, compiled for sm_90 (`benchmarks/kernel_usage.py`):
+    none spills to local memory; each verify configuration holds the programs an SM that
+    `VERIFY_CONFIGS` sizes its waves by; a decode program, at either warp count
+    `choose_decode_warps` gives, leaves room for the PROGRAMS_PER_SM the split policy
+    streams with. A kernel change that costs registers or shared memory past these fails
+    here rather than as a slower pass on a device."""
+    from engine.backends import triton_decode, triton_extend
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # compile_all takes it out; back after
+    monkeypatch.setattr(triton_extend, "tma_ready", triton_extend.tma_ready)  # kernel_usage's
+    import kernel_usage
+
+    # as `choose_decode_warps` gives them: 2 warps at one wave of split programs (the merge
+    # fused), 4 beyond it, where the split policy no longer splits
+    one_wave = dict(triton_decode.DECODE_CONFIG, num_warps=triton_decode.ONE_WAVE_WARPS)
+    beyond = dict(triton_decode.DECODE_CONFIG)  # 4 warps (the grid here is one wave)
+    decode = [("decode, split, merge fused", one_wave), ("decode, one split", beyond)]
+    verify = [(f"verify, {c['BLOCK_N']} keys", c) for c, _ in triton_decode.VERIFY_CONFIGS]
+    labelled = [
+        *kernel_usage.attention("decode", kernel_launches, decode[:1], splits=4),
+        *kernel_usage.attention("decode", kernel_launches, decode[1:], splits=1),
+        *kernel_usage.attention("verify", kernel_launches, verify),
+        *kernel_usage.attention("extend", kernel_launches, [("extend", {})]),
+        *kernel_usage.rows(kernel_launches),
+    ]
+    compiled = kernel_launches.compile_all([launch for _, launch in labelled], 2, usage=True)
+    held = {}
+    for (label, launch), result in zip(labelled, compiled, strict=True):
+        assert not result.error, f"{label}: {result.error}"
+        assert result.spilled == 0, f"{label} spills {result.spilled} bytes a thread"
+        warps = dict(launch.options)["num_warps"]
+        held[label] = kernel_usage.per_sm(result.registers, result.shared, warps)[2]
+    for (_, programs), (label, _) in zip(triton_decode.VERIFY_CONFIGS, verify, strict=True):
+        assert held[label] == programs, (label, held[label], programs)
+    for label, _ in decode:
+        assert held[label] >= triton_decode.PROGRAMS_PER_SM, (label, held[label])
