@@ -44,7 +44,8 @@ def unfused_draw(on: bool):
 
 def decode_rate(engine: Engine, batch: int, tokens: int, regime: dict) -> float:
     """Generated tokens per second of the decode steps (prefill left out)."""
-    prompts = [[5 + i, 17, 99, 250 + i] * 8 for i in range(batch)]
+    vocab = engine.runtime.vocab_size  # (ids past a small vocabulary wrap around)
+    prompts = [[t % vocab for t in (5 + i, 17, 99, 250 + i)] * 8 for i in range(batch)]
     params = [
         SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, **regime) for i in range(batch)
     ]
