@@ -12,6 +12,7 @@ chooses for the shape.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ BEFORE = "qrh"  # the baseline: the order of several requests
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help
     print(f"{torch.cuda.get_device_name()}; us, and / {BEFORE!r}")
     print("\n| shape | " + " | ".join(ORDERS) + " | chosen | chosen / qrh |")
     print("|---|" + "---|" * (len(ORDERS) + 2))
