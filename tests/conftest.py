@@ -3,8 +3,11 @@ happen before any module defining kernels is imported), and make every run draw 
 hypothesis examples.
 """
 
+import importlib
 import os
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -29,6 +32,14 @@ settings.register_profile(
 settings.load_profile("ci")
 
 
+@pytest.fixture
+def benchmark(monkeypatch):
+    """`benchmark(name)`: the script `benchmarks/<name>.py` imported as a module (the folder
+    is on sys.path for the test, as it is for a script run from it)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    return importlib.import_module
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
@@ -39,8 +50,6 @@ def pytest_configure(config):
 
 def pytest_runtest_setup(item):
     if item.get_closest_marker("cpu_kernels") is not None:
-        import pytest
-
         from engine import cpu_kernels
 
         status = cpu_kernels.status()

@@ -4,8 +4,6 @@ their launch policy, and a whole forward through an op set that fuses them."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from op_cases import DEVICE, TOLERANCE, assert_close, random_tensor
@@ -422,11 +420,10 @@ def test_forward_with_norms_in_the_all_rows_products_equals_torch_path(two_passe
     assert calls.count(("norm_linear_silu_mul", 19)) == layers  # declined: ops apart
 
 
-def test_bench_gemv_names_silu_after_gate_up_as_such(monkeypatch):
+def test_bench_gemv_names_silu_after_gate_up_as_such(benchmark):
     """`bench_gemv.py --fused` labels the gate_up product with SiLU*mul after it by that op,
     not by the norm that comes before gate_up in the table's other rows."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import bench_gemv
+    bench_gemv = benchmark("bench_gemv")
 
     table = bench_gemv.fused_table(
         [

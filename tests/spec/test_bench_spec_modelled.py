@@ -4,7 +4,6 @@ waiting, how verify passes are priced, and the host's clock beside the device's.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,11 +13,8 @@ VERIFY_MS = {4: 0.77, 8: 0.84, 13: 1.31}
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import bench_spec_modelled
-
-    return bench_spec_modelled
+def bench(benchmark):
+    return benchmark("bench_spec_modelled")
 
 
 def decode_pass():

@@ -3,17 +3,12 @@ line, and how `timed` keeps one system's garbage out of another's time."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 
 @pytest.fixture
-def systems(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import spec_systems
-
-    return spec_systems
+def systems(benchmark):
+    return benchmark("spec_systems")
 
 
 def test_a_variant_keeps_a_list_whole_and_splits_spec_fields_from_engine_options(systems):
