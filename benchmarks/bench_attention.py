@@ -182,9 +182,9 @@ def short_table(ceiling: float) -> None:
     print(f"\nshort contexts (copy ceiling {ceiling:.0f} GB/s; frac: of that ceiling)")
     print(
         "| shape | splits | ours us | ours frac | SDPA us | SDPA frac | same-bytes copy us | "
-        "copy frac | ours / copy |"
+        "copy frac | ours / copy | SDPA / copy | ours / SDPA |"
     )
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 11)
     for batch, length in SHORT:
         p, prefix, new, nbytes = decode_like_problem("decode", batch, length)
         ours = graph_time_us(ours_decode(p))
@@ -194,7 +194,8 @@ def short_table(ceiling: float) -> None:
         print(
             f"| B={batch} L={length} | {p.metas[0].extra['num_splits']} | {ours:.1f} | "
             f"{frac(ours):.2f} | {theirs:.1f} | {frac(theirs):.2f} | {copy:.1f} | "
-            f"{frac(copy):.2f} | {ours / copy:.2f} |",
+            f"{frac(copy):.2f} | {ours / copy:.2f} | {theirs / copy:.2f} | "
+            f"{ours / theirs:.2f} |",
             flush=True,
         )
         del p
