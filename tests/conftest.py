@@ -33,9 +33,11 @@ settings.load_profile("ci")
 
 
 @pytest.fixture
-def benchmark(monkeypatch):
-    """`benchmark(name)`: the script `benchmarks/<name>.py` imported as a module (the folder
-    is on sys.path for the test, as it is for a script run from it)."""
+def bench_script(monkeypatch):
+    """`bench_script(name)`: the script `benchmarks/<name>.py` imported as a module (the
+    folder is on sys.path for the test, as it is for a script run from it). Not `benchmark`:
+    pytest-benchmark, installed on the GPU image, owns that fixture name and errors on
+    a test whose `benchmark` is anything else."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     return importlib.import_module
 

@@ -420,10 +420,10 @@ def test_forward_with_norms_in_the_all_rows_products_equals_torch_path(two_passe
     assert calls.count(("norm_linear_silu_mul", 19)) == layers  # declined: ops apart
 
 
-def test_bench_gemv_names_silu_after_gate_up_as_such(benchmark):
+def test_bench_gemv_names_silu_after_gate_up_as_such(bench_script):
     """`bench_gemv.py --fused` labels the gate_up product with SiLU*mul after it by that op,
     not by the norm that comes before gate_up in the table's other rows."""
-    bench_gemv = benchmark("bench_gemv")
+    bench_gemv = bench_script("bench_gemv")
 
     table = bench_gemv.fused_table(
         [

@@ -166,11 +166,11 @@ def test_one_launch_a_kernel_is_added_in_each_pdl_mode():
         assert dict(variant.constexprs) | {(pdl_index,): 0} == dict(launches[0].constexprs)
 
 
-def test_kernel_usage_counts_the_programs_an_sm_holds(benchmark):
+def test_kernel_usage_counts_the_programs_an_sm_holds(bench_script):
     """`benchmarks/kernel_usage.py`'s occupancy: the verify configurations' compiler reports
     as `triton_decode.VERIFY_CONFIGS` reads them (148 registers and 49 KB -> 3 programs an
     SM; 218 registers and 83 KB -> 2), and each limit on its own."""
-    kernel_usage = benchmark("kernel_usage")
+    kernel_usage = bench_script("kernel_usage")
 
     assert kernel_usage.per_sm(148, 49280, 4) == (3, 4, 3)
     assert kernel_usage.per_sm(218, 82944, 4) == (2, 2, 2)
@@ -178,7 +178,7 @@ def test_kernel_usage_counts_the_programs_an_sm_holds(benchmark):
     assert kernel_usage.per_sm(255, 0, 4)[0] == 2  # 256 a thread, allocated 8 at a time
 
 
-def test_the_engines_launches_hold_what_their_policies_assume(monkeypatch, benchmark):
+def test_the_engines_launches_hold_what_their_policies_assume(monkeypatch, bench_script):
     """The attention kernels at the engine's GPU configurations and the all-rows matrix
     kernel at a verify pass's launches, compiled for sm_90 (`benchmarks/kernel_usage.py`):
     none spills to local memory; each verify configuration holds the programs an SM that
@@ -190,7 +190,7 @@ def test_the_engines_launches_hold_what_their_policies_assume(monkeypatch, bench
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # compile_all takes it out; back after
     monkeypatch.setattr(triton_extend, "tma_ready", triton_extend.tma_ready)  # kernel_usage's
-    kernel_usage = benchmark("kernel_usage")
+    kernel_usage = bench_script("kernel_usage")
 
     # as `choose_decode_warps` gives them: 2 warps at one wave of split programs (the merge
     # fused), 4 beyond it, where the split policy no longer splits

@@ -10,8 +10,8 @@ from engine.state import SamplingParams
 
 
 @pytest.fixture
-def bench(benchmark):
-    return benchmark("bench_structured_host")
+def bench(bench_script):
+    return bench_script("bench_structured_host")
 
 
 @pytest.mark.parametrize("speculative", [False, True])

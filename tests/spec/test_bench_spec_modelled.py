@@ -13,8 +13,8 @@ VERIFY_MS = {4: 0.77, 8: 0.84, 13: 1.31}
 
 
 @pytest.fixture
-def bench(benchmark):
-    return benchmark("bench_spec_modelled")
+def bench(bench_script):
+    return bench_script("bench_spec_modelled")
 
 
 def decode_pass():

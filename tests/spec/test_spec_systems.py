@@ -7,8 +7,8 @@ import pytest
 
 
 @pytest.fixture
-def systems(benchmark):
-    return benchmark("spec_systems")
+def systems(bench_script):
+    return bench_script("spec_systems")
 
 
 def test_a_variant_keeps_a_list_whole_and_splits_spec_fields_from_engine_options(systems):
