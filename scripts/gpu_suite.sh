@@ -34,8 +34,8 @@ if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # (install, memcheck without the caching allocator) and GPU_PART=benches (install,
 # benchmarks). Unset, it runs all of them. The plain memcheck of all GPU tests no longer fits
 # one call either (fourth session: ~168 of 170 tests at the 560 s limit): GPU_PART=memcheck1
-# and memcheck2 run its halves (kernel tests / engine tests). memcheck2 compiles the Triton
-# kernels under the sanitizer itself (13 of its 15 tests in 370 s): give it the whole call.
+# and memcheck2 run its halves (kernel tests / engine tests). memcheck2 is the slow half
+# (H100: its first 44 of 108 tests in 400 s with the kernels compiled): give it the whole call.
 # On a fresh machine the GPU tests alone no longer fit 200 s either (the kernels compile at
 # their first use): GPU_PART=tests1 and tests2 run their halves (kernel tests / engine tests),
 # GPU_PART=graphcheck the memcheck with CUDA graphs captured, each within one call. The
@@ -71,18 +71,20 @@ GRAPH_SANITIZER_TIMEOUT=${GRAPH_SANITIZER_TIMEOUT:-540}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
 SANITIZER_EXAMPLES=${SANITIZER_EXAMPLES:-3}  # hypothesis examples per property under memcheck
 BENCH_ARGS=${BENCH_ARGS:-}                   # e.g. --quick
-# GPU_WORKERS=N runs each pytest step (the tests and both memchecks) in N pytest-xdist worker
-# processes sharing the GPU: a fresh machine compiles the Triton kernels at their first use, and
-# the sanitizer's cost is mostly the host's, both spread over the machine's cores. memcheck
-# follows the workers (compute-sanitizer's --target-processes all); every process's ERROR
-# SUMMARY is added up below. 1 (the default): one process, as before.
+# GPU_WORKERS=N runs the GPU tests in N pytest-xdist worker processes sharing the GPU: a fresh
+# machine compiles every Triton kernel at its first use, and the workers spread that over the
+# machine's cores (H100, 16 cores, 8 workers: all GPU tests in 48 s with the kernels compiled,
+# under 150 s on a fresh machine, against two calls of about 360 and 265 s in one process).
+# The sanitizer gains nothing from workers (8 of them ran the graph memcheck at the pace of
+# one process), but most of a memcheck part's time on a fresh machine is compiling under the
+# sanitizer: with GPU_WORKERS > 1 each memcheck part first runs its tests without the
+# sanitizer in the workers (a plain test run of its own, noted in the summary), so that the
+# sanitizer's one process finds the kernels compiled (memcheck1 then took 78 s, against more
+# than a 560 s call). 1 (the default): one process, no such pass.
 GPU_WORKERS=${GPU_WORKERS:-1}
 WORKER_ARGS=()
-SANITIZER_ARGS=()
-if [ "$GPU_WORKERS" -gt 1 ]; then
-    WORKER_ARGS=(-n "$GPU_WORKERS")
-    SANITIZER_ARGS=(--target-processes all)
-fi
+if [ "$GPU_WORKERS" -gt 1 ]; then WORKER_ARGS=(-n "$GPU_WORKERS"); fi
+COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-200}
 
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -91,6 +93,17 @@ export PYTHONUNBUFFERED=1
 SUMMARY=()
 
 note() { SUMMARY+=("| $1 | $2 | $3 s |"); }
+# with GPU_WORKERS > 1, the tests $2... once without the sanitizer in the workers, so that a
+# memcheck step after it finds their kernels compiled; noted as "pytest (CUDA, before $1)"
+compile_first() {
+    local what=$1 log="$OUT_DIR/compile_$1.log" rc start=$SECONDS
+    shift
+    [ "$GPU_WORKERS" -gt 1 ] || return 0
+    timeout "$COMPILE_TIMEOUT" python3 -m pytest -q -p no:cacheprovider "${WORKER_ARGS[@]}" "$@" \
+        >"$log" 2>&1
+    rc=$?
+    note "pytest (CUDA, before $what)" "rc=$rc: $(tail -n 1 "$log")" $((SECONDS - start))
+}
 # the sanitizer's errors in a log: its processes' ERROR SUMMARY lines added up (none: empty)
 error_summary() {
     grep -o "ERROR SUMMARY: [0-9]* error" "$1" \
@@ -122,12 +135,11 @@ fi
 if part memcheck; then
 
 # 3. the same under compute-sanitizer memcheck (no caching allocator: every block is its own)
+if ! part tests && ! part pytest; then compile_first memcheck -m "not slow" "${MEMCHECK_TESTS[@]}"; fi
 start=$SECONDS
 ENGINE_TEST_EXAMPLES=$SANITIZER_EXAMPLES PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
     timeout "$SANITIZER_TIMEOUT" compute-sanitizer --tool memcheck --print-limit 50 \
-    "${SANITIZER_ARGS[@]}" \
-    python3 -m pytest -q -m "not slow" -p no:cacheprovider "${WORKER_ARGS[@]}" \
-    "${MEMCHECK_TESTS[@]}" \
+    python3 -m pytest -q -m "not slow" -p no:cacheprovider "${MEMCHECK_TESTS[@]}" \
     >"$OUT_DIR/memcheck.log" 2>&1
 rc=$?
 errors=$(error_summary "$OUT_DIR/memcheck.log")
@@ -139,11 +151,11 @@ fi
 if part tests || part graphcheck; then
 
 # 3b. memcheck with the caching allocator on: captured CUDA graphs replayed
+if ! part tests; then compile_first graphcheck "${GRAPH_MEMCHECK_TESTS[@]}"; fi
 start=$SECONDS
 ENGINE_TEST_EXAMPLES=$SANITIZER_EXAMPLES \
     timeout "$GRAPH_SANITIZER_TIMEOUT" compute-sanitizer --tool memcheck --print-limit 50 \
-    "${SANITIZER_ARGS[@]}" \
-    python3 -m pytest -q -p no:cacheprovider "${WORKER_ARGS[@]}" "${GRAPH_MEMCHECK_TESTS[@]}" \
+    python3 -m pytest -q -p no:cacheprovider "${GRAPH_MEMCHECK_TESTS[@]}" \
     >"$OUT_DIR/memcheck_graphs.log" 2>&1
 rc=$?
 errors=$(error_summary "$OUT_DIR/memcheck_graphs.log")
