@@ -12,7 +12,8 @@ trees and launches here are the engine's own; only the clock is modelled.
 
 The model of the device: passes run one after another. A decode pass takes `--decode-ms`; a
 verify pass the time of the verify graph its widest tree replays (`graphs.verify_widths`:
-trees of up to 4, 8 and 13 nodes, `--verify-ms`). Where a pass's tokens are read on the host
+trees of up to 4, 8 and 13 nodes, `--verify-ms`; a fourth value times a 16-node graph, which
+a draft budget of 13 to 15 makes). Where a pass's tokens are read on the host
 and no later pass was launched yet (nothing queued on the device), the device waits for the
 host's work up to the next launch: `--gap-ms` (the commit, the proposer, the plan). A pass
 launched ahead (before the last one's tokens are read) leaves no such wait; neither a plain
@@ -63,6 +64,9 @@ from engine.shell.graphs import verify_widths  # noqa: E402
 from engine.shell.walk import BestPaths  # noqa: E402
 from engine.spec import SpecConfig  # noqa: E402
 from engine.state import SamplingParams  # noqa: E402
+
+# The tree widths `--verify-ms` times, in order (its first three values are required).
+TIMED_WIDTHS = (4, 8, 13, 16)
 
 
 class DeviceModel:
@@ -268,15 +272,22 @@ def modelled_engine(
     return engine
 
 
+def graph_times(widths: list[int], times: tuple[float, ...]) -> dict[int, float]:
+    """Each verify graph's width -> its pass time: `times` (`--verify-ms`) holds the passes
+    of trees of up to TIMED_WIDTHS nodes in order, and a graph takes the time of the
+    narrowest of those it fits."""
+    table = dict(zip(TIMED_WIDTHS, times, strict=False))
+    if widths[-1] > max(table):
+        raise SystemExit(f"--verify-ms times trees of up to {max(table)} nodes")
+    return {w: table[min(t for t in table if t >= w)] for w in widths}
+
+
 class System:
     """One engine and its modelled device; per workload: tokens, accepted drafts."""
 
     def __init__(self, name: str, spec: bool, options: dict, args: argparse.Namespace) -> None:
-        widths = verify_widths(options.get("draft_budget", SpecConfig().draft_budget) + 1)
-        table = dict(zip((4, 8, 13), args.verify_ms, strict=True))
-        if widths[-1] > max(table):
-            raise SystemExit(f"--verify-ms times trees of up to {max(table)} nodes")
-        verify_ms = {w: table[min(t for t in table if t >= w)] for w in widths}
+        budget = options.get("draft_budget", SpecConfig().draft_budget)
+        verify_ms = graph_times(verify_widths(budget + 1), args.verify_ms)
         self.name = name
         self.device = (
             DeviceModel(args.decode_ms, verify_ms, args.gap_ms, args.verify_gap_ms)
@@ -310,7 +321,8 @@ def main() -> None:
         "--verify-ms",
         type=lambda t: tuple(float(x) for x in t.split(",")),
         default=(0.77, 0.84, 1.31),
-        help="verify passes of trees of up to 4, 8 and 13 nodes",
+        help="verify passes of trees of up to 4, 8 and 13 nodes, and optionally 16 (a "
+        "draft budget of 13 to 15)",
     )
     parser.add_argument("--gap-ms", type=float, default=0.45)
     parser.add_argument(
@@ -329,6 +341,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.host_scale is not None and args.verify_gap_ms is not None:
         parser.error("--verify-gap-ms is a constant gap's: not with --host-scale")
+    if not 3 <= len(args.verify_ms) <= len(TIMED_WIDTHS):
+        parser.error(f"--verify-ms takes 3 or 4 times (trees of up to {TIMED_WIDTHS} nodes)")
     torch.set_num_threads(args.threads)
     chosen = workloads(args.quick, args.max_tokens, args.long_max_tokens)
     if not args.quick:

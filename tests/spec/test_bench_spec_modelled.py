@@ -101,3 +101,12 @@ def test_accepted_drafts_against_the_trees_best_paths(bench):
         np.zeros(6, dtype=np.int64),
     )
     assert bench.best_path_outcomes(trees, outcome) == ["off", "all", "part", "none", "off"]
+
+
+def test_a_graph_takes_the_time_of_the_narrowest_timed_width_it_fits(bench):
+    assert bench.graph_times([4, 8, 13], (0.77, 0.84, 1.31)) == VERIFY_MS
+    # a draft budget of 15: its 16-node graph takes the fourth time, where one is given
+    assert bench.graph_times([4, 8, 16], (0.77, 0.84, 1.31, 1.33)) == {4: 0.77, 8: 0.84, 16: 1.33}
+    assert bench.graph_times([2, 6], (0.77, 0.84, 1.31)) == {2: 0.77, 6: 0.84}
+    with pytest.raises(SystemExit, match="up to 13 nodes"):
+        bench.graph_times([4, 8, 16], (0.77, 0.84, 1.31))
