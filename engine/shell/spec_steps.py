@@ -1,56 +1,37 @@
 """The engine's speculative steps: a decode step with speculation, the verify pass and the
 passes launched around it (during a decode pass, during a verify pass, at a commit).
-`SpeculativeSteps` is `Engine`'s base class, in a file of its own so that each reads in one
-sitting; it uses the engine's state and helpers (listed in the class)."""
+`SpeculativeSteps` is `Engine`'s base class, on `DecodeSteps`, in a file of its own so that
+each reads in one sitting; it uses the engine's state and helpers (listed in the classes)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
 from engine import state
 from engine.model.sampling import greedy_tokens
-from engine.shell.ahead import PlanAhead, root_ids
-from engine.shell.config import EngineConfig
+from engine.shell.ahead import root_ids
+from engine.shell.decode_steps import DecodeSteps
 from engine.shell.failures import OpenPass
 from engine.shell.grammar import Grammars
-from engine.shell.kv import KVBook
-from engine.shell.logits import Launched, LogitsWork, VerifyLaunched
+from engine.shell.logits import Launched, VerifyLaunched
 from engine.shell.outputs import Outputs
-from engine.shell.passes import Passes
 from engine.shell.runner import Prepared
-from engine.shell.speculator import Speculator
 from engine.shell.walk import DeviceWalk
 from engine.spec.tree import reroot, with_roots
 from engine.state import Mode, Running
 
 
-class SpeculativeSteps:
+class SpeculativeSteps(DecodeSteps):
     """The speculative half of `Engine`'s decode steps."""
 
-    # the engine's state and helpers these steps use (`Engine._build` sets them)
-    config: EngineConfig
-    spec: Speculator | None
-    running: Running
-    book: KVBook
-    ahead: PlanAhead
-    passes: Passes
-    logits: LogitsWork
+    # the engine's state these steps use besides `DecodeSteps`' (`Engine._build` sets them)
     grammars: Grammars
     outputs: Outputs
     requests: dict
     stats: Any
-    machine: Any
-    launch_ahead: bool
-    _open: Callable[[state.Batch], AbstractContextManager[OpenPass]]
-    _commit_pass: Callable[..., None]
-    _reserve: Callable[[Any], bool]
-    _decode_step: Callable[..., str]
-    _batch_stays: Callable[[], bool]
 
     def _speculative_step(self) -> str:
         """A decode step with speculation: it takes the verify pass launched for it, or

@@ -1,14 +1,13 @@
 """Values and pure transitions: no I/O, no CUDA, no KV allocation."""
 
 from engine.state.batch import MAX_TREE_NODES, PADDING_SLOT, Batch, DraftTrees, Mode
+from engine.state.effects import Effects, Result
 from engine.state.finish import FinishReason, first_finish
 from engine.state.params import SamplingParams
 from engine.state.running import FinishRules, Running
 from engine.state.seqlens import SeqLens, frozen_array
 from engine.state.structured import StructuredOutputs
 from engine.state.transitions import (
-    Effects,
-    Result,
     abandon,
     abort,
     admit,
