@@ -34,8 +34,11 @@ if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # (install, memcheck without the caching allocator) and GPU_PART=benches (install,
 # benchmarks). Unset, it runs all of them. The plain memcheck of all GPU tests no longer fits
 # one call either (fourth session: ~168 of 170 tests at the 560 s limit): GPU_PART=memcheck1
-# and memcheck2 run its halves (kernel tests / engine tests). memcheck2 is the slow half
-# (H100: its first 44 of 108 tests in 400 s with the kernels compiled): give it the whole call.
+# runs the kernel tests (H100: 378 in 78 s with the kernels compiled), memcheck2 to memcheck4
+# the engine tests, which allocate on every step and run far slower under the sanitizer
+# without the caching allocator (H100: the graph and plan-ahead tests' first 44 in 400 s, the
+# PDL and prefix-cache tests' 35 in about 200 s): memcheck2 the graph and plan-ahead tests,
+# memcheck3 verify ahead and spec overflow, memcheck4 prefix cache, PDL and walk ahead.
 # On a fresh machine the GPU tests alone no longer fit 200 s either (the kernels compile at
 # their first use): GPU_PART=tests1 and tests2 run their halves (kernel tests / engine tests),
 # GPU_PART=graphcheck the memcheck with CUDA graphs captured, each within one call. The
@@ -54,7 +57,9 @@ case "$GPU_PART" in
     graphcheck3) GRAPH_MEMCHECK_TESTS=("${GRAPH_MEMCHECK_TESTS[@]:3:1}"); GPU_PART=graphcheck ;;
     graphcheck4) GRAPH_MEMCHECK_TESTS=("${GRAPH_MEMCHECK_TESTS[@]:4}"); GPU_PART=graphcheck ;;
     memcheck1) MEMCHECK_TESTS=("${GPU_TESTS[@]:0:5}"); GPU_PART=memcheck ;;
-    memcheck2) MEMCHECK_TESTS=("${GPU_TESTS[@]:5}"); GPU_PART=memcheck ;;
+    memcheck2) MEMCHECK_TESTS=("${GPU_TESTS[@]:5:2}"); GPU_PART=memcheck ;;
+    memcheck3) MEMCHECK_TESTS=("${GPU_TESTS[@]:7:2}"); GPU_PART=memcheck ;;
+    memcheck4) MEMCHECK_TESTS=("${GPU_TESTS[@]:9}"); GPU_PART=memcheck ;;
     tests1) PYTEST_TESTS=("${GPU_TESTS[@]:0:5}"); GPU_PART=pytest ;;
     tests2) PYTEST_TESTS=("${GPU_TESTS[@]:5}"); GPU_PART=pytest ;;
 esac
