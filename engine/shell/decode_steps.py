@@ -124,10 +124,3 @@ class DecodeSteps:
         next step keeps the batch as far as arrivals go (nothing in the inbox, nobody
         admissible; a plan would be dropped otherwise)."""
         return self.config.plan_ahead and self.inbox.empty and not self._admissible()
-
-    def _write_early(self, open_pass: OpenPass) -> None:
-        """Apply the pass's table writes now, while the device runs it, rather than at its
-        commit, whose host work the device waits for (`state.decode_writes`: they do not
-        depend on its tokens); undone if the pass fails."""
-        open_pass.table_written = True  # set first: a write that fails midway is undone too
-        self.book.apply(self.machine.decode_writes(open_pass.batch))

@@ -291,6 +291,13 @@ class Engine(Admission, SpeculativeSteps):
             self._share_prefills(sub.rids[plan.chunk_lens > 1])
         return "extend"
 
+    def _write_early(self, open_pass: OpenPass) -> None:
+        """Apply the pass's table writes now, while the device runs it, rather than at its
+        commit, whose host work the device waits for (`state.decode_writes`: they do not
+        depend on its tokens); undone if the pass fails."""
+        open_pass.table_written = True  # set first: a write that fails midway is undone too
+        self.book.apply(self.machine.decode_writes(open_pass.batch))
+
     def _share_prefills(self, uids: np.ndarray) -> None:
         """Prompts that prefilled a chunk enter the prefix cache as far as they got, so that
         requests admitted meanwhile match them before they finish."""
