@@ -10,6 +10,10 @@ time is one call's share, median of 10 replays. GB/s counts the weight bytes. "a
 kernel that loads each weight tile once for every row (`gemv.rows_config`).
 `--sweep` also tries every launch configuration and prints the fastest per shape;
 `--loop-stages` times the launch the model takes at 1-4 key steps in flight (LOOP_STAGES).
+`--load-3d` (float32 rows, e.g. `--shapes smollm2_135m --dtype float32 --rows 8,13`) times
+the all-rows launches a verify pass makes (norm + qkv, o_proj, norm + gate_up + SiLU*mul,
+down) as the model launches them, with x and the weight tiles loaded flat (the default) and
+in 3-d blocks (LOAD_3D, `ENGINE_ROWS_LOAD_3D=1`), with each one's error against float64.
 
     python3 benchmarks/bench_gemv.py --fused [--shapes smollm2_135m --dtype float32]
                                      [--max-weight-elements 134217728]
@@ -269,11 +273,73 @@ def compare_loop_stages(shapes: dict, dtype: torch.dtype, rows_list: list[int]) 
         torch.cuda.empty_cache()
 
 
+def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
+    """(the model's all-rows launch, the call as a verify pass makes it, its float64 value)
+    for the product `name` of weight [n, K]: the norm inside qkv, the norm and SiLU*mul
+    around gate_up, plain o_proj and down."""
+    eps = 1e-5
+
+    def normed(a):
+        a = a.double()
+        return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * norm_w.double()
+
+    if name == "gate_up":
+
+        def silu_after(a, w):
+            gate = F.linear(normed(a), w[: n // 2].double())
+            return F.silu(gate) * F.linear(normed(a), w[n // 2 :].double())
+
+        return (
+            gemv.rows_config(n // 2, sms, silu_mul=True),
+            lambda a, w, c: gemv.norm_gemv_silu(a, None, norm_w, eps, w, c)[0],
+            silu_after,
+        )
+    if name == "qkv":
+        return (
+            gemv.rows_config(n, sms),
+            lambda a, w, c: gemv.norm_gemv(a, None, norm_w, eps, w, c)[0],
+            lambda a, w: F.linear(normed(a), w.double()),
+        )
+    return gemv.rows_config(n, sms), gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
+
+
+def compare_load_3d(shapes: dict, rows_list: list[int]) -> None:
+    """float32 rows in the all-rows kernel: each launch a verify pass makes, its loads flat
+    (the default) against in 3-d blocks (LOAD_3D); the error of each against float64."""
+    sms = torch.cuda.get_device_properties().multi_processor_count
+    print("\n| product | rows | flat us | 3-d us | 3-d / flat | max rel err: flat, 3-d |")
+    print("|---|---|---|---|---|---|")
+    for name in ("qkv", "o_proj", "gate_up", "down"):
+        n, k = shapes[name]
+        copies = max(2, -(-512 * 2**20 // (n * k * 4)))
+        weights = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
+        norm_w = torch.rand(k, device="cuda") + 0.5
+        model, call, exact = verify_launch(name, n, sms, norm_w)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda")
+            want = exact(x, weights[0])
+            times, errors = [], []
+            for load_3d in (False, True):
+                c = dict(model, LOAD_3D=load_3d)
+                got = call(x, weights[0], c).double()
+                errors.append(((got - want).abs().max() / want.abs().max()).item())
+                times.append(time_calls(lambda a, w, c=c: call(a, w, c), weights, x))
+            flat, in_3d = times
+            print(
+                f"| {name} {n} x {k} | {rows} | {flat * 1e6:.1f} | {in_3d * 1e6:.1f} | "
+                f"{in_3d / flat:.2f} | {errors[0]:.1e}, {errors[1]:.1e} |",
+                flush=True,
+            )
+        del weights
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fused", action="store_true")
     parser.add_argument("--loop-stages", action="store_true")
+    parser.add_argument("--load-3d", action="store_true")
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama3_8b")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -291,6 +357,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {args.shapes} shapes, {args.dtype}")
     if args.fused:
         compare_fused(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])
+        return
+    if args.load_3d:
+        if dtype != torch.float32:
+            parser.error("--load-3d times the all-rows kernel, which takes float32 rows")
+        compare_load_3d(SHAPES[args.shapes], [int(r) for r in args.rows.split(",")])
         return
     if args.loop_stages:
         compare_loop_stages(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])

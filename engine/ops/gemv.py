@@ -47,6 +47,13 @@ ROWS_BLOCK_N = 8
 ROWS_SILU_BLOCK_N = 16
 ROWS_PRODUCTS = 512
 ROWS_LOOP_STAGES = 8
+# ENGINE_ROWS_LOAD_3D=1: the all-rows launches load x's rows and the weight tiles as 3-d
+# blocks (`gemv_rows_kernel`'s LOAD_3D), whose accumulator holds a few keys a thread. Compiled
+# for sm_90 at a verify pass's 13 rows, the sum over the keys after the loop shrinks from 322
+# shuffles a thread to 64 (o_proj; 1224 instructions a thread in all against 608), for 122
+# registers against 96 (one program an SM either way). Off until timed on a GPU against the
+# launches above (`bench_gemv.py --load-3d`, `bench_steps.py` with the variable set).
+ROWS_LOAD_3D = os.environ.get("ENGINE_ROWS_LOAD_3D", "0") == "1"
 
 
 # The NORM prologue needs no pass over the row before the products: RMSNorm(x) . w =
@@ -333,7 +340,7 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
     `silu_mul`: columns of SiLU*mul's output, each reading a gate and an up row) on `num_sms`
     SMs: ROWS_BLOCK_N columns a program (ROWS_SILU_BLOCK_N with `silu_mul`), ROWS_PRODUCTS
     products a row per key step, ROWS_LOOP_STAGES key steps in flight (none from
-    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on)."""
+    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on), loads in 3-d blocks with ROWS_LOAD_3D."""
     block_n = ROWS_SILU_BLOCK_N if silu_mul else ROWS_BLOCK_N
     return dict(
         BLOCK_N=block_n,
@@ -341,6 +348,7 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
         num_warps=4,
         num_stages=3,
         LOOP_STAGES=_loop_stages(ROWS_LOOP_STAGES, triton.cdiv(columns, block_n), num_sms),
+        LOAD_3D=ROWS_LOAD_3D,
         all_rows=True,
     )
 

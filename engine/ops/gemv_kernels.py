@@ -25,10 +25,10 @@ def _x_block(
     residual,
     norm_w,
     residual_out,
-    rows,
-    in_m,
-    ks,
-    in_k,
+    row_offs,
+    key_offs,
+    mask,
+    key_mask,
     write_residual,
     stride_xm,
     stride_rm,
@@ -37,13 +37,13 @@ def _x_block(
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
-    """(x's `rows` at columns `ks` as fp32 [rows, keys] after the prologue, the squares to
-    sum for NORM): PLAIN x; NORM x (+ residual, rounded to x's dtype and stored to
-    residual_out where `write_residual`) scaled by norm_w, not yet by 1 / RMS; SILU
+    """(x's rows `row_offs` at columns `key_offs` as fp32 after the prologue, the squares to
+    sum for NORM), shaped as the offsets broadcast ([rows, keys], or [rows, 1, keys]; `mask`
+    the same, `key_mask` the keys'): PLAIN x; NORM x (+ residual, rounded to x's dtype and
+    stored to residual_out where `write_residual`) scaled by norm_w, not yet by 1 / RMS; SILU
     SiLU(gate) * up of x = [gate | up] (K columns each), rounded as the SiLU*mul op rounds
     it."""
-    mask = in_m[:, None] & in_k[None, :]
-    row_ptrs = x + rows[:, None] * stride_xm + ks[None, :]
+    row_ptrs = x + row_offs * stride_xm + key_offs
     if PROLOGUE == 2:
         gate = tl.load(row_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(row_ptrs + K, mask=mask, other=0.0)
@@ -54,17 +54,17 @@ def _x_block(
         if PROLOGUE == 1:
             if HAS_RESIDUAL:
                 added = values.to(tl.float32) + tl.load(
-                    residual + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0
+                    residual + row_offs * stride_rm + key_offs, mask=mask, other=0.0
                 ).to(tl.float32)
                 values = added.to(values.dtype)
                 tl.store(
-                    residual_out + rows[:, None] * stride_ro + ks[None, :],
+                    residual_out + row_offs * stride_ro + key_offs,
                     values,
                     mask=mask & write_residual,
                 )
             values32 = values.to(tl.float32)
-            scale = tl.load(norm_w + ks, mask=in_k, other=0.0).to(tl.float32)
-            xs = values32 * scale[None, :]
+            scale = tl.load(norm_w + key_offs, mask=key_mask, other=0.0).to(tl.float32)
+            xs = values32 * scale
             squares = values32 * values32
         else:
             xs = values.to(tl.float32)
@@ -134,10 +134,10 @@ def gemv_kernel(
                     residual,
                     norm_w,
                     residual_out,
-                    row,
-                    in_m,
-                    ks,
-                    in_k,
+                    row[:, None],
+                    ks[None, :],
+                    in_m[:, None] & in_k[None, :],
+                    in_k[None, :],
                     first,
                     stride_xm,
                     stride_rm,
@@ -182,6 +182,7 @@ def gemv_rows_kernel(
     PDL: tl.constexpr,
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,
+    LOAD_3D: tl.constexpr = False,
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
@@ -189,7 +190,11 @@ def gemv_rows_kernel(
     `_x_block`'s NORM prologue (program 0 writes the residual stream) and each sum is scaled
     by its row's 1 / RMS, as in the row-at-a-time kernel. SILU_MUL: w is [gate; up] (2N
     rows) and out gets SiLU(x @ gate^T) * (x @ up^T), each product rounded to out's dtype
-    first, as the SiLU*mul op after the product rounds them."""
+    first, as the SiLU*mul op after the product rounds them. LOAD_3D: x's rows and the
+    weight tiles are loaded as [rows, 1, keys] and [1, columns, keys] blocks rather than
+    loaded flat and broadcast, so that the accumulator takes the loads' layout (a few
+    consecutive keys a thread) and the sum over the keys at the end shuffles less between
+    threads (sm_90, 13 rows: o_proj's 322 shuffles a thread -> 64)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     in_n = cols < N
@@ -202,44 +207,64 @@ def gemv_rows_kernel(
     first = tl.program_id(0) == 0  # the program that writes the residual stream
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K] if SILU_MUL else [1, 1, 1], dtype=tl.float32)
-    sum_squares = tl.zeros([BLOCK_M, BLOCK_K] if WITH_NORM else [1, 1], dtype=tl.float32)
+    if LOAD_3D:
+        w_block = w + cols.to(tl.int64)[None, :, None] * stride_wn  # [1, columns, 1]
+        sum_squares = tl.zeros([BLOCK_M, 1, BLOCK_K] if WITH_NORM else [1, 1, 1], tl.float32)
+    else:
+        w_block = w_rows  # [columns, 1]
+        sum_squares = tl.zeros([BLOCK_M, BLOCK_K] if WITH_NORM else [1, 1], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         in_k = ks < K
-        tile_mask = in_n[:, None] & in_k[None, :]
-        tile = tl.load(w_rows + ks[None, :], mask=tile_mask, other=0.0)
-        if WITH_NORM:
-            xs, squares = _x_block(
-                x,
-                residual,
-                norm_w,
-                residual_out,
-                rows,
-                in_m,
-                ks,
-                in_k,
-                first,
-                stride_xm,
-                stride_rm,
-                stride_ro,
-                K,
-                1,  # the NORM prologue
-                HAS_RESIDUAL,
+        if LOAD_3D:
+            row_offs, key_offs, key_mask = (
+                rows[:, None, None],
+                ks[None, None, :],
+                in_k[None, None, :],
             )
-            sum_squares += squares
+            x_mask = in_m[:, None, None] & key_mask
+            tile_mask = in_n[None, :, None] & key_mask
         else:
-            xs = tl.load(
-                x + rows[:, None] * stride_xm + ks[None, :],
-                mask=in_m[:, None] & in_k[None, :],
-                other=0.0,
-            ).to(tl.float32)
-        acc += xs[:, None, :] * tile.to(tl.float32)[None, :, :]
+            row_offs, key_offs, key_mask = rows[:, None], ks[None, :], in_k[None, :]
+            x_mask = in_m[:, None] & key_mask
+            tile_mask = in_n[:, None] & key_mask
+        tile = tl.load(w_block + key_offs, mask=tile_mask, other=0.0).to(tl.float32)
+        xs, squares = _x_block(
+            x,
+            residual,
+            norm_w,
+            residual_out,
+            row_offs,
+            key_offs,
+            x_mask,
+            key_mask,
+            first,
+            stride_xm,
+            stride_rm,
+            stride_ro,
+            K,
+            1 if WITH_NORM else 0,  # the NORM prologue, or none
+            HAS_RESIDUAL,
+        )
+        if WITH_NORM:
+            sum_squares += squares
         if SILU_MUL:
-            up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=tile_mask, other=0.0)
-            acc_up += xs[:, None, :] * up.to(tl.float32)[None, :, :]
+            up = tl.load(w_block + N * stride_wn + key_offs, mask=tile_mask, other=0.0)
+            up = up.to(tl.float32)
+        if LOAD_3D:  # [rows, 1, keys] x [1, columns, keys]
+            acc += xs * tile
+            if SILU_MUL:
+                acc_up += xs * up
+        else:
+            acc += xs[:, None, :] * tile[None, :, :]
+            if SILU_MUL:
+                acc_up += xs[:, None, :] * up[None, :, :]
     sums = tl.sum(acc, axis=2)
     if WITH_NORM:
-        inv_rms = tl.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]
+        if LOAD_3D:
+            inv_rms = tl.rsqrt(tl.sum(sum_squares, axis=2) / K + eps)  # [rows, 1]
+        else:
+            inv_rms = tl.rsqrt(tl.sum(sum_squares, axis=1) / K + eps)[:, None]
         sums = sums * inv_rms
     leave(PDL)
     if SILU_MUL:

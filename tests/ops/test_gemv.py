@@ -27,6 +27,7 @@ def test_gemv_matches_linear(dtype, rows, n, k):
         dict(BLOCK_N=2, BLOCK_K=128, num_warps=8, all_rows=True),
         gemv.rows_config(n, 2),
         dict(gemv.rows_config(n, 2), LOOP_STAGES=1),
+        dict(gemv.rows_config(n, 2), LOAD_3D=True),  # x and the tiles loaded in 3-d blocks
     ):
         assert_close(gemv.gemv(x, weight, config), expected, dtype)
 
@@ -91,6 +92,15 @@ def test_rows_config_takes_the_measured_tiles():
             assert config["all_rows"]
 
 
+def test_rows_config_loads_3d_blocks_where_asked(monkeypatch):
+    """ENGINE_ROWS_LOAD_3D (read into ROWS_LOAD_3D) gives every all-rows launch the 3-d
+    loads; off by default."""
+    assert gemv.rows_config(960, 132)["LOAD_3D"] is gemv.ROWS_LOAD_3D
+    monkeypatch.setattr(gemv, "ROWS_LOAD_3D", True)
+    assert gemv.rows_config(960, 132)["LOAD_3D"] is True
+    assert gemv.rows_config(1536, 132, silu_mul=True)["LOAD_3D"] is True
+
+
 def test_the_model_runs_silu_after_gate_up_with_the_silu_launch(monkeypatch):
     """`linear_silu_mul` launches `gemv_silu` with rows_config's SiLU*mul tiles for the
     output's columns (half of gate_up's rows)."""
@@ -129,6 +139,7 @@ FUSED_CONFIGS = [
     [
         *FUSED_CONFIGS,
         gemv.rows_config(20, 2),  # the all-rows kernel: 100 keys over two steps
+        dict(gemv.rows_config(20, 2), LOAD_3D=True),
     ],
 )
 def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, with_residual, config):
@@ -190,6 +201,7 @@ def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows, config):
         dict(ROWS_CONFIG, BLOCK_N=4, BLOCK_K=32, LOOP_STAGES=1),
         gemv.rows_config(150, 2),
         gemv.rows_config(150, 2, silu_mul=True),  # the model's launch
+        dict(gemv.rows_config(150, 2, silu_mul=True), LOAD_3D=True),
     ],
 )
 def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
@@ -211,7 +223,11 @@ def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize(
     "config",
-    [dict(ROWS_CONFIG, BLOCK_N=32, LOOP_STAGES=1), gemv.rows_config(150, 2, silu_mul=True)],
+    [
+        dict(ROWS_CONFIG, BLOCK_N=32, LOOP_STAGES=1),
+        gemv.rows_config(150, 2, silu_mul=True),
+        dict(gemv.rows_config(150, 2, silu_mul=True), LOAD_3D=True),
+    ],
 )
 def test_norm_gemv_silu_equals_the_norm_then_gemv_silu(dtype, rows, with_residual, config):
     """The norm before the gate_up product and SiLU*mul after it, in one launch: the
@@ -408,10 +424,15 @@ class _NormInAllRows(TorchOps):
         return gemv.norm_gemv_silu(x, residual, norm_weight, eps, weight.contiguous(), config)
 
 
-def test_forward_with_norms_in_the_all_rows_products_equals_torch_path(two_passes, monkeypatch):
+@pytest.mark.parametrize("load_3d", [False, True])
+def test_forward_with_norms_in_the_all_rows_products_equals_torch_path(
+    two_passes, monkeypatch, load_3d
+):
     """The layer takes norm_linear for qkv and norm_linear_silu_mul for the MLP's gate_up
     where they apply (the two-row decode pass: two launches for the norms, the products and
-    SiLU*mul), and runs the ops apart where they return None (the 19-token prefill)."""
+    SiLU*mul), and runs the ops apart where they return None (the 19-token prefill); with
+    the all-rows launches' loads in 3-d blocks too."""
+    monkeypatch.setattr(gemv, "ROWS_LOAD_3D", load_3d)
     names = ("norm_linear", "norm_linear_silu_mul")
     calls = _traced_passes(two_passes, monkeypatch, _NormInAllRows, names, seed=7)
     layers = ModelConfig.tiny().num_layers
@@ -434,3 +455,21 @@ def test_bench_gemv_names_silu_after_gate_up_as_such(bench_script):
     labels = [line.split(" | ")[0] for line in table.splitlines()[3:]]
     assert labels == ["| norm + gate_up", "| gate_up + silu after"]
     assert "| gate_up + silu after | 13 | 10.0 | 5.0 | 2.00x | 20.0 | one |" in table
+
+
+@pytest.mark.parametrize("name", ["qkv", "o_proj", "gate_up", "down"])
+def test_bench_gemv_times_each_verify_launch_flat_and_in_3d_blocks(bench_script, name):
+    """`bench_gemv.py --load-3d`'s launches: each product as a verify pass makes it gives
+    its float64 value with the loads flat and in 3-d blocks (small widths here)."""
+    bench_gemv = bench_script("bench_gemv")
+    n, k, rows = (12, 40, 13) if name != "gate_up" else (24, 40, 13)
+    x = random_tensor(rows, k, dtype=torch.float32, seed=51)
+    weight = random_tensor(n, k, dtype=torch.float32, seed=52) * 0.2
+    norm_w = random_tensor(k, dtype=torch.float32, seed=53).abs() + 0.5
+    model, call, exact = bench_gemv.verify_launch(name, n, 2, norm_w)
+    want = exact(x, weight).float()
+    assert model["all_rows"]
+    for load_3d in (False, True):
+        torch.testing.assert_close(
+            call(x, weight, dict(model, LOAD_3D=load_3d)), want, rtol=1e-5, atol=1e-5
+        )
