@@ -59,6 +59,11 @@ DECODE_SWEEP: list[dict[str, Any]] = [
     {"num_warps": 2, "num_stages": 4},
     {"num_warps": 2, "BLOCK_N": 32, "num_stages": 4},
     {"num_warps": 2, "BLOCK_N": 128, "num_stages": 2},
+    # each whole block's K/V loaded before the products of the block before it (PREFETCH;
+    # at 64 keys and 2 warps it spills, compiled for sm_90: 32 keys, or 4 warps)
+    {"PREFETCH": True, "BLOCK_N": 32},
+    {"PREFETCH": True, "BLOCK_N": 32, "num_warps": 2},
+    {"PREFETCH": True, "num_warps": 4},
     {"FUSED_MERGE": False},
     {"FUSED_MERGE": True},
     {"SKIP_MERGE": True, "FUSED_MERGE": False},
@@ -464,7 +469,8 @@ def main() -> None:
     parser.add_argument(
         "--decode",
         action="store_true",
-        help="only decode: the default configuration and DECODE_SWEEP's, against SDPA",
+        help="only decode (DECODE and SHORT shapes): the default configuration and "
+        "DECODE_SWEEP's, against SDPA",
     )
     parser.add_argument(
         "--fused-merge",
@@ -507,8 +513,9 @@ def main() -> None:
     if args.extend:
         print_table(extend_rows(False), ceiling)
         return
-    if args.decode:
-        print_table(decode_like_rows("decode", DECODE, False), ceiling)
+    if args.decode:  # the short contexts too (SHORT), each with the sweep
+        shapes = DECODE + [s for s in SHORT if s not in DECODE]
+        print_table(decode_like_rows("decode", shapes, False), ceiling)
         return
     rows = decode_like_rows("decode", DECODE, args.quick)
     decode_at = {(b, length): r for (b, length), r in zip(DECODE, rows, strict=True)}

@@ -38,6 +38,14 @@ MAX_SPLITS = 64
 # where the grid is more than one wave of PROGRAMS_PER_SM programs an SM, else
 # ONE_WAVE_WARPS (`choose_decode_warps`).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# `config={"PREFETCH": True}` (not the default: untimed): the split kernel's whole key blocks
+# are loaded a block ahead, into registers, each block's K/V before the products of the block
+# before it and its slots a block earlier still. Compiled for sm_90, the key loop as the
+# pipeliner makes it keeps one block in flight whatever num_stages (3 and 4: the same code,
+# 39 KB of shared memory, every wait for all copies), issued after the block's products, so
+# within a program no load overlaps a product. With PREFETCH at 64 keys and 2 warps the
+# kernel spills (255 registers); at 32 keys and 2 warps it takes 213, at 64 keys and 4 warps
+# 208 (`bench_attention.py --decode` times both beside the defaults).
 ONE_WAVE_WARPS = 2
 # Verify (BLOCK_M 64 rows) is sensitive to how its programs fill the waves: each config with
 # the programs an H200 SM holds at once (compiler report: 148 registers and 49 KB shared -> 3;
@@ -213,6 +221,7 @@ def _decode_split_kernel(
     ROW_BLOCK: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     enter(PDL)
     req = tl.program_id(0)
@@ -250,27 +259,48 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     head_base = kv_head * stride_ch + dims[None, :]
-    for start in range(lo, full_end, BLOCK_N):  # whole blocks every query sees: no masks
-        m_i, l_i, acc = _attend_keys(
-            q_block,
-            k_cache,
-            v_cache,
-            kv_indices,
-            kv_start,
-            start,
-            hi,
-            head_base,
-            stride_ct,
-            sm_scale_log2,
-            bits,
-            prefix,
-            m_i,
-            l_i,
-            acc,
-            BLOCK_N,
-            False,
-            TREE,
-        )
+    if PREFETCH:  # a block's K/V loads go out before the products of the block before it,
+        # its slots a block earlier still: no load waits on another inside the loop
+        keys = lo + tl.arange(0, BLOCK_N)
+        slots = tl.load(kv_indices + kv_start + keys, mask=keys < full_end, other=0)
+        kv_offs = slots.to(tl.int64)[:, None] * stride_ct + head_base
+        k_next = tl.load(k_cache + kv_offs, mask=(keys < full_end)[:, None], other=0.0)
+        v_next = tl.load(v_cache + kv_offs, mask=(keys < full_end)[:, None], other=0.0)
+        keys = keys + BLOCK_N
+        slots = tl.load(kv_indices + kv_start + keys, mask=keys < full_end, other=0)
+        for start in range(lo, full_end, BLOCK_N):
+            k_block, v_block = k_next, v_next
+            ahead = start + BLOCK_N + tl.arange(0, BLOCK_N) < full_end
+            kv_offs = slots.to(tl.int64)[:, None] * stride_ct + head_base
+            k_next = tl.load(k_cache + kv_offs, mask=ahead[:, None], other=0.0)
+            v_next = tl.load(v_cache + kv_offs, mask=ahead[:, None], other=0.0)
+            keys = start + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+            slots = tl.load(kv_indices + kv_start + keys, mask=keys < full_end, other=0)
+            m_i, l_i, acc = online_softmax_step(
+                q_block, k_block, v_block, ahead[None, :], m_i, l_i, acc, sm_scale_log2, False
+            )
+    else:
+        for start in range(lo, full_end, BLOCK_N):  # whole blocks every query sees: no masks
+            m_i, l_i, acc = _attend_keys(
+                q_block,
+                k_cache,
+                v_cache,
+                kv_indices,
+                kv_start,
+                start,
+                hi,
+                head_base,
+                stride_ct,
+                sm_scale_log2,
+                bits,
+                prefix,
+                m_i,
+                l_i,
+                acc,
+                BLOCK_N,
+                False,
+                TREE,
+            )
     for start in range(full_end, hi, BLOCK_N):  # the ragged end and the tree's keys
         m_i, l_i, acc = _attend_keys(
             q_block,
@@ -518,6 +548,7 @@ def decode_attention(
         FUSED=fused,
         ROW_BLOCK=row_block,
         SPLIT_CHUNK=split_chunk,
+        PREFETCH=bool(cfg.get("PREFETCH", False)),
         **pdl.launch(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -176,3 +176,22 @@ def test_merge_tiles_fit_the_values_a_thread_holds(head_dim: int, num_warps: int
             assert row_block * split_chunk * head_dim <= MERGE_VALUES_PER_THREAD * 32 * num_warps
             assert 1 <= split_chunk <= block_s and 1 <= row_block <= max(rows, 1) * 2
             assert split_chunk & (split_chunk - 1) == 0 and row_block & (row_block - 1) == 0
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_prefetched_key_blocks_give_the_same_attention(mode: str, num_splits: int, block_n: int):
+    """PREFETCH (each whole block's K/V loaded before the products of the block before it,
+    its slots a block earlier): the outputs of the loop without it and the reference, with
+    splits of no whole block, one and several, merged in the kernel and apart."""
+    requests = DECODE_REQUESTS if mode == "decode" else VERIFY_REQUESTS
+    inputs = make_inputs(mode, requests, 4, seed=num_splits * 7 + block_n)
+    ref = reference(inputs, mode)
+    for fused in (False, True):
+        config = {"FUSED_MERGE": fused, "BLOCK_N": block_n}
+        plain = run(inputs, num_splits, config)
+        ahead = run(inputs, num_splits, dict(config, PREFETCH=True))
+        assert not ahead.isnan().any(), "some output elements were never written"
+        assert relative_error(ahead, ref) < TOLERANCE[DTYPE]
+        torch.testing.assert_close(ahead, plain, rtol=1e-5, atol=1e-6)
