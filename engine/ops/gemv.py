@@ -47,13 +47,23 @@ ROWS_BLOCK_N = 8
 ROWS_SILU_BLOCK_N = 16
 ROWS_PRODUCTS = 512
 ROWS_LOOP_STAGES = 8
+
+
+def _switch(name: str) -> bool:
+    """An on/off environment variable: unset, "" or "0" off, "1" on; anything else refused."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1 (or unset); got {value!r}")
+    return value == "1"
+
+
 # ENGINE_ROWS_LOAD_3D=1: the all-rows launches load x's rows and the weight tiles as 3-d
 # blocks (`gemv_rows_kernel`'s LOAD_3D), whose accumulator holds a few keys a thread. Compiled
 # for sm_90 at a verify pass's 13 rows, the sum over the keys after the loop shrinks from 322
 # shuffles a thread to 64 (o_proj; 1224 instructions a thread in all against 608), for 115
 # registers against 96 (one program an SM either way). Off until timed on a GPU against the
 # launches above (`bench_gemv.py --load-3d`, `bench_steps.py` with the variable set).
-ROWS_LOAD_3D = os.environ.get("ENGINE_ROWS_LOAD_3D", "0") == "1"
+ROWS_LOAD_3D = _switch("ENGINE_ROWS_LOAD_3D")
 
 
 # The NORM prologue needs no pass over the row before the products: RMSNorm(x) . w =

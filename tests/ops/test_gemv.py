@@ -101,6 +101,17 @@ def test_rows_config_loads_3d_blocks_where_asked(monkeypatch):
     assert gemv.rows_config(1536, 132, silu_mul=True)["LOAD_3D"] is True
 
 
+def test_an_on_off_variable_refuses_other_values(monkeypatch):
+    for value, on in (("", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("ENGINE_ROWS_LOAD_3D", value)
+        assert gemv._switch("ENGINE_ROWS_LOAD_3D") is on
+    monkeypatch.delenv("ENGINE_ROWS_LOAD_3D")
+    assert gemv._switch("ENGINE_ROWS_LOAD_3D") is False
+    monkeypatch.setenv("ENGINE_ROWS_LOAD_3D", "yes")
+    with pytest.raises(ValueError, match="ENGINE_ROWS_LOAD_3D must be 0 or 1"):
+        gemv._switch("ENGINE_ROWS_LOAD_3D")
+
+
 def test_the_model_runs_silu_after_gate_up_with_the_silu_launch(monkeypatch):
     """`linear_silu_mul` launches `gemv_silu` with rows_config's SiLU*mul tiles for the
     output's columns (half of gate_up's rows)."""
