@@ -2,7 +2,7 @@
 H200), with its registers a thread, local memory a thread (spills), shared memory a program,
 and the programs an SM can hold by each.
 
-    .venv/bin/python benchmarks/kernel_usage.py [--only extend,decode,verify,rows]
+    .venv/bin/python benchmarks/kernel_usage.py [--only extend,decode,verify,rows] [--mix]
 
 The engine's own launch functions make each launch on CPU tensors of the GPU's shapes (bf16
 at Llama-3-8B's heads for attention; float32 at the default model's widths, 13 rows, for the
@@ -11,7 +11,14 @@ Hopper GPU and not run (`tests/kernel_launches.py`), then compiled by Triton's c
 `cuobjdump` (shipped with Triton) reads each cubin. A device reports the same figures for the
 same launch (`bench_attention.py` prints them for the launches it times). An SM of sm_90 has
 65536 registers (allocated 8 a thread at a time), 233472 bytes of shared memory (1024 of
-them reserved a program) and 64 warps.
+them reserved a program) and 64 warps. The all-rows launches are listed with their loads
+flat (the default) and in 3-d blocks (`LOAD_3D`).
+
+`--mix` also prints each launch's SASS by kind of instruction (`kernel_launches.sass_mix`):
+the instructions in its code, its multiply-adds (FFMA) and matrix instructions (HMMA, HGMMA),
+shuffles, copies (LDGSTS: asynchronous, into shared memory; LDG: into registers), special
+functions (MUFU: exp2, rcp), and its waits for every outstanding copy, each kernel's code as
+a thread runs it once through (a loop's body counted once).
 """
 
 from __future__ import annotations
@@ -59,6 +66,10 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
             for st in (2, 3, 4)
             for merge in ("fused", "apart")
             for c in [dict(BLOCK_N=n, num_warps=w, num_stages=st, FUSED_MERGE=merge == "fused")]
+        ] + [  # the whole blocks loaded a block ahead (PREFETCH)
+            (f"{n} keys, {w} warps, 3 stages, merge fused, prefetch", c)
+            for n, w in ((32, 2), (64, 2), (64, 4))
+            for c in [dict(BLOCK_N=n, num_warps=w, num_stages=3, FUSED_MERGE=True, PREFETCH=True)]
         ]
     return [
         (f"{c['BLOCK_N']} keys, {c['num_warps']} warps, {c['num_stages']} stages", c)
@@ -122,9 +133,9 @@ def attention(
     ]
 
 
-def rows(kernel_launches) -> list[tuple[str, Launch]]:
+def rows(kernel_launches, load_3d: bool | None = None) -> list[tuple[str, Launch]]:
     """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
-    rows, as a verify pass launches it (`rows_config`)."""
+    rows, as a verify pass launches it (`rows_config`); `load_3d` overrides its LOAD_3D."""
     import torch
 
     from engine.ops import gemv
@@ -132,32 +143,46 @@ def rows(kernel_launches) -> list[tuple[str, Launch]]:
     n_rows, hidden, inter, qkv = 13, 576, 1536, 960
     x, norm = torch.zeros(n_rows, hidden), torch.ones(hidden)
     wide = torch.zeros(n_rows, inter)
+    extra = {} if load_3d is None else {"LOAD_3D": load_3d}
+
+    def config(columns: int, silu_mul: bool = False) -> dict:
+        return dict(gemv.rows_config(columns, 132, silu_mul), **extra)
+
     launches = {
         "norm + qkv 960 x 576": lambda: gemv.norm_gemv(
-            x, None, norm, 1e-5, torch.zeros(qkv, hidden), gemv.rows_config(qkv, 132)
+            x, None, norm, 1e-5, torch.zeros(qkv, hidden), config(qkv)
         ),
-        "o_proj 576 x 576": lambda: gemv.gemv(
-            x, torch.zeros(hidden, hidden), gemv.rows_config(hidden, 132)
-        ),
+        "o_proj 576 x 576": lambda: gemv.gemv(x, torch.zeros(hidden, hidden), config(hidden)),
         "norm + gate_up 3072 x 576 + SiLU*mul": lambda: gemv.norm_gemv_silu(
-            x,
-            None,
-            norm,
-            1e-5,
-            torch.zeros(2 * inter, hidden),
-            gemv.rows_config(inter, 132, silu_mul=True),
-        ),  # fmt: skip
-        "down 576 x 1536": lambda: gemv.gemv(
-            wide, torch.zeros(hidden, inter), gemv.rows_config(hidden, 132)
+            x, None, norm, 1e-5, torch.zeros(2 * inter, hidden), config(inter, silu_mul=True)
         ),
+        "down 576 x 1536": lambda: gemv.gemv(wide, torch.zeros(hidden, inter), config(hidden)),
     }
-    return [(label, _recorded(kernel_launches, fn)) for label, fn in launches.items()]
+    suffix = ", 3-d loads" if load_3d else ""
+    return [(label + suffix, _recorded(kernel_launches, fn)) for label, fn in launches.items()]
+
+
+MIX = ("all", "FFMA", "HMMA", "HGMMA", "SHFL", "LDGSTS", "LDG", "MUFU", "wait all")
+
+
+def mix_table(labelled: list, compiled: list) -> str:
+    """Each launch's instructions by kind (`MIX`, from `Compiled.mix`) as a table."""
+    lines = [
+        "| launch | instructions | FFMA | HMMA | HGMMA | SHFL | LDGSTS | LDG | MUFU | "
+        "waits for all copies |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (label, _), result in zip(labelled, compiled, strict=True):
+        cells = " | ".join(str(result.mix.get(kind, 0)) for kind in MIX)
+        lines.append(f"| {label} | {cells} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--mix", action="store_true", help="also the SASS by instruction kind")
     args = parser.parse_args()
     kinds = args.only.split(",")
     if unknown := set(kinds) - set(KINDS):
@@ -169,12 +194,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     recorded = {  # every kind before the first compile takes the interpreter away
-        kind: rows(kernel_launches) if kind == "rows" else attention(kind, kernel_launches)
+        kind: [*rows(kernel_launches, False), *rows(kernel_launches, True)]
+        if kind == "rows"
+        else attention(kind, kernel_launches)
         for kind in kinds
     }
     for kind, labelled in recorded.items():
         launches = [launch for _, launch in labelled]
-        compiled = kernel_launches.compile_all(launches, args.workers, usage=True)
+        compiled = kernel_launches.compile_all(launches, args.workers, usage=True, mix=args.mix)
         print(f"\n{kind}:\n")
         print("| launch | warps | registers | local B | shared B | programs an SM: "
               "by registers, by shared, in all |")  # fmt: skip
@@ -189,6 +216,8 @@ def main() -> None:
                 f"| {label} | {warps} | {result.registers} | {result.spilled} | "
                 f"{result.shared} | {counts[0]}, {counts[1]}, {counts[2]} |"
             )
+        if args.mix:
+            print(f"\n{kind}, SASS:\n\n{mix_table(labelled, compiled)}")
 
 
 if __name__ == "__main__":

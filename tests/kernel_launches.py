@@ -32,8 +32,9 @@ import subprocess
 import sys
 import tempfile
 import types
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -225,24 +226,55 @@ def with_pdl(launches: list[Launch]) -> list[Launch]:
 class Compiled:
     """What compiling a launch gave: why it failed ("" where it did not), and the kernel's
     registers a thread, bytes spilled to local memory a thread and shared memory a block
-    (from the cubin: `cuobjdump -res-usage`, which ships with Triton)."""
+    (from the cubin: `cuobjdump -res-usage`, which ships with Triton); with `mix`, its
+    instructions by opcode (`sass_mix`)."""
 
     error: str
     registers: int = 0
     spilled: int = 0
     shared: int = 0
+    mix: dict[str, int] = field(default_factory=dict)
 
 
-def _usage(cubin: bytes) -> dict[str, int]:
+# an instruction of `cuobjdump -sass`: /*0170*/ [@[!]Pn] OPCODE[.MODIFIERS] operands ;
+_SASS_LINE = re.compile(
+    r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)\s*([^;]*);"
+)
+
+
+def sass_mix(sass: str) -> dict[str, int]:
+    """A kernel's SASS (`cuobjdump -sass`) as counts: its instructions by opcode (modifiers
+    dropped), "all" (every instruction, the instructions a thread issues once through the
+    code), and "wait all" (waits for every outstanding asynchronous copy, `DEPBAR.LE SB0,
+    0x0`: where a loop keeps none of its copies in flight across the wait)."""
+    counts: Counter[str] = Counter()
+    for opcode, modifiers, operands in _SASS_LINE.findall(sass):
+        counts[opcode] += 1
+        counts["all"] += 1
+        if opcode == "DEPBAR" and modifiers == ".LE" and operands.replace(" ", "") == "SB0,0x0":
+            counts["wait all"] += 1
+    return dict(counts)
+
+
+def _mix(cubin: bytes) -> dict[str, int]:
+    return sass_mix(_cuobjdump(cubin, "-sass"))
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """`cuobjdump flag` of `cubin` (the tool ships with Triton)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        out = subprocess.run(
-            [str(tool), "-res-usage", file.name], capture_output=True, text=True, check=True
+        return subprocess.run(
+            [str(tool), flag, file.name], capture_output=True, text=True, check=True
         ).stdout
+
+
+def _usage(cubin: bytes) -> dict[str, int]:
+    out = _cuobjdump(cubin, "-res-usage")
     fields = {name: int(value) for name, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", out)}
     # a thread's local memory: its stack frame (where registers spill) and the rest, the
     # figure the driver gives a loaded kernel (Triton's `n_spills`)
@@ -250,9 +282,10 @@ def _usage(cubin: bytes) -> dict[str, int]:
     return {"registers": fields.get("REG", 0), "spilled": spilled}
 
 
-def compile_launch(launch: Launch, usage: bool = False) -> Compiled:
+def compile_launch(launch: Launch, usage: bool = False, mix: bool = False) -> Compiled:
     """`launch` compiled to a cubin for TARGET: an error where it does not compile or its
-    shared memory does not fit an sm_90 block; with `usage`, its resources too."""
+    shared memory does not fit an sm_90 block; with `usage`, its resources too; with `mix`,
+    its instructions by opcode."""
     if launch.error:
         return Compiled(launch.error)
     import triton
@@ -269,10 +302,13 @@ def compile_launch(launch: Launch, usage: bool = False) -> Compiled:
     error = ""
     if shared > MAX_SHARED:  # the launch would fail: out of resources
         error = f"needs {shared} bytes of shared memory; sm_90 has {MAX_SHARED}"
-    return Compiled(error, shared=shared, **(_usage(kernel.asm["cubin"]) if usage else {}))
+    found = _usage(kernel.asm["cubin"]) if usage else {}
+    return Compiled(error, shared=shared, mix=_mix(kernel.asm["cubin"]) if mix else {}, **found)
 
 
-def compile_all(launches: list[Launch], workers: int, usage: bool = False) -> list[Compiled]:
+def compile_all(
+    launches: list[Launch], workers: int, usage: bool = False, mix: bool = False
+) -> list[Compiled]:
     """Each launch compiled (`compile_launch`), in `workers` processes without the
     interpreter (TRITON_INTERPRET is taken out of this process's environment for them)."""
     os.environ.pop("TRITON_INTERPRET", None)
@@ -280,7 +316,8 @@ def compile_all(launches: list[Launch], workers: int, usage: bool = False) -> li
     # imported as interpreted functions, which the compiler cannot read
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        return list(pool.map(partial(compile_launch, usage=usage), launches, chunksize=4))
+        work = partial(compile_launch, usage=usage, mix=mix)
+        return list(pool.map(work, launches, chunksize=4))
 
 
 def print_usage(launches: list[Launch], compiled: list[Compiled]) -> None:

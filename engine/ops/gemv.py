@@ -60,7 +60,7 @@ def _switch(name: str) -> bool:
 # ENGINE_ROWS_LOAD_3D=1: the all-rows launches load x's rows and the weight tiles as 3-d
 # blocks (`gemv_rows_kernel`'s LOAD_3D), whose accumulator holds a few keys a thread. Compiled
 # for sm_90 at a verify pass's 13 rows, the sum over the keys after the loop shrinks from 322
-# shuffles a thread to 64 (o_proj; 1224 instructions a thread in all against 608), for 115
+# shuffles a thread to 64 (o_proj; its code 1224 instructions long against 608), for 115
 # registers against 96 (one program an SM either way). Off until timed on a GPU against the
 # launches above (`bench_gemv.py --load-3d`, `bench_steps.py` with the variable set).
 ROWS_LOAD_3D = _switch("ENGINE_ROWS_LOAD_3D")

@@ -216,3 +216,27 @@ def test_the_engines_launches_hold_what_their_policies_assume(monkeypatch, bench
         assert held[label] == programs, (label, held[label], programs)
     for label, _ in decode:
         assert held[label] >= triton_decode.PROGRAMS_PER_SM, (label, held[label])
+
+
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*10c0*/                   DEPBAR.LE SB0, 0xc ;                   /* 0x000083000000791a */
+        /*10d0*/                   DEPBAR.LE SB0, 0x0 ;                   /* 0x000080000000791a */
+        /*1170*/                   FFMA R10, R27, R29.reuse, R10 ;        /* 0x0000001d1b0a7223 */
+        /*1180*/                   FFMA R11, R26, R29, R11 ;              /* 0x0000001d1a0b7223 */
+        /*1190*/                   SHFL.BFLY PT, R27, R16, 0x10, 0x1f ;   /* 0x0e001f0010177f89 */
+        /*1790*/              @!P3 BRA 0x10c0 ;                           /* 0xfffffff80048b947 */
+        /*17a0*/               @P0 LDGSTS.E.BYPASS.LTC128B.128 [R3], desc[UR4][R4.64] ;
+        /*4bb0*/              @!P0 EXIT ;                                 /* 0x000000000000894d */
+"""
+
+
+def test_sass_mix_counts_instructions_by_opcode():
+    """`sass_mix` counts `cuobjdump -sass` lines by opcode (modifiers and predicates
+    dropped), all of them, and the waits for every outstanding copy (DEPBAR.LE SB0, 0x0;
+    not a wait that leaves some in flight)."""
+    mix = kernel_launches.sass_mix(SASS)
+    assert mix["all"] == 9
+    assert (mix["FFMA"], mix["SHFL"], mix["DEPBAR"], mix["LDGSTS"]) == (2, 1, 2, 1)
+    assert (mix["BRA"], mix["EXIT"], mix["LDC"]) == (1, 1, 1)
+    assert mix["wait all"] == 1
