@@ -135,29 +135,25 @@ def attention(
 
 def rows(kernel_launches, load_3d: bool | None = None) -> list[tuple[str, Launch]]:
     """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
-    rows, as a verify pass launches it (`rows_config`); `load_3d` overrides its LOAD_3D."""
+    rows, as a verify pass launches it (`bench_gemv.verify_launch`: `rows_config`, with the
+    norm or SiLU*mul where a verify pass runs them); `load_3d` overrides its LOAD_3D."""
     import torch
+    from bench_gemv import SHAPES, verify_launch  # benchmarks/, beside this script
 
-    from engine.ops import gemv
-
-    n_rows, hidden, inter, qkv = 13, 576, 1536, 960
-    x, norm = torch.zeros(n_rows, hidden), torch.ones(hidden)
-    wide = torch.zeros(n_rows, inter)
     extra = {} if load_3d is None else {"LOAD_3D": load_3d}
-
-    def config(columns: int, silu_mul: bool = False) -> dict:
-        return dict(gemv.rows_config(columns, 132, silu_mul), **extra)
-
-    launches = {
-        "norm + qkv 960 x 576": lambda: gemv.norm_gemv(
-            x, None, norm, 1e-5, torch.zeros(qkv, hidden), config(qkv)
-        ),
-        "o_proj 576 x 576": lambda: gemv.gemv(x, torch.zeros(hidden, hidden), config(hidden)),
-        "norm + gate_up 3072 x 576 + SiLU*mul": lambda: gemv.norm_gemv_silu(
-            x, None, norm, 1e-5, torch.zeros(2 * inter, hidden), config(inter, silu_mul=True)
-        ),
-        "down 576 x 1536": lambda: gemv.gemv(wide, torch.zeros(hidden, inter), config(hidden)),
+    labels = {
+        "qkv": "norm + qkv",
+        "o_proj": "o_proj",
+        "gate_up": "norm + gate_up",
+        "down": "down",
     }
+    launches = {}
+    for name, label in labels.items():
+        n, k = SHAPES["smollm2_135m"][name]
+        model, call, _ = verify_launch(name, n, 132, torch.ones(k))
+        config, x, w = dict(model, **extra), torch.zeros(13, k), torch.zeros(n, k)
+        silu = " + SiLU*mul" if name == "gate_up" else ""
+        launches[f"{label} {n} x {k}{silu}"] = lambda c=config, x=x, w=w, call=call: call(x, w, c)
     suffix = ", 3-d loads" if load_3d else ""
     return [(label + suffix, _recorded(kernel_launches, fn)) for label, fn in launches.items()]
 

@@ -135,6 +135,20 @@ def choose_verify_config(programs: int, num_sms: int) -> dict:
 
 
 @triton.jit
+def _kv_block(k_cache, v_cache, slots, key_ok, head_base, stride_ct, MASKED: tl.constexpr):
+    """The K and V rows of the keys at `slots` ([keys, head_dim] each); MASKED: only where
+    `key_ok` (zeros elsewhere)."""
+    kv_offs = slots.to(tl.int64)[:, None] * stride_ct + head_base
+    if MASKED:
+        k_block = tl.load(k_cache + kv_offs, mask=key_ok[:, None], other=0.0)
+        v_block = tl.load(v_cache + kv_offs, mask=key_ok[:, None], other=0.0)
+    else:
+        k_block = tl.load(k_cache + kv_offs)
+        v_block = tl.load(v_cache + kv_offs)
+    return k_block, v_block
+
+
+@triton.jit
 def _attend_keys(
     q_block,
     k_cache,
@@ -160,15 +174,10 @@ def _attend_keys(
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < hi
     if MASKED:
-        slots = tl.load(kv_indices + kv_start + keys, mask=key_ok, other=0).to(tl.int64)
-        kv_offs = slots[:, None] * stride_ct + head_base
-        k_block = tl.load(k_cache + kv_offs, mask=key_ok[:, None], other=0.0)
-        v_block = tl.load(v_cache + kv_offs, mask=key_ok[:, None], other=0.0)
+        slots = tl.load(kv_indices + kv_start + keys, mask=key_ok, other=0)
     else:
-        slots = tl.load(kv_indices + kv_start + keys).to(tl.int64)
-        kv_offs = slots[:, None] * stride_ct + head_base
-        k_block = tl.load(k_cache + kv_offs)
-        v_block = tl.load(v_cache + kv_offs)
+        slots = tl.load(kv_indices + kv_start + keys)
+    k_block, v_block = _kv_block(k_cache, v_cache, slots, key_ok, head_base, stride_ct, MASKED)
     visible = key_ok[None, :]  # read only when MASKED
     if MASKED and TREE:
         node = keys - prefix
@@ -263,17 +272,15 @@ def _decode_split_kernel(
         # its slots a block earlier still: no load waits on another inside the loop
         keys = lo + tl.arange(0, BLOCK_N)
         slots = tl.load(kv_indices + kv_start + keys, mask=keys < full_end, other=0)
-        kv_offs = slots.to(tl.int64)[:, None] * stride_ct + head_base
-        k_next = tl.load(k_cache + kv_offs, mask=(keys < full_end)[:, None], other=0.0)
-        v_next = tl.load(v_cache + kv_offs, mask=(keys < full_end)[:, None], other=0.0)
+        k_next, v_next = _kv_block(
+            k_cache, v_cache, slots, keys < full_end, head_base, stride_ct, True
+        )
         keys = keys + BLOCK_N
         slots = tl.load(kv_indices + kv_start + keys, mask=keys < full_end, other=0)
         for start in range(lo, full_end, BLOCK_N):
             k_block, v_block = k_next, v_next
             ahead = start + BLOCK_N + tl.arange(0, BLOCK_N) < full_end
-            kv_offs = slots.to(tl.int64)[:, None] * stride_ct + head_base
-            k_next = tl.load(k_cache + kv_offs, mask=ahead[:, None], other=0.0)
-            v_next = tl.load(v_cache + kv_offs, mask=ahead[:, None], other=0.0)
+            k_next, v_next = _kv_block(k_cache, v_cache, slots, ahead, head_base, stride_ct, True)
             keys = start + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
             slots = tl.load(kv_indices + kv_start + keys, mask=keys < full_end, other=0)
             m_i, l_i, acc = online_softmax_step(

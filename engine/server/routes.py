@@ -7,7 +7,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any, cast
 
@@ -161,17 +161,11 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(
-        self, events: AsyncGenerator[bytes, None], headers: Mapping[str, str] | None = None
-    ) -> None:
-        super().__init__(events, headers=headers)
-        self.events = events  # the `body_iterator`, typed as what it is: it has aclose
-
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
-        finally:
-            await self.events.aclose()
+        finally:  # `_sse`'s generator (an async iterable is kept as it is given)
+            await cast(AsyncGenerator[bytes, None], self.body_iterator).aclose()
 
 
 @attrs.frozen(eq=False)

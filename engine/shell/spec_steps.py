@@ -77,6 +77,7 @@ class SpeculativeSteps(DecodeSteps):
         known now)."""
         assert self.spec is not None
         running = self.running
+        launched = None if ahead is None else ahead.verify_launched()
         if ahead is None:
             assert trees is not None
             self.ahead.drop()  # a pass planned as a decode: its slots go to the verify pass
@@ -88,21 +89,17 @@ class SpeculativeSteps(DecodeSteps):
         elif ahead.batch.running is running:  # planned at the last commit (`_launch_next`)
             batch = ahead.batch
         else:  # planned during the last pass (`_verify_ahead`): its roots are known now
-            assert ahead.batch.trees is not None  # a verify pass's
+            assert ahead.batch.trees is not None and launched is not None  # a verify pass's
             trees = with_roots(ahead.batch.trees, running.last_tokens)
-            self.stats["verify_ahead_guesses"] += int((ahead.verify_launched().guesses >= 0).sum())
-            self.stats["verify_ahead_guesses_missed"] += int(
-                ahead.verify_launched().missed(trees).sum()
-            )
+            self.stats["verify_ahead_guesses"] += int((launched.guesses >= 0).sum())
+            self.stats["verify_ahead_guesses_missed"] += int(launched.missed(trees).sum())
             batch = self.machine.schedule_verify(running, trees, ahead.batch.out_slots)
         trees = batch.trees
         assert trees is not None
         with self._open(batch) as open_pass:
             uids = running.rids.tolist()
             params = [self.requests[u].params for u in uids]
-            forward = (
-                self.passes.forward(batch) if ahead is None else ahead.verify_launched().logits
-            )
+            forward = self.passes.forward(batch) if launched is None else launched.logits
             # all greedy with a grammar among them: the argmax along each tree's accepted path
             # is checked against its grammar, no node masked first (`Grammars.verify_paths`)
             greedy = all(p.greedy for p in params)
@@ -133,8 +130,8 @@ class SpeculativeSteps(DecodeSteps):
             )
             self.passes.logprobs = None if pending is None else pending.host()
             recorded = trees
-            if ahead is not None:  # drafts that were for another token: not the proposer's
-                recorded = ahead.verify_launched().recorded(trees, outcome.accepted_lens.lens)
+            if launched is not None:  # drafts that were for another token: not the proposer's
+                recorded = launched.recorded(trees, outcome.accepted_lens.lens)
             self.spec.record(uids, recorded, outcome.accepted_lens.lens)
             if walk is not None:  # (before the transition: its effects are applied next)
                 self._confirm_walk(walk, outcome, target)
