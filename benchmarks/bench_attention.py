@@ -32,9 +32,9 @@ from attention_problems import (  # benchmarks/, beside this script
 )
 
 from engine import pdl
-from engine.backends import triton_decode, triton_extend, triton_index, triton_merge
+from engine.backends import decode_policy, triton_decode, triton_extend, triton_index, triton_merge
+from engine.backends.decode_policy import choose_num_splits
 from engine.backends.torch_backend import build_kv_indices
-from engine.backends.triton_decode import choose_num_splits
 from engine.backends.triton_index import launch_kv_indices
 
 DECODE = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]
@@ -350,7 +350,7 @@ def split_grid(ceiling: float) -> None:
     the table (for fitting the policy)."""
     import json
 
-    sms = triton_decode.num_sms(torch.device("cuda"))
+    sms = decode_policy.num_sms(torch.device("cuda"))
     print(f"\nsplit grid: {sms} SMs, copy ceiling {ceiling:.0f} GB/s")
     print(
         "| B | L | Hkv | " + " | ".join(f"s={s} us" for s in SPLIT_COUNTS) + " | best | "

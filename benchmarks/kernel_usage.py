@@ -46,7 +46,7 @@ def per_sm(registers: int, shared: int, warps: int) -> tuple[int, int, int]:
 
 def attention_launches(kind: str) -> list[tuple[str, dict]]:
     """(label, config) for each configuration of `kind` the table shows."""
-    from engine.backends import triton_decode, triton_extend
+    from engine.backends import decode_policy, triton_extend
 
     if kind == "extend":
         return [
@@ -73,7 +73,7 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
         ]
     return [
         (f"{c['BLOCK_N']} keys, {c['num_warps']} warps, {c['num_stages']} stages", c)
-        for c, _ in triton_decode.VERIFY_CONFIGS
+        for c, _ in decode_policy.VERIFY_CONFIGS
     ]
 
 

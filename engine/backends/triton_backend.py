@@ -12,7 +12,7 @@ planned at (P, T); an extend pass's attention runs a grid of T new tokens a requ
 programs past a request's tokens return at once) and zeroes all T output rows first.
 Keep q/k/v/out of a captured forward at fixed addresses as usual.
 
-Split-KV decode passes of up to `triton_decode.FUSED_MERGE_MAX_SPLITS` splits merge them in
+Split-KV decode passes of up to `decode_policy.FUSED_MERGE_MAX_SPLITS` splits merge them in
 the split kernel, counting arrivals in int32 counters that every launch leaves at zero: the
 graph buffers own one set (fixed address, for every replay), the backend another for eager
 plans.
@@ -34,8 +34,9 @@ from engine.backends.base import (
     host_metadata,
     register,
 )
-from engine.backends.triton_decode import choose_num_splits, decode_attention
-from engine.backends.triton_decode import num_sms as _num_sms
+from engine.backends.decode_policy import choose_num_splits
+from engine.backends.decode_policy import num_sms as _num_sms
+from engine.backends.triton_decode import decode_attention
 from engine.backends.triton_extend import extend_attention
 from engine.backends.triton_index import build_kv_indices_into
 from engine.backends.triton_merge import merge_counters

@@ -10,29 +10,29 @@ import pytest
 from backend_cases import DTYPES, ON_CUDA
 from test_triton_attention import check_against_reference
 
-from engine.backends import triton_decode, triton_extend
+from engine.backends import decode_policy, triton_extend
 
 pytestmark = pytest.mark.skipif(ON_CUDA, reason="a GPU runs these configurations anyway")
 
 CASE = dict(num_kv_heads=2, group=4, head_dim=128, dtype=DTYPES[-1], seed=41)
 DECODE_CONFIGS = [
-    dict(triton_decode.DECODE_CONFIG, num_warps=warps, FUSED_MERGE=fused)
-    for warps in (triton_decode.ONE_WAVE_WARPS, triton_decode.DECODE_CONFIG["num_warps"])
+    dict(decode_policy.DECODE_CONFIG, num_warps=warps, FUSED_MERGE=fused)
+    for warps in (decode_policy.ONE_WAVE_WARPS, decode_policy.DECODE_CONFIG["num_warps"])
     for fused in (False, True)
 ]
 
 
 @pytest.mark.parametrize("config", DECODE_CONFIGS, ids=str)
 def test_decode_at_the_gpu_configurations(config: dict, monkeypatch) -> None:
-    monkeypatch.setattr(triton_decode, "INTERPRETER_CONFIG", config)
+    monkeypatch.setattr(decode_policy, "INTERPRETER_CONFIG", config)
     for num_splits in (1, 3):
         shape = dict(CASE, prefix_lens=[70, 5, 129], new_lens=[1, 1, 1], num_splits=num_splits)
         check_against_reference("decode", shape)
 
 
-@pytest.mark.parametrize("config", [c for c, _ in triton_decode.VERIFY_CONFIGS], ids=str)
+@pytest.mark.parametrize("config", [c for c, _ in decode_policy.VERIFY_CONFIGS], ids=str)
 def test_verify_at_the_gpu_configurations(config: dict, monkeypatch) -> None:
-    monkeypatch.setattr(triton_decode, "INTERPRETER_CONFIG", dict(config, FUSED_MERGE=False))
+    monkeypatch.setattr(decode_policy, "INTERPRETER_CONFIG", dict(config, FUSED_MERGE=False))
     for num_splits in (1, 2):
         shape = dict(CASE, prefix_lens=[40, 3], new_lens=[5, 12], num_splits=num_splits)
         check_against_reference("verify", shape)

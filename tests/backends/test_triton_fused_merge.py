@@ -9,7 +9,8 @@ import torch
 from backend_cases import DEVICE, DTYPES, TOLERANCE, relative_error
 
 from engine.backends import BufferTooSmall
-from engine.backends.triton_decode import FUSED_MERGE_MAX_SPLITS, MAX_SPLITS, decode_attention
+from engine.backends.decode_policy import FUSED_MERGE_MAX_SPLITS, MAX_SPLITS
+from engine.backends.triton_decode import decode_attention
 from engine.backends.triton_merge import MERGE_VALUES_PER_THREAD, merge_counters, merge_tiles
 
 DTYPE = DTYPES[0]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.backends.triton_decode import (
+from engine.backends.decode_policy import (
     DECODE_CONFIG,
     MAX_SPLITS,
     MIN_KEYS_PER_SPLIT,

@@ -168,7 +168,7 @@ def test_one_launch_a_kernel_is_added_in_each_pdl_mode():
 
 def test_kernel_usage_counts_the_programs_an_sm_holds(bench_script):
     """`benchmarks/kernel_usage.py`'s occupancy: the verify configurations' compiler reports
-    as `triton_decode.VERIFY_CONFIGS` reads them (148 registers and 49 KB -> 3 programs an
+    as `decode_policy.VERIFY_CONFIGS` reads them (148 registers and 49 KB -> 3 programs an
     SM; 218 registers and 83 KB -> 2), and each limit on its own."""
     kernel_usage = bench_script("kernel_usage")
 
@@ -186,7 +186,7 @@ def test_the_engines_launches_hold_what_their_policies_assume(monkeypatch, bench
     `choose_decode_warps` gives, leaves room for the PROGRAMS_PER_SM the split policy
     streams with. A kernel change that costs registers or shared memory past these fails
     here rather than as a slower pass on a device."""
-    from engine.backends import triton_decode, triton_extend
+    from engine.backends import decode_policy, triton_extend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # compile_all takes it out; back after
     monkeypatch.setattr(triton_extend, "tma_ready", triton_extend.tma_ready)  # kernel_usage's
@@ -194,10 +194,10 @@ def test_the_engines_launches_hold_what_their_policies_assume(monkeypatch, bench
 
     # as `choose_decode_warps` gives them: 2 warps at one wave of split programs (the merge
     # fused), 4 beyond it, where the split policy no longer splits
-    one_wave = dict(triton_decode.DECODE_CONFIG, num_warps=triton_decode.ONE_WAVE_WARPS)
-    beyond = dict(triton_decode.DECODE_CONFIG)  # 4 warps (the grid here is one wave)
+    one_wave = dict(decode_policy.DECODE_CONFIG, num_warps=decode_policy.ONE_WAVE_WARPS)
+    beyond = dict(decode_policy.DECODE_CONFIG)  # 4 warps (the grid here is one wave)
     decode = [("decode, split, merge fused", one_wave), ("decode, one split", beyond)]
-    verify = [(f"verify, {c['BLOCK_N']} keys", c) for c, _ in triton_decode.VERIFY_CONFIGS]
+    verify = [(f"verify, {c['BLOCK_N']} keys", c) for c, _ in decode_policy.VERIFY_CONFIGS]
     labelled = [
         *kernel_usage.attention("decode", kernel_launches, decode[:1], splits=4),
         *kernel_usage.attention("decode", kernel_launches, decode[1:], splits=1),
@@ -212,10 +212,10 @@ def test_the_engines_launches_hold_what_their_policies_assume(monkeypatch, bench
         assert result.spilled == 0, f"{label} spills {result.spilled} bytes a thread"
         warps = dict(launch.options)["num_warps"]
         held[label] = kernel_usage.per_sm(result.registers, result.shared, warps)[2]
-    for (_, programs), (label, _) in zip(triton_decode.VERIFY_CONFIGS, verify, strict=True):
+    for (_, programs), (label, _) in zip(decode_policy.VERIFY_CONFIGS, verify, strict=True):
         assert held[label] == programs, (label, held[label], programs)
     for label, _ in decode:
-        assert held[label] >= triton_decode.PROGRAMS_PER_SM, (label, held[label])
+        assert held[label] >= decode_policy.PROGRAMS_PER_SM, (label, held[label])
 
 
 SASS = """
