@@ -5,7 +5,10 @@
 # speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh
-# PROBE_PARTS="grid decode decode-off spec run" picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT (s).
+# PROBE_PARTS="grid decode decode-off spec run load3d prefetch" picks parts (default: grid
+# decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT / LOAD3D_TIMEOUT /
+# PREFETCH_TIMEOUT (s). load3d and prefetch time the opt-in kernel variants against the
+# defaults: PROBE_PARTS="load3d prefetch".
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -28,7 +31,18 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
     run)  # the whole decode-heavy run at batch 64: the prompts' prefill and every decode step
         cmd=(python3 benchmarks/profile_steps.py decode --prefill --steps 300 --max-tokens 256)
         limit=${DECODE_TIMEOUT:-120} ;;
-    *) echo "unknown part $part (grid, decode, decode-off, spec, run)"; exit 2 ;;
+    load3d)  # the all-rows products flat against in 3-d blocks (ENGINE_ROWS_LOAD_3D): each
+        # verify launch alone, then the default model's passes (random weights) both ways
+        cmd=(bash -c 'python3 benchmarks/bench_gemv.py --load-3d --shapes smollm2_135m \
+            --dtype float32 --rows 8,13 && for v in 0 1; do echo "ENGINE_ROWS_LOAD_3D=$v"
+            ENGINE_ROWS_LOAD_3D=$v python3 benchmarks/bench_steps.py --preset smollm2_135m \
+            --dtype float32 --batches 1 --context 512 --max-context 8192 --tree-nodes 8,13
+            done')
+        limit=${LOAD3D_TIMEOUT:-200} ;;
+    prefetch)  # the decode split kernel's PREFETCH configurations beside the defaults
+        cmd=(python3 benchmarks/bench_attention.py --decode); limit=${PREFETCH_TIMEOUT:-200} ;;
+    *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, prefetch)"
+        exit 2 ;;
     esac
     start=$(date +%s)
     timeout "$limit" "${cmd[@]}" >"$OUT_DIR/$part.log" 2>&1
