@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any, cast
 
+import anyio
 import attrs
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -256,8 +257,14 @@ async def _sse(
     finally:
         for task in tasks:
             task.cancel()
-        for run in runs:
-            await run.deltas.aclose()  # a choice cut short is aborted: its slots are freed
+        # A pump may be inside its generator (`anext`): closing it then raises ("already
+        # running"), so the pumps are waited for first. Shielded: a stream cut short ends in
+        # a cancelled anyio scope (Starlette's, at a disconnect), which cancels every wait in
+        # it again.
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for run in runs:
+                await run.deltas.aclose()  # a choice cut short is aborted: its slots are freed
 
 
 async def _collect(

@@ -1,0 +1,82 @@
+"""A stream cut short (the client left, or the framework cancelled the response) closes every
+choice's generator, whose closing aborts its request, and ends without an error of its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import attrs
+
+from engine.server.protocol import ResponseShape
+from engine.server.routes import _Run, _sse
+
+
+@attrs.frozen
+class _Delta:
+    text: str
+    finish_reason: str | None = None
+    logprobs: object = None
+    usage: object = None
+
+
+def _runs(closed: list[int], count: int) -> list[_Run]:
+    """`count` choices whose first delta has come and whose next never does; each notes its
+    index in `closed` when its generator is closed (as `run_request`'s aborts its request)."""
+
+    async def deltas(index: int):
+        try:
+            await asyncio.Event().wait()  # the engine has nothing more yet
+            yield _Delta("never")
+        finally:
+            closed.append(index)
+
+    return [_Run(index, _Delta("a"), deltas(index)) for index in range(count)]
+
+
+def _stream(runs: list[_Run]):
+    return _sse(ResponseShape(False, "cmpl-1", "m", str), runs, False, len(runs))
+
+
+def test_a_stream_the_client_leaves_closes_every_choice():
+    """The choices' pumps wait inside their generators (`anext`) when the stream is closed:
+    closing a generator another task is running raised RuntimeError ("aclose(): asynchronous
+    generator is already running"), an exception in the ASGI application at every disconnect
+    mid-stream. The pumps are now waited for first."""
+    closed: list[int] = []
+
+    async def scenario() -> None:
+        stream = _stream(_runs(closed, 2))
+        assert (await anext(stream)).startswith(b"data: ")
+        for _ in range(5):  # the pumps put their first deltas and wait for the next
+            await asyncio.sleep(0)
+        await stream.aclose()
+
+    asyncio.run(scenario())
+    assert sorted(closed) == [0, 1]
+
+
+def test_a_stream_cancelled_by_its_task_group_closes_every_choice():
+    """As Starlette ends a streaming response when the client disconnects: the task group's
+    scope is cancelled while the stream waits for a delta. Under anyio a cancelled scope
+    cancels every wait in it again, so the stream's clean-up (waiting for its pumps, closing
+    the generators) runs shielded; it completes, and the cancellation still ends the stream."""
+    closed: list[int] = []
+    chunks: list[bytes] = []
+
+    async def scenario() -> None:
+        stream = _stream(_runs(closed, 3))
+
+        async def consume() -> None:
+            async for chunk in stream:
+                chunks.append(chunk)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(consume)
+            for _ in range(10):
+                await asyncio.sleep(0)
+            group.cancel_scope.cancel()
+
+    asyncio.run(scenario())
+    assert len(chunks) == 3  # each choice's first delta, then the wait that was cancelled
+    assert sorted(closed) == [0, 1, 2]
