@@ -42,12 +42,14 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.shell.engine import Engine
+    from engine.shell.textio import to_params
 
+    params = to_params(_params(args))  # refused before the model loads
     engine = Engine(**EngineConfig.overrides_from(args))
     prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     started, count = time.perf_counter(), 0
     try:
-        for delta in engine.stream(prompt, _params(args)):
+        for delta in engine.stream(prompt, params):
             count += len(delta.token_ids)
             sys.stdout.write(delta.text)
             sys.stdout.flush()
@@ -304,7 +306,20 @@ def main(argv: list[str] | None = None) -> int:
 
         serve_as_worker(EngineConfig().replace(**EngineConfig.overrides_from(args)))
         return 0
-    return int(args.func(args) or 0)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command; an option, a model or a request it cannot take ends it with its one-line
+    message (what was wrong, what is allowed) and status 2, as argparse does, not a traceback."""
+    from engine.errors import ConfigError, InvalidRequest
+    from engine.model.loader import ModelLoadError, ModelNotFoundError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, InvalidRequest, ModelNotFoundError, ModelLoadError) as error:
+        print(f"engine {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,3 +10,8 @@ class InvalidRequest(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class ConfigError(ValueError):
+    """An engine option (or the machine it runs on) that cannot work: the message names the
+    option, its value and what is allowed. Raised while an engine is built, before it serves."""

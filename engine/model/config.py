@@ -11,6 +11,8 @@ from typing import Any
 
 import attrs
 
+from engine.errors import ConfigError
+
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
 # the keys each scaling type needs; yarn also takes beta_fast, beta_slow, attention_factor,
 # mscale, mscale_all_dim and truncate (HF's defaults where absent)
@@ -21,7 +23,7 @@ _ROPE_SCALING_KEYS = {
 }
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """A config (HF or GGUF) that this engine cannot run."""
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
+from engine.errors import ConfigError
 from engine.model import families
 from engine.model.config import ModelConfig
 from engine.model.families import Family
@@ -45,7 +46,7 @@ class ModelLoadError(RuntimeError):
     """A model file exists but cannot be read or does not fit the config."""
 
 
-class ShardError(ValueError):
+class ShardError(ConfigError):
     """The model's shapes do not split over the tensor-parallel ranks asked for."""
 
 

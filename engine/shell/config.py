@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from engine.errors import ConfigError
 from engine.spec.config import SpecConfig
 from engine.state.params import is_int, is_number
 
@@ -20,29 +21,29 @@ def _field(default: Any, help: str, validator: Any = None, aliases: tuple[str, .
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and (not is_int(value) or value < 1):
-        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 1")
+        raise ConfigError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 1")
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not is_int(value) or value < 0:
-        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 0")
+        raise ConfigError(f"{attribute.name}={value!r} is not allowed; it must be an integer >= 0")
 
 
 def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not is_number(value) or not 0 < value <= 1:  # NaN fails the comparison too
-        raise ValueError(
+        raise ConfigError(
             f"{attribute.name}={value!r} is not allowed; it must be a number in (0, 1]"
         )
 
 
 def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be True or False")
+        raise ConfigError(f"{attribute.name}={value!r} is not allowed; it must be True or False")
 
 
 def _optional_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, bool):
-        raise ValueError(
+        raise ConfigError(
             f"{attribute.name}={value!r} is not allowed; it must be True, False or None (auto)"
         )
 
@@ -50,18 +51,21 @@ def _optional_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
 def _one_of(*allowed: str) -> Any:
     def check(instance: Any, attribute: attrs.Attribute, value: str) -> None:
         if value not in allowed:
-            raise ValueError(f"{attribute.name}={value!r} is not allowed; choose one of {allowed}")
+            raise ConfigError(f"{attribute.name}={value!r} is not allowed; choose one of {allowed}")
 
     return check
 
 
 def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not is_number(value) or not value > 0:
-        raise ValueError(f"{attribute.name}={value!r} is not allowed; it must be a number > 0")
+        raise ConfigError(f"{attribute.name}={value!r} is not allowed; it must be a number > 0")
 
 
 def _draft_cost(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    SpecConfig(draft_cost=value)  # its check, with its message
+    try:
+        SpecConfig(draft_cost=value)  # its check, with its message
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 # speculation's options that launch passes before the host reads the pass before: what each
@@ -77,7 +81,7 @@ SPEC_DEFAULTS = SpecConfig()  # the proposer's settings the engine's options lea
 def _min_match(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     depth = SPEC_DEFAULTS.max_trie_depth
     if not (is_int(value) and 1 <= value < depth):
-        raise ValueError(
+        raise ConfigError(
             f"{attribute.name}={value!r} is not allowed; it must be an integer in [1, {depth - 1}]"
         )
 
@@ -277,12 +281,12 @@ class EngineConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.tensor_parallel_size > 1 and self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(
+            raise ConfigError(
                 f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size} "
                 "is not allowed: rank r runs on cuda:r; give device 'cuda', 'cpu' or 'auto'"
             )
         if self.tensor_parallel_size > 1 and self.launch_ahead is True:
-            raise ValueError(
+            raise ConfigError(
                 f"launch_ahead=True with tensor_parallel_size={self.tensor_parallel_size} is "
                 "not allowed: a pass launched ahead reads its input ids from rank 0's device, "
                 "which the other ranks do not have; use launch_ahead=False or None"
@@ -291,7 +295,7 @@ class EngineConfig:
         # (plan_ahead=False turns off every pass planned ahead, as it does launch_ahead)
         for name, launches in AHEAD_OF_THE_HOST.items():
             if getattr(self, name) and not (self.speculative and self.launch_ahead is not False):
-                raise ValueError(
+                raise ConfigError(
                     f"{name}=True with speculative={self.speculative}, launch_ahead="
                     f"{self.launch_ahead} is not allowed: it launches {launches}, which needs "
                     "speculative=True and launch_ahead True or None"

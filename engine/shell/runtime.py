@@ -12,6 +12,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.backends import KVPool, get_backend
+from engine.errors import ConfigError
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_model, shard_of, shard_plan
@@ -128,11 +129,11 @@ def rank_device(name: str, rank: int = 0, world: int = 1) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but no CUDA device is available; use 'cpu'")
+        raise ConfigError(f"device={name!r} but no CUDA device is available; use 'cpu'")
     if device.type == "cuda" and world > 1:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         if local_rank >= torch.cuda.device_count():
-            raise ValueError(
+            raise ConfigError(
                 f"tensor_parallel_size={world} needs a GPU for each rank on this machine; "
                 f"it has {torch.cuda.device_count()}"
             )
@@ -164,7 +165,7 @@ def build_runtime(config: EngineConfig, rank: int = 0) -> Runtime:
     # Random weights come without a tokenizer: prompts are token ids, outputs have no text.
     tokenizer = None if config.random_weights or rank else load_tokenizer(config.model)
     if config.random_weights and config.hf_config_path is not None:
-        raise ValueError(
+        raise ConfigError(
             f"hf_config_path={config.hf_config_path!r} applies to a GGUF model; "
             f"random_weights={config.random_weights!r} takes its shape from the preset"
         )
@@ -177,7 +178,7 @@ def build_runtime(config: EngineConfig, rank: int = 0) -> Runtime:
             "tiny": ModelConfig.tiny,
         }
         if config.random_weights not in presets:
-            raise ValueError(
+            raise ConfigError(
                 f"random_weights={config.random_weights!r}; choose one of {sorted(presets)}"
             )
         model_config = presets[config.random_weights]()
@@ -236,7 +237,7 @@ def _slots_from_budget(
         budget = config.kv_cache_bytes
     slots = budget // per_slot
     if slots < 16:
-        raise ValueError(
+        raise ConfigError(
             f"the KV budget of {budget} bytes holds {slots} tokens "
             f"({per_slot} bytes each); raise kv_cache_bytes or kv_cache_fraction"
         )
