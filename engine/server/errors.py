@@ -61,6 +61,19 @@ def _is_union_branch(part: Any) -> bool:
     )
 
 
+# Other servers' names of fields this server takes under other names: a request that uses
+# one is told which (vLLM's `guided_*`, which vLLM itself now takes as `structured_outputs`;
+# Hugging Face's `max_new_tokens`)
+RENAMED = {
+    "guided_json": 'structured_outputs {"json": SCHEMA}',
+    "guided_regex": 'structured_outputs {"regex": PATTERN}',
+    "guided_choice": 'structured_outputs {"choice": [STRINGS]}',
+    "guided_grammar": 'structured_outputs {"grammar": LARK}',
+    "guided_decoding_backend": "structured_outputs (one backend: llguidance)",
+    "max_new_tokens": "max_tokens",
+}
+
+
 def validation_error(exc: RequestValidationError) -> OpenAIError:
     """The first pydantic error, as a 400 that names the field and the value it got."""
     errors = exc.errors()
@@ -77,8 +90,10 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     elif first["type"] == "model_attributes_type" and param is None:
         message = "request body must be a JSON object"
     elif first["type"] == "extra_forbidden":
+        instead = RENAMED.get(param or "")
+        remedy = f"use {instead} instead" if instead else "remove it"
         message = (
-            f"{param} is not supported by this server; remove it (no field is taken and ignored)"
+            f"{param} is not supported by this server; {remedy} (no field is taken and ignored)"
         )
         return OpenAIError(400, message, param, "unsupported_parameter")
     elif first["type"] == "value_error":

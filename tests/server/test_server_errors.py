@@ -57,6 +57,14 @@ BAD_BODIES = [
     ("/v1/completions", {"suffix": "!"}, "suffix", "not supported"),
     ("/v1/completions", {"best_of": 2}, "best_of", "not supported"),
     ("/v1/completions", {"no_such_field": 1}, "no_such_field", "not supported"),
+    # vLLM's older names: the error names the field to use
+    (
+        "/v1/chat/completions",
+        {"guided_choice": ["a"]},
+        "guided_choice",
+        'use structured_outputs {"choice"',
+    ),
+    ("/v1/completions", {"guided_json": {}}, "guided_json", 'use structured_outputs {"json"'),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
