@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,11 @@ if TYPE_CHECKING:
 SERVER_EXTRA_MODULES = frozenset(
     {"fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client"}
 )
+
+
+# the prompts' length in token ids where the model has no tokenizer (`engine bench` with
+# random weights), about that of the chat prompts it sends otherwise
+BENCH_PROMPT_TOKENS = 32
 
 
 def _sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -81,10 +87,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "trains",
         "gardens",
     ]
-    prompts = [
+    prompts: list[Any] = [
         [{"role": "user", "content": f"Write a short story about {topics[i % 8]}."}]
         for i in range(args.num_prompts)
     ]
+    if engine.tokenizer is None:  # random weights: prompts of token ids, as long as those
+        generator = random.Random(0)
+        vocab = engine.runtime.vocab_size
+        prompts = [
+            [generator.randrange(vocab) for _ in range(BENCH_PROMPT_TOKENS)]
+            for _ in range(args.num_prompts)
+        ]
     params = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:1], dict(params, max_tokens=4))  # warm-up
     requests = [engine.submit(p, params) for p in prompts]

@@ -94,46 +94,6 @@ def test_cli_flags_parse_to_the_config_types() -> None:
     }
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["generate", "hi", "--max-tokens", "0"], "max_tokens=0 is not allowed"),
-        (["generate", "hi", "--temperature", "-1"], "temperature=-1.0 is not allowed"),
-        (["bench", "--random-weights", "nope"], "random_weights='nope'; choose one of"),
-        (["generate", "hi", "--model", "/nonexistent.gguf"], "/nonexistent.gguf does not exist"),
-        (
-            ["generate", "hi", "--random-weights", "tiny", "--kv-cache-bytes", "10"],
-            "the KV budget of 10 bytes holds 0 tokens",
-        ),
-        (
-            ["generate", "hi", "--random-weights", "tiny", "--tensor-parallel-size", "3"],
-            "does not split over tensor_parallel_size=3",
-        ),
-    ],
-)
-def test_the_cli_refuses_what_it_cannot_take_in_one_line(argv, message, capsys) -> None:
-    """An option, a model or a request the engine refuses ends the command with its message
-    and status 2 (it printed a traceback with the message last); a request's fields are
-    refused before the model loads."""
-    from engine import cli
-
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"engine {argv[0]}: error: ") and message in err, err
-    assert "Traceback" not in err
-
-
-def test_the_cli_refuses_a_requests_fields_before_loading_the_model(monkeypatch) -> None:
-    from engine import cli
-    from engine.shell import engine
-
-    def no_model(*args, **kwargs):
-        raise AssertionError("the model loaded for a request the CLI refuses")
-
-    monkeypatch.setattr(engine, "Engine", no_model)
-    assert cli.main(["generate", "hi", "--top-p", "0"]) == 2
-
-
 def test_the_errors_a_caller_can_act_on_are_value_errors() -> None:
     """ConfigError (options, models, shards) stays a ValueError, as callers caught before."""
     from engine.errors import ConfigError
