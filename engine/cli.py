@@ -55,9 +55,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt: Any = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     started, count = time.perf_counter(), 0
     try:
+        if engine.tokenizer is None:  # random weights: token ids in, token ids out
+            prompt = _token_ids(args.prompt)
         for delta in engine.stream(prompt, params):
             count += len(delta.token_ids)
-            sys.stdout.write(delta.text)
+            text = delta.text if engine.tokenizer is not None else _ids_text(delta.token_ids)
+            sys.stdout.write(text)
             sys.stdout.flush()
     finally:
         engine.close()  # the tensor-parallel workers stop with the command
@@ -69,6 +72,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _token_ids(prompt: str) -> list[int]:
+    """A prompt given as token ids separated by spaces (a model without a tokenizer)."""
+    from engine.errors import InvalidRequest
+
+    try:
+        return [int(token) for token in prompt.split()]
+    except ValueError:
+        raise InvalidRequest(
+            "prompt",
+            f"{prompt!r} is not token ids: this model has no tokenizer (random weights); "
+            "give the prompt as token ids separated by spaces, e.g. '1 2 3'",
+        ) from None
+
+
+def _ids_text(ids: list[int]) -> str:
+    return "".join(f" {token}" for token in ids)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -63,3 +63,17 @@ def test_engine_bench_runs_on_random_weights(capsys) -> None:
         == 0
     )
     assert capsys.readouterr().out.startswith("3 prompts, 12 tokens in ")
+
+
+def test_engine_generate_takes_and_prints_token_ids_on_random_weights(capsys) -> None:
+    """Without a tokenizer the prompt is token ids separated by spaces, and the output is
+    token ids (the prompt was refused: "give the prompt as a list of token ids", which the
+    command line could not)."""
+    argv = ["generate", "1 2 3", "--random-weights", "tiny", "--max-tokens", "5"]
+    argv += ["--temperature", "0"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.split()) == 5 and all(t.isdigit() for t in captured.out.split())
+    assert "[5 tokens in " in captured.err
+    assert cli.main(["generate", "hi", "--random-weights", "tiny"]) == 2
+    assert "'hi' is not token ids" in capsys.readouterr().err
