@@ -8,6 +8,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.shell.config import EngineConfig
@@ -88,7 +89,7 @@ def _token_ids(prompt: str) -> list[int]:
         ) from None
 
 
-def _ids_text(ids: list[int]) -> str:
+def _ids_text(ids: Sequence[int]) -> str:
     return "".join(f" {token}" for token in ids)
 
 
