@@ -29,6 +29,7 @@ from engine.server.metrics import ServerMetrics
 from engine.server.options import ServerOptions
 from engine.server.routes import router
 from engine.server.runs import ServerState, request_log
+from engine.server.tokens import router as token_router
 from engine.shell.config import EngineConfig
 from engine.shell.engine import Engine
 from engine.shell.startup import freeze_startup_objects, warm_up
@@ -72,6 +73,7 @@ def create_app(
     app.state.server = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(token_router)
     _add_middleware(app, options, state.metrics)
     return app
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.server.formats import ResponseFormat, StructuredOutputsBody
 from engine.server.tools import Tool, ToolChoice
@@ -216,6 +216,29 @@ class ChatMessage(_Strict):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a prompt as /v1/completions takes it, or chat messages as
+    /v1/chat/completions renders them (its template, the assistant's turn opened): one of the
+    two."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): the text of token ids."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -415,21 +415,32 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _generate(request, body, [prompt], body.max_new_tokens, chat=True)
 
 
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": _SERVER_START_S,
+        "owned_by": "engine",
+        "max_model_len": state.max_context,
+    }
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(_state(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request) -> dict[str, Any]:
     state = _state(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": _SERVER_START_S,
-                "owned_by": "engine",
-                "max_model_len": state.max_context,
-            }
-        ],
-    }
+    if model != state.model_name:
+        raise OpenAIError(
+            404,
+            f"model {model!r} is not served here; use {state.model_name!r}",
+            "model",
+            "model_not_found",
+        )
+    return _model_card(state)
 
 
 @router.get("/health")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -16,15 +16,20 @@ from engine.shell.request import DeltaSink, Request
 from engine.state import SamplingParams
 
 
+def validate_token_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt") -> None:
+    """Raise InvalidRequest naming `field` unless every id is in the vocabulary."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(
+            field, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+
+
 def validate_prompt(ids: list[int], vocab_size: int, max_context: int, pool_slots: int) -> None:
     """Raise InvalidRequest unless the engine can run this prompt to one output token."""
     if not ids:
         raise InvalidRequest("prompt", "is empty; give at least one token")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(
-            "prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-        )
+    validate_token_ids(ids, vocab_size)
     if len(ids) >= max_context:
         raise InvalidRequest(
             "prompt",

@@ -33,7 +33,14 @@ def _client(url: str, key: str) -> openai.OpenAI:
     [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}],
 )
 @pytest.mark.parametrize(
-    "method, path", [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics")]
+    "method, path",
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("GET", "/metrics"),
+        ("POST", "/tokenize"),
+        ("GET", "/v1/models/any"),
+    ],
 )
 def test_without_the_key_every_endpoint_but_health_answers_401(guarded, headers, method, path):
     answer = httpx.request(

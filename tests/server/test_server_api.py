@@ -1,5 +1,5 @@
 """Completions and chat, streamed and not, against Engine.generate; usage, models, health,
-metrics."""
+metrics, the tokenizer's endpoints."""
 
 from __future__ import annotations
 
@@ -148,6 +148,50 @@ def test_models_and_health(served: Served) -> None:
     assert [m.id for m in models.data] == [served.model]
     health = httpx.get(f"{served.url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_a_model_is_retrieved_by_its_id(served: Served) -> None:
+    assert served.client().models.retrieve(served.model).id == served.model
+    missing = httpx.get(f"{served.url}/v1/models/no-such-model")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_gives_the_ids_the_server_runs_and_detokenize_their_text(served: Served) -> None:
+    """/tokenize's ids are a completion's prompt ids (text) and a chat's (its messages through
+    the template): the usage counts them alike; /detokenize gives the text back."""
+    completion, chat = served.references["completion/greedy"], served.references["chat/greedy"]
+    text = httpx.post(f"{served.url}/tokenize", json={"prompt": COMPLETION_PROMPT}).json()
+    assert text["tokens"] == list(completion.prompt_token_ids) and text["count"] == len(
+        text["tokens"]
+    )
+    assert text["max_model_len"] == served.client().models.retrieve(served.model).max_model_len
+    messages = {"model": served.model, "messages": CHAT_MESSAGES}
+    assert httpx.post(f"{served.url}/tokenize", json=messages).json()["tokens"] == list(
+        chat.prompt_token_ids
+    )
+    back = httpx.post(f"{served.url}/detokenize", json={"tokens": text["tokens"]}).json()
+    assert back == {"prompt": COMPLETION_PROMPT}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "words"),
+    [
+        ("/tokenize", {}, None, "exactly one of prompt and messages"),
+        ("/tokenize", {"prompt": "a", "messages": CHAT_MESSAGES}, None, "exactly one"),
+        ("/tokenize", {"prompt": [1, 10**9]}, "prompt", "outside the vocabulary"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": False}, "add_special_tokens", "not"),
+        ("/tokenize", {"model": "gpt-4", "prompt": "a"}, "model", "gpt-4"),
+        ("/detokenize", {"tokens": [-1]}, "tokens", "outside the vocabulary"),
+        ("/detokenize", {}, "tokens", "required"),
+    ],
+)
+def test_tokenize_and_detokenize_refuse_naming_the_field(
+    served: Served, path: str, body: dict, param: str | None, words: str
+) -> None:
+    answer = httpx.post(f"{served.url}{path}", json=body)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == param and words in error["message"]
 
 
 def test_metrics_lists_engine_and_latency_series(served: Served) -> None:
