@@ -16,6 +16,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from engine.errors import InvalidRequest
 from engine.model.loader import ModelLoadError, resolve_model_path
 
 
@@ -45,24 +48,124 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def chat_text(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping] | None = None,
+        rendering: ChatRendering | None = None,
     ) -> str:
-        """The chat template rendered with the assistant's generation prompt appended, and
-        `tools` (OpenAI's function tools) where given."""
-        if not getattr(self.hf, "chat_template", None):
+        """The chat template rendered with `tools` (OpenAI's function tools) where given, and
+        as `rendering` says (default: the assistant's generation prompt appended)."""
+        template = getattr(self.hf, "chat_template", None)
+        if not template:
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt")
+        rendering = rendering or ChatRendering()
+        rendering.check(messages, template_variables(template))
         return self.hf.apply_chat_template(
             list(messages),
             tools=None if tools is None else list(tools),
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=rendering.add_generation_prompt,
+            continue_final_message=rendering.continue_final_message,
+            **dict(rendering.template_kwargs),
         )
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping] | None = None,
+        rendering: ChatRendering | None = None,
     ) -> list[int]:
         # The template writes any BOS itself, so encoding adds no special tokens.
-        return self.encode(self.chat_text(messages, tools), add_special_tokens=False)
+        return self.encode(self.chat_text(messages, tools, rendering), add_special_tokens=False)
+
+
+# apply_chat_template's own parameters: a template variable of one of these names cannot be set
+_TEMPLATE_CALL_PARAMETERS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _pairs(kwargs: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+    items = kwargs.items() if isinstance(kwargs, Mapping) else kwargs
+    return tuple(sorted((str(name), value) for name, value in items))
+
+
+@attrs.frozen
+class ChatRendering:
+    """How a chat is rendered (vLLM's request fields of the same names): the assistant's
+    generation prompt appended (the default), or the last message, the assistant's, left open
+    for the model to continue (`continue_final_message`); `template_kwargs`: variables the
+    template reads (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`), as (name, value)
+    pairs."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_pairs)
+
+    def check(self, messages: Sequence[Mapping[str, Any]], variables: frozenset[str]) -> None:
+        """InvalidRequest naming the field unless the template can render `messages` so: a
+        variable the template does not read would be taken and ignored."""
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequest(
+                "continue_final_message",
+                "continue_final_message=true leaves the last message open; it needs "
+                "add_generation_prompt=false (both were true)",
+            )
+        if self.continue_final_message and (
+            not messages or messages[-1].get("role") != "assistant"
+        ):
+            raise InvalidRequest(
+                "continue_final_message",
+                "continue_final_message=true continues the last message, which must be the "
+                "assistant's",
+            )
+        for name, _ in self.template_kwargs:
+            if name in _TEMPLATE_CALL_PARAMETERS:
+                raise InvalidRequest(
+                    f"chat_template_kwargs.{name}",
+                    f"{name!r} is set by the server, not a template variable",
+                )
+            if name not in variables:
+                readable = sorted(variables - _TEMPLATE_CALL_PARAMETERS)
+                raise InvalidRequest(
+                    f"chat_template_kwargs.{name}",
+                    f"this model's chat template does not read {name!r} (it reads: "
+                    f"{', '.join(readable) or 'nothing besides the messages'})",
+                )
+
+
+@functools.lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads (those it does not set itself), parsed as
+    transformers compiles it."""
+    import jinja2.meta
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        environment = _compile_jinja_template(template).environment
+    except ImportError:  # the helper is transformers' own: parse with jinja's defaults then
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
 
 
 def tokenizer_cache_dir(gguf_path: Path) -> Path | None:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.model.tokenizer import ChatRendering
 from engine.server.formats import ResponseFormat, StructuredOutputsBody
 from engine.server.tools import Tool, ToolChoice
 from engine.shell.request import Usage
@@ -218,7 +219,23 @@ class ChatMessage(_Strict):
         return message
 
 
-class TokenizeRequest(_Strict):
+class _ChatRenderingFields(_Strict):
+    """vLLM's fields of how chat messages are rendered (`ChatRendering`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def rendering(self) -> ChatRendering:
+        return ChatRendering(
+            self.add_generation_prompt,
+            self.continue_final_message,
+            self.chat_template_kwargs or {},
+        )
+
+
+class TokenizeRequest(_ChatRenderingFields):
     """POST /tokenize (vLLM's): a prompt as /v1/completions takes it, or chat messages as
     /v1/chat/completions renders them (its template, the assistant's turn opened): one of the
     two."""
@@ -231,6 +248,11 @@ class TokenizeRequest(_Strict):
     def _one_prompt(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None and self.rendering != ChatRendering():
+            raise ValueError(
+                "add_generation_prompt, continue_final_message and chat_template_kwargs "
+                "render chat messages; give messages, not a prompt"
+            )
         return self
 
 
@@ -241,7 +263,7 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _ChatRenderingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False

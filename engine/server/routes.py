@@ -411,7 +411,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     tools = None
     if body.tools and body.tool_choice != "none" and takes_tools(tokenizer):
         tools = tuple(tool.model_dump(exclude_none=True) for tool in body.tools)
-    prompt = ChatPrompt(tuple(messages), tools)
+    prompt = ChatPrompt(tuple(messages), tools, body.rendering)
     return await _generate(request, body, [prompt], body.max_new_tokens, chat=True)
 
 

@@ -40,7 +40,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     engine = state.aengine.engine
     if body.messages is not None:
         field = "messages"
-        prompt: Any = ChatPrompt(tuple(message.as_dict() for message in body.messages), None)
+        messages = tuple(message.as_dict() for message in body.messages)
+        prompt: Any = ChatPrompt(messages, None, body.rendering)
     else:
         field, prompt = "prompt", body.prompt
     try:

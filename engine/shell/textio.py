@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import attrs
 
 from engine.errors import InvalidRequest
-from engine.model.tokenizer import IncrementalDetokenizer
+from engine.model.tokenizer import ChatRendering, IncrementalDetokenizer
 from engine.shell.request import Request
 from engine.state import SamplingParams
 
@@ -36,6 +36,7 @@ class ChatPrompt:
 
     messages: tuple[dict, ...] = attrs.field(converter=_dict_tuple)
     tools: tuple[dict, ...] | None = attrs.field(default=None, converter=_dict_tuple_or_none)
+    rendering: ChatRendering | None = None  # None: the generation prompt appended
 
 
 PromptInput = str | list[int] | list[dict] | ChatPrompt
@@ -53,9 +54,9 @@ def prompt_to_ids(tokenizer: Any, prompt: PromptInput) -> list[int]:
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     if isinstance(prompt, ChatPrompt):
-        return _chat_ids(tokenizer, list(prompt.messages), prompt.tools)
+        return _chat_ids(tokenizer, list(prompt.messages), prompt.tools, prompt.rendering)
     if _is_messages(prompt):
-        return _chat_ids(tokenizer, list(prompt), None)
+        return _chat_ids(tokenizer, list(prompt), None, None)
     raise InvalidRequest(
         "prompt",
         f"must be a string, a list of token ids or a list of chat "
@@ -75,13 +76,18 @@ def _is_messages(prompt: object) -> TypeGuard[Sequence[dict]]:
     return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict], tools: tuple[dict, ...] | None) -> list[int]:
+def _chat_ids(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: tuple[dict, ...] | None,
+    rendering: ChatRendering | None,
+) -> list[int]:
     if not messages:
         raise InvalidRequest("messages", "is empty; give at least one message")
     for i, message in enumerate(messages):
         if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             raise InvalidRequest(f"messages[{i}]", "needs a string 'role' and 'content'")
-    return list(tokenizer.apply_chat_template(messages, tools=tools))
+    return list(tokenizer.apply_chat_template(messages, tools=tools, rendering=rendering))
 
 
 class TextOutput:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
+from engine.errors import InvalidRequest
 from engine.model import (
     IncrementalDetokenizer,
     ModelNotFoundError,
@@ -11,7 +14,7 @@ from engine.model import (
     default_model_path,
     load_tokenizer,
 )
-from engine.model.tokenizer import _from_gguf, tokenizer_cache_dir
+from engine.model.tokenizer import ChatRendering, _from_gguf, tokenizer_cache_dir
 
 TEXTS = [
     "Hello, world!",
@@ -110,3 +113,67 @@ def test_disk_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
 def test_cache_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("ENGINE_CACHE_DIR", "")
     assert tokenizer_cache_dir(default_model_path()) is None
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{% if not loop.last or add_generation_prompt %}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture
+def thinking(tokenizer):
+    """The default tokenizer with a template that reads a variable (as Qwen3's reads
+    `enable_thinking`), apart from the cached one."""
+    hf = copy.deepcopy(tokenizer.hf)
+    hf.chat_template = THINKING_TEMPLATE
+    return Tokenizer(hf)
+
+
+def test_a_chat_renders_as_asked(thinking):
+    """`chat_template_kwargs` reach the template's variables; `continue_final_message` leaves
+    the assistant's last message open for the model to go on from."""
+    user = [{"role": "user", "content": "hi"}]
+    assert thinking.chat_text(user) == "<|user|>hi<|end|><|assistant|>"
+    no_think = ChatRendering(template_kwargs={"enable_thinking": False})
+    assert thinking.chat_text(user, rendering=no_think).endswith("<|assistant|><no-think>")
+    started = user + [{"role": "assistant", "content": "Well,"}]
+    open_end = ChatRendering(add_generation_prompt=False, continue_final_message=True)
+    assert thinking.chat_text(started, rendering=open_end) == "<|user|>hi<|end|><|assistant|>Well,"
+    ids = thinking.apply_chat_template(started, rendering=open_end)
+    assert thinking.decode(ids, skip_special_tokens=False).endswith("Well,")
+
+
+@pytest.mark.parametrize(
+    ("rendering", "field", "words"),
+    [
+        (
+            ChatRendering(template_kwargs={"shout": True}),
+            "chat_template_kwargs.shout",
+            "reads: enable_thinking",
+        ),
+        (
+            ChatRendering(template_kwargs={"tokenize": True}),
+            "chat_template_kwargs.tokenize",
+            "set by the server",
+        ),
+        (
+            ChatRendering(continue_final_message=True),
+            "continue_final_message",
+            "add_generation_prompt=false",
+        ),
+        (
+            ChatRendering(add_generation_prompt=False, continue_final_message=True),
+            "continue_final_message",
+            "must be the assistant's",
+        ),
+    ],
+)
+def test_a_rendering_the_template_cannot_make_is_refused(thinking, rendering, field, words):
+    """A variable the template does not read would be taken and ignored: refused, naming the
+    variables it does read."""
+    with pytest.raises(InvalidRequest) as refused:
+        thinking.chat_text([{"role": "user", "content": "hi"}], rendering=rendering)
+    assert refused.value.field == field and words in refused.value.message

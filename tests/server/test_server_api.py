@@ -194,6 +194,27 @@ def test_tokenize_and_detokenize_refuse_naming_the_field(
     assert answer.status_code == 400 and error["param"] == param and words in error["message"]
 
 
+def test_a_chat_continues_the_assistants_last_message_when_asked(served: Served) -> None:
+    """vLLM's continue_final_message (with add_generation_prompt false): the chat renders to
+    ids that end in the assistant's unfinished message (no end of turn, no new turn), and the
+    reply is what those ids give as a completion's prompt."""
+    messages = [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "The fruit I pick is"},
+    ]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    opened = httpx.post(f"{served.url}/tokenize", json={"messages": messages, **fields}).json()
+    text = httpx.post(f"{served.url}/detokenize", json={"tokens": opened["tokens"]}).json()
+    assert text["prompt"].endswith("assistant\nThe fruit I pick is")
+    client, greedy = served.client(), {"max_tokens": 6, "temperature": 0}
+    reply = client.chat.completions.create(
+        model=served.model, messages=messages, extra_body=fields, **greedy
+    )
+    continued = client.completions.create(model=served.model, prompt=opened["tokens"], **greedy)
+    assert reply.choices[0].message.content == continued.choices[0].text
+    assert reply.usage.prompt_tokens == opened["count"]
+
+
 def test_metrics_lists_engine_and_latency_series(served: Served) -> None:
     served.client().completions.create(model=served.model, prompt="Hi", max_tokens=2)
     text = httpx.get(f"{served.url}/metrics").text

@@ -57,6 +57,19 @@ BAD_BODIES = [
     ("/v1/completions", {"suffix": "!"}, "suffix", "not supported"),
     ("/v1/completions", {"best_of": 2}, "best_of", "not supported"),
     ("/v1/completions", {"no_such_field": 1}, "no_such_field", "not supported"),
+    # how chat messages render: a variable the template does not read is refused
+    (
+        "/v1/chat/completions",
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        "chat_template_kwargs.enable_thinking",
+        "does not read 'enable_thinking'",
+    ),
+    (
+        "/v1/chat/completions",
+        {"continue_final_message": True},
+        "continue_final_message",
+        "add_generation_prompt=false",
+    ),
     # vLLM's older names: the error names the field to use
     (
         "/v1/chat/completions",
