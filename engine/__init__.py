@@ -8,6 +8,7 @@ from engine.state import SamplingParams
 
 if TYPE_CHECKING:  # the lazy names below, as the type checker should see them
     from engine.api import AsyncEngine
+    from engine.model.tokenizer import ChatRendering
     from engine.shell.engine import Engine
     from engine.shell.request import Completion, Delta
     from engine.shell.textio import ChatPrompt
@@ -15,6 +16,7 @@ if TYPE_CHECKING:  # the lazy names below, as the type checker should see them
 __all__ = [
     "AsyncEngine",
     "ChatPrompt",
+    "ChatRendering",
     "Completion",
     "Delta",
     "Engine",
@@ -37,6 +39,10 @@ def __getattr__(name: str):  # lazy: importing engine.state must not load torch 
         from engine.shell.textio import ChatPrompt
 
         return ChatPrompt
+    if name == "ChatRendering":
+        from engine.model.tokenizer import ChatRendering
+
+        return ChatRendering
     if name in ("Completion", "Delta"):
         from engine.shell import request
 

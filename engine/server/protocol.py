@@ -32,8 +32,9 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     """Fields of /v1/completions and /v1/chat/completions: OpenAI's, and vLLM's top_k,
-    min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos and structured_outputs
-    (response_format and structured_outputs: formats.py)."""
+    min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+    include_stop_str_in_output, skip_special_tokens and structured_outputs (response_format
+    and structured_outputs: formats.py)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -53,6 +54,8 @@ class _SamplingFields(_Strict):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     user: str | None = None  # the end user's id: logged with --log-requests
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None

@@ -57,6 +57,8 @@ def _sampling_params(
             stop=body.stop_strings,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             seed=body.seed,
             n=body.n,
             logprobs=body.logprob_count,

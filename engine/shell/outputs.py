@@ -75,7 +75,8 @@ class Outputs:
             if request.logprobs is not None and logprobs is not None:
                 request.logprobs.extend(logprobs.get(uid, [])[: len(tokens)])
             ending = self._grammar_end(request, progress[uid]) if uid in progress else None
-            if self.text.update(request, tokens) and ending is not FinishReason.ERROR:
+            stop_token = finished.get(uid) is FinishReason.STOP  # its last token stopped it
+            if self.text.update(request, tokens, stop_token) and ending is not FinishReason.ERROR:
                 ending = FinishReason.STOP  # the text was cut at a stop string
             if ending is None:
                 continue

@@ -100,24 +100,33 @@ class TextOutput:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def update(self, request: Request, new_ids: list[int]) -> bool:
+    def update(self, request: Request, new_ids: list[int], stop_token: bool = False) -> bool:
         """Extend request.text by its output ids just gained (`new_ids`, already appended to
-        request.output_ids); True when a stop string matched."""
+        request.output_ids); `stop_token`: the last of them stopped the request (EOS or a stop
+        token id), and its text is left out unless the request includes it. True when a stop
+        string matched: the text ends before it (or after it, where included)."""
         if self.tokenizer is None:
             return False
+        params = request.params
         if request.detok is None:
-            request.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+            request.detok = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_ids, params.skip_special_tokens
+            )
+        if stop_token and not params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]
         old_len = len(request.text)
         request.text += request.detok.add(new_ids)
-        stops = request.params.stop
+        stops = params.stop
         if not stops:
             return False
         search_from = max(0, old_len - max(len(s) for s in stops) + 1)
-        hits = [request.text.find(s, search_from) for s in stops]
-        hits = [h for h in hits if h >= 0]
+        hits = [(at, -len(s)) for s in stops if (at := request.text.find(s, search_from)) >= 0]
         if not hits:
             return False
-        request.text = request.text[: min(hits)]
+        at, minus_length = min(hits)  # the first to start; of those, the longest
+        request.text = request.text[
+            : at - minus_length if params.include_stop_str_in_output else at
+        ]
         request.stopped_by_string = True
         return True
 

@@ -73,6 +73,11 @@ class SamplingParams:
     expression, a Lark grammar or a choice of strings: before each token is drawn, every
     token the grammar does not allow is masked out (greedy or sampled), and the request stops
     once the grammar is complete.
+
+    The output text (vLLM's options): a stop string ends it, and the token that stopped the
+    request (EOS or one of `stop_token_ids`) is not in it, unless `include_stop_str_in_output`;
+    the output ids keep the stop token either way. `skip_special_tokens` (default) leaves
+    special tokens out of the text.
     """
 
     temperature: float = 0.0
@@ -94,6 +99,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = attrs.field(
         default=None, converter=as_structured
     )
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __attrs_post_init__(self) -> None:
         t = self.temperature
@@ -138,7 +145,9 @@ class SamplingParams:
             isinstance(ids, tuple) and all(is_int(i) and i >= 0 for i in ids),
             "a list of integers >= 0",
         )
-        check_field("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "a bool")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            check_field(name, value, isinstance(value, bool), "a bool")
         s = self.seed
         check_field(
             "seed",

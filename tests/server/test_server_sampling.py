@@ -144,6 +144,11 @@ def test_stop_token_ids_min_tokens_penalties_and_bias_equal_generate(
     cases = [
         (dict(stop_token_ids=[greedy.token_ids[2]]), dict(stop_token_ids=(greedy.token_ids[2],))),
         (dict(min_tokens=8, ignore_eos=False), dict(min_tokens=8)),
+        (
+            dict(stop_token_ids=[greedy.token_ids[2]], include_stop_str_in_output=True),
+            dict(stop_token_ids=(greedy.token_ids[2],), include_stop_str_in_output=True),
+        ),
+        (dict(skip_special_tokens=False), dict(skip_special_tokens=False)),
         (dict(frequency_penalty=1.5), dict(frequency_penalty=1.5)),
         (dict(presence_penalty=2.0), dict(presence_penalty=2.0)),
         (dict(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
@@ -153,7 +158,16 @@ def test_stop_token_ids_min_tokens_penalties_and_bias_equal_generate(
         extra = {
             k: v
             for k, v in body.items()
-            if k in ("stop_token_ids", "min_tokens", "repetition_penalty", "min_p", "ignore_eos")
+            if k
+            in (
+                "stop_token_ids",
+                "min_tokens",
+                "repetition_penalty",
+                "min_p",
+                "ignore_eos",
+                "include_stop_str_in_output",
+                "skip_special_tokens",
+            )
         }
         openai_fields = {k: v for k, v in body.items() if k not in extra}
         response = client.completions.create(

@@ -145,3 +145,38 @@ def test_max_tokens_none_fills_the_context_and_too_many_are_refused(make_engine)
     with pytest.raises(InvalidRequest, match="vocabulary"):
         engine.submit(ids, SamplingParams(max_tokens=8, logit_bias={10**7: 1.0}))
     settled(engine)
+
+
+def test_the_stop_tokens_text_is_left_out_unless_included(default_engine):
+    """As vLLM: a request stopped by a token (EOS, or one of stop_token_ids) keeps the token in
+    its ids but not its text (the text ended with it before); `include_stop_str_in_output`
+    keeps it, and a stop string too; `skip_special_tokens=False` spells special tokens."""
+    free = default_engine.generate([PROMPT], SamplingParams(max_tokens=40))[0]
+    stop_id = free.token_ids[4]
+    tokenizer = default_engine.tokenizer
+
+    def run(**fields):
+        params = SamplingParams(**{"max_tokens": 40, "stop_token_ids": (stop_id,), **fields})
+        return default_engine.generate([PROMPT], params)[0]
+
+    cut, kept = run(), run(include_stop_str_in_output=True)
+    assert cut.token_ids == kept.token_ids == free.token_ids[:5]
+    assert cut.text == tokenizer.decode(free.token_ids[:4])
+    assert kept.text == tokenizer.decode(free.token_ids[:5])
+    assert free.finish_reason == "stop" and free.token_ids[-1] == tokenizer.eos_token_id
+    spelled = run(skip_special_tokens=False, include_stop_str_in_output=True, stop_token_ids=())
+    assert spelled.text == tokenizer.decode(free.token_ids, skip_special_tokens=False)
+    assert spelled.text.endswith("<|im_end|>") and not free.text.endswith("<|im_end|>")
+    word = tokenizer.decode(free.token_ids[2:4]).strip()
+    by_string = default_engine.generate([PROMPT], SamplingParams(max_tokens=40, stop=(word,)))
+    with_string = default_engine.generate(
+        [PROMPT], SamplingParams(max_tokens=40, stop=(word,), include_stop_str_in_output=True)
+    )
+    assert with_string[0].text == by_string[0].text + word
+    settled(default_engine)
+
+
+@pytest.mark.parametrize("field", ["include_stop_str_in_output", "skip_special_tokens"])
+def test_the_text_options_take_bools(field):
+    with pytest.raises(ValueError, match=f"^{field}="):
+        SamplingParams(**{field: 1})
