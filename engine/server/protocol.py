@@ -56,6 +56,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
     user: str | None = None  # the end user's id: logged with --log-requests
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -318,16 +319,27 @@ def combined_usage(usages: list[Any], n: int) -> Usage:
 
 class ResponseShape:
     """Builds the response and chunk bodies of one request: its id, model and creation time;
-    `token_text` spells a token id for logprobs."""
+    `token_text` spells a token id for logprobs (its text: the offsets and bytes), and with
+    `as_ids` (vLLM's return_tokens_as_token_ids) a logprob's token is "token_id:N"."""
 
     def __init__(
-        self, chat: bool, request_id: str, model: str, token_text: Callable[[int], str]
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        token_text: Callable[[int], str],
+        as_ids: bool = False,
     ) -> None:
         self.chat = chat
         self.request_id = request_id
         self.model = model
         self.token_text = token_text
+        self.as_ids = as_ids
         self.created_s = int(time.time())
+
+    def _token(self, token: int) -> str:
+        """A logprob entry's token: its text, or with `as_ids` "token_id:N"."""
+        return f"token_id:{token}" if self.as_ids else self.token_text(token)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -418,12 +430,12 @@ class ResponseShape:
         token's offset in the choice's text)."""
         if entries is None:
             return None
-        spell = self.token_text
+        spell, label = self.token_text, self._token
         if self.chat:
 
             def item(token: int, logprob: float) -> dict[str, Any]:
                 text = spell(token)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                return {"token": label(token), "logprob": logprob, "bytes": list(text.encode())}
 
             return {
                 "content": [
@@ -431,14 +443,13 @@ class ResponseShape:
                     for e in entries
                 ]
             }
-        tokens = [spell(e.token_id) for e in entries]
         offsets = []
-        for token in tokens:
+        for entry in entries:
             offsets.append(text_offset)
-            text_offset += len(token)
+            text_offset += len(spell(entry.token_id))
         return {
-            "tokens": tokens,
+            "tokens": [label(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{spell(t): v for t, v in e.top} for e in entries],
+            "top_logprobs": [{label(t): v for t, v in e.top} for e in entries],
             "text_offset": offsets,
         }

@@ -344,7 +344,20 @@ async def _generate(
     structured, origin, tools = _constraint(body, engine.tokenizer)
     params = _sampling_params(body, max_tokens, structured)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    shape = ResponseShape(chat, request_id, state.model_name, _speller(engine.tokenizer))
+    if body.return_tokens_as_token_ids and params.logprobs is None:
+        raise OpenAIError(
+            400,
+            "return_tokens_as_token_ids spells the tokens of logprobs; it needs logprobs",
+            "return_tokens_as_token_ids",
+            "invalid_value",
+        )
+    shape = ResponseShape(
+        chat,
+        request_id,
+        state.model_name,
+        _speller(engine.tokenizer),
+        body.return_tokens_as_token_ids,
+    )
     endpoint = "chat" if chat else "completions"
     echo = [
         _echo_text(engine.tokenizer, prompt) if getattr(body, "echo", False) else ""

@@ -70,6 +70,12 @@ BAD_BODIES = [
         "continue_final_message",
         "add_generation_prompt=false",
     ),
+    (
+        "/v1/completions",
+        {"return_tokens_as_token_ids": True},
+        "return_tokens_as_token_ids",
+        "needs logprobs",
+    ),
     # vLLM's older names: the error names the field to use
     (
         "/v1/chat/completions",

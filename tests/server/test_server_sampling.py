@@ -49,6 +49,46 @@ def test_completion_logprobs_streamed_and_not(served: Served, reference: Engine)
     _settled(served)
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_logprobs_name_their_tokens_by_id_when_asked(
+    served: Served, reference: Engine, chat: bool
+) -> None:
+    """vLLM's return_tokens_as_token_ids: each logprob's token (and its alternatives') is
+    "token_id:N", N the id generate gives; text, offsets and bytes stay the tokens' text."""
+    client, greedy = served.client(), {"max_tokens": 4, "temperature": 0.0}
+    asked = {"return_tokens_as_token_ids": True}
+    want = reference.generate(
+        [CHAT_MESSAGES] if chat else COMPLETION_PROMPT, SamplingParams(max_tokens=4, logprobs=2)
+    )[0]
+    ids = [f"token_id:{t}" for t in want.token_ids]
+    tops = [[f"token_id:{t}" for t, _ in entry.top] for entry in want.logprobs]
+    if chat:
+        response = client.chat.completions.create(
+            model=served.model,
+            messages=CHAT_MESSAGES,
+            logprobs=True,
+            top_logprobs=2,
+            extra_body=asked,
+            **greedy,
+        )
+        content = response.choices[0].logprobs.content
+        assert [e.token for e in content] == ids
+        assert [[t.token for t in e.top_logprobs] for e in content] == tops
+        texts = [reference.tokenizer.decode([t]) for t in want.token_ids]
+        assert [e.bytes for e in content] == [list(text.encode()) for text in texts]
+    else:
+        plain = client.completions.create(
+            model=served.model, prompt=COMPLETION_PROMPT, logprobs=2, **greedy
+        )
+        named = client.completions.create(
+            model=served.model, prompt=COMPLETION_PROMPT, logprobs=2, extra_body=asked, **greedy
+        )
+        assert named.choices[0].logprobs.tokens == ids
+        assert [list(top) for top in named.choices[0].logprobs.top_logprobs] == tops
+        assert named.choices[0].logprobs.text_offset == plain.choices[0].logprobs.text_offset
+        assert named.choices[0].text == plain.choices[0].text
+
+
 def test_chat_logprobs_with_top_alternatives(served: Served, reference: Engine) -> None:
     client = served.client()
     response = client.chat.completions.create(
