@@ -57,7 +57,11 @@ class Tokenizer:
         as `rendering` says (default: the assistant's generation prompt appended)."""
         template = getattr(self.hf, "chat_template", None)
         if not template:
-            raise ValueError("this model's tokenizer has no chat template; pass a plain prompt")
+            raise InvalidRequest(
+                "messages",
+                "this model's tokenizer has no chat template; send a plain prompt (a string "
+                "or token ids, /v1/completions)",
+            )
         rendering = rendering or ChatRendering()
         rendering.check(messages, template_variables(template))
         return self.hf.apply_chat_template(

@@ -241,8 +241,8 @@ class _ChatRenderingFields(_Strict):
 
 class TokenizeRequest(_ChatRenderingFields):
     """POST /tokenize (vLLM's): a prompt as /v1/completions takes it, or chat messages as
-    /v1/chat/completions renders them (its template, the assistant's turn opened): one of the
-    two."""
+    /v1/chat/completions renders them (its template, with the same rendering fields): one of
+    the two."""
 
     model: str | None = None
     prompt: str | list[int] | None = None

@@ -177,3 +177,12 @@ def test_a_rendering_the_template_cannot_make_is_refused(thinking, rendering, fi
     with pytest.raises(InvalidRequest) as refused:
         thinking.chat_text([{"role": "user", "content": "hi"}], rendering=rendering)
     assert refused.value.field == field and words in refused.value.message
+
+
+def test_a_tokenizer_without_a_chat_template_refuses_messages_naming_them(tokenizer):
+    """It raised a bare ValueError, which the server answered as an internal error (500)."""
+    hf = copy.deepcopy(tokenizer.hf)
+    hf.chat_template = None
+    with pytest.raises(InvalidRequest, match="no chat template") as refused:
+        Tokenizer(hf).chat_text([{"role": "user", "content": "hi"}])
+    assert refused.value.field == "messages"
