@@ -33,8 +33,9 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields of /v1/completions and /v1/chat/completions: OpenAI's, and vLLM's top_k,
     min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
-    include_stop_str_in_output, skip_special_tokens and structured_outputs (response_format
-    and structured_outputs: formats.py)."""
+    include_stop_str_in_output, skip_special_tokens, return_tokens_as_token_ids,
+    truncate_prompt_tokens and structured_outputs (response_format and structured_outputs:
+    formats.py)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -57,6 +58,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     user: str | None = None  # the end user's id: logged with --log-requests
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -107,6 +109,16 @@ class CompletionRequest(_SamplingFields):
             if isinstance(one, list) and any(token_id < 0 for token_id in one):
                 raise ValueError("prompt token ids must be >= 0")
         return batch
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_whole_prompts(cls, echo: bool, info: Any) -> bool:
+        if echo and info.data.get("truncate_prompt_tokens") is not None:
+            raise ValueError(
+                "echo with truncate_prompt_tokens is not supported (the echo would not be the "
+                "prompt the model saw)"
+            )
+        return echo
 
     @field_validator("logprobs")
     @classmethod

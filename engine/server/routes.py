@@ -59,6 +59,7 @@ def _sampling_params(
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
             seed=body.seed,
             n=body.n,
             logprobs=body.logprob_count,

@@ -159,8 +159,14 @@ class Engine(Admission, SpeculativeSteps):
             raise InvalidRequest(
                 "n", f"n={params.n}: submit and stream take one sample; generate() takes n"
             )
-        ids = prompt_to_ids(self.tokenizer, prompt)
+        ids = self._prompt_ids(prompt, params)
         return self.inbox.add(ids, self._validate(ids, params), request_id, sink)
+
+    def _prompt_ids(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, its last `truncate_prompt_tokens` where the params ask."""
+        ids = prompt_to_ids(self.tokenizer, prompt)
+        keep = params.truncate_prompt_tokens
+        return ids if keep is None else ids[-keep:]
 
     def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; its slots are freed at the next step."""
@@ -434,10 +440,11 @@ class Engine(Admission, SpeculativeSteps):
                 f"{len(batch_prompts)} prompts; give one, or one per prompt",
             )
         # Validate everything first, so a bad prompt rejects the call before anything runs.
-        prompt_ids = [prompt_to_ids(self.tokenizer, p) for p in batch_prompts]
+        given = [to_params(sp) for sp in params]
         checked = [
-            (ids, self._validate(ids, to_params(sp)))
-            for ids, sp in zip(prompt_ids, params, strict=True)
+            (ids, self._validate(ids, sp))
+            for prompt, sp in zip(batch_prompts, given, strict=True)
+            for ids in [self._prompt_ids(prompt, sp)]
         ]
         requests = [
             self.inbox.add(ids, sp.sample(i), None, None)

@@ -77,7 +77,8 @@ class SamplingParams:
     The output text (vLLM's options): a stop string ends it, and the token that stopped the
     request (EOS or one of `stop_token_ids`) is not in it, unless `include_stop_str_in_output`;
     the output ids keep the stop token either way. `skip_special_tokens` (default) leaves
-    special tokens out of the text.
+    special tokens out of the text. `truncate_prompt_tokens` keeps only the prompt's last that
+    many tokens (vLLM's left truncation).
     """
 
     temperature: float = 0.0
@@ -101,6 +102,7 @@ class SamplingParams:
     )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         t = self.temperature
@@ -144,6 +146,13 @@ class SamplingParams:
             ids,
             isinstance(ids, tuple) and all(is_int(i) and i >= 0 for i in ids),
             "a list of integers >= 0",
+        )
+        keep = self.truncate_prompt_tokens
+        check_field(
+            "truncate_prompt_tokens",
+            keep,
+            keep is None or (is_int(keep) and keep >= 1),
+            "None or an integer >= 1 (the prompt's last tokens kept)",
         )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)

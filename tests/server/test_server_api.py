@@ -215,6 +215,23 @@ def test_a_chat_continues_the_assistants_last_message_when_asked(served: Served)
     assert reply.usage.prompt_tokens == opened["count"]
 
 
+def test_a_prompt_longer_than_the_context_runs_truncated_when_asked(served: Served) -> None:
+    """truncate_prompt_tokens keeps the prompt's last tokens: a prompt past the context,
+    refused without it, runs as those tokens alone do."""
+    reference = served.references["completion/greedy"]
+    tail = list(reference.prompt_token_ids)
+    long_prompt = [11] * 3000 + tail  # past the served context
+    client, greedy = served.client(), {"max_tokens": MAX_TOKENS, "temperature": 0}
+    cut = client.completions.create(
+        model=served.model,
+        prompt=long_prompt,
+        extra_body={"truncate_prompt_tokens": len(tail)},
+        **greedy,
+    )
+    assert cut.usage.prompt_tokens == len(tail)
+    assert cut.choices[0].text == reference.text
+
+
 def test_metrics_lists_engine_and_latency_series(served: Served) -> None:
     served.client().completions.create(model=served.model, prompt="Hi", max_tokens=2)
     text = httpx.get(f"{served.url}/metrics").text

@@ -76,6 +76,8 @@ BAD_BODIES = [
         "return_tokens_as_token_ids",
         "needs logprobs",
     ),
+    ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "0"),
+    ("/v1/completions", {"truncate_prompt_tokens": 3, "echo": True}, "echo", "echo with"),
     # vLLM's older names: the error names the field to use
     (
         "/v1/chat/completions",

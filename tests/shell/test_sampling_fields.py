@@ -180,3 +180,20 @@ def test_the_stop_tokens_text_is_left_out_unless_included(default_engine):
 def test_the_text_options_take_bools(field):
     with pytest.raises(ValueError, match=f"^{field}="):
         SamplingParams(**{field: 1})
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(make_engine):
+    """vLLM's left truncation: a prompt longer than the context runs on its last tokens, as
+    those tokens alone would (refused without it)."""
+    engine = make_engine(max_context=64)
+    ids = [(7 * i) % 500 + 10 for i in range(100)]
+    with pytest.raises(InvalidRequest, match="max_context is 64"):
+        engine.generate([ids], SamplingParams(max_tokens=4))
+    cut = engine.generate([ids], SamplingParams(max_tokens=4, truncate_prompt_tokens=20))[0]
+    alone = engine.generate([ids[-20:]], SamplingParams(max_tokens=4))[0]
+    assert cut.prompt_token_ids == tuple(ids[-20:]) and cut.token_ids == alone.token_ids
+    streamed = list(engine.stream(ids, SamplingParams(max_tokens=4, truncate_prompt_tokens=20)))
+    assert streamed[-1].prompt_token_ids == tuple(ids[-20:])
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens=0 is not allowed"):
+        SamplingParams(truncate_prompt_tokens=0)
+    settled(engine)
