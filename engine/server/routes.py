@@ -303,7 +303,15 @@ async def _collect(
                 reason = "tool_calls" if reason == "stop" else reason
         return shape.choice(run.index, content, reason, entries, calls), last.usage
 
-    done = await asyncio.gather(*(one(run) for run in runs))
+    tasks = [asyncio.ensure_future(one(run)) for run in runs]
+    try:
+        done = await asyncio.gather(*tasks)
+    except BaseException:  # a choice failed (or the client left): the others end now too
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):  # each closes its generator: aborted, freed
+            await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     return shape.full([choice for choice, _ in done], combined_usage([u for _, u in done], n))
 
 

@@ -1,5 +1,6 @@
 """A stream cut short (the client left, or the framework cancelled the response) closes every
-choice's generator, whose closing aborts its request, and ends without an error of its own."""
+choice's generator, whose closing aborts its request, and ends without an error of its own;
+a whole response whose choice failed ends the others at once."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import asyncio
 import anyio
 import attrs
 
+from engine.server.errors import OpenAIError
 from engine.server.protocol import ResponseShape
-from engine.server.routes import _Run, _sse
+from engine.server.routes import _collect, _Run, _sse
 
 
 @attrs.frozen
@@ -18,6 +20,7 @@ class _Delta:
     finish_reason: str | None = None
     logprobs: object = None
     usage: object = None
+    error: str | None = None
 
 
 def _runs(closed: list[int], count: int) -> list[_Run]:
@@ -80,3 +83,27 @@ def test_a_stream_cancelled_by_its_task_group_closes_every_choice():
     asyncio.run(scenario())
     assert len(chunks) == 3  # each choice's first delta, then the wait that was cancelled
     assert sorted(closed) == [0, 1, 2]
+
+
+def test_a_response_whose_choice_failed_ends_the_other_choices_at_once():
+    """A non-streamed request with n choices: where one ends with an engine error, the 500
+    is answered at once and the other choices are closed (their requests aborted); they ran
+    to their own end first, using the device for nothing."""
+    closed: list[int] = []
+
+    async def failed():
+        yield _Delta("", finish_reason="error", error="InjectedFault: forward")
+
+    async def scenario() -> None:
+        runs = _runs(closed, 2)
+        runs.append(_Run(2, _Delta("b"), failed()))
+        shape = ResponseShape(False, "cmpl-1", "m", str)
+        try:
+            await asyncio.wait_for(_collect(shape, runs, 3), timeout=60)
+        except OpenAIError as error:
+            assert error.status_code == 500 and "InjectedFault" in str(error)
+        else:
+            raise AssertionError("the failed choice did not fail the response")
+        assert sorted(closed) == [0, 1]  # when the 500 is answered, not at the loop's end
+
+    asyncio.run(scenario())
