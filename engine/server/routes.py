@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import re
 import time
@@ -33,6 +34,10 @@ from engine.state import SamplingParams, StructuredOutputs
 
 router = APIRouter()
 _SERVER_START_S = int(time.time())
+try:
+    _VERSION = importlib.metadata.version("engine")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    _VERSION = "not installed"
 
 
 def _state(request: Request) -> ServerState:
@@ -465,6 +470,12 @@ async def model(model: str, request: Request) -> dict[str, Any]:
             "model_not_found",
         )
     return _model_card(state)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """The engine package's version (vLLM's /version)."""
+    return {"version": _VERSION}
 
 
 @router.get("/health")

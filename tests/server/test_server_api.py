@@ -3,6 +3,7 @@ metrics, the tokenizer's endpoints."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import httpx
@@ -148,6 +149,12 @@ def test_models_and_health(served: Served) -> None:
     assert [m.id for m in models.data] == [served.model]
     health = httpx.get(f"{served.url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_version_is_the_packages(served: Served) -> None:
+    answer = httpx.get(f"{served.url}/version")
+    assert answer.status_code == 200
+    assert answer.json() == {"version": importlib.metadata.version("engine")}
 
 
 def test_a_model_is_retrieved_by_its_id(served: Served) -> None:
