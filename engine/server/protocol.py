@@ -27,7 +27,18 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """OpenAI's `include_usage` (a last chunk with the usage), and vLLM's
+    `continuous_usage_stats` (with it, every chunk carries its choice's usage so far)."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _with_usage(cls, continuous: bool, info: Any) -> bool:
+        if continuous and not info.data.get("include_usage"):
+            raise ValueError("stream_options.continuous_usage_stats needs include_usage=true")
+        return continuous
 
 
 class _SamplingFields(_Strict):
@@ -87,6 +98,10 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):

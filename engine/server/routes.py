@@ -25,10 +25,12 @@ from engine.server.protocol import (
     CompletionRequest,
     ResponseShape,
     combined_usage,
+    usage_body,
 )
 from engine.server.runs import ServerState, run_request
 from engine.server.tool_parser import HermesToolParser, reader_for
 from engine.server.tools import ToolCalls, takes_tools, tool_call
+from engine.shell.request import Usage
 from engine.shell.textio import ChatPrompt
 from engine.state import SamplingParams, StructuredOutputs
 
@@ -158,8 +160,12 @@ async def _first_delta(deltas: AsyncIterator[Any], chat: bool, origin: str | Non
     return first
 
 
-def _event(body: dict[str, Any], include_usage: bool) -> bytes:
-    if include_usage and "usage" not in body:
+def _event(body: dict[str, Any], include_usage: bool, usage: Usage | None = None) -> bytes:
+    """A server-sent event of `body`; with `include_usage` every chunk has a `usage` key
+    (null but in the last chunk), or `usage`, its choice's so far (continuous_usage_stats)."""
+    if usage is not None:
+        body["usage"] = usage_body(usage)
+    elif include_usage and "usage" not in body:
         body["usage"] = None
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
@@ -194,9 +200,11 @@ async def _sse(
     include_usage: bool,
     n: int,
     tools: ToolCalls | HermesToolParser | None = None,
+    continuous: bool = False,
 ) -> AsyncGenerator[bytes, None]:
     """The chunks of every choice as they come (tool-call deltas where `tools`), then the
-    usage (when asked) and [DONE]."""
+    usage (when asked) and [DONE]. `continuous`: each chunk carries its choice's usage so
+    far (the prompt's and cached counts from its first delta, the tokens sent since)."""
     # (choice index, item): its next delta, the OpenAIError that ended it, or None (pump done)
     events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
@@ -215,14 +223,23 @@ async def _sse(
 
     tasks = [asyncio.create_task(pump(run)) for run in runs]
     usages: list[Any] = [None] * len(runs)
+    produced = [0] * len(runs)  # each choice's tokens so far
+
+    def so_far(index: int) -> Usage | None:
+        if not continuous:
+            return None
+        first = runs[index].first.usage
+        return Usage(first.prompt_tokens, produced[index], first.cached_tokens)
+
     offsets = [len(run.echo) for run in runs]
     calls = [tools.stream() for _ in runs] if tools is not None else None
     try:
         for run in runs:
+            usage = so_far(run.index)
             if shape.chat:
-                yield _event(shape.chunk(run.index, "", role=True), include_usage)
+                yield _event(shape.chunk(run.index, "", role=True), include_usage, usage)
             if run.echo:
-                yield _event(shape.chunk(run.index, run.echo), include_usage)
+                yield _event(shape.chunk(run.index, run.echo), include_usage, usage)
         remaining = len(runs)
         while remaining:
             index, item = await events.get()
@@ -235,19 +252,21 @@ async def _sse(
                 )
                 break
             delta = item
+            produced[index] += len(delta.token_ids)
+            usage = so_far(index)
             if calls is not None:
                 read = calls[index].add(delta.text) if delta.text else ("", [])
                 if delta.finish_reason is not None:
                     ending = calls[index].finish(delta.finish_reason == "stop")
                     read = (read[0] + ending[0], read[1] + ending[1])
                 for chunk in _tool_read_chunks(shape, index, *read, delta.logprobs):
-                    yield _event(chunk, include_usage)
+                    yield _event(chunk, include_usage, usage)
             elif delta.text or delta.logprobs:
                 chunk = shape.chunk(
                     index, delta.text, logprobs=delta.logprobs, text_offset=offsets[index]
                 )
                 offsets[index] += len(delta.text)
-                yield _event(chunk, include_usage)
+                yield _event(chunk, include_usage, usage)
             if delta.finish_reason == "error":  # what OpenAI's and vLLM's streams send
                 failure = _engine_failure(delta)
                 yield _event(error_body(failure.message, failure.error_type, None, None), False)
@@ -257,7 +276,7 @@ async def _sse(
                 reason = delta.finish_reason
                 if calls is not None and reason == "stop" and calls[index].called:
                     reason = "tool_calls"
-                yield _event(shape.chunk(index, None, reason), include_usage)
+                yield _event(shape.chunk(index, None, reason), include_usage, usage)
         else:
             if include_usage:
                 yield _event(shape.usage_chunk(combined_usage(usages, n)), include_usage)
@@ -407,7 +426,7 @@ async def _generate(
     runs.sort(key=lambda run: run.index)
     if body.stream:
         return SSEResponse(
-            _sse(shape, runs, body.include_usage, params.n, tools),
+            _sse(shape, runs, body.include_usage, params.n, tools, body.continuous_usage),
             headers={"Cache-Control": "no-cache"},
         )
     return JSONResponse(await _collect(shape, runs, params.n, tools))

@@ -44,6 +44,8 @@ class Delta:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
+    # the request's usage: in its first delta so far (the prompt's tokens, those cached), in
+    # its last the final; None in between
     usage: Usage | None = None
     speculation: AcceptanceStats | None = None  # in the last delta, as in Completion
     error: str | None = None  # finish_reason "error": what failed
@@ -211,6 +213,7 @@ class Request:
             if self.logprobs is None
             else tuple(self.logprobs[self.sent_tokens : len(self.output_ids)])
         )
+        first = self.sent_tokens == 0 and self.sent_chars == 0
         self.sent_tokens, self.sent_chars = len(self.output_ids), max(self.sent_chars, end)
         reason = self.finish_reason.openai
         return Delta(
@@ -218,7 +221,7 @@ class Request:
             new_ids,
             new_text,
             reason,
-            self.usage() if self.done else None,
+            self.usage() if self.done or first else None,
             self.speculation,
             self.error,
             tuple(self.prompt_ids) if self.done else None,

@@ -77,6 +77,38 @@ def test_stream_include_usage_sends_a_final_usage_chunk(served: Served) -> None:
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(
+    served: Served, n: int
+) -> None:
+    """vLLM's continuous_usage_stats: each chunk's usage is its choice's prompt and the
+    tokens sent so far; the last chunk is the whole response's, as with include_usage."""
+    body = {
+        "model": served.model,
+        "messages": CHAT_MESSAGES,
+        "max_tokens": 4,
+        "n": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=120) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line) for line in lines]
+    prompt = len(served.references["chat/greedy"].prompt_token_ids)
+    *choice_chunks, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4 * n
+    seen = {index: [] for index in range(n)}
+    for chunk in choice_chunks:
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == prompt
+        assert usage["total_tokens"] == prompt + usage["completion_tokens"]
+        seen[chunk["choices"][0]["index"]].append(usage["completion_tokens"])
+    for counts in seen.values():
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 4
+
+
 def _assert_cached_tokens_reported(usage: dict) -> None:
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert type(cached) is int and 0 <= cached <= usage["prompt_tokens"], usage

@@ -78,6 +78,12 @@ BAD_BODIES = [
     ),
     ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "0"),
     ("/v1/completions", {"truncate_prompt_tokens": 3, "echo": True}, "echo", "echo with"),
+    (
+        "/v1/completions",
+        {"stream_options": {"continuous_usage_stats": True}},
+        "stream_options.continuous_usage_stats",
+        "needs include_usage",
+    ),
     # vLLM's older names: the error names the field to use
     (
         "/v1/chat/completions",

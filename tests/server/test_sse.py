@@ -17,6 +17,7 @@ from engine.server.routes import _collect, _Run, _sse
 @attrs.frozen
 class _Delta:
     text: str
+    token_ids: tuple[int, ...] = (1,)
     finish_reason: str | None = None
     logprobs: object = None
     usage: object = None

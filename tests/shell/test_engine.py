@@ -114,6 +114,11 @@ def test_stream_equals_generate_and_stop_strings_cut_text(default_engine, assert
     assert "".join(d.text for d in streamed) == whole.text
     assert tuple(t for d in streamed for t in d.token_ids) == whole.token_ids
     assert streamed[-1].finish_reason == "length" and streamed[-1].usage is not None
+    # the first delta's usage so far: the prompt's tokens and those sent with it; none between
+    first = streamed[0].usage
+    assert first.prompt_tokens == whole.usage.prompt_tokens
+    assert first.completion_tokens == len(streamed[0].token_ids)
+    assert all(d.usage is None for d in streamed[1:-1])
     # A stop string taken from the middle of the text ends the request there, text cut.
     stop = whole.text[len(whole.text) // 2 :][:4]
     cut = default_engine.generate([PROMPTS[1]], SamplingParams(max_tokens=24, stop=[stop]))[0]
