@@ -133,13 +133,7 @@ def _check_servable(state: ServerState, model: str) -> None:
             "shutting_down",
             "server_error",
         )
-    if model != state.model_name:
-        raise OpenAIError(
-            400,
-            f"model {model!r} is not served here; use {state.model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    state.check_model(model)
 
 
 async def _first_delta(deltas: AsyncIterator[Any], chat: bool, origin: str | None = None) -> Any:
@@ -481,13 +475,7 @@ async def models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model:path}")
 async def model(model: str, request: Request) -> dict[str, Any]:
     state = _state(request)
-    if model != state.model_name:
-        raise OpenAIError(
-            404,
-            f"model {model!r} is not served here; use {state.model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    state.check_model(model, status=404)
     return _model_card(state)
 
 

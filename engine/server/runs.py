@@ -40,6 +40,16 @@ class ServerState:
         self.metrics.http_in_flight.set_function(lambda: len(self.in_flight))
         self.metrics.requests_queued.set_function(lambda: self.aengine.num_unadmitted)
 
+    def check_model(self, model: str, status: int = 400) -> None:
+        """OpenAIError (`status`, code model_not_found) unless `model` is the one served."""
+        if model != self.model_name:
+            raise OpenAIError(
+                status,
+                f"model {model!r} is not served here; use {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
     def abort_all(self) -> None:
         """Shutdown: refuse new requests and abort every request in flight."""
         self.draining = True

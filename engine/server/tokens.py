@@ -20,13 +20,8 @@ router = APIRouter()
 def _served(request: Request, model: str | None) -> ServerState:
     """The server's state, once `model` (where given) is the one served here."""
     state: ServerState = request.app.state.server
-    if model is not None and model != state.model_name:
-        raise OpenAIError(
-            400,
-            f"model {model!r} is not served here; use {state.model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    if model is not None:
+        state.check_model(model)
     return state
 
 
