@@ -480,11 +480,13 @@ def _append(parts: list[list[np.ndarray]], row: int, tokens: np.ndarray, values:
 
 @attrs.frozen(eq=False)
 class Logprobs:
-    """Per row: the chosen token's log-probability, and the `top` most likely tokens with
-    theirs (fp32 log-softmax of the logits the row sampled from, before temperature and
-    filtering), still on the device."""
+    """Per row: the chosen token's log-probability and its rank (1: the most likely; ties
+    share the best rank), and the `top` most likely tokens with theirs (fp32 log-softmax of
+    the logits the row sampled from, before temperature and filtering), still on the
+    device."""
 
     chosen: torch.Tensor  # [R] fp32
+    ranks: torch.Tensor  # [R] int64
     top_ids: torch.Tensor  # [R, top] int64
     top_values: torch.Tensor  # [R, top] fp32
 
@@ -492,10 +494,15 @@ class Logprobs:
     def of(cls, logits: torch.Tensor, tokens: torch.Tensor, top: int) -> Logprobs:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = logprobs.gather(1, tokens.long()[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
         values, ids = (
             logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], tokens[:, None][:, :0])
         )
-        return cls(chosen, ids.long(), values)
+        return cls(chosen, ranks, ids.long(), values)
 
-    def to_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.chosen.cpu().numpy(), self.top_ids.cpu().numpy(), self.top_values.cpu().numpy()
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.chosen, self.ranks, self.top_ids, self.top_values
+
+    def to_host(self) -> tuple[np.ndarray, ...]:
+        """chosen, ranks, top_ids, top_values on the host."""
+        return tuple(t.cpu().numpy() for t in self.tensors())

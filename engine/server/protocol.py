@@ -45,8 +45,8 @@ class _SamplingFields(_Strict):
     """Fields of /v1/completions and /v1/chat/completions: OpenAI's, and vLLM's top_k,
     min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
     include_stop_str_in_output, skip_special_tokens, return_tokens_as_token_ids,
-    truncate_prompt_tokens and structured_outputs (response_format and structured_outputs:
-    formats.py)."""
+    truncate_prompt_tokens, prompt_logprobs and structured_outputs (response_format and
+    structured_outputs: formats.py)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -73,6 +73,17 @@ class _SamplingFields(_Strict):
     user: str | None = None  # the end user's id: logged with --log-requests
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_whole(cls, top: int | None, info: Any) -> int | None:
+        if top is not None and info.data.get("stream"):
+            raise ValueError(
+                "prompt_logprobs is not available with stream=true (as vLLM); ask without "
+                "streaming (with /v1/completions, echo and logprobs stream the prompt's)"
+            )
+        return top
 
     @field_validator("top_k")
     @classmethod
@@ -135,19 +146,23 @@ class CompletionRequest(_SamplingFields):
             )
         return echo
 
-    @field_validator("logprobs")
-    @classmethod
-    def _not_with_echo(cls, logprobs: int | None, info: Any) -> int | None:
-        if logprobs is not None and info.data.get("echo"):
-            raise ValueError(
-                "logprobs with echo is not supported (the prompt's logprobs are not computed)"
-            )
-        return logprobs
-
     @property
     def logprob_count(self) -> int | None:
         """SamplingParams.logprobs: None (off) or the alternatives asked for."""
         return self.logprobs
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Whether the choices' logprobs start with the echoed prompt's."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        """SamplingParams.prompt_logprobs: prompt_logprobs, or with echo and logprobs at
+        least as many as logprobs (the echo's)."""
+        counts = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        given = [count for count in counts if count is not None]
+        return max(given) if given else None
 
 
 class TextPart(_Strict):
@@ -316,6 +331,14 @@ class ChatCompletionRequest(_SamplingFields, _ChatRenderingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
+    def prompt_logprob_count(self) -> int | None:
+        return self.prompt_logprobs
+
+    @property
+    def echo_logprobs(self) -> bool:
+        return False  # a chat response has no echo
+
+    @property
     def max_new_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
@@ -457,26 +480,57 @@ class ResponseShape:
         token's offset in the choice's text)."""
         if entries is None:
             return None
+        if not self.chat:
+            return self._completion_logprobs(entries, text_offset)
         spell, label = self.token_text, self._token
-        if self.chat:
 
-            def item(token: int, logprob: float) -> dict[str, Any]:
-                text = spell(token)
-                return {"token": label(token), "logprob": logprob, "bytes": list(text.encode())}
+        def item(token: int, logprob: float) -> dict[str, Any]:
+            text = spell(token)
+            return {"token": label(token), "logprob": logprob, "bytes": list(text.encode())}
 
-            return {
-                "content": [
-                    item(e.token_id, e.logprob) | {"top_logprobs": [item(t, v) for t, v in e.top]}
-                    for e in entries
-                ]
-            }
-        offsets = []
-        for entry in entries:
-            offsets.append(text_offset)
-            text_offset += len(spell(entry.token_id))
         return {
-            "tokens": [label(e.token_id) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{label(t): v for t, v in e.top} for e in entries],
+            "content": [
+                item(e.token_id, e.logprob) | {"top_logprobs": [item(t, v) for t, v in e.top]}
+                for e in entries
+            ]
+        }
+
+    def _completion_logprobs(self, entries: Any, text_offset: int) -> dict[str, Any]:
+        """The completions' parallel lists; an entry may be a bare token id (the echoed
+        prompt's first token, which nothing scores: null logprob and alternatives)."""
+        rows = [
+            (e, None, None) if isinstance(e, int) else (e.token_id, e.logprob, e.top)
+            for e in entries
+        ]
+        offsets = []
+        for token, _, _ in rows:
+            offsets.append(text_offset)
+            text_offset += len(self.token_text(token))
+        label = self._token
+        return {
+            "tokens": [label(token) for token, _, _ in rows],
+            "token_logprobs": [logprob for _, logprob, _ in rows],
+            "top_logprobs": [
+                None if top is None else {label(t): v for t, v in top} for _, _, top in rows
+            ],
             "text_offset": offsets,
         }
+
+    def prompt_logprobs_body(self, entries: Any, top: int) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token, null (the first) or a map of token id to
+        its logprob, rank and text, for the `top` most likely there and the token itself."""
+
+        def item(token: int, logprob: float, rank: int | None) -> dict[str, Any]:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._token(token)}
+
+        body: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if entry is None:
+                body.append(None)
+                continue
+            scores = {
+                str(t): item(t, v, rank) for rank, (t, v) in enumerate(entry.top[:top], start=1)
+            }
+            scores.setdefault(str(entry.token_id), item(entry.token_id, entry.logprob, entry.rank))
+            body.append(scores)
+        return body

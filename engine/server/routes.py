@@ -70,6 +70,7 @@ def _sampling_params(
             seed=body.seed,
             n=body.n,
             logprobs=body.logprob_count,
+            prompt_logprobs=body.prompt_logprob_count,
             frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,
@@ -186,6 +187,8 @@ class _Run:
     first: Any
     deltas: AsyncGenerator[Any, None]
     echo: str = ""
+    echo_logprobs: list[Any] | None = None  # the echo's tokens' logprobs (echo and logprobs)
+    prompt_logprobs: list[Any] | None = None  # vLLM's prompt_logprobs body, where asked
 
 
 async def _sse(
@@ -225,7 +228,17 @@ async def _sse(
         first = runs[index].first.usage
         return Usage(first.prompt_tokens, produced[index], first.cached_tokens)
 
-    offsets = [len(run.echo) for run in runs]
+    # each choice's text so far; with the echo's logprobs, as the whole response counts it
+    # (its tokens' texts: `ResponseShape.logprobs_body`)
+    offsets = [
+        len(run.echo)
+        if run.echo_logprobs is None
+        else sum(
+            len(shape.token_text(e if isinstance(e, int) else e.token_id))
+            for e in run.echo_logprobs
+        )
+        for run in runs
+    ]
     calls = [tools.stream() for _ in runs] if tools is not None else None
     try:
         for run in runs:
@@ -233,7 +246,8 @@ async def _sse(
             if shape.chat:
                 yield _event(shape.chunk(run.index, "", role=True), include_usage, usage)
             if run.echo:
-                yield _event(shape.chunk(run.index, run.echo), include_usage, usage)
+                chunk = shape.chunk(run.index, run.echo, logprobs=run.echo_logprobs)
+                yield _event(chunk, include_usage, usage)
         remaining = len(runs)
         while remaining:
             index, item = await events.get()
@@ -301,7 +315,7 @@ async def _collect(
         pieces, last, logprobs = (
             [run.echo, run.first.text],
             run.first,
-            list(run.first.logprobs or ()),
+            [*(run.echo_logprobs or ()), *(run.first.logprobs or ())],
         )
         async with aclosing(run.deltas):
             async for delta in run.deltas:
@@ -311,6 +325,8 @@ async def _collect(
         if last.finish_reason == "error":
             raise _engine_failure(last)
         entries = logprobs if last.logprobs is not None or run.first.logprobs is not None else None
+        if run.echo_logprobs is not None:
+            entries = logprobs
         text, reason, calls = "".join(pieces), last.finish_reason, None
         content: str | None = text  # None: a chat message of tool calls alone
         if tools is not None:
@@ -319,7 +335,10 @@ async def _collect(
                 content = read
                 calls = [tool_call(name, arguments) for name, arguments in found]
                 reason = "tool_calls" if reason == "stop" else reason
-        return shape.choice(run.index, content, reason, entries, calls), last.usage
+        choice = shape.choice(run.index, content, reason, entries, calls)
+        if run.prompt_logprobs is not None and not shape.chat:
+            choice["prompt_logprobs"] = run.prompt_logprobs
+        return choice, last.usage
 
     tasks = [asyncio.ensure_future(one(run)) for run in runs]
     try:
@@ -330,7 +349,10 @@ async def _collect(
         with anyio.CancelScope(shield=True):  # each closes its generator: aborted, freed
             await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    return shape.full([choice for choice, _ in done], combined_usage([u for _, u in done], n))
+    body = shape.full([choice for choice, _ in done], combined_usage([u for _, u in done], n))
+    if shape.chat and runs and runs[0].prompt_logprobs is not None:  # one prompt: vLLM's place
+        body["prompt_logprobs"] = runs[0].prompt_logprobs
+    return body
 
 
 def _tool_read_chunks(
@@ -400,7 +422,7 @@ async def _generate(
         )
         try:
             first = await _first_delta(deltas, chat, origin)
-            return _Run(index, first, deltas, echo[prompt])
+            return _Run(index, first, deltas, echo[prompt], *_prompt_scores(body, shape, first))
         except BaseException:
             await deltas.aclose()
             raise
@@ -424,6 +446,26 @@ async def _generate(
             headers={"Cache-Control": "no-cache"},
         )
     return JSONResponse(await _collect(shape, runs, params.n, tools))
+
+
+def _prompt_scores(
+    body: CompletionRequest | ChatCompletionRequest, shape: ResponseShape, first: Any
+) -> tuple[list[Any] | None, list[Any] | None]:
+    """From a choice's first delta: its echo's logprobs (the prompt's first token bare, the
+    others with `logprobs` alternatives), where echo and logprobs are asked, and vLLM's
+    prompt_logprobs body, where prompt_logprobs is."""
+    scores, ids = first.prompt_logprobs, first.prompt_token_ids
+    if scores is None or ids is None:
+        return None, None
+    echoed = None
+    if body.echo_logprobs:
+        top = body.logprob_count or 0
+        echoed = [
+            token if entry is None else attrs.evolve(entry, top=entry.top[:top])
+            for token, entry in zip(ids, scores, strict=True)
+        ]
+    asked = body.prompt_logprobs
+    return echoed, None if asked is None else shape.prompt_logprobs_body(scores, asked)
 
 
 def _speller(tokenizer: Any) -> Any:

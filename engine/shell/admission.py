@@ -45,14 +45,14 @@ class Admission:
     def _candidates(self) -> tuple[list[Request], list[Peek] | None]:
         """The first ADMIT_WINDOW waiting requests in the order admission tries them, each
         with its cached prefix (`KVBook.peek`: its length, the evictable slots in it; None
-        without the cache) short of its last token, which it always computes. FCFS; or with
+        without the cache) within `Request.cacheable_prefix`. FCFS; or with
         `schedule_policy` 'lpm', longest cached prefix first, those passed over
         `max_waited_out` times before all others."""
         head = list(itertools.islice(self.waiting, ADMIT_WINDOW))
         if self.book.cache is None:
             return head, None
         cache = self.book.cache
-        peeks = [cache.peek(r.id_array()[:-1]) for r in head]
+        peeks = [cache.peek(r.cacheable_prefix()) for r in head]
         if self.config.schedule_policy == "lpm" and len(head) > 1:
             aged = [r.waited_out >= self.config.max_waited_out for r in head]
             order = scheduler.admission_order([p.length for p in peeks], aged)
@@ -96,7 +96,7 @@ class Admission:
         order, peeks = candidates
         entering = order[:count]
         if peeks is None:  # no prefix cache
-            prefixes = [self.book.acquire(r.uid, r.id_array()[:-1]) for r in entering]
+            prefixes = [self.book.acquire(r.uid, r.cacheable_prefix()) for r in entering]
         else:
             prefixes = [
                 self.book.acquire(r.uid, p) for r, p in zip(entering, peeks[:count], strict=True)

@@ -29,6 +29,7 @@ from engine.shell.kv import KVBook
 from engine.shell.logits import LogitsWork
 from engine.shell.outputs import Outputs
 from engine.shell.passes import Passes
+from engine.shell.prompt_scores import PromptScoring
 from engine.shell.request import Completion, Delta, DeltaSink, Request
 from engine.shell.runner import PassRunner
 from engine.shell.runtime import Runtime, build_runtime
@@ -285,13 +286,20 @@ class Engine(Admission, SpeculativeSteps):
                 for uid, start, stop in zip(sub.rids.tolist(), starts, stops, strict=True)
             ]
         )
+        scoring = PromptScoring.of(self.requests, sub, plan.chunk_lens)
         batch = self.machine.schedule_extend(
-            sub, plan.chunk_lens, input_ids, self.book.alloc(plan.num_tokens)
+            sub,
+            plan.chunk_lens,
+            input_ids,
+            self.book.alloc(plan.num_tokens),
+            None if scoring is None else scoring.rows,
         )
         with self._open(batch) as open_pass:
-            launched = self.passes.launch(batch)
+            launched = self.passes.launch(batch, scoring=scoring)
             self._write_early(open_pass)  # while the device runs the pass
             sampled = self.passes.tokens(launched)
+            if launched.scores is not None:  # read back with the tokens
+                launched.scores.write(self.requests)
             self._commit_pass(open_pass, self.machine.extend(batch, sampled), rest=rest)
         if self.book.cache is not None:
             self._share_prefills(sub.rids[plan.chunk_lens > 1])

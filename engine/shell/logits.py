@@ -10,6 +10,7 @@ verify pass applies the penalties per position as decoding would.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -81,6 +82,8 @@ class Launched:
     # the checked rows' logits, copied before a pass launched ahead may write over `logits`
     # (a CUDA graph's output buffer is every replay's; `Engine._prepare_next`)
     checked_logits: torch.Tensor | None = None
+    # the prompt tokens it scored (`PromptScoring.launch`: a `PendingScores`), or None
+    scores: Any = None
 
     def select(self, rows: np.ndarray) -> Launched | None:
         """This pass's `rows` only (in that order), for a pass launched ahead whose other
@@ -168,12 +171,7 @@ class PendingLogprobs:
         """The rows of the requests in `uids` only (in order), gathered on the device."""
         rows = [i for i, uid in enumerate(self.uids) if uid in uids]
         index = host_to_device(np.array(rows, dtype=np.int64), self.tokens.device)
-        values = Logprobs(
-            *(
-                t.index_select(0, index)
-                for t in (self.values.chosen, self.values.top_ids, self.values.top_values)
-            )
-        )
+        values = Logprobs(*(t.index_select(0, index) for t in self.values.tensors()))
         return PendingLogprobs(
             values,
             [self.uids[i] for i in rows],
@@ -183,13 +181,16 @@ class PendingLogprobs:
 
     def host(self) -> dict[int, list[TokenLogprob]]:
         """uid -> its tokens' entries, in order (read from the device)."""
-        chosen, top_ids, top_values = self.values.to_host()
+        chosen, ranks, top_ids, top_values = self.values.to_host()
         tokens = self.tokens.cpu().numpy()
         out: dict[int, list[TokenLogprob]] = {}
         for row, (uid, top) in enumerate(zip(self.uids, self.tops, strict=True)):
             ids, values = top_ids[row, :top].tolist(), top_values[row, :top].tolist()
             entry = TokenLogprob(
-                int(tokens[row]), float(chosen[row]), tuple(zip(ids, values, strict=True))
+                int(tokens[row]),
+                float(chosen[row]),
+                tuple(zip(ids, values, strict=True)),
+                int(ranks[row]),
             )
             out.setdefault(uid, []).append(entry)
         return out

@@ -20,6 +20,7 @@ from engine.shell.ahead import PlanAhead
 from engine.shell.failures import Faults
 from engine.shell.logits import Launched, LogitsWork, Sampled
 from engine.shell.outputs import Outputs
+from engine.shell.prompt_scores import PromptScoring
 from engine.shell.runner import PassRunner
 from engine.shell.runtime import Runtime
 
@@ -70,6 +71,7 @@ class Passes:
         input_ids: Any = None,
         ahead: bool = False,
         shift: Any = None,
+        scoring: PromptScoring | None = None,
     ) -> Launched:
         """Launch the pass, then start its grammars' masks: the host fills them (with a GPU,
         on a pool thread) while the device runs the forward and the loop does its other host
@@ -83,7 +85,8 @@ class Passes:
         before the running pass's tokens reach the requests (its penalties count those
         `input_ids`; its seeded draws are numbered by `batch`'s Running, one step on);
         `shift`: its requests further on than `batch` says, by counts on the device (a walk
-        of the verify pass before it, `DeviceWalk`)."""
+        of the verify pass before it, `DeviceWalk`). `scoring`: the prompt tokens its
+        `score_rows` score; their log-probabilities are computed as it is launched."""
         outputs = self.outputs
         inputs = None  # all greedy: no per-request work
         uids = batch.running.rids[batch.samples].tolist()
@@ -94,13 +97,20 @@ class Passes:
             steps = batch.running.num_output[batch.samples].tolist()
             inputs = self.runtime.sampling_inputs(params, np.array(uids), steps)
         forward = self.forward(batch, prepared, input_ids, shift)
+        scores = None
+        if scoring is not None:
+            if batch.score_rows is None or not np.array_equal(batch.score_rows, scoring.rows):
+                raise ValueError("the pass's score_rows must be the scoring's rows")
+            sampled_rows = batch.logit_rows.shape[0]
+            scores = scoring.launch(forward[sampled_rows:])
+            forward = forward[:sampled_rows]
         # greedy rows go unmasked, and are masked only if their grammar refuses their token
         checked = self.logits.checked_rows(uids, outputs.logprob_uids)
         masks = self.logits.start(uids, checked)  # after the launch: filled as the device runs
         # launched ahead: each row's input is its token that its request does not hold yet
         pending = input_ids if ahead else None
         logits = self.logits.edit(forward, uids, outputs.edited_uids, pending)
-        launched = Launched(logits, uids, inputs, masks, checked=checked)
+        launched = Launched(logits, uids, inputs, masks, checked=checked, scores=scores)
         if masks is None:
             return attrs.evolve(launched, sampled=self.sample(launched))
         return launched

@@ -188,8 +188,9 @@ class Replayer:
     # --- transitions (each as the engine called it) -------------------------------------------
     def _admit(self, record: Mapping[str, Any]) -> state.Result:
         rids, prefix_lens, tokens = record["rids"], record["prefix_lens"], record["tokens"]
+        whole = set(record.get("computed_whole", ()))  # matched nothing (a prompt scored)
         prefixes = [
-            self.book.acquire(rid, np.array(ids[:-1], dtype=np.int64))
+            self.book.acquire(rid, np.array(ids[:0] if rid in whole else ids[:-1], dtype=np.int64))
             for rid, ids in zip(rids, tokens, strict=True)
         ]
         starts = np.concatenate([[0], np.cumsum(prefix_lens)]).astype(int).tolist()
@@ -236,7 +237,8 @@ class Replayer:
             )
             for token in self.tokens[rid][kv : kv + n]
         ]
-        return self._open(record, state.schedule_extend(running, chunks, input_ids, slots))
+        scored = record.get("score_rows")  # rows whose logits scored prompt tokens
+        return self._open(record, state.schedule_extend(running, chunks, input_ids, slots, scored))
 
     def _schedule_decode(self, record: Mapping[str, Any]) -> Batch:
         running = self._batch_running(record)

@@ -28,12 +28,14 @@ class Usage:
 
 @attrs.frozen
 class TokenLogprob:
-    """An output token's log-probability and the most likely tokens at its position with
-    theirs (`SamplingParams.logprobs` of them)."""
+    """A token's log-probability, the most likely tokens at its position with theirs
+    (`SamplingParams.logprobs` of them, or `prompt_logprobs` for a prompt token), and its
+    rank among all tokens there (1: the most likely)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # None: not known (made by hand)
 
 
 @attrs.frozen
@@ -49,8 +51,12 @@ class Delta:
     usage: Usage | None = None
     speculation: AcceptanceStats | None = None  # in the last delta, as in Completion
     error: str | None = None  # finish_reason "error": what failed
-    prompt_token_ids: tuple[int, ...] | None = None  # in the last delta
+    # in the last delta, and in the first where the prompt's logprobs were asked
+    prompt_token_ids: tuple[int, ...] | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when asked
+    # in the first delta, when asked: one per prompt token (None: the first, which nothing
+    # scores, and any the request did not reach)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class DeltaSink(Protocol):
@@ -72,6 +78,7 @@ class Completion:
     speculation: AcceptanceStats | None = None
     error: str | None = None  # finish_reason "error": what failed
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # as in `Delta`
 
     @classmethod
     def of_deltas(cls, deltas: list[Delta]) -> Completion:
@@ -91,6 +98,7 @@ class Completion:
             None
             if last.logprobs is None
             else tuple(lp for d in deltas for lp in (d.logprobs or ())),
+            deltas[0].prompt_logprobs,
         )
 
 
@@ -116,6 +124,10 @@ class Request:
     cached_tokens: int | None = None  # prompt tokens matched in the prefix cache at admission
     waited_out: int = 0  # admissions that passed it over while it waited (its age, for LPM)
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
+    # per prompt token, when params.prompt_logprobs is set (None: not scored yet; the first
+    # never is); `prompt_scored`: the prompt tokens before the first not scored yet
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_scored: int = 1
     _ids: Any = attrs.field(default=None, init=False, repr=False)  # id_array()'s buffer
     _view: Any = attrs.field(default=None, init=False, repr=False)  # its last answer
     _prompt_seen: Any = attrs.field(default=None, init=False, repr=False)
@@ -123,6 +135,8 @@ class Request:
     def __attrs_post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
         # the prompt's array is built here, where the request is made (the submitting thread),
         # rather than by the loop when it first looks the prompt up in the prefix cache
         self.id_array()
@@ -134,6 +148,21 @@ class Request:
             self._prompt_seen = np.unique(np.array(self.prompt_ids, dtype=np.int64))
         output = np.array(self.output_ids, dtype=np.int64)
         return np.union1d(self._prompt_seen, output), output
+
+    def score_prompt(self, first: int, entries: list[TokenLogprob]) -> None:
+        """Prompt tokens first, first + 1, ... scored (`PromptScoring`)."""
+        assert self.prompt_logprobs is not None
+        self.prompt_logprobs[first : first + len(entries)] = entries
+        self.prompt_scored = max(self.prompt_scored, first + len(entries))
+
+    def cacheable_prefix(self) -> np.ndarray:
+        """The tokens admission may take from the prefix cache: all but the last (which it
+        always computes), or none while its prompt's logprobs are not all computed (each
+        needs the logits at the position before it)."""
+        ids = self.id_array()
+        if self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids):
+            return ids[:0]
+        return ids[:-1]
 
     @property
     def all_ids(self) -> list[int]:
@@ -194,6 +223,7 @@ class Request:
             self.speculation,
             self.error,
             None if self.logprobs is None else tuple(self.logprobs),
+            None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
         )
 
     def usage(self) -> Usage:
@@ -216,6 +246,7 @@ class Request:
         first = self.sent_tokens == 0 and self.sent_chars == 0
         self.sent_tokens, self.sent_chars = len(self.output_ids), max(self.sent_chars, end)
         reason = self.finish_reason.openai
+        scored = first and self.prompt_logprobs is not None
         return Delta(
             self.request_id,
             new_ids,
@@ -224,6 +255,7 @@ class Request:
             self.usage() if self.done or first else None,
             self.speculation,
             self.error,
-            tuple(self.prompt_ids) if self.done else None,
+            tuple(self.prompt_ids) if self.done or scored else None,
             logprobs,
+            tuple(self.prompt_logprobs) if scored and self.prompt_logprobs is not None else None,
         )

@@ -85,8 +85,9 @@ class ModelRunner:
     @torch.inference_mode()
     def prepare(self, batch: Batch) -> Prepared:
         """Plan the pass (backend metadata; for a graph, its static buffers) ahead of `launch`.
-        Passes small enough replay a captured graph; the rest run eagerly."""
-        for graph in self.graphs:
+        Passes small enough replay a captured graph; the rest, and those that score prompt
+        tokens (`Batch.score_rows`), run eagerly."""
+        for graph in self.graphs if batch.score_rows is None else ():
             if graph.accepts(batch):
                 if not graph.applies_writes:
                     self._flush()
@@ -115,8 +116,9 @@ class ModelRunner:
         input_ids: torch.Tensor | None = None,
         shift: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """fp32 logits [len(batch.logit_rows), vocab] for the rows `batch.logit_rows` names.
-        `batch` has the layout `prepared` was planned for; its input ids may be newer.
+        """fp32 logits [len(batch.output_rows), vocab] for the rows `batch.output_rows` names
+        (`logit_rows`, then any `score_rows`: an eager pass's). `batch` has the layout
+        `prepared` was planned for; its input ids may be newer.
         `input_ids`: the pass's input ids on the device (the tokens the last pass sampled,
         not read back yet), which replace `batch.input_ids`. `shift`: a decode pass's
         requests are that many tokens further on (on the device: `GraphRunner.replay`); a
@@ -132,7 +134,7 @@ class ModelRunner:
             return prepared.runner.replay(prepared.graph, batch, input_ids, shift)
         if shift is not None:
             raise ValueError("a shift on the device needs a graph's pass; this pass is eager")
-        arrays = {} if every_row else {"logit_rows": batch.logit_rows.astype(np.int64)}
+        arrays = {} if every_row else {"logit_rows": batch.output_rows.astype(np.int64)}
         count, num_tokens = batch.new_lens.total, self.num_tokens(batch)
         arrays["positions"] = _padded(batch.positions, num_tokens)  # padding: position 0
         if input_ids is None:
@@ -149,7 +151,7 @@ class ModelRunner:
         return self.model.logits(hidden[:count] if every_row else hidden[on_device["logit_rows"]])
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """prepare + launch: fp32 logits for the rows `batch.logit_rows` names."""
+        """prepare + launch: fp32 logits for the rows `batch.output_rows` names."""
         return self.launch(self.prepare(batch), batch)
 
 

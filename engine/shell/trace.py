@@ -271,6 +271,9 @@ class Recorder:
     # --- transitions ------------------------------------------------------------------------
     def admit(self, running: Running, entering: Running, prefix_slots: np.ndarray) -> Any:
         tok = self._tokens
+        requests = [self._requests[uid] for uid in entering.rids.tolist()]
+        # requests that took nothing from the prefix cache by choice (a prompt scored whole)
+        whole = [r.uid for r in requests if r.cacheable_prefix().size < r.num_tokens - 1]
         record = self._start(
             "admit",
             running=self._rids(running),
@@ -280,8 +283,9 @@ class Recorder:
             prompt_lens=ints(entering.prompt_lens),
             prefix_lens=ints(entering.kv_lens),
             rules=encode_rules(entering.rules, tok),
-            tokens=[tok(self._requests[uid].all_ids) for uid in entering.rids.tolist()],
+            tokens=[tok(r.all_ids) for r in requests],
             prefix_slots=ints(prefix_slots),
+            **({"computed_whole": whole} if whole else {}),
         )
         call = lambda: state.admit(running, entering, prefix_slots)  # noqa: E731
         return self._finish(record, self._run(record, call))
@@ -312,15 +316,23 @@ class Recorder:
         return self._finish(record, self._run(record, lambda: state.share(running, indices)))
 
     def schedule_extend(
-        self, running: Running, chunk_lens: Any, input_ids: np.ndarray, slots: np.ndarray
+        self,
+        running: Running,
+        chunk_lens: Any,
+        input_ids: np.ndarray,
+        slots: np.ndarray,
+        score_rows: np.ndarray | None = None,
     ) -> Any:
         record = self._start(
             "schedule_extend",
             running=self._rids(running),
             chunk_lens=ints(chunk_lens),
             slots=ints(slots),
+            **({} if score_rows is None else {"score_rows": ints(score_rows)}),
         )
-        call = lambda: state.schedule_extend(running, chunk_lens, input_ids, slots)  # noqa: E731
+        call = lambda: state.schedule_extend(  # noqa: E731
+            running, chunk_lens, input_ids, slots, score_rows
+        )
         return self._finish(record, self._run(record, call))
 
     def schedule_decode(self, running: Running, slots: np.ndarray) -> Any:

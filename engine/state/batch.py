@@ -195,6 +195,10 @@ def _all_true(size: int) -> np.ndarray:
     return freeze(np.ones(size, dtype=bool))
 
 
+def _optional_rows(values: object) -> np.ndarray | None:
+    return None if values is None else frozen_array(np.asarray(values, dtype=INDEX_DTYPE))
+
+
 @attrs.frozen(eq=False)
 class Batch:
     """One forward pass over every request of `running`."""
@@ -204,6 +208,9 @@ class Batch:
     input_ids: np.ndarray = attrs.field(converter=frozen_array)
     out_slots: np.ndarray = attrs.field(converter=frozen_array)
     trees: DraftTrees | None = None
+    # new tokens whose logits the pass returns too, after the logit rows' (flat, increasing;
+    # None: none): the rows that score prompt tokens (`SamplingParams.prompt_logprobs`)
+    score_rows: np.ndarray | None = attrs.field(default=None, converter=_optional_rows)
     seq_lens: SeqLens = attrs.field(init=False)
     mode: Mode = attrs.field(init=False)  # derived from the counts here, never passed in
     # `positions`, once asked (None: not yet). A cache: not part of the value.
@@ -253,6 +260,21 @@ class Batch:
             raise ValueError(f"stale total: seq_lens {seq} != prefix + new {total}")
         object.__setattr__(self, "seq_lens", seq)
         object.__setattr__(self, "mode", mode)
+        rows = self.score_rows
+        if (
+            rows is not None
+            and rows.size
+            and (
+                mode != Mode.EXTEND
+                or rows[0] < 0
+                or rows[-1] >= total
+                or (rows.size > 1 and (np.diff(rows) <= 0).any())
+            )
+        ):
+            raise ValueError(
+                f"score_rows {rows.tolist()} must be increasing new-token indices in "
+                f"[0, {total}) of an extend pass"
+            )
 
     # --- derived ------------------------------------------------------------------------
     @property
@@ -291,3 +313,10 @@ class Batch:
             return freeze(np.arange(self.new_lens.total, dtype=INDEX_DTYPE))
         ends = self.new_lens.indptr()[1:] - 1
         return freeze(ends[self.samples])
+
+    @property
+    def output_rows(self) -> np.ndarray:
+        """The rows whose logits the pass returns: the logit rows, then the score rows."""
+        if self.score_rows is None:
+            return self.logit_rows
+        return freeze(np.concatenate([self.logit_rows, self.score_rows]))

@@ -66,7 +66,10 @@ class SamplingParams:
     output. Then temperature, top-k, top-p and `min_p` (tokens below min_p times the most
     likely token's probability are dropped). `logprobs` (None: off) returns, per output
     token, its log-probability under the logits after bias and penalties (before temperature
-    and filtering), and that many most likely alternatives (0..20). `n` samples of the prompt
+    and filtering), and that many most likely alternatives (0..20). `prompt_logprobs` (None:
+    off) does the same for each prompt token after the first, under the model's logits at the
+    position before it (no bias or penalties); such a prompt is computed whole, not taken
+    from the prefix cache. `n` samples of the prompt
     are drawn (seeded: sample i from the seed and i).
 
     `structured_outputs` (None: free text) constrains the output to a JSON schema, a regular
@@ -103,6 +106,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self) -> None:
         t = self.temperature
@@ -168,13 +172,14 @@ class SamplingParams:
         check_field(
             "n", self.n, is_int(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]"
         )
-        lp = self.logprobs
-        check_field(
-            "logprobs",
-            lp,
-            lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
-            f"None or an integer in [0, {MAX_LOGPROBS}]",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            check_field(
+                name,
+                lp,
+                lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
+                f"None or an integer in [0, {MAX_LOGPROBS}]",
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             check_field(name, value, is_number(value) and -2 <= value <= 2, "a number in [-2, 2]")

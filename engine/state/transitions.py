@@ -28,9 +28,11 @@ def schedule_extend(
     chunk_lens: Sequence[int] | np.ndarray,
     input_ids: Sequence[int] | np.ndarray,
     slots: np.ndarray,
+    score_rows: np.ndarray | None = None,
 ) -> Batch:
-    """The next chunk of each request's pending tokens (a whole prompt, or part of it)."""
-    return Batch(running, SeqLens(chunk_lens), input_ids, slots)
+    """The next chunk of each request's pending tokens (a whole prompt, or part of it);
+    `score_rows`: new tokens whose logits the pass returns too (`Batch.score_rows`)."""
+    return Batch(running, SeqLens(chunk_lens), input_ids, slots, score_rows=score_rows)
 
 
 def schedule_decode(running: Running, slots: np.ndarray) -> Batch:

@@ -352,6 +352,7 @@ def test_logprobs_are_the_log_softmax_at_the_drawn_token_with_the_top_alternativ
     torch.testing.assert_close(values.chosen, reference[[0, 1], [2, 0]])
     assert values.top_ids.tolist() == [[1, 2], [2, 0]]
     torch.testing.assert_close(values.top_values, reference.gather(1, values.top_ids))
+    assert values.ranks.tolist() == [2, 2]  # 2.0 after 3.0; 0.0 after 5.0 (ties share 2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

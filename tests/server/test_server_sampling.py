@@ -176,6 +176,75 @@ def test_echo_returns_the_prompt_first(served: Served, reference: Engine) -> Non
     assert streamed == text
 
 
+def test_echo_with_logprobs_scores_the_prompt_streamed_and_not(
+    served: Served, reference: Engine
+) -> None:
+    """As vLLM: echo with logprobs gives the prompt's tokens first, the first with null
+    logprob and alternatives, the others with the model's, then the output's; streamed, the
+    echo's chunk carries the prompt's."""
+    client = served.client()
+    kwargs = dict(
+        model=served.model,
+        prompt=COMPLETION_PROMPT,
+        max_tokens=4,
+        temperature=0.0,
+        echo=True,
+        logprobs=2,
+    )
+    want = reference.generate(
+        COMPLETION_PROMPT, SamplingParams(max_tokens=4, logprobs=2, prompt_logprobs=2)
+    )[0]
+    ids = list(want.prompt_token_ids) + list(want.token_ids)
+    got = client.completions.create(**kwargs).choices[0].logprobs
+    spell = reference.tokenizer.decode
+    assert got.tokens == [spell([t]) for t in ids]
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    expected = [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.logprobs]
+    assert max(abs(a - b) for a, b in zip(got.token_logprobs[1:], expected, strict=True)) < 1e-4
+    assert all(len(top) == 2 for top in got.top_logprobs[1:])
+    assert got.text_offset[0] == 0
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == got.tokens
+    offsets = [
+        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == got.text_offset
+    _settled(served)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_prompt_logprobs_as_vllm_gives_them(served: Served, reference: Engine, chat: bool) -> None:
+    """vLLM's prompt_logprobs: null for the first prompt token, then a map of token id to
+    logprob, rank and text for the most likely there and the prompt's token; on each
+    completions choice, at the top of a chat response."""
+    prompt = [CHAT_MESSAGES] if chat else COMPLETION_PROMPT
+    want = reference.generate(prompt, SamplingParams(max_tokens=3, prompt_logprobs=1))[0]
+    body = {"model": served.model, "max_tokens": 3, "temperature": 0.0, "prompt_logprobs": 1}
+    if chat:
+        body["messages"] = CHAT_MESSAGES
+    else:
+        body.update(prompt=[COMPLETION_PROMPT, COMPLETION_PROMPT])
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    response = httpx.post(served.url + path, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    bodies = (
+        [answer["prompt_logprobs"]] if chat else [c["prompt_logprobs"] for c in answer["choices"]]
+    )
+    for scores in bodies:
+        assert len(scores) == len(want.prompt_token_ids) and scores[0] is None
+        for entry, expected in zip(scores[1:], want.prompt_logprobs[1:], strict=True):
+            mine = entry[str(expected.token_id)]
+            assert abs(mine["logprob"] - expected.logprob) < 1e-4
+            assert mine["rank"] == expected.rank
+            assert mine["decoded_token"] == reference.tokenizer.decode([expected.token_id])
+            best, value = expected.top[0]
+            assert entry[str(best)]["rank"] == 1 and abs(entry[str(best)]["logprob"] - value) < 1e-4
+            assert len(entry) == (1 if best == expected.token_id else 2)
+    _settled(served)
+
+
 def test_stop_token_ids_min_tokens_penalties_and_bias_equal_generate(
     served: Served, reference: Engine
 ) -> None:

@@ -1,12 +1,13 @@
 """The engine as a model: hypothesis mixes submissions (greedy and sampled, long prompts that
 chunk, prompts from a few shared families, multi-turn continuations of finished requests,
-grammar-constrained requests, a pool small enough to evict cached prefixes and retract),
-aborts (also mid-prefill of a matched prefix), streams closed early, speculation, mixed or
-extend-only passes, and faults injected into forwards, sampling, verify walks and commits.
-After every step each slot is free, owned by one request, or cached with a lock count equal to
-its holders, every row starts with its request's cached prefix, and only requests in flight
-hold a grammar matcher; at the end every request has finished, nothing is locked, the pool is
-whole, and every constrained output is one its grammar allows (whole, where it stopped)."""
+grammar-constrained requests, requests that score their prompts, a pool small enough to evict
+cached prefixes and retract), aborts (also mid-prefill of a matched prefix), streams closed
+early, speculation, mixed or extend-only passes, and faults injected into forwards, sampling,
+verify walks and commits. After every step each slot is free, owned by one request, or cached
+with a lock count equal to its holders, every row starts with its request's cached prefix, and
+only requests in flight hold a grammar matcher; at the end every request has finished, nothing
+is locked, the pool is whole, every constrained output is one its grammar allows (whole, where
+it stopped), and every prompt scored is scored whole."""
 
 from __future__ import annotations
 
@@ -98,13 +99,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _params(self, max_tokens: int, sampled: bool, seed: int) -> SamplingParams:
         """Sampled or greedy; one request in three with penalties (a pass launched ahead
-        counts the running pass's tokens into them on the device)."""
-        penalties = dict(frequency_penalty=0.5, repetition_penalty=1.2) if seed % 3 == 0 else {}
+        counts the running pass's tokens into them on the device); one in four scoring its
+        prompt (computed whole, past the prefix cache, and again after a retraction)."""
+        extra: dict = dict(frequency_penalty=0.5, repetition_penalty=1.2) if seed % 3 == 0 else {}
+        if seed % 4 == 1:
+            extra["prompt_logprobs"] = seed % 3
         if sampled:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=0.8, top_k=20, seed=seed, **penalties
+                max_tokens=max_tokens, temperature=0.8, top_k=20, seed=seed, **extra
             )
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **penalties)
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)
 
     def _prompt(self, length: int, seed: int) -> list[int]:
         motif = np.random.default_rng(seed).integers(3, 250, size=5).tolist()
@@ -254,10 +258,24 @@ class EngineMachine(RuleBasedStateMachine):
             event("evictions: " + ("some" if engine.book.evictions else "none"))
         for request in self.requests:
             self._check_grammar(request)
+            self._check_prompt_scores(request)
         assert not engine.grammars
         engine.faults = None  # and it serves on
         after = engine.generate([self._prompt(8, 0)], self._params(3, False, 0))[0]
         assert after.finish_reason == "length" and len(after.token_ids) == 3
+
+    def _check_prompt_scores(self, request) -> None:
+        """A request that asked for its prompt's logprobs and produced a token has every
+        prompt token after the first scored, with as many alternatives as it asked for."""
+        top = request.params.prompt_logprobs
+        if top is None or not request.output_ids:
+            return
+        scores = request.completion().prompt_logprobs
+        assert scores[0] is None and len(scores) == len(request.prompt_ids)
+        for token, entry in zip(request.prompt_ids[1:], scores[1:], strict=True):
+            assert entry.token_id == token and entry.logprob <= 0 and entry.rank >= 1
+            assert len(entry.top) == top
+        event("prompt logprobs: scored")
 
     def _check_grammar(self, request) -> None:
         """A constrained output is one its grammar allows; whole where it stopped."""

@@ -197,3 +197,56 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(make_engine):
     with pytest.raises(ValueError, match="^truncate_prompt_tokens=0 is not allowed"):
         SamplingParams(truncate_prompt_tokens=0)
     settled(engine)
+
+
+def _assert_prompt_logprobs_match(hf_model, completion, top: int) -> None:
+    """A completion's prompt logprobs: None for the first token, then HF's log-softmax at the
+    position before each prompt token, its rank and the `top` most likely there."""
+    ids = list(completion.prompt_token_ids)
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    scores = completion.prompt_logprobs
+    assert scores is not None and len(scores) == len(ids) and scores[0] is None
+    for position in range(1, len(ids)):
+        entry, row = scores[position], reference[position - 1]
+        assert entry.token_id == ids[position]
+        assert abs(entry.logprob - row[ids[position]].item()) < 1e-4
+        assert entry.rank == int((row > row[ids[position]]).sum()) + 1
+        values, top_ids = row.topk(top)
+        assert [t for t, _ in entry.top] == top_ids.tolist()
+        assert (
+            max(
+                (abs(v - r) for (_, v), r in zip(entry.top, values.tolist(), strict=True)),
+                default=0,
+            )
+            < 1e-4
+        )
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_prompt_logprobs_equal_hf_in_chunks_beside_others_and_past_the_cache(
+    make_engine, hf_model, speculative
+):
+    """Every prompt token after the first is scored by the logits before it, whether the
+    prompt prefills whole or in chunks beside other requests (a mixed pass), and though the
+    prefix cache holds the prompt (a scored prompt is computed whole, then cached)."""
+    engine = make_engine(chunk_size=8, speculative=speculative, draft_cost=0.1)
+    ids = engine.tokenizer.encode(COPY)
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    scored = SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    others = engine.generate([ids, PROMPT], plain)  # the prompt is in the cache now
+    done = engine.generate([PROMPT, ids, "Hello there"], [plain, scored, scored])
+    for completion in done[1:]:
+        _assert_prompt_logprobs_match(hf_model, completion, 2)
+    assert done[1].token_ids == others[0].token_ids[:6]
+    assert done[0].prompt_logprobs is None and done[1].usage.cached_tokens == 0
+    again = engine.generate([ids], plain)[0]  # the scored prompt entered the cache
+    assert again.usage.cached_tokens > 0
+    streamed = list(engine.stream(ids, SamplingParams(max_tokens=3, prompt_logprobs=0)))
+    assert streamed[0].prompt_logprobs is not None
+    assert all(d.prompt_logprobs is None for d in streamed[1:])
+    first = streamed[0].prompt_logprobs
+    assert [e.token_id for e in first[1:]] == ids[1:] and all(not e.top for e in first[1:])
+    with pytest.raises(ValueError, match="^prompt_logprobs=21 is not allowed"):
+        SamplingParams(prompt_logprobs=21)
+    settled(engine)

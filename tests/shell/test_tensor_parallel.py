@@ -122,10 +122,20 @@ def _tiny(path: Path, **overrides) -> Engine:
 def test_tiny_checkpoints_over_two_ranks_give_the_tokens_of_one(checkpoints, name):
     one = _tiny(checkpoints[name])
     want = [_tokens(one, MIXED_PROMPTS[:1]), _tokens(one, MIXED_PROMPTS)]
+    scored = GREEDY | {"max_tokens": 2, "prompt_logprobs": 2}  # rows past the sampled ones
+    want_scores = [c.prompt_logprobs for c in one.generate(MIXED_PROMPTS, scored)]
     two = _tiny(checkpoints[name], tensor_parallel_size=2)
     try:
         assert two.runner.backend.pool.k_cache[0].shape[1] == 1  # this rank's KV heads
         assert [_tokens(two, MIXED_PROMPTS[:1]), _tokens(two, MIXED_PROMPTS)] == want
+        scores = [c.prompt_logprobs for c in two.generate(MIXED_PROMPTS, scored)]
+        for got, expected in zip(scores, want_scores, strict=True):
+            assert [e and e.token_id for e in got] == [e and e.token_id for e in expected]
+            assert [e and [t for t, _ in e.top] for e in got] == [
+                e and [t for t, _ in e.top] for e in expected
+            ]
+            pairs = zip(got[1:], expected[1:], strict=True)
+            assert max(abs(a.logprob - b.logprob) for a, b in pairs) < 1e-4
         settled(two)
     finally:
         two.close()

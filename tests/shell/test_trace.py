@@ -23,10 +23,11 @@ def family(seed: int, length: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 250, size=length).tolist()
 
 
-def record(path: Path, **overrides) -> float:
+def record(path: Path, scored: tuple[int, ...] = (), **overrides) -> float:
     """A busy run written to `path`: two prompt families sharing prefixes, copy-heavy
-    prompts (drafts match), a pool small enough to evict and retract, an abort, a stop
-    token, and (by default) a failed forward and a failed commit. Returns its seconds."""
+    prompts (drafts match), the prompts `scored` asks their logprobs, a pool small enough to
+    evict and retract, an abort, a stop token, and (by default) a failed forward and a failed
+    commit. Returns its seconds."""
     settings = dict(
         trace_path=str(path),
         speculative=True,
@@ -41,7 +42,14 @@ def record(path: Path, **overrides) -> float:
     prompts += [family(20 + i, 6) * 4 for i in range(4)]  # repeats: drafts are accepted
     started = time.perf_counter()
     ids = [
-        engine.submit(p, dict(max_tokens=40 + 8 * (i % 3), ignore_eos=i % 2 == 0))
+        engine.submit(
+            p,
+            dict(
+                max_tokens=40 + 8 * (i % 3),
+                ignore_eos=i % 2 == 0,
+                prompt_logprobs=1 if i in scored else None,  # passes with score rows
+            ),
+        )
         for i, p in enumerate(prompts)
     ]
     for step in range(2000):
@@ -60,7 +68,7 @@ def record(path: Path, **overrides) -> float:
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory) -> tuple[Path, float]:
     path = tmp_path_factory.mktemp("trace") / "run.jsonl"
-    return path, record(path)
+    return path, record(path, scored=(1, 5))
 
 
 def records(path: Path) -> list[dict]:
@@ -97,6 +105,7 @@ def test_a_recorded_run_replays_clean_and_faster(trace):
     assert any(r["reason"] == "ABORT" for r in all_records if r["op"] == "finish")
     assert any(r.get("applied") is False for r in all_records)  # the failed commit
     assert any(sum(r["accepted_lens"]) for r in all_records if r["op"] == "verify")
+    assert any(r.get("score_rows") for r in all_records if r["op"] == "schedule_extend")
     report = replay_file(str(path))
     assert report.steps == len(all_records)
     print(

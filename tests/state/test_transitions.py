@@ -75,6 +75,18 @@ def test_extend_commits_chunks_and_samples_only_at_the_end(case, chunk_cap, data
     samples = (chunks == run.pending_lens).tolist()
     assert batch.samples.tolist() == samples
     assert batch.logit_rows.tolist() == (np.cumsum(chunks) - 1)[samples].tolist()
+    assert batch.output_rows.tolist() == batch.logit_rows.tolist()  # no score rows
+    total = int(chunks.sum())
+    scored = data.draw(st.lists(st.integers(0, total - 1), unique=True)) if total else []
+    if total and batch.mode == Mode.EXTEND:
+        rows = np.sort(np.array(scored, dtype=np.int64))
+        with_scores = state.schedule_extend(run, chunks, ids, slots, rows)
+        assert with_scores.output_rows.tolist() == batch.logit_rows.tolist() + rows.tolist()
+        if rows.size:  # out of order, out of range: refused
+            with pytest.raises(ValueError, match="score_rows"):
+                state.schedule_extend(
+                    run, chunks, ids, slots, rows[::-1] if rows.size > 1 else rows + total
+                )
     sampled = data.draw(
         st.lists(st.integers(0, VOCAB - 1), min_size=sum(samples), max_size=sum(samples))
     )
