@@ -194,3 +194,26 @@ def test_a_prompt_cached_but_for_its_last_token_samples_its_first_token_in_a_dec
     speculative.generate(prompts[:1], params[0])
     assert [mode for mode, _ in speculative.step_times][0] == "extend"
     settled(speculative)
+
+
+def test_a_scored_prompt_is_computed_whole_past_the_cache_and_scored_alike_in_chunks():
+    """prompt_logprobs: a prompt the cache holds is computed whole again (each token's score
+    needs the logits before it), in chunks beside other requests' decodes (on a GPU: eager
+    passes beside captured ones), and scores as one whole pass without the cache does."""
+    system = family(11, 30)
+    prompts = [system + family(200 + i, 6) for i in range(3)]
+    scored = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    want = tiny(prefix_cache=False, chunk_size=64).generate(prompts, scored)
+    engine = tiny(chunk_size=8)
+    engine.generate([system + [5]], GREEDY)  # the shared prefix is cached now
+    engine.submit(family(300, 20), SamplingParams(max_tokens=30, ignore_eos=True))
+    got = engine.generate(prompts, scored)  # beside the request above
+    run(engine)
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine.usage.cached_tokens == 0 and mine.token_ids == theirs.token_ids
+        assert mine.prompt_logprobs[0] is None and theirs.prompt_logprobs[0] is None
+        pairs = list(zip(mine.prompt_logprobs[1:], theirs.prompt_logprobs[1:], strict=True))
+        assert [a.token_id for a, _ in pairs] == list(mine.prompt_token_ids[1:])
+        assert max(abs(a.logprob - b.logprob) for a, b in pairs) < 1e-3
+        assert all(len(a.top) == 2 and a.top[0][0] == b.top[0][0] for a, b in pairs)
+    settled(engine)
