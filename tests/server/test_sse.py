@@ -11,7 +11,7 @@ import attrs
 
 from engine.server.errors import OpenAIError
 from engine.server.protocol import ResponseShape
-from engine.server.routes import _collect, _Run, _sse
+from engine.server.respond import Run, collect, sse
 
 
 @attrs.frozen
@@ -24,7 +24,7 @@ class _Delta:
     error: str | None = None
 
 
-def _runs(closed: list[int], count: int) -> list[_Run]:
+def _runs(closed: list[int], count: int) -> list[Run]:
     """`count` choices whose first delta has come and whose next never does; each notes its
     index in `closed` when its generator is closed (as `run_request`'s aborts its request)."""
 
@@ -35,11 +35,11 @@ def _runs(closed: list[int], count: int) -> list[_Run]:
         finally:
             closed.append(index)
 
-    return [_Run(index, _Delta("a"), deltas(index)) for index in range(count)]
+    return [Run(index, _Delta("a"), deltas(index)) for index in range(count)]
 
 
-def _stream(runs: list[_Run]):
-    return _sse(ResponseShape(False, "cmpl-1", "m", str), runs, False, len(runs))
+def _stream(runs: list[Run]):
+    return sse(ResponseShape(False, "cmpl-1", "m", str), runs, False, len(runs))
 
 
 def test_a_stream_the_client_leaves_closes_every_choice():
@@ -97,10 +97,10 @@ def test_a_response_whose_choice_failed_ends_the_other_choices_at_once():
 
     async def scenario() -> None:
         runs = _runs(closed, 2)
-        runs.append(_Run(2, _Delta("b"), failed()))
+        runs.append(Run(2, _Delta("b"), failed()))
         shape = ResponseShape(False, "cmpl-1", "m", str)
         try:
-            await asyncio.wait_for(_collect(shape, runs, 3), timeout=60)
+            await asyncio.wait_for(collect(shape, runs, 3), timeout=60)
         except OpenAIError as error:
             assert error.status_code == 500 and "InjectedFault" in str(error)
         else:
