@@ -22,7 +22,8 @@ MAX_SPLITS = 64
 # where the grid is more than one wave of PROGRAMS_PER_SM programs an SM, else
 # ONE_WAVE_WARPS (`choose_decode_warps`).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-# `config={"PREFETCH": True}` (not the default: untimed): the split kernel's whole key blocks
+# `config={"PREFETCH": True}` (not the default: 1.01-1.18x its time on an H100, docs/
+# benchmarks.md "The opt-in variants timed"): the split kernel's whole key blocks
 # are loaded a block ahead, into registers, each block's K/V before the products of the block
 # before it and its slots a block earlier still. Compiled for sm_90, the key loop as the
 # pipeliner makes it keeps one block in flight whatever num_stages (3 and 4: the same code,

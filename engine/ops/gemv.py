@@ -61,8 +61,9 @@ def _switch(name: str) -> bool:
 # blocks (`gemv_rows_kernel`'s LOAD_3D), whose accumulator holds a few keys a thread. Compiled
 # for sm_90 at a verify pass's 13 rows, the sum over the keys after the loop shrinks from 322
 # shuffles a thread to 64 (o_proj; its code 1224 instructions long against 608), for 115
-# registers against 96 (one program an SM either way). Off until timed on a GPU against the
-# launches above (`bench_gemv.py --load-3d`, `bench_steps.py` with the variable set).
+# registers against 96 (one program an SM either way). Off: timed on an H100, the narrow
+# products shorten (0.75-0.92x), gate_up lengthens (1.11-1.29x) and a verify pass of the default
+# model's shapes runs 1.04-1.14x slower (docs/benchmarks.md, "The opt-in variants timed").
 ROWS_LOAD_3D = _switch("ENGINE_ROWS_LOAD_3D")
 
 
