@@ -366,13 +366,15 @@ class LogitsEdit:
     """Sparse changes to rows of logits before sampling, as `SamplingParams` defines them:
     each row's `logit_bias` added, then its repetition penalty on every token it has seen
     (positive logits divided, negative ones multiplied), then its frequency and presence
-    penalties on its output tokens' counts. Built on the host (`LogitsEdit.of`), one copy;
+    penalties on its output tokens' counts, then for a row with allowed token ids, -inf at every
+    other token. Built on the host (`LogitsEdit.of`), one copy;
     a row's history may lack one token still on the device (`pending`), counted there."""
 
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, values (added)
     repeat: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, factors
     # rows, tokens, output counts, and per entry the row's frequency and presence penalties
     penalty: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    allowed: tuple[torch.Tensor, torch.Tensor]  # rows, tokens: the only tokens those rows keep
 
     @classmethod
     def of(
@@ -387,7 +389,7 @@ class LogitsEdit:
         pass's, for a pass launched before its tokens are read); the edit is the one its
         history with that token gives, exactly: the repetition penalty is applied to it
         (once, whether seen or not), and its output count is one more."""
-        parts: list[list[np.ndarray]] = [[] for _ in range(11)]
+        parts: list[list[np.ndarray]] = [[] for _ in range(13)]
         late: list[list[int]] = [[], []]  # rows with a pending token's repeat / penalty entry
         for row, (params, seen, output) in enumerate(rows):
             if params.logit_bias:
@@ -408,6 +410,10 @@ class LogitsEdit:
                     _append(parts[6:9], row, tokens, counts.astype(np.float64))
                     parts[9].append(np.full(tokens.size, params.frequency_penalty))
                     parts[10].append(np.full(tokens.size, params.presence_penalty))
+            if params.allowed_token_ids is not None:
+                allowed = np.array(params.allowed_token_ids, dtype=np.float64)
+                parts[11].append(np.full(allowed.size, row, dtype=np.float64))
+                parts[12].append(allowed)
         if late[0]:  # the pending tokens' repetition entries come last (tokens on the device)
             parts[3].append(np.array(late[0], dtype=np.float64))
             parts[4].append(np.zeros(len(late[0])))
@@ -425,7 +431,8 @@ class LogitsEdit:
             repeat[1] = torch.cat([repeat[1][:-n], tail])
         if pending is not None and late[1]:
             penalty[1], penalty[2] = _count_pending(penalty[0], penalty[1], penalty[2], pending)
-        return cls(bias, tuple(repeat), tuple(penalty))
+        allowed = (pieces[11].long(), pieces[12].long())
+        return cls(bias, tuple(repeat), tuple(penalty), allowed)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The edited logits (fp32, a new tensor)."""
@@ -441,6 +448,13 @@ class LogitsEdit:
         if rows.numel():  # in float64, then rounded once: the same values as on the host
             values = torch.where(counts > 0, -(frequency * counts + presence), 0.0)
             out.index_put_((rows, tokens), values.float(), accumulate=True)
+        rows, tokens = self.allowed
+        if rows.numel():  # rows with allowed ids: -inf but at those
+            restricted = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+            restricted[rows] = True
+            keep = torch.zeros(out.shape, dtype=torch.bool, device=out.device)
+            keep[rows, tokens] = True
+            out.masked_fill_(restricted[:, None] & ~keep, float("-inf"))
         return out
 
 

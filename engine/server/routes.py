@@ -66,6 +66,7 @@ def _sampling_params(
             n=body.n,
             logprobs=body.logprob_count,
             prompt_logprobs=body.prompt_logprob_count,
+            allowed_token_ids=body.allowed_token_ids,
             frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,

@@ -65,6 +65,7 @@ def validate_params(
     for field, ids in (
         ("logit_bias", [t for t, _ in params.logit_bias]),
         ("stop_token_ids", list(params.stop_token_ids)),
+        ("allowed_token_ids", list(params.allowed_token_ids or ())),
     ):
         bad = [t for t in ids if t >= vocab_size]
         if bad:

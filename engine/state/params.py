@@ -52,6 +52,11 @@ def _as_bias(value: object) -> object:
     return as_tuple(value)
 
 
+def _as_ids(value: object) -> object:
+    """None, or the ids as a tuple (anything else kept for the validator to name)."""
+    return None if value is None else as_tuple(value)
+
+
 @attrs.frozen
 class SamplingParams:
     """How one request samples and when it stops.
@@ -63,7 +68,8 @@ class SamplingParams:
     vLLM defines them: `repetition_penalty` divides positive logits (multiplies negative
     ones) of every token in the prompt or the output; `frequency_penalty` subtracts itself
     times a token's count in the output and `presence_penalty` itself once for a token in the
-    output. Then temperature, top-k, top-p and `min_p` (tokens below min_p times the most
+    output; with `allowed_token_ids` (vLLM's), every other token's logit is -inf. Then
+    temperature, top-k, top-p and `min_p` (tokens below min_p times the most
     likely token's probability are dropped). `logprobs` (None: off) returns, per output
     token, its log-probability under the logits after bias and penalties (before temperature
     and filtering), and that many most likely alternatives (0..20). `prompt_logprobs` (None:
@@ -107,6 +113,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_as_ids)
 
     def __attrs_post_init__(self) -> None:
         t = self.temperature
@@ -207,6 +214,18 @@ class SamplingParams:
             and len({pair[0] for pair in bias}) == len(bias),
             "a map of token ids >= 0 to numbers in [-100, 100]",
         )
+        allowed = self.allowed_token_ids
+        check_field(
+            "allowed_token_ids",
+            allowed,
+            allowed is None
+            or (
+                isinstance(allowed, tuple)
+                and allowed
+                and all(is_int(i) and i >= 0 for i in allowed)
+            ),
+            "None or a non-empty list of token ids >= 0",
+        )
         so = self.structured_outputs
         check_field(
             "structured_outputs",
@@ -222,12 +241,13 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether the logits change before sampling (penalties or a bias)."""
+        """Whether the logits change before sampling (penalties, a bias or allowed ids)."""
         return bool(
             self.frequency_penalty
             or self.presence_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
+            or self.allowed_token_ids is not None
         )
 
     def sample(self, index: int) -> SamplingParams:

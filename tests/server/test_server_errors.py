@@ -102,6 +102,8 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"max_completion_tokens": 5000}, "max_tokens", "room for"),
     ("/v1/completions", {"logprobs": 21}, "logprobs", "21"),
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs", "21"),
+    ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+    ("/v1/chat/completions", {"allowed_token_ids": [999999]}, "allowed_token_ids", "vocabulary"),
     (
         "/v1/chat/completions",
         {"prompt_logprobs": 1, "stream": True},

@@ -262,6 +262,10 @@ def test_stop_token_ids_min_tokens_penalties_and_bias_equal_generate(
         (dict(presence_penalty=2.0), dict(presence_penalty=2.0)),
         (dict(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
         (dict(min_p=0.2, temperature=1.0, seed=3), dict(min_p=0.2, temperature=1.0, seed=3)),
+        (
+            dict(allowed_token_ids=list(greedy.token_ids[3:6])),
+            dict(allowed_token_ids=greedy.token_ids[3:6]),
+        ),
     ]
     for body, params in cases:
         extra = {
@@ -276,6 +280,7 @@ def test_stop_token_ids_min_tokens_penalties_and_bias_equal_generate(
                 "ignore_eos",
                 "include_stop_str_in_output",
                 "skip_special_tokens",
+                "allowed_token_ids",
             )
         }
         openai_fields = {k: v for k, v in body.items() if k not in extra}

@@ -331,6 +331,7 @@ def test_launch_ahead_changes_no_output(backend, abort_at):
         dict(presence_penalty=2.0, logit_bias={7: 2.0}),
         dict(repetition_penalty=2.0),
         dict(temperature=0.8, seed=3, repetition_penalty=1.5, frequency_penalty=0.5),
+        dict(allowed_token_ids=(7, 40, 41, 99), repetition_penalty=1.5, logprobs=1),
     ],
 )
 def test_launch_ahead_beside_bias_penalties_and_logprobs(asked):

@@ -250,3 +250,29 @@ def test_prompt_logprobs_equal_hf_in_chunks_beside_others_and_past_the_cache(
     with pytest.raises(ValueError, match="^prompt_logprobs=21 is not allowed"):
         SamplingParams(prompt_logprobs=21)
     settled(engine)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_allowed_token_ids_keep_only_those_tokens(make_engine, hf_model, speculative):
+    """vLLM's allowed_token_ids: greedy picks the most likely allowed token at each step (HF's
+    logits, the others set to -inf), in decode and verify passes alike; a token id outside
+    the vocabulary, or none, is refused."""
+    engine = make_engine(speculative=speculative, draft_cost=0.1)
+    ids = engine.tokenizer.encode(COPY)
+    allowed = sorted(set(ids[:6]))  # the copy prompt's words: drafts of them are proposed
+    params = SamplingParams(max_tokens=10, ignore_eos=True, allowed_token_ids=allowed, logprobs=2)
+    done = engine.generate([ids], params)[0]
+    history = list(ids)
+    for token, entry in zip(done.token_ids, done.logprobs, strict=True):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([history])).logits[0, -1].float()
+        assert token == allowed[int(logits[allowed].argmax())]
+        assert {t for t, _ in entry.top} <= set(allowed)
+        history.append(token)
+    if speculative:  # verify passes applied the mask to accepted drafts too
+        assert done.speculation.accepted > 0
+    with pytest.raises(InvalidRequest, match="allowed_token_ids"):
+        engine.submit(ids, SamplingParams(allowed_token_ids=[10**7]))
+    with pytest.raises(ValueError, match="^allowed_token_ids=\\(\\) is not allowed"):
+        SamplingParams(allowed_token_ids=[])
+    settled(engine)
