@@ -411,9 +411,9 @@ class LogitsEdit:
                     parts[9].append(np.full(tokens.size, params.frequency_penalty))
                     parts[10].append(np.full(tokens.size, params.presence_penalty))
             if params.allowed_token_ids is not None:
-                allowed = np.array(params.allowed_token_ids, dtype=np.float64)
-                parts[11].append(np.full(allowed.size, row, dtype=np.float64))
-                parts[12].append(allowed)
+                ids = np.array(params.allowed_token_ids, dtype=np.float64)
+                parts[11].append(np.full(ids.size, row, dtype=np.float64))
+                parts[12].append(ids)
         if late[0]:  # the pending tokens' repetition entries come last (tokens on the device)
             parts[3].append(np.array(late[0], dtype=np.float64))
             parts[4].append(np.zeros(len(late[0])))

@@ -221,7 +221,7 @@ class SamplingParams:
             allowed is None
             or (
                 isinstance(allowed, tuple)
-                and allowed
+                and len(allowed) > 0
                 and all(is_int(i) and i >= 0 for i in allowed)
             ),
             "None or a non-empty list of token ids >= 0",
