@@ -21,6 +21,8 @@ from engine.shell.logits import PendingLogprobs
 from engine.shell.request import Request
 from engine.state import Running
 
+SCORE_SLICE = 256  # scoring rows whose log-probabilities are computed at once
+
 
 @attrs.frozen(eq=False)
 class PromptScoring:
@@ -81,7 +83,15 @@ class PromptScoring:
                 "must return the logits of Batch.output_rows"
             )
         targets = host_to_device(self.targets, logits.device)
-        values = Logprobs.of(logits, targets, max(self.tops))
+        top = max(self.tops)
+        # a slice of rows at a time: the log-softmax's temporaries stay a slice's, whatever
+        # the chunk (the logits themselves are the pass's)
+        parts = [
+            Logprobs.of(logits[at : at + SCORE_SLICE], targets[at : at + SCORE_SLICE], top)
+            for at in range(0, self.rows.size, SCORE_SLICE)
+        ]
+        columns = zip(*(part.tensors() for part in parts), strict=True)
+        values = Logprobs(*(torch.cat(column) for column in columns))
         return PendingScores(PendingLogprobs(values, self.uids, self.tops, targets), self.firsts)
 
 

@@ -11,6 +11,7 @@ from engine_checks import settled
 from engine import SamplingParams
 from engine.errors import InvalidRequest
 from engine.model import default_model_path
+from engine.shell import prompt_scores
 
 pytest.importorskip("accelerate")
 
@@ -225,11 +226,13 @@ def _assert_prompt_logprobs_match(hf_model, completion, top: int) -> None:
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_prompt_logprobs_equal_hf_in_chunks_beside_others_and_past_the_cache(
-    make_engine, hf_model, speculative
+    make_engine, hf_model, speculative, monkeypatch
 ):
     """Every prompt token after the first is scored by the logits before it, whether the
     prompt prefills whole or in chunks beside other requests (a mixed pass), and though the
-    prefix cache holds the prompt (a scored prompt is computed whole, then cached)."""
+    prefix cache holds the prompt (a scored prompt is computed whole, then cached); the
+    scores of a pass's rows computed a few rows at a time."""
+    monkeypatch.setattr(prompt_scores, "SCORE_SLICE", 3)
     engine = make_engine(chunk_size=8, speculative=speculative, draft_cost=0.1)
     ids = engine.tokenizer.encode(COPY)
     plain = SamplingParams(max_tokens=12, ignore_eos=True)
