@@ -187,9 +187,8 @@ async def collect(
                 last = delta
         if last.finish_reason == "error":
             raise engine_failure(last)
-        entries = logprobs if last.logprobs is not None or run.first.logprobs is not None else None
-        if run.echo_logprobs is not None:
-            entries = logprobs
+        asked = (run.echo_logprobs, run.first.logprobs, last.logprobs)
+        entries = logprobs if any(part is not None for part in asked) else None
         text, reason, calls = "".join(pieces), last.finish_reason, None
         content: str | None = text  # None: a chat message of tool calls alone
         if tools is not None:
