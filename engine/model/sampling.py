@@ -367,7 +367,8 @@ class LogitsEdit:
     each row's `logit_bias` added, then its repetition penalty on every token it has seen
     (positive logits divided, negative ones multiplied), then its frequency and presence
     penalties on its output tokens' counts, then for a row with allowed token ids, -inf at every
-    other token. Built on the host (`LogitsEdit.of`), one copy;
+    other token, and -inf at each token that completes one of its bad words (`bad_word_ids`)
+    at the end of its output. Built on the host (`LogitsEdit.of`), one copy;
     a row's history may lack one token still on the device (`pending`), counted there."""
 
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, values (added)
@@ -375,6 +376,9 @@ class LogitsEdit:
     # rows, tokens, output counts, and per entry the row's frequency and presence penalties
     penalty: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     allowed: tuple[torch.Tensor, torch.Tensor]  # rows, tokens: the only tokens those rows keep
+    banned: tuple[torch.Tensor, torch.Tensor]  # rows, tokens: a bad word's last token (-inf)
+    # rows, tokens and whether each row's pending token completes the rest of its bad word
+    banned_if: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
     @classmethod
     def of(
@@ -389,7 +393,7 @@ class LogitsEdit:
         pass's, for a pass launched before its tokens are read); the edit is the one its
         history with that token gives, exactly: the repetition penalty is applied to it
         (once, whether seen or not), and its output count is one more."""
-        parts: list[list[np.ndarray]] = [[] for _ in range(13)]
+        parts: list[list[np.ndarray]] = [[] for _ in range(18)]
         late: list[list[int]] = [[], []]  # rows with a pending token's repeat / penalty entry
         for row, (params, seen, output) in enumerate(rows):
             if params.logit_bias:
@@ -414,6 +418,14 @@ class LogitsEdit:
                 ids = np.array(params.allowed_token_ids, dtype=np.float64)
                 parts[11].append(np.full(ids.size, row, dtype=np.float64))
                 parts[12].append(ids)
+            if params.bad_word_ids:
+                bans, bans_after = _bad_word_bans(params.bad_word_ids, output, pending is not None)
+                for at, entries in ((13, [(t,) for t in bans]), (15, bans_after)):
+                    if entries:
+                        columns = np.array(entries, dtype=np.float64).T
+                        parts[at].append(np.full(columns.shape[1], row, dtype=np.float64))
+                        for k, column in enumerate(columns, start=1):
+                            parts[at + k].append(column)
         if late[0]:  # the pending tokens' repetition entries come last (tokens on the device)
             parts[3].append(np.array(late[0], dtype=np.float64))
             parts[4].append(np.zeros(len(late[0])))
@@ -432,7 +444,13 @@ class LogitsEdit:
         if pending is not None and late[1]:
             penalty[1], penalty[2] = _count_pending(penalty[0], penalty[1], penalty[2], pending)
         allowed = (pieces[11].long(), pieces[12].long())
-        return cls(bias, tuple(repeat), tuple(penalty), allowed)
+        banned = (pieces[13].long(), pieces[14].long())
+        banned_rows = pieces[15].long()
+        hit = torch.zeros(banned_rows.shape, dtype=torch.bool, device=banned_rows.device)
+        if pending is not None and banned_rows.numel():  # the pending token is the one needed
+            hit = pending.long().index_select(0, banned_rows) == pieces[17].long()
+        banned_if = (banned_rows, pieces[16].long(), hit)
+        return cls(bias, tuple(repeat), tuple(penalty), allowed, banned, banned_if)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The edited logits (fp32, a new tensor)."""
@@ -455,6 +473,13 @@ class LogitsEdit:
             keep = torch.zeros(out.shape, dtype=torch.bool, device=out.device)
             keep[rows, tokens] = True
             out.masked_fill_(restricted[:, None] & ~keep, float("-inf"))
+        rows, tokens = self.banned
+        if rows.numel():
+            out[rows, tokens] = float("-inf")
+        rows, tokens, hit = self.banned_if
+        if rows.numel():  # added: a token twice (two bad words) keeps any -inf
+            values = torch.where(hit, float("-inf"), 0.0).to(out.dtype)
+            out.index_put_((rows, tokens), values, accumulate=True)
         return out
 
 
@@ -484,6 +509,28 @@ def host_to_device(array: np.ndarray, device: torch.device | str) -> torch.Tenso
     if torch.device(device).type != "cuda":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _bad_word_bans(
+    sequences: tuple[tuple[int, ...], ...], output: np.ndarray, pending: bool
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """A row's bad words as bans on its next token: the last token of each sequence whose
+    other tokens end its output (a one-token word always); with a `pending` token (its last
+    output token, on the device only), (that last token, the pending token it needs) for
+    each sequence whose tokens but those two end the output known here."""
+    banned: list[int] = []
+    after: list[tuple[int, int]] = []
+    history = output.tolist()
+    for sequence in sequences:
+        head, last = sequence[:-1], sequence[-1]
+        known = head[:-1] if pending and head else head
+        if len(known) > len(history) or tuple(history[len(history) - len(known) :]) != known:
+            continue
+        if pending and head:
+            after.append((last, head[-1]))
+        else:
+            banned.append(last)
+    return banned, after
 
 
 def _append(parts: list[list[np.ndarray]], row: int, tokens: np.ndarray, values: np.ndarray):

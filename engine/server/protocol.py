@@ -45,8 +45,8 @@ class _SamplingFields(_Strict):
     """Fields of /v1/completions and /v1/chat/completions: OpenAI's, and vLLM's top_k,
     min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
     include_stop_str_in_output, skip_special_tokens, return_tokens_as_token_ids,
-    truncate_prompt_tokens, prompt_logprobs, allowed_token_ids and structured_outputs
-    (response_format and structured_outputs: formats.py)."""
+    truncate_prompt_tokens, prompt_logprobs, allowed_token_ids, bad_words and
+    structured_outputs (response_format and structured_outputs: formats.py)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -75,6 +75,7 @@ class _SamplingFields(_Strict):
     structured_outputs: StructuredOutputsBody | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @field_validator("prompt_logprobs")
     @classmethod

@@ -67,6 +67,7 @@ def _sampling_params(
             logprobs=body.logprob_count,
             prompt_logprobs=body.prompt_logprob_count,
             allowed_token_ids=body.allowed_token_ids,
+            bad_words=tuple(body.bad_words or ()),
             frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty,
             repetition_penalty=body.repetition_penalty,

@@ -24,7 +24,7 @@ from engine.shell.config import AHEAD_OF_THE_HOST, EngineConfig
 from engine.shell.distributed import WorkerFailed
 from engine.shell.failures import Faults, Health, OpenPass, PassFailed, describe
 from engine.shell.grammar import Grammars
-from engine.shell.inbox import Inbox, validate_params, validate_prompt
+from engine.shell.inbox import Inbox, validate_params, validate_prompt, with_bad_word_ids
 from engine.shell.kv import KVBook
 from engine.shell.logits import LogitsWork
 from engine.shell.outputs import Outputs
@@ -177,6 +177,7 @@ class Engine(Admission, SpeculativeSteps):
         """The request's parameters as it runs (see `validate_params`); InvalidRequest if the
         prompt or they do not fit."""
         validate_prompt(ids, self.runtime.vocab_size, self.max_context, self.book.slots.capacity)
+        params = with_bad_word_ids(params, self.tokenizer)
         params = validate_params(params, len(ids), self.runtime.vocab_size, self.max_context)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # kept for the request's matcher

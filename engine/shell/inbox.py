@@ -66,6 +66,7 @@ def validate_params(
         ("logit_bias", [t for t, _ in params.logit_bias]),
         ("stop_token_ids", list(params.stop_token_ids)),
         ("allowed_token_ids", list(params.allowed_token_ids or ())),
+        ("bad_word_ids", [t for sequence in params.bad_word_ids for t in sequence]),
     ):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
@@ -73,6 +74,29 @@ def validate_params(
                 field, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
             )
     return params
+
+
+def with_bad_word_ids(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """`params` with its `bad_words` as token sequences in `bad_word_ids` (as vLLM spells
+    them: each word alone, and after a space where that gives a new first token and as many
+    tokens); InvalidRequest without a tokenizer."""
+    if not params.bad_words:
+        return params
+    if tokenizer is None:
+        raise InvalidRequest(
+            "bad_words",
+            "bad_words needs the model's tokenizer and this engine has none (random weights); "
+            "give bad_word_ids, the token sequences",
+        )
+    sequences = list(params.bad_word_ids)
+    for word in params.bad_words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    unique = tuple(dict.fromkeys(sequences))
+    return attrs.evolve(params, bad_word_ids=unique)
 
 
 class Inbox:

@@ -57,6 +57,14 @@ def _as_ids(value: object) -> object:
     return None if value is None else as_tuple(value)
 
 
+def _as_sequences(value: object) -> object:
+    """Token sequences as a tuple of tuples (anything else kept for the validator to name)."""
+    outer = as_tuple(value)
+    if not isinstance(outer, tuple) or any(isinstance(seq, str) for seq in outer):
+        return outer
+    return tuple(as_tuple(seq) for seq in outer)
+
+
 @attrs.frozen
 class SamplingParams:
     """How one request samples and when it stops.
@@ -68,7 +76,10 @@ class SamplingParams:
     vLLM defines them: `repetition_penalty` divides positive logits (multiplies negative
     ones) of every token in the prompt or the output; `frequency_penalty` subtracts itself
     times a token's count in the output and `presence_penalty` itself once for a token in the
-    output; with `allowed_token_ids` (vLLM's), every other token's logit is -inf. Then
+    output; with `allowed_token_ids` (vLLM's), every other token's logit is -inf; and as
+    vLLM's `bad_words`, a token that would complete a bad word's token sequence at the end of
+    the output is -inf (`bad_word_ids`: the sequences, each word as the tokenizer spells it
+    alone and after a space, filled in at submission; or given directly). Then
     temperature, top-k, top-p and `min_p` (tokens below min_p times the most
     likely token's probability are dropped). `logprobs` (None: off) returns, per output
     token, its log-probability under the logits after bias and penalties (before temperature
@@ -114,6 +125,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_as_ids)
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=as_tuple)
+    bad_word_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_as_sequences)
 
     def __attrs_post_init__(self) -> None:
         t = self.temperature
@@ -226,6 +239,23 @@ class SamplingParams:
             ),
             "None or a non-empty list of token ids >= 0",
         )
+        check_field(
+            "bad_words",
+            self.bad_words,
+            isinstance(self.bad_words, tuple)
+            and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "a list of words (non-empty strings)",
+        )
+        check_field(
+            "bad_word_ids",
+            self.bad_word_ids,
+            isinstance(self.bad_word_ids, tuple)
+            and all(
+                isinstance(seq, tuple) and len(seq) > 0 and all(is_int(t) and t >= 0 for t in seq)
+                for seq in self.bad_word_ids
+            ),
+            "a list of token id sequences (each non-empty, ids >= 0)",
+        )
         so = self.structured_outputs
         check_field(
             "structured_outputs",
@@ -248,6 +278,8 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.allowed_token_ids is not None
+            or self.bad_words
+            or self.bad_word_ids
         )
 
     def sample(self, index: int) -> SamplingParams:

@@ -103,6 +103,7 @@ BAD_BODIES = [
     ("/v1/completions", {"logprobs": 21}, "logprobs", "21"),
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs", "21"),
     ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+    ("/v1/completions", {"bad_words": [" "]}, "bad_words", "non-empty"),
     ("/v1/chat/completions", {"allowed_token_ids": [999999]}, "allowed_token_ids", "vocabulary"),
     (
         "/v1/chat/completions",

@@ -266,6 +266,10 @@ def test_stop_token_ids_min_tokens_penalties_and_bias_equal_generate(
             dict(allowed_token_ids=list(greedy.token_ids[3:6])),
             dict(allowed_token_ids=greedy.token_ids[3:6]),
         ),
+        (
+            dict(bad_words=reference.tokenizer.decode(greedy.token_ids[1:3]).split()),
+            dict(bad_words=reference.tokenizer.decode(greedy.token_ids[1:3]).split()),
+        ),
     ]
     for body, params in cases:
         extra = {
@@ -281,6 +285,7 @@ def test_stop_token_ids_min_tokens_penalties_and_bias_equal_generate(
                 "include_stop_str_in_output",
                 "skip_special_tokens",
                 "allowed_token_ids",
+                "bad_words",
             )
         }
         openai_fields = {k: v for k, v in body.items() if k not in extra}
@@ -293,6 +298,8 @@ def test_stop_token_ids_min_tokens_penalties_and_bias_equal_generate(
         )
         want = reference.generate(COMPLETION_PROMPT, SamplingParams(max_tokens=8, **params))[0]
         assert response.choices[0].text == want.text, body
+        if "bad_words" in body:  # they changed the output
+            assert want.token_ids[:8] != greedy.token_ids[:8]
         assert response.choices[0].finish_reason == want.finish_reason, body
     stopped = client.completions.create(
         model=served.model,

@@ -279,3 +279,34 @@ def test_allowed_token_ids_keep_only_those_tokens(make_engine, hf_model, specula
     with pytest.raises(ValueError, match="^allowed_token_ids=\\(\\) is not allowed"):
         SamplingParams(allowed_token_ids=[])
     settled(engine)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_bad_words_never_end_the_output(make_engine, speculative):
+    """vLLM's bad_words: a token that would complete a bad word (as the tokenizer spells it
+    alone or after a space) is never drawn; the output runs as without them up to there, and
+    equally with speculation (verify passes ban per position)."""
+    plain = make_engine()
+    engine = plain if not speculative else make_engine(speculative=True, draft_cost=0.1)
+    free = plain.generate([COPY], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    words = plain.tokenizer.decode(free.token_ids[2:4]).split()  # words it would write
+    params = SamplingParams(max_tokens=16, ignore_eos=True, bad_words=words)
+    want = plain.generate([COPY], params)[0]
+    got = engine.generate([COPY], params)[0]
+    assert got.token_ids == want.token_ids != free.token_ids
+    for word in words:
+        for spelled in (word, " " + word):
+            ids = tuple(plain.tokenizer.encode(spelled, add_special_tokens=False))
+            n = len(ids)
+            assert all(got.token_ids[i : i + n] != ids for i in range(len(got.token_ids)))
+    first = next(
+        i for i, (a, b) in enumerate(zip(got.token_ids, free.token_ids, strict=True)) if a != b
+    )
+    assert first >= 2
+    if speculative:
+        assert got.speculation.accepted > 0
+    with pytest.raises(ValueError, match="^bad_word_ids="):
+        SamplingParams(bad_word_ids=[[]])
+    with pytest.raises(InvalidRequest, match="bad_word_ids"):
+        plain.submit(COPY, SamplingParams(bad_word_ids=[[10**7]]))
+    settled(engine)
