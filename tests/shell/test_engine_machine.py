@@ -1,14 +1,14 @@
 """The engine as a model: hypothesis mixes submissions (greedy and sampled, long prompts that
 chunk, prompts from a few shared families, multi-turn continuations of finished requests,
-grammar-constrained requests, requests that score their prompts or ban words, a pool small
-enough to evict cached prefixes and retract), aborts (also mid-prefill of a matched prefix),
-streams closed early, speculation, mixed or extend-only passes, and faults injected into
-forwards, sampling, verify walks and commits. After every step each slot is free, owned by one
-request, or cached with a lock count equal to its holders, every row starts with its request's
-cached prefix, and only requests in flight hold a grammar matcher; at the end every request has
-finished, nothing is locked, the pool is whole, every constrained output is one its grammar
-allows (whole, where it stopped), every prompt scored is scored whole, and no output holds a
-word its request banned."""
+grammar-constrained requests, requests that score their prompts, ban words or allow a few
+tokens, a pool small enough to evict cached prefixes and retract), aborts (also mid-prefill of
+a matched prefix), streams closed early, speculation, mixed or extend-only passes, and faults
+injected into forwards, sampling, verify walks and commits. After every step each slot is free,
+owned by one request, or cached with a lock count equal to its holders, every row starts with
+its request's cached prefix, and only requests in flight hold a grammar matcher; at the end
+every request has finished, nothing is locked, the pool is whole, every constrained output is
+one its grammar allows (whole, where it stopped), every prompt scored is scored whole, and no
+output holds a word its request banned or a token it did not allow."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ GRAMMARS = [  # on random weights, token id i < 256 is byte i
 
 
 BAD_WORDS = ((254, 254), (156, 254, 254), (100,), (225, 149))
+ALLOWED = tuple(range(100, 160))
 
 
 def _holds(output: list[int], word: tuple[int, ...]) -> bool:
@@ -114,6 +115,8 @@ class EngineMachine(RuleBasedStateMachine):
             extra["prompt_logprobs"] = seed % 3
         if seed % 5 == 3:  # tokens the tiny model repeats, in words of one to three
             extra["bad_word_ids"] = BAD_WORDS
+        if seed % 7 == 5:
+            extra["allowed_token_ids"] = ALLOWED
         if sampled:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=0.8, top_k=20, seed=seed, **extra
@@ -272,6 +275,9 @@ class EngineMachine(RuleBasedStateMachine):
             if request.params.bad_word_ids and request.error is None:
                 assert not any(_holds(request.output_ids, w) for w in BAD_WORDS)
                 event("bad words: banned")
+            if request.params.allowed_token_ids and request.error is None:
+                assert set(request.output_ids) <= set(ALLOWED)
+                event("allowed ids: kept to")
         assert not engine.grammars
         engine.faults = None  # and it serves on
         after = engine.generate([self._prompt(8, 0)], self._params(3, False, 0))[0]
