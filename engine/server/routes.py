@@ -187,15 +187,20 @@ async def _generate(
     ]
     total = len(prompts) * params.n
 
+    scores: dict[int, tuple[Any, Any]] = {}  # by prompt: its first sample's prompt scores
+
     async def start(index: int) -> Run:
         prompt, sample = divmod(index, params.n)
         one_id = request_id if total == 1 else f"{request_id}-{index}"
-        deltas = run_request(
-            state, request, endpoint, prompts[prompt], params.sample(sample), one_id
-        )
+        one = params.sample(sample)
+        if sample:  # a prompt's later samples take its first's prompt scores
+            one = attrs.evolve(one, prompt_logprobs=None)
+        deltas = run_request(state, request, endpoint, prompts[prompt], one, one_id)
         try:
             first = await _first_delta(deltas, chat, origin)
-            return Run(index, first, deltas, echo[prompt], *_prompt_scores(body, shape, first))
+            if not sample:
+                scores[prompt] = _prompt_scores(body, shape, first)
+            return Run(index, first, deltas, echo[prompt], *scores[prompt])
         except BaseException:
             await deltas.aclose()
             raise

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from engine import cpu_kernels, state
@@ -455,14 +456,23 @@ class Engine(Admission, SpeculativeSteps):
             for prompt, sp in zip(batch_prompts, given, strict=True)
             for ids in [self._prompt_ids(prompt, sp)]
         ]
-        requests = [
-            self.inbox.add(ids, sp.sample(i), None, None)
-            for ids, sp in checked
-            for i in range(sp.n)
-        ]
+        requests: list[Request] = []
+        first_of: list[int] = []  # each request's prompt's first sample
+        for ids, sp in checked:
+            first = len(requests)
+            for i in range(sp.n):
+                one = sp.sample(i)
+                if i:  # a prompt's later samples take its first's prompt scores
+                    one = attrs.evolve(one, prompt_logprobs=None)
+                requests.append(self.inbox.add(ids, one, None, None))
+                first_of.append(first)
         while not all(r.done for r in requests):
             self.step()
-        return [r.completion() for r in requests]
+        completions = [r.completion() for r in requests]
+        return [
+            c if f == i else attrs.evolve(c, prompt_logprobs=completions[f].prompt_logprobs)
+            for i, (c, f) in enumerate(zip(completions, first_of, strict=True))
+        ]
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | dict | None = None

@@ -223,8 +223,8 @@ def test_prompt_logprobs_as_vllm_gives_them(served: Served, reference: Engine, c
     body = {"model": served.model, "max_tokens": 3, "temperature": 0.0, "prompt_logprobs": 1}
     if chat:
         body["messages"] = CHAT_MESSAGES
-    else:
-        body.update(prompt=[COMPLETION_PROMPT, COMPLETION_PROMPT])
+    else:  # two prompts, two samples each: every choice has its prompt's
+        body.update(prompt=[COMPLETION_PROMPT, COMPLETION_PROMPT], n=2)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     response = httpx.post(served.url + path, json=body, timeout=120)
     assert response.status_code == 200, response.text
@@ -232,6 +232,7 @@ def test_prompt_logprobs_as_vllm_gives_them(served: Served, reference: Engine, c
     bodies = (
         [answer["prompt_logprobs"]] if chat else [c["prompt_logprobs"] for c in answer["choices"]]
     )
+    assert len(bodies) == (1 if chat else 4)
     for scores in bodies:
         assert len(scores) == len(want.prompt_token_ids) and scores[0] is None
         for entry, expected in zip(scores[1:], want.prompt_logprobs[1:], strict=True):

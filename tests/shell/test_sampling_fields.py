@@ -250,6 +250,11 @@ def test_prompt_logprobs_equal_hf_in_chunks_beside_others_and_past_the_cache(
     assert all(d.prompt_logprobs is None for d in streamed[1:])
     first = streamed[0].prompt_logprobs
     assert [e.token_id for e in first[1:]] == ids[1:] and all(not e.top for e in first[1:])
+    samples = engine.generate(
+        [ids], SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=5, prompt_logprobs=1)
+    )
+    assert [c.prompt_logprobs for c in samples] == [samples[0].prompt_logprobs] * 3  # scored once
+    _assert_prompt_logprobs_match(hf_model, samples[0], 1)
     with pytest.raises(ValueError, match="^prompt_logprobs=21 is not allowed"):
         SamplingParams(prompt_logprobs=21)
     settled(engine)
