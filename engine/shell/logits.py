@@ -16,8 +16,8 @@ import attrs
 import numpy as np
 import torch
 
+from engine.model.logits_edit import LogitsEdit
 from engine.model.sampling import (
-    LogitsEdit,
     Logprobs,
     SamplingTensors,
     greedy_tokens,

@@ -305,7 +305,7 @@ def test_a_pick_that_lands_on_a_dead_token_falls_back_to_the_most_likely():
 
 # --- bias and penalties (checked on the logits), min_p, logprobs -------------------------------
 def test_logits_edit_applies_bias_then_repetition_then_frequency_and_presence():
-    from engine.model.sampling import LogitsEdit
+    from engine.model.logits_edit import LogitsEdit
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
     params = SamplingParams(
@@ -422,7 +422,7 @@ def test_an_edit_with_a_pending_token_is_the_edit_of_its_history_with_it(case, d
     """A pass launched before the running pass's tokens are read edits its logits from
     histories one token short, that token on the device: bit for bit the edit of the
     histories with it (seen or not, in the output or not)."""
-    from engine.model.sampling import LogitsEdit
+    from engine.model.logits_edit import LogitsEdit
 
     rows, pending = case
     logits = torch.tensor(
