@@ -288,7 +288,7 @@ class Engine(Admission, SpeculativeSteps):
                 for uid, start, stop in zip(sub.rids.tolist(), starts, stops, strict=True)
             ]
         )
-        scoring = PromptScoring.of(self.requests, sub, plan.chunk_lens)
+        scoring = PromptScoring.of(self.requests, sub, plan.chunk_lens, self.outputs.scored_uids)
         batch = self.machine.schedule_extend(
             sub,
             plan.chunk_lens,

@@ -33,6 +33,7 @@ class Outputs:
         self.sampling_uids: set[int] = set()  # requests with temperature > 0
         self.edited_uids: set[int] = set()  # requests with penalties or a logit bias
         self.logprob_uids: set[int] = set()  # requests that asked for logprobs
+        self.scored_uids: set[int] = set()  # requests that asked for their prompt's
         self.text = TextOutput(tokenizer)
         self.inbox, self.stats, self.spec, self.grammars = inbox, stats, spec, grammars
 
@@ -45,6 +46,8 @@ class Outputs:
             self.edited_uids.add(request.uid)
         if request.params.logprobs is not None:
             self.logprob_uids.add(request.uid)
+        if request.params.prompt_logprobs is not None:
+            self.scored_uids.add(request.uid)
         if request.params.structured_outputs is not None:
             self.grammars.add(request.uid, request.params.structured_outputs)
         self.stats["prompt_tokens"] += len(request.prompt_ids)
@@ -111,6 +114,7 @@ class Outputs:
         self.sampling_uids.discard(request.uid)
         self.edited_uids.discard(request.uid)
         self.logprob_uids.discard(request.uid)
+        self.scored_uids.discard(request.uid)
         self.grammars.remove(request.uid)
         self.inbox.release(request.request_id)
 

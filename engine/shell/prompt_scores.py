@@ -38,11 +38,18 @@ class PromptScoring:
 
     @classmethod
     def of(
-        cls, requests: Mapping[int, Request], running: Running, chunk_lens: np.ndarray
+        cls,
+        requests: Mapping[int, Request],
+        running: Running,
+        chunk_lens: np.ndarray,
+        asked: set[int],
     ) -> PromptScoring | None:
         """The scoring rows of an extend pass of `chunk_lens` new tokens for each request of
-        `running` (from its committed length on); None where no request asks for its
-        prompt's logprobs or none of its new tokens is followed by a prompt token."""
+        `running` (from its committed length on), for the requests in flight that ask for
+        their prompt's logprobs (`asked`: their uids); None where none of the pass's asks or
+        none of their new tokens is followed by a prompt token."""
+        if not asked:  # most passes: nobody asks
+            return None
         rows: list[np.ndarray] = []
         targets: list[list[int]] = []
         uids: list[int] = []
@@ -50,11 +57,11 @@ class PromptScoring:
         firsts: dict[int, int] = {}
         offsets = np.concatenate([[0], np.cumsum(chunk_lens)])
         starts = running.kv_lens.lens
-        for i, uid in enumerate(running.rids.tolist()):
+        for i in np.flatnonzero(np.isin(running.rids, list(asked))).tolist():
+            uid = int(running.rids[i])
             request = requests[uid]
             top = request.params.prompt_logprobs
-            if top is None:
-                continue
+            assert top is not None  # `asked` holds only such requests
             start = int(starts[i])
             count = min(int(chunk_lens[i]), len(request.prompt_ids) - 1 - start)
             if count <= 0:

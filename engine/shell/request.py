@@ -125,9 +125,8 @@ class Request:
     waited_out: int = 0  # admissions that passed it over while it waited (its age, for LPM)
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
     # per prompt token, when params.prompt_logprobs is set (None: not scored yet; the first
-    # never is); `prompt_scored`: the prompt tokens before the first not scored yet
+    # never is)
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    prompt_scored: int = 1
     _ids: Any = attrs.field(default=None, init=False, repr=False)  # id_array()'s buffer
     _view: Any = attrs.field(default=None, init=False, repr=False)  # its last answer
     _prompt_seen: Any = attrs.field(default=None, init=False, repr=False)
@@ -153,14 +152,14 @@ class Request:
         """Prompt tokens first, first + 1, ... scored (`PromptScoring`)."""
         assert self.prompt_logprobs is not None
         self.prompt_logprobs[first : first + len(entries)] = entries
-        self.prompt_scored = max(self.prompt_scored, first + len(entries))
 
     def cacheable_prefix(self) -> np.ndarray:
         """The tokens admission may take from the prefix cache: all but the last (which it
         always computes), or none while its prompt's logprobs are not all computed (each
         needs the logits at the position before it)."""
         ids = self.id_array()
-        if self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids):
+        scores = self.prompt_logprobs
+        if scores is not None and any(entry is None for entry in scores[1:]):
             return ids[:0]
         return ids[:-1]
 

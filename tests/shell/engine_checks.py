@@ -1,10 +1,17 @@
 """What the engine tests share: a tiny random-weights engine, a run to the end with the pool
-checked at every step, and the check that an engine holds nothing any more."""
+checked at every step, the check that an engine holds nothing any more, and whether tokens
+hold a word."""
 
 from __future__ import annotations
 
 from engine.shell.engine import Engine
 from engine.state import DraftTrees
+
+
+def holds(tokens: list[int] | tuple[int, ...], word: tuple[int, ...]) -> bool:
+    """Whether `word` (token ids) occurs in `tokens`, consecutively."""
+    n = len(word)
+    return any(tuple(tokens[i : i + n]) == tuple(word) for i in range(len(tokens) - n + 1))
 
 
 def tiny(**overrides) -> Engine:

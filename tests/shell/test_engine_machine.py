@@ -15,6 +15,7 @@ from __future__ import annotations
 import llguidance
 import numpy as np
 import pytest
+from engine_checks import holds
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -43,10 +44,6 @@ GRAMMARS = [  # on random weights, token id i < 256 is byte i
 
 BAD_WORDS = ((254, 254), (156, 254, 254), (100,), (225, 149))
 ALLOWED = tuple(range(100, 160))
-
-
-def _holds(output: list[int], word: tuple[int, ...]) -> bool:
-    return any(tuple(output[i : i + len(word)]) == word for i in range(len(output)))
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -273,7 +270,7 @@ class EngineMachine(RuleBasedStateMachine):
             self._check_grammar(request)
             self._check_prompt_scores(request)
             if request.params.bad_word_ids and request.error is None:
-                assert not any(_holds(request.output_ids, w) for w in BAD_WORDS)
+                assert not any(holds(request.output_ids, w) for w in BAD_WORDS)
                 event("bad words: banned")
             if request.params.allowed_token_ids and request.error is None:
                 assert set(request.output_ids) <= set(ALLOWED)

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from engine_checks import holds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plan_cases import (
@@ -369,11 +370,6 @@ def test_launch_ahead_beside_bias_penalties_and_logprobs(asked):
             assert [v for _, v in have.top] == pytest.approx([v for _, v in want.top], abs=1e-4)
 
 
-def _holds(output: list[int], sequence: tuple[int, ...]) -> bool:
-    n = len(sequence)
-    return any(tuple(output[i : i + n]) == sequence for i in range(len(output) - n + 1))
-
-
 def test_launch_ahead_keeps_bad_words_out_as_planning_nothing_does():
     """A bad word's last token is banned where the output ends with the rest of it; launched
     ahead, the output's last token is still on the device (the running pass's), and the ban
@@ -386,22 +382,14 @@ def test_launch_ahead_keeps_bad_words_out_as_planning_nothing_does():
     words = ((out[2], out[3]), (out[5], out[6], out[7]), (out[10],))
     params = greedy_params(3)
     params[2] = SamplingParams(max_tokens=16, ignore_eos=True, bad_word_ids=words)
-
-    def run(engine):
-        requests = [engine._submit(p, q, None, None) for p, q in zip(prompts, params, strict=True)]
-        while engine.has_work:
-            engine.step()
-            engine.check()
-        return requests
-
-    want = run(reference)
+    want = run_all(reference, prompts, params)
     engine = tiny_engine("torch", launch_ahead=True)
-    got = run(engine)
-    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    got = run_all(engine, prompts, params)
+    assert got == want
     assert engine.stats["launches_ahead"] > 5
-    banned = got[2].output_ids
+    banned = got[2][0]
     assert banned != out and banned[:3] == out[:3]  # the first ban changed its 4th token
-    assert not any(_holds(banned, word) for word in words)
+    assert not any(holds(banned, word) for word in words)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
