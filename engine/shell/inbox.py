@@ -68,11 +68,7 @@ def validate_params(
         ("allowed_token_ids", list(params.allowed_token_ids or ())),
         ("bad_word_ids", [t for sequence in params.bad_word_ids for t in sequence]),
     ):
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise InvalidRequest(
-                field, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-            )
+        validate_token_ids(ids, vocab_size, field)
     return params
 
 
