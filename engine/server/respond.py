@@ -14,7 +14,7 @@ import attrs
 from fastapi.responses import StreamingResponse
 
 from engine.server.errors import OpenAIError, error_body
-from engine.server.protocol import ResponseShape, combined_usage, usage_body
+from engine.server.shapes import ResponseShape, combined_usage, usage_body
 from engine.server.tool_parser import HermesToolParser
 from engine.server.tools import ToolCalls, tool_call
 from engine.shell.request import Usage

@@ -17,13 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import InvalidRequest
 from engine.server.errors import OpenAIError
-from engine.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponseShape,
-)
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.respond import Run, SSEResponse, collect, sse
 from engine.server.runs import ServerState, run_request
+from engine.server.shapes import ResponseShape
 from engine.server.tool_parser import HermesToolParser, reader_for
 from engine.server.tools import ToolCalls, takes_tools
 from engine.shell.textio import ChatPrompt

@@ -10,8 +10,8 @@ import anyio
 import attrs
 
 from engine.server.errors import OpenAIError
-from engine.server.protocol import ResponseShape
 from engine.server.respond import Run, collect, sse
+from engine.server.shapes import ResponseShape
 
 
 @attrs.frozen
