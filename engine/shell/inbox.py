@@ -69,6 +69,15 @@ def validate_params(
         ("bad_word_ids", [t for sequence in params.bad_word_ids for t in sequence]),
     ):
         validate_token_ids(ids, vocab_size, field)
+    if params.allowed_token_ids is not None:
+        banned = {sequence[0] for sequence in params.bad_word_ids if len(sequence) == 1}
+        if banned.issuperset(params.allowed_token_ids):
+            raise InvalidRequest(
+                "allowed_token_ids",
+                f"every token of allowed_token_ids {list(params.allowed_token_ids)} is a "
+                "one-token bad word (bad_words or bad_word_ids), which leaves no token to "
+                "sample; allow a token they do not ban",
+            )
     return params
 
 
