@@ -48,6 +48,10 @@ VERIFY_CONFIGS = (
 # two launches (32 splits at B=1: 2.9x): its programs own up to GROUP x MAX_Q rows, which one
 # program merges a block at a time where the merge kernel spreads them over the grid.
 FUSED_MERGE_MAX_SPLITS = 16
+VERIFY_FUSED_MERGE_MAX_SPLITS = 0  # verify: never fused (read at each call)
+# Decode past FUSED_MERGE_MAX_SPLITS splits: fused in two levels (`triton_merge.MERGE_GROUP`)
+# where True, else the merge kernel (read at each call).
+TWO_LEVEL_MERGE = False
 INTERPRETER_CONFIG = {
     "BLOCK_N": 16,
     "num_warps": 4,

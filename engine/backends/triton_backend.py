@@ -39,7 +39,7 @@ from engine.backends.decode_policy import num_sms as _num_sms
 from engine.backends.triton_decode import decode_attention
 from engine.backends.triton_extend import extend_attention
 from engine.backends.triton_index import build_kv_indices_into
-from engine.backends.triton_merge import merge_counters
+from engine.backends.triton_merge import counters_needed, merge_counters
 from engine.state import MAX_TREE_NODES, PADDING_SLOT, Batch, Mode
 
 _NO_BITS = np.zeros(0, dtype=np.int64)
@@ -71,7 +71,7 @@ class GraphBuffers:
     out_slots: torch.Tensor  # [max_tokens] int64
     tree_bits: torch.Tensor  # [max_tokens] int64
     kv_indices: torch.Tensor  # [max_kv_tokens] int32
-    merge_counters: torch.Tensor  # [max_batch * num_kv_heads] int32, zero between launches
+    merge_counters: torch.Tensor  # int32 (`merge_counters`), zero between launches
     max_tree_nodes: int
     staging_host: torch.Tensor  # int64, pinned on CUDA: every host array of a plan, packed
     staging_device: torch.Tensor  # int64: the arrays above are views of it
@@ -115,7 +115,7 @@ class TritonBackend(AttentionBackend):
     def _eager_counters(self, num_requests: int) -> torch.Tensor:
         """The eager counters, reallocated (zeroed) when a batch outgrows them; launches on
         one stream share them, each leaving them at zero."""
-        if self._merge_counters.numel() < num_requests * self.pool.num_kv_heads:
+        if self._merge_counters.numel() < counters_needed(num_requests, self.pool.num_kv_heads):
             self._merge_counters = self._new_counters(triton.next_power_of_2(num_requests))
         return self._merge_counters
 

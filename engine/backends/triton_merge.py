@@ -19,6 +19,12 @@ from engine.backends.base import BufferTooSmall
 from engine.pdl import enter
 
 MERGE_VALUES_PER_THREAD = 64  # fp32 partial values a thread holds in the fused merge's tile
+# The fused merge in two levels (`MERGE_GROUP` splits a first-level merge, at most
+# MAX_MERGE_GROUPS groups): the last split of each group to finish merges the group into its
+# first split's slot, and the last group to finish merges the groups. The counters hold one
+# per (request, kv head) for the second level, then MAX_MERGE_GROUPS each for the first.
+MERGE_GROUP = 8
+MAX_MERGE_GROUPS = 8
 
 
 def pow2_floor(value: float) -> int:
@@ -69,11 +75,17 @@ def merge_rows(
     ROW_BLOCK: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    stride_ls=1,
+    out_lse=None,
+    WRITE_LSE: tl.constexpr = False,
 ):
     """Merge the splits of num_rows rows (row r: token qo_start + r // GROUP, q head
     kv_head * GROUP + r % GROUP) into out: ROW_BLOCK rows x SPLIT_CHUNK splits x HEAD_DIM
     loaded at once (one L2 round trip where the tile holds them all), combined by online
-    rescaling across chunks of splits. Loads bypass L1 (see `last_to_arrive`)."""
+    rescaling across chunks of splits. Loads bypass L1 (see `last_to_arrive`). Split s is
+    at partial + s * stride_ps and lse + s * stride_ls. WRITE_LSE (a first-level merge):
+    the merged rows' log-sums go to out_lse (lse's token and head strides), so that the
+    result merges again as one split."""
     dims = tl.arange(0, HEAD_DIM)
     chunk = tl.arange(0, SPLIT_CHUNK)
     for first_row in range(0, num_rows, ROW_BLOCK):
@@ -90,7 +102,10 @@ def merge_rows(
             splits = first_split + chunk
             ok = row_ok[:, None] & (splits < num_splits)[None, :]
             log_sums = tl.load(
-                lse_rows + splits[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
+                lse_rows + splits[None, :] * stride_ls,
+                mask=ok,
+                other=float("-inf"),
+                cache_modifier=".cg",
             )
             parts = tl.load(
                 part_rows + splits[None, :, None] * stride_ps + dims[None, None, :],
@@ -112,6 +127,12 @@ def merge_rows(
             merged.to(out.dtype.element_ty),
             mask=(row_ok & (token < out_capacity))[:, None],
         )
+        if WRITE_LSE:  # no keys in any split: -inf (weight 0 at the next level)
+            has_keys = total > 0.0
+            merged_lse = tl.where(
+                has_keys, top + tl.math.log2(tl.where(has_keys, total, 1.0)), float("-inf")
+            )
+            tl.store(out_lse + token * stride_lt + head * stride_lh, merged_lse, mask=row_ok)
 
 
 @triton.jit
@@ -196,20 +217,28 @@ def merge_tiles(
     return row_block, split_chunk
 
 
+def counters_needed(num_requests: int, num_kv_heads: int) -> int:
+    """The fused merge's counters for num_requests x num_kv_heads programs' splits: one each,
+    and MAX_MERGE_GROUPS each for a two-level merge's groups."""
+    return num_requests * num_kv_heads * (1 + MAX_MERGE_GROUPS)
+
+
 def merge_counters(num_requests: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
     """Zeroed counters for the fused merge of up to num_requests x num_kv_heads programs'
     splits. A launch leaves them at zero, so one buffer serves every launch on a stream (and
     every replay of a graph that captured it); never two launches running at once."""
-    return torch.zeros(num_requests * num_kv_heads, dtype=torch.int32, device=device)
+    return torch.zeros(
+        counters_needed(num_requests, num_kv_heads), dtype=torch.int32, device=device
+    )
 
 
 def check_counters(counters: torch.Tensor, num_requests: int, num_kv_heads: int) -> None:
     """Size and dtype only: this runs at every layer's launch (each check costs host time)."""
-    needed = num_requests * num_kv_heads
+    needed = counters_needed(num_requests, num_kv_heads)
     if counters.dtype != torch.int32:
         raise ValueError(f"merge counters must be int32 (see merge_counters); got {counters.dtype}")
     if counters.numel() < needed:
         raise BufferTooSmall(
             f"merge counters hold {counters.numel()} entries; this pass needs {num_requests} "
-            f"requests x {num_kv_heads} kv heads = {needed}"
+            f"requests x {num_kv_heads} kv heads x {1 + MAX_MERGE_GROUPS} = {needed}"
         )
