@@ -94,7 +94,7 @@ def attention(
     decode and verify split each request's keys `splits` ways (1: no merge)."""
     import torch
 
-    from engine.backends import triton_decode, triton_extend
+    from engine.backends import triton_decode, triton_extend, triton_merge
 
     q_heads, kv_heads, dim, dtype = 32, 8, 128, torch.bfloat16
     requests, context, nodes = 4, 1024, 13
@@ -111,7 +111,7 @@ def attention(
     qo_indptr = torch.arange(requests + 1, dtype=torch.int32) * new
     prefix_lens = torch.full((requests,), context, dtype=torch.int32)
     bits = torch.ones(tokens, dtype=torch.int64) if kind == "verify" else None
-    counters = torch.zeros(requests * kv_heads, dtype=torch.int32)
+    counters = triton_merge.merge_counters(requests, kv_heads, torch.device("cpu"))
     max_q = triton_decode.triton.next_power_of_2(new)  # as the backend plans a pass
     triton_extend.tma_ready = lambda *tensors: True  # as Hopper reads these tensors
 
