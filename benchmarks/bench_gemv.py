@@ -12,8 +12,9 @@ kernel that loads each weight tile once for every row (`gemv.rows_config`).
 `--loop-stages` times the launch the model takes at 1-4 key steps in flight (LOOP_STAGES).
 `--load-3d` (float32 rows, e.g. `--shapes smollm2_135m --dtype float32 --rows 8,13`) times
 the all-rows launches a verify pass makes (norm + qkv, o_proj, norm + gate_up + SiLU*mul,
-down) as the model launches them, with x and the weight tiles loaded flat (the default) and
-in 3-d blocks (LOAD_3D, `ENGINE_ROWS_LOAD_3D=1`), with each one's error against float64.
+down) as the model launches them, with x and the weight tiles loaded flat (the default), in
+3-d blocks (LOAD_3D, `ENGINE_ROWS_LOAD_3D=1`) and with each key step as a float32 dot at 16
+columns a program (DOT, `ENGINE_ROWS_DOT=1`), with each one's error against float64.
 
     python3 benchmarks/bench_gemv.py --fused [--shapes smollm2_135m --dtype float32]
                                      [--max-weight-elements 134217728]
@@ -303,12 +304,28 @@ def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
     return gemv.rows_config(n, sms), gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
 
 
+ROWS_VARIANTS = {  # the all-rows launch's variants `--load-3d` times: its overrides
+    "flat": {"LOAD_3D": False, "DOT": False},
+    "3-d": {"LOAD_3D": True, "DOT": False},
+    "dots 16x32": {"LOAD_3D": False, "DOT": True, "BLOCK_N": 16, "BLOCK_K": 32},
+    "dots 16x64": {"LOAD_3D": False, "DOT": True, "BLOCK_N": 16, "BLOCK_K": 64},
+}
+
+
 def compare_load_3d(shapes: dict, rows_list: list[int]) -> None:
-    """float32 rows in the all-rows kernel: each launch a verify pass makes, its loads flat
-    (the default) against in 3-d blocks (LOAD_3D); the error of each against float64."""
+    """float32 rows in the all-rows kernel: each launch a verify pass makes, in each of
+    ROWS_VARIANTS (the loads flat, the default; in 3-d blocks, LOAD_3D; each key step as a
+    dot, DOT), with each one's time over the flat launch's and its error against float64."""
     sms = torch.cuda.get_device_properties().multi_processor_count
-    print("\n| product | rows | flat us | 3-d us | 3-d / flat | max rel err: flat, 3-d |")
-    print("|---|---|---|---|---|---|")
+    names = list(ROWS_VARIANTS)
+    print(
+        "\n| product | rows | "
+        + " | ".join(f"{v} us" for v in names)
+        + " | "
+        + " | ".join(f"{v} / flat" for v in names[1:])
+        + " | max rel err |"
+    )
+    print("|---|---|" + "---|" * (2 * len(names)))
     for name in ("qkv", "o_proj", "gate_up", "down"):
         n, k = shapes[name]
         copies = max(2, -(-512 * 2**20 // (n * k * 4)))
@@ -319,15 +336,17 @@ def compare_load_3d(shapes: dict, rows_list: list[int]) -> None:
             x = torch.randn(rows, k, device="cuda")
             want = exact(x, weights[0])
             times, errors = [], []
-            for load_3d in (False, True):
-                c = dict(model, LOAD_3D=load_3d)
+            for overrides in ROWS_VARIANTS.values():
+                c = dict(model, **overrides)
                 got = call(x, weights[0], c).double()
                 errors.append(((got - want).abs().max() / want.abs().max()).item())
                 times.append(time_calls(lambda a, w, c=c: call(a, w, c), weights, x))
-            flat, in_3d = times
             print(
-                f"| {name} {n} x {k} | {rows} | {flat * 1e6:.1f} | {in_3d * 1e6:.1f} | "
-                f"{in_3d / flat:.2f} | {errors[0]:.1e}, {errors[1]:.1e} |",
+                f"| {name} {n} x {k} | {rows} | "
+                + " | ".join(f"{t * 1e6:.1f}" for t in times)
+                + " | "
+                + " | ".join(f"{t / times[0]:.2f}" for t in times[1:])
+                + f" | {max(errors):.1e} |",
                 flush=True,
             )
         del weights

@@ -133,14 +133,22 @@ def attention(
     ]
 
 
-def rows(kernel_launches, load_3d: bool | None = None) -> list[tuple[str, Launch]]:
+ROWS_VARIANTS = {  # label suffix: the launch's overrides
+    "": {"LOAD_3D": False, "DOT": False},
+    ", 3-d loads": {"LOAD_3D": True, "DOT": False},
+    ", dots": {"LOAD_3D": False, "DOT": True, "BLOCK_N": 16, "BLOCK_K": 32},
+}
+
+
+def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]]:
     """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
     rows, as a verify pass launches it (`bench_gemv.verify_launch`: `rows_config`, with the
-    norm or SiLU*mul where a verify pass runs them); `load_3d` overrides its LOAD_3D."""
+    norm or SiLU*mul where a verify pass runs them); `variant` (a key of ROWS_VARIANTS)
+    overrides its LOAD_3D and DOT."""
     import torch
     from bench_gemv import SHAPES, verify_launch  # benchmarks/, beside this script
 
-    extra = {} if load_3d is None else {"LOAD_3D": load_3d}
+    extra = {} if variant is None else ROWS_VARIANTS[variant]
     labels = {
         "qkv": "norm + qkv",
         "o_proj": "o_proj",
@@ -154,8 +162,9 @@ def rows(kernel_launches, load_3d: bool | None = None) -> list[tuple[str, Launch
         config, x, w = dict(model, **extra), torch.zeros(13, k), torch.zeros(n, k)
         silu = " + SiLU*mul" if name == "gate_up" else ""
         launches[f"{label} {n} x {k}{silu}"] = lambda c=config, x=x, w=w, call=call: call(x, w, c)
-    suffix = ", 3-d loads" if load_3d else ""
-    return [(label + suffix, _recorded(kernel_launches, fn)) for label, fn in launches.items()]
+    return [
+        (label + (variant or ""), _recorded(kernel_launches, fn)) for label, fn in launches.items()
+    ]
 
 
 MIX = ("all", "FFMA", "HMMA", "HGMMA", "SHFL", "LDGSTS", "LDG", "MUFU", "wait all")
@@ -190,7 +199,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     recorded = {  # every kind before the first compile takes the interpreter away
-        kind: [*rows(kernel_launches, False), *rows(kernel_launches, True)]
+        kind: [launch for variant in ROWS_VARIANTS for launch in rows(kernel_launches, variant)]
         if kind == "rows"
         else attention(kind, kernel_launches)
         for kind in kinds

@@ -476,7 +476,8 @@ def test_bench_gemv_names_silu_after_gate_up_as_such(bench_script):
 @pytest.mark.parametrize("name", ["qkv", "o_proj", "gate_up", "down"])
 def test_bench_gemv_times_each_verify_launch_flat_and_in_3d_blocks(bench_script, name):
     """`bench_gemv.py --load-3d`'s launches: each product as a verify pass makes it gives
-    its float64 value with the loads flat and in 3-d blocks (small widths here)."""
+    its float64 value in each variant: the loads flat, in 3-d blocks, the key steps as dots
+    (small widths here)."""
     bench_gemv = bench_script("bench_gemv")
     n, k, rows = (12, 40, 13) if name != "gate_up" else (24, 40, 13)
     x = random_tensor(rows, k, dtype=torch.float32, seed=51)
@@ -485,7 +486,7 @@ def test_bench_gemv_times_each_verify_launch_flat_and_in_3d_blocks(bench_script,
     model, call, exact = bench_gemv.verify_launch(name, n, 2, norm_w)
     want = exact(x, weight).float()
     assert model["all_rows"]
-    for load_3d in (False, True):
+    for overrides in bench_gemv.ROWS_VARIANTS.values():
         torch.testing.assert_close(
-            call(x, weight, dict(model, LOAD_3D=load_3d)), want, rtol=1e-5, atol=1e-5
+            call(x, weight, dict(model, **overrides)), want, rtol=1e-5, atol=1e-5
         )
