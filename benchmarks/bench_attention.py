@@ -161,7 +161,7 @@ def fused_merge_table(ceiling: float) -> None:
         "two-level frac | max abs diff |"
     )
     print("|" + "---|" * 12)
-    variants = {
+    variants: dict[str, dict[str, Any]] = {
         "two-launch": {"FUSED_MERGE": False},
         "fused": {"FUSED_MERGE": True, "MERGE_GROUP": 0},
         "two-level": {"FUSED_MERGE": True, "MERGE_GROUP": triton_merge.MERGE_GROUP},

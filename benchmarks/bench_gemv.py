@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -304,7 +304,8 @@ def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
     return gemv.rows_config(n, sms), gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
 
 
-ROWS_VARIANTS = {  # the all-rows launch's variants `--load-3d` times: its overrides
+# the all-rows launch's variants `--load-3d` times: its overrides
+ROWS_VARIANTS: dict[str, dict[str, Any]] = {
     "flat": {"LOAD_3D": False, "DOT": False},
     "3-d": {"LOAD_3D": True, "DOT": False},
     "dots 16x32": {"LOAD_3D": False, "DOT": True, "BLOCK_N": 16, "BLOCK_K": 32},

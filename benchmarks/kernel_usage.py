@@ -27,7 +27,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # tests/kernel_launches.py, imported from tests/ as main() does
     from kernel_launches import Launch
@@ -133,7 +133,7 @@ def attention(
     ]
 
 
-ROWS_VARIANTS = {  # label suffix: the launch's overrides
+ROWS_VARIANTS: dict[str, dict[str, Any]] = {  # label suffix: the launch's overrides
     "": {"LOAD_3D": False, "DOT": False},
     ", 3-d loads": {"LOAD_3D": True, "DOT": False},
     ", dots": {"LOAD_3D": False, "DOT": True, "BLOCK_N": 16, "BLOCK_K": 32},

@@ -5,10 +5,11 @@
 # speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh
-# PROBE_PARTS="grid decode decode-off spec run load3d prefetch" picks parts (default: grid
-# decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT / LOAD3D_TIMEOUT /
-# PREFETCH_TIMEOUT (s). load3d and prefetch time the opt-in kernel variants against the
-# defaults: PROBE_PARTS="load3d prefetch".
+# PROBE_PARTS="grid decode decode-off spec run load3d prefetch dots merges" picks parts
+# (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT / LOAD3D_TIMEOUT /
+# PREFETCH_TIMEOUT / DOTS_TIMEOUT / MERGES_TIMEOUT (s). load3d, prefetch, dots and merges
+# time the opt-in kernel variants against the defaults: PROBE_PARTS="dots merges" (the
+# all-rows products as dots; the decode merge in two levels and verify's merge fused).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -41,7 +42,22 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         limit=${LOAD3D_TIMEOUT:-200} ;;
     prefetch)  # the decode split kernel's PREFETCH configurations beside the defaults
         cmd=(python3 benchmarks/bench_attention.py --decode); limit=${PREFETCH_TIMEOUT:-200} ;;
-    *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, prefetch)"
+    dots)  # the all-rows products with each key step as a dot (ENGINE_ROWS_DOT): each verify
+        # launch in every variant, then the default model's passes (random weights) both ways
+        cmd=(bash -c 'python3 benchmarks/bench_gemv.py --load-3d --shapes smollm2_135m \
+            --dtype float32 --rows 8,13 && for v in 0 1; do echo "ENGINE_ROWS_DOT=$v"
+            ENGINE_ROWS_DOT=$v python3 benchmarks/bench_steps.py --preset smollm2_135m \
+            --dtype float32 --batches 1 --context 512 --max-context 8192 --tree-nodes 8,13
+            done')
+        limit=${DOTS_TIMEOUT:-200} ;;
+    merges)  # the split merge fused in two levels (decode) and fused in verify passes
+        cmd=(bash -c 'python3 benchmarks/bench_attention.py --fused-merge &&
+            python3 benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 \
+            --batches 1 --context 512 --max-context 8192 --tree-nodes 8,13 \
+            --verify-fused-merge 0,8')
+        limit=${MERGES_TIMEOUT:-240} ;;
+    *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, prefetch, dots,"\
+        "merges)"
         exit 2 ;;
     esac
     start=$(date +%s)
