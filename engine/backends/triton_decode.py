@@ -27,11 +27,10 @@ from engine.backends.triton_merge import (
     MAX_MERGE_GROUPS,
     MERGE_GROUP,
     check_counters,
-    last_to_arrive,
     merge_counters,
-    merge_rows,
     merge_splits,
     merge_tiles,
+    merge_when_last,
 )
 from engine.pdl import enter, leave
 
@@ -253,93 +252,34 @@ def _decode_split_kernel(
         )
         tl.store(lse + token * stride_lt + head * stride_lh + split, log_sum, mask=part_ok)
         if FUSED:
-            pair = req * tl.num_programs(1) + kv_head
-            counter = counters + pair
-            num_rows = tl.minimum(num_q, MAX_Q) * GROUP
-            if MERGE_GROUP == 0:
-                if last_to_arrive(counter, num_splits):
-                    merge_rows(
-                        partial,
-                        lse,
-                        out,
-                        qo_start,
-                        num_rows,
-                        kv_head,
-                        num_splits,
-                        num_tokens,
-                        out_capacity,
-                        stride_pt,
-                        stride_ph,
-                        stride_ps,
-                        stride_lt,
-                        stride_lh,
-                        stride_ot,
-                        stride_oh,
-                        GROUP,
-                        ROW_BLOCK,
-                        SPLIT_CHUNK,
-                        HEAD_DIM,
-                    )
-                    tl.store(counter, 0)  # zero at rest, for the next launch or graph replay
-            else:  # two levels: the group's last split merges it into the group's first slot
-                group = split // MERGE_GROUP
-                first = group * MERGE_GROUP
-                groups = tl.cdiv(num_splits, MERGE_GROUP)
-                group_counter = (
-                    counters + tl.num_programs(0) * tl.num_programs(1) + pair * MAX_GROUPS + group
-                )
-                if last_to_arrive(group_counter, tl.minimum(num_splits - first, MERGE_GROUP)):
-                    merge_rows(
-                        partial + first * stride_ps,
-                        lse + first,
-                        partial + first * stride_ps,
-                        qo_start,
-                        num_rows,
-                        kv_head,
-                        tl.minimum(num_splits - first, MERGE_GROUP),
-                        num_tokens,
-                        num_tokens,
-                        stride_pt,
-                        stride_ph,
-                        stride_ps,
-                        stride_lt,
-                        stride_lh,
-                        stride_pt,
-                        stride_ph,
-                        GROUP,
-                        ROW_BLOCK,
-                        SPLIT_CHUNK,
-                        HEAD_DIM,
-                        1,
-                        lse + first,
-                        True,
-                    )
-                    tl.store(group_counter, 0)
-                    if last_to_arrive(counter, groups):  # the groups' results, in turn
-                        merge_rows(
-                            partial,
-                            lse,
-                            out,
-                            qo_start,
-                            num_rows,
-                            kv_head,
-                            groups,
-                            num_tokens,
-                            out_capacity,
-                            stride_pt,
-                            stride_ph,
-                            stride_ps * MERGE_GROUP,
-                            stride_lt,
-                            stride_lh,
-                            stride_ot,
-                            stride_oh,
-                            GROUP,
-                            ROW_BLOCK,
-                            SPLIT_CHUNK,
-                            HEAD_DIM,
-                            MERGE_GROUP,
-                        )
-                        tl.store(counter, 0)
+            merge_when_last(
+                partial,
+                lse,
+                out,
+                counters,
+                req * tl.num_programs(1) + kv_head,
+                tl.num_programs(0) * tl.num_programs(1),
+                split,
+                qo_start,
+                tl.minimum(num_q, MAX_Q) * GROUP,
+                kv_head,
+                num_splits,
+                num_tokens,
+                out_capacity,
+                stride_pt,
+                stride_ph,
+                stride_ps,
+                stride_lt,
+                stride_lh,
+                stride_ot,
+                stride_oh,
+                GROUP,
+                ROW_BLOCK,
+                SPLIT_CHUNK,
+                HEAD_DIM,
+                MERGE_GROUP,
+                MAX_GROUPS,
+            )
     # tokens no request owns (graph padding): zeros, written to out by one split where no
     # merge kernel follows, else as empty partials in every split for the merge to turn to 0
     if (req == tl.num_programs(0) - 1) & ((split == 0) | (not (DIRECT or FUSED))):
@@ -441,8 +381,8 @@ def decode_attention(
     fused (config FUSED_MERGE; by default decode up to FUSED_MERGE_MAX_SPLITS splits, verify
     never; config MERGE_GROUP > 0: in two levels, groups of that many splits first, see
     `triton_merge`): no host value beyond the tensor shapes, num_splits and max_q, so a fixed plan
-    replays under a CUDA graph. `counters` (contiguous int32, at least requests x
-    kv heads, zero at rest: see `merge_counters`; checked when the merge is fused) serve the
+    replays under a CUDA graph. `counters` (contiguous int32, `counters_needed` of them,
+    zero at rest: see `merge_counters`; checked when the merge is fused) serve the
     fused merge; without them a zeroed buffer is made for this call. Tokens past
     qo_indptr[-1] (padding no request owns) get zero outputs."""
     num_tokens, num_q_heads, head_dim = q.shape

@@ -3,7 +3,8 @@
 
 Two ways to run it: `merge_splits` launches a kernel over (tokens, q heads) after the split
 kernel; or the split kernel merges in the last of each (request, kv head)'s programs to
-finish (`last_to_arrive`, then `merge_rows`), counting arrivals in `merge_counters`.
+finish (`merge_when_last`: `last_to_arrive`, then `merge_rows`; in one level, or in two:
+groups of splits first), counting arrivals in `merge_counters`.
 """
 
 from __future__ import annotations
@@ -133,6 +134,127 @@ def merge_rows(
                 has_keys, top + tl.math.log2(tl.where(has_keys, total, 1.0)), float("-inf")
             )
             tl.store(out_lse + token * stride_lt + head * stride_lh, merged_lse, mask=row_ok)
+
+
+@triton.jit
+def merge_when_last(
+    partial,
+    lse,
+    out,
+    counters,
+    pair,
+    num_pairs,
+    split,
+    qo_start,
+    num_rows,
+    kv_head,
+    num_splits,
+    num_tokens,
+    out_capacity,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MERGE_GROUP: tl.constexpr,
+    MAX_GROUPS: tl.constexpr,
+):
+    """The fused merge, called by each split program of (request, kv head) `pair` (of
+    num_pairs) once its partial and log-sum are stored: it counts itself in, and the last to
+    arrive merges the pair's splits into out (`merge_rows`) and puts the counter back to 0.
+    MERGE_GROUP > 0: in two levels, the last of each group of MERGE_GROUP splits merges the
+    group into its first split's slot with the group's log-sum, and the last group to
+    finish merges the groups (the group counters after the num_pairs pair counters,
+    MAX_GROUPS a pair)."""
+    counter = counters + pair
+    if MERGE_GROUP == 0:
+        if last_to_arrive(counter, num_splits):
+            merge_rows(
+                partial,
+                lse,
+                out,
+                qo_start,
+                num_rows,
+                kv_head,
+                num_splits,
+                num_tokens,
+                out_capacity,
+                stride_pt,
+                stride_ph,
+                stride_ps,
+                stride_lt,
+                stride_lh,
+                stride_ot,
+                stride_oh,
+                GROUP,
+                ROW_BLOCK,
+                SPLIT_CHUNK,
+                HEAD_DIM,
+            )
+            tl.store(counter, 0)  # zero at rest, for the next launch or graph replay
+    else:
+        group = split // MERGE_GROUP
+        first = group * MERGE_GROUP
+        in_group = tl.minimum(num_splits - first, MERGE_GROUP)
+        group_counter = counters + num_pairs + pair * MAX_GROUPS + group
+        if last_to_arrive(group_counter, in_group):
+            merge_rows(  # the group's splits into its first slot, with their log-sum
+                partial + first * stride_ps,
+                lse + first,
+                partial + first * stride_ps,
+                qo_start,
+                num_rows,
+                kv_head,
+                in_group,
+                num_tokens,
+                num_tokens,
+                stride_pt,
+                stride_ph,
+                stride_ps,
+                stride_lt,
+                stride_lh,
+                stride_pt,
+                stride_ph,
+                GROUP,
+                ROW_BLOCK,
+                SPLIT_CHUNK,
+                HEAD_DIM,
+                1,
+                lse + first,
+                True,
+            )
+            tl.store(group_counter, 0)
+            if last_to_arrive(counter, tl.cdiv(num_splits, MERGE_GROUP)):
+                merge_rows(  # the groups' first slots
+                    partial,
+                    lse,
+                    out,
+                    qo_start,
+                    num_rows,
+                    kv_head,
+                    tl.cdiv(num_splits, MERGE_GROUP),
+                    num_tokens,
+                    out_capacity,
+                    stride_pt,
+                    stride_ph,
+                    stride_ps * MERGE_GROUP,
+                    stride_lt,
+                    stride_lh,
+                    stride_ot,
+                    stride_oh,
+                    GROUP,
+                    ROW_BLOCK,
+                    SPLIT_CHUNK,
+                    HEAD_DIM,
+                    MERGE_GROUP,
+                )
+                tl.store(counter, 0)
 
 
 @triton.jit

@@ -224,9 +224,10 @@ def _launch_rows(
     stream the NORM prologue wrote, or None). x' is x, or with `norm` (residual or None,
     norm weight, eps) RMSNorm(x + residual)."""
     (rows, k), n = x.shape, weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    if params.get("DOT") and (params["BLOCK_N"] < 16 or params.get("LOAD_3D")):
+    if params.get("DOT") and (params["BLOCK_N"] < ROWS_DOT_BLOCK_N or params.get("LOAD_3D")):
         raise ValueError(
-            f"the all-rows kernel's DOT launch needs BLOCK_N >= 16 and no LOAD_3D; got {params}"
+            f"the all-rows kernel's DOT launch needs BLOCK_N >= {ROWS_DOT_BLOCK_N} and no "
+            f"LOAD_3D; got {params}"
         )
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     residual_out, pointers, eps, norm_strides = _norm_args(x, norm)
@@ -243,7 +244,7 @@ def _launch_rows(
         weight.stride(0),
         out.stride(0),
         *norm_strides,
-        BLOCK_M=max(16 if params.get("DOT") else 1, triton.next_power_of_2(rows)),
+        BLOCK_M=max(16 if params.get("DOT") else 1, triton.next_power_of_2(rows)),  # dot's least
         WITH_NORM=norm is not None,
         HAS_RESIDUAL=residual_out is not None,
         SILU_MUL=silu_mul,
