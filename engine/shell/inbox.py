@@ -74,9 +74,9 @@ def validate_params(
         if banned.issuperset(params.allowed_token_ids):
             raise InvalidRequest(
                 "allowed_token_ids",
-                f"every token of allowed_token_ids {list(params.allowed_token_ids)} is a "
-                "one-token bad word (bad_words or bad_word_ids), which leaves no token to "
-                "sample; allow a token they do not ban",
+                f"each of its {len(params.allowed_token_ids)} tokens is a one-token bad "
+                "word (bad_words or bad_word_ids), which leaves no token to sample; allow a "
+                "token they do not ban",
             )
     return params
 

@@ -286,7 +286,10 @@ def test_allowed_token_ids_keep_only_those_tokens(make_engine, hf_model, specula
     # bad words that ban every allowed token leave nothing to draw: refused, not sampled
     words = [engine.tokenizer.decode([t]) for t in allowed]
     for banned in (dict(bad_word_ids=[[t] for t in allowed]), dict(bad_words=words)):
-        with pytest.raises(InvalidRequest, match="^allowed_token_ids: every token"):
+        with pytest.raises(
+            InvalidRequest,
+            match="^allowed_token_ids: each of its \\d+ tokens is a one-token bad word",
+        ):
             engine.submit(ids, SamplingParams(allowed_token_ids=allowed, **banned))
     kept = SamplingParams(max_tokens=4, allowed_token_ids=allowed, bad_word_ids=[allowed[:1]])
     assert allowed[0] not in engine.generate([ids], kept)[0].token_ids
