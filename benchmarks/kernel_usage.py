@@ -27,7 +27,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # tests/kernel_launches.py, imported from tests/ as main() does
     from kernel_launches import Launch
@@ -133,20 +133,13 @@ def attention(
     ]
 
 
-ROWS_VARIANTS: dict[str, dict[str, Any]] = {  # label suffix: the launch's overrides
-    "": {"LOAD_3D": False, "DOT": False},
-    ", 3-d loads": {"LOAD_3D": True, "DOT": False},
-    ", dots": {"LOAD_3D": False, "DOT": True, "BLOCK_N": 16, "BLOCK_K": 32},
-}
-
-
 def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]]:
     """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
     rows, as a verify pass launches it (`bench_gemv.verify_launch`: `rows_config`, with the
-    norm or SiLU*mul where a verify pass runs them); `variant` (a key of ROWS_VARIANTS)
-    overrides its LOAD_3D and DOT."""
+    norm or SiLU*mul where a verify pass runs them); `variant` (a key of
+    `bench_gemv.ROWS_VARIANTS`: flat, 3-d loads, dots) overrides its LOAD_3D and DOT."""
     import torch
-    from bench_gemv import SHAPES, verify_launch  # benchmarks/, beside this script
+    from bench_gemv import ROWS_VARIANTS, SHAPES, verify_launch  # benchmarks/, beside this
 
     extra = {} if variant is None else ROWS_VARIANTS[variant]
     labels = {
@@ -162,9 +155,8 @@ def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]
         config, x, w = dict(model, **extra), torch.zeros(13, k), torch.zeros(n, k)
         silu = " + SiLU*mul" if name == "gate_up" else ""
         launches[f"{label} {n} x {k}{silu}"] = lambda c=config, x=x, w=w, call=call: call(x, w, c)
-    return [
-        (label + (variant or ""), _recorded(kernel_launches, fn)) for label, fn in launches.items()
-    ]
+    suffix = "" if variant in (None, "flat") else f", {variant}"
+    return [(label + suffix, _recorded(kernel_launches, fn)) for label, fn in launches.items()]
 
 
 MIX = ("all", "FFMA", "HMMA", "HGMMA", "SHFL", "LDGSTS", "LDG", "MUFU", "wait all")
@@ -196,6 +188,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     import kernel_launches
     import torch
+    from bench_gemv import ROWS_VARIANTS  # benchmarks/, beside this script
 
     torch.set_num_threads(1)
     recorded = {  # every kind before the first compile takes the interpreter away

@@ -271,7 +271,8 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether the logits change before sampling (penalties, a bias or allowed ids)."""
+        """Whether the logits change before sampling (penalties, a bias, allowed ids or bad
+        words)."""
         return bool(
             self.frequency_penalty
             or self.presence_penalty

@@ -13,6 +13,7 @@ from engine.backends.decode_policy import FUSED_MERGE_MAX_SPLITS, MAX_SPLITS
 from engine.backends.triton_decode import decode_attention
 from engine.backends.triton_merge import (
     MAX_MERGE_GROUPS,
+    MERGE_GROUP,
     MERGE_VALUES_PER_THREAD,
     counters_needed,
     merge_counters,
@@ -156,6 +157,11 @@ def test_two_level_merge_equals_two_launch(mode: str, num_splits: int, merge_gro
     assert (two_level[-PADDING_TOKENS:] == 0).all()
     with pytest.raises(ValueError, match="merges at most"):
         run(inputs, merge_group * MAX_MERGE_GROUPS + 1, config, counters)
+
+
+def test_the_two_level_merge_takes_every_split_count_the_policy_chooses() -> None:
+    """Its groups hold MAX_SPLITS: turned on, no decode plan is refused for its splits."""
+    assert MAX_SPLITS <= MERGE_GROUP * MAX_MERGE_GROUPS
 
 
 def test_counters_are_zero_after_each_launch() -> None:
