@@ -360,7 +360,8 @@ def test_the_edit_and_the_logprobs_rows_reach_the_device_without_waiting_for_it(
     # A copy from pageable memory waits for every queued kernel: the edit and the logprobs
     # rows are built after the pass is launched, and such a wait put the whole host work of
     # the next step (planned during the pass) behind the pass (0.73x throughput on an H200).
-    from engine.model.sampling import LogitsEdit, host_to_device
+    from engine.model.logits_edit import LogitsEdit
+    from engine.model.sampling import host_to_device
 
     logits = torch.randn(4, 1000, device="cuda")
     params = SamplingParams(frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={3: 1.0})
