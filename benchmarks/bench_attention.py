@@ -152,43 +152,28 @@ def decode_like_rows(mode: str, shapes: list, quick: bool) -> list:
 
 def fused_merge_table(ceiling: float) -> None:
     """Decode and verify at each of their shapes with the merge fused into the split kernel
-    (in one level, and in two where the splits outnumber a group: `triton_merge`) and as a
-    second launch, at the plan's split count (one split: the same single launch)."""
+    and as a second launch, at the plan's split count (one split: the same single launch)."""
     print(f"\nfused merge against two launches (copy ceiling {ceiling:.0f} GB/s)")
     print(
         "| kind | shape | splits | two-launch us | fused us | fused / two-launch | "
-        "two-level us | two-level / two-launch | two-launch frac | fused frac | "
-        "two-level frac | max abs diff |"
+        "two-launch frac | fused frac | max abs diff |"
     )
-    print("|" + "---|" * 12)
-    variants: dict[str, dict[str, Any]] = {
-        "two-launch": {"FUSED_MERGE": False},
-        "fused": {"FUSED_MERGE": True, "MERGE_GROUP": 0},
-        "two-level": {"FUSED_MERGE": True, "MERGE_GROUP": triton_merge.MERGE_GROUP},
-    }
+    print("|" + "---|" * 9)
     for mode, shapes in (("decode", DECODE + FEW_SPLITS), ("verify", VERIFY)):
         for batch, length in shapes:
             p, _, _, nbytes = decode_like_problem(mode, batch, length)
-            splits = p.metas[0].extra["num_splits"]
             times, outs = {}, {}
-            for name, config in variants.items():
-                if name == "two-level" and splits <= triton_merge.MERGE_GROUP:
-                    continue
-                fns = ours_decode(p, config)
-                times[name] = graph_time_us(fns)
+            for fused in (False, True):
+                fns = ours_decode(p, {"FUSED_MERGE": fused})
+                times[fused] = graph_time_us(fns)
                 fns[0]()
-                outs[name] = p.out[0].float().clone()
+                outs[fused] = p.out[0].float().clone()
             frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
-            base = times["two-launch"]
-            two = times.get("two-level")
-            diff = max((o - outs["two-launch"]).abs().max().item() for o in outs.values())
             print(
-                f"| {mode} | B={batch} L={length} | {splits} | {base:.1f} | "
-                f"{times['fused']:.1f} | {times['fused'] / base:.2f} | "
-                + (f"{two:.1f} | {two / base:.2f} | " if two else "- | - | ")
-                + f"{frac(base):.2f} | {frac(times['fused']):.2f} | "
-                + (f"{frac(two):.2f} | " if two else "- | ")
-                + f"{diff:.1e} |",
+                f"| {mode} | B={batch} L={length} | {p.metas[0].extra['num_splits']} | "
+                f"{times[False]:.1f} | {times[True]:.1f} | {times[True] / times[False]:.2f} | "
+                f"{frac(times[False]):.2f} | {frac(times[True]):.2f} | "
+                f"{(outs[True] - outs[False]).abs().max().item():.1e} |",
                 flush=True,
             )
             del p

@@ -12,9 +12,8 @@ kernel that loads each weight tile once for every row (`gemv.rows_config`).
 `--loop-stages` times the launch the model takes at 1-4 key steps in flight (LOOP_STAGES).
 `--load-3d` (float32 rows, e.g. `--shapes smollm2_135m --dtype float32 --rows 8,13`) times
 the all-rows launches a verify pass makes (norm + qkv, o_proj, norm + gate_up + SiLU*mul,
-down) as the model launches them, with x and the weight tiles loaded flat (the default), in
-3-d blocks (LOAD_3D, `ENGINE_ROWS_LOAD_3D=1`) and with each key step as a float32 dot at 16
-columns a program (DOT, `ENGINE_ROWS_DOT=1`), with each one's error against float64.
+down) as the model launches them, with x and the weight tiles loaded flat (the default) and
+in 3-d blocks (LOAD_3D, `ENGINE_ROWS_LOAD_3D=1`), with each one's error against float64.
 
     python3 benchmarks/bench_gemv.py --fused [--shapes smollm2_135m --dtype float32]
                                      [--max-weight-elements 134217728]
@@ -306,17 +305,15 @@ def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
 
 # the all-rows launch's variants `--load-3d` times: its overrides
 ROWS_VARIANTS: dict[str, dict[str, Any]] = {
-    "flat": {"LOAD_3D": False, "DOT": False},
-    "3-d": {"LOAD_3D": True, "DOT": False},
-    "dots 16x32": {"LOAD_3D": False, "DOT": True, "BLOCK_N": 16, "BLOCK_K": 32},
-    "dots 16x64": {"LOAD_3D": False, "DOT": True, "BLOCK_N": 16, "BLOCK_K": 64},
+    "flat": {"LOAD_3D": False},
+    "3-d": {"LOAD_3D": True},
 }
 
 
 def compare_load_3d(shapes: dict, rows_list: list[int]) -> None:
     """float32 rows in the all-rows kernel: each launch a verify pass makes, in each of
-    ROWS_VARIANTS (the loads flat, the default; in 3-d blocks, LOAD_3D; each key step as a
-    dot, DOT), with each one's time over the flat launch's and its error against float64."""
+    ROWS_VARIANTS (the loads flat, the default; in 3-d blocks, LOAD_3D), with each one's
+    time over the flat launch's and its error against float64."""
     sms = torch.cuda.get_device_properties().multi_processor_count
     names = list(ROWS_VARIANTS)
     print(

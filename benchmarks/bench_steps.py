@@ -8,9 +8,7 @@ tokens/s that speculation gives as a function of the accepted length per step.
 "forward" is `ModelRunner.forward` (plan + replay) one at a time; "replay" is the device's
 time a pass, planned once and replayed back to back. `--pdl off,auto,late` times the passes
 under each programmatic dependent launch setting named (`engine.pdl`: `auto`, the engine's
-default, chooses per pass), one after the other in one process; `--verify-fused-merge 0,8`
-times verify passes with their split merge as a kernel of its own and fused up to 8 splits
-(`decode_policy.VERIFY_FUSED_MERGE_MAX_SPLITS`) likewise. `--tree-nodes` times verify
+default, chooses per pass), one after the other in one process. `--tree-nodes` times verify
 passes of trees of those sizes in one engine (draft budget: the largest - 1), each replaying
 the verify graph of the narrowest width it fits (`engine.shell.graphs.verify_widths`).
 """
@@ -24,7 +22,6 @@ import numpy as np
 import torch
 
 from engine import pdl
-from engine.backends import decode_policy
 from engine.shell.engine import Engine
 from engine.state import DraftTrees, FinishRules, Running, schedule_decode, schedule_verify
 
@@ -157,13 +154,6 @@ def main() -> None:
         default="auto",
         help=f"programmatic dependent launch settings, comma-separated, of {sorted(pdl.SETTINGS)}",
     )
-    parser.add_argument(
-        "--verify-fused-merge",
-        default=str(decode_policy.VERIFY_FUSED_MERGE_MAX_SPLITS),
-        help="verify passes merge their splits in the split kernel up to this many splits "
-        "(`decode_policy.VERIFY_FUSED_MERGE_MAX_SPLITS`; 0: a merge kernel), comma-separated: "
-        "each timed in turn",
-    )
     args = parser.parse_args()
     tree_nodes = [int(n) for n in (args.tree_nodes or str(args.draft_budget + 1)).split(",")]
     if min(tree_nodes) < 2:
@@ -175,12 +165,9 @@ def main() -> None:
     unknown = sorted(set(settings) - set(pdl.SETTINGS))
     if unknown:  # before any engine is built
         parser.error(f"--pdl: unknown setting(s) {unknown}; they are {sorted(pdl.SETTINGS)}")
-    limits = [int(n) for n in args.verify_fused_merge.split(",")]
-    # (PDL setting, verify merge limit) -> [(batch, tree nodes, forward decode, verify,
-    # replay decode, verify)]
-    results: dict[tuple[str, int], list[tuple]] = {}
-    for on, limit in ((on, limit) for on in settings for limit in limits):
-        decode_policy.VERIFY_FUSED_MERGE_MAX_SPLITS = limit
+    # PDL setting -> [(batch, tree nodes, forward decode, verify, replay decode, verify)]
+    results: dict[str, list[tuple]] = {}
+    for on in settings:
         with pdl.using(on):
             engine = Engine(
                 random_weights=args.preset,
@@ -193,7 +180,7 @@ def main() -> None:
                 max_context=args.max_context or args.context + 64,
                 kv_cache_fraction=0.3,
             )
-            results[on, limit] = []
+            results[on] = []
             for batch in (int(b) for b in args.batches.split(",")):
                 decode_times = None
                 for size in tree_nodes:
@@ -201,12 +188,12 @@ def main() -> None:
                     if decode_times is None:
                         decode_times = time_forward(engine, decode), time_replay(engine, decode)
                     f_verify, r_verify = time_forward(engine, verify), time_replay(engine, verify)
-                    results[on, limit].append(
+                    results[on].append(
                         (batch, size, decode_times[0], f_verify, decode_times[1], r_verify)
                     )
                     release(engine, decode, verify)
                     engine.check()
-            if args.profile and (on, limit) == (settings[0], limits[0]):
+            if args.profile:
                 profile_passes(engine, args.context, nodes)
         del engine
         gc.collect()
@@ -218,21 +205,21 @@ def main() -> None:
         f"draft budget {nodes - 1}, CUDA graphs"
     )
     print(
-        "| PDL | verify merge fused to | batch | tree nodes | forward: decode ms | verify ms "
-        "| verify/decode | replay: decode ms | verify ms | verify/decode |"
+        "| PDL | batch | tree nodes | forward: decode ms | verify ms | verify/decode "
+        "| replay: decode ms | verify ms | verify/decode |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for (on, limit), rows in results.items():
+    print("|---|---|---|---|---|---|---|---|---|")
+    for on, rows in results.items():
         for batch, size, f_decode, f_verify, r_decode, r_verify in rows:
             print(
-                f"| {on} | {limit or 'none'} | {batch} | {size} | {f_decode:.3f} | "
-                f"{f_verify:.3f} | {f_verify / f_decode:.2f} | {r_decode:.3f} | {r_verify:.3f} | "
+                f"| {on} | {batch} | {size} | {f_decode:.3f} | {f_verify:.3f} | "
+                f"{f_verify / f_decode:.2f} | {r_decode:.3f} | {r_verify:.3f} | "
                 f"{r_verify / r_decode:.2f} |"
             )
     print("\ntokens/s with speculation at a mean accepted length a (tokens/step = 1 + a)")
     print("| batch | tree nodes | no spec | " + " | ".join(f"a={a:g}" for a in accepted) + " |")
     print("|---|---|---|" + "---|" * len(accepted))
-    for batch, size, t_decode, t_verify, _, _ in results[settings[0], limits[0]]:
+    for batch, size, t_decode, t_verify, _, _ in results[settings[0]]:
         cells = [f"{batch * (1 + a) / t_verify * 1e3:.0f}" for a in accepted]
         print(f"| {batch} | {size} | {batch / t_decode * 1e3:.0f} | " + " | ".join(cells) + " |")
 

@@ -137,7 +137,7 @@ def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]
     """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
     rows, as a verify pass launches it (`bench_gemv.verify_launch`: `rows_config`, with the
     norm or SiLU*mul where a verify pass runs them); `variant` (a key of
-    `bench_gemv.ROWS_VARIANTS`: flat, 3-d loads, dots) overrides its LOAD_3D and DOT."""
+    `bench_gemv.ROWS_VARIANTS`: flat, 3-d loads) overrides its LOAD_3D."""
     import torch
     from bench_gemv import ROWS_VARIANTS, SHAPES, verify_launch  # benchmarks/, beside this
 

@@ -4,19 +4,19 @@
 # then torch.profiler summaries of a decode-heavy run at batch 64 (random llama3_8b) and of
 # speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
-#   bash scripts/gpu_speed_probe.sh
-# PROBE_PARTS="grid decode decode-off spec run load3d prefetch dots merges" picks parts
-# (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT / LOAD3D_TIMEOUT /
-# PREFETCH_TIMEOUT / DOTS_TIMEOUT / MERGES_TIMEOUT (s). load3d, prefetch, dots and merges
-# time the opt-in kernel variants against the defaults: PROBE_PARTS="dots merges" (the
-# all-rows products as dots; the decode merge in two levels and verify's merge fused).
+#   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
+# PROBE_PARTS="grid decode decode-off spec run load3d prefetch" picks parts (default: grid
+# decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT / LOAD3D_TIMEOUT /
+# PREFETCH_TIMEOUT (s). load3d and prefetch time the opt-in kernel variants against the
+# defaults: PROBE_PARTS="load3d prefetch".
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT_DIR/install.log" 2>&1 \
-    || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# the package, and the wheels the image lacks (llguidance: the engine imports it)
+source scripts/gpu_env.sh
+echo "$gpu_env_status"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader \
     | tee "$OUT_DIR/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -42,22 +42,7 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         limit=${LOAD3D_TIMEOUT:-200} ;;
     prefetch)  # the decode split kernel's PREFETCH configurations beside the defaults
         cmd=(python3 benchmarks/bench_attention.py --decode); limit=${PREFETCH_TIMEOUT:-200} ;;
-    dots)  # the all-rows products with each key step as a dot (ENGINE_ROWS_DOT): each verify
-        # launch in every variant, then the default model's passes (random weights) both ways
-        cmd=(bash -c 'python3 benchmarks/bench_gemv.py --load-3d --shapes smollm2_135m \
-            --dtype float32 --rows 8,13 && for v in 0 1; do echo "ENGINE_ROWS_DOT=$v"
-            ENGINE_ROWS_DOT=$v python3 benchmarks/bench_steps.py --preset smollm2_135m \
-            --dtype float32 --batches 1 --context 512 --max-context 8192 --tree-nodes 8,13
-            done')
-        limit=${DOTS_TIMEOUT:-200} ;;
-    merges)  # the split merge fused in two levels (decode) and fused in verify passes
-        cmd=(bash -c 'python3 benchmarks/bench_attention.py --fused-merge &&
-            python3 benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 \
-            --batches 1 --context 512 --max-context 8192 --tree-nodes 8,13 \
-            --verify-fused-merge 0,8')
-        limit=${MERGES_TIMEOUT:-240} ;;
-    *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, prefetch, dots,"\
-        "merges)"
+    *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, prefetch)"
         exit 2 ;;
     esac
     start=$(date +%s)

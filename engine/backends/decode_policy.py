@@ -44,14 +44,11 @@ VERIFY_CONFIGS = (
 # up to FUSED_MERGE_MAX_SPLITS splits. Measured on an H200 (`bench_attention.py
 # --fused-merge`): at 2-16 splits the fused pass takes 0.91-0.99 of the two launches' time
 # (B=16 L=1024: 0.58 -> 0.64 of the copy ceiling), at 64 splits (B=1 L=8192) 1.34x: the one
-# program that merges 64 splits serially costs more than the launch it saves. Verify stays
-# two launches (32 splits at B=1: 2.9x): its programs own up to GROUP x MAX_Q rows, which one
-# program merges a block at a time where the merge kernel spreads them over the grid.
+# program that merges 64 splits serially costs more than the launch it saves, and merged in
+# two levels (groups of 8 splits, then the groups) 1.09x. Verify stays two launches (32
+# splits at B=1: 2.9x, in two levels 1.6x): its programs own up to GROUP x MAX_Q rows, which
+# one program merges a block at a time where the merge kernel spreads them over the grid.
 FUSED_MERGE_MAX_SPLITS = 16
-VERIFY_FUSED_MERGE_MAX_SPLITS = 0  # verify: never fused (read at each call)
-# Decode past FUSED_MERGE_MAX_SPLITS splits: fused in two levels (`triton_merge.MERGE_GROUP`)
-# where True, else the merge kernel (read at each call).
-TWO_LEVEL_MERGE = False
 INTERPRETER_CONFIG = {
     "BLOCK_N": 16,
     "num_warps": 4,

@@ -24,8 +24,6 @@ from engine.backends.decode_policy import (
 )
 from engine.backends.triton_extend import online_softmax_step
 from engine.backends.triton_merge import (
-    MAX_MERGE_GROUPS,
-    MERGE_GROUP,
     check_counters,
     merge_counters,
     merge_splits,
@@ -132,8 +130,6 @@ def _decode_split_kernel(
     SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,
-    MERGE_GROUP: tl.constexpr = 0,
-    MAX_GROUPS: tl.constexpr = 1,
 ):
     enter(PDL)
     req = tl.program_id(0)
@@ -258,8 +254,6 @@ def _decode_split_kernel(
                 out,
                 counters,
                 req * tl.num_programs(1) + kv_head,
-                tl.num_programs(0) * tl.num_programs(1),
-                split,
                 qo_start,
                 tl.minimum(num_q, MAX_Q) * GROUP,
                 kv_head,
@@ -277,8 +271,6 @@ def _decode_split_kernel(
                 ROW_BLOCK,
                 SPLIT_CHUNK,
                 HEAD_DIM,
-                MERGE_GROUP,
-                MAX_GROUPS,
             )
     # tokens no request owns (graph padding): zeros, written to out by one split where no
     # merge kernel follows, else as empty partials in every split for the merge to turn to 0
@@ -379,8 +371,7 @@ def decode_attention(
 
     Grid: (requests, kv heads, num_splits), then (tokens, q heads) for the merge unless it is
     fused (config FUSED_MERGE; by default decode up to FUSED_MERGE_MAX_SPLITS splits, verify
-    never; config MERGE_GROUP > 0: in two levels, groups of that many splits first, see
-    `triton_merge`): no host value beyond the tensor shapes, num_splits and max_q, so a fixed plan
+    never): no host value beyond the tensor shapes, num_splits and max_q, so a fixed plan
     replays under a CUDA graph. `counters` (contiguous int32, `counters_needed` of them,
     zero at rest: see `merge_counters`; checked when the merge is fused) serve the
     fused merge; without them a zeroed buffer is made for this call. Tokens past
@@ -398,28 +389,12 @@ def decode_attention(
         }
     else:
         base = choose_verify_config(num_requests * num_kv_heads * num_splits, num_sms(q.device))
-    fused_default = num_splits <= (
-        FUSED_MERGE_MAX_SPLITS if tree_bits is None else decode_policy.VERIFY_FUSED_MERGE_MAX_SPLITS
-    )
-    two_level = tree_bits is None and num_splits > FUSED_MERGE_MAX_SPLITS
-    two_level = two_level and decode_policy.TWO_LEVEL_MERGE
-    cfg = {
-        "FUSED_MERGE": fused_default or two_level,
-        "MERGE_GROUP": MERGE_GROUP if two_level else 0,
-        **base,
-        **(config or {}),
-    }
+    fused_default = tree_bits is None and num_splits <= FUSED_MERGE_MAX_SPLITS
+    cfg = {"FUSED_MERGE": fused_default, **base, **(config or {})}
     if num_tokens == 0 or num_requests == 0:
         return out
     direct = num_splits == 1
     fused = bool(cfg["FUSED_MERGE"]) and not direct
-    merge_group = int(cfg["MERGE_GROUP"]) if fused and num_splits > cfg["MERGE_GROUP"] else 0
-    if merge_group and num_splits > merge_group * MAX_MERGE_GROUPS:
-        raise ValueError(
-            f"a two-level merge of groups of {merge_group} splits merges at most "
-            f"{merge_group * MAX_MERGE_GROUPS} splits (MAX_MERGE_GROUPS={MAX_MERGE_GROUPS}); "
-            f"got {num_splits}"
-        )
     if fused and counters is not None:
         check_counters(counters, num_requests, num_kv_heads)
     part_strides: tuple[int, ...]
@@ -444,7 +419,7 @@ def decode_attention(
     row_block, split_chunk = (1, 1)  # unused unless fused
     if fused:
         row_block, split_chunk = merge_tiles(
-            min(block_s, triton.next_power_of_2(merge_group or block_s)),
+            block_s,
             max_q * group,
             head_dim,
             cfg["num_warps"],
@@ -486,8 +461,6 @@ def decode_attention(
         ROW_BLOCK=row_block,
         SPLIT_CHUNK=split_chunk,
         PREFETCH=bool(cfg.get("PREFETCH", False)),
-        MERGE_GROUP=merge_group,
-        MAX_GROUPS=MAX_MERGE_GROUPS,
         **pdl.launch(q.device),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

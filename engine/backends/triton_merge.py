@@ -3,8 +3,8 @@
 
 Two ways to run it: `merge_splits` launches a kernel over (tokens, q heads) after the split
 kernel; or the split kernel merges in the last of each (request, kv head)'s programs to
-finish (`merge_when_last`: `last_to_arrive`, then `merge_rows`; in one level, or in two:
-groups of splits first), counting arrivals in `merge_counters`.
+finish (`merge_when_last`: `last_to_arrive`, then `merge_rows`), counting arrivals in
+`merge_counters`.
 """
 
 from __future__ import annotations
@@ -20,12 +20,6 @@ from engine.backends.base import BufferTooSmall
 from engine.pdl import enter
 
 MERGE_VALUES_PER_THREAD = 64  # fp32 partial values a thread holds in the fused merge's tile
-# The fused merge in two levels (`MERGE_GROUP` splits a first-level merge, at most
-# MAX_MERGE_GROUPS groups): the last split of each group to finish merges the group into its
-# first split's slot, and the last group to finish merges the groups. The counters hold one
-# per (request, kv head) for the second level, then MAX_MERGE_GROUPS each for the first.
-MERGE_GROUP = 8
-MAX_MERGE_GROUPS = 8
 
 
 def pow2_floor(value: float) -> int:
@@ -76,17 +70,11 @@ def merge_rows(
     ROW_BLOCK: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    stride_ls=1,
-    out_lse=None,
-    WRITE_LSE: tl.constexpr = False,
 ):
     """Merge the splits of num_rows rows (row r: token qo_start + r // GROUP, q head
     kv_head * GROUP + r % GROUP) into out: ROW_BLOCK rows x SPLIT_CHUNK splits x HEAD_DIM
     loaded at once (one L2 round trip where the tile holds them all), combined by online
-    rescaling across chunks of splits. Loads bypass L1 (see `last_to_arrive`). Split s is
-    at partial + s * stride_ps and lse + s * stride_ls. WRITE_LSE (a first-level merge):
-    the merged rows' log-sums go to out_lse (lse's token and head strides), so that the
-    result merges again as one split."""
+    rescaling across chunks of splits. Loads bypass L1 (see `last_to_arrive`)."""
     dims = tl.arange(0, HEAD_DIM)
     chunk = tl.arange(0, SPLIT_CHUNK)
     for first_row in range(0, num_rows, ROW_BLOCK):
@@ -103,7 +91,7 @@ def merge_rows(
             splits = first_split + chunk
             ok = row_ok[:, None] & (splits < num_splits)[None, :]
             log_sums = tl.load(
-                lse_rows + splits[None, :] * stride_ls,
+                lse_rows + splits[None, :],
                 mask=ok,
                 other=float("-inf"),
                 cache_modifier=".cg",
@@ -128,12 +116,6 @@ def merge_rows(
             merged.to(out.dtype.element_ty),
             mask=(row_ok & (token < out_capacity))[:, None],
         )
-        if WRITE_LSE:  # no keys in any split: -inf (weight 0 at the next level)
-            has_keys = total > 0.0
-            merged_lse = tl.where(
-                has_keys, top + tl.math.log2(tl.where(has_keys, total, 1.0)), float("-inf")
-            )
-            tl.store(out_lse + token * stride_lt + head * stride_lh, merged_lse, mask=row_ok)
 
 
 @triton.jit
@@ -143,8 +125,6 @@ def merge_when_last(
     out,
     counters,
     pair,
-    num_pairs,
-    split,
     qo_start,
     num_rows,
     kv_head,
@@ -162,99 +142,35 @@ def merge_when_last(
     ROW_BLOCK: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    MERGE_GROUP: tl.constexpr,
-    MAX_GROUPS: tl.constexpr,
 ):
-    """The fused merge, called by each split program of (request, kv head) `pair` (of
-    num_pairs) once its partial and log-sum are stored: it counts itself in, and the last to
-    arrive merges the pair's splits into out (`merge_rows`) and puts the counter back to 0.
-    MERGE_GROUP > 0: in two levels, the last of each group of MERGE_GROUP splits merges the
-    group into its first split's slot with the group's log-sum, and the last group to
-    finish merges the groups (the group counters after the num_pairs pair counters,
-    MAX_GROUPS a pair)."""
+    """The fused merge, called by each split program of (request, kv head) `pair` once its
+    partial and log-sum are stored: it counts itself in, and the last to arrive merges the
+    pair's splits into out (`merge_rows`) and puts the counter back to 0."""
     counter = counters + pair
-    if MERGE_GROUP == 0:
-        if last_to_arrive(counter, num_splits):
-            merge_rows(
-                partial,
-                lse,
-                out,
-                qo_start,
-                num_rows,
-                kv_head,
-                num_splits,
-                num_tokens,
-                out_capacity,
-                stride_pt,
-                stride_ph,
-                stride_ps,
-                stride_lt,
-                stride_lh,
-                stride_ot,
-                stride_oh,
-                GROUP,
-                ROW_BLOCK,
-                SPLIT_CHUNK,
-                HEAD_DIM,
-            )
-            tl.store(counter, 0)  # zero at rest, for the next launch or graph replay
-    else:
-        group = split // MERGE_GROUP
-        first = group * MERGE_GROUP
-        in_group = tl.minimum(num_splits - first, MERGE_GROUP)
-        group_counter = counters + num_pairs + pair * MAX_GROUPS + group
-        if last_to_arrive(group_counter, in_group):
-            merge_rows(  # the group's splits into its first slot, with their log-sum
-                partial + first * stride_ps,
-                lse + first,
-                partial + first * stride_ps,
-                qo_start,
-                num_rows,
-                kv_head,
-                in_group,
-                num_tokens,
-                num_tokens,
-                stride_pt,
-                stride_ph,
-                stride_ps,
-                stride_lt,
-                stride_lh,
-                stride_pt,
-                stride_ph,
-                GROUP,
-                ROW_BLOCK,
-                SPLIT_CHUNK,
-                HEAD_DIM,
-                1,
-                lse + first,
-                True,
-            )
-            tl.store(group_counter, 0)
-            if last_to_arrive(counter, tl.cdiv(num_splits, MERGE_GROUP)):
-                merge_rows(  # the groups' first slots
-                    partial,
-                    lse,
-                    out,
-                    qo_start,
-                    num_rows,
-                    kv_head,
-                    tl.cdiv(num_splits, MERGE_GROUP),
-                    num_tokens,
-                    out_capacity,
-                    stride_pt,
-                    stride_ph,
-                    stride_ps * MERGE_GROUP,
-                    stride_lt,
-                    stride_lh,
-                    stride_ot,
-                    stride_oh,
-                    GROUP,
-                    ROW_BLOCK,
-                    SPLIT_CHUNK,
-                    HEAD_DIM,
-                    MERGE_GROUP,
-                )
-                tl.store(counter, 0)
+    if last_to_arrive(counter, num_splits):
+        merge_rows(
+            partial,
+            lse,
+            out,
+            qo_start,
+            num_rows,
+            kv_head,
+            num_splits,
+            num_tokens,
+            out_capacity,
+            stride_pt,
+            stride_ph,
+            stride_ps,
+            stride_lt,
+            stride_lh,
+            stride_ot,
+            stride_oh,
+            GROUP,
+            ROW_BLOCK,
+            SPLIT_CHUNK,
+            HEAD_DIM,
+        )
+        tl.store(counter, 0)  # zero at rest, for the next launch or graph replay
 
 
 @triton.jit
@@ -340,9 +256,8 @@ def merge_tiles(
 
 
 def counters_needed(num_requests: int, num_kv_heads: int) -> int:
-    """The fused merge's counters for num_requests x num_kv_heads programs' splits: one each,
-    and MAX_MERGE_GROUPS each for a two-level merge's groups."""
-    return num_requests * num_kv_heads * (1 + MAX_MERGE_GROUPS)
+    """The fused merge's counters for num_requests x num_kv_heads programs' splits: one each."""
+    return num_requests * num_kv_heads
 
 
 def merge_counters(num_requests: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
@@ -362,5 +277,5 @@ def check_counters(counters: torch.Tensor, num_requests: int, num_kv_heads: int)
     if counters.numel() < needed:
         raise BufferTooSmall(
             f"merge counters hold {counters.numel()} entries; this pass needs {num_requests} "
-            f"requests x {num_kv_heads} kv heads x {1 + MAX_MERGE_GROUPS} = {needed}"
+            f"requests x {num_kv_heads} kv heads = {needed}"
         )

@@ -65,11 +65,6 @@ def _switch(name: str) -> bool:
 # products shorten (0.75-0.92x), gate_up lengthens (1.11-1.29x) and a verify pass of the default
 # model's shapes runs 1.04-1.14x slower (docs/benchmarks.md, "The opt-in variants timed").
 ROWS_LOAD_3D = _switch("ENGINE_ROWS_LOAD_3D")
-# ENGINE_ROWS_DOT=1: the all-rows launches take each key step as one float32 `tl.dot` (FMAs)
-# of x's rows with the tile, accumulated in [rows, columns] (`gemv_rows_kernel`'s DOT), at
-# least ROWS_DOT_BLOCK_N columns a program: no sum over the keys after the loop. Not timed yet.
-ROWS_DOT = _switch("ENGINE_ROWS_DOT")
-ROWS_DOT_BLOCK_N = 16
 
 
 # The NORM prologue needs no pass over the row before the products: RMSNorm(x) . w =
@@ -224,11 +219,6 @@ def _launch_rows(
     stream the NORM prologue wrote, or None). x' is x, or with `norm` (residual or None,
     norm weight, eps) RMSNorm(x + residual)."""
     (rows, k), n = x.shape, weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    if params.get("DOT") and (params["BLOCK_N"] < ROWS_DOT_BLOCK_N or params.get("LOAD_3D")):
-        raise ValueError(
-            f"the all-rows kernel's DOT launch needs BLOCK_N >= {ROWS_DOT_BLOCK_N} and no "
-            f"LOAD_3D; got {params}"
-        )
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     residual_out, pointers, eps, norm_strides = _norm_args(x, norm)
     gemv_rows_kernel[(triton.cdiv(n, params["BLOCK_N"]),)](
@@ -244,7 +234,7 @@ def _launch_rows(
         weight.stride(0),
         out.stride(0),
         *norm_strides,
-        BLOCK_M=max(16 if params.get("DOT") else 1, triton.next_power_of_2(rows)),  # dot's least
+        BLOCK_M=triton.next_power_of_2(rows),
         WITH_NORM=norm is not None,
         HAS_RESIDUAL=residual_out is not None,
         SILU_MUL=silu_mul,
@@ -361,19 +351,15 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
     `silu_mul`: columns of SiLU*mul's output, each reading a gate and an up row) on `num_sms`
     SMs: ROWS_BLOCK_N columns a program (ROWS_SILU_BLOCK_N with `silu_mul`), ROWS_PRODUCTS
     products a row per key step, ROWS_LOOP_STAGES key steps in flight (none from
-    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on), loads in 3-d blocks with ROWS_LOAD_3D,
-    each key step one `tl.dot` with ROWS_DOT."""
+    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on), loads in 3-d blocks with ROWS_LOAD_3D."""
     block_n = ROWS_SILU_BLOCK_N if silu_mul else ROWS_BLOCK_N
-    if ROWS_DOT:
-        block_n = max(block_n, ROWS_DOT_BLOCK_N)
     return dict(
         BLOCK_N=block_n,
         BLOCK_K=ROWS_PRODUCTS // block_n,
         num_warps=4,
         num_stages=3,
         LOOP_STAGES=_loop_stages(ROWS_LOOP_STAGES, triton.cdiv(columns, block_n), num_sms),
-        LOAD_3D=ROWS_LOAD_3D and not ROWS_DOT,
-        DOT=ROWS_DOT,
+        LOAD_3D=ROWS_LOAD_3D,
         all_rows=True,
     )
 

@@ -183,7 +183,6 @@ def gemv_rows_kernel(
     PREFETCH_K: tl.constexpr,
     LINE: tl.constexpr,
     LOAD_3D: tl.constexpr = False,
-    DOT: tl.constexpr = False,
 ):
     """All x rows at once: each weight tile is loaded once for every row; the products
     accumulate elementwise in [rows, columns, keys] and are summed over the keys once, at
@@ -195,10 +194,7 @@ def gemv_rows_kernel(
     weight tiles are loaded as [rows, 1, keys] and [1, columns, keys] blocks rather than
     loaded flat and broadcast, so that the accumulator takes the loads' layout (a few
     consecutive keys a thread) and the sum over the keys at the end shuffles less between
-    threads (sm_90, 13 rows: o_proj's 322 shuffles a thread -> 64). DOT: each key step is
-    one `tl.dot` of x's rows [BLOCK_M, keys] with the tile [keys, BLOCK_N] in full float32
-    (FMAs, no tensor cores), accumulated in [rows, columns]: no sum over the keys at the end
-    (BLOCK_M and BLOCK_N at least 16; not with LOAD_3D)."""
+    threads (sm_90, 13 rows: o_proj's 322 shuffles a thread -> 64)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     in_n = cols < N
@@ -209,11 +205,8 @@ def gemv_rows_kernel(
         _prefetch_rows(w, w_rows + N * stride_wn, in_n, K, PREFETCH_K, LINE)
     enter(PDL)
     first = tl.program_id(0) == 0  # the program that writes the residual stream
-    acc = tl.zeros([BLOCK_M, BLOCK_N] if DOT else [BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if DOT:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N] if SILU_MUL else [1, 1], dtype=tl.float32)
-    else:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K] if SILU_MUL else [1, 1, 1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K] if SILU_MUL else [1, 1, 1], dtype=tl.float32)
     if LOAD_3D:
         w_block = w + cols.to(tl.int64)[None, :, None] * stride_wn  # [1, columns, 1]
         sum_squares = tl.zeros([BLOCK_M, 1, BLOCK_K] if WITH_NORM else [1, 1, 1], tl.float32)
@@ -262,18 +255,11 @@ def gemv_rows_kernel(
             acc += xs * tile
             if SILU_MUL:
                 acc_up += xs * up
-        elif DOT:  # [rows, keys] . [keys, columns]
-            acc = tl.dot(xs, tl.trans(tile), acc, input_precision="ieee")
-            if SILU_MUL:
-                acc_up = tl.dot(xs, tl.trans(up), acc_up, input_precision="ieee")
         else:
             acc += xs[:, None, :] * tile[None, :, :]
             if SILU_MUL:
                 acc_up += xs[:, None, :] * up[None, :, :]
-    if DOT:
-        sums = acc
-    else:
-        sums = tl.sum(acc, axis=2)
+    sums = tl.sum(acc, axis=2)
     if WITH_NORM:
         if LOAD_3D:
             inv_rms = tl.rsqrt(tl.sum(sum_squares, axis=2) / K + eps)  # [rows, 1]
@@ -283,10 +269,7 @@ def gemv_rows_kernel(
     leave(PDL)
     if SILU_MUL:
         gate = sums.to(out.dtype.element_ty).to(tl.float32)
-        if DOT:
-            up_sums = acc_up
-        else:
-            up_sums = tl.sum(acc_up, axis=2)
+        up_sums = tl.sum(acc_up, axis=2)
         if WITH_NORM:
             up_sums = up_sums * inv_rms
         up_sums = up_sums.to(out.dtype.element_ty).to(tl.float32)

@@ -12,8 +12,6 @@ from engine.backends import BufferTooSmall
 from engine.backends.decode_policy import FUSED_MERGE_MAX_SPLITS, MAX_SPLITS
 from engine.backends.triton_decode import decode_attention
 from engine.backends.triton_merge import (
-    MAX_MERGE_GROUPS,
-    MERGE_GROUP,
     MERGE_VALUES_PER_THREAD,
     counters_needed,
     merge_counters,
@@ -135,33 +133,6 @@ def test_fused_merge_in_chunks_and_row_blocks(mode: str, tile: int) -> None:
     fused = run(inputs, 5, {"FUSED_MERGE": True, "MERGE_TILE": tile})
     assert relative_error(fused, ref) < TOLERANCE[DTYPE]
     assert (fused[-PADDING_TOKENS:] == 0).all()
-
-
-@pytest.mark.parametrize("mode", ["decode", "verify"])
-@pytest.mark.parametrize(("num_splits", "merge_group"), [(8, 4), (7, 3), (5, 2)])
-def test_two_level_merge_equals_two_launch(mode: str, num_splits: int, merge_group: int):
-    """The merge in two levels (groups of merge_group splits, the last one short where it
-    does not divide, then the groups) gives the two launches' output, leaves its counters at
-    zero, and refuses more splits than MAX_MERGE_GROUPS groups hold."""
-    requests = DECODE_REQUESTS if mode == "decode" else VERIFY_REQUESTS
-    inputs = make_inputs(mode, requests, 4, seed=num_splits + merge_group)
-    counters = merge_counters(len(requests), NUM_KV_HEADS, torch.device(DEVICE))
-    config = {"FUSED_MERGE": True, "MERGE_GROUP": merge_group}
-    two_level = run(inputs, num_splits, config, counters)
-    assert not two_level.isnan().any(), "some output elements were never written"
-    assert (counters == 0).all(), f"counters left at {counters.tolist()}"
-    torch.testing.assert_close(
-        two_level, run(inputs, num_splits, {"FUSED_MERGE": False}), rtol=1e-5, atol=1e-6
-    )
-    assert relative_error(two_level, reference(inputs, mode)) < TOLERANCE[DTYPE]
-    assert (two_level[-PADDING_TOKENS:] == 0).all()
-    with pytest.raises(ValueError, match="merges at most"):
-        run(inputs, merge_group * MAX_MERGE_GROUPS + 1, config, counters)
-
-
-def test_the_two_level_merge_takes_every_split_count_the_policy_chooses() -> None:
-    """Its groups hold MAX_SPLITS: turned on, no decode plan is refused for its splits."""
-    assert MAX_SPLITS <= MERGE_GROUP * MAX_MERGE_GROUPS
 
 
 def test_counters_are_zero_after_each_launch() -> None:

@@ -28,7 +28,6 @@ def test_gemv_matches_linear(dtype, rows, n, k):
         gemv.rows_config(n, 2),
         dict(gemv.rows_config(n, 2), LOOP_STAGES=1),
         dict(gemv.rows_config(n, 2), LOAD_3D=True),  # x and the tiles loaded in 3-d blocks
-        dict(gemv.rows_config(n, 2), BLOCK_N=16, BLOCK_K=32, DOT=True),  # key steps as dots
     ):
         assert_close(gemv.gemv(x, weight, config), expected, dtype)
 
@@ -152,7 +151,6 @@ FUSED_CONFIGS = [
         *FUSED_CONFIGS,
         gemv.rows_config(20, 2),  # the all-rows kernel: 100 keys over two steps
         dict(gemv.rows_config(20, 2), LOAD_3D=True),
-        dict(gemv.rows_config(20, 2), BLOCK_N=16, BLOCK_K=32, DOT=True),
     ],
 )
 def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, with_residual, config):
@@ -215,7 +213,6 @@ def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows, config):
         gemv.rows_config(150, 2),
         gemv.rows_config(150, 2, silu_mul=True),  # the model's launch
         dict(gemv.rows_config(150, 2, silu_mul=True), LOAD_3D=True),
-        dict(gemv.rows_config(150, 2, silu_mul=True), DOT=True),
     ],
 )
 def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
@@ -241,7 +238,6 @@ def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
         dict(ROWS_CONFIG, BLOCK_N=32, LOOP_STAGES=1),
         gemv.rows_config(150, 2, silu_mul=True),
         dict(gemv.rows_config(150, 2, silu_mul=True), LOAD_3D=True),
-        dict(gemv.rows_config(150, 2, silu_mul=True), DOT=True),
     ],
 )
 def test_norm_gemv_silu_equals_the_norm_then_gemv_silu(dtype, rows, with_residual, config):
@@ -439,16 +435,15 @@ class _NormInAllRows(TorchOps):
         return gemv.norm_gemv_silu(x, residual, norm_weight, eps, weight.contiguous(), config)
 
 
-@pytest.mark.parametrize(("load_3d", "dot"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("load_3d", [False, True])
 def test_forward_with_norms_in_the_all_rows_products_equals_torch_path(
-    two_passes, monkeypatch, load_3d, dot
+    two_passes, monkeypatch, load_3d
 ):
     """The layer takes norm_linear for qkv and norm_linear_silu_mul for the MLP's gate_up
     where they apply (the two-row decode pass: two launches for the norms, the products and
     SiLU*mul), and runs the ops apart where they return None (the 19-token prefill); with
-    the all-rows launches' loads in 3-d blocks, or their key steps as dots, too."""
+    the all-rows launches' loads in 3-d blocks too."""
     monkeypatch.setattr(gemv, "ROWS_LOAD_3D", load_3d)
-    monkeypatch.setattr(gemv, "ROWS_DOT", dot)
     names = ("norm_linear", "norm_linear_silu_mul")
     calls = _traced_passes(two_passes, monkeypatch, _NormInAllRows, names, seed=7)
     layers = ModelConfig.tiny().num_layers
