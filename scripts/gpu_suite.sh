@@ -7,7 +7,7 @@ set -uo pipefail
 
 GPU_TESTS=(tests/backends tests/ops/test_fused.py tests/ops/test_gemv.py tests/ops/test_draw.py
            tests/model/test_sampling.py
-           tests/shell/test_graphs.py
+           tests/shell/test_graphs.py tests/shell/test_extend_graphs.py
            tests/shell/test_plan_ahead.py tests/shell/test_verify_ahead.py
            tests/shell/test_spec_overflow.py tests/shell/test_prefix_cache.py tests/test_pdl.py
            tests/shell/test_walk_ahead.py)
@@ -18,10 +18,10 @@ GPU_TESTS=(tests/backends tests/ops/test_fused.py tests/ops/test_gemv.py tests/o
 # decode pass launched on a verify pass's walk on the device.
 GRAPH_MEMCHECK_TESTS=(tests/shell/test_spec_overflow.py tests/shell/test_plan_ahead.py
     tests/shell/test_verify_ahead.py tests/shell/test_walk_ahead.py
-    tests/shell/test_graphs.py::test_an_extend_pass_replays_the_smallest_graph_it_fits
-    tests/shell/test_graphs.py::test_the_engine_replays_extend_graphs_when_asked
-    tests/shell/test_graphs.py::test_extend_graphs_capture_in_half_precision
-    tests/shell/test_graphs.py::test_extend_graphs_serve_chunks_mixed_passes_and_cached_prefixes
+    tests/shell/test_extend_graphs.py::test_an_extend_pass_replays_the_smallest_graph_it_fits
+    tests/shell/test_extend_graphs.py::test_the_engine_replays_extend_graphs_when_asked
+    tests/shell/test_extend_graphs.py::test_extend_graphs_capture_in_half_precision
+    tests/shell/test_extend_graphs.py::test_extend_graphs_serve_chunks_mixed_passes_and_cached_prefixes
     tests/shell/test_graphs.py::test_a_pass_launched_at_a_commit_replays_after_the_commits_writes
     tests/shell/test_graphs.py::test_a_verify_pass_launched_ahead_replays_after_the_decode_pass_it_follows)
 BENCHES=(benchmarks/bench_attention.py benchmarks/bench_extend_order.py benchmarks/bench_engine.py
@@ -60,9 +60,9 @@ case "$GPU_PART" in
     graphcheck3) GRAPH_MEMCHECK_TESTS=("${GRAPH_MEMCHECK_TESTS[@]:3:1}"); GPU_PART=graphcheck ;;
     graphcheck4) GRAPH_MEMCHECK_TESTS=("${GRAPH_MEMCHECK_TESTS[@]:4}"); GPU_PART=graphcheck ;;
     memcheck1) MEMCHECK_TESTS=("${GPU_TESTS[@]:0:5}"); GPU_PART=memcheck ;;
-    memcheck2) MEMCHECK_TESTS=("${GPU_TESTS[@]:5:2}"); GPU_PART=memcheck ;;
-    memcheck3) MEMCHECK_TESTS=("${GPU_TESTS[@]:7:2}"); GPU_PART=memcheck ;;
-    memcheck4) MEMCHECK_TESTS=("${GPU_TESTS[@]:9}"); GPU_PART=memcheck ;;
+    memcheck2) MEMCHECK_TESTS=("${GPU_TESTS[@]:5:3}"); GPU_PART=memcheck ;;
+    memcheck3) MEMCHECK_TESTS=("${GPU_TESTS[@]:8:2}"); GPU_PART=memcheck ;;
+    memcheck4) MEMCHECK_TESTS=("${GPU_TESTS[@]:10}"); GPU_PART=memcheck ;;
     tests1) PYTEST_TESTS=("${GPU_TESTS[@]:0:5}"); GPU_PART=pytest ;;
     tests2) PYTEST_TESTS=("${GPU_TESTS[@]:5}"); GPU_PART=pytest ;;
 esac

@@ -25,7 +25,8 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.i
 
 # 1. tests: the TP tests (gloo on the CPU) and the CUDA engine tests at TP=1
 TESTS=${TESTS:-tests/shell/test_tensor_parallel.py tests/shell/test_distributed.py
-    tests/shell/test_graphs.py tests/shell/test_plan_ahead.py tests/shell/test_verify_ahead.py
+    tests/shell/test_graphs.py tests/shell/test_extend_graphs.py tests/shell/test_plan_ahead.py
+    tests/shell/test_verify_ahead.py
     tests/shell/test_spec_overflow.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths (and pytest options such as -k)
 timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -m "not slow" $TESTS \

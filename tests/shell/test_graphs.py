@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 import torch
 from engine_checks import draft_in_turns
+from graph_cases import DEVICE, count_replays, prompts_of, release, tiny_engine, with_graphs
 
 from engine import pdl
 from engine.backends import triton_index
 from engine.ops import gemv
-from engine.shell import runtime
 from engine.shell.engine import Engine
 from engine.shell.graphs import (
     GraphRunner,
     default_batch_sizes,
-    extend_sizes,
     graph_runners,
     verify_widths,
 )
@@ -31,63 +30,13 @@ from engine.state import (
     Mode,
     Running,
     SamplingParams,
-    schedule_extend,
     schedule_verify,
 )
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _engine(**overrides) -> Engine:
-    settings = dict(
-        random_weights="tiny",
-        attention_backend="triton",
-        device=DEVICE,
-        dtype="float32",
-        kv_cache_slots=512,
-        max_context=128,
-        cuda_graph_max_batch=0,
-    )
-    return Engine(**(settings | overrides))
-
-
-def _prompts(count: int) -> list[list[int]]:
-    # Repeating patterns, so the n-gram proposer finds drafts in the speculative case.
-    return [[(7 * i + j % (3 + i)) % 250 + 3 for j in range(9 + 5 * i)] for i in range(count)]
-
-
-def _count_replays(engine: Engine) -> list:
-    """Every graph replay of `engine` appends its mode (proof the static path ran)."""
-    replays: list = []
-    for graph in engine.runner.graphs:
-        real = graph.replay
-
-        def replay(*args, real=real, mode=graph.mode):
-            replays.append(mode)
-            return real(*args)
-
-        graph.replay = replay
-    return replays
-
-
-def _with_graphs(
-    engine: Engine, max_batch: int, tree_nodes: int = 0, extend_tokens: int = 0
-) -> Engine:
-    runner = engine.runner
-    runner.graphs = graph_runners(
-        runner.model,
-        runner.backend,
-        max_batch,
-        tree_nodes,
-        capture=DEVICE == "cuda",
-        extend_tokens=extend_tokens,
-    )
-    return engine
 
 
 def _verify_batch(engine: Engine, tree_sizes: list[int], context: int = 6) -> Batch:
     """A verify pass of one request per tree size (chains of drafts), each at `context`
-    tokens of cache; `_release` gives back what it takes."""
+    tokens of cache; `release` gives back what it takes."""
     book, count = engine.book, len(tree_sizes)
     rows = [book.table.alloc_row() for _ in range(count)]
     slots = book.slots.alloc(count * context)
@@ -111,22 +60,12 @@ def _verify_batch(engine: Engine, tree_sizes: list[int], context: int = 6) -> Ba
     return schedule_verify(running, trees, book.slots.alloc(sum(tree_sizes)))
 
 
-def _release(engine: Engine, batch: Batch) -> None:
-    book = engine.book
-    book.slots.free(batch.out_slots)
-    for row, length in zip(
-        batch.running.rows.tolist(), batch.running.kv_lens.tolist(), strict=True
-    ):
-        book.slots.free(book.table.host[row, :length])
-        book.table.release_row(row)
-
-
 def test_a_verify_pass_replays_the_narrowest_graph_its_trees_fit():
     """Verify graphs at widths 4, 8 and the widest trees (13 nodes): a verify pass replays the
     narrowest its largest tree fits, and its logits are the eager pass's."""
     assert verify_widths(13) == [4, 8, 13]
     assert verify_widths(5) == [4, 5] and verify_widths(4) == [4] and verify_widths(2) == [2]
-    engine = _engine(speculative=True, draft_budget=12)
+    engine = tiny_engine(speculative=True, draft_budget=12)
     runner = engine.runner
     graphs = graph_runners(runner.model, runner.backend, 4, 13, capture=DEVICE == "cuda")
     assert [(g.mode, g.per_request) for g in graphs] == [
@@ -143,7 +82,7 @@ def test_a_verify_pass_replays_the_narrowest_graph_its_trees_fit():
         eager = runner.forward(batch)
         assert graphed.shape == (sum(sizes), runner.model.config.vocab_size)
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
-        _release(engine, batch)
+        release(engine, batch)
     engine.check()
     assert engine.book.num_available == engine.book.slots.capacity
 
@@ -158,7 +97,7 @@ def test_each_graph_runs_under_the_pdl_setting_of_its_pass(monkeypatch):
     """Under `auto`, a graph pass of at most `pdl.AUTO_MAX_ROWS` rows whose layers' products
     all run in the package's matrix kernels runs with PDL (`top`), any other off; a mode set
     for the process applies to every pass."""
-    runner = _engine().runner
+    runner = tiny_engine().runner
 
     def settings(mode: Mode, width: int = 3) -> dict:
         graphs = GraphRunner(runner.model, runner.backend, mode, 4, width, capture=False)
@@ -186,7 +125,7 @@ def test_a_graph_pass_launches_under_its_setting(monkeypatch):
     """The static path's forward runs under the setting chosen for its batch size; the
     eager (extend) passes under the process's. Uncaptured, so that each pass runs the
     forward (a captured graph keeps the launches of its capture)."""
-    engine = _engine()
+    engine = tiny_engine()
     runner = engine.runner
     graphs = GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=False)
     runner.graphs = [graphs]
@@ -201,8 +140,8 @@ def test_a_graph_pass_launches_under_its_setting(monkeypatch):
     monkeypatch.setattr(graphs.model, "forward", forward)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     with pdl.using("auto"):  # the process's setting, whatever ENGINE_PDL says
-        engine.generate(_prompts(1), params)
-        engine.generate(_prompts(3), params)
+        engine.generate(prompts_of(1), params)
+        engine.generate(prompts_of(3), params)
     tokens_under = {setting: {n for n, s in seen if s == setting} for setting in ("late", "exit")}
     assert tokens_under == {"late": {1}, "exit": {4}}  # 3 requests padded to 4
     assert {s for _, s in seen} == {"late", "exit", "auto"}  # extend passes: the process's
@@ -211,22 +150,22 @@ def test_a_graph_pass_launches_under_its_setting(monkeypatch):
 @pytest.mark.parametrize("speculative", [False, True])
 def test_graph_path_equals_eager_path_with_padding_and_overflow(speculative):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    prompts = _prompts(3)  # 3 requests: padded to 4 in graph mode
-    eager = _engine(speculative=speculative, draft_budget=4).generate(prompts, params)
-    graphed = _with_graphs(
-        _engine(speculative=speculative, draft_budget=4),
+    prompts = prompts_of(3)  # 3 requests: padded to 4 in graph mode
+    eager = tiny_engine(speculative=speculative, draft_budget=4).generate(prompts, params)
+    graphed = with_graphs(
+        tiny_engine(speculative=speculative, draft_budget=4),
         4,
         tree_nodes=5 if speculative else 0,
         extend_tokens=48,  # the three prompts' 42 tokens in one pass
     )
-    replays = _count_replays(graphed)
+    replays = count_replays(graphed)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in eager]
     assert Mode.EXTEND in replays and Mode.DECODE in replays
     # More requests than the largest graph: those steps take the eager path.
-    overflow = _with_graphs(
-        _engine(speculative=speculative, draft_budget=4), 2, tree_nodes=5 if speculative else 0
+    overflow = with_graphs(
+        tiny_engine(speculative=speculative, draft_budget=4), 2, tree_nodes=5 if speculative else 0
     )
-    overflow_replays = _count_replays(overflow)
+    overflow_replays = count_replays(overflow)
     assert [o.token_ids for o in overflow.generate(prompts, params)] == [o.token_ids for o in eager]
     if not speculative:  # equal lengths: all three leave together, every pass is eager
         assert not overflow_replays, "3 requests over graphs of 2 took a graph"
@@ -243,10 +182,10 @@ def test_table_writes_wait_for_the_verify_pass_that_reads_the_table(monkeypatch)
     eager path's, verify replays staged writes, no pass builds its kv indices with writes
     waiting, and the mirror ends equal to the host table."""
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    prompts = _prompts(3)
-    eager = _engine(speculative=True, draft_budget=4).generate(prompts, params)
+    prompts = prompts_of(3)
+    eager = tiny_engine(speculative=True, draft_budget=4).generate(prompts, params)
     monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
-    engine = _engine(speculative=True, draft_budget=4)
+    engine = tiny_engine(speculative=True, draft_budget=4)
     table, runner = engine.book.table, engine.runner
     assert table.mirrored and runner.table is table
     capture = DEVICE == "cuda"
@@ -292,7 +231,7 @@ def test_table_writes_wait_for_the_verify_pass_that_reads_the_table(monkeypatch)
         return real_build(metadata)
 
     monkeypatch.setattr(runner.backend, "build_kv_indices", build)
-    replays = _count_replays(engine)
+    replays = count_replays(engine)
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
     assert tokens == [o.token_ids for o in eager]
     assert Mode.VERIFY in replays and Mode.DECODE in replays
@@ -308,9 +247,9 @@ def test_a_graph_pass_builds_its_kv_indices_in_the_pass(monkeypatch, speculative
     built by the pass (inside the captured graph), once a replay, so outputs are the eager
     path's. Uncaptured here, so each replay runs the forward and is counted."""
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    prompts = _prompts(3)
-    eager = _engine(speculative=speculative, draft_budget=4).generate(prompts, params)
-    engine = _engine(speculative=speculative, draft_budget=4)
+    prompts = prompts_of(3)
+    eager = tiny_engine(speculative=speculative, draft_budget=4).generate(prompts, params)
+    engine = tiny_engine(speculative=speculative, draft_budget=4)
     runner = engine.runner
     runner.graphs = graph_runners(
         runner.model, runner.backend, 4, 5 if speculative else 0, capture=False
@@ -342,177 +281,6 @@ def test_a_graph_pass_builds_its_kv_indices_in_the_pass(monkeypatch, speculative
     assert "plan" not in launches, "a graph plan launched the kv-index kernel"
 
 
-def test_extend_sizes_cover_every_pass_up_to_the_most_tokens():
-    assert extend_sizes(0) == []
-    assert extend_sizes(16) == [16] and extend_sizes(40) == [16, 32, 40]
-    assert extend_sizes(1024)[-3:] == [512, 768, 1024]
-    with pytest.raises(ValueError, match="extend_tokens=0 for extend passes"):
-        GraphRunner(_engine().runner.model, _engine().runner.backend, Mode.EXTEND, 4)
-
-
-def _extend_batch(engine: Engine, chunks: list[int], prefixes: list[int]) -> Batch:
-    """An extend pass of one request per chunk, each after a cached prefix of `prefixes`
-    tokens (its slots in the table); of two or more, the last chunk stops short of its
-    prompt's end (it does not sample). `_release` gives back what it takes."""
-    book, count = engine.book, len(chunks)
-    rows = [book.table.alloc_row() for _ in range(count)]
-    for row, prefix in zip(rows, prefixes, strict=True):
-        if prefix:
-            book.table.write(np.full(prefix, row), np.arange(prefix), book.slots.alloc(prefix))
-    rules = FinishRules(
-        np.full(count, 100), np.zeros(count), -np.ones(count), np.zeros((count, 0), dtype=np.int64)
-    )
-    token_lens = np.array(prefixes) + np.array(chunks)
-    if count > 1:
-        token_lens[-1] += 3  # a prompt chunk short of its end
-    running = Running.admitted(
-        np.arange(count) + 2000, rows, token_lens, token_lens, np.full(count, 5), rules,
-        engine.max_context, kv_lens=np.array(prefixes),
-    )  # fmt: skip
-    ids = np.arange(sum(chunks), dtype=np.int64) % 200 + 3
-    return schedule_extend(running, np.array(chunks), ids, book.slots.alloc(sum(chunks)))
-
-
-def test_an_extend_pass_replays_the_smallest_graph_it_fits():
-    """Extend graphs of 16, 32 and 40 tokens (up to 4 requests): an extend pass, with cached
-    prefixes and a chunk that does not sample, replays the smallest graph that holds its
-    tokens and requests, its logits (the sampling rows') equal the eager pass's; a pass over
-    40 tokens or 4 requests runs eagerly."""
-    engine = _engine()
-    runner = engine.runner
-    graphs = graph_runners(
-        runner.model, runner.backend, 4, capture=DEVICE == "cuda", extend_tokens=40
-    )
-    assert [(g.mode, g.sizes) for g in graphs] == [
-        (Mode.DECODE, [1, 2, 4]), (Mode.EXTEND, [16, 32, 40]),
-    ]  # fmt: skip
-    extend = graphs[1]
-    assert [(g.batch_size, g.num_tokens) for g in extend.graphs.values()] == [
-        (4, 16), (4, 32), (4, 40),
-    ]  # fmt: skip
-    for graph in extend.graphs.values():  # the pass each graph captures: finite logits
-        captured = extend._forward(graph, extend._plan(graph, extend._dummy_batch(4)))
-        assert captured.shape == (4, runner.model.config.vocab_size)
-        assert torch.isfinite(captured).all()
-    cases = [
-        ([5], [0], 16), ([16], [7], 16), ([9, 1, 4], [3, 0, 20], 16), ([17], [0], 32),
-        ([20, 3, 2, 5], [0, 9, 1, 0], 32), ([33, 2], [0, 4], 40), ([41], [0], None),
-        ([2, 2, 2, 2, 2], [0, 0, 0, 0, 0], None),
-    ]  # fmt: skip
-    for chunks, prefixes, tokens in cases:
-        batch = _extend_batch(engine, chunks, prefixes)
-        runner.graphs = graphs
-        prepared = runner.prepare(batch)
-        if tokens is None:
-            assert prepared.runner is None, chunks
-        else:
-            assert prepared.runner is extend and prepared.graph.num_tokens == tokens, chunks
-        graphed = runner.launch(prepared, batch).clone()
-        runner.graphs = []
-        eager = runner.forward(batch)
-        samples = max(len(chunks) - 1, 1)
-        assert graphed.shape == (samples, runner.model.config.vocab_size)
-        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
-        _release(engine, batch)
-    engine.check()
-    assert engine.book.num_available == engine.book.slots.capacity
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the engine captures graphs on CUDA only")
-def test_the_engine_replays_extend_graphs_when_asked():
-    """`cuda_graph_max_tokens`: the engine's own runner captures extend graphs, prompts
-    replay them, and tokens equal the eager engine's."""
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    prompts = _prompts(3)
-    eager = _engine().generate(prompts, params)
-    engine = _engine(cuda_graph_max_batch=4, cuda_graph_max_tokens=64)
-    engine.runner.graphs = [g for g in engine.runner.graphs if g.mode == Mode.EXTEND]
-    assert [g.sizes for g in engine.runner.graphs] == [[16, 32, 64]]
-    replays = _count_replays(engine)
-    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager]
-    assert Mode.EXTEND in replays
-    engine.check()
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="half-precision graphs of the Triton kernels")
-def test_extend_graphs_capture_in_half_precision():
-    """In bf16 (where a Hopper GPU's extend attention reads q, K and V through tensor-memory
-    descriptors, whose offsets are 32-bit while a graph's are int64) the engine captures its
-    extend graphs (the default) and prompts replay them. (The kernel's outputs with a graph's
-    offsets, bit for bit: `test_extend_tensor_memory_loads_match_pointer_loads`; bf16
-    products on a padded pass may round apart from an eager pass's, so tokens are not
-    compared here.)"""
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    prompts = _prompts(3)
-    engine = _engine(dtype="bfloat16", cuda_graph_max_batch=4, cuda_graph_max_tokens=64)
-    replays = _count_replays(engine)
-    assert [len(o.token_ids) for o in engine.generate(prompts, params)] == [6, 6, 6]
-    assert Mode.EXTEND in replays
-    engine.check()
-    assert engine.book.num_available == engine.book.slots.capacity
-
-
-def test_extend_graphs_stop_at_the_longest_pass_the_scheduler_plans(monkeypatch):
-    """The runtime asks for extend graphs up to `cuda_graph_max_tokens`, or up to the longest
-    extend pass the scheduler plans where that is shorter (`most_extend_tokens`: the chunk
-    size, or half of it beside every other request's decode): a graph past it would never
-    replay."""
-    asked, real = [], runtime.ModelRunner
-
-    def recording(*args, **kwargs):
-        asked.append(kwargs["graph_max_tokens"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(runtime, "ModelRunner", recording)
-    _engine(chunk_size=32, max_running_requests=4)
-    _engine(chunk_size=32, max_running_requests=40)  # 16 prompt tokens beside 39 decodes
-    _engine(chunk_size=32, cuda_graph_max_tokens=16)
-    _engine()  # 1024 tokens by default, and so many a pass may have
-    assert asked == [32, 55, 16, 1024]
-
-
-def _staggered(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
-    """Submit a prompt every third step (the later ones prefill beside the earlier ones'
-    decodes: mixed passes), step to the end; the outputs, every slot and row back."""
-    requests, steps = [], 0
-    while len(requests) < len(prompts) or engine.has_work:
-        if len(requests) < len(prompts) and steps % 3 == 0:
-            requests.append(engine._submit(prompts[len(requests)], params, None, None))
-        engine.step()
-        engine.check()
-        steps += 1
-    assert engine.book.num_available == engine.book.slots.capacity
-    assert engine.book.table.num_free_rows == engine.book.table.host.shape[0]
-    return [r.output_ids for r in requests]
-
-
-def test_extend_graphs_serve_chunks_mixed_passes_and_cached_prefixes():
-    """Prompts sharing a prefix (the prefix cache's), chunked at 24 tokens, arriving while
-    others decode (mixed passes), over extend graphs of up to 32 tokens: the outputs are the
-    eager engine's, passes of every kind replay the extend graphs, nothing leaks."""
-    shared = [(5 * j) % 200 + 3 for j in range(20)]
-    prompts = [shared + [(11 * i + j) % 200 + 3 for j in range(4 + 7 * i)] for i in range(4)]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    settings = dict(chunk_size=24, mixed_chunk_size=24)
-    eager = _staggered(_engine(**settings), prompts, params)
-    engine = _with_graphs(_engine(**settings), 4, extend_tokens=32)
-    extend = engine.runner.graphs[-1]
-    seen = []  # (tokens, requests, requests that do not sample) of each extend replay
-    real_replay = extend.replay
-
-    def replay(graph, batch, *args):
-        requests = len(batch.running)
-        seen.append((batch.new_lens.total, requests, requests - batch.logit_rows.shape[0]))
-        return real_replay(graph, batch, *args)
-
-    extend.replay = replay
-    assert _staggered(engine, prompts, params) == eager
-    assert engine.stats["cached_prompt_tokens"] > 0, "no prompt reused the shared prefix"
-    assert any(requests > 1 for _, requests, _ in seen), "no mixed pass replayed a graph"
-    assert any(short for _, _, short in seen), "no chunk short of its prompt's end did"
-    assert any(tokens > 16 for tokens, _, _ in seen), "no pass replayed the 32-token graph"
-
-
 def test_a_pass_launched_at_a_commit_replays_after_the_commits_writes(monkeypatch):
     """Launching ahead with a device mirror of the table (CUDA's; forced here on CPU), the
     pass launched once a speculative step's pass commits (`Engine._launch_next`: a decode
@@ -522,18 +290,18 @@ def test_a_pass_launched_at_a_commit_replays_after_the_commits_writes(monkeypatc
     prompt: paths accepted), and with drafts in turns whatever the model's tokens (every
     kind of launch on any device)."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    prompts = [[5, 6, 7, 8, 9] * 3, *_prompts(2)]
-    eager = _engine(speculative=True, draft_budget=4).generate(prompts, params)
+    prompts = [[5, 6, 7, 8, 9] * 3, *prompts_of(2)]
+    eager = tiny_engine(speculative=True, draft_budget=4).generate(prompts, params)
     monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
     kinds = set()
     for in_turns in (False, True):
         # (not after a verify pass walked on the device: `test_walk_ahead.py`)
-        engine = _engine(speculative=True, draft_budget=4, launch_ahead=True, walk_ahead=False)
+        engine = tiny_engine(speculative=True, draft_budget=4, launch_ahead=True, walk_ahead=False)
         if in_turns:
             draft_in_turns(engine, turn=4)
         table, runner = engine.book.table, engine.runner
         runner.graphs = graph_runners(runner.model, runner.backend, 4, 5, DEVICE == "cuda", table)
-        real, launched, replays = engine._launch_next, [], _count_replays(engine)
+        real, launched, replays = engine._launch_next, [], count_replays(engine)
 
         def launch_next(verify, real=real, engine=engine, launched=launched, replays=replays):
             before = engine.ahead.launched
@@ -555,10 +323,10 @@ def test_a_verify_pass_launched_ahead_replays_after_the_decode_pass_it_follows(m
     tokens on the device (`ahead.root_ids`): tokens equal the eager path's, the mirror ends
     equal to the host table, no slot is lost."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    prompts = [[5, 6, 7, 8, 9] * 3, *_prompts(2)]
-    eager = _engine(speculative=True, draft_budget=4).generate(prompts, params)
+    prompts = [[5, 6, 7, 8, 9] * 3, *prompts_of(2)]
+    eager = tiny_engine(speculative=True, draft_budget=4).generate(prompts, params)
     monkeypatch.setattr(RequestTable.__init__, "__defaults__", ("cpu", True))
-    engine = _engine(speculative=True, draft_budget=4, launch_ahead=True, verify_ahead=True)
+    engine = tiny_engine(speculative=True, draft_budget=4, launch_ahead=True, verify_ahead=True)
     draft_in_turns(engine)  # verify passes launched ahead on any device
     table, runner = engine.book.table, engine.runner
     runner.graphs = graph_runners(runner.model, runner.backend, 4, 5, DEVICE == "cuda", table)
@@ -571,7 +339,7 @@ def test_a_verify_pass_launched_ahead_replays_after_the_decode_pass_it_follows(m
         return done
 
     engine._verify_ahead = verify_ahead
-    replays = _count_replays(engine)
+    replays = count_replays(engine)
     _replays_as_eager(engine, prompts, params, eager)
     assert launched, "no verify pass was launched ahead"
     assert all(replays[at - 2 : at] == [Mode.DECODE, Mode.VERIFY] for at in launched)
