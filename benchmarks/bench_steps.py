@@ -8,7 +8,10 @@ tokens/s that speculation gives as a function of the accepted length per step.
 "forward" is `ModelRunner.forward` (plan + replay) one at a time; "replay" is the device's
 time a pass, planned once and replayed back to back. `--pdl off,auto,late` times the passes
 under each programmatic dependent launch setting named (`engine.pdl`: `auto`, the engine's
-default, chooses per pass), one after the other in one process. `--tree-nodes` times verify
+default, chooses per pass), one after the other in one process; `--pdl-kinds` does the same
+for the kinds of launch PDL is kept to (`pdl.only_kinds`: e.g. `--pdl top --pdl-kinds
+"all;products;attention,merge"`, to find which launches' overlap a pass gains or loses).
+`--tree-nodes` times verify
 passes of trees of those sizes in one engine (draft budget: the largest - 1), each replaying
 the verify graph of the narrowest width it fits (`engine.shell.graphs.verify_widths`).
 """
@@ -154,6 +157,12 @@ def main() -> None:
         default="auto",
         help=f"programmatic dependent launch settings, comma-separated, of {sorted(pdl.SETTINGS)}",
     )
+    parser.add_argument(
+        "--pdl-kinds",
+        default="all",
+        help=f"the kinds of launch PDL runs on, sets separated by ';' (each 'all' or kinds of "
+        f"{list(pdl.KINDS)} separated by commas), each timed in turn",
+    )
     args = parser.parse_args()
     tree_nodes = [int(n) for n in (args.tree_nodes or str(args.draft_budget + 1)).split(",")]
     if min(tree_nodes) < 2:
@@ -165,10 +174,17 @@ def main() -> None:
     unknown = sorted(set(settings) - set(pdl.SETTINGS))
     if unknown:  # before any engine is built
         parser.error(f"--pdl: unknown setting(s) {unknown}; they are {sorted(pdl.SETTINGS)}")
-    # PDL setting -> [(batch, tree nodes, forward decode, verify, replay decode, verify)]
-    results: dict[str, list[tuple]] = {}
-    for on in settings:
-        with pdl.using(on):
+    kind_sets = args.pdl_kinds.split(";")
+    for kinds in kind_sets:  # before any engine is built
+        try:
+            with pdl.only_kinds(kinds):
+                pass
+        except ValueError as error:
+            parser.error(f"--pdl-kinds: {error}")
+    # (PDL setting, kinds) -> [(batch, tree nodes, forward decode, verify, replay decode, verify)]
+    results: dict[tuple[str, str], list[tuple]] = {}
+    for on, kinds in ((on, kinds) for on in settings for kinds in kind_sets):
+        with pdl.using(on), pdl.only_kinds(kinds):
             engine = Engine(
                 random_weights=args.preset,
                 device="cuda",
@@ -180,7 +196,7 @@ def main() -> None:
                 max_context=args.max_context or args.context + 64,
                 kv_cache_fraction=0.3,
             )
-            results[on] = []
+            results[on, kinds] = []
             for batch in (int(b) for b in args.batches.split(",")):
                 decode_times = None
                 for size in tree_nodes:
@@ -188,7 +204,7 @@ def main() -> None:
                     if decode_times is None:
                         decode_times = time_forward(engine, decode), time_replay(engine, decode)
                     f_verify, r_verify = time_forward(engine, verify), time_replay(engine, verify)
-                    results[on].append(
+                    results[on, kinds].append(
                         (batch, size, decode_times[0], f_verify, decode_times[1], r_verify)
                     )
                     release(engine, decode, verify)
@@ -205,21 +221,21 @@ def main() -> None:
         f"draft budget {nodes - 1}, CUDA graphs"
     )
     print(
-        "| PDL | batch | tree nodes | forward: decode ms | verify ms | verify/decode "
+        "| PDL | PDL kinds | batch | tree nodes | forward: decode ms | verify ms | verify/decode "
         "| replay: decode ms | verify ms | verify/decode |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for on, rows in results.items():
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (on, kinds), rows in results.items():
         for batch, size, f_decode, f_verify, r_decode, r_verify in rows:
             print(
-                f"| {on} | {batch} | {size} | {f_decode:.3f} | {f_verify:.3f} | "
+                f"| {on} | {kinds} | {batch} | {size} | {f_decode:.3f} | {f_verify:.3f} | "
                 f"{f_verify / f_decode:.2f} | {r_decode:.3f} | {r_verify:.3f} | "
                 f"{r_verify / r_decode:.2f} |"
             )
     print("\ntokens/s with speculation at a mean accepted length a (tokens/step = 1 + a)")
     print("| batch | tree nodes | no spec | " + " | ".join(f"a={a:g}" for a in accepted) + " |")
     print("|---|---|---|" + "---|" * len(accepted))
-    for batch, size, t_decode, t_verify, _, _ in results[settings[0]]:
+    for batch, size, t_decode, t_verify, _, _ in results[settings[0], kind_sets[0]]:
         cells = [f"{batch * (1 + a) / t_verify * 1e3:.0f}" for a in accepted]
         print(f"| {batch} | {size} | {batch / t_decode * 1e3:.0f} | " + " | ".join(cells) + " |")
 

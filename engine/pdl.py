@@ -7,9 +7,10 @@ before has finished and its stores are visible. Before the wait a kernel may rea
 no kernel of the stream writes: the matrix kernels prefetch their weights into L2 there
 (`prefetch_l2`), beside the kernel before. When a kernel lets the next one launch is the
 mode: `top` right after its wait, `late` after its main loop (`leave(PDL)`), `exit` as its
-programs end. A kernel that skips `enter` must never be launched with PDL, so `launch(device)`
-gives the constexpr and the launch option together, and tests/test_pdl.py checks every
-kernel of the package for the call and every launch for the options.
+programs end. A kernel that skips `enter` must never be launched with PDL, so
+`launch(device, kind)` gives the constexpr and the launch option together, and
+tests/test_pdl.py checks every kernel of the package for the call and every launch for the
+options.
 
 By default (`auto`) only passes of a few rows use it, in mode `top`: a graph pass of at most
 AUTO_MAX_ROWS rows whose layers' products all run in the package's matrix kernels (one-row
@@ -52,8 +53,24 @@ def _setting(name: str, source: str) -> str:
     return name
 
 
+# The kinds of launch (`launch(device, kind)`). ENGINE_PDL_KINDS=<kind>,... (or `only_kinds`
+# in a block) runs PDL on launches of those kinds only, the others without it: a diagnostic,
+# to time which launches' overlap a pass gains or loses (`bench_steps.py --pdl-kinds`).
+KINDS = ("products", "attention", "merge", "ops", "index", "draw")
+
+
+def _kinds(names: str, source: str) -> frozenset[str]:
+    kinds = frozenset(n for n in names.split(",") if n) if names != "all" else frozenset(KINDS)
+    if not kinds or not kinds <= set(KINDS):
+        raise ValueError(
+            f"{source} must be 'all' or kinds of {list(KINDS)} separated by commas; got {names!r}"
+        )
+    return kinds
+
+
 _NAMED = os.environ.get("ENGINE_PDL")  # the process's setting as ENGINE_PDL names it, if it does
 _state = {"setting": _setting(_NAMED or "auto", "ENGINE_PDL")}
+_kinds_state = {"kinds": _kinds(os.environ.get("ENGINE_PDL_KINDS", "all"), "ENGINE_PDL_KINDS")}
 
 
 @functools.cache
@@ -94,11 +111,26 @@ def for_pass(package_products: bool) -> str:
     return "top" if package_products else "off"
 
 
-def launch(device: torch.device) -> dict:
+def launch(device: torch.device, kind: str) -> dict:
     """A launch's keyword arguments on `device`: the kernel's PDL constexpr, and where it is
-    not 0 the launch option too (the two always together)."""
-    on = mode(device)
+    not 0 the launch option too (the two always together). `kind` (of KINDS): without PDL
+    where the kinds in use leave it out."""
+    if kind not in KINDS:
+        raise ValueError(f"a launch's kind must be one of {list(KINDS)}; got {kind!r}")
+    on = mode(device) if kind in _kinds_state["kinds"] else 0
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": 0}
+
+
+@contextlib.contextmanager
+def only_kinds(names: str) -> Iterator[None]:
+    """Launches in this block run with PDL only where their kind is in `names` ('all', or
+    kinds of KINDS separated by commas); the setting still decides whether and how."""
+    before = _kinds_state["kinds"]
+    _kinds_state["kinds"] = _kinds(names, "the PDL kinds")
+    try:
+        yield
+    finally:
+        _kinds_state["kinds"] = before
 
 
 @contextlib.contextmanager

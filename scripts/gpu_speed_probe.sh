@@ -5,10 +5,12 @@
 # speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
-# PROBE_PARTS="grid decode decode-off spec run load3d prefetch" picks parts (default: grid
-# decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT / LOAD3D_TIMEOUT /
-# PREFETCH_TIMEOUT (s). load3d and prefetch time the opt-in kernel variants against the
-# defaults: PROBE_PARTS="load3d prefetch".
+# PROBE_PARTS="grid decode decode-off spec run load3d prefetch pdl-kinds" picks parts
+# (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT / LOAD3D_TIMEOUT
+# / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT (s). load3d and prefetch time the opt-in kernel
+# variants against the defaults: PROBE_PARTS="load3d prefetch". pdl-kinds times the default
+# model's batch-1 passes with PDL `top` kept to one kind of launch at a time (`pdl.KINDS`):
+# which launches' overlap a 13-node verify pass loses, where an 8-node one gains.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -42,7 +44,14 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         limit=${LOAD3D_TIMEOUT:-200} ;;
     prefetch)  # the decode split kernel's PREFETCH configurations beside the defaults
         cmd=(python3 benchmarks/bench_attention.py --decode); limit=${PREFETCH_TIMEOUT:-200} ;;
-    *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, prefetch)"
+    pdl-kinds)  # PDL off; then `top` on every launch, and on some kinds of launch at a time
+        cmd=(bash -c 'steps="python3 benchmarks/bench_steps.py --preset smollm2_135m \
+            --dtype float32 --batches 1 --context 512 --max-context 8192 --tree-nodes 8,13"
+            $steps --pdl off && $steps --pdl top --pdl-kinds \
+            "all;products;attention,merge;ops,index,draw;attention,merge,ops,index,draw"')
+        limit=${PDL_KINDS_TIMEOUT:-300} ;;
+    *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, prefetch,"\
+        "pdl-kinds)"
         exit 2 ;;
     esac
     start=$(date +%s)

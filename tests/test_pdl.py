@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "engine"
 # what a kernel may do before `enter`: nothing another kernel of the stream writes
 BEFORE_ENTER = {"_prefetch_rows"}
 MEMORY_OPS = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max"}
-LAUNCH_HELPERS = {"launch", "_pdl_params"}  # pdl.launch(device), gemv's with its prefetch
+LAUNCH_HELPERS = {"launch", "_pdl_params"}  # pdl.launch(device, kind), gemv's with its prefetch
 
 
 def _sources() -> dict[Path, ast.Module]:
@@ -126,33 +126,38 @@ def test_every_launch_passes_the_launch_options():
 
 
 def test_launch_options_by_mode_and_device():
-    assert pdl.launch(torch.device("cpu")) == {"PDL": 0}  # off by default
+    assert pdl.launch(torch.device("cpu"), "products") == {"PDL": 0}  # off by default
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 9
     for name, value in pdl.MODES.items():
         with pdl.using(name):
-            assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
+            assert pdl.launch(torch.device("cpu"), "products") == {"PDL": 0}
             if torch.cuda.is_available():
                 on = {"PDL": value, "launch_pdl": True} if hopper and value else {"PDL": 0}
-                assert pdl.launch(torch.device("cuda", 0)) == on
-    assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
+                assert pdl.launch(torch.device("cuda", 0), "products") == on
+    assert pdl.launch(torch.device("cpu"), "products") == {"PDL": 0}
 
 
 def test_a_pass_runs_under_auto_only_where_the_package_runs_its_products():
     with pdl.using("auto"):
         assert (pdl.for_pass(True), pdl.for_pass(False)) == ("top", "off")
-        assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
+        assert pdl.launch(torch.device("cpu"), "products") == {"PDL": 0}
         if torch.cuda.is_available():  # outside a pass that chose a mode: off
-            assert pdl.launch(torch.device("cuda", 0)) == {"PDL": 0}
+            assert pdl.launch(torch.device("cuda", 0), "products") == {"PDL": 0}
     for name in pdl.MODES:  # a mode set for the process holds in every pass
         with pdl.using(name):
             assert (pdl.for_pass(True), pdl.for_pass(False)) == (name, name)
 
 
-def _python(code: str, setting: str | None) -> subprocess.CompletedProcess:
-    """`code` run by a fresh interpreter with ENGINE_PDL=`setting` (None: unset)."""
-    env = {k: v for k, v in os.environ.items() if k != "ENGINE_PDL"}
+def _python(
+    code: str, setting: str | None, kinds: str | None = None
+) -> subprocess.CompletedProcess:
+    """`code` run by a fresh interpreter with ENGINE_PDL=`setting` and ENGINE_PDL_KINDS=`kinds`
+    (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ENGINE_PDL", "ENGINE_PDL_KINDS")}
     if setting is not None:
         env["ENGINE_PDL"] = setting
+    if kinds is not None:
+        env["ENGINE_PDL_KINDS"] = kinds
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
 
@@ -167,7 +172,7 @@ def test_the_process_setting_is_auto_unless_engine_pdl_names_one():
 def test_a_mode_named_for_a_device_without_pdl_is_warned_of_once():
     launch_twice = (
         "import torch; from engine import pdl; "
-        "print(pdl.launch(torch.device('cpu')), pdl.launch(torch.device('cpu')))"
+        "print(pdl.launch(torch.device('cpu'), 'ops'), pdl.launch(torch.device('cpu'), 'ops'))"
     )
     for setting, warned in (("top", 1), ("off", 0), ("auto", 0)):
         done = _python(launch_twice, setting)
@@ -175,6 +180,32 @@ def test_a_mode_named_for_a_device_without_pdl_is_warned_of_once():
         assert done.stdout.strip() == "{'PDL': 0} {'PDL': 0}"
         assert done.stderr.count("ENGINE_PDL=") == warned, done.stderr
         assert warned == ("capability 9.0 or newer; launches on cpu run without it" in done.stderr)
+
+
+def test_launches_of_kinds_left_out_run_without_pdl(monkeypatch):
+    """`only_kinds` (ENGINE_PDL_KINDS for a process) keeps PDL to launches of those kinds;
+    the others launch without it, under any mode."""
+    monkeypatch.setattr(pdl, "_capable", lambda device: True)  # as on a Hopper GPU
+    device = torch.device("cuda", 0)
+    with pdl.using("top"):
+        assert all(pdl.launch(device, k) == {"PDL": 1, "launch_pdl": True} for k in pdl.KINDS)
+        with pdl.only_kinds("products,merge"):
+            on = {k for k in pdl.KINDS if pdl.launch(device, k)["PDL"]}
+            assert on == {"products", "merge"}
+            with pdl.only_kinds("all"):
+                assert all(pdl.launch(device, k)["PDL"] for k in pdl.KINDS)
+        assert all(pdl.launch(device, k)["PDL"] for k in pdl.KINDS)
+    with pytest.raises(ValueError, match="kind must be one of .*'attention'.*got 'matmul'"):
+        pdl.launch(device, "matmul")
+    for bad in ("", "products,rope"):
+        with pytest.raises(ValueError, match=f"'all' or kinds of .*got '{bad}'"):
+            with pdl.only_kinds(bad):
+                pass
+    read = "from engine import pdl; print(sorted(pdl._kinds_state['kinds']))"
+    env_kinds = _python(read, None, kinds="attention,ops")
+    assert env_kinds.stdout.strip() == "['attention', 'ops']", env_kinds.stderr
+    refused = _python(read, None, kinds="gemv")
+    assert refused.returncode != 0 and "ENGINE_PDL_KINDS must be 'all' or kinds" in refused.stderr
 
 
 def test_an_unknown_mode_is_refused_naming_the_modes():

@@ -461,7 +461,7 @@ def decode_attention(
         ROW_BLOCK=row_block,
         SPLIT_CHUNK=split_chunk,
         PREFETCH=bool(cfg.get("PREFETCH", False)),
-        **pdl.launch(q.device),
+        **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -346,7 +346,7 @@ def extend_attention(
         Q_AXIS=order.index("q"),
         R_AXIS=order.index("r"),
         H_AXIS=order.index("h"),
-        **pdl.launch(q.device),
+        **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

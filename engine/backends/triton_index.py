@@ -81,7 +81,7 @@ def launch_kv_indices(
         kv_indices,
         kv_capacity,
         BLOCK=KV_INDEX_BLOCK,
-        **pdl.launch(kv_indices.device),
+        **pdl.launch(kv_indices.device, "index"),
     )
 
 
@@ -154,5 +154,5 @@ def launch_table_writes(req_to_token: torch.Tensor, writes: torch.Tensor) -> Non
         writes,
         capacity,
         BLOCK=triton.next_power_of_2(max(capacity, 1)),
-        **pdl.launch(writes.device),
+        **pdl.launch(writes.device, "index"),
     )

@@ -238,7 +238,7 @@ def merge_splits(
         BLOCK_S=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         num_warps=4,
-        **pdl.launch(out.device),
+        **pdl.launch(out.device, "merge"),
     )
 
 

@@ -100,6 +100,6 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor)
             logits.stride(0),
             BLOCK=block,
             num_warps=DRAW_WARPS if block >= 2048 else 4,
-            **pdl.launch(logits.device),
+            **pdl.launch(logits.device, "draw"),
         )
     return out

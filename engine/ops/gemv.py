@@ -124,7 +124,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, k: int, what: str) -> None:
 
 def _pdl_params(weight: torch.Tensor) -> dict:
     """The launch's PDL arguments (`pdl.launch`) and, with PDL, its weight prefetch."""
-    launch = pdl.launch(weight.device)
+    launch = pdl.launch(weight.device, "products")
     if not launch["PDL"]:
         return {**launch, **_NO_PREFETCH}
     return {**launch, **_prefetch(tuple(weight.shape), weight.element_size())}

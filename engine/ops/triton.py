@@ -194,7 +194,7 @@ def _norm_launch(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=8 if block >= 4096 else 4,
-            **pdl.launch(x.device),
+            **pdl.launch(x.device, "ops"),
         )
     return out, residual_out
 
@@ -224,7 +224,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             inter,
             BLOCK=block,
-            **pdl.launch(gate_up.device),
+            **pdl.launch(gate_up.device, "ops"),
         )
     return out
 
@@ -280,6 +280,6 @@ def rope_qkv_store(
             HAS_NORM=has_norm,
             BLOCK_H=heads_per_program,
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-            **pdl.launch(qkv.device),
+            **pdl.launch(qkv.device, "ops"),
         )
     return split_heads(qkv, num_heads, num_kv_heads, head_dim)
