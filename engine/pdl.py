@@ -122,26 +122,25 @@ def launch(device: torch.device, kind: str) -> dict:
 
 
 @contextlib.contextmanager
-def only_kinds(names: str) -> Iterator[None]:
+def _holding(state: dict, key: str, value: object) -> Iterator[None]:
+    """`state[key]` is `value` in this block, and what it was after."""
+    before = state[key]
+    state[key] = value
+    try:
+        yield
+    finally:
+        state[key] = before
+
+
+def only_kinds(names: str) -> contextlib.AbstractContextManager[None]:
     """Launches in this block run with PDL only where their kind is in `names` ('all', or
     kinds of KINDS separated by commas); the setting still decides whether and how."""
-    before = _kinds_state["kinds"]
-    _kinds_state["kinds"] = _kinds(names, "the PDL kinds")
-    try:
-        yield
-    finally:
-        _kinds_state["kinds"] = before
+    return _holding(_kinds_state, "kinds", _kinds(names, "the PDL kinds"))
 
 
-@contextlib.contextmanager
-def using(name: str) -> Iterator[None]:
+def using(name: str) -> contextlib.AbstractContextManager[None]:
     """Launches in this block run under PDL setting `name` (one of SETTINGS)."""
-    before = _state["setting"]
-    _state["setting"] = _setting(name, "the PDL setting")
-    try:
-        yield
-    finally:
-        _state["setting"] = before
+    return _holding(_state, "setting", _setting(name, "the PDL setting"))
 
 
 @triton.jit
