@@ -1,7 +1,7 @@
 """What the graph tests share (`test_graphs.py`: decode and verify graphs;
-`test_extend_graphs.py`: extend graphs): a tiny engine on the Triton backend, its graph
-runners swapped in, replays counted, and the slots and rows a hand-built batch takes given
-back."""
+`test_extend_graphs.py`: extend graphs; `test_padded_passes.py`): a tiny engine on the
+Triton backend, its graph runners swapped in, replays counted, and the slots and rows a
+hand-built batch takes given back."""
 
 from __future__ import annotations
 

@@ -8,24 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from graph_cases import DEVICE, tiny_engine
 
 from engine.backends.base import host_metadata
 from engine.shell.engine import Engine
 from engine.shell.runner import TOKEN_ALIGN
 from engine.state import PADDING_SLOT, Mode, SamplingParams
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
 
 def _engine(align: int, speculative: bool) -> tuple[Engine, list, list]:
-    engine = Engine(
-        random_weights="tiny",
-        attention_backend="triton",
-        device=DEVICE,
-        dtype="float32",
-        kv_cache_slots=512,
-        max_context=128,
-        cuda_graph_max_batch=0,  # decode and verify passes run eagerly too
+    engine = tiny_engine(  # no graphs: decode and verify passes run eagerly too
         chunk_size=24,  # a long prompt prefills in chunks, with decodes riding along
         speculative=speculative,
         draft_budget=4,
