@@ -25,10 +25,11 @@ from engine.backends.decode_policy import (
 from engine.backends.triton_extend import online_softmax_step
 from engine.backends.triton_merge import (
     check_counters,
+    last_to_arrive,
     merge_counters,
+    merge_rows,
     merge_splits,
     merge_tiles,
-    merge_when_last,
 )
 from engine.pdl import enter, leave
 
@@ -247,31 +248,32 @@ def _decode_split_kernel(
             has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")
         )
         tl.store(lse + token * stride_lt + head * stride_lh + split, log_sum, mask=part_ok)
-        if FUSED:
-            merge_when_last(
-                partial,
-                lse,
-                out,
-                counters,
-                req * tl.num_programs(1) + kv_head,
-                qo_start,
-                tl.minimum(num_q, MAX_Q) * GROUP,
-                kv_head,
-                num_splits,
-                num_tokens,
-                out_capacity,
-                stride_pt,
-                stride_ph,
-                stride_ps,
-                stride_lt,
-                stride_lh,
-                stride_ot,
-                stride_oh,
-                GROUP,
-                ROW_BLOCK,
-                SPLIT_CHUNK,
-                HEAD_DIM,
-            )
+        if FUSED:  # the last split of (request, kv head) to finish merges its splits
+            counter = counters + req * tl.num_programs(1) + kv_head
+            if last_to_arrive(counter, num_splits):
+                merge_rows(
+                    partial,
+                    lse,
+                    out,
+                    qo_start,
+                    tl.minimum(num_q, MAX_Q) * GROUP,
+                    kv_head,
+                    num_splits,
+                    num_tokens,
+                    out_capacity,
+                    stride_pt,
+                    stride_ph,
+                    stride_ps,
+                    stride_lt,
+                    stride_lh,
+                    stride_ot,
+                    stride_oh,
+                    GROUP,
+                    ROW_BLOCK,
+                    SPLIT_CHUNK,
+                    HEAD_DIM,
+                )
+                tl.store(counter, 0)  # zero at rest, for the next launch or graph replay
     # tokens no request owns (graph padding): zeros, written to out by one split where no
     # merge kernel follows, else as empty partials in every split for the merge to turn to 0
     if (req == tl.num_programs(0) - 1) & ((split == 0) | (not (DIRECT or FUSED))):

@@ -3,8 +3,7 @@
 
 Two ways to run it: `merge_splits` launches a kernel over (tokens, q heads) after the split
 kernel; or the split kernel merges in the last of each (request, kv head)'s programs to
-finish (`merge_when_last`: `last_to_arrive`, then `merge_rows`), counting arrivals in
-`merge_counters`.
+finish (`last_to_arrive`, then `merge_rows`), counting arrivals in `merge_counters`.
 """
 
 from __future__ import annotations
@@ -116,61 +115,6 @@ def merge_rows(
             merged.to(out.dtype.element_ty),
             mask=(row_ok & (token < out_capacity))[:, None],
         )
-
-
-@triton.jit
-def merge_when_last(
-    partial,
-    lse,
-    out,
-    counters,
-    pair,
-    qo_start,
-    num_rows,
-    kv_head,
-    num_splits,
-    num_tokens,
-    out_capacity,
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_lt,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """The fused merge, called by each split program of (request, kv head) `pair` once its
-    partial and log-sum are stored: it counts itself in, and the last to arrive merges the
-    pair's splits into out (`merge_rows`) and puts the counter back to 0."""
-    counter = counters + pair
-    if last_to_arrive(counter, num_splits):
-        merge_rows(
-            partial,
-            lse,
-            out,
-            qo_start,
-            num_rows,
-            kv_head,
-            num_splits,
-            num_tokens,
-            out_capacity,
-            stride_pt,
-            stride_ph,
-            stride_ps,
-            stride_lt,
-            stride_lh,
-            stride_ot,
-            stride_oh,
-            GROUP,
-            ROW_BLOCK,
-            SPLIT_CHUNK,
-            HEAD_DIM,
-        )
-        tl.store(counter, 0)  # zero at rest, for the next launch or graph replay
 
 
 @triton.jit
