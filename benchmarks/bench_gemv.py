@@ -7,8 +7,11 @@ Llama-3-8B's projection shapes (or SmolLM2-135M's) at 1, 2 and 4 rows (or `--row
 pass of a 12-draft tree has 13). Each measurement replays a CUDA graph of calls over enough
 distinct weight copies (>= 512 MB) that L2 holds none of them, as in a real decode step; the
 time is one call's share, median of 10 replays. GB/s counts the weight bytes. "all rows" is the
-kernel that loads each weight tile once for every row (`gemv.rows_config`).
-`--sweep` also tries every launch configuration and prints the fastest per shape;
+kernel that loads each weight tile once for every row (`gemv.rows_config`); "op set" is the
+product the model runs (`gemv.linear`: the package's launch, or cuBLAS's where it declines).
+`--sweep` also tries every launch configuration and prints the fastest per shape, and the
+one fastest in sum over every shape and row count; with `--wide` the all-rows kernel's
+launches for a wide weight (`--only lm_head`: the output layer), compiled in parallel first;
 `--loop-stages` times the launch the model takes at 1-4 key steps in flight (LOOP_STAGES).
 `--load-3d` (float32 rows, e.g. `--shapes smollm2_135m --dtype float32 --rows 8,13`) times
 the all-rows launches a verify pass makes (norm + qkv, o_proj, norm + gate_up + SiLU*mul,
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 from typing import Any, NamedTuple
 
@@ -83,9 +87,25 @@ def time_calls(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
     return statistics.median(times[2:])
 
 
-def configs(rows: int):
+def configs(rows: int, wide: bool = False):
     """The one-row kernel's launch configurations for one row, the all-rows kernel's for more
-    (its accumulator holds rows x BLOCK_N x BLOCK_K products)."""
+    (its accumulator holds rows x BLOCK_N x BLOCK_K products); `wide`: the all-rows kernel's
+    for a wide weight (an output layer), tiles up to 256 columns by as few as 4 keys, loads
+    flat and in 3-d blocks (LOAD_3D)."""
+    if wide:
+        tiles = ((8, 64), (16, 32), (32, 16), (32, 32), (64, 8), (64, 16), (128, 4), (128, 8))
+        for (bn, bk), warps, stages, load_3d in itertools.product(
+            tiles + ((256, 4),), (4, 8), (1, 4, 8), (False, True)
+        ):
+            yield dict(
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                num_warps=warps,
+                LOOP_STAGES=stages,
+                LOAD_3D=load_3d,
+                all_rows=True,
+            )
+        return
     if rows == 1:
         space = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))
         limit, all_rows = 16384, False
@@ -97,6 +117,36 @@ def configs(rows: int):
             yield dict(
                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, LOOP_STAGES=stages, all_rows=all_rows
             )
+
+
+def _compile(job: tuple[int, int, int, str, list[dict]]) -> int:
+    """Run each of `configs` once on a [rows, k] x [n, k] product (a process of the pool
+    that `precompile` starts): Triton's cache then holds their code. The configs that failed."""
+    rows, n, k, dtype, jobs = job
+    x = torch.zeros(rows, k, device="cuda", dtype=DTYPES[dtype])
+    w = torch.zeros(n, k, device="cuda", dtype=DTYPES[dtype])
+    failed = 0
+    for config in jobs:
+        try:
+            gemv.gemv(x, w, config)
+        except Exception:  # a config the compiler refuses: the sweep reports it
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(rows: int, n: int, k: int, dtype: str, space: list[dict]) -> None:
+    """Compile every launch of `space` in parallel processes first, so that the sweep's own
+    calls find their code in Triton's cache."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+    chunks = [(rows, n, k, dtype, space[i::workers]) for i in range(workers)]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        list(pool.map(_compile, chunks))
 
 
 PROLOGUES = {"qkv": "norm", "gate_up": "norm", "down": "silu"}
@@ -354,6 +404,13 @@ def compare_load_3d(shapes: dict, rows_list: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="with --sweep: the all-rows kernel's wide-weight space (`configs(wide=True)`) "
+        "at every row count, compiled in parallel first",
+    )
+    parser.add_argument("--only", default=None, help="shape names, comma-separated (lm_head)")
     parser.add_argument("--fused", action="store_true")
     parser.add_argument("--loop-stages", action="store_true")
     parser.add_argument("--load-3d", action="store_true")
@@ -384,7 +441,12 @@ def main() -> None:
         compare_loop_stages(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])
         return
     results = []
-    for name, (n, k) in SHAPES[args.shapes].items():
+    totals: dict[str, list[float]] = {}  # a swept config's times, one per (shape, rows)
+    names = args.only.split(",") if args.only else list(SHAPES[args.shapes])
+    if unknown := set(names) - set(SHAPES[args.shapes]):
+        parser.error(f"--only: no shapes {sorted(unknown)}; they are {list(SHAPES[args.shapes])}")
+    for name in names:
+        n, k = SHAPES[args.shapes][name]
         nbytes = n * k * dtype.itemsize
         copies = max(2, -(-512 * 2**20 // nbytes))
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
@@ -400,31 +462,47 @@ def main() -> None:
                 n, torch.cuda.get_device_properties().multi_processor_count
             )
             t_rows = time_calls(lambda a, w: gemv.gemv(a, w, rows_config), weights, x)
+            t_linear = time_calls(gemv.linear, weights, x)
             best = (t_ours, "default")
             if args.sweep:
-                for config in configs(rows):
+                space = list(configs(rows, args.wide and rows > 1))
+                if args.wide:
+                    precompile(rows, n, k, args.dtype, space)
+                timed = []
+                for config in space:
                     try:
                         t = time_calls(lambda a, w, c=config: gemv.gemv(a, w, c), weights, x)
                     except Exception as exc:  # a config the compiler refuses
                         print(name, rows, config, type(exc).__name__)
                         continue
+                    timed.append((t, config))
+                    totals.setdefault(json.dumps(config, sort_keys=True), []).append(t)
                     if t < best[0]:
                         best = (t, config)
                 print(f"{name} rows={rows}: best {best[0] * 1e6:.1f} us {best[1]}", flush=True)
-            results.append((name, rows, t_cublas, t_ours, t_rows, best, nbytes, err))
+                for t, config in sorted(timed, key=lambda entry: entry[0])[:5]:
+                    print(f"    {t * 1e6:.1f} us {config}", flush=True)
+            results.append((name, rows, t_cublas, t_ours, t_rows, t_linear, best, nbytes, err))
         del weights
         torch.cuda.empty_cache()
     print(
         "\n| shape | rows | cuBLAS us | cuBLAS GB/s | ours us | ours GB/s | ours/cuBLAS | "
-        "all rows us | best swept us | rel err |"
+        "all rows us | op set us | best swept us | rel err |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, rows, tc, to, tr, best, nbytes, err in results:
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, rows, tc, to, tr, tl, best, nbytes, err in results:
         print(
             f"| {name} | {rows} | {tc * 1e6:.1f} | {nbytes / tc / 1e9:.0f} | {to * 1e6:.1f} | "
-            f"{nbytes / to / 1e9:.0f} | {tc / to:.2f}x | {tr * 1e6:.1f} | "
+            f"{nbytes / to / 1e9:.0f} | {tc / to:.2f}x | {tr * 1e6:.1f} | {tl * 1e6:.1f} | "
             f"{best[0] * 1e6:.1f} | {err:.1e} |"
         )
+    if args.sweep and totals:  # the config fastest in sum over every shape and row count
+        timings = max(len(times) for times in totals.values())
+        config, times = min(
+            ((c, t) for c, t in totals.items() if len(t) == timings), key=lambda e: sum(e[1])
+        )
+        print(f"\nfastest in all: {' '.join(f'{t * 1e6:.1f}' for t in times)} us")
+        print(f"swept-best {config}")
 
 
 if __name__ == "__main__":

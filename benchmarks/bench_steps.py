@@ -14,17 +14,31 @@ for the kinds of launch PDL is kept to (`pdl.only_kinds`: e.g. `--pdl top --pdl-
 `--tree-nodes` times verify
 passes of trees of those sizes in one engine (draft budget: the largest - 1), each replaying
 the verify graph of the narrowest width it fits (`engine.shell.graphs.verify_widths`).
+`--output-layer "cublas;package"` times the output layer's product as cuBLAS's and as the op
+set's (or with an all-rows launch given as a JSON dict). `--timeline` prints each batch-1
+pass's kernels as they lie on the device's timeline (torch.profiler): what each adds to the
+pass's end and how long it runs beside the kernel before it (with PDL), to find which launches
+a setting speeds or slows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from engine import pdl
+from engine.model import LlamaModel
+from engine.ops import gemv
 from engine.shell.engine import Engine
 from engine.state import DraftTrees, FinishRules, Running, schedule_decode, schedule_verify
 
@@ -125,6 +139,86 @@ def profile_passes(engine: Engine, context: int, nodes: int) -> None:
     release(engine, decode, verify)
 
 
+def timeline(engine: Engine, batch, repeats: int = 20) -> list[str]:
+    """Table rows of one pass's kernels on the device's timeline (torch.profiler, `repeats`
+    replays of a planned pass): by kernel and grid, its launches a pass, mean duration, the
+    time it adds to the pass's end (`step`: its end past every earlier kernel's end), the
+    idle time before it starts (past every earlier end), and how long it runs beside the
+    kernel before (with PDL, a kernel starts before the one before it ends)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.runner
+    prepared = runner.prepare(batch)
+    for _ in range(3):
+        runner.launch(prepared, batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            runner.launch(prepared, batch)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+    last_end = kernels[0]["ts"]
+    for event in kernels:
+        start, end = event["ts"], event["ts"] + event["dur"]
+        grid = "x".join(str(g) for g in event.get("args", {}).get("grid", ()))
+        entry = sums[event["name"][:48], grid]
+        entry[0] += 1
+        entry[1] += event["dur"]
+        entry[2] += max(0.0, end - last_end)
+        entry[3] += max(0.0, start - last_end)
+        entry[4] += max(0.0, last_end - start)
+        last_end = max(last_end, end)
+    rows = []
+    for (name, grid), (count, busy, step, idle, beside) in sorted(
+        sums.items(), key=lambda item: -item[1][2]
+    ):
+        rows.append(
+            f"| {name} | {grid} | {count / repeats:g} | {busy / count:.2f} | "
+            f"{step / repeats:.1f} | {idle / repeats:.1f} | {beside / count:.2f} |"
+        )
+    total = sum(entry[2] + entry[3] for entry in sums.values()) / repeats
+    rows.append(f"| all | | {len(kernels) / repeats:g} | | {total:.1f} | | |")
+    return rows
+
+
+def print_timelines(engine: Engine, context: int, tree_nodes: list[int], label: str) -> None:
+    for nodes in tree_nodes:
+        decode, verify = batches(engine, 1, context, nodes)
+        for name, batch in (("decode", decode), (f"verify, {nodes} nodes", verify)):
+            if name == "decode" and nodes != tree_nodes[0]:
+                continue
+            print(f"\n{label}: one batch-1 {name} pass on the device's timeline (us)")
+            print(
+                "| kernel | grid | launches | mean us | step a pass | idle before, a pass "
+                "| mean beside the kernel before |"
+            )
+            print("|---|---|---|---|---|---|---|")
+            print("\n".join(timeline(engine, batch)))
+        release(engine, decode, verify)
+
+
+@contextlib.contextmanager
+def output_layer(name: str) -> Iterator[None]:
+    """Engines built in this block run the output layer as `name` says (`--output-layer`):
+    'package', a JSON dict (the all-rows launch for float32 rows), or 'cublas'."""
+    wide, logits = gemv.ROWS_WIDE_CONFIG, LlamaModel.logits
+    if name == "cublas":
+        LlamaModel.logits = lambda model, hidden: F.linear(hidden, model.lm_head).float()
+    elif name != "package":
+        gemv.ROWS_WIDE_CONFIG = dict(json.loads(name))
+    gemv.linear_config.cache_clear()
+    try:
+        yield
+    finally:
+        gemv.ROWS_WIDE_CONFIG, LlamaModel.logits = wide, logits
+        gemv.linear_config.cache_clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=1024)
@@ -163,6 +257,19 @@ def main() -> None:
         help=f"the kinds of launch PDL runs on, sets separated by ';' (each 'all' or kinds of "
         f"{list(pdl.KINDS)} separated by commas), each timed in turn",
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also print each batch-1 pass's kernels on the device's timeline: what each adds "
+        "to the pass's end, and how long it runs beside the one before (PDL)",
+    )
+    parser.add_argument(
+        "--output-layer",
+        default="package",
+        help="the output layer's product, launches separated by ';', each timed in turn: "
+        "'package' (the op set's: `gemv.ROWS_WIDE_CONFIG` for float32 rows), a JSON dict (the "
+        "op set's with that all-rows launch), or 'cublas' (F.linear at every row count)",
+    )
     args = parser.parse_args()
     tree_nodes = [int(n) for n in (args.tree_nodes or str(args.draft_budget + 1)).split(",")]
     if min(tree_nodes) < 2:
@@ -181,10 +288,20 @@ def main() -> None:
                 pass
         except ValueError as error:
             parser.error(f"--pdl-kinds: {error}")
-    # (PDL setting, kinds) -> [(batch, tree nodes, forward decode, verify, replay decode, verify)]
-    results: dict[tuple[str, str], list[tuple]] = {}
-    for on, kinds in ((on, kinds) for on in settings for kinds in kind_sets):
-        with pdl.using(on), pdl.only_kinds(kinds):
+    layers = args.output_layer.split(";")
+    for layer in layers:
+        if layer not in ("package", "cublas"):
+            try:
+                dict(json.loads(layer))
+            except (ValueError, TypeError) as error:
+                parser.error(
+                    f"--output-layer: {layer!r} is not 'package', 'cublas' or a dict: {error}"
+                )
+    # (PDL setting, kinds, output layer) -> [(batch, tree nodes, forward decode, verify,
+    # replay decode, verify)]
+    results: dict[tuple[str, str, str], list[tuple]] = {}
+    for on, kinds, layer in ((o, k, w) for o in settings for k in kind_sets for w in layers):
+        with pdl.using(on), pdl.only_kinds(kinds), output_layer(layer):
             engine = Engine(
                 random_weights=args.preset,
                 device="cuda",
@@ -196,7 +313,7 @@ def main() -> None:
                 max_context=args.max_context or args.context + 64,
                 kv_cache_fraction=0.3,
             )
-            results[on, kinds] = []
+            results[on, kinds, layer] = []
             for batch in (int(b) for b in args.batches.split(",")):
                 decode_times = None
                 for size in tree_nodes:
@@ -204,13 +321,16 @@ def main() -> None:
                     if decode_times is None:
                         decode_times = time_forward(engine, decode), time_replay(engine, decode)
                     f_verify, r_verify = time_forward(engine, verify), time_replay(engine, verify)
-                    results[on, kinds].append(
+                    results[on, kinds, layer].append(
                         (batch, size, decode_times[0], f_verify, decode_times[1], r_verify)
                     )
                     release(engine, decode, verify)
                     engine.check()
             if args.profile:
                 profile_passes(engine, args.context, nodes)
+            if args.timeline:
+                label = f"PDL {on}, kinds {kinds}, output layer {layer}"
+                print_timelines(engine, args.context, tree_nodes, label)
         del engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -221,21 +341,22 @@ def main() -> None:
         f"draft budget {nodes - 1}, CUDA graphs"
     )
     print(
-        "| PDL | PDL kinds | batch | tree nodes | forward: decode ms | verify ms | verify/decode "
-        "| replay: decode ms | verify ms | verify/decode |"
+        "| PDL | PDL kinds | output layer | batch | tree nodes | forward: decode ms | verify ms "
+        "| verify/decode | replay: decode ms | verify ms | verify/decode |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for (on, kinds), rows in results.items():
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (on, kinds, layer), rows in results.items():
         for batch, size, f_decode, f_verify, r_decode, r_verify in rows:
             print(
-                f"| {on} | {kinds} | {batch} | {size} | {f_decode:.3f} | {f_verify:.3f} | "
+                f"| {on} | {kinds} | {layer} | {batch} | {size} | {f_decode:.3f} | "
+                f"{f_verify:.3f} | "
                 f"{f_verify / f_decode:.2f} | {r_decode:.3f} | {r_verify:.3f} | "
                 f"{r_verify / r_decode:.2f} |"
             )
     print("\ntokens/s with speculation at a mean accepted length a (tokens/step = 1 + a)")
     print("| batch | tree nodes | no spec | " + " | ".join(f"a={a:g}" for a in accepted) + " |")
     print("|---|---|---|" + "---|" * len(accepted))
-    for batch, size, t_decode, t_verify, _, _ in results[settings[0], kind_sets[0]]:
+    for batch, size, t_decode, t_verify, _, _ in next(iter(results.values())):
         cells = [f"{batch * (1 + a) / t_verify * 1e3:.0f}" for a in accepted]
         print(f"| {batch} | {size} | {batch / t_decode * 1e3:.0f} | " + " | ".join(cells) + " |")
 

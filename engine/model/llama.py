@@ -280,10 +280,15 @@ class LlamaModel(nn.Module):
         return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of `hidden` [rows, hidden]: the output layer through the
+        op set's product (the Triton set's kernels where they take it, e.g. a small fp32
+        model's at every row count), or the block kernel for block weights."""
+        weight = self.lm_head
+        product = linear if isinstance(weight, BlockWeight) else op_sets.load(self.op_set).linear
         if self.shard is None:
-            return linear(hidden, self.lm_head).float()
+            return product(hidden, weight).float()
         # gathered in the model's dtype (half the bytes of fp32; the cast after is exact)
-        return parallel.gather_vocab(linear(hidden, self.lm_head), self.shard).float()
+        return parallel.gather_vocab(product(hidden, weight), self.shard).float()
 
     def layer_products(self) -> list[torch.Tensor]:
         """The weights of the layers' matrix products (qkv, o_proj, gate_up, down of each

@@ -47,6 +47,16 @@ ROWS_BLOCK_N = 8
 ROWS_SILU_BLOCK_N = 16
 ROWS_PRODUCTS = 512
 ROWS_LOOP_STAGES = 8
+# float32 rows on a wider weight, past ROWS_MAX_WEIGHT_ELEMENTS up to MAX_WEIGHT_ELEMENTS (a
+# small model's output layer: SmolLM2-135M's 49152 x 576), take the all-rows kernel with
+# ROWS_WIDE_CONFIG (None: cuBLAS's product). Swept on an H100 at that shape (`bench_gemv.py
+# --shapes smollm2_135m --dtype float32 --rows 8,13 --only lm_head --sweep --wide`, 108
+# launches: tiles of 8-256 columns by 4-64 keys, 4 or 8 warps, 1-8 key steps in flight, loads
+# flat or in 3-d blocks): 16 columns by 32 keys, 8 steps in flight, was the fastest at 8
+# rows (45.6 us against cuBLAS's 68.4) and in sum over 8 and 13 (59.2 against 66.3; the
+# fastest there, 64 x 16 with 4 steps, 57.0). The launches of `rows_config` took 65.3 and
+# 116.3 us: its 6144 programs run unpipelined.
+ROWS_WIDE_CONFIG: dict | None = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, LOOP_STAGES=8)
 
 
 def _switch(name: str) -> bool:
@@ -368,14 +378,16 @@ def kernel_takes(rows: int, dtype: torch.dtype, weight_shape: tuple[int, ...]) -
     """Whether a product of `rows` x rows of `dtype` with a weight of `weight_shape` (N, K)
     runs in the package's kernels on CUDA (`linear_config` gives it a launch): one row of any
     dtype with weights up to MAX_WEIGHT_ELEMENTS, or float32 up to MAX_ROWS rows with weights
-    up to ROWS_MAX_WEIGHT_ELEMENTS; cuBLAS's elsewhere."""
+    up to ROWS_MAX_WEIGHT_ELEMENTS (MAX_WEIGHT_ELEMENTS with ROWS_WIDE_CONFIG); cuBLAS's
+    elsewhere."""
     elements = weight_shape[0] * weight_shape[1]
     if rows == LINEAR_ROWS:
         return elements <= MAX_WEIGHT_ELEMENTS
+    wide = ROWS_WIDE_CONFIG is not None and elements <= MAX_WEIGHT_ELEMENTS
     return (
         dtype == torch.float32
         and LINEAR_ROWS < rows <= MAX_ROWS
-        and elements <= ROWS_MAX_WEIGHT_ELEMENTS
+        and (elements <= ROWS_MAX_WEIGHT_ELEMENTS or wide)
     )
 
 
@@ -384,7 +396,8 @@ def linear_config(
     rows: int, dtype: torch.dtype, weight_shape: tuple[int, int], num_sms: int
 ) -> dict | None:
     """The kernel's launch for an x of `rows` rows against a weight of `weight_shape` (N, K)
-    (GEMV_CONFIG, `rows_config`; LOOP_STAGES by the programs an SM), or None where cuBLAS is
+    (GEMV_CONFIG, `rows_config`, ROWS_WIDE_CONFIG past ROWS_MAX_WEIGHT_ELEMENTS; LOOP_STAGES
+    by the programs an SM), or None where cuBLAS is
     the faster (`kernel_takes`). Cached (every product of a pass asks); the caller must not
     change the dict."""
     if not kernel_takes(rows, dtype, weight_shape):
@@ -393,6 +406,8 @@ def linear_config(
         programs = triton.cdiv(weight_shape[0], GEMV_CONFIG["BLOCK_N"])
         stages = _loop_stages(GEMV_CONFIG["LOOP_STAGES"], programs, num_sms)
         return dict(GEMV_CONFIG, LOOP_STAGES=stages)
+    if weight_shape[0] * weight_shape[1] > ROWS_MAX_WEIGHT_ELEMENTS:  # kernel_takes: wide
+        return dict(ROWS_WIDE_CONFIG or {}, all_rows=True)
     return rows_config(weight_shape[0], num_sms)
 
 

@@ -93,25 +93,26 @@ def test_init_random_is_seeded_and_realistic():
 
 def test_warm_products_runs_each_distinct_product_at_each_count(tiny, monkeypatch):
     """Through the op set's `linear` (as a pass calls it), once per distinct weight shape and
-    token count, and the output layer at each logit-row count."""
+    token count, and the output layer (the op set's `linear` too) at each logit-row count."""
     from engine import ops as op_sets
-    from engine.model import llama
 
     ops = op_sets.load(tiny.op_set)
-    seen, heads = [], []
+    seen = []
     linear = ops.linear
-    monkeypatch.setattr(
-        ops, "linear", lambda x, w: seen.append((tuple(x.shape), tuple(w.shape))) or linear(x, w)
-    )
-    head = llama.linear
-    monkeypatch.setattr(llama, "linear", lambda x, w: heads.append(tuple(x.shape)) or head(x, w))
+
+    def traced(x, w):
+        seen.append((tuple(x.shape), tuple(w.shape), w is tiny.lm_head))
+        return linear(x, w)
+
+    monkeypatch.setattr(ops, "linear", traced)
     assert tiny.warm_products([3, 1, 3], [2, 1]) == 4 * 2 + 2
     layer, hidden = tiny.layers[0], tiny.config.hidden_size
     weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     shapes = [tuple(w.shape) for w in weights]
     assert len(set(shapes)) == 4
-    assert sorted(seen) == sorted(((rows, s[1]), s) for s in shapes for rows in (1, 3))
-    assert heads == [(1, hidden), (2, hidden)]
+    products = sorted((x, w) for x, w, head in seen if not head)
+    assert products == sorted(((rows, s[1]), s) for s in shapes for rows in (1, 3))
+    assert [x for x, _, head in seen if head] == [(1, hidden), (2, hidden)]
     with pytest.raises(ValueError, match="at least 1"):
         tiny.warm_products([0, 4], [])
 

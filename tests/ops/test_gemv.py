@@ -28,6 +28,7 @@ def test_gemv_matches_linear(dtype, rows, n, k):
         gemv.rows_config(n, 2),
         dict(gemv.rows_config(n, 2), LOOP_STAGES=1),
         dict(gemv.rows_config(n, 2), LOAD_3D=True),  # x and the tiles loaded in 3-d blocks
+        dict(gemv.ROWS_WIDE_CONFIG, all_rows=True),  # a wide weight's (an output layer's)
     ):
         assert_close(gemv.gemv(x, weight, config), expected, dtype)
 
@@ -44,11 +45,59 @@ def test_linear_takes_the_kernel_where_cublas_is_slower():
         gemv.GEMV_CONFIG, LOOP_STAGES=1
     )
     assert gemv.linear_config(13, torch.float32, small, sms) == gemv.rows_config(1536, sms)
-    assert gemv.linear_config(13, torch.float32, rows_large, sms) is None
+    assert gemv.linear_config(13, torch.float32, rows_large, sms) == dict(
+        gemv.ROWS_WIDE_CONFIG, all_rows=True
+    )
+    assert gemv.linear_config(2, torch.float32, large, sms) is None
     assert gemv.linear_config(gemv.MAX_ROWS + 1, torch.float32, small, sms) is None
     assert gemv.linear_config(13, torch.bfloat16, small, sms) is None
     assert gemv.linear_config(1, torch.float32, large, sms) is None
     assert gemv.linear_config(0, torch.float32, small, sms) is None
+
+
+def test_the_rows_limits_stand_apart(monkeypatch):
+    """Lowering the one-row limit (MAX_WEIGHT_ELEMENTS) below a weight leaves float32 rows on
+    it with the all-rows kernel while it is within ROWS_MAX_WEIGHT_ELEMENTS."""
+    monkeypatch.setattr(gemv, "MAX_WEIGHT_ELEMENTS", 1536 * 576 - 1)
+    assert not gemv.kernel_takes(1, torch.float32, (1536, 576))
+    assert gemv.kernel_takes(13, torch.float32, (1536, 576))
+    assert not gemv.kernel_takes(13, torch.float32, (49152, 576))
+
+
+def test_wide_weights_of_float32_rows_stay_with_cublas_without_a_wide_launch(monkeypatch):
+    """ROWS_WIDE_CONFIG None: float32 rows on a weight past ROWS_MAX_WEIGHT_ELEMENTS go to
+    cuBLAS (the rule the wide launch was measured against), narrower ones as before."""
+    monkeypatch.setattr(gemv, "ROWS_WIDE_CONFIG", None)
+    gemv.linear_config.cache_clear()
+    try:
+        assert not gemv.kernel_takes(13, torch.float32, (49152, 576))
+        assert gemv.linear_config(13, torch.float32, (49152, 576), 132) is None
+        assert gemv.linear_config(13, torch.float32, (1536, 576), 132) is not None
+        assert gemv.linear_config(1, torch.float32, (49152, 576), 132) is not None
+    finally:
+        gemv.linear_config.cache_clear()  # its answers above were under the patched rule
+
+
+def test_the_output_layer_runs_through_the_op_sets_product(monkeypatch):
+    """`logits` takes the op set's `linear` (the Triton set's kernels on CUDA, which take a
+    small float32 model's output layer at every row count), not F.linear directly."""
+    from engine import ops as op_sets
+
+    model = LlamaModel(ModelConfig.tiny(), torch.float32, DEVICE, op_set="reference")
+    model.init_random(seed=8)
+    seen = []
+
+    def linear(x, weight):
+        seen.append((x.shape[0], weight.data_ptr()))
+        return torch.nn.functional.linear(x, weight)
+
+    traced_ops = type("Traced", (TorchOps,), {"linear": staticmethod(linear)})
+    monkeypatch.setattr(op_sets, "load", lambda name: traced_ops)
+    hidden = random_tensor(3, model.config.hidden_size, dtype=torch.float32, seed=9)
+    logits = model.logits(hidden)
+    assert seen == [(3, model.lm_head.data_ptr())]
+    expected = torch.nn.functional.linear(hidden, model.lm_head)
+    torch.testing.assert_close(logits, expected)
 
 
 def test_loop_stages_pipeline_the_key_steps_while_programs_are_few():
