@@ -29,7 +29,6 @@ compare them in one run.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 import warnings
@@ -142,41 +141,6 @@ def only_kinds(names: str) -> contextlib.AbstractContextManager[None]:
 def using(name: str) -> contextlib.AbstractContextManager[None]:
     """Launches in this block run under PDL setting `name` (one of SETTINGS)."""
     return _holding(_state, "setting", _setting(name, "the PDL setting"))
-
-
-# Each SM splits its on-chip memory between L1 and shared memory, and a kernel's programs can
-# join an SM only where the split suits them; with no preference (a Triton kernel of up to
-# 48 KB of shared memory has none) the driver chooses one by the kernel's own occupancy, so
-# kernels of different occupancy may want different splits, and a program that wants another
-# split waits for the SM to empty. ENGINE_SMEM_CARVEOUT=<percent> (0-100 of the most shared
-# memory an SM may have) gives every Triton kernel the process loads that preference.
-CARVEOUT_ATTRIBUTE = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-
-
-def _carveout(value: str) -> int | None:
-    if value == "":
-        return None
-    if not value.isdigit() or int(value) > 100:
-        raise ValueError(
-            f"ENGINE_SMEM_CARVEOUT must be a percentage, 0 to 100 (or unset); got {value!r}"
-        )
-    return int(value)
-
-
-CARVEOUT = _carveout(os.environ.get("ENGINE_SMEM_CARVEOUT", ""))
-
-
-def _prefer_carveout(module, function, name, metadata_group, hash, **_) -> None:
-    """Triton's kernel-load hook: give the loaded kernel the CARVEOUT preference."""
-    status = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(
-        ctypes.c_void_p(function), CARVEOUT_ATTRIBUTE, ctypes.c_int(CARVEOUT)
-    )
-    if status != 0:
-        raise RuntimeError(f"setting {name}'s shared memory carveout: CUDA error {status}")
-
-
-if CARVEOUT is not None:
-    triton.knobs.runtime.kernel_load_end_hook.add(_prefer_carveout)
 
 
 @triton.jit
