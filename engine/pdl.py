@@ -15,12 +15,13 @@ options.
 By default (`auto`) only passes of a few rows use it, in mode `top`: a graph pass of at most
 AUTO_MAX_ROWS rows whose layers' products all run in the package's matrix kernels (one-row
 or all-rows; the output layer, the pass's last product, may be cuBLAS's), as `for_pass`
-is told. On an H200 (`bench_steps.py --pdl off,top`, docs/benchmarks.md) `top` made the
+is told; up to AUTO_BESIDE_MAX_ROWS rows such a pass runs `top` on every launch but the
+products. On an H200 (`bench_steps.py --pdl off,top`, docs/benchmarks.md) `top` made the
 default model's decode passes of 1, 2, 4 and 8 rows 22%, 12%, 17% and 2% faster and its
 verify passes of 2, 4 and 8 rows at batch 1 14-18% faster, but its passes of 13 and 16 rows
-1-13% slower (the all-rows kernel holds 16 rows there); every mode made a batch-1 decode
-pass of random Llama-3-8B 4-9% slower (cuBLAS's products sit between the package's kernels
-there).
+1-13% slower (the all-rows kernel holds 16 rows there; its launches run longer after a PDL
+wait); every mode made a batch-1 decode pass of random Llama-3-8B 4-9% slower (cuBLAS's
+products sit between the package's kernels there).
 `ENGINE_PDL=<setting>` sets a process's setting (`auto` or one mode for every launch),
 `using(setting)` a block's (a CUDA graph keeps the launches it captured), so benchmarks
 compare them in one run.
@@ -45,6 +46,14 @@ MODES = {"off": 0, "top": 1, "late": 2, "exit": 3}  # the kernels' PDL constexpr
 
 SETTINGS = ("auto", *MODES)  # auto: `for_pass` chooses a pass's mode, off elsewhere
 AUTO_MAX_ROWS = 8  # the most rows (tokens) of a pass that `auto` runs with PDL
+# Up to AUTO_BESIDE_MAX_ROWS rows `auto` runs PDL on every launch but the matrix products
+# (`for_pass`): the rows of a batch-1 verify pass of the default draft budget's trees, where
+# it was measured. On an H100 (`bench_steps.py --pdl top --pdl-kinds`, the default model's
+# shape, fp32) that pass took 1.286 ms so against 1.318 with PDL off and 1.319 with it on
+# every launch: the all-rows products run longer after a PDL wait than without PDL there
+# (docs/benchmarks.md, "A verify pass on the device's timeline"). Passes of 14-16 rows (the
+# all-rows kernel's most) were not timed so and stay off.
+AUTO_BESIDE_MAX_ROWS = 13
 
 
 def _setting(name: str, source: str) -> str:
@@ -102,13 +111,29 @@ def _warn_unavailable(device: str, setting: str) -> None:
     )
 
 
-def for_pass(package_products: bool) -> str:
-    """The setting a pass runs under: the process's where it names a mode; under `auto`,
-    `top` for a pass of at most AUTO_MAX_ROWS rows whose layers' products all run in the
-    package's matrix kernels (`package_products`: the caller knows both), else off."""
+def for_pass(rows: int, package_products: bool) -> tuple[str, frozenset[str] | None]:
+    """The setting a pass of `rows` rows (tokens) runs under, and the kinds of launch it keeps
+    PDL to (None: those the process keeps it to). A mode the process names holds in every
+    pass. Under `auto`, where the package's matrix kernels run every product of the pass's
+    layers (`package_products`: the caller knows): `top` on every launch up to AUTO_MAX_ROWS
+    rows, `top` on every launch but the products up to AUTO_BESIDE_MAX_ROWS; else off."""
     if _state["setting"] != "auto":
-        return _state["setting"]
-    return "top" if package_products else "off"
+        return _state["setting"], None
+    if not package_products or rows > AUTO_BESIDE_MAX_ROWS:
+        return "off", None
+    if rows <= AUTO_MAX_ROWS:
+        return "top", None
+    return "top", _kinds_state["kinds"] - {"products"}
+
+
+def running(choice: tuple[str, frozenset[str] | None]) -> contextlib.AbstractContextManager[None]:
+    """Launches in this block run as `for_pass`'s `choice` says."""
+    setting, kinds = choice
+    stack = contextlib.ExitStack()
+    stack.enter_context(using(setting))
+    if kinds is not None:
+        stack.enter_context(_holding(_kinds_state, "kinds", kinds))
+    return stack
 
 
 def launch(device: torch.device, kind: str) -> dict:

@@ -138,14 +138,39 @@ def test_launch_options_by_mode_and_device():
 
 
 def test_a_pass_runs_under_auto_only_where_the_package_runs_its_products():
+    """Under `auto`: `top` on every launch up to AUTO_MAX_ROWS rows, on every launch the
+    process allows but the products up to AUTO_BESIDE_MAX_ROWS, where the package's kernels
+    run every product of the layers; off otherwise. A mode the process names: every pass."""
+    top_rows, beside_rows = pdl.AUTO_MAX_ROWS, pdl.AUTO_BESIDE_MAX_ROWS
     with pdl.using("auto"):
-        assert (pdl.for_pass(True), pdl.for_pass(False)) == ("top", "off")
+        assert pdl.for_pass(1, True) == pdl.for_pass(top_rows, True) == ("top", None)
+        beside = ("top", frozenset(pdl.KINDS) - {"products"})
+        assert pdl.for_pass(top_rows + 1, True) == pdl.for_pass(beside_rows, True) == beside
+        assert pdl.for_pass(beside_rows + 1, True) == ("off", None)
+        assert pdl.for_pass(1, False) == pdl.for_pass(13, False) == ("off", None)
+        with pdl.only_kinds("products,merge"):  # the process's kinds less the products
+            assert pdl.for_pass(13, True) == ("top", frozenset({"merge"}))
         assert pdl.launch(torch.device("cpu"), "products") == {"PDL": 0}
         if torch.cuda.is_available():  # outside a pass that chose a mode: off
             assert pdl.launch(torch.device("cuda", 0), "products") == {"PDL": 0}
     for name in pdl.MODES:  # a mode set for the process holds in every pass
         with pdl.using(name):
-            assert (pdl.for_pass(True), pdl.for_pass(False)) == (name, name)
+            assert pdl.for_pass(1, True) == pdl.for_pass(13, False) == (name, None)
+
+
+def test_a_pass_runs_its_launches_as_its_choice_says(monkeypatch):
+    """`running((setting, kinds))` holds the setting, and the kinds where given, for its
+    block; both are back as they were after it, an exception or not."""
+    monkeypatch.setattr(pdl, "_capable", lambda device: True)  # as on a Hopper GPU
+    device = torch.device("cuda", 0)
+    before = pdl._state["setting"], pdl._kinds_state["kinds"]
+    with pdl.running(("top", frozenset({"attention"}))):
+        assert {k for k in pdl.KINDS if pdl.launch(device, k)["PDL"]} == {"attention"}
+    with pdl.running(("late", None)):
+        assert all(pdl.launch(device, k) == {"PDL": 2, "launch_pdl": True} for k in pdl.KINDS)
+    with pytest.raises(RuntimeError), pdl.running(("top", frozenset({"ops"}))):
+        raise RuntimeError
+    assert (pdl._state["setting"], pdl._kinds_state["kinds"]) == before
 
 
 def _python(

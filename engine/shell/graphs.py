@@ -21,7 +21,7 @@ to update the device table.
 Padding requests own nothing and padding tokens write K/V to the padding slot. On a machine
 without CUDA the same static path runs eagerly (`capture=False`), so it is tested on CPU: with
 the metadata of the pass a capture runs (a dummy batch's), as a graph keeps its host values.
-Each graph's launches run under the PDL setting `pdl.for_pass` gives its pass.
+Each graph's launches run under the PDL setting and kinds `pdl.for_pass` gives its pass.
 """
 
 from __future__ import annotations
@@ -241,7 +241,10 @@ class GraphRunner:
             size: CapturedPass(size, *shapes[size], device, writes_size, logit_rows)
             for size in self.sizes
         }
-        self.pdl = {size: pdl.for_pass(self._package_products(size)) for size in self.sizes}
+        self.pdl = {
+            size: pdl.for_pass(size * self.per_request, self._package_products(size))
+            for size in self.sizes
+        }
         # Capture allocates from torch's caching allocator; without it (as under memcheck with
         # PYTORCH_NO_CUDA_MEMORY_CACHING=1) the same static path runs uncaptured.
         self.capture = (
@@ -283,15 +286,13 @@ class GraphRunner:
         return next((g for g in fits if g.batch_size >= requests), None)
 
     def _package_products(self, size: int) -> bool:
-        """Whether a pass of graph key `size` has at most `pdl.AUTO_MAX_ROWS` rows and the
-        package's matrix kernels run every product of its layers (`kernel_takes`)."""
+        """Whether the package's matrix kernels run every product of the layers in a pass of
+        graph key `size` (`kernel_takes`)."""
         rows = size * self.per_request
-        return rows <= pdl.AUTO_MAX_ROWS and all(
-            kernel_takes(rows, w.dtype, tuple(w.shape)) for w in self.model.layer_products()
-        )
+        return all(kernel_takes(rows, w.dtype, tuple(w.shape)) for w in self.model.layer_products())
 
     def _forward(self, graph: CapturedPass, metadata: ForwardMetadata) -> torch.Tensor:
-        with pdl.using(self.pdl[graph.key]):
+        with pdl.running(self.pdl[graph.key]):
             if graph.writes is not None:
                 self.backend.apply_table_writes(graph.writes)
             if self.indices_in_pass:

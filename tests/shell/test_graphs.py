@@ -94,20 +94,23 @@ def test_batch_sizes_cover_every_batch_up_to_the_maximum():
 
 
 def test_each_graph_runs_under_the_pdl_setting_of_its_pass(monkeypatch):
-    """Under `auto`, a graph pass of at most `pdl.AUTO_MAX_ROWS` rows whose layers' products
-    all run in the package's matrix kernels runs with PDL (`top`), any other off; a mode set
-    for the process applies to every pass."""
+    """Under `auto`, a graph pass whose layers' products all run in the package's matrix
+    kernels runs with PDL (`top`): on every launch up to `pdl.AUTO_MAX_ROWS` rows, on every
+    launch but the products up to `pdl.AUTO_BESIDE_MAX_ROWS`; any other off. A mode set for
+    the process applies to every pass."""
     runner = tiny_engine().runner
 
     def settings(mode: Mode, width: int = 3) -> dict:
         graphs = GraphRunner(runner.model, runner.backend, mode, 4, width, capture=False)
         return graphs.pdl
 
-    on, off = "top", "off"
+    on, off = ("top", None), ("off", None)
+    beside = ("top", pdl._kinds_state["kinds"] - {"products"})
     with pdl.using("auto"):
         assert settings(Mode.DECODE) == {1: on, 2: on, 4: on}
-        assert settings(Mode.VERIFY) == {1: on, 2: on, 4: off}  # 3, 6 and 12 rows
+        assert settings(Mode.VERIFY) == {1: on, 2: on, 4: beside}  # 3, 6 and 12 rows
         assert settings(Mode.VERIFY, 8) == {1: on, 2: off, 4: off}  # 8, 16 and 32 rows
+        assert settings(Mode.VERIFY, 13) == {1: beside, 2: off, 4: off}  # 13, 26, 52 rows
         largest = max(w.numel() for w in runner.model.layer_products())
         # one product of the layers goes to cuBLAS at one row
         monkeypatch.setattr(gemv, "MAX_WEIGHT_ELEMENTS", largest - 1)
@@ -117,8 +120,9 @@ def test_each_graph_runs_under_the_pdl_setting_of_its_pass(monkeypatch):
         assert settings(Mode.DECODE) == {1: off, 2: off, 4: off}
         assert settings(Mode.VERIFY) == {1: off, 2: off, 4: off}
     with pdl.using("late"):
-        assert settings(Mode.DECODE) == {1: "late", 2: "late", 4: "late"}
-        assert settings(Mode.VERIFY) == {1: "late", 2: "late", 4: "late"}
+        late = ("late", None)
+        assert settings(Mode.DECODE) == {1: late, 2: late, 4: late}
+        assert settings(Mode.VERIFY) == {1: late, 2: late, 4: late}
 
 
 def test_a_graph_pass_launches_under_its_setting(monkeypatch):
@@ -129,12 +133,14 @@ def test_a_graph_pass_launches_under_its_setting(monkeypatch):
     runner = engine.runner
     graphs = GraphRunner(runner.model, runner.backend, Mode.DECODE, 4, capture=False)
     runner.graphs = [graphs]
-    graphs.pdl = {size: "late" if size == 1 else "exit" for size in graphs.sizes}
-    seen = []
+    beside = frozenset({"attention", "ops"})
+    graphs.pdl = {size: ("late", None) if size == 1 else ("exit", beside) for size in graphs.sizes}
+    seen, kinds = [], {}
     model_forward = graphs.model.forward
 
     def forward(input_ids, *args, **kwargs):
         seen.append((input_ids.shape[0], pdl._state["setting"]))
+        kinds.setdefault(pdl._state["setting"], set()).add(pdl._kinds_state["kinds"])
         return model_forward(input_ids, *args, **kwargs)
 
     monkeypatch.setattr(graphs.model, "forward", forward)
@@ -145,6 +151,8 @@ def test_a_graph_pass_launches_under_its_setting(monkeypatch):
     tokens_under = {setting: {n for n, s in seen if s == setting} for setting in ("late", "exit")}
     assert tokens_under == {"late": {1}, "exit": {4}}  # 3 requests padded to 4
     assert {s for _, s in seen} == {"late", "exit", "auto"}  # extend passes: the process's
+    process = pdl._kinds_state["kinds"]  # all unless ENGINE_PDL_KINDS says otherwise
+    assert kinds == {"late": {process}, "exit": {beside}, "auto": {process}}
 
 
 @pytest.mark.parametrize("speculative", [False, True])
