@@ -31,6 +31,7 @@ import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -202,21 +203,26 @@ def print_timelines(engine: Engine, context: int, tree_nodes: list[int], label: 
         release(engine, decode, verify)
 
 
+def _cublas_logits(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+    return F.linear(hidden, model.lm_head).float()
+
+
 @contextlib.contextmanager
 def output_layer(name: str) -> Iterator[None]:
     """Engines built in this block run the output layer as `name` says (`--output-layer`):
     'package', a JSON dict (the all-rows launch for float32 rows), or 'cublas'."""
-    wide, logits = gemv.ROWS_WIDE_CONFIG, LlamaModel.logits
-    if name == "cublas":
-        LlamaModel.logits = lambda model, hidden: F.linear(hidden, model.lm_head).float()
-    elif name != "package":
-        gemv.ROWS_WIDE_CONFIG = dict(json.loads(name))
-    gemv.linear_config.cache_clear()
-    try:
-        yield
-    finally:
-        gemv.ROWS_WIDE_CONFIG, LlamaModel.logits = wide, logits
+    wide = gemv.ROWS_WIDE_CONFIG
+    with contextlib.ExitStack() as stack:
+        if name == "cublas":
+            stack.enter_context(mock.patch.object(LlamaModel, "logits", _cublas_logits))
+        elif name != "package":
+            gemv.ROWS_WIDE_CONFIG = dict(json.loads(name))
         gemv.linear_config.cache_clear()
+        try:
+            yield
+        finally:
+            gemv.ROWS_WIDE_CONFIG = wide
+            gemv.linear_config.cache_clear()
 
 
 def main() -> None:

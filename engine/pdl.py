@@ -126,14 +126,13 @@ def for_pass(rows: int, package_products: bool) -> tuple[str, frozenset[str] | N
     return "top", _kinds_state["kinds"] - {"products"}
 
 
-def running(choice: tuple[str, frozenset[str] | None]) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def running(choice: tuple[str, frozenset[str] | None]) -> Iterator[None]:
     """Launches in this block run as `for_pass`'s `choice` says."""
     setting, kinds = choice
-    stack = contextlib.ExitStack()
-    stack.enter_context(using(setting))
-    if kinds is not None:
-        stack.enter_context(_holding(_kinds_state, "kinds", kinds))
-    return stack
+    held = _kinds_state["kinds"] if kinds is None else kinds
+    with using(setting), _holding(_kinds_state, "kinds", held):
+        yield
 
 
 def launch(device: torch.device, kind: str) -> dict:

@@ -166,6 +166,8 @@ def test_a_pass_runs_its_launches_as_its_choice_says(monkeypatch):
     before = pdl._state["setting"], pdl._kinds_state["kinds"]
     with pdl.running(("top", frozenset({"attention"}))):
         assert {k for k in pdl.KINDS if pdl.launch(device, k)["PDL"]} == {"attention"}
+    with pdl.running(("top", frozenset())):  # the process kept PDL to the products alone
+        assert not any(pdl.launch(device, k)["PDL"] for k in pdl.KINDS)
     with pdl.running(("late", None)):
         assert all(pdl.launch(device, k) == {"PDL": 2, "launch_pdl": True} for k in pdl.KINDS)
     with pytest.raises(RuntimeError), pdl.running(("top", frozenset({"ops"}))):
