@@ -136,10 +136,13 @@ def attention(
 def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]]:
     """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
     rows, as a verify pass launches it (`bench_gemv.verify_launch`: `rows_config`, with the
-    norm or SiLU*mul where a verify pass runs them); `variant` (a key of
+    norm or SiLU*mul where a verify pass runs them; the output layer's `linear_config`, the
+    wide launch); `variant` (a key of
     `bench_gemv.ROWS_VARIANTS`: flat, 3-d loads) overrides its LOAD_3D."""
     import torch
     from bench_gemv import ROWS_VARIANTS, SHAPES, verify_launch  # benchmarks/, beside this
+
+    from engine.ops import gemv
 
     extra = {} if variant is None else ROWS_VARIANTS[variant]
     labels = {
@@ -155,6 +158,10 @@ def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]
         config, x, w = dict(model, **extra), torch.zeros(13, k), torch.zeros(n, k)
         silu = " + SiLU*mul" if name == "gate_up" else ""
         launches[f"{label} {n} x {k}{silu}"] = lambda c=config, x=x, w=w, call=call: call(x, w, c)
+    n, k = SHAPES["smollm2_135m"]["lm_head"]  # the output layer: `gemv.ROWS_WIDE_CONFIG`
+    config = dict(gemv.linear_config(13, torch.float32, (n, k), 132) or {}, **extra)
+    x, w = torch.zeros(13, k), torch.zeros(n, k)
+    launches[f"output layer {n} x {k}"] = lambda c=config, x=x, w=w: gemv.gemv(x, w, c)
     suffix = "" if variant in (None, "flat") else f", {variant}"
     return [(label + suffix, _recorded(kernel_launches, fn)) for label, fn in launches.items()]
 
