@@ -24,8 +24,10 @@ a thread runs it once through (a loop's body counted once).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -151,17 +153,17 @@ def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]
         "gate_up": "norm + gate_up",
         "down": "down",
     }
-    launches = {}
+    launches: dict[str, Callable[[], object]] = {}
     for name, label in labels.items():
         n, k = SHAPES["smollm2_135m"][name]
         model, call, _ = verify_launch(name, n, 132, torch.ones(k))
         config, x, w = dict(model, **extra), torch.zeros(13, k), torch.zeros(n, k)
         silu = " + SiLU*mul" if name == "gate_up" else ""
-        launches[f"{label} {n} x {k}{silu}"] = lambda c=config, x=x, w=w, call=call: call(x, w, c)
+        launches[f"{label} {n} x {k}{silu}"] = functools.partial(call, x, w, config)
     n, k = SHAPES["smollm2_135m"]["lm_head"]  # the output layer: `gemv.ROWS_WIDE_CONFIG`
     config = dict(gemv.linear_config(13, torch.float32, (n, k), 132) or {}, **extra)
     x, w = torch.zeros(13, k), torch.zeros(n, k)
-    launches[f"output layer {n} x {k}"] = lambda c=config, x=x, w=w: gemv.gemv(x, w, c)
+    launches[f"output layer {n} x {k}"] = functools.partial(gemv.gemv, x, w, config)
     suffix = "" if variant in (None, "flat") else f", {variant}"
     return [(label + suffix, _recorded(kernel_launches, fn)) for label, fn in launches.items()]
 

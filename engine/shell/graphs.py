@@ -35,7 +35,7 @@ import torch
 
 from engine import pdl
 from engine.ops.gemv import kernel_takes
-from engine.shell.kv import RequestTable
+from engine.shell.table import RequestTable
 from engine.state import (
     PADDING_SLOT,
     Batch,

@@ -1,5 +1,6 @@
-"""The shell's mutable KV bookkeeping: a token-level slot allocator, the request table and
-the prefix cache.
+"""The shell's mutable KV bookkeeping (`KVBook`): over the token-level slot allocator
+(`engine.shell.slots`), the request table (`engine.shell.table`) and the prefix cache
+(`engine.shell.radix`).
 
 This is the only place slots change hands. `apply(effects)` turns a transition's effects into
 changes here, in the order `Effects` documents; `check(...)` verifies conservation any time.
@@ -15,185 +16,10 @@ import numpy as np
 import torch
 
 from engine.shell.radix import Match, Peek, RadixCache
+from engine.shell.slots import NO_SLOTS, SlotAllocator
+from engine.shell.table import RequestTable
 from engine.state import PADDING_SLOT, Effects, Running
 from engine.state.seqlens import DEBUG, has_duplicates
-
-_NO_SLOTS = np.zeros(0, dtype=np.int64)
-
-
-class OutOfSlots(RuntimeError):
-    """Fewer free KV slots than asked for; the scheduler retracts or waits."""
-
-
-class SlotAllocator:
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"KV capacity must be >= 1 slot; got {capacity}")
-        self.capacity = capacity
-        self._free_stack = np.arange(capacity, 0, -1, dtype=np.int64)  # pop from the end
-        self._num_free = capacity
-        self._is_free = np.ones(capacity + 1, dtype=bool)
-        self._is_free[PADDING_SLOT] = False
-
-    @property
-    def num_free(self) -> int:
-        return self._num_free
-
-    def alloc(self, count: int) -> np.ndarray:
-        if count < 0:
-            raise ValueError(f"asked for {count} KV slots; the count must be >= 0")
-        if count > self._num_free:
-            raise OutOfSlots(f"asked for {count} KV slots; {self._num_free} are free")
-        slots = self._free_stack[self._num_free - count : self._num_free][::-1].copy()
-        self._num_free -= count
-        self._is_free[slots] = False
-        return slots
-
-    def free(self, slots: np.ndarray) -> None:
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if slots.size == 0:
-            return
-        if slots.min() < 1 or slots.max() > self.capacity:
-            raise ValueError(f"slot out of range 1..{self.capacity}: {slots.tolist()[:8]}")
-        if self._is_free[slots].any() or has_duplicates(slots):
-            raise ValueError(f"double free of KV slots {slots[self._is_free[slots]].tolist()[:8]}")
-        self._is_free[slots] = True
-        self._free_stack[self._num_free : self._num_free + slots.size] = slots
-        self._num_free += slots.size
-
-    def free_slots(self) -> np.ndarray:
-        return np.flatnonzero(self._is_free)
-
-
-class RequestTable:
-    """req_to_token[row, position] = KV slot. The host array is the truth; `device` mirrors it
-    (the same memory on CPU unless `mirror`) for the attention backends' kv-index
-    construction.
-
-    Once `defer_writes()` is called (by the runner whose captured passes apply them), writes
-    to a separate device mirror wait on the host: `take_writes` hands them to the next
-    captured pass, which applies them on the device before it reads the table (no launch of
-    their own), and anything else that reads the mirror gets it through `device`, which
-    applies what waits first (`flush`), as does `clear`."""
-
-    def __init__(
-        self,
-        num_rows: int,
-        max_context: int,
-        device: torch.device | str = "cpu",
-        mirror: bool = False,
-    ):
-        self.max_context = max_context
-        self.host = np.zeros((num_rows, max_context), dtype=np.int32)
-        device = torch.device(device)
-        self.mirrored = device.type != "cpu" or mirror  # the device table is memory apart
-        self._device = (
-            torch.zeros((num_rows, max_context), dtype=torch.int32, device=device)
-            if self.mirrored
-            else torch.from_numpy(self.host)
-        )
-        self._flat = self._device.view(-1)  # the device table, one row after another
-        self._free_rows = list(range(num_rows - 1, -1, -1))
-        self.deferring = False
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (flat places, slots)
-
-    @property
-    def device(self) -> torch.Tensor:
-        """The device mirror, every write applied to it (in stream order)."""
-        self.flush()
-        return self._device
-
-    @property
-    def num_pending(self) -> int:
-        """Writes not applied to the device mirror yet."""
-        return sum(at.size for at, _ in self._pending)
-
-    def defer_writes(self) -> None:
-        """From now on writes wait for `take_writes` or `flush` (see the class)."""
-        if not self.mirrored:
-            raise ValueError("writes can wait only for a separate device mirror (mirror=True)")
-        self.deferring = True
-
-    @property
-    def num_free_rows(self) -> int:
-        return len(self._free_rows)
-
-    def alloc_row(self) -> int:
-        if not self._free_rows:
-            raise OutOfSlots("no free request-table row; max_running_requests reached")
-        return self._free_rows.pop()
-
-    def release_row(self, row: int) -> None:
-        if row in self._free_rows:
-            raise ValueError(f"request-table row {row} released twice")
-        self.clear(row)
-        self._free_rows.append(row)
-
-    def clear(self, row: int) -> None:
-        """Every position of `row` back to the padding slot."""
-        self.host[row] = PADDING_SLOT
-        if self.mirrored:
-            self.device[row] = PADDING_SLOT  # after the writes that wait (they may be its)
-
-    def write_on_device(self, at: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:
-        """On the device, in stream order after the writes that wait: `slots` at the flat
-        places `at` (row * max_context + position) where `keep` (values the device found;
-        the others' places keep their entries). The host's table learns them by its own
-        writes (`write`); without a separate mirror it is the device table, and such writes
-        that the host does not make again are its to clear (`DeviceWalk.cleared`)."""
-        flat = self.device.view(-1)
-        flat[at] = torch.where(keep, slots.to(flat.dtype), flat[at])
-
-    def write(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
-        if rows.size == 0:
-            return
-        self.host[rows, cols] = slots
-        if not self.mirrored:
-            return
-        at = np.asarray(rows, dtype=np.int64) * self.max_context + cols
-        self._pending.append((at, np.asarray(slots, dtype=np.int64)))
-        if not self.deferring:
-            self.flush()
-
-    def take_writes(self, capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """The waiting writes (flat places, slots; oldest first, so a later write to a place
-        wins where they are applied in order), handed over to be applied by the caller's
-        pass; None where more than `capacity` wait: they are applied now (`flush`)."""
-        if self.num_pending > capacity:
-            self.flush()
-            return None
-        return self._take()
-
-    def flush(self) -> None:
-        """Apply the waiting writes to the device mirror: one asynchronous copy from pinned
-        memory (a copy from pageable memory would wait for the device to finish everything
-        queued, and the engine writes while a pass runs), then one scatter into the flat
-        table. Torch's pinned-memory cache hands the buffer out again only once the copy
-        has run."""
-        if not self._pending:
-            return
-        at, slots = self._take()
-        count = at.size
-        pinned = torch.empty(count * 12, dtype=torch.uint8, pin_memory=self._flat.is_cuda)
-        packed = pinned.numpy()
-        packed[: count * 8].view(np.int64)[:] = at
-        packed[count * 8 :].view(np.int32)[:] = slots
-        sent = pinned.to(self._flat.device, non_blocking=True)
-        at_d, slots_d = sent[: count * 8].view(torch.int64), sent[count * 8 :].view(torch.int32)
-        self._flat.index_copy_(0, at_d, slots_d)
-
-    def _take(self) -> tuple[np.ndarray, np.ndarray]:
-        pending, self._pending = self._pending, []
-        if len(pending) == 1:
-            return pending[0]
-        if not pending:
-            return _NO_SLOTS, _NO_SLOTS
-        at, slots = (np.concatenate(parts) for parts in zip(*pending, strict=True))
-        # a place written twice (a shared prefix's slots over a row's own): the last write
-        # only, as applied one write at a time
-        last = at.size - 1 - np.unique(at[::-1], return_index=True)[1]
-        return at[last], slots[last]
-
 
 History = Callable[[int, int], Sequence[int] | np.ndarray]  # (request id, n) -> its first n tokens
 
@@ -247,7 +73,7 @@ class KVBook:
         a `RadixCache.peek` of them instead, with no insert or eviction since (other
         acquires may come between): that spares a second descent of the tree."""
         if self.cache is None:
-            return _NO_SLOTS
+            return NO_SLOTS
         if isinstance(tokens, Peek):
             match = self.cache.take(tokens)
         else:

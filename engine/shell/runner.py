@@ -11,8 +11,8 @@ import torch
 from engine.backends import AttentionBackend, ForwardMetadata
 from engine.backends.base import upload
 from engine.shell.graphs import CapturedPass, GraphRunner, graph_runners
-from engine.shell.kv import RequestTable
 from engine.shell.logits import Launched, VerifyLaunched
+from engine.shell.table import RequestTable
 from engine.state import Batch, Mode
 
 if TYPE_CHECKING:

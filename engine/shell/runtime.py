@@ -19,9 +19,9 @@ from engine.model.loader import load_model, shard_of, shard_plan
 from engine.model.sampling import SamplingTensors, greedy_tokens, sample
 from engine.model.tokenizer import Tokenizer, load_tokenizer
 from engine.shell.config import EngineConfig
-from engine.shell.kv import RequestTable
 from engine.shell.runner import ModelRunner
 from engine.shell.scheduler import most_extend_tokens
+from engine.shell.table import RequestTable
 from engine.state import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

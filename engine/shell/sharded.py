@@ -25,9 +25,9 @@ from engine.shell.distributed import (
     launched_rank,
     serve_launched,
 )
-from engine.shell.kv import RequestTable
 from engine.shell.runner import ModelRunner, Prepared
 from engine.shell.runtime import Runtime, build_runtime, rank_device
+from engine.shell.table import RequestTable
 from engine.state import Batch
 
 # A table change: (rows, cols, slots) written, or an int: that row cleared (released).

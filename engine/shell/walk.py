@@ -24,8 +24,8 @@ import torch
 from engine import state
 from engine.backends.base import upload
 from engine.model.sampling import greedy_tokens
-from engine.shell.kv import RequestTable
 from engine.shell.logits import Sampled
+from engine.shell.table import RequestTable
 from engine.spec.tree import child_links
 from engine.spec.verify import VerifyOutcome
 from engine.state import PADDING_SLOT, DraftTrees

@@ -22,7 +22,7 @@ from engine.shell.graphs import (
     graph_runners,
     verify_widths,
 )
-from engine.shell.kv import RequestTable
+from engine.shell.table import RequestTable
 from engine.state import (
     Batch,
     DraftTrees,

@@ -21,8 +21,8 @@ from engine import state
 from engine.shell.engine import Engine
 from engine.shell.failures import Faults
 from engine.shell.graphs import graph_runners
-from engine.shell.kv import RequestTable
 from engine.shell.replay import replay_file
+from engine.shell.table import RequestTable
 from engine.shell.walk import BestPaths, DeviceWalk
 from engine.spec.verify import verify_greedy
 from engine.state import DraftTrees, FinishRules, Running, SamplingParams

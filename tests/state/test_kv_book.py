@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from state_builders import Rule, running_of
 
 from engine import state
-from engine.shell.kv import KVBook, OutOfSlots, RequestTable, SlotAllocator
+from engine.shell.kv import KVBook
+from engine.shell.slots import OutOfSlots, SlotAllocator
+from engine.shell.table import RequestTable
 from engine.state import PADDING_SLOT
 
 

@@ -21,7 +21,8 @@ from state_builders import (
 )
 
 from engine import state
-from engine.shell.kv import KVBook, OutOfSlots
+from engine.shell.kv import KVBook
+from engine.shell.slots import OutOfSlots
 from engine.state import DraftTrees, FinishReason, Running
 
 MAX_CONTEXT = 40
