@@ -5,12 +5,17 @@
 # speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
-# PROBE_PARTS="grid decode decode-off spec run load3d prefetch pdl-kinds" picks parts
-# (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT / LOAD3D_TIMEOUT
-# / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT (s). load3d and prefetch time the opt-in kernel
-# variants against the defaults: PROBE_PARTS="load3d prefetch". pdl-kinds times the default
+# PROBE_PARTS="grid decode decode-off spec run load3d prefetch pdl-kinds verify timeline"
+# picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT /
+# LOAD3D_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT / TIMELINE_TIMEOUT
+# (s). load3d and prefetch time the opt-in kernel variants against the defaults:
+# PROBE_PARTS="load3d prefetch". pdl-kinds times the default
 # model's batch-1 passes with PDL `top` kept to one kind of launch at a time (`pdl.KINDS`):
 # which launches' overlap a 13-node verify pass loses, where an 8-node one gains.
+# verify times the default model's batch-1 verify passes against a decode pass as the engine
+# runs them (PDL `auto`), with the output layer cuBLAS's and the package's, and its product
+# alone at 1, 8 and 13 rows; timeline prints those passes' kernels on the device's timeline
+# with PDL off and `auto` (`bench_steps.py --timeline`).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -50,8 +55,18 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
             $steps --pdl off && $steps --pdl top --pdl-kinds \
             "all;products;attention,merge;ops,index,draw;attention,merge,ops,index,draw"')
         limit=${PDL_KINDS_TIMEOUT:-300} ;;
+    verify)  # the output layer's product alone, then the passes with it both ways
+        cmd=(bash -c 'python3 benchmarks/bench_gemv.py --shapes smollm2_135m --dtype float32 \
+            --rows 1,8,13 --only lm_head && python3 benchmarks/bench_steps.py --preset \
+            smollm2_135m --dtype float32 --batches 1 --context 512 --max-context 8192 \
+            --tree-nodes 8,13 --output-layer "cublas;package"')
+        limit=${VERIFY_TIMEOUT:-200} ;;
+    timeline)
+        cmd=(python3 benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 --batches 1
+            --context 512 --max-context 8192 --tree-nodes 8,13 --pdl off,auto --timeline)
+        limit=${TIMELINE_TIMEOUT:-200} ;;
     *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, prefetch,"\
-        "pdl-kinds)"
+        "pdl-kinds, verify, timeline)"
         exit 2 ;;
     esac
     start=$(date +%s)
