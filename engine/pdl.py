@@ -51,9 +51,9 @@ AUTO_MAX_ROWS = 8  # the most rows (tokens) of a pass that `auto` runs with PDL
 # it was measured. On an H100 (`bench_steps.py --pdl top --pdl-kinds`, the default model's
 # shape, fp32) that pass took 1.286 ms with PDL on every launch but the products, against
 # 1.318 with PDL off and 1.319 on every launch: the all-rows products run longer after a
-# PDL wait than without PDL there
-# (docs/benchmarks.md, "A verify pass on the device's timeline"). Passes of 14-16 rows (the
-# all-rows kernel's most) were not timed so and stay off.
+# PDL wait than without PDL there (docs/benchmarks.md, "A verify pass on the device's
+# timeline"). Passes of 14-16 rows (the all-rows kernel's most) were not timed so and stay
+# off.
 AUTO_BESIDE_MAX_ROWS = 13
 
 

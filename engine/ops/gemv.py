@@ -406,8 +406,9 @@ def linear_config(
         programs = triton.cdiv(weight_shape[0], GEMV_CONFIG["BLOCK_N"])
         stages = _loop_stages(GEMV_CONFIG["LOOP_STAGES"], programs, num_sms)
         return dict(GEMV_CONFIG, LOOP_STAGES=stages)
-    if weight_shape[0] * weight_shape[1] > ROWS_MAX_WEIGHT_ELEMENTS:  # kernel_takes: wide
-        return dict(ROWS_WIDE_CONFIG or {}, all_rows=True)
+    if weight_shape[0] * weight_shape[1] > ROWS_MAX_WEIGHT_ELEMENTS:
+        assert ROWS_WIDE_CONFIG is not None  # `kernel_takes` takes a wide weight only with it
+        return dict(ROWS_WIDE_CONFIG, all_rows=True)
     return rows_config(weight_shape[0], num_sms)
 
 

@@ -241,8 +241,9 @@ class GraphRunner:
             size: CapturedPass(size, *shapes[size], device, writes_size, logit_rows)
             for size in self.sizes
         }
+        rows = {size: size * self.per_request for size in self.sizes}
         self.pdl = {
-            size: pdl.for_pass(size * self.per_request, self._package_products(size))
+            size: pdl.for_pass(rows[size], self._package_products(rows[size]))
             for size in self.sizes
         }
         # Capture allocates from torch's caching allocator; without it (as under memcheck with
@@ -285,10 +286,9 @@ class GraphRunner:
         fits = (self.graphs[t] for t in self.sizes[at:])
         return next((g for g in fits if g.batch_size >= requests), None)
 
-    def _package_products(self, size: int) -> bool:
+    def _package_products(self, rows: int) -> bool:
         """Whether the package's matrix kernels run every product of the layers in a pass of
-        graph key `size` (`kernel_takes`)."""
-        rows = size * self.per_request
+        `rows` rows (`kernel_takes`)."""
         return all(kernel_takes(rows, w.dtype, tuple(w.shape)) for w in self.model.layer_products())
 
     def _forward(self, graph: CapturedPass, metadata: ForwardMetadata) -> torch.Tensor:
