@@ -27,7 +27,10 @@ Each graph's launches run under the PDL setting and kinds `pdl.for_pass` gives i
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -162,6 +165,25 @@ class CapturedPass:
         # the metadata of the pass the graph captured (its dummy batch's): its tensors are
         # the static buffers each plan writes, its host values fixed in the graph
         self.metadata: ForwardMetadata | None = None
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's garbage collector kept out of CUDA graph captures: what is garbage now is
+    collected first, and nothing until the block ends (the collector's state is restored,
+    on an error too). A collection inside a capture runs dead objects' finalizers (another
+    engine's graphs, events, pinned buffers), whose CUDA calls are not allowed while a stream
+    captures and invalidate the capture ("operation failed due to a previous error during
+    capture"); `torch.cuda.graph` collects on entry only with
+    `torch.compiler.config.force_cudagraph_gc`."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class GraphRunner:
@@ -313,6 +335,10 @@ class GraphRunner:
         )
 
     def _capture_all(self, device: torch.device, pool: _POOL_HANDLE | None) -> None:
+        with collection_paused():
+            self._capture_each(device, pool)
+
+    def _capture_each(self, device: torch.device, pool: _POOL_HANDLE | None) -> None:
         stream = torch.cuda.Stream(device)
         for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
             graph = self.graphs[size]

@@ -6,6 +6,9 @@ the Triton backend in the interpreter; on CUDA the same test captures real graph
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +21,7 @@ from engine.ops import gemv
 from engine.shell.engine import Engine
 from engine.shell.graphs import (
     GraphRunner,
+    collection_paused,
     default_batch_sizes,
     graph_runners,
     verify_widths,
@@ -361,3 +365,64 @@ def _replays_as_eager(engine: Engine, prompts: list, params: SamplingParams, eag
     assert np.array_equal(engine.book.table.device.cpu().numpy(), engine.book.table.host)
     engine.check()
     assert engine.book.num_available == engine.book.slots.capacity
+
+
+def test_the_collector_is_paused_while_graphs_capture() -> None:
+    """`collection_paused` collects what is garbage on entry, runs no collection inside (the
+    collector off), and restores the collector's state after, on an error too."""
+
+    class Node:
+        pass
+
+    assert gc.isenabled()
+    node = Node()
+    node.self = node  # a cycle: only the collector frees it
+    dead = weakref.ref(node)
+    del node
+    with collection_paused():
+        assert dead() is None and not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collection_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="captures CUDA graphs")
+def test_graphs_capture_while_dead_engines_await_the_collector(monkeypatch) -> None:
+    """Engines dropped in reference cycles hold CUDA graphs that only the collector frees; a
+    graph's finalizer inside another's capture is refused ("operation not permitted when
+    stream is capturing") and invalidates that capture. With the collector's automatic runs
+    off until then, and a collection where each capture's forward runs (as the collector
+    runs when an allocation crosses its threshold, if enabled), the engine captures its
+    graphs and generates what an engine without graphs does."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(0)  # no automatic collection: the dead engines wait for the capture
+    forward = GraphRunner._forward
+
+    def collecting_forward(self, *args, **kwargs):
+        if gc.isenabled() and torch.cuda.is_current_stream_capturing():
+            gc.collect()
+        return forward(self, *args, **kwargs)
+
+    try:
+        for _ in range(2):
+            cycle: list = [with_graphs(tiny_engine(), 4)]
+            cycle.append(cycle)
+            del cycle
+        monkeypatch.setattr(GraphRunner, "_forward", collecting_forward)
+        engine = with_graphs(tiny_engine(), 4)
+    finally:
+        gc.set_threshold(*thresholds)
+        monkeypatch.setattr(GraphRunner, "_forward", forward)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = prompts_of(3)
+    assert [c.token_ids for c in engine.generate(prompts, params)] == [
+        c.token_ids for c in tiny_engine().generate(prompts, params)
+    ]
