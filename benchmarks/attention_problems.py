@@ -35,8 +35,9 @@ COLD_BYTES = 256 << 20
 TREE = 12  # draft nodes a request's tree holds in the verify problems
 
 
-def graph_time_us(fns: list, replays: int = 20) -> float:
-    """Per-call time of fns (independent copies of one problem) replayed from one graph."""
+def captured(fns: list) -> tuple[torch.cuda.CUDAGraph, int]:
+    """fns (independent copies of one problem) run once, captured in one graph and replayed
+    three times: (the graph, how many copies it runs)."""
     for fn in fns:
         fn()
     torch.cuda.synchronize()
@@ -46,6 +47,11 @@ def graph_time_us(fns: list, replays: int = 20) -> float:
             fn()
     for _ in range(3):
         graph.replay()
+    return graph, len(fns)
+
+
+def replay_time_us(graph: torch.cuda.CUDAGraph, copies: int, replays: int) -> float:
+    """Per-copy time of a captured graph: the median of `replays` replays."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -53,8 +59,26 @@ def graph_time_us(fns: list, replays: int = 20) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+        times.append(start.elapsed_time(end) * 1e3 / copies)
     return float(np.median(times))
+
+
+def graph_time_us(fns: list, replays: int = 20) -> float:
+    """Per-call time of fns (independent copies of one problem) replayed from one graph."""
+    return replay_time_us(*captured(fns), replays)
+
+
+def turns_time_us(
+    graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], rounds: int = 12, replays: int = 5
+) -> dict[str, float]:
+    """Each captured graph's per-copy time, the graphs timed in turns: `rounds` rounds of
+    `replays` replays each, the median of the rounds' medians; a drift in the device's speed
+    over the run falls on every graph alike."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, (graph, copies) in graphs.items():
+            times[name].append(replay_time_us(graph, copies, replays))
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def copy_ceiling_gbs() -> float:

@@ -4,7 +4,7 @@ Shapes: 32 q / 8 kv heads, head_dim 128, bf16. Each time is one problem's share 
 replay that runs enough independent copies of it (>= 256 MB of KV in all) to keep L2 cold;
 median of the replays after warm-up. "eager" is one launch timed by do_bench (L2 flushed).
 Run: python3 benchmarks/bench_attention.py [--quick | --decode | --fused-merge | --pdl |
---short | --extend | --extend-grid | --split-grid]
+--short | --extend | --extend-turns | --extend-grid | --split-grid]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from attention_problems import (  # benchmarks/, beside this script
     HQ,
     D,
     Problem,
+    captured,
     copy_ceiling_gbs,
     copy_time_us,
     decode_like_problem,
@@ -29,6 +30,7 @@ from attention_problems import (  # benchmarks/, beside this script
     ours_extend,
     rel_err,
     sdpa,
+    turns_time_us,
 )
 
 from engine import pdl
@@ -74,6 +76,17 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
     # the grid's axis orders (by default `triton_extend.grid_order` chooses one)
     *({"GRID_ORDER": order} for order in ("qrh", "hqr", "hrq", "qhr", "rqh", "rhq")),
+]
+
+# --extend-turns: the default extend configuration and these, with SDPA, timed in turns at
+# EXTEND's shapes and EXTEND_MORE's (shorter prompts, more of them)
+EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
+EXTEND_TURNS: list[dict[str, Any]] = [
+    {"num_stages": 2},
+    {"num_stages": 4},
+    {"BLOCK_N": 32, "num_stages": 4},
+    {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads
@@ -279,6 +292,31 @@ def extend_grid() -> None:
             for r in rows
         ]
         print(f"| {name} | " + " | ".join(cells) + f" | {geomean:.3f} |")
+
+
+def extend_turns_table() -> None:
+    """The default extend configuration and EXTEND_TURNS' against SDPA's flash kernel, each
+    captured once and timed in turns (`turns_time_us`), at EXTEND's and EXTEND_MORE's
+    shapes: us, then each one's speed as a fraction of SDPA's."""
+    names = ["default"] + [str(c) for c in EXTEND_TURNS]
+    print("\nextend, timed in turns: us (SDPA's time over ours)")
+    print("| shape | SDPA us | " + " | ".join(names) + " |")
+    print("|" + "---|" * (len(names) + 2))
+    for batch, prefix, new in EXTEND + EXTEND_MORE:
+        p = Problem("extend", batch, prefix, new, batch * (prefix + new) * HKV * D * 2 * 2)
+        graphs = {"SDPA": captured(sdpa(p, "extend", prefix, new)[0])}
+        graphs["default"] = captured(ours_extend(p))
+        graphs.update({str(c): captured(ours_extend(p, c)) for c in EXTEND_TURNS})
+        times = turns_time_us(graphs)
+        cells = [f"{times[n]:.1f} ({times['SDPA'] / times[n]:.2f})" for n in names]
+        print(
+            f"| B={batch} prefix={prefix} new={new} | {times['SDPA']:.1f} | "
+            + " | ".join(cells)
+            + " |",
+            flush=True,
+        )
+        del p, graphs
+        torch.cuda.empty_cache()
 
 
 def kv_index_rows() -> list:
@@ -488,6 +526,12 @@ def main() -> None:
         help="only decode at short contexts, against SDPA and a copy of the same bytes",
     )
     parser.add_argument(
+        "--extend-turns",
+        action="store_true",
+        help="only extend: the default configuration and EXTEND_TURNS', with SDPA, timed in "
+        "turns at more shapes",
+    )
+    parser.add_argument(
         "--extend-grid",
         action="store_true",
         help="only extend, timed at every configuration of EXTEND_GRID against SDPA",
@@ -500,6 +544,9 @@ def main() -> None:
         return
     if args.extend_grid:
         extend_grid()
+        return
+    if args.extend_turns:
+        extend_turns_table()
         return
     if args.fused_merge:
         fused_merge_table(ceiling)
