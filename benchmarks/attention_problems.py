@@ -6,6 +6,7 @@ as many bytes, timed the same way."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -35,9 +36,23 @@ COLD_BYTES = 256 << 20
 TREE = 12  # draft nodes a request's tree holds in the verify problems
 
 
-def captured(fns: list) -> tuple[torch.cuda.CUDAGraph, int]:
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """A CUDA graph of independent copies of one problem, and the closures it ran: their
+    tensors (SDPA's contiguous K/V among them) are what the graph reads, so they live as
+    long as it does."""
+
+    graph: torch.cuda.CUDAGraph
+    fns: tuple[Callable[[], object], ...]
+
+    @property
+    def copies(self) -> int:
+        return len(self.fns)
+
+
+def captured(fns: list) -> Captured:
     """fns (independent copies of one problem) run once, captured in one graph and replayed
-    three times: (the graph, how many copies it runs)."""
+    three times."""
     for fn in fns:
         fn()
     torch.cuda.synchronize()
@@ -47,37 +62,37 @@ def captured(fns: list) -> tuple[torch.cuda.CUDAGraph, int]:
             fn()
     for _ in range(3):
         graph.replay()
-    return graph, len(fns)
+    return Captured(graph, tuple(fns))
 
 
-def replay_time_us(graph: torch.cuda.CUDAGraph, copies: int, replays: int) -> float:
+def replay_time_us(run: Captured, replays: int) -> float:
     """Per-copy time of a captured graph: the median of `replays` replays."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        run.graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
+        times.append(start.elapsed_time(end) * 1e3 / run.copies)
     return float(np.median(times))
 
 
 def graph_time_us(fns: list, replays: int = 20) -> float:
     """Per-call time of fns (independent copies of one problem) replayed from one graph."""
-    return replay_time_us(*captured(fns), replays)
+    return replay_time_us(captured(fns), replays)
 
 
 def turns_time_us(
-    graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], rounds: int = 12, replays: int = 5
+    runs: dict[str, Captured], rounds: int = 12, replays: int = 5
 ) -> dict[str, float]:
     """Each captured graph's per-copy time, the graphs timed in turns: `rounds` rounds of
     `replays` replays each, the median of the rounds' medians; a drift in the device's speed
     over the run falls on every graph alike."""
-    times: dict[str, list[float]] = {name: [] for name in graphs}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
-        for name, (graph, copies) in graphs.items():
-            times[name].append(replay_time_us(graph, copies, replays))
+        for name, run in runs.items():
+            times[name].append(replay_time_us(run, replays))
     return {name: float(np.median(t)) for name, t in times.items()}
 
 

@@ -304,10 +304,10 @@ def extend_turns_table() -> None:
     print("|" + "---|" * (len(names) + 2))
     for batch, prefix, new in EXTEND + EXTEND_MORE:
         p = Problem("extend", batch, prefix, new, batch * (prefix + new) * HKV * D * 2 * 2)
-        graphs = {"SDPA": captured(sdpa(p, "extend", prefix, new)[0])}
-        graphs["default"] = captured(ours_extend(p))
-        graphs.update({str(c): captured(ours_extend(p, c)) for c in EXTEND_TURNS})
-        times = turns_time_us(graphs)
+        runs = {"SDPA": captured(sdpa(p, "extend", prefix, new)[0])}
+        runs["default"] = captured(ours_extend(p))
+        runs.update({str(c): captured(ours_extend(p, c)) for c in EXTEND_TURNS})
+        times = turns_time_us(runs)
         cells = [f"{times[n]:.1f} ({times['SDPA'] / times[n]:.2f})" for n in names]
         print(
             f"| B={batch} prefix={prefix} new={new} | {times['SDPA']:.1f} | "
@@ -315,7 +315,7 @@ def extend_turns_table() -> None:
             + " |",
             flush=True,
         )
-        del p, graphs
+        del p, runs
         torch.cuda.empty_cache()
 
 
