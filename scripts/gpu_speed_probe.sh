@@ -5,10 +5,12 @@
 # speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
-# PROBE_PARTS="grid decode decode-off spec run load3d prefetch pdl-kinds verify timeline"
+# PROBE_PARTS="grid decode decode-off spec run load3d extend prefetch pdl-kinds verify
+# timeline"
 # picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT /
-# LOAD3D_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT / TIMELINE_TIMEOUT
-# (s). load3d and prefetch time the opt-in kernel variants against the defaults:
+# LOAD3D_TIMEOUT / EXTEND_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT /
+# TIMELINE_TIMEOUT (s). extend times extend configurations in turns with SDPA
+# (`bench_attention.py --extend-turns`, the opt-in DIAGONAL_FIRST among them). load3d and prefetch time the opt-in kernel variants against the defaults:
 # PROBE_PARTS="load3d prefetch". pdl-kinds times the default
 # model's batch-1 passes with PDL `top` kept to one kind of launch at a time (`pdl.KINDS`):
 # which launches' overlap a 13-node verify pass loses, where an 8-node one gains.
@@ -47,6 +49,9 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
             --dtype float32 --batches 1 --context 512 --max-context 8192 --tree-nodes 8,13
             done')
         limit=${LOAD3D_TIMEOUT:-200} ;;
+    extend)  # extend configurations timed in turns with SDPA (DIAGONAL_FIRST among them)
+        cmd=(python3 benchmarks/bench_attention.py --extend-turns)
+        limit=${EXTEND_TIMEOUT:-200} ;;
     prefetch)  # the decode split kernel's PREFETCH configurations beside the defaults
         cmd=(python3 benchmarks/bench_attention.py --decode); limit=${PREFETCH_TIMEOUT:-200} ;;
     pdl-kinds)  # PDL off; then `top` on every launch, and on some kinds of launch at a time
@@ -65,8 +70,8 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         cmd=(python3 benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 --batches 1
             --context 512 --max-context 8192 --tree-nodes 8,13 --pdl off,auto --timeline)
         limit=${TIMELINE_TIMEOUT:-200} ;;
-    *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, prefetch,"\
-        "pdl-kinds, verify, timeline)"
+    *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, extend,"\
+        "prefetch, pdl-kinds, verify, timeline)"
         exit 2 ;;
     esac
     start=$(date +%s)
