@@ -171,10 +171,10 @@ class CapturedPass:
 def collection_paused() -> Iterator[None]:
     """Python's garbage collector kept out of CUDA graph captures: what is garbage now is
     collected first, and nothing until the block ends (the collector's state is restored,
-    on an error too). A collection inside a capture runs dead objects' finalizers (another
-    engine's graphs, events, pinned buffers), whose CUDA calls are not allowed while a stream
-    captures and invalidate the capture ("operation failed due to a previous error during
-    capture"); `torch.cuda.graph` collects on entry only with
+    on an error too). A collection inside a capture runs dead objects' finalizers: a dead
+    engine's CUDA graphs reset there ("operation not permitted when stream is capturing"),
+    which invalidates the capture ("operation failed due to a previous error during
+    capture"). `torch.cuda.graph` collects on entry only with
     `torch.compiler.config.force_cudagraph_gc`."""
     gc.collect()
     enabled = gc.isenabled()
