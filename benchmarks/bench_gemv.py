@@ -424,6 +424,16 @@ def main() -> None:
         "it to time the kernel, and the ops fused into it, on weights cuBLAS takes now",
     )
     args = parser.parse_args()
+    if args.wide and not args.sweep:
+        parser.error("--wide widens --sweep's space; give --sweep too")
+    if args.only and (args.fused or args.load_3d or args.loop_stages):
+        parser.error(
+            "--only picks the shapes of the main table and --sweep, not of --fused, "
+            "--load-3d or --loop-stages"
+        )
+    names = args.only.split(",") if args.only else list(SHAPES[args.shapes])
+    if unknown := set(names) - set(SHAPES[args.shapes]):
+        parser.error(f"--only: no shapes {sorted(unknown)}; they are {list(SHAPES[args.shapes])}")
     gemv.MAX_WEIGHT_ELEMENTS = args.max_weight_elements
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
@@ -441,9 +451,6 @@ def main() -> None:
         return
     results = []
     totals: dict[str, list[float]] = {}  # a swept config's times, one per (shape, rows)
-    names = args.only.split(",") if args.only else list(SHAPES[args.shapes])
-    if unknown := set(names) - set(SHAPES[args.shapes]):
-        parser.error(f"--only: no shapes {sorted(unknown)}; they are {list(SHAPES[args.shapes])}")
     for name in names:
         n, k = SHAPES[args.shapes][name]
         nbytes = n * k * dtype.itemsize

@@ -144,8 +144,8 @@ def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]
     """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
     rows, as a verify pass launches it (`bench_gemv.verify_launch`: `rows_config`, with the
     norm or SiLU*mul where a verify pass runs them; the output layer's `linear_config`, the
-    wide launch); `variant` (a key of
-    `bench_gemv.ROWS_VARIANTS`: flat, 3-d loads) overrides its LOAD_3D."""
+    wide launch); `variant` (a key of `bench_gemv.ROWS_VARIANTS`: flat, 3-d loads)
+    overrides its LOAD_3D."""
     import torch
     from bench_gemv import ROWS_VARIANTS, SHAPES, verify_launch  # benchmarks/, beside this
 
@@ -166,7 +166,9 @@ def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]
         silu = " + SiLU*mul" if name == "gate_up" else ""
         launches[f"{label} {n} x {k}{silu}"] = functools.partial(call, x, w, config)
     n, k = SHAPES["smollm2_135m"]["lm_head"]  # the output layer: `gemv.ROWS_WIDE_CONFIG`
-    config = dict(gemv.linear_config(13, torch.float32, (n, k), 132) or {}, **extra)
+    wide = gemv.linear_config(13, torch.float32, (n, k), 132)
+    assert wide is not None  # the wide launch (`gemv.ROWS_WIDE_CONFIG`) takes it
+    config = dict(wide, **extra)
     x, w = torch.zeros(13, k), torch.zeros(n, k)
     launches[f"output layer {n} x {k}"] = functools.partial(gemv.gemv, x, w, config)
     suffix = "" if variant in (None, "flat") else f", {variant}"

@@ -397,9 +397,8 @@ def linear_config(
 ) -> dict | None:
     """The kernel's launch for an x of `rows` rows against a weight of `weight_shape` (N, K)
     (GEMV_CONFIG, `rows_config`, ROWS_WIDE_CONFIG past ROWS_MAX_WEIGHT_ELEMENTS; LOOP_STAGES
-    by the programs an SM), or None where cuBLAS is
-    the faster (`kernel_takes`). Cached (every product of a pass asks); the caller must not
-    change the dict."""
+    by the programs an SM), or None where cuBLAS is the faster (`kernel_takes`). Cached
+    (every product of a pass asks); the caller must not change the dict."""
     if not kernel_takes(rows, dtype, weight_shape):
         return None
     if rows == LINEAR_ROWS:

@@ -517,6 +517,27 @@ def test_bench_gemv_names_silu_after_gate_up_as_such(bench_script):
     assert "| gate_up + silu after | 13 | 10.0 | 5.0 | 2.00x | 20.0 | one |" in table
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--wide"], "--wide widens --sweep"),
+        (["--only", "lm_head", "--fused"], "--only picks the shapes"),
+        (["--sweep", "--only", "lm_hed"], "no shapes"),
+    ],
+)
+def test_bench_gemv_refuses_options_it_would_ignore(
+    bench_script, monkeypatch, capsys, argv, message
+):
+    """`--wide` without `--sweep`, and `--only` with a mode that times its own shapes, are
+    refused before anything runs (they would be accepted and ignored), as is an unknown
+    shape."""
+    bench_gemv = bench_script("bench_gemv")
+    monkeypatch.setattr("sys.argv", ["bench_gemv.py", *argv])
+    with pytest.raises(SystemExit):
+        bench_gemv.main()
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["qkv", "o_proj", "gate_up", "down"])
 def test_bench_gemv_times_each_verify_launch_flat_and_in_3d_blocks(bench_script, name):
     """`bench_gemv.py --load-3d`'s launches: each product as a verify pass makes it gives
