@@ -82,7 +82,6 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
 # EXTEND's shapes and EXTEND_MORE's (shorter prompts, more of them)
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
-    {"DIAGONAL_FIRST": True},
     {"num_stages": 2},
     {"num_stages": 4},
     {"BLOCK_N": 32, "num_stages": 4},

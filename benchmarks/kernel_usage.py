@@ -59,11 +59,6 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
             for w in (4, 8)
             for st in (2, 3, 4)
             for c in [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, TMA=True)]
-        ] + [
-            (
-                "64 x 64, 4 warps, 3 stages, diagonal first",
-                dict(triton_extend.EXTEND_CONFIG, DIAGONAL_FIRST=True),
-            )
         ]
     if kind == "decode":
         return [

@@ -10,8 +10,8 @@
 # picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT /
 # LOAD3D_TIMEOUT / EXTEND_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT /
 # TIMELINE_TIMEOUT (s). extend times extend configurations in turns with SDPA
-# (`bench_attention.py --extend-turns`, the opt-in DIAGONAL_FIRST among them). load3d and prefetch time the opt-in kernel variants against the defaults:
-# PROBE_PARTS="load3d prefetch". pdl-kinds times the default
+# (`bench_attention.py --extend-turns`). load3d and prefetch time the opt-in kernel
+# variants against the defaults: PROBE_PARTS="load3d prefetch". pdl-kinds times the default
 # model's batch-1 passes with PDL `top` kept to one kind of launch at a time (`pdl.KINDS`):
 # which launches' overlap a 13-node verify pass loses, where an 8-node one gains.
 # verify times the default model's batch-1 verify passes against a decode pass as the engine
@@ -49,7 +49,7 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
             --dtype float32 --batches 1 --context 512 --max-context 8192 --tree-nodes 8,13
             done')
         limit=${LOAD3D_TIMEOUT:-200} ;;
-    extend)  # extend configurations timed in turns with SDPA (DIAGONAL_FIRST among them)
+    extend)  # extend configurations timed in turns with SDPA
         cmd=(python3 benchmarks/bench_attention.py --extend-turns)
         limit=${EXTEND_TIMEOUT:-200} ;;
     prefetch)  # the decode split kernel's PREFETCH configurations beside the defaults

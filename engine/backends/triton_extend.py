@@ -30,12 +30,6 @@ from engine.pdl import enter, leave
 # bf16 and fp16: `tma_ready`), the cached prefix through kv_indices as before.
 # GRID_ORDER: the grid's axes from the fastest-varying, of q blocks (q), requests (r) and
 # q heads (h); None: `grid_order` chooses by the request count.
-# DIAGONAL_FIRST (BLOCK_M == BLOCK_N): the diagonal block first, its K/V and q loaded
-# through pointers before anything waits, so that a tile's start waits once for the three;
-# by default it waits for q's descriptor load, then the loop's first K/V, and after the
-# loop for the diagonal block's (sm_90's code, `kernel_usage.py`). A tile's fixed cost is
-# what keeps short prompts below SDPA (docs/benchmarks.md, `--extend-turns`). Compiled for
-# sm_90: 195 registers against 168, the same shared memory; off until timed there.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -43,7 +37,6 @@ EXTEND_CONFIG = {
     "num_stages": 3,
     "TMA": True,
     "GRID_ORDER": None,
-    "DIAGONAL_FIRST": False,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -52,7 +45,6 @@ INTERPRETER_CONFIG = {
     "num_stages": 1,
     "TMA": False,
     "GRID_ORDER": None,
-    "DIAGONAL_FIRST": False,
 }
 GRID_AXES = "qrh"
 
@@ -127,7 +119,6 @@ def _extend_kernel(
     R_AXIS: tl.constexpr,
     H_AXIS: tl.constexpr,
     PDL: tl.constexpr,
-    DIAGONAL_FIRST: tl.constexpr,
 ):
     enter(PDL)
     q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
@@ -145,21 +136,7 @@ def _extend_kernel(
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < num_new
         token = (qo_start + rows).to(tl.int64)
-        if DIAGONAL_FIRST:  # its loads issued before q's, so that they overlap
-            diag_keys = first + tl.arange(0, BLOCK_N)
-            diag_ok = diag_keys < num_new
-            diag_offs = (qo_start + diag_keys).to(tl.int64)[:, None]
-            diag_k = tl.load(
-                k + diag_offs * stride_kt + kv_head * stride_kh + dims[None, :],
-                mask=diag_ok[:, None],
-                other=0.0,
-            )
-            diag_v = tl.load(
-                v + diag_offs * stride_vt + kv_head * stride_vh + dims[None, :],
-                mask=diag_ok[:, None],
-                other=0.0,
-            )
-        if TMA and not DIAGONAL_FIRST:  # rows past the request's own: never stored
+        if TMA:  # rows past the request's own are other requests' (or zeros): never stored
             q_block = q_desc.load([qo_start + first, head * HEAD_DIM])
         else:
             q_block = tl.load(
@@ -170,11 +147,6 @@ def _extend_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        if DIAGONAL_FIRST:  # stage 2b first: the diagonal block, causal
-            visible = diag_ok[None, :] & (diag_keys[None, :] <= rows[:, None])
-            m_i, l_i, acc = online_softmax_step(
-                q_block, diag_k, diag_v, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
-            )
         cache_head = kv_head * stride_ch + dims[None, :]
         full = prefix - prefix % BLOCK_N
         for start in range(0, full, BLOCK_N):  # stage 1: whole blocks of the cached prefix
@@ -235,30 +207,29 @@ def _extend_kernel(
                 sm_scale_log2,
                 MASKED=False,
             )
-        if not DIAGONAL_FIRST:
-            last = tl.minimum(first + BLOCK_M, num_new)
-            for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
-                local = start + tl.arange(0, BLOCK_N)
-                key_ok = local < num_new
-                if TMA:  # keys past the request's own are masked below
-                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                else:
-                    keys = (qo_start + local).to(tl.int64)
-                    k_block = tl.load(
-                        k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                        mask=key_ok[:, None],
-                        other=0.0,
-                    )
-                    v_block = tl.load(
-                        v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                        mask=key_ok[:, None],
-                        other=0.0,
-                    )
-                visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
-                m_i, l_i, acc = online_softmax_step(
-                    q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
+        last = tl.minimum(first + BLOCK_M, num_new)
+        for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
+            local = start + tl.arange(0, BLOCK_N)
+            key_ok = local < num_new
+            if TMA:  # keys past the request's own are masked below
+                k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+            else:
+                keys = (qo_start + local).to(tl.int64)
+                k_block = tl.load(
+                    k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                    mask=key_ok[:, None],
+                    other=0.0,
                 )
+                v_block = tl.load(
+                    v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                    mask=key_ok[:, None],
+                    other=0.0,
+                )
+            visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
+            m_i, l_i, acc = online_softmax_step(
+                q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
+            )
         leave(PDL)
         result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         store_ok = row_ok & (token < out_capacity)
@@ -322,11 +293,6 @@ def extend_attention(
             f"BLOCK_M={cfg['BLOCK_M']} must be a multiple of "
             f"BLOCK_N={cfg['BLOCK_N']} (stage 2a reads whole key blocks)"
         )
-    if cfg["DIAGONAL_FIRST"] and cfg["BLOCK_M"] != cfg["BLOCK_N"]:
-        raise ValueError(
-            f"DIAGONAL_FIRST needs BLOCK_M == BLOCK_N (the diagonal one key block); got "
-            f"BLOCK_M={cfg['BLOCK_M']}, BLOCK_N={cfg['BLOCK_N']}"
-        )
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests = qo_indptr.shape[0] - 1
     if num_tokens == 0 or num_requests == 0:
@@ -381,7 +347,6 @@ def extend_attention(
         R_AXIS=order.index("r"),
         H_AXIS=order.index("h"),
         **pdl.launch(q.device, "attention"),
-        DIAGONAL_FIRST=cfg["DIAGONAL_FIRST"],
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -250,25 +250,6 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
 
 
 @pytest.mark.parametrize("tma", [False, True])
-def test_extend_with_the_diagonal_block_first_matches(tma: bool, monkeypatch) -> None:
-    """DIAGONAL_FIRST (the diagonal block before the prefix and the blocks below it, its K/V
-    and q through pointers) matches the reference and the default order, on ragged requests
-    with and without a prefix whose last blocks run past their tokens; it needs the diagonal
-    to be one key block."""
-    if tma and not ON_CUDA:
-        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
-    dtype = DTYPES[-1]
-    case = make_case("extend", [40, 0, 7], [70, 9, 33], 2, 4, 64, dtype, seed=31)
-    ref, run = _extend_direct(case)
-    first = run(case.q, case.k, case.v, {"DIAGONAL_FIRST": True, "TMA": tma})
-    default = run(case.q, case.k, case.v, {"TMA": tma})
-    assert relative_error(first, ref) < TOLERANCE[dtype]
-    torch.testing.assert_close(first, default, rtol=1e-3, atol=1e-3)
-    with pytest.raises(ValueError, match="DIAGONAL_FIRST needs BLOCK_M == BLOCK_N"):
-        run(case.q, case.k, case.v, {"DIAGONAL_FIRST": True, "BLOCK_M": 64, "BLOCK_N": 32})
-
-
-@pytest.mark.parametrize("tma", [False, True])
 def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool, monkeypatch) -> None:
     """A pass padded to a token count (`TritonBackend.plan(padded_num_tokens=...)`): the
     padding tokens' q/K/V hold whatever the layer before made of them (finite), and the
