@@ -8,7 +8,7 @@ import pytest
 import torch
 from backend_cases import DEVICE, DTYPES, TOLERANCE, relative_error
 
-from engine.backends import BufferTooSmall
+from engine.backends import BufferTooSmall, triton_decode
 from engine.backends.decode_policy import FUSED_MERGE_MAX_SPLITS, MAX_SPLITS
 from engine.backends.triton_decode import decode_attention
 from engine.backends.triton_merge import (
@@ -201,3 +201,23 @@ def test_prefetched_key_blocks_give_the_same_attention(mode: str, num_splits: in
         assert not ahead.isnan().any(), "some output elements were never written"
         assert relative_error(ahead, ref) < TOLERANCE[DTYPE]
         torch.testing.assert_close(ahead, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_attention_with_unwritten_scratch_is_exact(mode: str, fused: bool, monkeypatch) -> None:
+    """The partials and log-sums start as NaN (what a graph's pool may hold from an earlier
+    layer): the merge reads only what the split programs wrote, an empty split's log-sum
+    and partial included. Splits past most requests' keys (8 of them over 0-90 keys),
+    padding tokens, a request with no keys."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(triton_decode.torch, "empty", poisoned)
+    requests = DECODE_REQUESTS if mode == "decode" else VERIFY_REQUESTS
+    inputs = make_inputs(mode, requests, 4, seed=12)
+    out = run(inputs, 8, {"FUSED_MERGE": fused})
+    assert not out.isnan().any(), "a NaN partial or log-sum reached the output"
+    assert relative_error(out, reference(inputs, mode)) < TOLERANCE[DTYPE]
