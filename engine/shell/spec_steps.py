@@ -47,7 +47,11 @@ class SpeculativeSteps(DecodeSteps):
         # Drafts fit the pool's free slots (a plan's held slots count: a verify pass drops
         # the plan), handed out in batch order. A tree that did not fit would make the step
         # retract a request (or finish one alone in the pool) where a decode pass goes on.
-        trees = spec.propose(running, self.book.num_available + self.ahead.num_held)
+        # Where a pass launched ahead decodes this step, drafts found now wait for the next
+        # step, which proposes again: whether any request drafts is all this step needs
+        # (a probe), unless the verify pass after this one is launched on them (`_verify_ahead`).
+        waits = self.ahead.launched and not (self.config.verify_ahead and self.launch_ahead)
+        trees = spec.propose(running, self.book.num_available + self.ahead.num_held, waits)
         if trees is not None:  # None: nothing drafted (most steps of free text)
             trees = self.grammars.prune(trees, running.rids.tolist())  # drafts grammars allow
             if trees.sizes.total == len(running):

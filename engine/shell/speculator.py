@@ -94,20 +94,23 @@ class Speculator:
         fixed = self.config.draft_cost
         return self.cost.draft_cost(batch) if fixed is None else fixed
 
-    def propose(self, running: Running, free_slots: int) -> DraftTrees | None:
+    def propose(self, running: Running, free_slots: int, probe: bool = False) -> DraftTrees | None:
         """A draft tree per request (a root alone where nothing matches); its drafts, all
         trees together, fit in `free_slots` beside one token per request. None where no
         request drafts (most steps of free text): no trees are built then, and where every
         budget is 0 (requests that gain nothing from drafting) or no request's last tokens
-        occurred before (`NgramProposer.may_draft`) the proposer is not asked for trees."""
+        occurred before (`NgramProposer.may_draft`) the proposer is not asked for trees.
+        `probe`: only whether some request drafts, so each tree holds its best draft alone
+        (a step whose drafts wait for the next one, which proposes again)."""
         rids = running.rids.tolist()
         adaptive = [self.stats.budget(u) for u in rids]
         if not self._drafting(rids, adaptive):
             return None  # no budget, or no request's last tokens occurred before
+        budgets = self.budgets(running, adaptive)
+        if probe:
+            budgets = np.minimum(budgets, 1)
         return self.proposer.draft_batch(
-            rids,
-            self.budgets(running, adaptive).tolist(),
-            total_drafts=max(free_slots - len(running), 0),
+            rids, budgets.tolist(), total_drafts=max(free_slots - len(running), 0)
         )
 
     def will_draft(self, running: Running) -> bool:

@@ -60,16 +60,17 @@ def draft_in_turns(engine: Engine, drafts: int = 2, turn: int = 3) -> None:
     assert spec is not None
     asked = [0]
 
-    def propose(running, free_slots):
+    def propose(running, free_slots, probe=False):
         asked[0] += 1
         count = len(running)
         if asked[0] % turn == 1 or free_slots < count * (drafts + 1):
             return None
         roots = running.last_tokens.tolist()
         vocab = engine.runtime.vocab_size
+        chain = 1 if probe else drafts  # a probe: each tree's best draft alone
         return DraftTrees.from_lists(
-            [[r, *((r + k) % vocab for k in range(1, drafts + 1))] for r in roots],
-            [[-1, *range(drafts)]] * count,
+            [[r, *((r + k) % vocab for k in range(1, chain + 1))] for r in roots],
+            [[-1, *range(chain)]] * count,
         )
 
     spec.propose = propose

@@ -300,6 +300,38 @@ def test_requests_at_budget_zero_are_not_proposed_for(assert_all_free):
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("verify_ahead", [False, True])
+def test_drafts_that_wait_for_a_pass_launched_ahead_are_only_probed(verify_ahead, assert_all_free):
+    """Where a decode pass launched ahead runs the step, drafts found then wait for the next
+    step, which proposes again: the step asks only whether any request drafts (each tree its
+    best draft alone), unless the verify pass after it is launched on them (`verify_ahead`:
+    whole trees). Greedy outputs stay those of plain decoding."""
+    prompts = _repetitive_prompts(7, 3)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = [c.token_ids for c in _tiny().generate(prompts, params)]
+    engine = _tiny(speculative=True, launch_ahead=True, verify_ahead=verify_ahead)
+    spec = engine.spec
+    propose = spec.propose
+    asked: list[tuple[bool, bool, int]] = []  # (probe, launched ahead, most drafts a tree)
+
+    def noted(running, free_slots, probe=False):
+        trees = propose(running, free_slots, probe)
+        most = 0 if trees is None else int(trees.sizes.lens.max()) - 1
+        asked.append((probe, engine.ahead.launched, most))
+        return trees
+
+    spec.propose = noted
+    requests, _ = _run_checked(engine, prompts, params)
+    assert _outputs(requests) == [tuple(t) for t in expected]
+    probes = [most for probe, _, most in asked if probe]
+    assert all(probe == (launched and not verify_ahead) for probe, launched, _ in asked)
+    assert all(most <= 1 for most in probes)
+    if not verify_ahead:
+        assert any(most == 1 for most in probes), "no step probed drafts that wait"
+    assert any(most > 1 for probe, _, most in asked if not probe)
+    assert_all_free(engine)
+
+
 @pytest.mark.parametrize(
     ("settings", "min_match"),
     [

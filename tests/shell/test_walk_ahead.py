@@ -152,7 +152,8 @@ def _oracle(engine: Engine, reference: list[list[int]], turns: tuple = TURNS) ->
     vocab = engine.runtime.vocab_size
     asked, kinds = [0], []
 
-    def propose(running, free_slots):
+    def propose(running, free_slots, probe=False):
+        # a probe gets the whole tree too: the step that probes asks only whether it is None
         kind = turns[asked[0] % len(turns)]
         asked[0] += 1
         if kind == "nothing" or free_slots < 4 * len(running):
