@@ -49,8 +49,8 @@ class SpeculativeSteps(DecodeSteps):
         # retract a request (or finish one alone in the pool) where a decode pass goes on.
         # Where a pass launched ahead decodes this step, drafts found now wait for the next
         # step, which proposes again: whether any request drafts is all this step needs
-        # (a probe), unless the verify pass after this one is launched on them (`_verify_ahead`).
-        waits = self.ahead.launched and not (self.config.verify_ahead and self.launch_ahead)
+        # (a probe), unless the verify pass after this one may be launched on them.
+        waits = self.ahead.launched and not self._verifies_ahead()
         trees = spec.propose(running, self.book.num_available + self.ahead.num_held, waits)
         if trees is not None:  # None: nothing drafted (most steps of free text)
             trees = self.grammars.prune(trees, running.rids.tolist())  # drafts grammars allow
@@ -218,7 +218,7 @@ class SpeculativeSteps(DecodeSteps):
         Returns whether it was launched (else the decode pass after this one is planned)."""
         sampled = launched.sampled
         if (
-            not (self.config.verify_ahead and self.launch_ahead)
+            not self._verifies_ahead()
             or sampled is None
             or not self._launches_before_outputs(open_pass.batch.running)
         ):
@@ -301,6 +301,11 @@ class SpeculativeSteps(DecodeSteps):
         assert held is not None
         ahead.rebatch(self.machine.schedule_decode(running, held.batch.out_slots))
         ahead.launch(lambda p: self.passes.launch(p.batch, p))
+
+    def _verifies_ahead(self) -> bool:
+        """Whether a step whose drafts wait may launch the verify pass on them after its
+        decode pass (`_verify_ahead`): `verify_ahead`, with passes launched ahead."""
+        return self.config.verify_ahead and self.launch_ahead
 
     def _launches_before_outputs(self, running: Running | None = None) -> bool:
         """Whether the next pass of `running` (default: the running requests) may launch
