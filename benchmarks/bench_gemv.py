@@ -19,7 +19,7 @@ down) as the model launches them, with x and the weight tiles loaded flat (the d
 in 3-d blocks (LOAD_3D, `ENGINE_ROWS_LOAD_3D=1`), with each one's error against float64.
 
     python3 benchmarks/bench_gemv.py --fused [--shapes smollm2_135m --dtype float32]
-                                     [--max-weight-elements 134217728]
+                                     [--max-weight-elements 33554432]
 
 `--fused` times instead the products that follow a norm (qkv, gate_up: RMSNorm with the
 residual add) or SiLU*mul (down): the op then `linear` (two launches) against the kernel
@@ -420,8 +420,8 @@ def main() -> None:
         "--max-weight-elements",
         type=int,
         default=gemv.MAX_WEIGHT_ELEMENTS,
-        help="the largest weight the one-row kernel takes (gemv.MAX_WEIGHT_ELEMENTS): raise "
-        "it to time the kernel, and the ops fused into it, on weights cuBLAS takes now",
+        help="the largest weight the one-row kernel takes (gemv.MAX_WEIGHT_ELEMENTS): lower "
+        "it to time the op set with cuBLAS's products on the weights above it",
     )
     args = parser.parse_args()
     if args.wide and not args.sweep:

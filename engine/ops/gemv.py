@@ -21,13 +21,16 @@ from engine import pdl
 from engine.ops.gemv_kernels import NORM, PLAIN, SILU, gemv_kernel, gemv_rows_kernel
 
 MAX_ROWS = 16  # x rows the kernel accepts (a verify pass of a 12-draft tree has 13)
-# `linear` takes the kernel for one row and weights up to MAX_WEIGHT_ELEMENTS. Measured on the
-# H200 (bench_gemv.py, docs/benchmarks.md): at one row qkv (25M elements) runs at 1.05-1.07x
-# and o_proj (17M) at 1.10-1.11x cuBLAS's speed, but gate_up (117M) at 0.99x and down (59M)
-# at 0.90x, where cuBLAS already streams at ~4 TB/s; at 2 and 4 rows the one-row kernel
-# re-reads the weights per row and falls to 0.24-0.74x, so bf16 rows stay with cuBLAS.
+# `linear` takes the kernel for one row and weights up to MAX_WEIGHT_ELEMENTS: every weight
+# measured. At one row (`bench_gemv.py --rows 1 --max-weight-elements 1073741824`,
+# docs/benchmarks.md) Llama-3-8B's products run at 0.98-1.16x cuBLAS's speed on an H100 (the
+# output layer, 525M elements, 1.06x), and a batch-1 decode pass of that shape whose products
+# all run in the kernel takes 0.97 of its time with gate_up and down on cuBLAS (the norm and
+# SiLU*mul inside the products, no split-K reduce launch; PDL off: `pdl.for_pass`). At 2 and
+# 4 rows the one-row kernel re-reads the weights per row and falls to 0.24-0.74x, so bf16
+# rows stay with cuBLAS.
 LINEAR_ROWS = 1
-MAX_WEIGHT_ELEMENTS = 32 * 2**20
+MAX_WEIGHT_ELEMENTS = 2**30
 # float32 products of 2..MAX_ROWS rows (a small model's verify pass: 13) go to the all-rows
 # kernel up to ROWS_MAX_WEIGHT_ELEMENTS: cuBLAS runs them on SIMT tiles with a split-K reduce.
 # On the H200 at SmolLM2-135M's shapes and 13 rows (`bench_gemv.py --shapes smollm2_135m
@@ -47,8 +50,8 @@ ROWS_BLOCK_N = 8
 ROWS_SILU_BLOCK_N = 16
 ROWS_PRODUCTS = 512
 ROWS_LOOP_STAGES = 8
-# float32 rows on a wider weight, past ROWS_MAX_WEIGHT_ELEMENTS up to MAX_WEIGHT_ELEMENTS (a
-# small model's output layer: SmolLM2-135M's 49152 x 576), take the all-rows kernel with
+# float32 rows on a wider weight, past ROWS_MAX_WEIGHT_ELEMENTS up to ROWS_WIDE_MAX_WEIGHT_ELEMENTS
+# (a small model's output layer: SmolLM2-135M's 49152 x 576), take the all-rows kernel with
 # ROWS_WIDE_CONFIG (None: cuBLAS's product). Swept on an H100 at that shape (`bench_gemv.py
 # --shapes smollm2_135m --dtype float32 --rows 8,13 --only lm_head --sweep --wide`, 108
 # launches: tiles of 8-256 columns by 4-64 keys, 4 or 8 warps, 1-8 key steps in flight, loads
@@ -57,6 +60,7 @@ ROWS_LOOP_STAGES = 8
 # fastest there, 64 x 16 with 4 steps, 57.0). The launches of `rows_config` took 65.3 and
 # 116.3 us: its 6144 programs run unpipelined.
 ROWS_WIDE_CONFIG: dict | None = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, LOOP_STAGES=8)
+ROWS_WIDE_MAX_WEIGHT_ELEMENTS = 32 * 2**20  # the widest weight timed so is 28M elements
 
 
 def _switch(name: str) -> bool:
@@ -378,12 +382,12 @@ def kernel_takes(rows: int, dtype: torch.dtype, weight_shape: tuple[int, ...]) -
     """Whether a product of `rows` x rows of `dtype` with a weight of `weight_shape` (N, K)
     runs in the package's kernels on CUDA (`linear_config` gives it a launch): one row of any
     dtype with weights up to MAX_WEIGHT_ELEMENTS, or float32 up to MAX_ROWS rows with weights
-    up to ROWS_MAX_WEIGHT_ELEMENTS (MAX_WEIGHT_ELEMENTS with ROWS_WIDE_CONFIG); cuBLAS's
+    up to ROWS_MAX_WEIGHT_ELEMENTS (ROWS_WIDE_MAX_WEIGHT_ELEMENTS with ROWS_WIDE_CONFIG); cuBLAS's
     elsewhere."""
     elements = weight_shape[0] * weight_shape[1]
     if rows == LINEAR_ROWS:
         return elements <= MAX_WEIGHT_ELEMENTS
-    wide = ROWS_WIDE_CONFIG is not None and elements <= MAX_WEIGHT_ELEMENTS
+    wide = ROWS_WIDE_CONFIG is not None and elements <= ROWS_WIDE_MAX_WEIGHT_ELEMENTS
     return (
         dtype == torch.float32
         and LINEAR_ROWS < rows <= MAX_ROWS

@@ -310,8 +310,13 @@ class GraphRunner:
 
     def _package_products(self, rows: int) -> bool:
         """Whether the package's matrix kernels run every product of the layers in a pass of
-        `rows` rows (`kernel_takes`)."""
-        return all(kernel_takes(rows, w.dtype, tuple(w.shape)) for w in self.model.layer_products())
+        `rows` rows (`kernel_takes`), none on a weight past `pdl.AUTO_MAX_WEIGHT_ELEMENTS`
+        (what `pdl.for_pass` is told)."""
+        return all(
+            kernel_takes(rows, w.dtype, tuple(w.shape))
+            and w.numel() <= pdl.AUTO_MAX_WEIGHT_ELEMENTS
+            for w in self.model.layer_products()
+        )
 
     def _forward(self, graph: CapturedPass, metadata: ForwardMetadata) -> torch.Tensor:
         with pdl.running(self.pdl[graph.key]):

@@ -35,8 +35,8 @@ def test_gemv_matches_linear(dtype, rows, n, k):
 
 def test_linear_takes_the_kernel_where_cublas_is_slower():
     """One row of any dtype up to MAX_WEIGHT_ELEMENTS; float32 up to MAX_ROWS rows (cuBLAS:
-    SIMT tiles and a split-K reduce) up to ROWS_MAX_WEIGHT_ELEMENTS; bf16 from two rows on
-    stays with cuBLAS."""
+    SIMT tiles and a split-K reduce) up to ROWS_MAX_WEIGHT_ELEMENTS, or with the wide launch
+    up to ROWS_WIDE_MAX_WEIGHT_ELEMENTS; bf16 from two rows on stays with cuBLAS."""
     small, rows_large, large = (1536, 576), (49152, 576), (gemv.MAX_WEIGHT_ELEMENTS + 1, 1)
     sms = 132
     assert gemv.linear_config(1, torch.bfloat16, small, sms) == gemv.GEMV_CONFIG
@@ -52,16 +52,27 @@ def test_linear_takes_the_kernel_where_cublas_is_slower():
     assert gemv.linear_config(gemv.MAX_ROWS + 1, torch.float32, small, sms) is None
     assert gemv.linear_config(13, torch.bfloat16, small, sms) is None
     assert gemv.linear_config(1, torch.float32, large, sms) is None
+    # a large model's widest layer product (Llama-3-8B's gate_up): one row in the kernel, its
+    # 3584 programs unpipelined; float32 rows on it past the wide launch's limit with cuBLAS
+    gate_up = (28672, 4096)
+    assert gemv.linear_config(1, torch.bfloat16, gate_up, sms) == dict(
+        gemv.GEMV_CONFIG, LOOP_STAGES=1
+    )
+    assert gemv.linear_config(13, torch.float32, gate_up, sms) is None
     assert gemv.linear_config(0, torch.float32, small, sms) is None
 
 
 def test_the_rows_limits_stand_apart(monkeypatch):
     """Lowering the one-row limit (MAX_WEIGHT_ELEMENTS) below a weight leaves float32 rows on
-    it with the all-rows kernel while it is within ROWS_MAX_WEIGHT_ELEMENTS."""
+    it with the all-rows kernel while it is within ROWS_MAX_WEIGHT_ELEMENTS, or within
+    ROWS_WIDE_MAX_WEIGHT_ELEMENTS for the wide launch, whose limit is its own."""
     monkeypatch.setattr(gemv, "MAX_WEIGHT_ELEMENTS", 1536 * 576 - 1)
     assert not gemv.kernel_takes(1, torch.float32, (1536, 576))
     assert gemv.kernel_takes(13, torch.float32, (1536, 576))
+    assert gemv.kernel_takes(13, torch.float32, (49152, 576))
+    monkeypatch.setattr(gemv, "ROWS_WIDE_MAX_WEIGHT_ELEMENTS", 49152 * 576 - 1)
     assert not gemv.kernel_takes(13, torch.float32, (49152, 576))
+    assert gemv.kernel_takes(13, torch.float32, (1536, 576))
 
 
 def test_wide_weights_of_float32_rows_stay_with_cublas_without_a_wide_launch(monkeypatch):

@@ -99,9 +99,10 @@ def test_batch_sizes_cover_every_batch_up_to_the_maximum():
 
 def test_each_graph_runs_under_the_pdl_setting_of_its_pass(monkeypatch):
     """Under `auto`, a graph pass whose layers' products all run in the package's matrix
-    kernels runs with PDL (`top`): on every launch up to `pdl.AUTO_MAX_ROWS` rows, on every
-    launch but the products up to `pdl.AUTO_BESIDE_MAX_ROWS`; any other off. A mode set for
-    the process applies to every pass."""
+    kernels, none on a weight past `pdl.AUTO_MAX_WEIGHT_ELEMENTS`, runs with PDL (`top`): on
+    every launch up to `pdl.AUTO_MAX_ROWS` rows, on every launch but the products up to
+    `pdl.AUTO_BESIDE_MAX_ROWS`; any other off. A mode set for the process applies to every
+    pass."""
     runner = tiny_engine().runner
 
     def settings(mode: Mode, width: int = 3) -> dict:
@@ -116,11 +117,18 @@ def test_each_graph_runs_under_the_pdl_setting_of_its_pass(monkeypatch):
         assert settings(Mode.VERIFY, 8) == {1: on, 2: off, 4: off}  # 8, 16 and 32 rows
         assert settings(Mode.VERIFY, 13) == {1: beside, 2: off, 4: off}  # 13, 26, 52 rows
         largest = max(w.numel() for w in runner.model.layer_products())
+        # a product of the layers on a weight larger than PDL was measured to pay on (a
+        # large model's: its launches of many programs lose with PDL)
+        with monkeypatch.context() as patched:
+            patched.setattr(pdl, "AUTO_MAX_WEIGHT_ELEMENTS", largest - 1)
+            assert settings(Mode.DECODE) == {1: off, 2: off, 4: off}
+            assert settings(Mode.VERIFY) == {1: off, 2: off, 4: off}
         # one product of the layers goes to cuBLAS at one row
         monkeypatch.setattr(gemv, "MAX_WEIGHT_ELEMENTS", largest - 1)
         assert settings(Mode.DECODE) == {1: off, 2: on, 4: on}
         # and at every row count
         monkeypatch.setattr(gemv, "ROWS_MAX_WEIGHT_ELEMENTS", largest - 1)
+        monkeypatch.setattr(gemv, "ROWS_WIDE_MAX_WEIGHT_ELEMENTS", largest - 1)
         assert settings(Mode.DECODE) == {1: off, 2: off, 4: off}
         assert settings(Mode.VERIFY) == {1: off, 2: off, 4: off}
     with pdl.using("late"):
