@@ -23,8 +23,9 @@ verify passes of 2, 4 and 8 rows at batch 1 14-18% faster, but its passes of 13 
 1-13% slower (the all-rows kernel holds 16 rows there; its launches run longer after a PDL
 wait); every mode made a batch-1 decode pass of random Llama-3-8B 4-9% slower, with cuBLAS's
 products between the package's kernels, and `top` 20% slower with every product the
-package's (an H100: 6.95 against 5.79 ms; its gate_up launch is 3584 programs, 27 an SM,
-whose later ones wait behind the next kernel's programs that PDL started early).
+package's (an H100: 6.95 against 5.79 ms; not traced: its gate_up launch of 3584 programs,
+27 an SM, runs in many waves, beside which the next kernel's programs, started early, hold
+places on the SMs).
 `ENGINE_PDL=<setting>` sets a process's setting (`auto` or one mode for every launch),
 `using(setting)` a block's (a CUDA graph keeps the launches it captured), so benchmarks
 compare them in one run.
