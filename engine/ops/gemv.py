@@ -25,10 +25,10 @@ MAX_ROWS = 16  # x rows the kernel accepts (a verify pass of a 12-draft tree has
 # measured. At one row (`bench_gemv.py --rows 1 --max-weight-elements 1073741824`,
 # docs/benchmarks.md) Llama-3-8B's products run at 0.98-1.16x cuBLAS's speed on an H100 (the
 # output layer, 525M elements, 1.06x), and a batch-1 decode pass of that shape whose products
-# all run in the kernel takes 0.97 of its time with gate_up and down on cuBLAS (the norm and
-# SiLU*mul inside the products, no split-K reduce launch; PDL off: `pdl.for_pass`). At 2 and
-# 4 rows the one-row kernel re-reads the weights per row and falls to 0.24-0.74x, so bf16
-# rows stay with cuBLAS.
+# all run in the kernel takes 0.96-0.97 of its time with gate_up and down on cuBLAS (two
+# H100s; the norm and SiLU*mul inside the products, no split-K reduce launch; PDL off:
+# `pdl.for_pass`). At 2 and 4 rows the one-row kernel re-reads the weights per row and falls
+# to 0.24-0.74x, so bf16 rows stay with cuBLAS.
 LINEAR_ROWS = 1
 MAX_WEIGHT_ELEMENTS = 2**30
 # float32 products of 2..MAX_ROWS rows (a small model's verify pass: 13) go to the all-rows
