@@ -265,7 +265,7 @@ class GraphRunner:
         }
         rows = {size: size * self.per_request for size in self.sizes}
         self.pdl = {
-            size: pdl.for_pass(rows[size], self._package_products(rows[size]))
+            size: pdl.for_pass(rows[size], self._small_package_products(rows[size]))
             for size in self.sizes
         }
         # Capture allocates from torch's caching allocator; without it (as under memcheck with
@@ -308,7 +308,7 @@ class GraphRunner:
         fits = (self.graphs[t] for t in self.sizes[at:])
         return next((g for g in fits if g.batch_size >= requests), None)
 
-    def _package_products(self, rows: int) -> bool:
+    def _small_package_products(self, rows: int) -> bool:
         """Whether the package's matrix kernels run every product of the layers in a pass of
         `rows` rows (`kernel_takes`), none on a weight past `pdl.AUTO_MAX_WEIGHT_ELEMENTS`
         (what `pdl.for_pass` is told)."""
