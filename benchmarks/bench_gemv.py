@@ -17,6 +17,8 @@ launches for a wide weight (`--only lm_head`: the output layer), compiled in par
 the all-rows launches a verify pass makes (norm + qkv, o_proj, norm + gate_up + SiLU*mul,
 down) as the model launches them, with x and the weight tiles loaded flat (the default) and
 in 3-d blocks (LOAD_3D, `ENGINE_ROWS_LOAD_3D=1`), with each one's error against float64.
+`--sweep-verify` (float32 rows) times those launches at every tile, warp count and key steps
+in flight of `verify_space`, and prints the fastest per product and in sum over them.
 
     python3 benchmarks/bench_gemv.py --fused [--shapes smollm2_135m --dtype float32]
                                      [--max-weight-elements 33554432]
@@ -188,7 +190,7 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
                 runs = fused_ops.silu_mul_linear(x, weights[0])
             all_rows = config is not None and config.get("all_rows")
             if all_rows and name == "gate_up":  # the model's launch: SiLU*mul after it too
-                config = gemv.rows_config(n // 2, sms, silu_mul=True)
+                config = gemv.rows_config(n // 2, sms, True, rows)
 
                 def apart(x, w):
                     normed, _ = fused_ops.add_rms_norm(x, residual, norm_w, 1e-5)
@@ -276,7 +278,7 @@ def silu_after(shapes: dict, dtype: torch.dtype, rows_list: list[int], sms: int)
         def apart(x, w):
             return fused_ops.silu_mul(fused_ops.linear(x, w))
 
-        one_config = gemv.rows_config(n // 2, sms, silu_mul=True)
+        one_config = gemv.rows_config(n // 2, sms, True, rows)
 
         def one(x, w, c=one_config):
             return gemv.gemv_silu(x, w, c)
@@ -322,7 +324,7 @@ def compare_loop_stages(shapes: dict, dtype: torch.dtype, rows_list: list[int]) 
         torch.cuda.empty_cache()
 
 
-def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
+def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor, rows: int = gemv.MAX_ROWS):
     """(the model's all-rows launch, the call as a verify pass makes it, its float64 value)
     for the product `name` of weight [n, K]: the norm inside qkv, the norm and SiLU*mul
     around gate_up, plain o_proj and down."""
@@ -339,17 +341,18 @@ def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
             return F.silu(gate) * F.linear(normed(a), w[n // 2 :].double())
 
         return (
-            gemv.rows_config(n // 2, sms, silu_mul=True),
+            gemv.rows_config(n // 2, sms, True, rows),
             lambda a, w, c: gemv.norm_gemv_silu(a, None, norm_w, eps, w, c)[0],
             silu_after,
         )
     if name == "qkv":
         return (
-            gemv.rows_config(n, sms),
+            gemv.rows_config(n, sms, rows=rows),
             lambda a, w, c: gemv.norm_gemv(a, None, norm_w, eps, w, c)[0],
             lambda a, w: F.linear(normed(a), w.double()),
         )
-    return gemv.rows_config(n, sms), gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
+    plain = gemv.rows_config(n, sms, rows=rows)
+    return plain, gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
 
 
 # the all-rows launch's variants `--load-3d` times: its overrides
@@ -378,8 +381,9 @@ def compare_load_3d(shapes: dict, rows_list: list[int]) -> None:
         copies = max(2, -(-512 * 2**20 // (n * k * 4)))
         weights = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
         norm_w = torch.rand(k, device="cuda") + 0.5
-        model, call, exact = verify_launch(name, n, sms, norm_w)
+        _, call, exact = verify_launch(name, n, sms, norm_w)
         for rows in rows_list:
+            model = verify_launch(name, n, sms, norm_w, rows)[0]
             x = torch.randn(rows, k, device="cuda")
             want = exact(x, weights[0])
             times, errors = [], []
@@ -400,6 +404,132 @@ def compare_load_3d(shapes: dict, rows_list: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+# `--sweep-verify`'s space: tiles of 128-1024 products a row a key step, 4 or 8 warps, 4-12
+# key steps in flight
+VERIFY_TILES = (
+    (2, 64),
+    (2, 128),
+    (4, 32),
+    (4, 64),
+    (4, 128),
+    (8, 16),
+    (8, 32),
+    (8, 64),
+    (8, 128),
+    (16, 16),
+    (16, 32),
+    (16, 64),
+    (32, 16),
+    (32, 32),
+)
+
+
+def verify_space(model: dict) -> list[dict]:
+    """The all-rows launches `--sweep-verify` times for a product whose model launch is
+    `model` (`rows_config`'s: its LOAD_3D and num_stages kept)."""
+    return [
+        dict(model, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, LOOP_STAGES=stages)
+        for (bn, bk), warps, stages in itertools.product(VERIFY_TILES, (4, 8), (4, 8, 12))
+    ]
+
+
+def _compile_verify(job: tuple[str, int, int, int, list[dict]]) -> None:
+    """Run each config once as the verify pass launches the product `name` (a process of
+    `sweep_verify`'s pool): Triton's cache then holds their code."""
+    name, rows, n, k, space = job
+    sms = torch.cuda.get_device_properties().multi_processor_count
+    _, call, _ = verify_launch(name, n, sms, torch.ones(k, device="cuda"))
+    x, w = torch.zeros(rows, k, device="cuda"), torch.zeros(n, k, device="cuda")
+    for config in space:
+        try:
+            call(x, w, config)
+        except Exception:  # reported by the sweep, which makes the same call
+            continue
+    torch.cuda.synchronize()
+
+
+def sweep_verify(shapes: dict, rows_list: list[int]) -> None:
+    """float32 rows: each launch a verify pass makes (`verify_launch`: the norm inside qkv,
+    the norm and SiLU*mul around gate_up, plain o_proj and down) at every launch of
+    `verify_space`, compiled in parallel first; per product and row count the model's launch
+    and the five fastest, then per row count the launch fastest in sum over the products
+    (with SiLU*mul, `silu` apart: gate_up's launch has its own columns a program)."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    sms = torch.cuda.get_device_properties().multi_processor_count
+    names = ("qkv", "o_proj", "gate_up", "down")
+    launches = {
+        name: verify_launch(name, shapes[name][0], sms, torch.ones(shapes[name][1], device="cuda"))
+        for name in names
+    }
+    jobs = [
+        (name, rows, *shapes[name], chunk)
+        for name in names
+        for rows in rows_list
+        for chunk in (verify_space(launches[name][0])[i::4] for i in range(4))
+    ]
+    workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_verify, jobs))
+    totals: dict[tuple[int, str], dict[str, float]] = {}  # (rows, plain|silu) -> config -> us
+    summary = []
+    for name in names:
+        n, k = shapes[name]
+        copies = max(2, -(-512 * 2**20 // (n * k * 4)))
+        weights = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
+        norm_w = torch.rand(k, device="cuda") + 0.5
+        _, call, exact = verify_launch(name, n, sms, norm_w)
+        group = "silu" if name == "gate_up" else "plain"
+        for rows in rows_list:
+            model = verify_launch(name, n, sms, norm_w, rows)[0]
+            x = torch.randn(rows, k, device="cuda")
+            want = exact(x, weights[0])
+            t_model = time_calls(lambda a, w: call(a, w, model), weights, x)
+            timed = []
+            for config in verify_space(model):
+                try:
+                    got = call(x, weights[0], config).double()
+                except Exception as exc:  # a config the compiler refuses
+                    print(name, rows, config, type(exc).__name__)
+                    continue
+                error = ((got - want).abs().max() / want.abs().max()).item()
+                assert error < 1e-4, (name, rows, config, error)
+                t = time_calls(lambda a, w, c=config: call(a, w, c), weights, x)
+                timed.append((t, config))
+                key = json.dumps(config, sort_keys=True)
+                totals.setdefault((rows, group), {}).setdefault(key, 0.0)
+                totals[(rows, group)][key] += t
+            timed.sort(key=lambda entry: entry[0])
+            print(f"{name} {n} x {k}, {rows} rows: model's launch {t_model * 1e6:.2f} us")
+            for t, config in timed[:5]:
+                print(f"    {t * 1e6:.2f} us {_launch_text(config)}", flush=True)
+            summary.append((name, rows, t_model, timed[0]))
+        del weights
+        torch.cuda.empty_cache()
+    print("\n| product | rows | model's launch us | fastest swept us | its launch |")
+    print("|---|---|---|---|---|")
+    for name, rows, t_model, (t, config) in summary:
+        print(f"| {name} | {rows} | {t_model * 1e6:.2f} | {t * 1e6:.2f} | {_launch_text(config)} |")
+    for (rows, group), times in sorted(totals.items()):
+        key, total = min(times.items(), key=lambda entry: entry[1])
+        models = sum(
+            t for name, r, t, _ in summary if r == rows and (name == "gate_up") == (group == "silu")
+        )
+        print(
+            f"{rows} rows, {group}: fastest in sum {total * 1e6:.2f} us (the model's "
+            f"{models * 1e6:.2f}): {_launch_text(json.loads(key))}"
+        )
+
+
+def _launch_text(config: dict) -> str:
+    return (
+        f"{config['BLOCK_N']} x {config['BLOCK_K']}, {config['num_warps']} warps, "
+        f"{config['LOOP_STAGES']} steps"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true")
@@ -413,6 +543,12 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true")
     parser.add_argument("--loop-stages", action="store_true")
     parser.add_argument("--load-3d", action="store_true")
+    parser.add_argument(
+        "--sweep-verify",
+        action="store_true",
+        help="float32 rows: the all-rows launches a verify pass makes, each at every launch "
+        "of a space of tiles, warps and key steps in flight (compiled in parallel first)",
+    )
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama3_8b")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -426,7 +562,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.wide and not args.sweep:
         parser.error("--wide widens --sweep's space; give --sweep too")
-    if args.only and (args.fused or args.load_3d or args.loop_stages):
+    if args.only and (args.fused or args.load_3d or args.loop_stages or args.sweep_verify):
         parser.error(
             "--only picks the shapes of the main table and --sweep, not of --fused, "
             "--load-3d or --loop-stages"
@@ -445,6 +581,11 @@ def main() -> None:
         if dtype != torch.float32:
             parser.error("--load-3d times the all-rows kernel, which takes float32 rows")
         compare_load_3d(SHAPES[args.shapes], [int(r) for r in args.rows.split(",")])
+        return
+    if args.sweep_verify:
+        if dtype != torch.float32:
+            parser.error("--sweep-verify times the all-rows kernel, which takes float32 rows")
+        sweep_verify(SHAPES[args.shapes], [int(r) for r in args.rows.split(",")])
         return
     if args.loop_stages:
         compare_loop_stages(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])
@@ -465,7 +606,7 @@ def main() -> None:
             t_cublas = time_calls(F.linear, weights, x)
             t_ours = time_calls(gemv.gemv, weights, x)
             rows_config = gemv.rows_config(
-                n, torch.cuda.get_device_properties().multi_processor_count
+                n, torch.cuda.get_device_properties().multi_processor_count, rows=rows
             )
             t_rows = time_calls(lambda a, w: gemv.gemv(a, w, rows_config), weights, x)
             t_linear = time_calls(gemv.linear, weights, x)
