@@ -190,7 +190,7 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
                 runs = fused_ops.silu_mul_linear(x, weights[0])
             all_rows = config is not None and config.get("all_rows")
             if all_rows and name == "gate_up":  # the model's launch: SiLU*mul after it too
-                config = gemv.rows_config(n // 2, sms, True, rows)
+                config = gemv.rows_config(n // 2, sms, silu_mul=True)
 
                 def apart(x, w):
                     normed, _ = fused_ops.add_rms_norm(x, residual, norm_w, 1e-5)
@@ -278,7 +278,7 @@ def silu_after(shapes: dict, dtype: torch.dtype, rows_list: list[int], sms: int)
         def apart(x, w):
             return fused_ops.silu_mul(fused_ops.linear(x, w))
 
-        one_config = gemv.rows_config(n // 2, sms, True, rows)
+        one_config = gemv.rows_config(n // 2, sms, silu_mul=True)
 
         def one(x, w, c=one_config):
             return gemv.gemv_silu(x, w, c)
@@ -324,7 +324,7 @@ def compare_loop_stages(shapes: dict, dtype: torch.dtype, rows_list: list[int]) 
         torch.cuda.empty_cache()
 
 
-def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor, rows: int = gemv.MAX_ROWS):
+def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
     """(the model's all-rows launch, the call as a verify pass makes it, its float64 value)
     for the product `name` of weight [n, K]: the norm inside qkv, the norm and SiLU*mul
     around gate_up, plain o_proj and down."""
@@ -341,18 +341,17 @@ def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor, rows: int =
             return F.silu(gate) * F.linear(normed(a), w[n // 2 :].double())
 
         return (
-            gemv.rows_config(n // 2, sms, True, rows),
+            gemv.rows_config(n // 2, sms, silu_mul=True),
             lambda a, w, c: gemv.norm_gemv_silu(a, None, norm_w, eps, w, c)[0],
             silu_after,
         )
     if name == "qkv":
         return (
-            gemv.rows_config(n, sms, rows=rows),
+            gemv.rows_config(n, sms),
             lambda a, w, c: gemv.norm_gemv(a, None, norm_w, eps, w, c)[0],
             lambda a, w: F.linear(normed(a), w.double()),
         )
-    plain = gemv.rows_config(n, sms, rows=rows)
-    return plain, gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
+    return gemv.rows_config(n, sms), gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
 
 
 # the all-rows launch's variants `--load-3d` times: its overrides
@@ -381,9 +380,8 @@ def compare_load_3d(shapes: dict, rows_list: list[int]) -> None:
         copies = max(2, -(-512 * 2**20 // (n * k * 4)))
         weights = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
         norm_w = torch.rand(k, device="cuda") + 0.5
-        _, call, exact = verify_launch(name, n, sms, norm_w)
+        model, call, exact = verify_launch(name, n, sms, norm_w)
         for rows in rows_list:
-            model = verify_launch(name, n, sms, norm_w, rows)[0]
             x = torch.randn(rows, k, device="cuda")
             want = exact(x, weights[0])
             times, errors = [], []
@@ -480,10 +478,9 @@ def sweep_verify(shapes: dict, rows_list: list[int]) -> None:
         copies = max(2, -(-512 * 2**20 // (n * k * 4)))
         weights = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
         norm_w = torch.rand(k, device="cuda") + 0.5
-        _, call, exact = verify_launch(name, n, sms, norm_w)
+        model, call, exact = verify_launch(name, n, sms, norm_w)
         group = "silu" if name == "gate_up" else "plain"
         for rows in rows_list:
-            model = verify_launch(name, n, sms, norm_w, rows)[0]
             x = torch.randn(rows, k, device="cuda")
             want = exact(x, weights[0])
             t_model = time_calls(lambda a, w: call(a, w, model), weights, x)
@@ -606,7 +603,7 @@ def main() -> None:
             t_cublas = time_calls(F.linear, weights, x)
             t_ours = time_calls(gemv.gemv, weights, x)
             rows_config = gemv.rows_config(
-                n, torch.cuda.get_device_properties().multi_processor_count, rows=rows
+                n, torch.cuda.get_device_properties().multi_processor_count
             )
             t_rows = time_calls(lambda a, w: gemv.gemv(a, w, rows_config), weights, x)
             t_linear = time_calls(gemv.linear, weights, x)

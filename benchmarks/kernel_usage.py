@@ -156,7 +156,7 @@ def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]
     launches: dict[str, Callable[[], object]] = {}
     for name, label in labels.items():
         n, k = SHAPES["smollm2_135m"][name]
-        model, call, _ = verify_launch(name, n, 132, torch.ones(k), 13)
+        model, call, _ = verify_launch(name, n, 132, torch.ones(k))
         config, x, w = dict(model, **extra), torch.zeros(13, k), torch.zeros(n, k)
         silu = " + SiLU*mul" if name == "gate_up" else ""
         launches[f"{label} {n} x {k}{silu}"] = functools.partial(call, x, w, config)

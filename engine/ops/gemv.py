@@ -46,11 +46,10 @@ ROWS_MAX_WEIGHT_ELEMENTS = 4 * 2**20
 # smollm2_135m --dtype float32 --rows 13`, docs/benchmarks.md): qkv 4.8, o_proj 4.6, down
 # 7.1 us, gate_up with SiLU*mul 7.4, against 4.9, 5.1, 7.0 and 8.6 before; the verify pass
 # 4% faster.
-# ROWS_LAUNCHES: (the most rows a launch serves, its (BLOCK_N, BLOCK_K, num_warps,
-# LOOP_STAGES) for a plain product, the same with SiLU*mul after the products), by row count.
-ROWS_LAUNCHES: tuple[tuple[int, tuple[int, int, int, int], tuple[int, int, int, int]], ...] = (
-    (MAX_ROWS, (8, 64, 4, 8), (16, 32, 4, 8)),
-)
+ROWS_BLOCK_N = 8
+ROWS_SILU_BLOCK_N = 16
+ROWS_PRODUCTS = 512
+ROWS_LOOP_STAGES = 8
 # float32 rows on a wider weight, past ROWS_MAX_WEIGHT_ELEMENTS up to ROWS_WIDE_MAX_WEIGHT_ELEMENTS
 # (a small model's output layer: SmolLM2-135M's 49152 x 576), take the all-rows kernel with
 # ROWS_WIDE_CONFIG (None: cuBLAS's product). Swept on an H100 at that shape (`bench_gemv.py
@@ -361,22 +360,19 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def rows_config(columns: int, num_sms: int, silu_mul: bool = False, rows: int = MAX_ROWS) -> dict:
-    """The all-rows kernel's launch for `rows` x rows against a weight of `columns` output
-    columns (with `silu_mul`: columns of SiLU*mul's output, each reading a gate and an up
-    row) on `num_sms` SMs: the tile, warps and key steps in flight of ROWS_LAUNCHES' first
-    entry serving `rows` (no steps in flight from PIPELINE_MAX_PROGRAMS_PER_SM programs an SM
-    on), loads in 3-d blocks with ROWS_LOAD_3D."""
-    if rows > MAX_ROWS:
-        raise ValueError(f"the all-rows kernel takes up to {MAX_ROWS} rows, not {rows}")
-    plain, silu = next((p, s) for most, p, s in ROWS_LAUNCHES if rows <= most)
-    block_n, block_k, warps, stages = silu if silu_mul else plain
+def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
+    """The all-rows kernel's launch for a weight of `columns` output columns (with
+    `silu_mul`: columns of SiLU*mul's output, each reading a gate and an up row) on `num_sms`
+    SMs: ROWS_BLOCK_N columns a program (ROWS_SILU_BLOCK_N with `silu_mul`), ROWS_PRODUCTS
+    products a row per key step, ROWS_LOOP_STAGES key steps in flight (none from
+    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on), loads in 3-d blocks with ROWS_LOAD_3D."""
+    block_n = ROWS_SILU_BLOCK_N if silu_mul else ROWS_BLOCK_N
     return dict(
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
+        BLOCK_K=ROWS_PRODUCTS // block_n,
+        num_warps=4,
         num_stages=3,
-        LOOP_STAGES=_loop_stages(stages, triton.cdiv(columns, block_n), num_sms),
+        LOOP_STAGES=_loop_stages(ROWS_LOOP_STAGES, triton.cdiv(columns, block_n), num_sms),
         LOAD_3D=ROWS_LOAD_3D,
         all_rows=True,
     )
@@ -416,7 +412,7 @@ def linear_config(
     if weight_shape[0] * weight_shape[1] > ROWS_MAX_WEIGHT_ELEMENTS:
         assert ROWS_WIDE_CONFIG is not None  # `kernel_takes` takes a wide weight only with it
         return dict(ROWS_WIDE_CONFIG, all_rows=True)
-    return rows_config(weight_shape[0], num_sms, rows=rows)
+    return rows_config(weight_shape[0], num_sms)
 
 
 def norm_config(config: dict, weight_shape: tuple[int, int], num_sms: int) -> dict:
@@ -490,8 +486,9 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     config = _kernel_config(x, weight)
     if config is None or not config.get("all_rows") or weight.shape[0] % 2:
         return None
-    launch = rows_config(weight.shape[0] // 2, _num_sms(x.device), True, x.shape[0])
-    return gemv_silu(x, weight, launch)
+    return gemv_silu(
+        x, weight, rows_config(weight.shape[0] // 2, _num_sms(x.device), silu_mul=True)
+    )
 
 
 def norm_linear_silu_mul(
@@ -512,5 +509,5 @@ def norm_linear_silu_mul(
         or (residual is not None and residual.stride(-1) != 1)
     ):
         return None
-    launch = rows_config(weight.shape[0] // 2, _num_sms(x.device), True, x.shape[0])
+    launch = rows_config(weight.shape[0] // 2, _num_sms(x.device), silu_mul=True)
     return norm_gemv_silu(x, residual, norm_weight, eps, weight, launch)

@@ -44,7 +44,7 @@ def test_linear_takes_the_kernel_where_cublas_is_slower():
     assert gemv.linear_config(1, torch.float32, rows_large, sms) == dict(
         gemv.GEMV_CONFIG, LOOP_STAGES=1
     )
-    assert gemv.linear_config(13, torch.float32, small, sms) == gemv.rows_config(1536, sms, rows=13)
+    assert gemv.linear_config(13, torch.float32, small, sms) == gemv.rows_config(1536, sms)
     assert gemv.linear_config(13, torch.float32, rows_large, sms) == dict(
         gemv.ROWS_WIDE_CONFIG, all_rows=True
     )
@@ -144,46 +144,12 @@ def test_rows_config_takes_the_measured_tiles():
     rows: 8 columns a program by 64 keys, 16 by 32 where SiLU*mul follows (its programs read
     a gate and an up tile), 8 key steps in flight; whatever the width, a tiny one too."""
     for n in (3072, 960, 576, 8):
-        plain, silu = gemv.rows_config(n, 132, rows=13), gemv.rows_config(n, 132, True, 13)
+        plain, silu = gemv.rows_config(n, 132), gemv.rows_config(n, 132, silu_mul=True)
         assert (plain["BLOCK_N"], plain["BLOCK_K"], plain["LOOP_STAGES"]) == (8, 64, 8)
         assert (silu["BLOCK_N"], silu["BLOCK_K"], silu["LOOP_STAGES"]) == (16, 32, 8)
         for config in (plain, silu):
-            assert config["num_warps"] == 4
+            assert config["BLOCK_N"] * config["BLOCK_K"] == gemv.ROWS_PRODUCTS
             assert config["all_rows"]
-
-
-def test_rows_config_serves_each_row_count_its_launch(monkeypatch):
-    """ROWS_LAUNCHES' first entry whose most rows hold the product's rows gives the launch;
-    past MAX_ROWS a clear error; the model's products ask with their own row count."""
-    monkeypatch.setattr(
-        gemv,
-        "ROWS_LAUNCHES",
-        ((8, (4, 128, 8, 4), (8, 64, 8, 4)), (gemv.MAX_ROWS, (8, 64, 4, 8), (16, 32, 4, 8))),
-    )
-    gemv.linear_config.cache_clear()
-    few, many = gemv.rows_config(960, 132, rows=8), gemv.rows_config(960, 132, rows=9)
-    assert (few["BLOCK_N"], few["BLOCK_K"], few["num_warps"], few["LOOP_STAGES"]) == (4, 128, 8, 4)
-    assert (many["BLOCK_N"], many["BLOCK_K"], many["num_warps"]) == (8, 64, 4)
-    silu = gemv.rows_config(1536, 132, True, 2)
-    assert (silu["BLOCK_N"], silu["BLOCK_K"], silu["num_warps"]) == (8, 64, 8)
-    with pytest.raises(ValueError, match="up to 16 rows, not 17"):
-        gemv.rows_config(960, 132, rows=17)
-    assert gemv.linear_config(8, torch.float32, (960, 576), 132) == few
-    assert gemv.linear_config(13, torch.float32, (960, 576), 132) == many
-    seen = []
-    monkeypatch.setattr(gemv, "_kernel_config", lambda x, w: dict(all_rows=True))
-    monkeypatch.setattr(gemv, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(gemv, "gemv_silu", lambda x, w, config: seen.append(config))
-    monkeypatch.setattr(
-        gemv, "norm_gemv_silu", lambda x, r, nw, eps, w, config: seen.append(config)
-    )
-    gemv.linear_silu_mul(torch.zeros(8, 64), torch.zeros(2 * 1536, 64))
-    gemv.norm_linear_silu_mul(torch.zeros(8, 64), None, torch.ones(64), 1e-5, torch.zeros(3072, 64))
-    gemv.linear_silu_mul(torch.zeros(13, 64), torch.zeros(2 * 1536, 64))
-    assert seen == [gemv.rows_config(1536, 132, True, 8)] * 2 + [
-        gemv.rows_config(1536, 132, True, 13)
-    ]
-    gemv.linear_config.cache_clear()
 
 
 def test_rows_config_loads_3d_blocks_where_asked(monkeypatch):
@@ -214,7 +180,7 @@ def test_the_model_runs_silu_after_gate_up_with_the_silu_launch(monkeypatch):
     monkeypatch.setattr(gemv, "_num_sms", lambda device: 2)
     monkeypatch.setattr(gemv, "gemv_silu", lambda x, w, config: seen.append(config))
     gemv.linear_silu_mul(torch.zeros(13, 64), torch.zeros(2 * 48, 64))
-    assert seen == [gemv.rows_config(48, 2, True, 13)]
+    assert seen == [gemv.rows_config(48, 2, silu_mul=True)]
 
 
 def test_gemv_refuses_what_it_does_not_serve():
