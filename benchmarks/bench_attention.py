@@ -82,10 +82,10 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
 # EXTEND's shapes and EXTEND_MORE's (shorter prompts, more of them)
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
-    # stage 2 in one loop of masked key blocks (the diagonal block's loads pipelined)
-    {"ONE_LOOP": True},
-    {"ONE_LOOP": True, "num_stages": 2},
-    {"ONE_LOOP": True, "BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
+    {"num_stages": 2},
+    {"num_stages": 4},
+    {"BLOCK_N": 32, "num_stages": 4},
+    {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
 ]
 

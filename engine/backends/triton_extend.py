@@ -37,7 +37,6 @@ EXTEND_CONFIG = {
     "num_stages": 3,
     "TMA": True,
     "GRID_ORDER": None,
-    "ONE_LOOP": False,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -46,7 +45,6 @@ INTERPRETER_CONFIG = {
     "num_stages": 1,
     "TMA": False,
     "GRID_ORDER": None,
-    "ONE_LOOP": False,
 }
 GRID_AXES = "qrh"
 
@@ -121,7 +119,6 @@ def _extend_kernel(
     R_AXIS: tl.constexpr,
     H_AXIS: tl.constexpr,
     PDL: tl.constexpr,
-    ONE_LOOP: tl.constexpr = False,
 ):
     enter(PDL)
     q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
@@ -187,37 +184,31 @@ def _extend_kernel(
                 sm_scale_log2,
                 MASKED=True,
             )
-        # ONE_LOOP: stage 2 in one loop, every new key block masked (the diagonal block's
-        # loads pipelined with the blocks before it); else stage 2a below the diagonal block
-        # unmasked, then the diagonal block
-        masked_from = 0
-        if not ONE_LOOP:
-            masked_from = first
-            for start in range(0, first, BLOCK_N):  # stage 2a: new keys below the diagonal
-                if TMA:
-                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                else:
-                    keys = (qo_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
-                    k_block = tl.load(
-                        k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
-                    )
-                    v_block = tl.load(
-                        v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
-                    )
-                m_i, l_i, acc = online_softmax_step(
-                    q_block,
-                    k_block,
-                    v_block,
-                    row_ok[:, None],
-                    m_i,
-                    l_i,
-                    acc,
-                    sm_scale_log2,
-                    MASKED=False,
+        for start in range(0, first, BLOCK_N):  # stage 2a: new keys below the diagonal block
+            if TMA:
+                k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+            else:
+                keys = (qo_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+                k_block = tl.load(
+                    k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
                 )
+                v_block = tl.load(
+                    v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
+                )
+            m_i, l_i, acc = online_softmax_step(
+                q_block,
+                k_block,
+                v_block,
+                row_ok[:, None],
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                MASKED=False,
+            )
         last = tl.minimum(first + BLOCK_M, num_new)
-        for start in range(masked_from, last, BLOCK_N):  # stage 2b: the diagonal block, causal
+        for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
             local = start + tl.arange(0, BLOCK_N)
             key_ok = local < num_new
             if TMA:  # keys past the request's own are masked below
@@ -355,7 +346,6 @@ def extend_attention(
         Q_AXIS=order.index("q"),
         R_AXIS=order.index("r"),
         H_AXIS=order.index("h"),
-        ONE_LOOP=bool(cfg["ONE_LOOP"]),
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -231,26 +231,6 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool, monkeypatc
     torch.testing.assert_close(wide, outs[True], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_extend_in_one_masked_loop_matches_the_two_stages(tma: bool, monkeypatch) -> None:
-    """ONE_LOOP (stage 2's key blocks in one loop, each masked) equals the two stages
-    (unmasked below the diagonal block, then the diagonal) and the reference, on ragged
-    requests with prefixes, several q blocks and a partial last block, through pointers and
-    through tensor-memory descriptors."""
-    if tma and not ON_CUDA:  # the interpreter reads the descriptors as Hopper's loads do
-        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
-    dtype = DTYPES[-1]
-    case = make_case("extend", [40, 0, 33], [70, 97, 1], 2, 4, 64, dtype, seed=31)
-    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
-        pytest.skip("this GPU has no tensor-memory loads")
-    ref, run = _extend_direct(case)
-    outs = {
-        one: run(case.q, case.k, case.v, {"TMA": tma, "ONE_LOOP": one}) for one in (False, True)
-    }
-    assert relative_error(outs[True], ref) < TOLERANCE[dtype]
-    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
-
-
 def test_extend_grid_orders_give_the_same_outputs() -> None:
     """Every order of the extend grid's axes (GRID_ORDER) gives the same bits and matches the
     reference, on ragged requests whose shorter ones own fewer q blocks than the grid has
