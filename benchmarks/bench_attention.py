@@ -50,10 +50,6 @@ SHORT = [(16, 1024), (16, 2048), (32, 1024), (32, 2048), (64, 1024), (16, 4096)]
 KV_INDEX = [(64, 2048), (256, 4096)]
 # overrides of the defaults (DECODE_CONFIG, the chosen VERIFY_CONFIGS entry, EXTEND_CONFIG)
 DECODE_SWEEP: list[dict[str, Any]] = [
-    # a split's first keys' K/V lines asked of L2 at its start (L2_KEYS)
-    {"L2_KEYS": 128},
-    {"L2_KEYS": 256},
-    {"L2_KEYS": 512},
     {"BLOCK_N": 64, "num_stages": 3},
     {"BLOCK_N": 32, "num_stages": 4},
     {"num_stages": 2},
@@ -86,11 +82,11 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
 # EXTEND's shapes and EXTEND_MORE's (shorter prompts, more of them)
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
-    # the first new key blocks' and the diagonal block's K/V asked of L2 at a tile's start
-    {"PREFETCH_BLOCKS": 1},
-    {"PREFETCH_BLOCKS": 2},
-    {"PREFETCH_BLOCKS": 4},
-    {"PREFETCH_BLOCKS": 8},
+    {"num_stages": 2},
+    {"num_stages": 4},
+    {"BLOCK_N": 32, "num_stages": 4},
+    {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads

@@ -31,7 +31,7 @@ from engine.backends.triton_merge import (
     merge_splits,
     merge_tiles,
 )
-from engine.pdl import enter, leave, prefetch_l2
+from engine.pdl import enter, leave
 
 
 @triton.jit
@@ -131,9 +131,6 @@ def _decode_split_kernel(
     SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,
-    L2_KEYS: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,
-    LINES: tl.constexpr = 2,
 ):
     enter(PDL)
     req = tl.program_id(0)
@@ -167,14 +164,6 @@ def _decode_split_kernel(
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     full_end = lo + tl.maximum(tl.minimum(hi, prefix) - lo, 0) // BLOCK_N * BLOCK_N
-    if L2_KEYS > 0:  # the split's first L2_KEYS keys' K/V lines asked of L2 at once
-        if hi > lo:
-            ahead = lo + tl.minimum(tl.arange(0, L2_KEYS), hi - lo - 1)
-            ahead_slots = tl.load(kv_indices + kv_start + ahead).to(tl.int64)
-            lines = tl.minimum(tl.arange(0, LINES) * LINE, HEAD_DIM - 1)
-            ahead_offs = ahead_slots[:, None] * stride_ct + kv_head * stride_ch + lines[None, :]
-            prefetch_l2(k_cache + ahead_offs)
-            prefetch_l2(v_cache + ahead_offs)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -428,7 +417,6 @@ def decode_attention(
     elif counters is None:
         counters = merge_counters(num_requests, num_kv_heads, q.device)
     group = num_q_heads // num_kv_heads
-    line = pdl.LINE_BYTES // k_cache.element_size()  # elements an L2 line: one prefetch each
     block_s = triton.next_power_of_2(num_splits)
     row_block, split_chunk = (1, 1)  # unused unless fused
     if fused:
@@ -475,9 +463,6 @@ def decode_attention(
         ROW_BLOCK=row_block,
         SPLIT_CHUNK=split_chunk,
         PREFETCH=bool(cfg.get("PREFETCH", False)),
-        L2_KEYS=cfg.get("L2_KEYS", 0),
-        LINE=line,
-        LINES=triton.next_power_of_2(triton.cdiv(head_dim, line)),
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

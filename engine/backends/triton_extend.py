@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
-from engine.pdl import enter, leave, prefetch_l2
+from engine.pdl import enter, leave
 
 # Measured on an H200 (`bench_attention.py --extend-grid`, docs/benchmarks.md): the lowest
 # geometric mean over the extend shapes of its time against the best configuration at each.
@@ -37,7 +37,6 @@ EXTEND_CONFIG = {
     "num_stages": 3,
     "TMA": True,
     "GRID_ORDER": None,
-    "PREFETCH_BLOCKS": 0,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -46,7 +45,6 @@ INTERPRETER_CONFIG = {
     "num_stages": 1,
     "TMA": False,
     "GRID_ORDER": None,
-    "PREFETCH_BLOCKS": 0,
 }
 GRID_AXES = "qrh"
 
@@ -86,31 +84,6 @@ def online_softmax_step(
 
 
 @triton.jit
-def _prefetch_keys(
-    k,
-    v,
-    qo_start,
-    lo,
-    hi,
-    kv_head,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    KEYS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    LINE: tl.constexpr,
-    LINES: tl.constexpr,
-):
-    """Ask L2 for kv_head's K and V lines (LINES of LINE elements a row) at the new keys
-    lo .. lo + KEYS of the request starting at token qo_start, clipped below hi."""
-    keys = (qo_start + tl.minimum(lo + tl.arange(0, KEYS), hi - 1)).to(tl.int64)
-    lines = tl.minimum(tl.arange(0, LINES) * LINE, HEAD_DIM - 1)[None, :]
-    prefetch_l2(k + keys[:, None] * stride_kt + kv_head * stride_kh + lines)
-    prefetch_l2(v + keys[:, None] * stride_vt + kv_head * stride_vh + lines)
-
-
-@triton.jit
 def _extend_kernel(
     q,
     k,
@@ -146,9 +119,6 @@ def _extend_kernel(
     R_AXIS: tl.constexpr,
     H_AXIS: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_BLOCKS: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,
-    LINES: tl.constexpr = 2,
 ):
     enter(PDL)
     q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
@@ -166,40 +136,6 @@ def _extend_kernel(
         rows = first + tl.arange(0, BLOCK_M)
         row_ok = rows < num_new
         token = (qo_start + rows).to(tl.int64)
-        last = tl.minimum(first + BLOCK_M, num_new)
-        if PREFETCH_BLOCKS > 0:  # the first new key blocks' and the diagonal's K/V into L2
-            _prefetch_keys(
-                k,
-                v,
-                qo_start,
-                0,
-                last,
-                kv_head,
-                stride_kt,
-                stride_kh,
-                stride_vt,
-                stride_vh,
-                PREFETCH_BLOCKS * BLOCK_N,
-                HEAD_DIM,
-                LINE,
-                LINES,
-            )
-            _prefetch_keys(
-                k,
-                v,
-                qo_start,
-                first,
-                last,
-                kv_head,
-                stride_kt,
-                stride_kh,
-                stride_vt,
-                stride_vh,
-                BLOCK_M,
-                HEAD_DIM,
-                LINE,
-                LINES,
-            )
         if TMA:  # rows past the request's own are other requests' (or zeros): never stored
             q_block = q_desc.load([qo_start + first, head * HEAD_DIM])
         else:
@@ -271,6 +207,7 @@ def _extend_kernel(
                 sm_scale_log2,
                 MASKED=False,
             )
+        last = tl.minimum(first + BLOCK_M, num_new)
         for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
             local = start + tl.arange(0, BLOCK_N)
             key_ok = local < num_new
@@ -369,7 +306,6 @@ def extend_attention(
         )
     sizes = {"q": triton.cdiv(max_new_len, cfg["BLOCK_M"]), "r": num_requests, "h": num_q_heads}
     grid = tuple(sizes[axis] for axis in order)
-    line = pdl.LINE_BYTES // k.element_size()  # elements an L2 line: one prefetch each
     tma = bool(cfg["TMA"]) and tma_ready(q, k, v)
     if tma:
         q_desc = _rows_descriptor(q, cfg["BLOCK_M"])
@@ -410,9 +346,6 @@ def extend_attention(
         Q_AXIS=order.index("q"),
         R_AXIS=order.index("r"),
         H_AXIS=order.index("h"),
-        PREFETCH_BLOCKS=cfg["PREFETCH_BLOCKS"],
-        LINE=line,
-        LINES=triton.next_power_of_2(triton.cdiv(head_dim, line)),
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

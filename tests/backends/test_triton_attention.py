@@ -231,22 +231,6 @@ def test_extend_tensor_memory_loads_match_pointer_loads(sliced: bool, monkeypatc
     torch.testing.assert_close(wide, outs[True], rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="L2 prefetches are PTX: no interpreter runs them")
-def test_extend_prefetching_new_keys_changes_no_bit() -> None:
-    """PREFETCH_BLOCKS (the first new key blocks' and the diagonal block's K/V asked of L2
-    before the q tile's load) leaves the output as it is, with and without tensor-memory
-    loads, on ragged requests with prefixes whose prefetches run past their own keys."""
-    dtype = DTYPES[-1]
-    case = make_case("extend", [40, 0, 33], [70, 197, 1], 2, 4, 128, dtype, seed=37)
-    ref, run = _extend_direct(case)
-    for tma in (False, True):
-        plain = run(case.q, case.k, case.v, {"TMA": tma})
-        assert relative_error(plain, ref) < TOLERANCE[dtype]
-        for blocks in (1, 4):
-            config = {"TMA": tma, "PREFETCH_BLOCKS": blocks}
-            torch.testing.assert_close(run(case.q, case.k, case.v, config), plain, rtol=0, atol=0)
-
-
 def test_extend_grid_orders_give_the_same_outputs() -> None:
     """Every order of the extend grid's axes (GRID_ORDER) gives the same bits and matches the
     reference, on ragged requests whose shorter ones own fewer q blocks than the grid has

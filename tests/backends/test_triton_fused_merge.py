@@ -221,19 +221,3 @@ def test_attention_with_unwritten_scratch_is_exact(mode: str, fused: bool, monke
     out = run(inputs, 8, {"FUSED_MERGE": fused})
     assert not out.isnan().any(), "a NaN partial or log-sum reached the output"
     assert relative_error(out, reference(inputs, mode)) < TOLERANCE[DTYPE]
-
-
-@pytest.mark.skipif(DEVICE == "cpu", reason="L2 prefetches are PTX: no interpreter runs them")
-@pytest.mark.parametrize("mode", ["decode", "verify"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_asking_l2_for_a_splits_keys_changes_no_bit(mode: str, num_splits: int):
-    """L2_KEYS (a split's first keys' K/V lines asked of L2 at its start, through its own
-    slot loads; clipped to the split's keys, none for an empty split) leaves every output as
-    it is, fused or not."""
-    requests = DECODE_REQUESTS if mode == "decode" else VERIFY_REQUESTS
-    inputs = make_inputs(mode, requests, 4, seed=41 + num_splits)
-    for fused in (False, True):
-        plain = run(inputs, num_splits, {"FUSED_MERGE": fused})
-        for keys in (16, 128):
-            got = run(inputs, num_splits, {"FUSED_MERGE": fused, "L2_KEYS": keys})
-            torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=False)
