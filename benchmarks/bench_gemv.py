@@ -562,7 +562,7 @@ def main() -> None:
     if args.only and (args.fused or args.load_3d or args.loop_stages or args.sweep_verify):
         parser.error(
             "--only picks the shapes of the main table and --sweep, not of --fused, "
-            "--load-3d or --loop-stages"
+            "--load-3d, --loop-stages or --sweep-verify"
         )
     names = args.only.split(",") if args.only else list(SHAPES[args.shapes])
     if unknown := set(names) - set(SHAPES[args.shapes]):
