@@ -564,6 +564,10 @@ def main() -> None:
             "--only picks the shapes of the main table and --sweep, not of --fused, "
             "--load-3d, --loop-stages or --sweep-verify"
         )
+    for mode in ("load_3d", "sweep_verify"):
+        if getattr(args, mode) and args.dtype != "float32":
+            flag = "--" + mode.replace("_", "-")
+            parser.error(f"{flag} times the all-rows kernel, which takes float32 rows")
     names = args.only.split(",") if args.only else list(SHAPES[args.shapes])
     if unknown := set(names) - set(SHAPES[args.shapes]):
         parser.error(f"--only: no shapes {sorted(unknown)}; they are {list(SHAPES[args.shapes])}")
@@ -575,13 +579,9 @@ def main() -> None:
         compare_fused(SHAPES[args.shapes], dtype, [int(r) for r in args.rows.split(",")])
         return
     if args.load_3d:
-        if dtype != torch.float32:
-            parser.error("--load-3d times the all-rows kernel, which takes float32 rows")
         compare_load_3d(SHAPES[args.shapes], [int(r) for r in args.rows.split(",")])
         return
     if args.sweep_verify:
-        if dtype != torch.float32:
-            parser.error("--sweep-verify times the all-rows kernel, which takes float32 rows")
         sweep_verify(SHAPES[args.shapes], [int(r) for r in args.rows.split(",")])
         return
     if args.loop_stages:

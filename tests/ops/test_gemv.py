@@ -534,6 +534,9 @@ def test_bench_gemv_names_silu_after_gate_up_as_such(bench_script):
         (["--wide"], "--wide widens --sweep"),
         (["--only", "lm_head", "--fused"], "--only picks the shapes"),
         (["--sweep", "--only", "lm_hed"], "no shapes"),
+        (["--only", "qkv", "--sweep-verify"], "--only picks the shapes"),
+        (["--sweep-verify"], "--sweep-verify times the all-rows kernel, which takes float32"),
+        (["--load-3d", "--dtype", "bfloat16"], "--load-3d times the all-rows kernel"),
     ],
 )
 def test_bench_gemv_refuses_options_it_would_ignore(
@@ -547,6 +550,26 @@ def test_bench_gemv_refuses_options_it_would_ignore(
     with pytest.raises(SystemExit):
         bench_gemv.main()
     assert message in capsys.readouterr().err
+
+
+def test_bench_gemv_sweeps_the_verify_launches_around_the_models(bench_script):
+    """`--sweep-verify`'s space: every tile, warp count and key steps in flight once, each
+    keeping the model's launch's other settings (its loads, num_stages, all rows), the
+    model's own launch among them."""
+    bench_gemv = bench_script("bench_gemv")
+    model = gemv.rows_config(960, 132)
+    space = bench_gemv.verify_space(model)
+    names = ("BLOCK_N", "BLOCK_K", "num_warps", "LOOP_STAGES")
+    knobs = [tuple(config[name] for name in names) for config in space]
+    assert len(set(knobs)) == len(knobs) == len(bench_gemv.VERIFY_TILES) * 2 * 3
+    assert model in space
+
+    def rest(config: dict) -> dict:
+        return {key: value for key, value in config.items() if key not in names}
+
+    for config in space:
+        assert 128 <= config["BLOCK_N"] * config["BLOCK_K"] <= 1024
+        assert rest(config) == rest(model)
 
 
 @pytest.mark.parametrize("name", ["qkv", "o_proj", "gate_up", "down"])
