@@ -12,20 +12,19 @@ programs end. A kernel that skips `enter` must never be launched with PDL, so
 tests/test_pdl.py checks every kernel of the package for the call and every launch for the
 options.
 
-By default (`auto`) only passes of a few rows of a small model use it, in mode `top`: a
-graph pass of at most AUTO_MAX_ROWS rows whose layers' products all run in the package's
-matrix kernels (one-row or all-rows; the output layer, the pass's last product, may be
-cuBLAS's), none on a weight of more than AUTO_MAX_WEIGHT_ELEMENTS elements, as `for_pass`
-is told; up to AUTO_BESIDE_MAX_ROWS rows such a pass runs `top` on every launch but the
-products. On an H200 (`bench_steps.py --pdl off,top`, docs/benchmarks.md) `top` made the
-default model's decode passes of 1, 2, 4 and 8 rows 22%, 12%, 17% and 2% faster and its
-verify passes of 2, 4 and 8 rows at batch 1 14-18% faster, but its passes of 13 and 16 rows
-1-13% slower (the all-rows kernel holds 16 rows there; its launches run longer after a PDL
-wait); every mode made a batch-1 decode pass of random Llama-3-8B 4-9% slower, with cuBLAS's
-products between the package's kernels, and `top` 20% slower with every product the
-package's (an H100: 6.95 against 5.79 ms; not traced: its gate_up launch of 3584 programs,
-27 an SM, runs in many waves, beside which the next kernel's programs, started early, hold
-places on the SMs).
+By default (`auto`) only passes of a few rows of a small model use it, in mode `top`: a graph
+pass of at most AUTO_MAX_ROWS rows whose layers' products all run in the package's matrix
+kernels (one-row or all-rows; the output layer, the pass's last product, may be cuBLAS's), none
+on a weight of more than AUTO_MAX_WEIGHT_ELEMENTS elements (`for_pass`); up to
+AUTO_BESIDE_MAX_ROWS rows such a pass runs `top` on every launch but the products. On an H200
+(`bench_steps.py --pdl off,top`, docs/benchmarks.md) `top` made the default model's decode
+passes of 1, 2, 4 and 8 rows 22%, 12%, 17% and 2% faster and its verify passes of 2, 4 and 8
+rows at batch 1 14-18% faster, but its passes of 13 and 16 rows 1-13% slower (the all-rows
+kernel holds 16 rows there; its launches run longer after a PDL wait); every mode made a
+batch-1 decode pass of random Llama-3-8B 4-9% slower, with cuBLAS's products between the
+package's kernels, and `top` 20% slower with every product the package's (an H100: 6.95 against
+5.79 ms; not traced: its gate_up launch of 3584 programs, 27 an SM, runs in many waves, beside
+which the next kernel's programs, started early, hold places on the SMs).
 `ENGINE_PDL=<setting>` sets a process's setting (`auto` or one mode for every launch),
 `using(setting)` a block's (a CUDA graph keeps the launches it captured), so benchmarks
 compare them in one run.
@@ -60,7 +59,7 @@ AUTO_MAX_ROWS = 8  # the most rows (tokens) of a pass that `auto` runs with PDL
 # off.
 AUTO_BESIDE_MAX_ROWS = 13
 # `auto` runs PDL only where no layer product's weight has more than AUTO_MAX_WEIGHT_ELEMENTS
-# elements (the caller of `for_pass` checks): the default model's largest (gate_up, 3.5M) is
+# elements (`for_pass`): the default model's largest (gate_up, 3.5M) is
 # within it and gains, Llama-3-8B's gate_up (117M) past it and loses (above). Weights in
 # between were not timed; the bound is the one-row kernel's limit before it took every
 # weight (`gemv.MAX_WEIGHT_ELEMENTS`), under which PDL was measured.
@@ -122,16 +121,20 @@ def _warn_unavailable(device: str, setting: str) -> None:
     )
 
 
-def for_pass(rows: int, package_products: bool) -> tuple[str, frozenset[str] | None]:
+def for_pass(
+    rows: int, package_products: bool, largest_weight: int
+) -> tuple[str, frozenset[str] | None]:
     """The setting a pass of `rows` rows (tokens) runs under, and the kinds of launch it keeps
     PDL to (None: those the process keeps it to). A mode the process names holds in every
     pass. Under `auto`, where the package's matrix kernels run every product of the pass's
-    layers, none on a weight past AUTO_MAX_WEIGHT_ELEMENTS (`package_products`: the caller
-    knows): `top` on every launch up to AUTO_MAX_ROWS rows, `top` on every launch but the
-    products up to AUTO_BESIDE_MAX_ROWS; else off."""
+    layers (`package_products`: the caller knows) and none of their weights has more than
+    AUTO_MAX_WEIGHT_ELEMENTS elements (`largest_weight`: the largest's): `top` on every
+    launch up to AUTO_MAX_ROWS rows, `top` on every launch but the products up to
+    AUTO_BESIDE_MAX_ROWS; else off."""
     if _state["setting"] != "auto":
         return _state["setting"], None
-    if not package_products or rows > AUTO_BESIDE_MAX_ROWS:
+    small = largest_weight <= AUTO_MAX_WEIGHT_ELEMENTS
+    if not (package_products and small) or rows > AUTO_BESIDE_MAX_ROWS:
         return "off", None
     if rows <= AUTO_MAX_ROWS:
         return "top", None

@@ -140,22 +140,28 @@ def test_launch_options_by_mode_and_device():
 def test_a_pass_runs_under_auto_only_where_the_package_runs_its_products():
     """Under `auto`: `top` on every launch up to AUTO_MAX_ROWS rows, on every launch the
     process allows but the products up to AUTO_BESIDE_MAX_ROWS, where the package's kernels
-    run every product of the layers; off otherwise. A mode the process names: every pass."""
+    run every product of the layers and no weight of theirs is past AUTO_MAX_WEIGHT_ELEMENTS;
+    off otherwise. A mode the process names: every pass."""
     top_rows, beside_rows = pdl.AUTO_MAX_ROWS, pdl.AUTO_BESIDE_MAX_ROWS
     with pdl.using("auto"):
-        assert pdl.for_pass(1, True) == pdl.for_pass(top_rows, True) == ("top", None)
+        assert pdl.for_pass(1, True, 1) == pdl.for_pass(top_rows, True, 1) == ("top", None)
         beside = ("top", frozenset(pdl.KINDS) - {"products"})
-        assert pdl.for_pass(top_rows + 1, True) == pdl.for_pass(beside_rows, True) == beside
-        assert pdl.for_pass(beside_rows + 1, True) == ("off", None)
-        assert pdl.for_pass(1, False) == pdl.for_pass(13, False) == ("off", None)
+        assert pdl.for_pass(top_rows + 1, True, 1) == pdl.for_pass(beside_rows, True, 1) == beside
+        assert pdl.for_pass(beside_rows + 1, True, 1) == ("off", None)
+        assert pdl.for_pass(1, False, 1) == pdl.for_pass(13, False, 1) == ("off", None)
+        # a layer weight past the bound PDL was measured to pay under: off at any rows
+        bound = pdl.AUTO_MAX_WEIGHT_ELEMENTS
+        assert pdl.for_pass(1, True, bound) == ("top", None)
+        assert pdl.for_pass(1, True, bound + 1) == pdl.for_pass(13, True, bound + 1)
+        assert pdl.for_pass(1, True, bound + 1) == ("off", None)
         with pdl.only_kinds("products,merge"):  # the process's kinds less the products
-            assert pdl.for_pass(13, True) == ("top", frozenset({"merge"}))
+            assert pdl.for_pass(13, True, 1) == ("top", frozenset({"merge"}))
         assert pdl.launch(torch.device("cpu"), "products") == {"PDL": 0}
         if torch.cuda.is_available():  # outside a pass that chose a mode: off
             assert pdl.launch(torch.device("cuda", 0), "products") == {"PDL": 0}
     for name in pdl.MODES:  # a mode set for the process holds in every pass
         with pdl.using(name):
-            assert pdl.for_pass(1, True) == pdl.for_pass(13, False) == (name, None)
+            assert pdl.for_pass(1, True, 1) == pdl.for_pass(13, False, 1) == (name, None)
 
 
 def test_a_pass_runs_its_launches_as_its_choice_says(monkeypatch):

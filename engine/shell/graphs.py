@@ -264,8 +264,9 @@ class GraphRunner:
             for size in self.sizes
         }
         rows = {size: size * self.per_request for size in self.sizes}
+        largest = max(w.numel() for w in self.model.layer_products())
         self.pdl = {
-            size: pdl.for_pass(rows[size], self._small_package_products(rows[size]))
+            size: pdl.for_pass(rows[size], self._package_products(rows[size]), largest)
             for size in self.sizes
         }
         # Capture allocates from torch's caching allocator; without it (as under memcheck with
@@ -308,15 +309,10 @@ class GraphRunner:
         fits = (self.graphs[t] for t in self.sizes[at:])
         return next((g for g in fits if g.batch_size >= requests), None)
 
-    def _small_package_products(self, rows: int) -> bool:
+    def _package_products(self, rows: int) -> bool:
         """Whether the package's matrix kernels run every product of the layers in a pass of
-        `rows` rows (`kernel_takes`), none on a weight past `pdl.AUTO_MAX_WEIGHT_ELEMENTS`
-        (what `pdl.for_pass` is told)."""
-        return all(
-            kernel_takes(rows, w.dtype, tuple(w.shape))
-            and w.numel() <= pdl.AUTO_MAX_WEIGHT_ELEMENTS
-            for w in self.model.layer_products()
-        )
+        `rows` rows (`kernel_takes`)."""
+        return all(kernel_takes(rows, w.dtype, tuple(w.shape)) for w in self.model.layer_products())
 
     def _forward(self, graph: CapturedPass, metadata: ForwardMetadata) -> torch.Tensor:
         with pdl.running(self.pdl[graph.key]):
