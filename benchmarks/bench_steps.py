@@ -18,7 +18,9 @@ the verify graph of the narrowest width it fits (`engine.shell.graphs.verify_wid
 set's (or with an all-rows launch given as a JSON dict). `--timeline` prints each batch-1
 pass's kernels as they lie on the device's timeline (torch.profiler): what each adds to the
 pass's end and how long it runs beside the kernel before it (with PDL), to find which launches
-a setting speeds or slows.
+a setting speeds or slows. `--verify-attention 'policy;{"BLOCK_N": 32, "num_warps": 4,
+"num_stages": 4}'` times the verify passes with the attention's launch as the policy chooses it
+(`decode_policy.choose_verify_config`) and with those settings laid over its choice.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import pdl
+from engine.backends import decode_policy, triton_decode
 from engine.model import LlamaModel
 from engine.ops import gemv
 from engine.shell.engine import Engine
@@ -225,6 +228,46 @@ def output_layer(name: str) -> Iterator[None]:
             gemv.linear_config.cache_clear()
 
 
+# what `--verify-attention` may lay over the policy's choice: a verify launch's settings
+VERIFY_KEYS = frozenset(key for config, _ in decode_policy.VERIFY_CONFIGS for key in config)
+
+
+def verify_settings(name: str) -> dict:
+    """`--verify-attention`'s entry as settings over the policy's choice ({} for 'policy');
+    ValueError for anything but 'policy' or a JSON dict of VERIFY_KEYS to positive ints."""
+    if name == "policy":
+        return {}
+    try:
+        settings = json.loads(name)
+    except ValueError as error:
+        raise ValueError(f"{name!r} is not 'policy' or a JSON dict: {error}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{name!r} is not 'policy' or a JSON dict")
+    unknown = sorted(set(settings) - VERIFY_KEYS)
+    if unknown:
+        raise ValueError(f"{name!r}: unknown key(s) {unknown}; they are {sorted(VERIFY_KEYS)}")
+    bad = {key: value for key, value in settings.items() if type(value) is not int or value < 1}
+    if bad:
+        raise ValueError(f"{name!r}: values must be positive integers; got {bad}")
+    return settings
+
+
+@contextlib.contextmanager
+def verify_attention(name: str) -> Iterator[None]:
+    """Engines built and passes run in this block launch the verify attention as `name` says
+    (`--verify-attention`): 'policy' (`decode_policy.choose_verify_config`'s choice), or a
+    JSON dict of launch settings laid over that choice. The graphs captured in the block
+    keep the launch they captured."""
+    settings = verify_settings(name)
+    chosen = triton_decode.choose_verify_config
+
+    def laid_over(programs: int, num_sms: int) -> dict:
+        return {**chosen(programs, num_sms), **settings}
+
+    with mock.patch.object(triton_decode, "choose_verify_config", laid_over):
+        yield
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=1024)
@@ -276,6 +319,13 @@ def main() -> None:
         "'package' (the op set's: `gemv.ROWS_WIDE_CONFIG` for float32 rows), a JSON dict (the "
         "op set's with that all-rows launch), or 'cublas' (F.linear at every row count)",
     )
+    parser.add_argument(
+        "--verify-attention",
+        default="policy",
+        help="the verify attention's launch, entries separated by ';', each timed in turn: "
+        "'policy' (the engine's choice) or a JSON dict of settings laid over it, of "
+        f"{sorted(VERIFY_KEYS)}",
+    )
     args = parser.parse_args()
     tree_nodes = [int(n) for n in (args.tree_nodes or str(args.draft_budget + 1)).split(",")]
     if min(tree_nodes) < 2:
@@ -303,11 +353,23 @@ def main() -> None:
                 parser.error(
                     f"--output-layer: {layer!r} is not 'package', 'cublas' or a dict: {error}"
                 )
-    # (PDL setting, kinds, output layer) -> [(batch, tree nodes, forward decode, verify,
-    # replay decode, verify)]
-    results: dict[tuple[str, str, str], list[tuple]] = {}
-    for on, kinds, layer in ((o, k, w) for o in settings for k in kind_sets for w in layers):
-        with pdl.using(on), pdl.only_kinds(kinds), output_layer(layer):
+    attentions = args.verify_attention.split(";")
+    for attention in attentions:
+        try:
+            verify_settings(attention)
+        except ValueError as error:
+            parser.error(f"--verify-attention: {error}")
+    # (PDL setting, kinds, output layer, verify attention) -> [(batch, tree nodes, forward
+    # decode, verify, replay decode, verify)]
+    results: dict[tuple[str, str, str, str], list[tuple]] = {}
+    runs = [(o, k, w, a) for o in settings for k in kind_sets for w in layers for a in attentions]
+    for on, kinds, layer, attention in runs:
+        with (
+            pdl.using(on),
+            pdl.only_kinds(kinds),
+            output_layer(layer),
+            verify_attention(attention),
+        ):
             engine = Engine(
                 random_weights=args.preset,
                 device="cuda",
@@ -319,7 +381,7 @@ def main() -> None:
                 max_context=args.max_context or args.context + 64,
                 kv_cache_fraction=0.3,
             )
-            results[on, kinds, layer] = []
+            results[on, kinds, layer, attention] = []
             for batch in (int(b) for b in args.batches.split(",")):
                 decode_times = None
                 for size in tree_nodes:
@@ -327,7 +389,7 @@ def main() -> None:
                     if decode_times is None:
                         decode_times = time_forward(engine, decode), time_replay(engine, decode)
                     f_verify, r_verify = time_forward(engine, verify), time_replay(engine, verify)
-                    results[on, kinds, layer].append(
+                    results[on, kinds, layer, attention].append(
                         (batch, size, decode_times[0], f_verify, decode_times[1], r_verify)
                     )
                     release(engine, decode, verify)
@@ -335,7 +397,7 @@ def main() -> None:
             if args.profile:
                 profile_passes(engine, args.context, nodes)
             if args.timeline:
-                label = f"PDL {on}, kinds {kinds}, output layer {layer}"
+                label = f"PDL {on}, kinds {kinds}, output layer {layer}, verify {attention}"
                 print_timelines(engine, args.context, tree_nodes, label)
         del engine
         gc.collect()
@@ -347,14 +409,14 @@ def main() -> None:
         f"draft budget {nodes - 1}, CUDA graphs"
     )
     print(
-        "| PDL | PDL kinds | output layer | batch | tree nodes | forward: decode ms | verify ms "
-        "| verify/decode | replay: decode ms | verify ms | verify/decode |"
+        "| PDL | PDL kinds | output layer | verify attention | batch | tree nodes | forward: "
+        "decode ms | verify ms | verify/decode | replay: decode ms | verify ms | verify/decode |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for (on, kinds, layer), rows in results.items():
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (on, kinds, layer, attention), rows in results.items():
         for batch, size, f_decode, f_verify, r_decode, r_verify in rows:
             print(
-                f"| {on} | {kinds} | {layer} | {batch} | {size} | {f_decode:.3f} | "
+                f"| {on} | {kinds} | {layer} | {attention} | {batch} | {size} | {f_decode:.3f} | "
                 f"{f_verify:.3f} | "
                 f"{f_verify / f_decode:.2f} | {r_decode:.3f} | {r_verify:.3f} | "
                 f"{r_verify / r_decode:.2f} |"

@@ -130,3 +130,41 @@ def test_verify_config_fills_its_waves(programs: int, expected_block_n: int) -> 
     config = choose_verify_config(programs, H200_SMS)
     assert config["BLOCK_N"] == expected_block_n
     assert config in [entry[0] for entry in VERIFY_CONFIGS]
+
+
+def test_bench_steps_lays_verify_settings_over_the_policys_choice(bench_script):
+    """`bench_steps.py --verify-attention`: inside the block the verify launch's config is
+    the policy's with the given settings laid over it (what `decode_attention` asks for);
+    'policy' and the block's end leave the policy's own."""
+    from engine.backends import triton_decode
+
+    bench_steps = bench_script("bench_steps")
+    chosen = triton_decode.choose_verify_config(192, H200_SMS)
+    with bench_steps.verify_attention('{"BLOCK_N": 32, "num_stages": 4}'):
+        laid = triton_decode.choose_verify_config(192, H200_SMS)
+        assert laid == {**chosen, "BLOCK_N": 32, "num_stages": 4}
+    assert triton_decode.choose_verify_config(192, H200_SMS) == chosen
+    with bench_steps.verify_attention("policy"):
+        assert triton_decode.choose_verify_config(192, H200_SMS) == chosen
+
+
+@pytest.mark.parametrize(
+    "entry,message",
+    [
+        ('{"BLOCK_M": 32}', "unknown key(s) ['BLOCK_M']"),
+        ("[32]", "is not 'policy' or a JSON dict"),
+        ("fast", "is not 'policy' or a JSON dict"),
+        ('{"num_warps": 0}', "values must be positive integers"),
+        ('{"num_warps": 2.5}', "values must be positive integers"),
+    ],
+)
+def test_bench_steps_refuses_verify_settings_it_cannot_lay_over(
+    bench_script, monkeypatch, capsys, entry, message
+):
+    """A `--verify-attention` entry that is not 'policy' or a dict of a verify launch's
+    settings is refused before any engine is built (on a CPU, before any CUDA call)."""
+    bench_steps = bench_script("bench_steps")
+    monkeypatch.setattr("sys.argv", ["bench_steps.py", "--verify-attention", f"policy;{entry}"])
+    with pytest.raises(SystemExit):
+        bench_steps.main()
+    assert message in capsys.readouterr().err
