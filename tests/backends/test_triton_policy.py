@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dis
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -134,10 +136,17 @@ def test_verify_config_fills_its_waves(programs: int, expected_block_n: int) -> 
 
 def test_bench_steps_lays_verify_settings_over_the_policys_choice(bench_script):
     """`bench_steps.py --verify-attention`: inside the block the verify launch's config is
-    the policy's with the given settings laid over it (what `decode_attention` asks for);
-    'policy' and the block's end leave the policy's own."""
+    the policy's with the given settings laid over it (the function `decode_attention` calls
+    by its module's name); 'policy' and the block's end leave the policy's own."""
     from engine.backends import triton_decode
 
+    # the module's global the launch looks up at each call: patching it reaches the launch
+    looked_up = {
+        op.argval
+        for op in dis.get_instructions(triton_decode.decode_attention)
+        if op.opname == "LOAD_GLOBAL"
+    }
+    assert "choose_verify_config" in looked_up
     bench_steps = bench_script("bench_steps")
     chosen = triton_decode.choose_verify_config(192, H200_SMS)
     with bench_steps.verify_attention('{"BLOCK_N": 32, "num_stages": 4}'):
