@@ -4,7 +4,7 @@ Shapes: 32 q / 8 kv heads, head_dim 128, bf16. Each time is one problem's share 
 replay that runs enough independent copies of it (>= 256 MB of KV in all) to keep L2 cold;
 median of the replays after warm-up. "eager" is one launch timed by do_bench (L2 flushed).
 Run: python3 benchmarks/bench_attention.py [--quick | --decode | --fused-merge | --pdl |
---short | --extend | --extend-turns | --extend-grid | --split-grid]
+--short | --extend | --extend-turns | --extend-grid | --split-grid | --verify-configs]
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ from engine.backends.triton_index import launch_kv_indices
 DECODE = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]
 EXTEND = [(1, 0, 1024), (1, 0, 4096), (8, 0, 1024), (8, 2048, 512)]
 VERIFY = [(1, 4096), (48, 1024), (64, 2048)]
+# --verify-configs also times these verify shapes: from 64 programs (one request, 8 splits) to
+# several waves
+VERIFY_MORE = [(1, 1024), (1, 8192), (4, 2048), (16, 1024), (32, 1024)]
 # --fused-merge also times these decode shapes, which split 2-16 ways (B x kv heads >= 32)
 FEW_SPLITS = [(4, 8192), (8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048)]
 # --short: decode where B x kv heads >= 128 at short contexts, against SDPA and a copy of as
@@ -319,6 +322,34 @@ def extend_turns_table() -> None:
         torch.cuda.empty_cache()
 
 
+def verify_configs_table(ceiling: float) -> None:
+    """Verify at VERIFY's and VERIFY_MORE's shapes with each `VERIFY_CONFIGS` launch, each
+    captured once and timed in turns (`turns_time_us`), beside the one the policy chooses
+    (`choose_verify_config`): us, then the fraction of the copy ceiling."""
+    configs = [config for config, _ in decode_policy.VERIFY_CONFIGS]
+    names = [str(config) for config in configs]
+    print(f"\nverify launches in turns: us (fraction of the copy ceiling, {ceiling:.0f} GB/s)")
+    print("| shape | programs | policy's | " + " | ".join(names) + " | policy / best |")
+    print("|" + "---|" * (len(names) + 4))
+    for batch, length in VERIFY + VERIFY_MORE:
+        p, _, _, nbytes = decode_like_problem("verify", batch, length)
+        programs = batch * HKV * p.metas[0].extra["num_splits"]
+        chosen = decode_policy.choose_verify_config(programs, decode_policy.num_sms(p.q[0].device))
+        times = turns_time_us(
+            {n: captured(ours_decode(p, c)) for n, c in zip(names, configs, strict=True)}
+        )
+        frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+        cells = [f"{times[n]:.1f} ({frac(times[n]):.2f})" for n in names]
+        print(
+            f"| B={batch} L={length} | {programs} | {chosen['BLOCK_N']} keys | "
+            + " | ".join(cells)
+            + f" | {times[str(chosen)] / min(times.values()):.2f} |",
+            flush=True,
+        )
+        del p
+        torch.cuda.empty_cache()
+
+
 def kv_index_rows() -> list:
     rows = []
     for batch, length in KV_INDEX:
@@ -536,6 +567,11 @@ def main() -> None:
         action="store_true",
         help="only extend, timed at every configuration of EXTEND_GRID against SDPA",
     )
+    parser.add_argument(
+        "--verify-configs",
+        action="store_true",
+        help="only verify, timed in turns with each VERIFY_CONFIGS launch beside the policy's",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     ceiling = copy_ceiling_gbs()
@@ -547,6 +583,9 @@ def main() -> None:
         return
     if args.extend_turns:
         extend_turns_table()
+        return
+    if args.verify_configs:
+        verify_configs_table(ceiling)
         return
     if args.fused_merge:
         fused_merge_table(ceiling)

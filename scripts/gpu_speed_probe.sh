@@ -6,22 +6,25 @@
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
 # PROBE_PARTS="grid decode decode-off spec run load3d extend prefetch pdl-kinds verify
-# timeline sweep-verify verify-attention"
+# timeline sweep-verify verify-attention verify-configs"
 # picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT /
 # LOAD3D_TIMEOUT / EXTEND_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT /
-# TIMELINE_TIMEOUT / SWEEP_VERIFY_TIMEOUT / VERIFY_ATTENTION_TIMEOUT (s). extend times extend
-# configurations in turns with SDPA (`bench_attention.py --extend-turns`). load3d and prefetch time
-# the opt-in kernel variants against the defaults: PROBE_PARTS="load3d prefetch". pdl-kinds times
-# the default model's batch-1 passes with PDL `top` kept to one kind of launch at a time
-# (`pdl.KINDS`): which launches' overlap a 13-node verify pass loses, where an 8-node one gains.
-# verify times the default model's batch-1 verify passes against a decode pass as the engine runs
-# them (PDL `auto`), with the output layer cuBLAS's and the package's, and its product alone at 1, 8
-# and 13 rows; timeline prints those passes' kernels on the device's timeline with PDL off and
-# `auto` (`bench_steps.py --timeline`). sweep-verify times the verify pass's all-rows matrix
-# launches at 8 and 13 rows over a space of tiles, warps and key steps in flight (`bench_gemv.py
-# --sweep-verify`). verify-attention times the default model's batch-1 verify passes with the verify
-# attention's launch as the policy chooses it and with the other `VERIFY_CONFIGS` entry's settings
-# (`bench_steps.py --verify-attention`).
+# TIMELINE_TIMEOUT / SWEEP_VERIFY_TIMEOUT / VERIFY_ATTENTION_TIMEOUT / VERIFY_CONFIGS_TIMEOUT
+# (s). extend times extend configurations in turns with SDPA (`bench_attention.py
+# --extend-turns`). load3d and prefetch time the opt-in kernel variants against the defaults:
+# PROBE_PARTS="load3d prefetch". pdl-kinds times the default model's batch-1 passes with PDL
+# `top` kept to one kind of launch at a time (`pdl.KINDS`): which launches' overlap a 13-node
+# verify pass loses, where an 8-node one gains. verify times the default model's batch-1
+# verify passes against a decode pass as the engine runs them (PDL `auto`), with the output
+# layer cuBLAS's and the package's, and its product alone at 1, 8 and 13 rows; timeline prints
+# those passes' kernels on the device's timeline with PDL off and `auto` (`bench_steps.py
+# --timeline`). sweep-verify times the verify pass's all-rows matrix launches at 8 and 13 rows
+# over a space of tiles, warps and key steps in flight (`bench_gemv.py --sweep-verify`).
+# verify-attention times the default model's batch-1 verify passes with the verify attention's
+# launch as the policy chooses it and with the other `VERIFY_CONFIGS` entry's settings
+# (`bench_steps.py --verify-attention`); verify-configs each `VERIFY_CONFIGS` launch alone at
+# verify shapes of 1-64 requests, timed in turns, beside the policy's choice
+# (`bench_attention.py --verify-configs`).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -78,13 +81,17 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         cmd=(python3 benchmarks/bench_gemv.py --sweep-verify --shapes smollm2_135m
             --dtype float32 --rows 8,13)
         limit=${SWEEP_VERIFY_TIMEOUT:-200} ;;
-    verify-attention)  # the policy's verify launch against 32-key blocks, one engine each
+    verify-attention)  # the policy's verify launch against 64-key blocks, one engine each
         cmd=(python3 benchmarks/bench_steps.py --preset smollm2_135m --dtype float32 --batches 1
             --context 512 --max-context 8192 --tree-nodes 8,13 --verify-attention
-            'policy;{"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}')
+            'policy;{"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}')
         limit=${VERIFY_ATTENTION_TIMEOUT:-200} ;;
+    verify-configs)  # each VERIFY_CONFIGS launch alone at verify shapes, timed in turns
+        cmd=(python3 benchmarks/bench_attention.py --verify-configs)
+        limit=${VERIFY_CONFIGS_TIMEOUT:-200} ;;
     *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, extend,"\
-        "prefetch, pdl-kinds, verify, timeline, sweep-verify, verify-attention)"
+        "prefetch, pdl-kinds, verify, timeline, sweep-verify, verify-attention,"\
+            "verify-configs)"
         exit 2 ;;
     esac
     start=$(date +%s)

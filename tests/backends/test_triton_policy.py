@@ -123,8 +123,10 @@ def test_split_count_rejects_impossible_shapes(args: tuple) -> None:
     [
         (384, 32),  # 48 requests x 8 kv heads: one wave of 3 programs per SM
         (512, 64),  # 64 requests: two full waves of 2 per SM beat 1.3 waves of 3
-        (264, 64),  # 8 kv heads x 33 splits: exactly one wave of 2 per SM
-        (8, 64),  # under one wave: the smaller wave is the fuller one
+        (400, 64),  # past one wave of either: 2 waves of 2 per SM (0.76 full) beat 1.01 of 3
+        (264, 32),  # one wave of either (8 kv heads x 33 splits): none waits, the first
+        (192, 32),  # the default model's batch-1 verify: 3 kv heads x 64 splits
+        (8, 32),
         (792, 32),  # both fill their waves exactly: ties go to the first
     ],
 )
