@@ -126,7 +126,7 @@ def test_split_count_rejects_impossible_shapes(args: tuple) -> None:
         (400, 64),  # past one wave of either: 2 waves of 2 per SM (0.76 full) beat 1.01 of 3
         (264, 32),  # one wave of either (8 kv heads x 33 splits): none waits, the first
         (192, 32),  # the default model's batch-1 verify: 3 kv heads x 64 splits
-        (8, 32),
+        (8, 32),  # a handful: the same
         (792, 32),  # both fill their waves exactly: ties go to the first
     ],
 )
