@@ -84,12 +84,15 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
 # --extend-turns: the default extend configuration and these, with SDPA, timed in turns at
 # EXTEND's shapes and EXTEND_MORE's (shorter prompts, more of them)
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
+# (those before commit 0b9af5a's, in docs/benchmarks.md: 2 and 4 stages, 64 x 32, 128 x 64 and
+# 128 x 128 tiles of 8 warps). Now HEADS q heads a program, sharing each K/V block; compiled for
+# sm_90 (`kernel_usage.py --only extend`) none of these spills.
 EXTEND_TURNS: list[dict[str, Any]] = [
-    {"num_stages": 2},
-    {"num_stages": 4},
-    {"BLOCK_N": 32, "num_stages": 4},
-    {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "num_warps": 8},
+    {"HEADS": 2, "num_warps": 8},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 4, "num_warps": 8},
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads

@@ -59,6 +59,22 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
             for w in (4, 8)
             for st in (2, 3, 4)
             for c in [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, TMA=True)]
+        ] + [  # HEADS q heads a program, sharing each K/V block
+            (f"{m} x {n}, {h} heads, {w} warps, {st} stages", c)
+            for m, n, h in ((64, 64, 2), (32, 32, 2), (32, 32, 4))
+            for w in (4, 8)
+            for st in (2, 3)
+            for c in [
+                dict(
+                    triton_extend.EXTEND_CONFIG,
+                    BLOCK_M=m,
+                    BLOCK_N=n,
+                    HEADS=h,
+                    num_warps=w,
+                    num_stages=st,
+                    TMA=True,
+                )
+            ]
         ]
     if kind == "decode":
         return [

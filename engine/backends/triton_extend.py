@@ -1,6 +1,8 @@
 """Triton extend attention: a cached prefix (gathered through kv_indices) plus new tokens.
 
-Each program owns BLOCK_M new tokens of one request and one q head. Stage 1 walks the prefix
+Each program owns BLOCK_M new tokens of one request and HEADS q heads of one kv head (1 by
+default; with more, the heads share each K/V block loaded, their rows interleaved by token
+in one tile of BLOCK_M x HEADS rows). Stage 1 walks the prefix
 keys in the pool (whole blocks unmasked, the last partial one masked); stage 2 reads the new
 tokens' K/V straight from the k/v inputs, unmasked below the diagonal block and causally
 masked on it. On Hopper, in bf16 and fp16, the new tokens' q, K and V tiles come through
@@ -30,6 +32,9 @@ from engine.pdl import enter, leave
 # bf16 and fp16: `tma_ready`), the cached prefix through kv_indices as before.
 # GRID_ORDER: the grid's axes from the fastest-varying, of q blocks (q), requests (r) and
 # q heads (h); None: `grid_order` chooses by the request count.
+# HEADS: q heads of one kv head a program, each K/V block loaded once for all of them (a
+# power of two dividing the group); more than 1 is opt-in, not yet timed on a GPU
+# (`bench_attention.py --extend-turns` times it).
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -37,6 +42,7 @@ EXTEND_CONFIG = {
     "num_stages": 3,
     "TMA": True,
     "GRID_ORDER": None,
+    "HEADS": 1,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -45,6 +51,7 @@ INTERPRETER_CONFIG = {
     "num_stages": 1,
     "TMA": False,
     "GRID_ORDER": None,
+    "HEADS": 1,
 }
 GRID_AXES = "qrh"
 
@@ -119,12 +126,13 @@ def _extend_kernel(
     R_AXIS: tl.constexpr,
     H_AXIS: tl.constexpr,
     PDL: tl.constexpr,
+    HEADS: tl.constexpr = 1,
 ):
     enter(PDL)
     q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
     req = tl.program_id(R_AXIS)
-    head = tl.program_id(H_AXIS)
-    kv_head = head // GROUP
+    first_head = tl.program_id(H_AXIS) * HEADS
+    kv_head = first_head // GROUP
     # int32 whatever the offsets' type (a graph's are int64): descriptor loads take 32 bits
     qo_start = tl.load(qo_indptr + req).to(tl.int32)
     num_new = tl.load(qo_indptr + req + 1).to(tl.int32) - qo_start
@@ -133,20 +141,31 @@ def _extend_kernel(
         prefix = tl.load(prefix_lens + req)
         kv_start = tl.load(kv_indptr + req)
         dims = tl.arange(0, HEAD_DIM)
-        rows = first + tl.arange(0, BLOCK_M)
+        # a tile row: token first + row // HEADS of the request, q head first_head + row % HEADS
+        if HEADS == 1:
+            rows = first + tl.arange(0, BLOCK_M)
+            head_col = first_head
+        else:
+            rows = first + tl.arange(0, BLOCK_M * HEADS) // HEADS
+            head_col = (first_head + tl.arange(0, BLOCK_M * HEADS) % HEADS)[:, None]
         row_ok = rows < num_new
         token = (qo_start + rows).to(tl.int64)
         if TMA:  # rows past the request's own are other requests' (or zeros): never stored
-            q_block = q_desc.load([qo_start + first, head * HEAD_DIM])
+            if HEADS == 1:
+                q_block = q_desc.load([qo_start + first, first_head * HEAD_DIM])
+            else:  # [tokens, heads, dims] tiles: rows interleaved by token as above
+                q_block = q_desc.load([qo_start + first, first_head, 0]).reshape(
+                    BLOCK_M * HEADS, HEAD_DIM
+                )
         else:
             q_block = tl.load(
-                q + token[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                q + token[:, None] * stride_qt + head_col * stride_qh + dims[None, :],
                 mask=row_ok[:, None],
                 other=0.0,
             )
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        m_i = tl.full([BLOCK_M * HEADS], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * HEADS], tl.float32)
+        acc = tl.zeros([BLOCK_M * HEADS, HEAD_DIM], tl.float32)
         cache_head = kv_head * stride_ch + dims[None, :]
         full = prefix - prefix % BLOCK_N
         for start in range(0, full, BLOCK_N):  # stage 1: whole blocks of the cached prefix
@@ -233,7 +252,7 @@ def _extend_kernel(
         leave(PDL)
         result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         store_ok = row_ok & (token < out_capacity)
-        out_ptrs = out + token[:, None] * stride_ot + head * stride_oh + dims[None, :]
+        out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
         tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
 
 
@@ -260,12 +279,17 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _rows_descriptor(t: torch.Tensor, block_rows: int):
+def _rows_descriptor(t: torch.Tensor, block_rows: int, block_heads: int = 1):
     """A tensor-memory descriptor of t [T, H, D] as T rows of H*D, read in [block_rows, D]
-    tiles (rows past T read as zeros)."""
+    tiles; with block_heads > 1, of t as it is, read in [block_rows, block_heads, D] tiles
+    (rows past T read as zeros)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     tokens, heads, dim = t.shape
+    if block_heads > 1:
+        return TensorDescriptor(
+            t, [tokens, heads, dim], [t.stride(0), t.stride(1), 1], [block_rows, block_heads, dim]
+        )
     return TensorDescriptor(t, [tokens, heads * dim], [t.stride(0), 1], [block_rows, dim])
 
 
@@ -298,17 +322,27 @@ def extend_attention(
     if num_tokens == 0 or num_requests == 0:
         return out
     group = num_q_heads // k_cache.shape[1]
+    heads = cfg["HEADS"]
+    if type(heads) is not int or heads < 1 or heads & (heads - 1) or group % heads:
+        raise ValueError(
+            f"HEADS={heads!r} must be a power of two dividing the q heads a kv head serves "
+            f"({group}): a program's heads share their K/V"
+        )
     order = cfg["GRID_ORDER"] or grid_order(num_requests)
     if sorted(order) != sorted(GRID_AXES):
         raise ValueError(
             f"GRID_ORDER={order!r} must order the letters of {GRID_AXES!r} (q blocks, "
             "requests, q heads), the fastest-varying axis first"
         )
-    sizes = {"q": triton.cdiv(max_new_len, cfg["BLOCK_M"]), "r": num_requests, "h": num_q_heads}
+    sizes = {
+        "q": triton.cdiv(max_new_len, cfg["BLOCK_M"]),
+        "r": num_requests,
+        "h": num_q_heads // heads,
+    }
     grid = tuple(sizes[axis] for axis in order)
     tma = bool(cfg["TMA"]) and tma_ready(q, k, v)
     if tma:
-        q_desc = _rows_descriptor(q, cfg["BLOCK_M"])
+        q_desc = _rows_descriptor(q, cfg["BLOCK_M"], heads)
         k_desc, v_desc = _rows_descriptor(k, cfg["BLOCK_N"]), _rows_descriptor(v, cfg["BLOCK_N"])
     else:
         q_desc, k_desc, v_desc = q, k, v
@@ -346,6 +380,7 @@ def extend_attention(
         Q_AXIS=order.index("q"),
         R_AXIS=order.index("r"),
         H_AXIS=order.index("h"),
+        HEADS=heads,
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

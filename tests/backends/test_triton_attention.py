@@ -250,6 +250,30 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
 
 
 @pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("heads", [2, 4])
+def test_extend_heads_a_program_match_one_head(heads: int, tma: bool, monkeypatch) -> None:
+    """Extend with HEADS q heads of a kv head a program (their rows interleaved by token in
+    one tile, the K/V blocks shared) equals one head a program and the reference, with
+    pointer loads and through tensor-memory descriptors ([tokens, heads, dims] q tiles), on
+    ragged requests whose tiles run past their own tokens. A HEADS that is not a power of
+    two dividing the kv head's q heads is refused, naming what is allowed."""
+    if tma and not ON_CUDA:  # the interpreter reads the descriptors as Hopper's loads do
+        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
+    dtype = DTYPES[-1]
+    case = make_case("extend", [40, 0, 7], [70, 9, 33], 2, 4, 64, dtype, seed=37)
+    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
+        pytest.skip("this GPU has no tensor-memory loads")
+    ref, run = _extend_direct(case)
+    one = run(case.q, case.k, case.v, {"TMA": tma})
+    packed = run(case.q, case.k, case.v, {"TMA": tma, "HEADS": heads})
+    assert relative_error(packed, ref) < TOLERANCE[dtype]
+    torch.testing.assert_close(packed, one, rtol=1e-3, atol=1e-3)
+    for bad in (0, 3, 8, 2.0):
+        with pytest.raises(ValueError, match=r"HEADS=.* must be a power of two dividing .*\(4\)"):
+            run(case.q, case.k, case.v, {"TMA": tma, "HEADS": bad})
+
+
+@pytest.mark.parametrize("tma", [False, True])
 def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool, monkeypatch) -> None:
     """A pass padded to a token count (`TritonBackend.plan(padded_num_tokens=...)`): the
     padding tokens' q/K/V hold whatever the layer before made of them (finite), and the
