@@ -39,9 +39,10 @@ if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # without the caching allocator (H100: the graph and plan-ahead tests' first 44 in 400 s, the
 # PDL and prefix-cache tests' 35 in about 200 s): memcheck2 the graph and plan-ahead tests,
 # memcheck3 verify ahead and spec overflow, memcheck4 prefix cache, PDL and walk ahead
-# (H100, GPU_WORKERS=8: memcheck4's 45 tests in 136 s after their plain pass). memcheck3 does
-# not fit a call: after its 14 tests' plain pass (18 s), the sanitizer finished the first 2
-# verify-ahead tests in 320 s; give it a few tests a call with MEMCHECK_ONLY.
+# (H100, GPU_WORKERS=8: memcheck4's 45 tests in 136 s after their plain pass; 47 in 191 s).
+# memcheck2 and memcheck3 do not fit a call: after memcheck2's 54 tests' plain pass (29 s),
+# the sanitizer finished 24 of them in the rest of the 560 s; after memcheck3's 14 (18 s),
+# the first 2 verify-ahead tests in 320 s. Give them a few tests a call with MEMCHECK_ONLY.
 # On a fresh machine the GPU tests alone no longer fit 200 s either (the kernels compile at
 # their first use): GPU_PART=tests1 and tests2 run their halves (kernel tests / engine tests),
 # GPU_PART=graphcheck the memcheck with CUDA graphs captured, each within one call. The
