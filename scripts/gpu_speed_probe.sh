@@ -6,11 +6,11 @@
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
 # PROBE_PARTS="grid decode decode-off spec run load3d extend prefetch pdl-kinds verify
-# timeline sweep-verify verify-attention verify-configs"
+# timeline sweep-verify verify-attention verify-configs engine"
 # picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT /
 # LOAD3D_TIMEOUT / EXTEND_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT /
 # TIMELINE_TIMEOUT / SWEEP_VERIFY_TIMEOUT / VERIFY_ATTENTION_TIMEOUT / VERIFY_CONFIGS_TIMEOUT
-# (s). extend times extend configurations in turns with SDPA (`bench_attention.py
+# / ENGINE_TIMEOUT (s). extend times extend configurations in turns with SDPA (`bench_attention.py
 # --extend-turns`). load3d and prefetch time the opt-in kernel variants against the defaults:
 # PROBE_PARTS="load3d prefetch". pdl-kinds times the default model's batch-1 passes with PDL
 # `top` kept to one kind of launch at a time (`pdl.KINDS`): which launches' overlap a 13-node
@@ -24,7 +24,8 @@
 # launch as the policy chooses it and with the other `VERIFY_CONFIGS` entry's settings
 # (`bench_steps.py --verify-attention`); verify-configs each `VERIFY_CONFIGS` launch alone at
 # verify shapes of 1-64 requests, timed in turns, beside the policy's choice
-# (`bench_attention.py --verify-configs`).
+# (`bench_attention.py --verify-configs`). engine runs `bench_engine.py --no-hf --batches 1,64
+# --max-tokens 256` (the end-to-end targets against the roofline floor).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -89,9 +90,13 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
     verify-configs)  # each VERIFY_CONFIGS launch alone at verify shapes, timed in turns
         cmd=(python3 benchmarks/bench_attention.py --verify-configs)
         limit=${VERIFY_CONFIGS_TIMEOUT:-200} ;;
+    engine)  # end to end against the roofline floor at batch 1 and 64 (random Llama-3-8B)
+        cmd=(python3 benchmarks/bench_engine.py --no-hf --batches 1,64 --max-tokens 256
+            --device cuda)
+        limit=${ENGINE_TIMEOUT:-250} ;;
     *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, extend,"\
         "prefetch, pdl-kinds, verify, timeline, sweep-verify, verify-attention,"\
-            "verify-configs)"
+            "verify-configs, engine)"
         exit 2 ;;
     esac
     start=$(date +%s)
