@@ -319,8 +319,6 @@ def extend_attention(
         )
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests = qo_indptr.shape[0] - 1
-    if num_tokens == 0 or num_requests == 0:
-        return out
     group = num_q_heads // k_cache.shape[1]
     heads = cfg["HEADS"]
     if type(heads) is not int or heads < 1 or heads & (heads - 1) or group % heads:
@@ -334,6 +332,8 @@ def extend_attention(
             f"GRID_ORDER={order!r} must order the letters of {GRID_AXES!r} (q blocks, "
             "requests, q heads), the fastest-varying axis first"
         )
+    if num_tokens == 0 or num_requests == 0:  # refused settings above even so
+        return out
     sizes = {
         "q": triton.cdiv(max_new_len, cfg["BLOCK_M"]),
         "r": num_requests,

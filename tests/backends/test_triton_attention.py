@@ -247,6 +247,8 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
     for bad in ("qr", "qrr", "qrhx"):
         with pytest.raises(ValueError, match="GRID_ORDER"):
             run(case.q, case.k, case.v, {"GRID_ORDER": bad})
+        with pytest.raises(ValueError, match="GRID_ORDER"):  # a pass of no tokens too
+            run(case.q[:0], case.k[:0], case.v[:0], {"GRID_ORDER": bad})
 
 
 @pytest.mark.parametrize("tma", [False, True])
@@ -271,6 +273,8 @@ def test_extend_heads_a_program_match_one_head(heads: int, tma: bool, monkeypatc
     for bad in (0, 3, 8, 2.0):
         with pytest.raises(ValueError, match=r"HEADS=.* must be a power of two dividing .*\(4\)"):
             run(case.q, case.k, case.v, {"TMA": tma, "HEADS": bad})
+    with pytest.raises(ValueError, match="HEADS=3"):  # a pass of no tokens refuses it too
+        run(case.q[:0], case.k[:0], case.v[:0], {"TMA": tma, "HEADS": 3})
 
 
 @pytest.mark.parametrize("tma", [False, True])
