@@ -18,8 +18,8 @@ the verify graph of the narrowest width it fits (`engine.shell.graphs.verify_wid
 set's (or with an all-rows launch given as a JSON dict). `--timeline` prints each batch-1
 pass's kernels as they lie on the device's timeline (torch.profiler): what each adds to the
 pass's end and how long it runs beside the kernel before it (with PDL), to find which launches
-a setting speeds or slows. `--verify-attention 'policy;{"BLOCK_N": 32, "num_warps": 4,
-"num_stages": 4}'` times the verify passes with the attention's launch as the policy chooses it
+a setting speeds or slows. `--verify-attention 'policy;{"BLOCK_N": 64, "num_warps": 4,
+"num_stages": 3}'` times the verify passes with the attention's launch as the policy chooses it
 (`decode_policy.choose_verify_config`) and with those settings laid over its choice.
 """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dis
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -151,9 +152,11 @@ def test_bench_steps_lays_verify_settings_over_the_policys_choice(bench_script):
     assert "choose_verify_config" in looked_up
     bench_steps = bench_script("bench_steps")
     chosen = triton_decode.choose_verify_config(192, H200_SMS)
-    with bench_steps.verify_attention('{"BLOCK_N": 32, "num_stages": 4}'):
+    # the other entry's settings, unlike the policy's own at this grid: laying them shows
+    other = next(config for config, _ in VERIFY_CONFIGS if config != chosen)
+    with bench_steps.verify_attention(json.dumps(other)):
         laid = triton_decode.choose_verify_config(192, H200_SMS)
-        assert laid == {**chosen, "BLOCK_N": 32, "num_stages": 4}
+        assert laid == {**chosen, **other}
     assert triton_decode.choose_verify_config(192, H200_SMS) == chosen
     with bench_steps.verify_attention("policy"):
         assert triton_decode.choose_verify_config(192, H200_SMS) == chosen
