@@ -10,7 +10,7 @@
 # picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT /
 # LOAD3D_TIMEOUT / EXTEND_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT /
 # TIMELINE_TIMEOUT / SWEEP_VERIFY_TIMEOUT / VERIFY_ATTENTION_TIMEOUT / VERIFY_CONFIGS_TIMEOUT
-# / ENGINE_TIMEOUT (s). extend times extend configurations in turns with SDPA (`bench_attention.py
+# / ENGINE_TIMEOUT / SHORT_TIMEOUT (s). extend times extend configurations in turns with SDPA (`bench_attention.py
 # --extend-turns`). load3d and prefetch time the opt-in kernel variants against the defaults:
 # PROBE_PARTS="load3d prefetch". pdl-kinds times the default model's batch-1 passes with PDL
 # `top` kept to one kind of launch at a time (`pdl.KINDS`): which launches' overlap a 13-node
@@ -25,7 +25,8 @@
 # (`bench_steps.py --verify-attention`); verify-configs each `VERIFY_CONFIGS` launch alone at
 # verify shapes of 1-64 requests, timed in turns, beside the policy's choice
 # (`bench_attention.py --verify-configs`). engine runs `bench_engine.py --no-hf --batches 1,64
-# --max-tokens 256` (the end-to-end targets against the roofline floor).
+# --max-tokens 256` (the end-to-end targets against the roofline floor); short times decode at
+# short contexts beside a copy of the same bytes (`bench_attention.py --short`).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -90,13 +91,15 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
     verify-configs)  # each VERIFY_CONFIGS launch alone at verify shapes, timed in turns
         cmd=(python3 benchmarks/bench_attention.py --verify-configs)
         limit=${VERIFY_CONFIGS_TIMEOUT:-200} ;;
+    short)  # decode at short contexts against a copy of the same bytes
+        cmd=(python3 benchmarks/bench_attention.py --short); limit=${SHORT_TIMEOUT:-120} ;;
     engine)  # end to end against the roofline floor at batch 1 and 64 (random Llama-3-8B)
         cmd=(python3 benchmarks/bench_engine.py --no-hf --batches 1,64 --max-tokens 256
             --device cuda)
         limit=${ENGINE_TIMEOUT:-250} ;;
     *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, extend,"\
         "prefetch, pdl-kinds, verify, timeline, sweep-verify, verify-attention,"\
-            "verify-configs, engine)"
+            "verify-configs, engine, short)"
         exit 2 ;;
     esac
     start=$(date +%s)
