@@ -93,6 +93,8 @@ EXTEND_TURNS: list[dict[str, Any]] = [
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "num_warps": 8},
     {"HEADS": 2, "num_warps": 8},
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 4, "num_warps": 8},
+    {"DIAGONAL_IN_LOOP": True},
+    {"DIAGONAL_IN_LOOP": True, "HEADS": 2, "num_warps": 8},
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads

@@ -51,7 +51,7 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
     from engine.backends import decode_policy, triton_extend
 
     if kind == "extend":
-        return [
+        tiles = [
             (f"{m} x {n}, {w} warps, {st} stages", dict(triton_extend.EXTEND_CONFIG, **c))
             for m in (64, 128)
             for n in (32, 64, 128)
@@ -59,23 +59,27 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
             for w in (4, 8)
             for st in (2, 3, 4)
             for c in [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, TMA=True)]
-        ] + [  # HEADS q heads a program, sharing each K/V block
-            (f"{m} x {n}, {h} heads, {w} warps, {st} stages", c)
+        ]
+        heads = [  # HEADS q heads a program, sharing each K/V block
+            (
+                f"{m} x {n}, {h} heads, {w} warps, {st} stages",
+                dict(triton_extend.EXTEND_CONFIG, **c),
+            )
             for m, n, h in ((64, 64, 2), (32, 32, 2), (32, 32, 4))
             for w in (4, 8)
             for st in (2, 3)
-            for c in [
-                dict(
-                    triton_extend.EXTEND_CONFIG,
-                    BLOCK_M=m,
-                    BLOCK_N=n,
-                    HEADS=h,
-                    num_warps=w,
-                    num_stages=st,
-                    TMA=True,
-                )
-            ]
+            for c in [dict(BLOCK_M=m, BLOCK_N=n, HEADS=h, num_warps=w, num_stages=st, TMA=True)]
         ]
+        diagonal_in_loop = [  # the diagonal key blocks inside the new keys' loop
+            (f"{label}, diagonal in the loop", dict(triton_extend.EXTEND_CONFIG, **c))
+            for label, c in (
+                ("64 x 64, 4 warps, 3 stages", {}),
+                ("64 x 64, 4 warps, 2 stages", {"num_stages": 2}),
+                ("64 x 64, 2 heads, 8 warps, 3 stages", {"HEADS": 2, "num_warps": 8}),
+            )
+            for c in [dict(c, DIAGONAL_IN_LOOP=True, TMA=True)]
+        ]
+        return tiles + heads + diagonal_in_loop
     if kind == "decode":
         return [
             (f"{n} keys, {w} warps, {st} stages, merge {merge}", c)

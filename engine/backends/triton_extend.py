@@ -4,11 +4,12 @@ Each program owns BLOCK_M new tokens of one request and HEADS q heads of one kv 
 default; with more, the heads share each K/V block loaded, their rows interleaved by token
 in one tile of BLOCK_M x HEADS rows). Stage 1 walks the prefix keys in the pool (whole
 blocks unmasked, the last partial one masked); stage 2 reads the new tokens' K/V straight
-from the k/v inputs, unmasked below the diagonal block and causally masked on it. On Hopper,
-in bf16 and fp16, the new tokens' q, K and V tiles come through tensor-memory (TMA)
-descriptors of [tokens, heads * head_dim] rows (q of several heads: of [tokens, heads,
-head_dim] tiles): a tile that runs past the request's tokens reads the next request's or a
-padding token's (masked, never stored) or zeros past the last. Masked keys weigh 0, so their
+from the k/v inputs, unmasked below the diagonal block and causally masked on it (in one loop
+with `DIAGONAL_IN_LOOP`, else in two). On Hopper, in bf16 and fp16, the new tokens' q, K and
+V tiles come through tensor-memory (TMA) descriptors of [tokens, heads * head_dim] rows (q of
+several heads: of [tokens, heads, head_dim] tiles): a tile that runs past the request's
+tokens reads the next request's or a padding token's (masked, never stored) or zeros past
+the last. Masked keys weigh 0, so their
 values must be finite (0 x NaN is NaN): padding tokens (after the last request's, in a pass
 padded to a token count) belong to no request, and the backend zeroes their output rows, so
 that their K/V stay finite in every layer. Zeroing the masked values in the tile instead
@@ -35,6 +36,9 @@ from engine.pdl import enter, leave
 # HEADS: q heads of one kv head a program, each K/V block loaded once for all of them (a
 # power of two dividing the group); more than 1 is opt-in, not yet timed on a GPU
 # (`bench_attention.py --extend-turns` times it).
+# DIAGONAL_IN_LOOP: the new keys in one loop, the diagonal blocks masked by a uniform branch,
+# so that their K/V loads are pipelined with the blocks before them and a tile waits once
+# fewer; opt-in, not yet timed on a GPU (`--extend-turns` times it).
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -43,6 +47,7 @@ EXTEND_CONFIG = {
     "TMA": True,
     "GRID_ORDER": None,
     "HEADS": 1,
+    "DIAGONAL_IN_LOOP": False,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -52,6 +57,7 @@ INTERPRETER_CONFIG = {
     "TMA": False,
     "GRID_ORDER": None,
     "HEADS": 1,
+    "DIAGONAL_IN_LOOP": False,
 }
 GRID_AXES = "qrh"
 
@@ -127,6 +133,7 @@ def _extend_kernel(
     H_AXIS: tl.constexpr,
     PDL: tl.constexpr,
     HEADS: tl.constexpr = 1,
+    DIAGONAL_IN_LOOP: tl.constexpr = False,
 ):
     enter(PDL)
     q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
@@ -203,52 +210,78 @@ def _extend_kernel(
                 sm_scale_log2,
                 MASKED=True,
             )
-        for start in range(0, first, BLOCK_N):  # stage 2a: new keys below the diagonal block
-            if TMA:
-                k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-            else:
-                keys = (qo_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
-                k_block = tl.load(
-                    k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+        if DIAGONAL_IN_LOOP:  # stage 2 in one loop: the diagonal block's loads pipelined too
+            for start in range(0, tl.minimum(first + BLOCK_M, num_new), BLOCK_N):
+                local = start + tl.arange(0, BLOCK_N)
+                if TMA:  # keys past the request's own are masked below
+                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                else:
+                    keys = (qo_start + local).to(tl.int64)[:, None]
+                    key_in = (local < num_new)[:, None]
+                    k_ptrs = k + keys * stride_kt + kv_head * stride_kh + dims[None, :]
+                    v_ptrs = v + keys * stride_vt + kv_head * stride_vh + dims[None, :]
+                    k_block = tl.load(k_ptrs, mask=key_in, other=0.0)
+                    v_block = tl.load(v_ptrs, mask=key_in, other=0.0)
+                scores = tl.dot(q_block, tl.trans(k_block))
+                if start >= first:  # the diagonal block: a uniform branch, the rest unmasked
+                    visible = (local[None, :] < num_new) & (local[None, :] <= rows[:, None])
+                    scores = tl.where(visible, scores, float("-inf"))
+                # every row sees a key by its diagonal block's end (its own): m_new is finite
+                m_new = tl.maximum(m_i, tl.max(scores, 1) * sm_scale_log2)
+                p = tl.math.exp2(scores * sm_scale_log2 - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(v_block.dtype), v_block, acc)
+                m_i = m_new
+        else:
+            for start in range(0, first, BLOCK_N):  # stage 2a: below the diagonal block
+                if TMA:
+                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                else:
+                    keys = (qo_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+                    k_block = tl.load(
+                        k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+                    )
+                    v_block = tl.load(
+                        v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
+                    )
+                m_i, l_i, acc = online_softmax_step(
+                    q_block,
+                    k_block,
+                    v_block,
+                    row_ok[:, None],
+                    m_i,
+                    l_i,
+                    acc,
+                    sm_scale_log2,
+                    MASKED=False,
                 )
-                v_block = tl.load(
-                    v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
+            last = tl.minimum(first + BLOCK_M, num_new)
+            for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
+                local = start + tl.arange(0, BLOCK_N)
+                key_ok = local < num_new
+                if TMA:  # keys past the request's own are masked below
+                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                else:
+                    keys = (qo_start + local).to(tl.int64)
+                    k_block = tl.load(
+                        k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                        mask=key_ok[:, None],
+                        other=0.0,
+                    )
+                    v_block = tl.load(
+                        v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                        mask=key_ok[:, None],
+                        other=0.0,
+                    )
+                visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
+                m_i, l_i, acc = online_softmax_step(
+                    q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
                 )
-            m_i, l_i, acc = online_softmax_step(
-                q_block,
-                k_block,
-                v_block,
-                row_ok[:, None],
-                m_i,
-                l_i,
-                acc,
-                sm_scale_log2,
-                MASKED=False,
-            )
-        last = tl.minimum(first + BLOCK_M, num_new)
-        for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
-            local = start + tl.arange(0, BLOCK_N)
-            key_ok = local < num_new
-            if TMA:  # keys past the request's own are masked below
-                k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-            else:
-                keys = (qo_start + local).to(tl.int64)
-                k_block = tl.load(
-                    k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                    mask=key_ok[:, None],
-                    other=0.0,
-                )
-                v_block = tl.load(
-                    v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                    mask=key_ok[:, None],
-                    other=0.0,
-                )
-            visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
-            m_i, l_i, acc = online_softmax_step(
-                q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
-            )
         leave(PDL)
         result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         store_ok = row_ok & (token < out_capacity)
@@ -381,6 +414,7 @@ def extend_attention(
         R_AXIS=order.index("r"),
         H_AXIS=order.index("h"),
         HEADS=heads,
+        DIAGONAL_IN_LOOP=bool(cfg["DIAGONAL_IN_LOOP"]),
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

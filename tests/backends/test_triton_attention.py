@@ -278,6 +278,30 @@ def test_extend_heads_a_program_match_one_head(heads: int, tma: bool, monkeypatc
 
 
 @pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("heads, block_m", [(1, 32), (1, 64), (2, 32)])
+def test_extend_diagonal_in_loop_matches_two_stages(
+    heads: int, block_m: int, tma: bool, monkeypatch
+) -> None:
+    """Extend with the diagonal key blocks inside the new keys' loop (`DIAGONAL_IN_LOOP`: one
+    pipelined loop, masked on its diagonal blocks by a uniform branch) equals the two loops
+    (below the diagonal unmasked, then the diagonal) and the reference, with pointer loads and
+    through tensor-memory descriptors, on ragged requests with and without a prefix, with
+    tiles of one key block and of two."""
+    if tma and not ON_CUDA:  # the interpreter reads the descriptors as Hopper's loads do
+        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
+    dtype = DTYPES[-1]
+    case = make_case("extend", [40, 0, 7], [70, 9, 33], 2, 4, 64, dtype, seed=41)
+    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
+        pytest.skip("this GPU has no tensor-memory loads")
+    ref, run = _extend_direct(case)
+    config = {"TMA": tma, "HEADS": heads, "BLOCK_M": block_m, "BLOCK_N": 32}
+    two = run(case.q, case.k, case.v, config)
+    one = run(case.q, case.k, case.v, {**config, "DIAGONAL_IN_LOOP": True})
+    assert relative_error(one, ref) < TOLERANCE[dtype]
+    torch.testing.assert_close(one, two, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("tma", [False, True])
 def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool, monkeypatch) -> None:
     """A pass padded to a token count (`TritonBackend.plan(padded_num_tokens=...)`): the
     padding tokens' q/K/V hold whatever the layer before made of them (finite), and the
