@@ -164,6 +164,18 @@ def test_rejects_unsupported_head_dim() -> None:
         backend.forward(0, bad_q, case.k, case.v, metadata)
 
 
+def _extend_case(prefix, new, dim: int, seed: int, tma: bool, monkeypatch):
+    """An extend case of 2 kv heads of 4 q heads in the last dtype; with `tma`, the
+    descriptors read as Hopper reads them (the interpreter on a CPU), skipped on a GPU
+    without tensor-memory loads."""
+    if tma and not ON_CUDA:  # the interpreter reads the descriptors as Hopper's loads do
+        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
+    case = make_case("extend", prefix, new, 2, 4, dim, DTYPES[-1], seed=seed)
+    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
+        pytest.skip("this GPU has no tensor-memory loads")
+    return case
+
+
 def _extend_direct(case):
     """(the reference output, and a function running the extend kernel itself on q, k, v
     with a config into a NaN-filled output) for an extend case, its new K/V in the pool."""
@@ -259,12 +271,8 @@ def test_extend_heads_a_program_match_one_head(heads: int, tma: bool, monkeypatc
     pointer loads and through tensor-memory descriptors ([tokens, heads, dims] q tiles), on
     ragged requests whose tiles run past their own tokens. A HEADS that is not a power of
     two dividing the kv head's q heads is refused, naming what is allowed."""
-    if tma and not ON_CUDA:  # the interpreter reads the descriptors as Hopper's loads do
-        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
     dtype = DTYPES[-1]
-    case = make_case("extend", [40, 0, 7], [70, 9, 33], 2, 4, 64, dtype, seed=37)
-    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
-        pytest.skip("this GPU has no tensor-memory loads")
+    case = _extend_case([40, 0, 7], [70, 9, 33], 64, 37, tma, monkeypatch)
     ref, run = _extend_direct(case)
     one = run(case.q, case.k, case.v, {"TMA": tma})
     packed = run(case.q, case.k, case.v, {"TMA": tma, "HEADS": heads})
@@ -287,12 +295,8 @@ def test_extend_diagonal_in_loop_matches_two_stages(
     (below the diagonal unmasked, then the diagonal) and the reference, with pointer loads and
     through tensor-memory descriptors, on ragged requests with and without a prefix, with
     tiles of one key block and of two."""
-    if tma and not ON_CUDA:  # the interpreter reads the descriptors as Hopper's loads do
-        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
     dtype = DTYPES[-1]
-    case = make_case("extend", [40, 0, 7], [70, 9, 33], 2, 4, 64, dtype, seed=41)
-    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
-        pytest.skip("this GPU has no tensor-memory loads")
+    case = _extend_case([40, 0, 7], [70, 9, 33], 64, 41, tma, monkeypatch)
     ref, run = _extend_direct(case)
     config = {"TMA": tma, "HEADS": heads, "BLOCK_M": block_m, "BLOCK_N": 32}
     two = run(case.q, case.k, case.v, config)
@@ -308,12 +312,7 @@ def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool, monkeypatch) -
     requests' outputs equal the unpadded pass's; the padding rows' outputs are zeros (so
     that the next layer's padding K/V are finite: with tensor-memory loads the last
     request's diagonal tile reads them, masked, and 0 x NaN is NaN)."""
-    if tma and not ON_CUDA:  # the interpreter reads the descriptors as Hopper's loads do
-        monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)
-    prefix, new = [5, 0, 37], [9, 20, 3]
-    case = make_case("extend", prefix, new, 2, 4, 128, DTYPES[-1], seed=31)
-    if tma and not triton_extend.tma_ready(case.q, case.k, case.v):
-        pytest.skip("this GPU has no tensor-memory loads")
+    case = _extend_case([5, 0, 37], [9, 20, 3], 128, 31, tma, monkeypatch)
     real, pad = case.q.shape[0], 13
     backend = TritonBackend(case.pool)
     meta = backend.plan(case.batch)
