@@ -9,11 +9,11 @@ with `DIAGONAL_IN_LOOP`, else in two). On Hopper, in bf16 and fp16, the new toke
 V tiles come through tensor-memory (TMA) descriptors of [tokens, heads * head_dim] rows (q of
 several heads: of [tokens, heads, head_dim] tiles): a tile that runs past the request's
 tokens reads the next request's or a padding token's (masked, never stored) or zeros past
-the last. Masked keys weigh 0, so their
-values must be finite (0 x NaN is NaN): padding tokens (after the last request's, in a pass
-padded to a token count) belong to no request, and the backend zeroes their output rows, so
-that their K/V stay finite in every layer. Zeroing the masked values in the tile instead
-moved the values through registers: 1.3-1.6x the time (H200).
+the last. Masked keys weigh 0, so their values must be finite (0 x NaN is NaN): padding
+tokens (after the last request's, in a pass padded to a token count) belong to no request,
+and the backend zeroes their output rows, so that their K/V stay finite in every layer.
+Zeroing the masked values in the tile instead moved the values through registers: 1.3-1.6x
+the time (H200). The descriptors and whether a tensor allows them: `backends/tma.py`.
 """
 
 from __future__ import annotations
