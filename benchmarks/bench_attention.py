@@ -84,9 +84,10 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
 # --extend-turns: the default extend configuration and these, with SDPA, timed in turns at
 # EXTEND's shapes and EXTEND_MORE's (shorter prompts, more of them)
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
-# Now HEADS q heads a program, sharing each K/V block; compiled for sm_90 (`kernel_usage.py
-# --only extend`) none of these spills. Before commit 7ec3786 (timed in docs/benchmarks.md):
-# 2 and 4 stages, 64 x 32 tiles, 128 x 64 and 128 x 128 tiles of 8 warps.
+# Now HEADS q heads a program, sharing each K/V block, and the diagonal blocks in the new
+# keys' loop (DIAGONAL_IN_LOOP); compiled for sm_90 (`kernel_usage.py --only extend`) none of
+# these spills. Before commit 7ec3786 (timed in docs/benchmarks.md): 2 and 4 stages, 64 x 32
+# tiles, 128 x 64 and 128 x 128 tiles of 8 warps.
 EXTEND_TURNS: list[dict[str, Any]] = [
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "num_stages": 2},

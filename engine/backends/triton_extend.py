@@ -75,17 +75,15 @@ def grid_order(num_requests: int) -> str:
 
 
 @triton.jit
-def online_softmax_step(
-    q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED: tl.constexpr
-):
-    # m_i is kept in log2 units; the scale joins the subtraction (one multiply-add an element)
-    scores = tl.dot(q_block, tl.trans(k_block))
-    if MASKED:
-        scores = tl.where(visible, scores, float("-inf"))
+def softmax_accumulate(scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED: tl.constexpr):
+    """One key block's scores (masked keys at -inf) into the running maximum m_i (log2
+    units), sum l_i and output acc. GUARDED: a row may have seen no key yet (its maximum
+    -inf); else every row's maximum is finite."""
+    # the scale joins the subtraction (one multiply-add an element)
     m_new = tl.maximum(m_i, tl.max(scores, 1) * sm_scale_log2)
-    if MASKED:  # a row may have seen no key yet
+    if GUARDED:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:  # every key visible: the maximum is finite
+    else:
         m_safe = m_new
     p = tl.math.exp2(scores * sm_scale_log2 - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
@@ -93,6 +91,18 @@ def online_softmax_step(
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v_block.dtype), v_block, acc)  # accumulates in place (wgmma's C)
     return m_new, l_i, acc
+
+
+@triton.jit
+def online_softmax_step(
+    q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED: tl.constexpr
+):
+    """A key block attended: its keys where `visible` with MASKED (a row may then have seen
+    none yet), all of them without (`visible` unused)."""
+    scores = tl.dot(q_block, tl.trans(k_block))
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
+    return softmax_accumulate(scores, v_block, m_i, l_i, acc, sm_scale_log2, MASKED)
 
 
 @triton.jit
@@ -181,15 +191,7 @@ def _extend_kernel(
             k_block = tl.load(k_cache + offs)
             v_block = tl.load(v_cache + offs)
             m_i, l_i, acc = online_softmax_step(
-                q_block,
-                k_block,
-                v_block,
-                row_ok[:, None],
-                m_i,
-                l_i,
-                acc,
-                sm_scale_log2,
-                MASKED=False,
+                q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
             )
         if full < prefix:  # the prefix's last, partial block
             keys = full + tl.arange(0, BLOCK_N)
@@ -226,14 +228,10 @@ def _extend_kernel(
                 if start >= first:  # the diagonal block: a uniform branch, the rest unmasked
                     visible = (local[None, :] < num_new) & (local[None, :] <= rows[:, None])
                     scores = tl.where(visible, scores, float("-inf"))
-                # every row sees a key by its diagonal block's end (its own): m_new is finite
-                m_new = tl.maximum(m_i, tl.max(scores, 1) * sm_scale_log2)
-                p = tl.math.exp2(scores * sm_scale_log2 - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(v_block.dtype), v_block, acc)
-                m_i = m_new
+                # every row sees a key by its diagonal block's end (its own): no guard
+                m_i, l_i, acc = softmax_accumulate(
+                    scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED=False
+                )
         else:
             for start in range(0, first, BLOCK_N):  # stage 2a: below the diagonal block
                 if TMA:
@@ -248,15 +246,7 @@ def _extend_kernel(
                         v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
                     )
                 m_i, l_i, acc = online_softmax_step(
-                    q_block,
-                    k_block,
-                    v_block,
-                    row_ok[:, None],
-                    m_i,
-                    l_i,
-                    acc,
-                    sm_scale_log2,
-                    MASKED=False,
+                    q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
                 )
             last = tl.minimum(first + BLOCK_M, num_new)
             for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
