@@ -6,27 +6,27 @@
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
 # PROBE_PARTS="grid decode decode-off spec run load3d extend prefetch pdl-kinds verify
-# timeline sweep-verify verify-attention verify-configs engine"
+# timeline sweep-verify verify-attention verify-configs engine short"
 # picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT /
 # LOAD3D_TIMEOUT / EXTEND_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT /
 # TIMELINE_TIMEOUT / SWEEP_VERIFY_TIMEOUT / VERIFY_ATTENTION_TIMEOUT / VERIFY_CONFIGS_TIMEOUT
-# / ENGINE_TIMEOUT / SHORT_TIMEOUT (s). extend times extend configurations in turns with SDPA (`bench_attention.py
-# --extend-turns`). load3d and prefetch time the opt-in kernel variants against the defaults:
-# PROBE_PARTS="load3d prefetch". pdl-kinds times the default model's batch-1 passes with PDL
-# `top` kept to one kind of launch at a time (`pdl.KINDS`): which launches' overlap a 13-node
-# verify pass loses, where an 8-node one gains. verify times the default model's batch-1
-# verify passes against a decode pass as the engine runs them (PDL `auto`), with the output
-# layer cuBLAS's and the package's, and its product alone at 1, 8 and 13 rows; timeline prints
-# those passes' kernels on the device's timeline with PDL off and `auto` (`bench_steps.py
+# / ENGINE_TIMEOUT / SHORT_TIMEOUT (s). extend times extend configurations in turns with SDPA
+# (`bench_attention.py --extend-turns`). load3d and prefetch time the opt-in kernel variants
+# against the defaults: PROBE_PARTS="load3d prefetch". pdl-kinds times the default model's batch-1
+# passes with PDL `top` kept to one kind of launch at a time (`pdl.KINDS`): which launches'
+# overlap a 13-node verify pass loses, where an 8-node one gains. verify times the default model's
+# batch-1 verify passes against a decode pass as the engine runs them (PDL `auto`), with the
+# output layer cuBLAS's and the package's, and its product alone at 1, 8 and 13 rows; timeline
+# prints those passes' kernels on the device's timeline with PDL off and `auto` (`bench_steps.py
 # --timeline`). sweep-verify times the verify pass's all-rows matrix launches at 8 and 13 rows
 # over a space of tiles, warps and key steps in flight (`bench_gemv.py --sweep-verify`).
 # verify-attention times the default model's batch-1 verify passes with the verify attention's
 # launch as the policy chooses it and with the other `VERIFY_CONFIGS` entry's settings
 # (`bench_steps.py --verify-attention`); verify-configs each `VERIFY_CONFIGS` launch alone at
-# verify shapes of 1-64 requests, timed in turns, beside the policy's choice
-# (`bench_attention.py --verify-configs`). engine runs `bench_engine.py --no-hf --batches 1,64
-# --max-tokens 256` (the end-to-end targets against the roofline floor); short times decode at
-# short contexts beside a copy of the same bytes (`bench_attention.py --short`).
+# verify shapes of 1-64 requests, timed in turns, beside the policy's choice (`bench_attention.py
+# --verify-configs`). engine runs `bench_engine.py --no-hf --batches 1,64 --max-tokens 256` (the
+# end-to-end targets against the roofline floor); short times decode at short contexts beside a
+# copy of the same bytes (`bench_attention.py --short`).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
