@@ -381,16 +381,16 @@ def decode_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_requests = kv_indptr.shape[0] - 1
+    programs = num_requests * num_kv_heads * num_splits  # the split kernel's grid
     if q.device.type == "cpu":
         base = decode_policy.INTERPRETER_CONFIG  # read at the call: tests patch it
     elif tree_bits is None:
-        programs = num_requests * num_kv_heads * num_splits
         base = {
             **decode_policy.DECODE_CONFIG,
             "num_warps": choose_decode_warps(programs, num_sms(q.device)),
         }
     else:
-        base = choose_verify_config(num_requests * num_kv_heads * num_splits, num_sms(q.device))
+        base = choose_verify_config(programs, num_sms(q.device))
     fused_default = tree_bits is None and num_splits <= FUSED_MERGE_MAX_SPLITS
     cfg = {"FUSED_MERGE": fused_default, **base, **(config or {})}
     if num_tokens == 0 or num_requests == 0:
