@@ -217,6 +217,7 @@ def ours_extend(p: Problem, config: dict | None = None) -> list:
             m.prefix_lens,
             p.out[i],
             m.max_new_len,
+            m.max_seq_len,
             SCALE,
             config,
         )

@@ -81,21 +81,18 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
     *({"GRID_ORDER": order} for order in ("qrh", "hqr", "hrq", "qhr", "rqh", "rhq")),
 ]
 
-# --extend-turns: the default extend configuration and these, with SDPA, timed in turns at
-# EXTEND's shapes and EXTEND_MORE's (shorter prompts, more of them)
+# --extend-turns: the policy's extend launch ("default": `choose_extend_config` over
+# EXTEND_CONFIG) and these, with SDPA, timed in turns at EXTEND's shapes and EXTEND_MORE's
+# (shorter prompts, more of them). Here EXTEND_CONFIG alone, with the diagonal blocks in a
+# loop of their own (its earlier default), the short prompts' launch at every shape, and the
+# fastest with a cached prefix. Earlier lists (2 and 4 stages, 64 x
+# 32 tiles, 128 x 64 tiles, other HEADS launches) are timed in docs/benchmarks.md.
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
-# Now HEADS q heads a program, sharing each K/V block, and the diagonal blocks in the new
-# keys' loop (DIAGONAL_IN_LOOP); compiled for sm_90 (`kernel_usage.py --only extend`) none of
-# these spills. Before commit 7ec3786 (timed in docs/benchmarks.md): 2 and 4 stages, 64 x 32
-# tiles, 128 x 64 and 128 x 128 tiles of 8 warps.
 EXTEND_TURNS: list[dict[str, Any]] = [
+    {},
+    {"DIAGONAL_IN_LOOP": False},
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "num_stages": 2},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "num_warps": 8},
-    {"HEADS": 2, "num_warps": 8},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 4, "num_warps": 8},
-    {"DIAGONAL_IN_LOOP": True},
-    {"DIAGONAL_IN_LOOP": True, "HEADS": 2, "num_warps": 8},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads

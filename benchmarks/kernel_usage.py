@@ -70,16 +70,15 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
             for st in (2, 3)
             for c in [dict(BLOCK_M=m, BLOCK_N=n, HEADS=h, num_warps=w, num_stages=st, TMA=True)]
         ]
-        diagonal_in_loop = [  # the diagonal key blocks inside the new keys' loop
-            (f"{label}, diagonal in the loop", dict(triton_extend.EXTEND_CONFIG, **c))
+        diagonal_apart = [  # the diagonal key blocks in a loop of their own, after the rest
+            (f"{label}, diagonal apart", dict(triton_extend.EXTEND_CONFIG, **c))
             for label, c in (
                 ("64 x 64, 4 warps, 3 stages", {}),
-                ("64 x 64, 4 warps, 2 stages", {"num_stages": 2}),
-                ("64 x 64, 2 heads, 8 warps, 3 stages", {"HEADS": 2, "num_warps": 8}),
+                ("32 x 32, 2 heads, 4 warps, 3 stages", {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2}),
             )
-            for c in [dict(c, DIAGONAL_IN_LOOP=True, TMA=True)]
+            for c in [dict(c, DIAGONAL_IN_LOOP=False, TMA=True)]
         ]
-        return tiles + heads + diagonal_in_loop
+        return tiles + heads + diagonal_apart
     if kind == "decode":
         return [
             (f"{n} keys, {w} warps, {st} stages, merge {merge}", c)
@@ -141,7 +140,7 @@ def attention(
         if kind == "extend":
             triton_extend.extend_attention(
                 q, k, v, k_cache, v_cache, kv_indices, kv_indptr, qo_indptr, prefix_lens,
-                out, new, dim**-0.5, config=config,
+                out, new, context + new, dim**-0.5, config=config,
             )  # fmt: skip
         else:
             triton_decode.decode_attention(

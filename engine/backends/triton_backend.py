@@ -419,6 +419,10 @@ class TritonBackend(AttentionBackend):
                 metadata.prefix_lens,
                 out,
                 metadata.max_new_len,
+                # a graph's launch serves every pass it replays: the longest keys it may see
+                self.pool.req_to_token.shape[1]
+                if metadata.extra.get("graph")
+                else metadata.max_seq_len,
                 scale,
             )
         return decode_attention(

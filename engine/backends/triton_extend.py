@@ -33,11 +33,11 @@ from engine.pdl import enter, leave
 # GRID_ORDER: the grid's axes from the fastest-varying, of q blocks (q), requests (r) and
 # q heads (h); None: `grid_order` chooses by the request count.
 # HEADS: q heads of one kv head a program, each K/V block loaded once for all of them (a
-# power of two dividing the group); more than 1 is opt-in, not yet timed on a GPU
-# (`bench_attention.py --extend-turns` times it).
+# power of two dividing the group); `choose_extend_config` takes 2 for short prompts.
 # DIAGONAL_IN_LOOP: the new keys in one loop, the diagonal blocks masked by a uniform branch,
 # so that their K/V loads are pipelined with the blocks before them and a tile waits once
-# fewer; opt-in, not yet timed on a GPU (`--extend-turns` times it).
+# fewer. Timed in turns on an H100 (`bench_attention.py --extend-turns`, docs/benchmarks.md):
+# 0.91-0.99 of the two loops' time at each of six shapes, in two runs.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -46,7 +46,7 @@ EXTEND_CONFIG = {
     "TMA": True,
     "GRID_ORDER": None,
     "HEADS": 1,
-    "DIAGONAL_IN_LOOP": False,
+    "DIAGONAL_IN_LOOP": True,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -59,6 +59,14 @@ INTERPRETER_CONFIG = {
     "DIAGONAL_IN_LOOP": False,
 }
 GRID_AXES = "qrh"
+# Many short prompts: 32 x 32 tiles of two q heads. A tile's fixed cost (offsets, q, the
+# pipeline's fill, the output) is paid once for both heads' rows, and the smaller tiles keep
+# the registers of 64 rows (no spills, where 64 x 64 tiles of two heads spill with 4 warps).
+# Timed in turns on an H100 (docs/benchmarks.md): 0.89x the default's time at 16 prompts of
+# 512 tokens, 0.96x at 8 of 1024; 1.08x at 4 of 2048, 1.09x at one of 1024, 1.08x at 8 of
+# 512 after 2048 cached keys.
+SHORT_PROMPTS_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2}
+SHORT_PROMPT_KEYS = 1024  # the most keys (cached and new) of a request in a short-prompts pass
 
 
 def grid_order(num_requests: int) -> str:
@@ -72,6 +80,16 @@ def grid_order(num_requests: int) -> str:
     310-317 (1.03); with 2-16 requests no order won in every run (0.91-1.08 against "qrh"),
     so they keep "qrh"."""
     return "hqr" if num_requests == 1 else "qrh"
+
+
+def choose_extend_config(num_requests: int, max_seq_len: int, group: int) -> dict:
+    """The extend launch's settings over `EXTEND_CONFIG` for a pass of `num_requests`
+    requests whose longest holds `max_seq_len` keys (prefix and new), `group` q heads a kv
+    head: `SHORT_PROMPTS_CONFIG` for several requests of at most `SHORT_PROMPT_KEYS` keys
+    where a program may hold two heads of a kv head, else none."""
+    if num_requests > 1 and max_seq_len <= SHORT_PROMPT_KEYS and group % 2 == 0:
+        return SHORT_PROMPTS_CONFIG
+    return {}
 
 
 @triton.jit
@@ -290,21 +308,28 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     out: torch.Tensor,
     max_new_len: int,
+    max_seq_len: int,
     sm_scale: float,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves, into out.
-    k/v are the new tokens' K/V in the cache dtype, [T, Hkv, D]."""
-    base = INTERPRETER_CONFIG if q.device.type == "cpu" else EXTEND_CONFIG
-    cfg = {**base, **(config or {})}
+    k/v are the new tokens' K/V in the cache dtype, [T, Hkv, D]. max_new_len, max_seq_len:
+    the most new tokens and keys of a request (a bound: a captured launch serves other
+    passes). `config` replaces the launch `choose_extend_config` would choose (on a GPU)."""
+    num_requests = qo_indptr.shape[0] - 1
+    group = q.shape[1] // k_cache.shape[1]
+    if q.device.type == "cpu":
+        cfg = {**INTERPRETER_CONFIG, **(config or {})}
+    elif config is None:
+        cfg = {**EXTEND_CONFIG, **choose_extend_config(num_requests, max_seq_len, group)}
+    else:
+        cfg = {**EXTEND_CONFIG, **config}
     if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
         raise ValueError(
             f"BLOCK_M={cfg['BLOCK_M']} must be a multiple of "
             f"BLOCK_N={cfg['BLOCK_N']} (stage 2a reads whole key blocks)"
         )
     num_tokens, num_q_heads, head_dim = q.shape
-    num_requests = qo_indptr.shape[0] - 1
-    group = num_q_heads // k_cache.shape[1]
     heads = cfg["HEADS"]
     if type(heads) is not int or heads < 1 or heads & (heads - 1) or group % heads:
         raise ValueError(

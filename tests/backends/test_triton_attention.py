@@ -204,6 +204,7 @@ def _extend_direct(case):
             prefix_lens,
             out,
             meta.max_new_len,
+            meta.max_seq_len,
             q.shape[-1] ** -0.5,
             config=config,
         )

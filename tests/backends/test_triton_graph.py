@@ -19,7 +19,7 @@ from backend_cases import (
 )
 
 from engine import pdl
-from engine.backends import BufferTooSmall
+from engine.backends import BufferTooSmall, triton_backend
 from engine.backends.torch_backend import TorchBackend
 from engine.backends.triton_backend import TritonBackend
 from engine.backends.triton_decode import decode_attention
@@ -119,6 +119,28 @@ def test_padded_extend_matches_reference() -> None:
     in requests and tokens: its attention runs a grid of all the padded tokens a request and
     zeroes the padding rows."""
     run_padded("extend", [12, 0, 3], [5, 9, 2], batch_size=4, tokens=24, num_splits=None)
+
+
+def test_extend_launch_policy_sees_a_bound_on_every_replays_keys(monkeypatch) -> None:
+    """The extend kernel chooses its launch by the longest request's keys: an eager pass
+    tells it its batch's, a graph's pass the request table's width, since the launch it
+    captures serves every pass it replays (the capture's batch holds one key a request)."""
+    case = make_case("extend", [12, 0, 3], [5, 9, 2], 2, 3, 64, DTYPE, seed=7)
+    seen = []
+    kernel = triton_backend.extend_attention
+
+    def spy(*args, **kwargs):
+        seen.append(args[11])  # max_seq_len
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "extend_attention", spy)
+    backend = TritonBackend(case.pool)
+    backend.forward(0, case.q, case.k, case.v, backend.plan(case.batch))
+    buffers = backend.graph_buffers(max_batch=8, max_tokens=40, max_kv_tokens=1024)
+    meta = backend.plan(case.batch, buffers=buffers, padded_batch_size=4, padded_num_tokens=24)
+    q, k, v = (padded(t, 24, seed) for seed, t in enumerate((case.q, case.k, case.v)))
+    backend.forward(0, q, k, v, meta, out=torch.empty_like(q))
+    assert seen == [12 + 5, case.pool.req_to_token.shape[1]]
 
 
 def test_graph_buffers_refuse_large_trees() -> None:

@@ -147,6 +147,7 @@ def test_attention_kernels_mask_stores_at_capacity(mode: str, num_splits: int) -
             meta.prefix_lens,
             out,
             meta.max_new_len,
+            meta.max_seq_len,
             case.q.shape[-1] ** -0.5,
         )
     else:

@@ -20,6 +20,11 @@ from engine.backends.decode_policy import (
     choose_num_splits,
     choose_verify_config,
 )
+from engine.backends.triton_extend import (
+    EXTEND_CONFIG,
+    SHORT_PROMPTS_CONFIG,
+    choose_extend_config,
+)
 
 H200_SMS = 132
 BLOCK = DECODE_CONFIG["BLOCK_N"]
@@ -182,3 +187,29 @@ def test_bench_steps_refuses_verify_settings_it_cannot_lay_over(
     with pytest.raises(SystemExit):
         bench_steps.main()
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "requests,keys,group,short",
+    [
+        (16, 512, 4, True),  # H100: 0.89x the default's time (bench_attention --extend-turns)
+        (8, 1024, 4, True),  # 0.96x
+        (4, 2048, 4, False),  # 1.08x: longer prompts keep 64 x 64 tiles of one head
+        (1, 1024, 4, False),  # 1.09x: one request
+        (8, 2560, 4, False),  # 512 new tokens after 2048 cached: 1.08x
+        (16, 512, 3, False),  # the default model: 3 q heads a kv head, no pair shares one
+        (16, 512, 8, True),
+    ],
+)
+def test_extend_config_for_the_benchmark_shapes(
+    requests: int, keys: int, group: int, short: bool
+) -> None:
+    assert (choose_extend_config(requests, keys, group) == SHORT_PROMPTS_CONFIG) == short
+
+
+@given(st.integers(1, 512), st.integers(1, 1 << 17), st.sampled_from([1, 2, 3, 4, 6, 8, 16]))
+def test_extend_config_is_one_the_kernel_accepts(requests: int, keys: int, group: int) -> None:
+    """Its HEADS divides the group and its tiles divide as `extend_attention` requires."""
+    config = {**EXTEND_CONFIG, **choose_extend_config(requests, keys, group)}
+    assert group % config["HEADS"] == 0
+    assert config["BLOCK_M"] % config["BLOCK_N"] == 0
