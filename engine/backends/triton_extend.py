@@ -56,7 +56,7 @@ INTERPRETER_CONFIG = {
     "TMA": False,
     "GRID_ORDER": None,
     "HEADS": 1,
-    "DIAGONAL_IN_LOOP": False,
+    "DIAGONAL_IN_LOOP": True,  # as on a GPU
 }
 GRID_AXES = "qrh"
 # Many short prompts: 32 x 32 tiles of two q heads. A tile's fixed cost (offsets, q, the

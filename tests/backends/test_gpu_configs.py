@@ -1,8 +1,9 @@
 """The attention kernels at the launch configurations a GPU takes (on a CPU the backend takes
 small interpreter tiles): decode at both warp counts with and without the fused merge, verify
-at each of its configurations, extend with tensor-memory loads. They match the reference in
-the interpreter, and `make test` compiles these launches for sm_90 (tests/kernel_launches.py)
-with their tiles, warps and pipeline depths, which the interpreter does not check."""
+at each of its configurations, extend with tensor-memory loads (the default launch and the
+short prompts'). They match the reference in the interpreter, and `make test` compiles these
+launches for sm_90 (tests/kernel_launches.py) with their tiles, warps and pipeline depths,
+which the interpreter does not check."""
 
 from __future__ import annotations
 
@@ -38,9 +39,17 @@ def test_verify_at_the_gpu_configurations(config: dict, monkeypatch) -> None:
         check_against_reference("verify", shape)
 
 
-def test_extend_at_the_gpu_configuration(monkeypatch) -> None:
-    monkeypatch.setattr(triton_extend, "INTERPRETER_CONFIG", triton_extend.EXTEND_CONFIG)
+@pytest.mark.parametrize(
+    "config",
+    [
+        triton_extend.EXTEND_CONFIG,
+        {**triton_extend.EXTEND_CONFIG, **triton_extend.SHORT_PROMPTS_CONFIG},
+    ],
+    ids=str,
+)
+def test_extend_at_the_gpu_configurations(config: dict, monkeypatch) -> None:
+    monkeypatch.setattr(triton_extend, "INTERPRETER_CONFIG", config)
     monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)  # as Hopper reads
-    assert triton_extend.EXTEND_CONFIG["TMA"]
+    assert config["TMA"]
     shape = dict(CASE, prefix_lens=[70, 0], new_lens=[33, 80], num_splits=None)
     check_against_reference("extend", shape)
