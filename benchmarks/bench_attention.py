@@ -85,8 +85,8 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
 # EXTEND_CONFIG) and these, with SDPA, timed in turns at EXTEND's shapes and EXTEND_MORE's
 # (shorter prompts, more of them). Here EXTEND_CONFIG alone, with the diagonal blocks in a
 # loop of their own (its earlier default), the short prompts' launch at every shape, and the
-# fastest with a cached prefix. Earlier lists (2 and 4 stages, 64 x
-# 32 tiles, 128 x 64 tiles, other HEADS launches) are timed in docs/benchmarks.md.
+# fastest with a cached prefix. Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64
+# tiles, other HEADS launches) are timed in docs/benchmarks.md.
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},

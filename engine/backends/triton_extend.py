@@ -88,7 +88,7 @@ def choose_extend_config(num_requests: int, max_seq_len: int, group: int) -> dic
     head: `SHORT_PROMPTS_CONFIG` for several requests of at most `SHORT_PROMPT_KEYS` keys
     where a program may hold two heads of a kv head, else none."""
     if num_requests > 1 and max_seq_len <= SHORT_PROMPT_KEYS and group % 2 == 0:
-        return SHORT_PROMPTS_CONFIG
+        return dict(SHORT_PROMPTS_CONFIG)
     return {}
 
 

@@ -1,4 +1,5 @@
-"""The launch policies: split counts and the verify config, as pure functions of the shape."""
+"""The launch policies: split counts, the verify config and the extend config, as pure
+functions of the shape."""
 
 from __future__ import annotations
 
