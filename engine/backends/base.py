@@ -66,6 +66,8 @@ class ForwardMetadata:
     prefix_lens: torch.Tensor  # [B] int32 (seq_lens are kv_indptr's differences)
     out_slots: torch.Tensor  # [new_lens.total] int64
     tree_bits: torch.Tensor | None  # [new_lens.total] int64 ancestor-or-self bits (verify)
+    # the most new tokens and keys of a request: the batch's, or for a graph's plan bounds
+    # that hold for every pass it replays (its token count or tree width, the table's width)
     max_new_len: int
     max_seq_len: int
     extra: dict = attrs.field(factory=dict)  # backend-specific (split counts, buffers)

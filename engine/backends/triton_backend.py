@@ -263,6 +263,8 @@ class TritonBackend(AttentionBackend):
             )
         rows = views.pop("rows")
         tree_bits = views.pop("tree_bits")
+        # the most keys a request may have: a captured launch serves every pass it replays
+        max_keys = self.pool.req_to_token.shape[1]
         if mode == Mode.EXTEND:  # every output row zeroed, then the requests' written
             extra = {"graph": True, "rows": rows, "new_tokens": 0}
             return ForwardMetadata(
@@ -270,23 +272,20 @@ class TritonBackend(AttentionBackend):
                 kv_indices=buffers.kv_indices,
                 tree_bits=None,
                 max_new_len=num_tokens,
-                max_seq_len=batch.seq_lens.max,
+                max_seq_len=max_keys,
                 extra=extra,
                 **views,
             )
         if num_splits is None:
             num_splits = choose_num_splits(
-                padded,
-                self.pool.num_kv_heads,
-                self.pool.req_to_token.shape[1],
-                _num_sms(buffers.kv_indices.device),
+                padded, self.pool.num_kv_heads, max_keys, _num_sms(buffers.kv_indices.device)
             )
         return ForwardMetadata(
             mode=mode,
             kv_indices=buffers.kv_indices,
             tree_bits=tree_bits if mode == Mode.VERIFY else None,
             max_new_len=per_request,
-            max_seq_len=batch.seq_lens.max,
+            max_seq_len=max_keys,
             extra={
                 "num_splits": num_splits,
                 "max_q": per_request,
@@ -419,10 +418,7 @@ class TritonBackend(AttentionBackend):
                 metadata.prefix_lens,
                 out,
                 metadata.max_new_len,
-                # a graph's launch serves every pass it replays: the longest keys it may see
-                self.pool.req_to_token.shape[1]
-                if metadata.extra.get("graph")
-                else metadata.max_seq_len,
+                metadata.max_seq_len,
                 scale,
             )
         return decode_attention(

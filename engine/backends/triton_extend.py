@@ -316,8 +316,9 @@ def extend_attention(
     k/v are the new tokens' K/V in the cache dtype, [T, Hkv, D]. max_new_len, max_seq_len:
     the most new tokens and keys of a request (a bound: a captured launch serves other
     passes). `config` replaces the launch `choose_extend_config` would choose (on a GPU)."""
+    num_tokens, num_q_heads, head_dim = q.shape
     num_requests = qo_indptr.shape[0] - 1
-    group = q.shape[1] // k_cache.shape[1]
+    group = num_q_heads // k_cache.shape[1]
     if q.device.type == "cpu":
         cfg = {**INTERPRETER_CONFIG, **(config or {})}
     elif config is None:
@@ -329,7 +330,6 @@ def extend_attention(
             f"BLOCK_M={cfg['BLOCK_M']} must be a multiple of "
             f"BLOCK_N={cfg['BLOCK_N']} (stage 2a reads whole key blocks)"
         )
-    num_tokens, num_q_heads, head_dim = q.shape
     heads = cfg["HEADS"]
     if type(heads) is not int or heads < 1 or heads & (heads - 1) or group % heads:
         raise ValueError(
