@@ -77,7 +77,7 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
     {"TMA": False},
     {"TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
-    # the grid's axis orders (by default `triton_extend.grid_order` chooses one)
+    # the grid's axis orders (by default `extend_policy.grid_order` chooses one)
     *({"GRID_ORDER": order} for order in ("qrh", "hqr", "hrq", "qhr", "rqh", "rhq")),
 ]
 

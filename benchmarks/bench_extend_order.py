@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention_problems import HKV, D, Problem, graph_time_us, ours_extend  # noqa: E402
 
-from engine.backends import triton_extend  # noqa: E402
+from engine.backends import extend_policy  # noqa: E402
 
 SHAPES = [  # (requests, cached prefix, new tokens a request)
     (1, 0, 1024),
@@ -38,7 +38,7 @@ SHAPES = [  # (requests, cached prefix, new tokens a request)
     (16, 0, 512),
     (8, 2048, 512),
 ]
-ORDERS = ["".join(axes) for axes in itertools.permutations(triton_extend.GRID_AXES)]
+ORDERS = ["".join(axes) for axes in itertools.permutations(extend_policy.GRID_AXES)]
 BEFORE = "qrh"  # the baseline: the order of several requests
 
 
@@ -51,7 +51,7 @@ def main() -> None:
         problem = Problem("extend", batch, prefix, new, batch * (prefix + new) * HKV * D * 2 * 2)
         times = {o: graph_time_us(ours_extend(problem, {"GRID_ORDER": o})) for o in ORDERS}
         cells = [f"{times[o]:.1f} ({times[o] / times[BEFORE]:.2f})" for o in ORDERS]
-        chosen = triton_extend.grid_order(batch)
+        chosen = extend_policy.grid_order(batch)
         ratio = times[chosen] / times[BEFORE]
         print(
             f"| B={batch} prefix={prefix} new={new} | "

@@ -48,11 +48,11 @@ def per_sm(registers: int, shared: int, warps: int) -> tuple[int, int, int]:
 
 def attention_launches(kind: str) -> list[tuple[str, dict]]:
     """(label, config) for each configuration of `kind` the table shows."""
-    from engine.backends import decode_policy, triton_extend
+    from engine.backends import decode_policy, extend_policy
 
     if kind == "extend":
         tiles = [
-            (f"{m} x {n}, {w} warps, {st} stages", dict(triton_extend.EXTEND_CONFIG, **c))
+            (f"{m} x {n}, {w} warps, {st} stages", dict(extend_policy.EXTEND_CONFIG, **c))
             for m in (64, 128)
             for n in (32, 64, 128)
             if m % n == 0
@@ -63,7 +63,7 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
         heads = [  # HEADS q heads a program, sharing each K/V block
             (
                 f"{m} x {n}, {h} heads, {w} warps, {st} stages",
-                dict(triton_extend.EXTEND_CONFIG, **c),
+                dict(extend_policy.EXTEND_CONFIG, **c),
             )
             for m, n, h in ((64, 64, 2), (32, 32, 2), (32, 32, 4))
             for w in (4, 8)
@@ -71,7 +71,7 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
             for c in [dict(BLOCK_M=m, BLOCK_N=n, HEADS=h, num_warps=w, num_stages=st, TMA=True)]
         ]
         diagonal_apart = [  # the diagonal key blocks in a loop of their own, after the rest
-            (f"{label}, diagonal apart", dict(triton_extend.EXTEND_CONFIG, **c))
+            (f"{label}, diagonal apart", dict(extend_policy.EXTEND_CONFIG, **c))
             for label, c in (
                 ("64 x 64, 4 warps, 3 stages", {}),
                 ("32 x 32, 2 heads, 4 warps, 3 stages", {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2}),

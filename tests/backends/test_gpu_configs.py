@@ -11,7 +11,7 @@ import pytest
 from backend_cases import DTYPES, ON_CUDA
 from test_triton_attention import check_against_reference
 
-from engine.backends import decode_policy, triton_extend
+from engine.backends import decode_policy, extend_policy, triton_extend
 
 pytestmark = pytest.mark.skipif(ON_CUDA, reason="a GPU runs these configurations anyway")
 
@@ -42,13 +42,13 @@ def test_verify_at_the_gpu_configurations(config: dict, monkeypatch) -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        triton_extend.EXTEND_CONFIG,
-        {**triton_extend.EXTEND_CONFIG, **triton_extend.SHORT_PROMPTS_CONFIG},
+        extend_policy.EXTEND_CONFIG,
+        {**extend_policy.EXTEND_CONFIG, **extend_policy.SHORT_PROMPTS_CONFIG},
     ],
     ids=str,
 )
 def test_extend_at_the_gpu_configurations(config: dict, monkeypatch) -> None:
-    monkeypatch.setattr(triton_extend, "INTERPRETER_CONFIG", config)
+    monkeypatch.setattr(extend_policy, "INTERPRETER_CONFIG", config)
     monkeypatch.setattr(triton_extend, "tma_ready", lambda *tensors: True)  # as Hopper reads
     assert config["TMA"]
     shape = dict(CASE, prefix_lens=[70, 0], new_lens=[33, 80], num_splits=None)

@@ -20,7 +20,7 @@ from backend_cases import (
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.backends import triton_extend
+from engine.backends import extend_policy, triton_extend
 from engine.backends.torch_backend import TorchBackend
 from engine.backends.triton_backend import TritonBackend
 
@@ -249,7 +249,7 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
     reference, on ragged requests whose shorter ones own fewer q blocks than the grid has
     (those programs exit); an order that is not one of the axes' is refused. By default one
     request runs "hqr", several "qrh"."""
-    assert triton_extend.grid_order(1) == "hqr" and triton_extend.grid_order(3) == "qrh"
+    assert extend_policy.grid_order(1) == "hqr" and extend_policy.grid_order(3) == "qrh"
     dtype = DTYPES[-1]
     case = make_case("extend", [40, 0, 7], [70, 9, 33], 2, 4, 64, dtype, seed=29)
     ref, run = _extend_direct(case)
@@ -344,7 +344,7 @@ def triton_config(tma: bool):
 
     @contextlib.contextmanager
     def switched():
-        configs = (triton_extend.EXTEND_CONFIG, triton_extend.INTERPRETER_CONFIG)
+        configs = (extend_policy.EXTEND_CONFIG, extend_policy.INTERPRETER_CONFIG)
         saved = [dict(config) for config in configs]
         for config in configs:
             config["TMA"] = tma

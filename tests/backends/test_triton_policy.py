@@ -21,7 +21,7 @@ from engine.backends.decode_policy import (
     choose_num_splits,
     choose_verify_config,
 )
-from engine.backends.triton_extend import (
+from engine.backends.extend_policy import (
     EXTEND_CONFIG,
     SHORT_PROMPTS_CONFIG,
     choose_extend_config,
