@@ -84,15 +84,17 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
 # --extend-turns: the policy's extend launch ("default": `choose_extend_config` over
 # EXTEND_CONFIG) and these, with SDPA, timed in turns at EXTEND's shapes and EXTEND_MORE's
 # (shorter prompts, more of them). Here EXTEND_CONFIG alone, with the diagonal blocks in a
-# loop of their own (its earlier default), the short prompts' launch at every shape, and the
-# fastest with a cached prefix. Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64
-# tiles, other HEADS launches) are timed in docs/benchmarks.md.
+# loop of their own (its earlier default), the short prompts' launch at every shape, and
+# 128 x 128 tiles of 8 warps in 3 stages (the fastest at one prompt of 4096 tokens in
+# --extend-grid, before the diagonal joined the loop). Earlier lists (2 and 4 stages, 64 x 32
+# tiles, 128 x 64 tiles, 128 x 128 in 2 stages, other HEADS launches) are timed in
+# docs/benchmarks.md.
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},
     {"DIAGONAL_IN_LOOP": False},
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 
 EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads
