@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dis
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -25,6 +26,8 @@ from engine.backends.extend_policy import (
     EXTEND_CONFIG,
     SHORT_PROMPTS_CONFIG,
     choose_extend_config,
+    extend_launch,
+    grid_order,
 )
 
 H200_SMS = 132
@@ -210,7 +213,31 @@ def test_extend_config_for_the_benchmark_shapes(
 
 @given(st.integers(1, 512), st.integers(1, 1 << 17), st.sampled_from([1, 2, 3, 4, 6, 8, 16]))
 def test_extend_config_is_one_the_kernel_accepts(requests: int, keys: int, group: int) -> None:
-    """Its HEADS divides the group and its tiles divide as `extend_attention` requires."""
-    config = {**EXTEND_CONFIG, **choose_extend_config(requests, keys, group)}
+    """The launch a GPU pass gets is the policy's over EXTEND_CONFIG, passes the launch's
+    checks (they raise) and comes with its grid order; its HEADS divides the group and its
+    tiles divide as the kernel requires."""
+    config = extend_launch(False, requests, keys, group, None)
+    assert config == {
+        **EXTEND_CONFIG,
+        **choose_extend_config(requests, keys, group),
+        "GRID_ORDER": grid_order(requests),
+    }
     assert group % config["HEADS"] == 0
     assert config["BLOCK_M"] % config["BLOCK_N"] == 0
+
+
+@pytest.mark.parametrize(
+    "config,named",
+    [
+        ({"BLOCK_M": 32, "BLOCK_N": 64}, "BLOCK_M=32 must be a multiple of BLOCK_N=64"),
+        ({"HEADS": 3}, "HEADS=3 must be a power of two dividing"),
+        ({"HEADS": 8}, "HEADS=8 must be a power of two dividing the q heads a kv head serves (4)"),
+        ({"GRID_ORDER": "qqh"}, "GRID_ORDER='qqh' must order the letters of 'qrh'"),
+    ],
+)
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_extend_launch_refuses_settings_the_kernel_cannot_run(
+    config: dict, named: str, on_cpu: bool
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        extend_launch(on_cpu, 2, 512, 4, config)
