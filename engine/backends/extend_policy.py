@@ -17,7 +17,7 @@ from __future__ import annotations
 # DIAGONAL_IN_LOOP: the new keys in one loop, the diagonal blocks masked by a uniform branch,
 # so that their K/V loads are pipelined with the blocks before them and a tile waits once
 # fewer. Timed in turns on an H100 (`bench_attention.py --extend-turns`, docs/benchmarks.md):
-# 0.91-0.99 of the two loops' time at each of six shapes, in two runs.
+# 0.91-0.99 of the two loops' time at each of six shapes, in four runs.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
