@@ -228,13 +228,17 @@ def output_layer(name: str) -> Iterator[None]:
             gemv.linear_config.cache_clear()
 
 
-# what `--verify-attention` may lay over the policy's choice: a verify launch's settings
+# what `--verify-attention` may lay over the policy's choice: a verify launch's settings,
+# positive ints, and whether its last split program merges the splits (a JSON boolean;
+# verify passes run the merge kernel by default, `decode_policy.FUSED_MERGE_MAX_SPLITS`)
 VERIFY_KEYS = frozenset(key for config, _ in decode_policy.VERIFY_CONFIGS for key in config)
+VERIFY_SWITCHES = frozenset({"FUSED_MERGE"})
 
 
 def verify_settings(name: str) -> dict:
     """`--verify-attention`'s entry as settings over the policy's choice ({} for 'policy');
-    ValueError for anything but 'policy' or a JSON dict of VERIFY_KEYS to positive ints."""
+    ValueError for anything but 'policy' or a JSON dict of VERIFY_KEYS to positive ints and
+    VERIFY_SWITCHES to booleans."""
     if name == "policy":
         return {}
     try:
@@ -243,12 +247,29 @@ def verify_settings(name: str) -> dict:
         raise ValueError(f"{name!r} is not 'policy' or a JSON dict: {error}") from None
     if not isinstance(settings, dict):
         raise ValueError(f"{name!r} is not 'policy' or a JSON dict")
-    unknown = sorted(set(settings) - VERIFY_KEYS)
+    unknown = sorted(set(settings) - VERIFY_KEYS - VERIFY_SWITCHES)
     if unknown:
-        raise ValueError(f"{name!r}: unknown key(s) {unknown}; they are {sorted(VERIFY_KEYS)}")
-    bad = {key: value for key, value in settings.items() if type(value) is not int or value < 1}
+        raise ValueError(
+            f"{name!r}: unknown key(s) {unknown}; they are {sorted(VERIFY_KEYS | VERIFY_SWITCHES)}"
+        )
+    bad = {
+        key: value
+        for key, value in settings.items()
+        if key in VERIFY_KEYS and (type(value) is not int or value < 1)
+    }
     if bad:
-        raise ValueError(f"{name!r}: values must be positive integers; got {bad}")
+        raise ValueError(
+            f"{name!r}: values of {sorted(VERIFY_KEYS)} must be positive integers; got {bad}"
+        )
+    bad = {
+        key: value
+        for key, value in settings.items()
+        if key in VERIFY_SWITCHES and type(value) is not bool
+    }
+    if bad:
+        raise ValueError(
+            f"{name!r}: values of {sorted(VERIFY_SWITCHES)} must be true or false; got {bad}"
+        )
     return settings
 
 
@@ -324,7 +345,7 @@ def main() -> None:
         default="policy",
         help="the verify attention's launch, entries separated by ';', each timed in turn: "
         "'policy' (the engine's choice) or a JSON dict of settings laid over it, of "
-        f"{sorted(VERIFY_KEYS)}",
+        f"{sorted(VERIFY_KEYS)} (positive integers) and {sorted(VERIFY_SWITCHES)} (booleans)",
     )
     args = parser.parse_args()
     tree_nodes = [int(n) for n in (args.tree_nodes or str(args.draft_budget + 1)).split(",")]

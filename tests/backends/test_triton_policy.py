@@ -177,8 +177,10 @@ def test_bench_steps_lays_verify_settings_over_the_policys_choice(bench_script):
         ('{"BLOCK_M": 32}', "unknown key(s) ['BLOCK_M']"),
         ("[32]", "is not 'policy' or a JSON dict"),
         ("fast", "is not 'policy' or a JSON dict"),
-        ('{"num_warps": 0}', "values must be positive integers"),
-        ('{"num_warps": 2.5}', "values must be positive integers"),
+        ('{"num_warps": 0}', "must be positive integers"),
+        ('{"num_warps": 2.5}', "must be positive integers"),
+        ('{"num_warps": true}', "must be positive integers"),
+        ('{"FUSED_MERGE": 1}', "must be true or false"),
     ],
 )
 def test_bench_steps_refuses_verify_settings_it_cannot_lay_over(
