@@ -35,7 +35,7 @@ ONE_WAVE_WARPS = 2
 # Verify (BLOCK_M 64 rows) is sensitive to how its programs fill the waves: each config with
 # the programs an H200 SM holds at once (compiler report: 148 registers and 49 KB shared -> 3;
 # 218 registers and 83 KB -> 2). The one whose last wave is fullest wins (measured); where
-# either holds the whole grid in one wave, the first (`choose_verify_config`).
+# either holds the whole grid in one wave, by what runs beside it (`choose_verify_config`).
 VERIFY_CONFIGS = (
     ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}, 3),
     ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, 2),
@@ -111,19 +111,25 @@ def choose_decode_warps(programs: int, num_sms: int) -> int:
     return DECODE_CONFIG["num_warps"]
 
 
-def choose_verify_config(programs: int, num_sms: int) -> dict:
+def choose_verify_config(programs: int, num_sms: int, products_beside: bool = False) -> dict:
     """The verify config whose programs fill their waves best (ties: the first). Where
     every config holds the whole grid in one wave, no program waits for a slot whichever
-    runs, and the first (shorter key blocks, more of them in flight) is chosen: a
-    program's latency is the pass's (measured on an H100, `bench_steps.py
-    --verify-attention`: the default model's batch-1 13-node pass, 192 programs, 0.94 of
-    its time with 64-key blocks; its 8-node pass, whose products overlap the attention,
-    1.01-1.03x; Llama-3-8B's batch-1 passes within 0.2%)."""
+    runs, and the choice is by what runs beside the attention (measured on an H100,
+    `bench_steps.py --verify-attention`, three machines; docs/benchmarks.md):
+
+    - the matrix products after it launched beside it (`products_beside`: PDL on the
+      products, `pdl.for_pass`: the default model's verify passes of up to 8 rows): the
+      longest key block (the last entry). The default model's batch-1 8-node pass, 192
+      programs, took 0.97-0.99 of its 32-key blocks' time with 64-key blocks: what a
+      shorter attention saves, the products that start beside it and wait for it take.
+    - else the first (shorter key blocks, more of them in flight): a program's latency is
+      the pass's. The 13-node pass (products without PDL) took 0.93-0.94 of its time with
+      64-key blocks; Llama-3-8B's batch-1 passes (no PDL) read within 0.2%."""
 
     def wave_fill(per_sm: int) -> float:
         waves = programs / (per_sm * num_sms)
         return waves / max(1, -(-programs // (per_sm * num_sms)))
 
     if all(programs <= per_sm * num_sms for _, per_sm in VERIFY_CONFIGS):
-        return VERIFY_CONFIGS[0][0]
+        return VERIFY_CONFIGS[-1 if products_beside else 0][0]
     return max(VERIFY_CONFIGS, key=lambda entry: wave_fill(entry[1]))[0]

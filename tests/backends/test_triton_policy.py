@@ -146,6 +146,25 @@ def test_verify_config_fills_its_waves(programs: int, expected_block_n: int) -> 
     assert config in [entry[0] for entry in VERIFY_CONFIGS]
 
 
+@pytest.mark.parametrize(
+    "programs,alone,beside",
+    [
+        (192, 32, 64),  # the default model's batch-1 verify: one wave of either
+        (264, 32, 64),  # one wave of either: what runs beside decides
+        (8, 32, 64),
+        (384, 32, 32),  # past one wave of the 64-key launch: the fuller waves decide
+        (512, 64, 64),
+        (792, 32, 32),
+    ],
+)
+def test_verify_config_by_what_runs_beside_it(programs: int, alone: int, beside: int) -> None:
+    """Where the grid is one wave of every config, the products launched beside the
+    attention (PDL on them) take the longest key block, else the first; past one wave the
+    waves' fill decides whatever runs beside."""
+    assert choose_verify_config(programs, H200_SMS)["BLOCK_N"] == alone
+    assert choose_verify_config(programs, H200_SMS, products_beside=True)["BLOCK_N"] == beside
+
+
 def test_bench_steps_lays_verify_settings_over_the_policys_choice(bench_script):
     """`bench_steps.py --verify-attention`: inside the block the verify launch's config is
     the policy's with the given settings laid over it (the function `decode_attention` calls
