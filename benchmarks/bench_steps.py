@@ -252,24 +252,14 @@ def verify_settings(name: str) -> dict:
         raise ValueError(
             f"{name!r}: unknown key(s) {unknown}; they are {sorted(VERIFY_KEYS | VERIFY_SWITCHES)}"
         )
-    bad = {
-        key: value
-        for key, value in settings.items()
-        if key in VERIFY_KEYS and (type(value) is not int or value < 1)
-    }
-    if bad:
-        raise ValueError(
-            f"{name!r}: values of {sorted(VERIFY_KEYS)} must be positive integers; got {bad}"
-        )
-    bad = {
-        key: value
-        for key, value in settings.items()
-        if key in VERIFY_SWITCHES and type(value) is not bool
-    }
-    if bad:
-        raise ValueError(
-            f"{name!r}: values of {sorted(VERIFY_SWITCHES)} must be true or false; got {bad}"
-        )
+    checks = (
+        (VERIFY_KEYS, lambda value: type(value) is int and value >= 1, "positive integers"),
+        (VERIFY_SWITCHES, lambda value: type(value) is bool, "true or false"),
+    )
+    for keys, allowed, wording in checks:
+        bad = {key: value for key, value in settings.items() if key in keys and not allowed(value)}
+        if bad:
+            raise ValueError(f"{name!r}: values of {sorted(keys)} must be {wording}; got {bad}")
     return settings
 
 
