@@ -47,8 +47,10 @@ VERIFY_CONFIGS = (
 # (B=16 L=1024: 0.58 -> 0.64 of the copy ceiling), at 64 splits (B=1 L=8192) 1.34x: the one
 # program that merges 64 splits serially costs more than the launch it saves, and merged in
 # two levels (groups of 8 splits, then the groups) 1.09x. Verify stays two launches (32
-# splits at B=1: 2.9x, in two levels 1.6x): its programs own up to GROUP x MAX_Q rows, which
-# one program merges a block at a time where the merge kernel spreads them over the grid.
+# splits at B=1: 2.9x, in two levels 1.6x; the default model's batch-1 verify passes on an
+# H100, `bench_steps.py --verify-attention`, 1.6x the pass): its programs own up to GROUP x
+# MAX_Q rows, which one program merges a block at a time where the merge kernel spreads them
+# over the grid.
 FUSED_MERGE_MAX_SPLITS = 16
 INTERPRETER_CONFIG = {
     "BLOCK_N": 16,
