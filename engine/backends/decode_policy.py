@@ -121,7 +121,7 @@ def choose_verify_config(programs: int, num_sms: int, products_beside: bool = Fa
 
     - the matrix products after it launched beside it (`products_beside`: PDL on the
       products, `pdl.for_pass`: the default model's verify passes of up to 8 rows): the
-      longest key block (the last entry). The default model's batch-1 8-node pass, 192
+      longest key block. The default model's batch-1 8-node pass, 192
       programs, took 0.97-0.99 of its 32-key blocks' time with 64-key blocks: what a
       shorter attention saves, the products that start beside it and wait for it take.
     - else the first (shorter key blocks, more of them in flight): a program's latency is
@@ -133,5 +133,7 @@ def choose_verify_config(programs: int, num_sms: int, products_beside: bool = Fa
         return waves / max(1, -(-programs // (per_sm * num_sms)))
 
     if all(programs <= per_sm * num_sms for _, per_sm in VERIFY_CONFIGS):
-        return VERIFY_CONFIGS[-1 if products_beside else 0][0]
+        if products_beside:
+            return max((config for config, _ in VERIFY_CONFIGS), key=lambda c: c["BLOCK_N"])
+        return VERIFY_CONFIGS[0][0]
     return max(VERIFY_CONFIGS, key=lambda entry: wave_fill(entry[1]))[0]
