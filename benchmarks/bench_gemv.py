@@ -7,7 +7,7 @@ Llama-3-8B's projection shapes (or SmolLM2-135M's) at 1, 2 and 4 rows (or `--row
 pass of a 12-draft tree has 13). Each measurement replays a CUDA graph of calls over enough
 distinct weight copies (>= 512 MB) that L2 holds none of them, as in a real decode step; the
 time is one call's share, median of 10 replays. GB/s counts the weight bytes. "all rows" is the
-kernel that loads each weight tile once for every row (`gemv.rows_config`); "op set" is the
+kernel that loads each weight tile once for every row (`gemv_policy.rows_config`); "op set" is the
 product the model runs (`gemv.linear`: the package's launch, or cuBLAS's where it declines).
 `--sweep` also tries every launch configuration and prints the fastest per shape, and the
 one fastest in sum over every shape and row count; with `--wide` the all-rows kernel's
@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from engine.ops import gemv
+from engine.ops import gemv, gemv_policy
 from engine.ops import triton as fused_ops
 
 SHAPES = {
@@ -164,7 +164,7 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
         norm_w = torch.rand(k, device="cuda", dtype=dtype) + 0.5
         for rows in rows_list:
-            config, label = gemv.linear_config(rows, dtype, (n, k), sms), name
+            config, label = gemv_policy.linear_config(rows, dtype, (n, k), sms), name
             if prologue == "norm":
                 x = torch.randn(rows, k, device="cuda", dtype=dtype)
                 residual = torch.randn(rows, k, device="cuda", dtype=dtype)
@@ -190,7 +190,7 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
                 runs = fused_ops.silu_mul_linear(x, weights[0])
             all_rows = config is not None and config.get("all_rows")
             if all_rows and name == "gate_up":  # the model's launch: SiLU*mul after it too
-                config = gemv.rows_config(n // 2, sms, silu_mul=True)
+                config = gemv_policy.rows_config(n // 2, sms, silu_mul=True)
 
                 def apart(x, w):
                     normed, _ = fused_ops.add_rms_norm(x, residual, norm_w, 1e-5)
@@ -212,7 +212,7 @@ def compare_fused(shapes: dict, dtype: torch.dtype, rows_list: list[int]) -> Non
             assert torch.allclose(one(x, weights[0]).float(), expected, rtol=2e-2, atol=2e-2)
             chosen = "apart" if runs is None else "one launch"
             one_row_norm = prologue == "norm" and not all_rows
-            launch = gemv.norm_config(config, (n, k), sms) if one_row_norm else config
+            launch = gemv_policy.norm_config(config, (n, k), sms) if one_row_norm else config
             unpipelined = dict(config, LOOP_STAGES=1)
             t_one, t_one1 = (
                 time_calls(lambda a, w, c=c: one(a, w, c), weights, x)
@@ -270,7 +270,7 @@ def silu_after(shapes: dict, dtype: torch.dtype, rows_list: list[int], sms: int)
     weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
     results = []
     for rows in rows_list:
-        config = gemv.linear_config(rows, dtype, (n, k), sms)
+        config = gemv_policy.linear_config(rows, dtype, (n, k), sms)
         if config is None or not config.get("all_rows"):
             continue
         x = torch.randn(rows, k, device="cuda", dtype=dtype)
@@ -278,7 +278,7 @@ def silu_after(shapes: dict, dtype: torch.dtype, rows_list: list[int], sms: int)
         def apart(x, w):
             return fused_ops.silu_mul(fused_ops.linear(x, w))
 
-        one_config = gemv.rows_config(n // 2, sms, silu_mul=True)
+        one_config = gemv_policy.rows_config(n // 2, sms, silu_mul=True)
 
         def one(x, w, c=one_config):
             return gemv.gemv_silu(x, w, c)
@@ -307,7 +307,7 @@ def compare_loop_stages(shapes: dict, dtype: torch.dtype, rows_list: list[int]) 
         copies = max(2, -(-512 * 2**20 // (n * k * dtype.itemsize)))
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
         for rows in rows_list:
-            config = gemv.linear_config(rows, dtype, (n, k), sms)
+            config = gemv_policy.linear_config(rows, dtype, (n, k), sms)
             if config is None:
                 continue
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
@@ -341,17 +341,17 @@ def verify_launch(name: str, n: int, sms: int, norm_w: torch.Tensor):
             return F.silu(gate) * F.linear(normed(a), w[n // 2 :].double())
 
         return (
-            gemv.rows_config(n // 2, sms, silu_mul=True),
+            gemv_policy.rows_config(n // 2, sms, silu_mul=True),
             lambda a, w, c: gemv.norm_gemv_silu(a, None, norm_w, eps, w, c)[0],
             silu_after,
         )
     if name == "qkv":
         return (
-            gemv.rows_config(n, sms),
+            gemv_policy.rows_config(n, sms),
             lambda a, w, c: gemv.norm_gemv(a, None, norm_w, eps, w, c)[0],
             lambda a, w: F.linear(normed(a), w.double()),
         )
-    return gemv.rows_config(n, sms), gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
+    return gemv_policy.rows_config(n, sms), gemv.gemv, lambda a, w: F.linear(a.double(), w.double())
 
 
 # the all-rows launch's variants `--load-3d` times: its overrides
@@ -553,8 +553,8 @@ def main() -> None:
     parser.add_argument(
         "--max-weight-elements",
         type=int,
-        default=gemv.MAX_WEIGHT_ELEMENTS,
-        help="the largest weight the one-row kernel takes (gemv.MAX_WEIGHT_ELEMENTS): lower "
+        default=gemv_policy.MAX_WEIGHT_ELEMENTS,
+        help="the largest weight the one-row kernel takes (gemv_policy.MAX_WEIGHT_ELEMENTS): lower "
         "it to time the op set with cuBLAS's products on the weights above it",
     )
     args = parser.parse_args()
@@ -572,7 +572,7 @@ def main() -> None:
     names = args.only.split(",") if args.only else list(SHAPES[args.shapes])
     if unknown := set(names) - set(SHAPES[args.shapes]):
         parser.error(f"--only: no shapes {sorted(unknown)}; they are {list(SHAPES[args.shapes])}")
-    gemv.MAX_WEIGHT_ELEMENTS = args.max_weight_elements
+    gemv_policy.MAX_WEIGHT_ELEMENTS = args.max_weight_elements
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}, {args.shapes} shapes, {args.dtype}")
@@ -603,7 +603,7 @@ def main() -> None:
             ).item()
             t_cublas = time_calls(F.linear, weights, x)
             t_ours = time_calls(gemv.gemv, weights, x)
-            rows_config = gemv.rows_config(
+            rows_config = gemv_policy.rows_config(
                 n, torch.cuda.get_device_properties().multi_processor_count
             )
             t_rows = time_calls(lambda a, w: gemv.gemv(a, w, rows_config), weights, x)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from engine import pdl
 from engine.backends import decode_policy, triton_decode
 from engine.model import LlamaModel
-from engine.ops import gemv
+from engine.ops import gemv_policy
 from engine.shell.engine import Engine
 from engine.state import DraftTrees, FinishRules, Running, schedule_decode, schedule_verify
 
@@ -214,18 +214,18 @@ def _cublas_logits(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
 def output_layer(name: str) -> Iterator[None]:
     """Engines built in this block run the output layer as `name` says (`--output-layer`):
     'package', a JSON dict (the all-rows launch for float32 rows), or 'cublas'."""
-    wide = gemv.ROWS_WIDE_CONFIG
+    wide = gemv_policy.ROWS_WIDE_CONFIG
     with contextlib.ExitStack() as stack:
         if name == "cublas":
             stack.enter_context(mock.patch.object(LlamaModel, "logits", _cublas_logits))
         elif name != "package":
-            gemv.ROWS_WIDE_CONFIG = dict(json.loads(name))
-        gemv.linear_config.cache_clear()
+            gemv_policy.ROWS_WIDE_CONFIG = dict(json.loads(name))
+        gemv_policy.linear_config.cache_clear()
         try:
             yield
         finally:
-            gemv.ROWS_WIDE_CONFIG = wide
-            gemv.linear_config.cache_clear()
+            gemv_policy.ROWS_WIDE_CONFIG = wide
+            gemv_policy.linear_config.cache_clear()
 
 
 # what `--verify-attention` may lay over the policy's choice: a verify launch's settings,
@@ -327,8 +327,9 @@ def main() -> None:
         "--output-layer",
         default="package",
         help="the output layer's product, launches separated by ';', each timed in turn: "
-        "'package' (the op set's: `gemv.ROWS_WIDE_CONFIG` for float32 rows), a JSON dict (the "
-        "op set's with that all-rows launch), or 'cublas' (F.linear at every row count)",
+        "'package' (the op set's: `gemv_policy.ROWS_WIDE_CONFIG` for float32 rows), a JSON "
+        "dict (the op set's with that all-rows launch), or 'cublas' (F.linear at every row "
+        "count)",
     )
     parser.add_argument(
         "--verify-attention",

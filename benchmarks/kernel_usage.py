@@ -163,7 +163,7 @@ def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]
     import torch
     from bench_gemv import ROWS_VARIANTS, SHAPES, verify_launch  # benchmarks/, beside this
 
-    from engine.ops import gemv
+    from engine.ops import gemv, gemv_policy
 
     extra = {} if variant is None else ROWS_VARIANTS[variant]
     labels = {
@@ -179,9 +179,9 @@ def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]
         config, x, w = dict(model, **extra), torch.zeros(13, k), torch.zeros(n, k)
         silu = " + SiLU*mul" if name == "gate_up" else ""
         launches[f"{label} {n} x {k}{silu}"] = functools.partial(call, x, w, config)
-    n, k = SHAPES["smollm2_135m"]["lm_head"]  # the output layer: `gemv.ROWS_WIDE_CONFIG`
-    wide = gemv.linear_config(13, torch.float32, (n, k), 132)
-    assert wide is not None  # the wide launch (`gemv.ROWS_WIDE_CONFIG`) takes it
+    n, k = SHAPES["smollm2_135m"]["lm_head"]  # the output layer: `gemv_policy.ROWS_WIDE_CONFIG`
+    wide = gemv_policy.linear_config(13, torch.float32, (n, k), 132)
+    assert wide is not None  # the wide launch (`gemv_policy.ROWS_WIDE_CONFIG`) takes it
     config = dict(wide, **extra)
     x, w = torch.zeros(13, k), torch.zeros(n, k)
     launches[f"output layer {n} x {k}"] = functools.partial(gemv.gemv, x, w, config)

@@ -62,7 +62,7 @@ AUTO_BESIDE_MAX_ROWS = 13
 # elements (`for_pass`): the default model's largest (gate_up, 3.5M) is
 # within it and gains, Llama-3-8B's gate_up (117M) past it and loses (above). Weights in
 # between were not timed; the bound is the one-row kernel's limit before it took every
-# weight (`gemv.MAX_WEIGHT_ELEMENTS`), under which PDL was measured.
+# weight (`gemv_policy.MAX_WEIGHT_ELEMENTS`), under which PDL was measured.
 AUTO_MAX_WEIGHT_ELEMENTS = 32 * 2**20
 
 

@@ -6,7 +6,7 @@ them in `BLOCK_K` steps with the loads pipelined, and keeps every row of x in re
 launch, no reduction pass, fp32 accumulation. `gemv_rows_kernel` does the same for all of x's
 rows at once, each weight tile loaded once for every row. Both take a prologue applied to x's
 rows before the products (`PLAIN`, `NORM`, `SILU`, `_x_block`). Which launch a product gets,
-and its configuration, is `engine.ops.gemv`'s.
+and its configuration, is `engine.ops.gemv_policy`'s; `engine.ops.gemv` launches them.
 """
 
 from __future__ import annotations
@@ -279,14 +279,3 @@ def gemv_rows_kernel(
         sums.to(out.dtype.element_ty),
         mask=in_m[:, None] & in_n[None, :],
     )
-
-
-# Launch parameters: the fastest of the swept configurations for qkv and o_proj at one row on
-# the H200 (`benchmarks/bench_gemv.py --sweep`).
-# LOOP_STAGES: key steps in flight in the loop (`tl.range`'s software pipelining of loads that
-# feed no dot; the kernel's num_stages pipelines only those that do). Measured on the H200
-# (`bench_gemv.py --loop-stages`), 3 against 1: one-row products of at most 5.8 programs an SM
-# take 15-28% less time (Llama-3-8B's bf16 qkv and o_proj, SmolLM2-135M's fp32 qkv, o_proj
-# and down; gate_up the same), 13-row fp32 ones 6-20% less; at 46 programs an SM (SmolLM2's
-# output layer, one row) 19% more: resident programs hide the latency there already, and
-# the pipeline's buffers cost occupancy. So 1 from PIPELINE_MAX_PROGRAMS_PER_SM on.

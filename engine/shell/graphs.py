@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from engine import pdl
-from engine.ops.gemv import kernel_takes
+from engine.ops.gemv_policy import kernel_takes
 from engine.shell.table import RequestTable
 from engine.state import (
     PADDING_SLOT,

@@ -1,6 +1,7 @@
 """The Triton matrix-vector kernels (`engine.ops.gemv`) against F.linear and the torch
 reference ops: plain products of 1-16 rows, the norm and SiLU*mul inside one-row products,
-their launch policy, and a whole forward through an op set that fuses them."""
+their launch policy (`engine.ops.gemv_policy`), and a whole forward through an op set that
+fuses them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from op_cases import DEVICE, TOLERANCE, assert_close, random_tensor
 
 from engine.model import LlamaModel, ModelConfig
-from engine.ops import gemv
+from engine.ops import gemv, gemv_policy
 from engine.ops import triton as fused
 from engine.ops.reference import TorchOps
 
@@ -23,12 +24,12 @@ def test_gemv_matches_linear(dtype, rows, n, k):
     expected = torch.nn.functional.linear(x.float(), weight.float()).to(dtype)
     for config in (
         None,
-        dict(gemv.GEMV_CONFIG, LOOP_STAGES=1),  # key steps not pipelined
+        dict(gemv_policy.GEMV_CONFIG, LOOP_STAGES=1),  # key steps not pipelined
         dict(BLOCK_N=2, BLOCK_K=128, num_warps=8, all_rows=True),
-        gemv.rows_config(n, 2),
-        dict(gemv.rows_config(n, 2), LOOP_STAGES=1),
-        dict(gemv.rows_config(n, 2), LOAD_3D=True),  # x and the tiles loaded in 3-d blocks
-        dict(gemv.ROWS_WIDE_CONFIG, all_rows=True),  # a wide weight's (an output layer's)
+        gemv_policy.rows_config(n, 2),
+        dict(gemv_policy.rows_config(n, 2), LOOP_STAGES=1),
+        dict(gemv_policy.rows_config(n, 2), LOAD_3D=True),  # x and the tiles loaded in 3-d blocks
+        dict(gemv_policy.ROWS_WIDE_CONFIG, all_rows=True),  # a wide weight's (an output layer's)
     ):
         assert_close(gemv.gemv(x, weight, config), expected, dtype)
 
@@ -37,56 +38,58 @@ def test_linear_takes_the_kernel_where_cublas_is_slower():
     """One row of any dtype up to MAX_WEIGHT_ELEMENTS; float32 up to MAX_ROWS rows (cuBLAS:
     SIMT tiles and a split-K reduce) up to ROWS_MAX_WEIGHT_ELEMENTS, or with the wide launch
     up to ROWS_WIDE_MAX_WEIGHT_ELEMENTS; bf16 from two rows on stays with cuBLAS."""
-    small, rows_large, large = (1536, 576), (49152, 576), (gemv.MAX_WEIGHT_ELEMENTS + 1, 1)
+    small, rows_large, large = (1536, 576), (49152, 576), (gemv_policy.MAX_WEIGHT_ELEMENTS + 1, 1)
     sms = 132
-    assert gemv.linear_config(1, torch.bfloat16, small, sms) == gemv.GEMV_CONFIG
-    assert gemv.linear_config(1, torch.float32, small, sms) == gemv.GEMV_CONFIG
-    assert gemv.linear_config(1, torch.float32, rows_large, sms) == dict(
-        gemv.GEMV_CONFIG, LOOP_STAGES=1
+    assert gemv_policy.linear_config(1, torch.bfloat16, small, sms) == gemv_policy.GEMV_CONFIG
+    assert gemv_policy.linear_config(1, torch.float32, small, sms) == gemv_policy.GEMV_CONFIG
+    assert gemv_policy.linear_config(1, torch.float32, rows_large, sms) == dict(
+        gemv_policy.GEMV_CONFIG, LOOP_STAGES=1
     )
-    assert gemv.linear_config(13, torch.float32, small, sms) == gemv.rows_config(1536, sms)
-    assert gemv.linear_config(13, torch.float32, rows_large, sms) == dict(
-        gemv.ROWS_WIDE_CONFIG, all_rows=True
+    assert gemv_policy.linear_config(13, torch.float32, small, sms) == gemv_policy.rows_config(
+        1536, sms
     )
-    assert gemv.linear_config(2, torch.float32, large, sms) is None
-    assert gemv.linear_config(gemv.MAX_ROWS + 1, torch.float32, small, sms) is None
-    assert gemv.linear_config(13, torch.bfloat16, small, sms) is None
-    assert gemv.linear_config(1, torch.float32, large, sms) is None
+    assert gemv_policy.linear_config(13, torch.float32, rows_large, sms) == dict(
+        gemv_policy.ROWS_WIDE_CONFIG, all_rows=True
+    )
+    assert gemv_policy.linear_config(2, torch.float32, large, sms) is None
+    assert gemv_policy.linear_config(gemv_policy.MAX_ROWS + 1, torch.float32, small, sms) is None
+    assert gemv_policy.linear_config(13, torch.bfloat16, small, sms) is None
+    assert gemv_policy.linear_config(1, torch.float32, large, sms) is None
     # a large model's widest layer product (Llama-3-8B's gate_up): one row in the kernel, its
     # 3584 programs unpipelined; float32 rows on it past the wide launch's limit with cuBLAS
     gate_up = (28672, 4096)
-    assert gemv.linear_config(1, torch.bfloat16, gate_up, sms) == dict(
-        gemv.GEMV_CONFIG, LOOP_STAGES=1
+    assert gemv_policy.linear_config(1, torch.bfloat16, gate_up, sms) == dict(
+        gemv_policy.GEMV_CONFIG, LOOP_STAGES=1
     )
-    assert gemv.linear_config(13, torch.float32, gate_up, sms) is None
-    assert gemv.linear_config(0, torch.float32, small, sms) is None
+    assert gemv_policy.linear_config(13, torch.float32, gate_up, sms) is None
+    assert gemv_policy.linear_config(0, torch.float32, small, sms) is None
 
 
 def test_the_rows_limits_stand_apart(monkeypatch):
     """Lowering the one-row limit (MAX_WEIGHT_ELEMENTS) below a weight leaves float32 rows on
     it with the all-rows kernel while it is within ROWS_MAX_WEIGHT_ELEMENTS, or within
     ROWS_WIDE_MAX_WEIGHT_ELEMENTS for the wide launch, whose limit is its own."""
-    monkeypatch.setattr(gemv, "MAX_WEIGHT_ELEMENTS", 1536 * 576 - 1)
-    assert not gemv.kernel_takes(1, torch.float32, (1536, 576))
-    assert gemv.kernel_takes(13, torch.float32, (1536, 576))
-    assert gemv.kernel_takes(13, torch.float32, (49152, 576))
-    monkeypatch.setattr(gemv, "ROWS_WIDE_MAX_WEIGHT_ELEMENTS", 49152 * 576 - 1)
-    assert not gemv.kernel_takes(13, torch.float32, (49152, 576))
-    assert gemv.kernel_takes(13, torch.float32, (1536, 576))
+    monkeypatch.setattr(gemv_policy, "MAX_WEIGHT_ELEMENTS", 1536 * 576 - 1)
+    assert not gemv_policy.kernel_takes(1, torch.float32, (1536, 576))
+    assert gemv_policy.kernel_takes(13, torch.float32, (1536, 576))
+    assert gemv_policy.kernel_takes(13, torch.float32, (49152, 576))
+    monkeypatch.setattr(gemv_policy, "ROWS_WIDE_MAX_WEIGHT_ELEMENTS", 49152 * 576 - 1)
+    assert not gemv_policy.kernel_takes(13, torch.float32, (49152, 576))
+    assert gemv_policy.kernel_takes(13, torch.float32, (1536, 576))
 
 
 def test_wide_weights_of_float32_rows_stay_with_cublas_without_a_wide_launch(monkeypatch):
     """ROWS_WIDE_CONFIG None: float32 rows on a weight past ROWS_MAX_WEIGHT_ELEMENTS go to
     cuBLAS (the rule the wide launch was measured against), narrower ones as before."""
-    monkeypatch.setattr(gemv, "ROWS_WIDE_CONFIG", None)
-    gemv.linear_config.cache_clear()
+    monkeypatch.setattr(gemv_policy, "ROWS_WIDE_CONFIG", None)
+    gemv_policy.linear_config.cache_clear()
     try:
-        assert not gemv.kernel_takes(13, torch.float32, (49152, 576))
-        assert gemv.linear_config(13, torch.float32, (49152, 576), 132) is None
-        assert gemv.linear_config(13, torch.float32, (1536, 576), 132) is not None
-        assert gemv.linear_config(1, torch.float32, (49152, 576), 132) is not None
+        assert not gemv_policy.kernel_takes(13, torch.float32, (49152, 576))
+        assert gemv_policy.linear_config(13, torch.float32, (49152, 576), 132) is None
+        assert gemv_policy.linear_config(13, torch.float32, (1536, 576), 132) is not None
+        assert gemv_policy.linear_config(1, torch.float32, (49152, 576), 132) is not None
     finally:
-        gemv.linear_config.cache_clear()  # its answers above were under the patched rule
+        gemv_policy.linear_config.cache_clear()  # its answers above were under the patched rule
 
 
 def test_the_output_layer_runs_through_the_op_sets_product(monkeypatch):
@@ -117,11 +120,11 @@ def test_loop_stages_pipeline_the_key_steps_while_programs_are_few():
     faster at up to 5.8), none beyond (SmolLM2-135M's output layer: 6144 programs on 132
     SMs, measured slower pipelined)."""
     sms = 132
-    assert gemv.linear_config(1, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 3
-    assert gemv.linear_config(13, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 8
-    assert gemv.linear_config(1, torch.bfloat16, (6144, 4096), sms)["LOOP_STAGES"] == 3
-    assert gemv.linear_config(1, torch.float32, (49152, 576), sms)["LOOP_STAGES"] == 1
-    assert gemv.rows_config(65536, sms)["LOOP_STAGES"] == 1
+    assert gemv_policy.linear_config(1, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 3
+    assert gemv_policy.linear_config(13, torch.float32, (960, 576), sms)["LOOP_STAGES"] == 8
+    assert gemv_policy.linear_config(1, torch.bfloat16, (6144, 4096), sms)["LOOP_STAGES"] == 3
+    assert gemv_policy.linear_config(1, torch.float32, (49152, 576), sms)["LOOP_STAGES"] == 1
+    assert gemv_policy.rows_config(65536, sms)["LOOP_STAGES"] == 1
 
 
 def test_norm_config_pipelines_short_loops_only_while_programs_are_few():
@@ -129,13 +132,13 @@ def test_norm_config_pipelines_short_loops_only_while_programs_are_few():
     launch has two or more programs an SM (SmolLM2-135M's gate_up: 384 programs on 132 SMs,
     K 576, measured faster so); otherwise as `linear_config` says."""
     sms = 132
-    gate_up = gemv.linear_config(1, torch.float32, (3072, 576), sms)
-    assert gemv.norm_config(gate_up, (3072, 576), sms) == dict(gate_up, LOOP_STAGES=1)
-    qkv = gemv.linear_config(1, torch.float32, (960, 576), sms)  # 120 programs
-    assert gemv.norm_config(qkv, (960, 576), sms) is qkv
-    wide = gemv.linear_config(1, torch.bfloat16, (6144, 4096), sms)  # 8 key steps
-    assert gemv.norm_config(wide, (6144, 4096), sms) is wide
-    assert gemv.norm_config(gate_up, (3072, 1025), sms) is gate_up  # 3 key steps
+    gate_up = gemv_policy.linear_config(1, torch.float32, (3072, 576), sms)
+    assert gemv_policy.norm_config(gate_up, (3072, 576), sms) == dict(gate_up, LOOP_STAGES=1)
+    qkv = gemv_policy.linear_config(1, torch.float32, (960, 576), sms)  # 120 programs
+    assert gemv_policy.norm_config(qkv, (960, 576), sms) is qkv
+    wide = gemv_policy.linear_config(1, torch.bfloat16, (6144, 4096), sms)  # 8 key steps
+    assert gemv_policy.norm_config(wide, (6144, 4096), sms) is wide
+    assert gemv_policy.norm_config(gate_up, (3072, 1025), sms) is gate_up  # 3 key steps
     assert gate_up["LOOP_STAGES"] == 3  # the cached dict is left as it was
 
 
@@ -144,43 +147,46 @@ def test_rows_config_takes_the_measured_tiles():
     rows: 8 columns a program by 64 keys, 16 by 32 where SiLU*mul follows (its programs read
     a gate and an up tile), 8 key steps in flight; whatever the width, a tiny one too."""
     for n in (3072, 960, 576, 8):
-        plain, silu = gemv.rows_config(n, 132), gemv.rows_config(n, 132, silu_mul=True)
+        plain, silu = (
+            gemv_policy.rows_config(n, 132),
+            gemv_policy.rows_config(n, 132, silu_mul=True),
+        )
         assert (plain["BLOCK_N"], plain["BLOCK_K"], plain["LOOP_STAGES"]) == (8, 64, 8)
         assert (silu["BLOCK_N"], silu["BLOCK_K"], silu["LOOP_STAGES"]) == (16, 32, 8)
         for config in (plain, silu):
-            assert config["BLOCK_N"] * config["BLOCK_K"] == gemv.ROWS_PRODUCTS
+            assert config["BLOCK_N"] * config["BLOCK_K"] == gemv_policy.ROWS_PRODUCTS
             assert config["all_rows"]
 
 
 def test_rows_config_loads_3d_blocks_where_asked(monkeypatch):
     """ENGINE_ROWS_LOAD_3D (read into ROWS_LOAD_3D) gives every all-rows launch the 3-d
     loads; off by default."""
-    assert gemv.rows_config(960, 132)["LOAD_3D"] is gemv.ROWS_LOAD_3D
-    monkeypatch.setattr(gemv, "ROWS_LOAD_3D", True)
-    assert gemv.rows_config(960, 132)["LOAD_3D"] is True
-    assert gemv.rows_config(1536, 132, silu_mul=True)["LOAD_3D"] is True
+    assert gemv_policy.rows_config(960, 132)["LOAD_3D"] is gemv_policy.ROWS_LOAD_3D
+    monkeypatch.setattr(gemv_policy, "ROWS_LOAD_3D", True)
+    assert gemv_policy.rows_config(960, 132)["LOAD_3D"] is True
+    assert gemv_policy.rows_config(1536, 132, silu_mul=True)["LOAD_3D"] is True
 
 
 def test_an_on_off_variable_refuses_other_values(monkeypatch):
     for value, on in (("", False), ("0", False), ("1", True)):
         monkeypatch.setenv("ENGINE_ROWS_LOAD_3D", value)
-        assert gemv._switch("ENGINE_ROWS_LOAD_3D") is on
+        assert gemv_policy._switch("ENGINE_ROWS_LOAD_3D") is on
     monkeypatch.delenv("ENGINE_ROWS_LOAD_3D")
-    assert gemv._switch("ENGINE_ROWS_LOAD_3D") is False
+    assert gemv_policy._switch("ENGINE_ROWS_LOAD_3D") is False
     monkeypatch.setenv("ENGINE_ROWS_LOAD_3D", "yes")
     with pytest.raises(ValueError, match="ENGINE_ROWS_LOAD_3D must be 0 or 1"):
-        gemv._switch("ENGINE_ROWS_LOAD_3D")
+        gemv_policy._switch("ENGINE_ROWS_LOAD_3D")
 
 
 def test_the_model_runs_silu_after_gate_up_with_the_silu_launch(monkeypatch):
     """`linear_silu_mul` launches `gemv_silu` with rows_config's SiLU*mul tiles for the
     output's columns (half of gate_up's rows)."""
     seen = []
-    monkeypatch.setattr(gemv, "_kernel_config", lambda x, w: gemv.rows_config(w.shape[0], 2))
+    monkeypatch.setattr(gemv, "_kernel_config", lambda x, w: gemv_policy.rows_config(w.shape[0], 2))
     monkeypatch.setattr(gemv, "_num_sms", lambda device: 2)
     monkeypatch.setattr(gemv, "gemv_silu", lambda x, w, config: seen.append(config))
     gemv.linear_silu_mul(torch.zeros(13, 64), torch.zeros(2 * 48, 64))
-    assert seen == [gemv.rows_config(48, 2, silu_mul=True)]
+    assert seen == [gemv_policy.rows_config(48, 2, silu_mul=True)]
 
 
 def test_gemv_refuses_what_it_does_not_serve():
@@ -197,8 +203,8 @@ ROWS_CONFIG = dict(BLOCK_N=2, BLOCK_K=64, num_warps=4, all_rows=True)
 # the default launch (100 keys in one step), and keys over four steps, pipelined or not
 FUSED_CONFIGS = [
     None,
-    dict(gemv.GEMV_CONFIG, BLOCK_K=32),
-    dict(gemv.GEMV_CONFIG, BLOCK_K=32, LOOP_STAGES=1),
+    dict(gemv_policy.GEMV_CONFIG, BLOCK_K=32),
+    dict(gemv_policy.GEMV_CONFIG, BLOCK_K=32, LOOP_STAGES=1),
 ]
 
 
@@ -209,8 +215,8 @@ FUSED_CONFIGS = [
     "config",
     [
         *FUSED_CONFIGS,
-        gemv.rows_config(20, 2),  # the all-rows kernel: 100 keys over two steps
-        dict(gemv.rows_config(20, 2), LOAD_3D=True),
+        gemv_policy.rows_config(20, 2),  # the all-rows kernel: 100 keys over two steps
+        dict(gemv_policy.rows_config(20, 2), LOAD_3D=True),
     ],
 )
 def test_norm_gemv_equals_the_norm_then_gemv(dtype, rows, with_residual, config):
@@ -270,9 +276,9 @@ def test_silu_gemv_equals_silu_mul_then_gemv(dtype, rows, config):
     [
         ROWS_CONFIG,
         dict(ROWS_CONFIG, BLOCK_N=4, BLOCK_K=32, LOOP_STAGES=1),
-        gemv.rows_config(150, 2),
-        gemv.rows_config(150, 2, silu_mul=True),  # the model's launch
-        dict(gemv.rows_config(150, 2, silu_mul=True), LOAD_3D=True),
+        gemv_policy.rows_config(150, 2),
+        gemv_policy.rows_config(150, 2, silu_mul=True),  # the model's launch
+        dict(gemv_policy.rows_config(150, 2, silu_mul=True), LOAD_3D=True),
     ],
 )
 def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
@@ -296,8 +302,8 @@ def test_gemv_silu_equals_gemv_then_silu_mul(dtype, rows, config):
     "config",
     [
         dict(ROWS_CONFIG, BLOCK_N=32, LOOP_STAGES=1),
-        gemv.rows_config(150, 2, silu_mul=True),
-        dict(gemv.rows_config(150, 2, silu_mul=True), LOAD_3D=True),
+        gemv_policy.rows_config(150, 2, silu_mul=True),
+        dict(gemv_policy.rows_config(150, 2, silu_mul=True), LOAD_3D=True),
     ],
 )
 def test_norm_gemv_silu_equals_the_norm_then_gemv_silu(dtype, rows, with_residual, config):
@@ -339,7 +345,7 @@ def test_fused_products_refuse_what_they_do_not_serve():
     with pytest.raises(ValueError, match=r"norm_gemv_silu needs weight \[2 \* inter, K\]"):
         gemv.norm_gemv_silu(x, None, norm_weight, 1e-5, torch.zeros(7, 16, device=DEVICE), {})
     with pytest.raises(ValueError, match="norm_gemv_silu runs in the all-rows kernel"):
-        gemv.norm_gemv_silu(x, None, norm_weight, 1e-5, weight, gemv.GEMV_CONFIG)
+        gemv.norm_gemv_silu(x, None, norm_weight, 1e-5, weight, gemv_policy.GEMV_CONFIG)
     with pytest.raises(ValueError, match=r"gate_up \[M, 2 \* inter\]"):
         gemv.silu_gemv(torch.zeros(1, 15, device=DEVICE), weight)
     with pytest.raises(ValueError, match=r"K = 8"):
@@ -349,7 +355,7 @@ def test_fused_products_refuse_what_they_do_not_serve():
     with pytest.raises(ValueError, match=r"weight \[2 \* inter, K\]; got \(7, 16\)"):
         gemv.gemv_silu(x, torch.zeros(7, 16, device=DEVICE), ROWS_CONFIG)
     with pytest.raises(ValueError, match="its config needs all_rows"):
-        gemv.gemv_silu(x, weight, gemv.GEMV_CONFIG)
+        gemv.gemv_silu(x, weight, gemv_policy.GEMV_CONFIG)
 
 
 def test_fused_products_decline_where_the_kernel_does_not_take_the_product():
@@ -390,13 +396,13 @@ class _KernelProducts(TorchOps):
 
     @staticmethod
     def norm_linear(x, residual, norm_weight, eps, weight):
-        if x.shape[0] > gemv.MAX_ROWS:
+        if x.shape[0] > gemv_policy.MAX_ROWS:
             return None
         return gemv.norm_gemv(x, residual, norm_weight, eps, weight.contiguous())
 
     @staticmethod
     def silu_mul_linear(gate_up, weight):
-        if gate_up.shape[0] > gemv.MAX_ROWS:
+        if gate_up.shape[0] > gemv_policy.MAX_ROWS:
             return None
         return gemv.silu_gemv(gate_up, weight.contiguous())
 
@@ -444,10 +450,12 @@ class _SiluAfterProducts(TorchOps):
 
     @staticmethod
     def linear_silu_mul(x, weight):
-        if not 1 < x.shape[0] <= gemv.MAX_ROWS:
+        if not 1 < x.shape[0] <= gemv_policy.MAX_ROWS:
             return None
         inter = weight.shape[0] // 2
-        return gemv.gemv_silu(x, weight.contiguous(), gemv.rows_config(inter, 2, silu_mul=True))
+        return gemv.gemv_silu(
+            x, weight.contiguous(), gemv_policy.rows_config(inter, 2, silu_mul=True)
+        )
 
 
 def test_forward_with_silu_after_the_product_equals_torch_path(two_passes, monkeypatch):
@@ -482,16 +490,16 @@ class _NormInAllRows(TorchOps):
 
     @staticmethod
     def norm_linear(x, residual, norm_weight, eps, weight):
-        if not 1 < x.shape[0] <= gemv.MAX_ROWS:
+        if not 1 < x.shape[0] <= gemv_policy.MAX_ROWS:
             return None
-        config = gemv.rows_config(weight.shape[0], 2)
+        config = gemv_policy.rows_config(weight.shape[0], 2)
         return gemv.norm_gemv(x, residual, norm_weight, eps, weight.contiguous(), config)
 
     @staticmethod
     def norm_linear_silu_mul(x, residual, norm_weight, eps, weight):
-        if not 1 < x.shape[0] <= gemv.MAX_ROWS:
+        if not 1 < x.shape[0] <= gemv_policy.MAX_ROWS:
             return None
-        config = gemv.rows_config(weight.shape[0] // 2, 2, silu_mul=True)
+        config = gemv_policy.rows_config(weight.shape[0] // 2, 2, silu_mul=True)
         return gemv.norm_gemv_silu(x, residual, norm_weight, eps, weight.contiguous(), config)
 
 
@@ -503,7 +511,7 @@ def test_forward_with_norms_in_the_all_rows_products_equals_torch_path(
     where they apply (the two-row decode pass: two launches for the norms, the products and
     SiLU*mul), and runs the ops apart where they return None (the 19-token prefill); with
     the all-rows launches' loads in 3-d blocks too."""
-    monkeypatch.setattr(gemv, "ROWS_LOAD_3D", load_3d)
+    monkeypatch.setattr(gemv_policy, "ROWS_LOAD_3D", load_3d)
     names = ("norm_linear", "norm_linear_silu_mul")
     calls = _traced_passes(two_passes, monkeypatch, _NormInAllRows, names, seed=7)
     layers = ModelConfig.tiny().num_layers
@@ -557,7 +565,7 @@ def test_bench_gemv_sweeps_the_verify_launches_around_the_models(bench_script):
     keeping the model's launch's other settings (its loads, num_stages, all rows), the
     model's own launch among them."""
     bench_gemv = bench_script("bench_gemv")
-    model = gemv.rows_config(960, 132)
+    model = gemv_policy.rows_config(960, 132)
     space = bench_gemv.verify_space(model)
     names = ("BLOCK_N", "BLOCK_K", "num_warps", "LOOP_STAGES")
     knobs = [tuple(config[name] for name in names) for config in space]

@@ -16,7 +16,7 @@ import triton.language as tl
 from kernel_launches import Recorder
 
 from engine import pdl
-from engine.ops import gemv
+from engine.ops import gemv, gemv_policy
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="records the interpreter's launches"
@@ -48,8 +48,8 @@ def test_the_all_rows_launches_compile_for_hopper(tmp_path):
     x = torch.randn(13, 64)
     weight = torch.randn(48, 64)
     with Recorder() as recorder:
-        gemv.gemv(x, weight, gemv.rows_config(48, 2))
-        config = gemv.rows_config(24, 2, silu_mul=True)
+        gemv.gemv(x, weight, gemv_policy.rows_config(48, 2))
+        config = gemv_policy.rows_config(24, 2, silu_mul=True)
         gemv.norm_gemv_silu(x, None, torch.ones(64), 1e-5, weight, config)
     assert len(recorder.launches) == 2
     recorder.save(tmp_path / "main.pickle")
@@ -86,7 +86,9 @@ def test_a_launch_past_the_shared_memory_of_an_sm_90_block_is_named(tmp_path):
     512 float32 weights (a launch would fail for resources)."""
     x = torch.randn(2, 64)
     with Recorder() as recorder:
-        gemv.gemv(x, torch.randn(64, 64), dict(gemv.rows_config(64, 2), BLOCK_N=64, BLOCK_K=512))
+        gemv.gemv(
+            x, torch.randn(64, 64), dict(gemv_policy.rows_config(64, 2), BLOCK_N=64, BLOCK_K=512)
+        )
     recorder.save(tmp_path / "main.pickle")
     result = _compile(tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -102,9 +104,9 @@ def test_the_matrix_launches_with_pdl_and_their_prefetch_compile(tmp_path, monke
     x, one = torch.randn(13, 576), torch.randn(1, 576)
     norm = torch.ones(576)
     with Recorder(execute=False) as recorder, pdl.using("top"):
-        gemv.gemv(one, torch.randn(960, 576), gemv.GEMV_CONFIG)
-        gemv.norm_gemv(one, None, norm, 1e-5, torch.randn(960, 576), gemv.GEMV_CONFIG)
-        config = gemv.rows_config(1536, 132, silu_mul=True)
+        gemv.gemv(one, torch.randn(960, 576), gemv_policy.GEMV_CONFIG)
+        gemv.norm_gemv(one, None, norm, 1e-5, torch.randn(960, 576), gemv_policy.GEMV_CONFIG)
+        config = gemv_policy.rows_config(1536, 132, silu_mul=True)
         gemv.norm_gemv_silu(x, None, norm, 1e-5, torch.randn(3072, 576), config)
     launches = list(recorder.launches.values())
     assert len(launches) == 3
@@ -121,7 +123,7 @@ def test_usage_counts_the_registers_a_launch_spills(tmp_path):
     """A launch held to 40 registers (the compiler option `maxnreg`) spills its 13 rows'
     sums to the stack, which `--usage` counts as the device does."""
     with Recorder() as recorder:
-        config = dict(gemv.rows_config(960, 132), maxnreg=40)
+        config = dict(gemv_policy.rows_config(960, 132), maxnreg=40)
         gemv.gemv(torch.randn(13, 576), torch.randn(960, 576), config)
     recorder.save(tmp_path / "main.pickle")
     result = _compile(tmp_path, "--usage")
@@ -152,8 +154,8 @@ def test_a_recorder_inside_another_keeps_its_launches_from_it():
 def test_one_launch_a_kernel_is_added_in_each_pdl_mode():
     x = torch.randn(13, 64)
     with Recorder() as recorder:
-        gemv.gemv(x, torch.randn(48, 64), gemv.rows_config(48, 2))
-        gemv.gemv(x, torch.randn(48, 64), dict(gemv.rows_config(48, 2), LOOP_STAGES=1))
+        gemv.gemv(x, torch.randn(48, 64), gemv_policy.rows_config(48, 2))
+        gemv.gemv(x, torch.randn(48, 64), dict(gemv_policy.rows_config(48, 2), LOOP_STAGES=1))
         _flag_kernel[(1,)](torch.zeros(1), FLAG=True)  # no PDL parameter
     launches = list(recorder.launches.values())
     variants = kernel_launches.with_pdl(launches)

@@ -17,7 +17,7 @@ from graph_cases import DEVICE, count_replays, prompts_of, release, tiny_engine,
 
 from engine import pdl
 from engine.backends import triton_index
-from engine.ops import gemv
+from engine.ops import gemv_policy
 from engine.shell.engine import Engine
 from engine.shell.graphs import (
     GraphRunner,
@@ -124,11 +124,11 @@ def test_each_graph_runs_under_the_pdl_setting_of_its_pass(monkeypatch):
             assert settings(Mode.DECODE) == {1: off, 2: off, 4: off}
             assert settings(Mode.VERIFY) == {1: off, 2: off, 4: off}
         # one product of the layers goes to cuBLAS at one row
-        monkeypatch.setattr(gemv, "MAX_WEIGHT_ELEMENTS", largest - 1)
+        monkeypatch.setattr(gemv_policy, "MAX_WEIGHT_ELEMENTS", largest - 1)
         assert settings(Mode.DECODE) == {1: off, 2: on, 4: on}
         # and at every row count
-        monkeypatch.setattr(gemv, "ROWS_MAX_WEIGHT_ELEMENTS", largest - 1)
-        monkeypatch.setattr(gemv, "ROWS_WIDE_MAX_WEIGHT_ELEMENTS", largest - 1)
+        monkeypatch.setattr(gemv_policy, "ROWS_MAX_WEIGHT_ELEMENTS", largest - 1)
+        monkeypatch.setattr(gemv_policy, "ROWS_WIDE_MAX_WEIGHT_ELEMENTS", largest - 1)
         assert settings(Mode.DECODE) == {1: off, 2: off, 4: off}
         assert settings(Mode.VERIFY) == {1: off, 2: off, 4: off}
     with pdl.using("late"):
