@@ -1,14 +1,16 @@
-"""The attention benchmarks' problems and their timing (`bench_attention.py`,
+"""The attention benchmarks' problems and their timing (`bench_attention.py`, `bench_extend.py`,
 `bench_extend_order.py`): a shape's batches over one KV pool with slots in random order, many
 independent copies of it replayed from one CUDA graph (>= 256 MB of KV in all, so L2 holds
 none of it); our kernels and SDPA on contiguous KV as closures over each copy; a plain copy of
-as many bytes, timed the same way."""
+as many bytes, timed the same way; the extend shapes (EXTEND) and their rows, each
+configuration against SDPA (`extend_rows`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +36,8 @@ GROUP = HQ // HKV
 SCALE = D**-0.5
 COLD_BYTES = 256 << 20
 TREE = 12  # draft nodes a request's tree holds in the verify problems
+# the extend shapes: (requests, cached prefix, new tokens a request)
+EXTEND = [(1, 0, 1024), (1, 0, 4096), (8, 0, 1024), (8, 2048, 512)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,3 +297,75 @@ def copy_time_us(nbytes: int) -> float:
     half, copies = max(nbytes // 2, 1), max(1, min(32, math.ceil(COLD_BYTES / nbytes)))
     srcs = [torch.empty(half, dtype=torch.uint8, device="cuda").random_() for _ in range(copies)]
     return graph_time_us([lambda s=s, d=torch.empty_like(s): d.copy_(s) for s in srcs])
+
+
+def attention_row(
+    kind: str,
+    shape: str,
+    p: Problem,
+    mode: str,
+    prefix: int,
+    new: int,
+    nbytes: float,
+    flops: float,
+    ours_variants: dict,
+) -> dict:
+    row: dict[str, Any] = dict(kind=kind, shape=shape, bytes=nbytes, flops=flops)
+    try:
+        fns, ref = sdpa(p, mode, prefix, new)
+        row["sdpa_us"] = graph_time_us(fns)
+    except RuntimeError as error:  # an SDPA backend refusing the shape: report, keep going
+        row["sdpa_us"], ref = None, None
+        print(f"  sdpa failed for {kind} {shape}: {str(error).splitlines()[0]}")
+    best = None
+    for name, fns in ours_variants.items():
+        try:
+            us = graph_time_us(fns)
+        except Exception as error:  # noqa: BLE001  (a variant that fails to build: report it)
+            print(f"  {kind} {shape} ours[{name}] failed: {str(error).splitlines()[0][:200]}")
+            torch.cuda.synchronize()
+            continue
+        print(f"  {kind} {shape} ours[{name}] {us:.1f} us")
+        row.setdefault("times", {})[name] = us
+        if "SKIP_MERGE" in name:
+            continue  # a diagnostic, not a candidate
+        if best is None or us < best[1]:
+            best = (name, us)
+        if name == "default":
+            row["ours_us"] = us
+            row["eager_us"] = (
+                triton.testing.do_bench(fns[0], warmup=10, rep=50, return_mode="median") * 1e3
+            )
+            if ref is not None:
+                row["err"] = rel_err(p.out[0], ref)
+    row["best_us"], row["best_cfg"] = (best[1], best[0]) if best else (None, "none ran")
+    return row
+
+
+def extend_rows(sweep: list[dict[str, Any]]) -> list:
+    """A row a shape of EXTEND (`attention_row`): SDPA, the default configuration and each
+    of `sweep`."""
+    rows = []
+    for batch, prefix, new in EXTEND:
+        kv_bytes = batch * (prefix + new) * HKV * D * 2 * 2
+        p = Problem("extend", batch, prefix, new, kv_bytes)
+        variants = {"default": ours_extend(p)}
+        variants.update({str(c): ours_extend(p, c) for c in sweep})
+        visible = batch * (new * prefix + new * (new + 1) / 2)
+        nbytes = kv_bytes + 2 * batch * new * HQ * D * 2
+        rows.append(
+            attention_row(
+                "extend",
+                f"B={batch} prefix={prefix} new={new}",
+                p,
+                "extend",
+                prefix,
+                new,
+                nbytes,
+                4.0 * HQ * D * visible,
+                variants,
+            )
+        )
+        del p
+        torch.cuda.empty_cache()
+    return rows

@@ -4,7 +4,8 @@ Shapes: 32 q / 8 kv heads, head_dim 128, bf16. Each time is one problem's share 
 replay that runs enough independent copies of it (>= 256 MB of KV in all) to keep L2 cold;
 median of the replays after warm-up. "eager" is one launch timed by do_bench (L2 flushed).
 Run: python3 benchmarks/bench_attention.py [--quick | --decode | --fused-merge | --pdl |
---short | --extend | --extend-turns | --extend-grid | --split-grid | --verify-configs]
+--short | --extend | --split-grid | --verify-configs]
+(the extend configurations' grid and those timed in turns: benchmarks/bench_extend.py)
 """
 
 from __future__ import annotations
@@ -14,21 +15,20 @@ import math
 from typing import Any
 
 import torch
-import triton
 from attention_problems import (  # benchmarks/, beside this script
     GROUP,
     HKV,
     HQ,
     D,
     Problem,
+    attention_row,
     captured,
     copy_ceiling_gbs,
     copy_time_us,
     decode_like_problem,
+    extend_rows,
     graph_time_us,
     ours_decode,
-    ours_extend,
-    rel_err,
     sdpa,
     turns_time_us,
 )
@@ -40,7 +40,6 @@ from engine.backends.torch_backend import build_kv_indices
 from engine.backends.triton_index import launch_kv_indices
 
 DECODE = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]
-EXTEND = [(1, 0, 1024), (1, 0, 4096), (8, 0, 1024), (8, 2048, 512)]
 VERIFY = [(1, 4096), (48, 1024), (64, 2048)]
 # --verify-configs also times these verify shapes: from 64 programs (one request, 8 splits) to
 # several waves
@@ -80,75 +79,6 @@ EXTEND_SWEEP: list[dict[str, Any]] = [
     # the grid's axis orders (by default `extend_policy.grid_order` chooses one)
     *({"GRID_ORDER": order} for order in ("qrh", "hqr", "hrq", "qhr", "rqh", "rhq")),
 ]
-
-# --extend-turns: the policy's extend launch ("default": `choose_extend_config` over
-# EXTEND_CONFIG) and these, with SDPA, timed in turns at EXTEND's shapes and EXTEND_MORE's
-# (shorter prompts, more of them). Here EXTEND_CONFIG alone, with the diagonal blocks in a
-# loop of their own (its earlier default), the short prompts' launch at every shape, and
-# 128 x 128 tiles of 8 warps in 3 stages (the fastest at one prompt of 4096 tokens in
-# --extend-grid, before the diagonal joined the loop). Earlier lists (2 and 4 stages, 64 x 32
-# tiles, 128 x 64 tiles, 128 x 128 in 2 stages, other HEADS launches) are timed in
-# docs/benchmarks.md.
-EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
-EXTEND_TURNS: list[dict[str, Any]] = [
-    {},
-    {"DIAGONAL_IN_LOOP": False},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-]
-
-EXTEND_GRID = [  # --extend-grid: tiles, warps, pipeline depth, tensor-memory loads
-    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "TMA": tma}
-    for m in (64, 128)
-    for n in (32, 64, 128)
-    if m % n == 0
-    for w in (4, 8)
-    for st in (2, 3, 4)
-    for tma in (False, True)
-]
-
-
-def attention_row(
-    kind: str,
-    shape: str,
-    p: Problem,
-    mode: str,
-    prefix: int,
-    new: int,
-    nbytes: float,
-    flops: float,
-    ours_variants: dict,
-) -> dict:
-    row: dict[str, Any] = dict(kind=kind, shape=shape, bytes=nbytes, flops=flops)
-    try:
-        fns, ref = sdpa(p, mode, prefix, new)
-        row["sdpa_us"] = graph_time_us(fns)
-    except RuntimeError as error:  # an SDPA backend refusing the shape: report, keep going
-        row["sdpa_us"], ref = None, None
-        print(f"  sdpa failed for {kind} {shape}: {str(error).splitlines()[0]}")
-    best = None
-    for name, fns in ours_variants.items():
-        try:
-            us = graph_time_us(fns)
-        except Exception as error:  # noqa: BLE001  (a variant that fails to build: report it)
-            print(f"  {kind} {shape} ours[{name}] failed: {str(error).splitlines()[0][:200]}")
-            torch.cuda.synchronize()
-            continue
-        print(f"  {kind} {shape} ours[{name}] {us:.1f} us")
-        row.setdefault("times", {})[name] = us
-        if "SKIP_MERGE" in name:
-            continue  # a diagnostic, not a candidate
-        if best is None or us < best[1]:
-            best = (name, us)
-        if name == "default":
-            row["ours_us"] = us
-            row["eager_us"] = (
-                triton.testing.do_bench(fns[0], warmup=10, rep=50, return_mode="median") * 1e3
-            )
-            if ref is not None:
-                row["err"] = rel_err(p.out[0], ref)
-    row["best_us"], row["best_cfg"] = (best[1], best[0]) if best else (None, "none ran")
-    return row
 
 
 def decode_like_rows(mode: str, shapes: list, quick: bool) -> list:
@@ -251,80 +181,6 @@ def pdl_table(ceiling: float) -> None:
             )
             del p
             torch.cuda.empty_cache()
-
-
-def extend_rows(quick: bool, sweep: list | None = None) -> list:
-    rows = []
-    for batch, prefix, new in EXTEND:
-        kv_bytes = batch * (prefix + new) * HKV * D * 2 * 2
-        p = Problem("extend", batch, prefix, new, kv_bytes)
-        variants = {"default": ours_extend(p)}
-        if not quick:
-            variants.update({str(c): ours_extend(p, c) for c in sweep or EXTEND_SWEEP})
-        visible = batch * (new * prefix + new * (new + 1) / 2)
-        nbytes = kv_bytes + 2 * batch * new * HQ * D * 2
-        rows.append(
-            attention_row(
-                "extend",
-                f"B={batch} prefix={prefix} new={new}",
-                p,
-                "extend",
-                prefix,
-                new,
-                nbytes,
-                4.0 * HQ * D * visible,
-                variants,
-            )
-        )
-        del p
-        torch.cuda.empty_cache()
-    return rows
-
-
-def extend_grid() -> None:
-    """Every extend configuration of `EXTEND_GRID` at each extend shape, against SDPA flash:
-    per configuration its time over the best at each shape, and its geometric mean."""
-    rows = extend_rows(False, EXTEND_GRID)
-    names = [n for n in rows[0]["times"] if all(n in r["times"] for r in rows)]
-    print("\n| configuration | " + " | ".join(r["shape"] for r in rows) + " | geomean / best |")
-    print("|---|" + "---|" * (len(rows) + 1))
-    scored = []
-    for name in names:
-        ratios = [r["times"][name] / min(r["times"].values()) for r in rows]
-        scored.append((math.prod(ratios) ** (1 / len(ratios)), name))
-    for geomean, name in sorted(scored):
-        cells = [
-            f"{r['times'][name]:.1f} us ({r['sdpa_us'] / r['times'][name]:.2f} of SDPA)"
-            if r.get("sdpa_us")
-            else f"{r['times'][name]:.1f} us"
-            for r in rows
-        ]
-        print(f"| {name} | " + " | ".join(cells) + f" | {geomean:.3f} |")
-
-
-def extend_turns_table() -> None:
-    """The default extend configuration and EXTEND_TURNS' against SDPA's flash kernel, each
-    captured once and timed in turns (`turns_time_us`), at EXTEND's and EXTEND_MORE's
-    shapes: us, then each one's speed as a fraction of SDPA's."""
-    names = ["default"] + [str(c) for c in EXTEND_TURNS]
-    print("\nextend, timed in turns: us (SDPA's time over ours)")
-    print("| shape | SDPA us | " + " | ".join(names) + " |")
-    print("|" + "---|" * (len(names) + 2))
-    for batch, prefix, new in EXTEND + EXTEND_MORE:
-        p = Problem("extend", batch, prefix, new, batch * (prefix + new) * HKV * D * 2 * 2)
-        runs = {"SDPA": captured(sdpa(p, "extend", prefix, new)[0])}
-        runs["default"] = captured(ours_extend(p))
-        runs.update({str(c): captured(ours_extend(p, c)) for c in EXTEND_TURNS})
-        times = turns_time_us(runs)
-        cells = [f"{times[n]:.1f} ({times['SDPA'] / times[n]:.2f})" for n in names]
-        print(
-            f"| B={batch} prefix={prefix} new={new} | {times['SDPA']:.1f} | "
-            + " | ".join(cells)
-            + " |",
-            flush=True,
-        )
-        del p, runs
-        torch.cuda.empty_cache()
 
 
 def verify_configs_table(ceiling: float) -> None:
@@ -562,17 +418,6 @@ def main() -> None:
         help="only decode at short contexts, against SDPA and a copy of the same bytes",
     )
     parser.add_argument(
-        "--extend-turns",
-        action="store_true",
-        help="only extend: the default configuration and EXTEND_TURNS', with SDPA, timed in "
-        "turns at more shapes",
-    )
-    parser.add_argument(
-        "--extend-grid",
-        action="store_true",
-        help="only extend, timed at every configuration of EXTEND_GRID against SDPA",
-    )
-    parser.add_argument(
         "--verify-configs",
         action="store_true",
         help="only verify, timed in turns with each VERIFY_CONFIGS launch beside the policy's",
@@ -582,12 +427,6 @@ def main() -> None:
     ceiling = copy_ceiling_gbs()
     if args.split_grid:
         split_grid(ceiling)
-        return
-    if args.extend_grid:
-        extend_grid()
-        return
-    if args.extend_turns:
-        extend_turns_table()
         return
     if args.verify_configs:
         verify_configs_table(ceiling)
@@ -602,7 +441,7 @@ def main() -> None:
         short_table(ceiling)
         return
     if args.extend:
-        print_table(extend_rows(False), ceiling)
+        print_table(extend_rows(EXTEND_SWEEP), ceiling)
         return
     if args.decode:  # the short contexts too (SHORT), each with the sweep
         shapes = DECODE + [s for s in SHORT if s not in DECODE]
@@ -616,7 +455,7 @@ def main() -> None:
     for shape, row in zip(VERIFY, verify_rows, strict=True):
         if row.get("ours_us") and decode_at[shape].get("ours_us"):
             row["best_cfg"] += f"; {row['ours_us'] / decode_at[shape]['ours_us']:.2f}x decode"
-    rows += verify_rows + extend_rows(args.quick) + kv_index_rows()
+    rows += verify_rows + extend_rows([] if args.quick else EXTEND_SWEEP) + kv_index_rows()
     try:
         print_resources()
     except (AttributeError, KeyError, TypeError) as error:  # Triton internals move; keep going

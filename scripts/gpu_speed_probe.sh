@@ -11,7 +11,7 @@
 # LOAD3D_TIMEOUT / EXTEND_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT /
 # TIMELINE_TIMEOUT / SWEEP_VERIFY_TIMEOUT / VERIFY_ATTENTION_TIMEOUT / VERIFY_CONFIGS_TIMEOUT
 # / ENGINE_TIMEOUT / SHORT_TIMEOUT (s). extend times extend configurations in turns with SDPA
-# (`bench_attention.py --extend-turns`). load3d and prefetch time the opt-in kernel variants
+# (`bench_extend.py --turns`). load3d and prefetch time the opt-in kernel variants
 # against the defaults: PROBE_PARTS="load3d prefetch". pdl-kinds times the default model's batch-1
 # passes with PDL `top` kept to one kind of launch at a time (`pdl.KINDS`): which launches'
 # overlap a 13-node verify pass loses, where an 8-node one gains. verify times the default model's
@@ -59,7 +59,7 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
             done')
         limit=${LOAD3D_TIMEOUT:-200} ;;
     extend)  # extend configurations timed in turns with SDPA
-        cmd=(python3 benchmarks/bench_attention.py --extend-turns)
+        cmd=(python3 benchmarks/bench_extend.py --turns)
         limit=${EXTEND_TIMEOUT:-200} ;;
     prefetch)  # the decode split kernel's PREFETCH configurations beside the defaults
         cmd=(python3 benchmarks/bench_attention.py --decode); limit=${PREFETCH_TIMEOUT:-200} ;;

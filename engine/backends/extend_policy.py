@@ -6,7 +6,7 @@ they read; the kernel takes what these choose, as the decode and verify kernels 
 
 from __future__ import annotations
 
-# Measured on an H200 (`bench_attention.py --extend-grid`, docs/benchmarks.md): the lowest
+# Measured on an H200 (`bench_extend.py --grid`, docs/benchmarks.md): the lowest
 # geometric mean over the extend shapes of its time against the best configuration at each.
 # TMA: the new tokens' q, K and V tiles come through tensor-memory descriptors (Hopper on,
 # bf16 and fp16: `tma_ready`), the cached prefix through kv_indices as before.
@@ -16,7 +16,7 @@ from __future__ import annotations
 # power of two dividing the group); `choose_extend_config` takes 2 for short prompts.
 # DIAGONAL_IN_LOOP: the new keys in one loop, the diagonal blocks masked by a uniform branch,
 # so that their K/V loads are pipelined with the blocks before them and a tile waits once
-# fewer. Timed in turns on an H100 (`bench_attention.py --extend-turns`, docs/benchmarks.md):
+# fewer. Timed in turns on an H100 (`bench_extend.py --turns`, docs/benchmarks.md):
 # 0.91-0.99 of the two loops' time at each of six shapes, in four runs.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,

@@ -217,7 +217,7 @@ def test_bench_steps_refuses_verify_settings_it_cannot_lay_over(
 @pytest.mark.parametrize(
     "requests,keys,group,short",
     [
-        (16, 512, 4, True),  # H100: 0.89x the default's time (bench_attention --extend-turns)
+        (16, 512, 4, True),  # H100: 0.89x the default's time (bench_extend --turns)
         (8, 1024, 4, True),  # 0.96x
         (4, 2048, 4, False),  # 1.08x: longer prompts keep 64 x 64 tiles of one head
         (1, 1024, 4, False),  # 1.09x: one request
@@ -230,6 +230,43 @@ def test_extend_config_for_the_benchmark_shapes(
     requests: int, keys: int, group: int, short: bool
 ) -> None:
     assert (choose_extend_config(requests, keys, group) == SHORT_PROMPTS_CONFIG) == short
+
+
+@pytest.mark.parametrize(
+    "flag,study", [("--grid", "extend_grid"), ("--turns", "extend_turns_table")]
+)
+def test_bench_extend_runs_the_study_its_flag_names(bench_script, monkeypatch, flag, study):
+    """`bench_extend.py --grid` and `--turns` each run their study alone (the studies stubbed
+    and a CUDA device pretended: the parse and the dispatch, nothing timed)."""
+    bench_extend = bench_script("bench_extend")
+    ran = []
+    for name in ("extend_grid", "extend_turns_table"):
+        monkeypatch.setattr(bench_extend, name, lambda name=name: ran.append(name))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("sys.argv", ["bench_extend.py", flag])
+    bench_extend.main()
+    assert ran == [study]
+
+
+@pytest.mark.parametrize(
+    "argv,cuda,message",
+    [
+        ([], True, "one of the arguments --grid --turns is required"),
+        (["--grid", "--turns"], True, "not allowed with argument --grid"),
+        (["--turns"], False, "needs a CUDA device"),
+    ],
+)
+def test_bench_extend_refuses_no_study_both_studies_and_no_device(
+    bench_script, monkeypatch, capsys, argv, cuda, message
+):
+    """`bench_extend.py` runs one study a call, and without a CUDA device says so before
+    anything runs."""
+    bench_extend = bench_script("bench_extend")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+    monkeypatch.setattr("sys.argv", ["bench_extend.py", *argv])
+    with pytest.raises(SystemExit):
+        bench_extend.main()
+    assert message in capsys.readouterr().err
 
 
 @given(st.integers(1, 512), st.integers(1, 1 << 17), st.sampled_from([1, 2, 3, 4, 6, 8, 16]))
