@@ -195,7 +195,8 @@ def verify_configs_table(ceiling: float) -> None:
     for batch, length in VERIFY + VERIFY_MORE:
         p, _, _, nbytes = decode_like_problem("verify", batch, length)
         programs = batch * HKV * p.metas[0].extra["num_splits"]
-        chosen = decode_policy.choose_verify_config(programs, decode_policy.num_sms(p.q[0].device))
+        sms, rows = decode_policy.num_sms(p.q[0].device), p.q[0].shape[0]
+        chosen = decode_policy.choose_verify_config(programs, sms, rows)
         times = turns_time_us(
             {n: captured(ours_decode(p, c)) for n, c in zip(names, configs, strict=True)}
         )

@@ -272,8 +272,8 @@ def verify_attention(name: str) -> Iterator[None]:
     settings = verify_settings(name)
     chosen = triton_decode.choose_verify_config
 
-    def laid_over(programs: int, num_sms: int, products_beside: bool = False) -> dict:
-        return {**chosen(programs, num_sms, products_beside), **settings}
+    def laid_over(programs: int, num_sms: int, rows: int) -> dict:
+        return {**chosen(programs, num_sms, rows), **settings}
 
     with mock.patch.object(triton_decode, "choose_verify_config", laid_over):
         yield

@@ -12,6 +12,7 @@ import math
 import torch
 
 from engine.backends.triton_merge import pow2_floor
+from engine.pdl import AUTO_MAX_ROWS
 
 # The split policy's model of the chip (`choose_num_splits`), fitted on an H200
 # (`bench_attention.py --split-grid`: 46 shapes, policy within 1.03x of the best power of two).
@@ -35,11 +36,14 @@ ONE_WAVE_WARPS = 2
 # Verify (BLOCK_M 64 rows) is sensitive to how its programs fill the waves: each config with
 # the programs an H200 SM holds at once (compiler report: 148 registers and 49 KB shared -> 3;
 # 218 registers and 83 KB -> 2). The one whose last wave is fullest wins (measured); where
-# either holds the whole grid in one wave, by what runs beside it (`choose_verify_config`).
+# either holds the whole grid in one wave, by the pass's rows (`choose_verify_config`): the
+# longest key block up to LONG_BLOCK_MAX_ROWS, the rows whose products `auto` starts beside
+# the attention (`pdl.AUTO_MAX_ROWS`).
 VERIFY_CONFIGS = (
     ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}, 3),
     ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, 2),
 )
+LONG_BLOCK_MAX_ROWS = AUTO_MAX_ROWS
 # Fused merge: the last split program of each (request, kv head) merges its splits, so a
 # split pass is one launch, not two (`config={"FUSED_MERGE": ...}` overrides). Decode fuses
 # up to FUSED_MERGE_MAX_SPLITS splits. Measured on an H200 (`bench_attention.py
@@ -113,27 +117,30 @@ def choose_decode_warps(programs: int, num_sms: int) -> int:
     return DECODE_CONFIG["num_warps"]
 
 
-def choose_verify_config(programs: int, num_sms: int, products_beside: bool = False) -> dict:
+def choose_verify_config(programs: int, num_sms: int, rows: int) -> dict:
     """The verify config whose programs fill their waves best (ties: the first). Where
     every config holds the whole grid in one wave, no program waits for a slot whichever
-    runs, and the choice is by what runs beside the attention (measured on an H100,
-    `bench_steps.py --verify-attention`, three machines; docs/benchmarks.md):
+    runs, and the choice is by the pass's `rows` (tokens, as the graph pads them): up to
+    LONG_BLOCK_MAX_ROWS the longest key block, else the first. A function of the shape
+    alone, never of the launch setting: PDL changes when a kernel starts, not what it
+    computes (tests/test_pdl.py compares logits bit for bit with and without it), and the
+    key block sets the splits' bounds and so the rounding. Measured on an H100
+    (`bench_steps.py --verify-attention`, four machines; docs/benchmarks.md):
 
-    - the matrix products after it launched beside it (`products_beside`: PDL on the
-      products, `pdl.for_pass`: the default model's verify passes of up to 8 rows): the
-      longest key block. The default model's batch-1 8-node pass, 192
-      programs, took 0.97-0.99 of its 32-key blocks' time with 64-key blocks: what a
-      shorter attention saves, the products that start beside it and wait for it take.
-    - else the first (shorter key blocks, more of them in flight): a program's latency is
-      the pass's. The 13-node pass (products without PDL) took 0.93-0.94 of its time with
-      64-key blocks; Llama-3-8B's batch-1 passes (no PDL) read within 0.2%."""
+    - up to 8 rows `auto` starts the matrix products after the attention beside it (PDL on
+      the products, `pdl.for_pass`, for a small model): what a shorter attention saves, the
+      products that wait for it take. The default model's batch-1 8-node pass, 192
+      programs, took 0.95-0.99 of its 32-key blocks' time with 64-key blocks.
+    - past it a program's latency is the pass's: the 13-node pass (products without PDL)
+      took 0.93-0.94 of its time with 32-key blocks. Llama-3-8B's batch-1 passes (no PDL at
+      any rows) read within 0.2% either way."""
 
     def wave_fill(per_sm: int) -> float:
         waves = programs / (per_sm * num_sms)
         return waves / max(1, -(-programs // (per_sm * num_sms)))
 
     if all(programs <= per_sm * num_sms for _, per_sm in VERIFY_CONFIGS):
-        if products_beside:
+        if rows <= LONG_BLOCK_MAX_ROWS:
             return max((config for config, _ in VERIFY_CONFIGS), key=lambda c: c["BLOCK_N"])
         return VERIFY_CONFIGS[0][0]
     return max(VERIFY_CONFIGS, key=lambda entry: wave_fill(entry[1]))[0]

@@ -390,8 +390,7 @@ def decode_attention(
             "num_warps": choose_decode_warps(programs, num_sms(q.device)),
         }
     else:
-        beside = pdl.launch(q.device, "products")["PDL"] != 0  # products start beside it
-        base = choose_verify_config(programs, num_sms(q.device), beside)
+        base = choose_verify_config(programs, num_sms(q.device), num_tokens)
     fused_default = tree_bits is None and num_splits <= FUSED_MERGE_MAX_SPLITS
     cfg = {"FUSED_MERGE": fused_default, **base, **(config or {})}
     if num_tokens == 0 or num_requests == 0:

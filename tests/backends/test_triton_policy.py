@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from engine.backends.decode_policy import (
     DECODE_CONFIG,
+    LONG_BLOCK_MAX_ROWS,
     MAX_SPLITS,
     MIN_KEYS_PER_SPLIT,
     ONE_WAVE_WARPS,
@@ -29,6 +30,7 @@ from engine.backends.extend_policy import (
     extend_launch,
     grid_order,
 )
+from engine.pdl import AUTO_MAX_ROWS
 
 H200_SMS = 132
 BLOCK = DECODE_CONFIG["BLOCK_N"]
@@ -141,28 +143,29 @@ def test_split_count_rejects_impossible_shapes(args: tuple) -> None:
     ],
 )
 def test_verify_config_fills_its_waves(programs: int, expected_block_n: int) -> None:
-    config = choose_verify_config(programs, H200_SMS)
+    config = choose_verify_config(programs, H200_SMS, rows=13)
     assert config["BLOCK_N"] == expected_block_n
     assert config in [entry[0] for entry in VERIFY_CONFIGS]
 
 
 @pytest.mark.parametrize(
-    "programs,alone,beside",
+    "programs,wide,narrow",
     [
         (192, 32, 64),  # the default model's batch-1 verify: one wave of either
-        (264, 32, 64),  # one wave of either: what runs beside decides
+        (264, 32, 64),  # one wave of either: the rows decide
         (8, 32, 64),
         (384, 32, 32),  # past one wave of the 64-key launch: the fuller waves decide
         (512, 64, 64),
         (792, 32, 32),
     ],
 )
-def test_verify_config_by_what_runs_beside_it(programs: int, alone: int, beside: int) -> None:
-    """Where the grid is one wave of every config, the products launched beside the
-    attention (PDL on them) take the longest key block, else the first; past one wave the
-    waves' fill decides whatever runs beside."""
-    assert choose_verify_config(programs, H200_SMS)["BLOCK_N"] == alone
-    assert choose_verify_config(programs, H200_SMS, products_beside=True)["BLOCK_N"] == beside
+def test_verify_config_by_the_pass_rows(programs: int, wide: int, narrow: int) -> None:
+    """Where the grid is one wave of every config, a pass of up to LONG_BLOCK_MAX_ROWS rows
+    (the products `auto` starts beside the attention) takes the longest key block, a wider
+    one the first; past one wave the waves' fill decides whatever the rows."""
+    assert LONG_BLOCK_MAX_ROWS == AUTO_MAX_ROWS
+    assert choose_verify_config(programs, H200_SMS, LONG_BLOCK_MAX_ROWS + 1)["BLOCK_N"] == wide
+    assert choose_verify_config(programs, H200_SMS, LONG_BLOCK_MAX_ROWS)["BLOCK_N"] == narrow
 
 
 def test_bench_steps_lays_verify_settings_over_the_policys_choice(bench_script):
@@ -179,15 +182,15 @@ def test_bench_steps_lays_verify_settings_over_the_policys_choice(bench_script):
     }
     assert "choose_verify_config" in looked_up
     bench_steps = bench_script("bench_steps")
-    chosen = triton_decode.choose_verify_config(192, H200_SMS)
+    chosen = triton_decode.choose_verify_config(192, H200_SMS, 13)
     # the other entry's settings, unlike the policy's own at this grid: laying them shows
     other = next(config for config, _ in VERIFY_CONFIGS if config != chosen)
     with bench_steps.verify_attention(json.dumps(other)):
-        laid = triton_decode.choose_verify_config(192, H200_SMS)
+        laid = triton_decode.choose_verify_config(192, H200_SMS, 13)
         assert laid == {**chosen, **other}
-    assert triton_decode.choose_verify_config(192, H200_SMS) == chosen
+    assert triton_decode.choose_verify_config(192, H200_SMS, 13) == chosen
     with bench_steps.verify_attention("policy"):
-        assert triton_decode.choose_verify_config(192, H200_SMS) == chosen
+        assert triton_decode.choose_verify_config(192, H200_SMS, 13) == chosen
 
 
 @pytest.mark.parametrize(
