@@ -156,12 +156,12 @@ def attention(
 
 def rows(kernel_launches, variant: str | None = None) -> list[tuple[str, Launch]]:
     """(label, launch) for the all-rows kernel at the default model's widths, 13 float32
-    rows, as a verify pass launches it (`bench_gemv.verify_launch`: `rows_config`, with the
+    rows, as a verify pass launches it (`gemv_problems.verify_launch`: `rows_config`, with the
     norm or SiLU*mul where a verify pass runs them; the output layer's `linear_config`, the
-    wide launch); `variant` (a key of `bench_gemv.ROWS_VARIANTS`: flat, 3-d loads)
+    wide launch); `variant` (a key of `gemv_problems.ROWS_VARIANTS`: flat, 3-d loads)
     overrides its LOAD_3D."""
     import torch
-    from bench_gemv import ROWS_VARIANTS, SHAPES, verify_launch  # benchmarks/, beside this
+    from gemv_problems import ROWS_VARIANTS, SHAPES, verify_launch  # benchmarks/, beside this
 
     from engine.ops import gemv, gemv_policy
 
@@ -218,7 +218,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     import kernel_launches
     import torch
-    from bench_gemv import ROWS_VARIANTS  # benchmarks/, beside this script
+    from gemv_problems import ROWS_VARIANTS  # benchmarks/, beside this script
 
     torch.set_num_threads(1)
     recorded = {  # every kind before the first compile takes the interpreter away

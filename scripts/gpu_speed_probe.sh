@@ -19,7 +19,7 @@
 # output layer cuBLAS's and the package's, and its product alone at 1, 8 and 13 rows; timeline
 # prints those passes' kernels on the device's timeline with PDL off and `auto` (`bench_steps.py
 # --timeline`). sweep-verify times the verify pass's all-rows matrix launches at 8 and 13 rows
-# over a space of tiles, warps and key steps in flight (`bench_gemv.py --sweep-verify`).
+# over a space of tiles, warps and key steps in flight (`bench_gemv_sweeps.py --sweep-verify`).
 # verify-attention times the default model's batch-1 verify passes with the verify attention's
 # launch as the policy chooses it and with the other `VERIFY_CONFIGS` entry's settings
 # (`bench_steps.py --verify-attention`); verify-configs each `VERIFY_CONFIGS` launch alone at
@@ -80,7 +80,7 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
             --context 512 --max-context 8192 --tree-nodes 8,13 --pdl off,auto --timeline)
         limit=${TIMELINE_TIMEOUT:-200} ;;
     sweep-verify)  # each at 84 launches (an H100: about 35 s a row count)
-        cmd=(python3 benchmarks/bench_gemv.py --sweep-verify --shapes smollm2_135m
+        cmd=(python3 benchmarks/bench_gemv_sweeps.py --sweep-verify --shapes smollm2_135m
             --dtype float32 --rows 8,13)
         limit=${SWEEP_VERIFY_TIMEOUT:-200} ;;
     verify-attention)  # the policy's verify launch against 64-key blocks, one engine each

@@ -29,7 +29,8 @@ BENCHES=(benchmarks/bench_attention.py benchmarks/bench_extend_order.py benchmar
          benchmarks/bench_sampling.py benchmarks/bench_prefill.py)
 # GPU_BENCHES="a.py b.py" runs only those (e.g. to re-check after a change, within one call)
 # (not listed: bench_extend.py, which runs one study a call, --grid or --turns; its --turns
-# is PROBE_PARTS=extend of scripts/gpu_speed_probe.sh)
+# is PROBE_PARTS=extend of scripts/gpu_speed_probe.sh. Nor bench_gemv_sweeps.py, one sweep a
+# call; its --sweep-verify is PROBE_PARTS=sweep-verify)
 if [ -n "${GPU_BENCHES:-}" ]; then read -r -a BENCHES <<<"$GPU_BENCHES"; fi
 # The whole suite takes longer than one device call may run (10 minutes): split it with
 # GPU_PART=tests (install, tests, memcheck with CUDA graphs captured), GPU_PART=memcheck

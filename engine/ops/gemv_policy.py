@@ -38,23 +38,23 @@ ROWS_MAX_WEIGHT_ELEMENTS = 4 * 2**20
 # BLOCK_N 8 x BLOCK_K 64, or 16 x 32 with SiLU*mul after the products (two weight tiles a
 # step). Swept on the H200 at SmolLM2-135M's shapes and 13 rows, these fewer, wider programs
 # with deeper pipelines beat the launches before (the widest BLOCK_N keeping 1.75 programs an
-# SM, 256 products, 4 steps). `bench_gemv.py --loop-stages` and `--fused` (`--shapes
-# smollm2_135m --dtype float32 --rows 13`, docs/benchmarks.md): qkv 4.8, o_proj 4.6, down
-# 7.1 us, gate_up with SiLU*mul 7.4, against 4.9, 5.1, 7.0 and 8.6 before; the verify pass
-# 4% faster.
+# SM, 256 products, 4 steps). `bench_gemv_sweeps.py --loop-stages` and `bench_gemv.py --fused`
+# (`--shapes smollm2_135m --dtype float32 --rows 13`, docs/benchmarks.md): qkv 4.8, o_proj
+# 4.6, down 7.1 us, gate_up with SiLU*mul 7.4, against 4.9, 5.1, 7.0 and 8.6 before; the
+# verify pass 4% faster.
 ROWS_BLOCK_N = 8
 ROWS_SILU_BLOCK_N = 16
 ROWS_PRODUCTS = 512
 ROWS_LOOP_STAGES = 8
 # float32 rows on a wider weight, past ROWS_MAX_WEIGHT_ELEMENTS up to ROWS_WIDE_MAX_WEIGHT_ELEMENTS
 # (a small model's output layer: SmolLM2-135M's 49152 x 576), take the all-rows kernel with
-# ROWS_WIDE_CONFIG (None: cuBLAS's product). Swept on an H100 at that shape (`bench_gemv.py
-# --shapes smollm2_135m --dtype float32 --rows 8,13 --only lm_head --sweep --wide`, 108
-# launches: tiles of 8-256 columns by 4-64 keys, 4 or 8 warps, 1-8 key steps in flight, loads
-# flat or in 3-d blocks): 16 columns by 32 keys, 8 steps in flight, was the fastest at 8
-# rows (45.6 us against cuBLAS's 68.4) and in sum over 8 and 13 (59.2 against 66.3; the
-# fastest there, 64 x 16 with 4 steps, 57.0). The launches of `rows_config` took 65.3 and
-# 116.3 us: its 6144 programs run unpipelined.
+# ROWS_WIDE_CONFIG (None: cuBLAS's product). Swept on an H100 at that shape
+# (`bench_gemv_sweeps.py --shapes smollm2_135m --dtype float32 --rows 8,13 --only lm_head
+# --sweep --wide`, 108 launches: tiles of 8-256 columns by 4-64 keys, 4 or 8 warps, 1-8 key
+# steps in flight, loads flat or in 3-d blocks): 16 columns by 32 keys, 8 steps in flight,
+# was the fastest at 8 rows (45.6 us against cuBLAS's 68.4) and in sum over 8 and 13 (59.2
+# against 66.3; the fastest there, 64 x 16 with 4 steps, 57.0). The launches of `rows_config`
+# took 65.3 and 116.3 us: its 6144 programs run unpipelined.
 ROWS_WIDE_CONFIG: dict | None = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, LOOP_STAGES=8)
 ROWS_WIDE_MAX_WEIGHT_ELEMENTS = 32 * 2**20  # the widest weight timed so is 28M elements
 
@@ -104,14 +104,14 @@ NORM_SHORT_STEPS = 2
 NORM_PIPELINE_MAX_PROGRAMS_PER_SM = 2
 
 # Launch parameters: the fastest of the swept configurations for qkv and o_proj at one row on
-# the H200 (`benchmarks/bench_gemv.py --sweep`).
+# the H200 (`benchmarks/bench_gemv_sweeps.py --sweep`).
 # LOOP_STAGES: key steps in flight in the loop (`tl.range`'s software pipelining of loads that
 # feed no dot; the kernel's num_stages pipelines only those that do). Measured on the H200
-# (`bench_gemv.py --loop-stages`), 3 against 1: one-row products of at most 5.8 programs an SM
-# take 15-28% less time (Llama-3-8B's bf16 qkv and o_proj, SmolLM2-135M's fp32 qkv, o_proj
-# and down; gate_up the same), 13-row fp32 ones 6-20% less; at 46 programs an SM (SmolLM2's
-# output layer, one row) 19% more: resident programs hide the latency there already, and
-# the pipeline's buffers cost occupancy. So 1 from PIPELINE_MAX_PROGRAMS_PER_SM on.
+# (`bench_gemv_sweeps.py --loop-stages`), 3 against 1: one-row products of at most 5.8
+# programs an SM take 15-28% less time (Llama-3-8B's bf16 qkv and o_proj, SmolLM2-135M's fp32
+# qkv, o_proj and down; gate_up the same), 13-row fp32 ones 6-20% less; at 46 programs an SM
+# (SmolLM2's output layer, one row) 19% more: resident programs hide the latency there
+# already, and the pipeline's buffers cost occupancy. So 1 from PIPELINE_MAX_PROGRAMS_PER_SM on.
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, LOOP_STAGES=3)
 PIPELINE_MAX_PROGRAMS_PER_SM = 16
 
