@@ -37,7 +37,6 @@ from typing import NamedTuple
 
 import torch
 from gemv_problems import (  # benchmarks/, beside this script
-    DTYPES,
     ROWS_VARIANTS,
     SHAPES,
     Compared,
@@ -45,6 +44,7 @@ from gemv_problems import (  # benchmarks/, beside this script
     compare,
     compared_table,
     shape_names,
+    start,
     time_calls,
     verify_launch,
     weight_copies,
@@ -249,11 +249,7 @@ def main() -> None:
     if args.load_3d and args.dtype != "float32":
         parser.error("--load-3d times the all-rows kernel, which takes float32 rows")
     names = shape_names(parser, args)
-    gemv_policy.MAX_WEIGHT_ELEMENTS = args.max_weight_elements
-    torch.manual_seed(0)
-    dtype = DTYPES[args.dtype]
-    rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"{torch.cuda.get_device_name()}, {args.shapes} shapes, {args.dtype}")
+    dtype, rows_list = start(parser, args)
     if args.fused:
         compare_fused(SHAPES[args.shapes], dtype, rows_list)
         return

@@ -43,6 +43,7 @@ from gemv_problems import (  # benchmarks/, beside this script
     compare,
     compared_table,
     shape_names,
+    start,
     time_calls,
     verify_launch,
     weight_copies,
@@ -342,13 +343,7 @@ def main() -> None:
     if args.sweep_verify and args.dtype != "float32":
         parser.error("--sweep-verify times the all-rows kernel, which takes float32 rows")
     names = shape_names(parser, args)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA device to time the matrix-vector kernels; torch sees none")
-    gemv_policy.MAX_WEIGHT_ELEMENTS = args.max_weight_elements
-    torch.manual_seed(0)
-    dtype = DTYPES[args.dtype]
-    rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"{torch.cuda.get_device_name()}, {args.shapes} shapes, {args.dtype}")
+    dtype, rows_list = start(parser, args)
     if args.sweep_verify:
         sweep_verify(SHAPES[args.shapes], rows_list)
     elif args.loop_stages:

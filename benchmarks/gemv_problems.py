@@ -178,3 +178,15 @@ def shape_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
     if unknown := set(names) - set(SHAPES[args.shapes]):
         parser.error(f"--only: no shapes {sorted(unknown)}; they are {list(SHAPES[args.shapes])}")
     return names
+
+
+def start(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[torch.dtype, list]:
+    """A run's set-up, after its own checks: refused without a CUDA device; the one-row
+    kernel's weight limit set, torch seeded, the device and shapes printed. (The dtype, the
+    row counts.)"""
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device to time the matrix-vector kernels; torch sees none")
+    gemv_policy.MAX_WEIGHT_ELEMENTS = args.max_weight_elements
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, {args.shapes} shapes, {args.dtype}")
+    return DTYPES[args.dtype], [int(r) for r in args.rows.split(",")]
