@@ -42,13 +42,9 @@ from attention_problems import (  # benchmarks/, beside this script
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},
-    {"OFFSETS_FIRST": True},
-    {"TMA_STORE": True},
-    {"OFFSETS_FIRST": True, "TMA_STORE": True},
+    {"DIAGONAL_IN_LOOP": False},
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
-    {"OFFSETS_FIRST": True, "BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
-    {"TMA_STORE": True, "BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
-    {"OFFSETS_FIRST": True, "TMA_STORE": True, "BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 
 EXTEND_GRID = [  # --grid: tiles, warps, pipeline depth, tensor-memory loads

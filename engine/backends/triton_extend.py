@@ -67,7 +67,6 @@ def _extend_kernel(
     q_desc,
     k_desc,
     v_desc,
-    o_desc,
     k_cache,
     v_cache,
     kv_indices,
@@ -98,8 +97,6 @@ def _extend_kernel(
     PDL: tl.constexpr,
     HEADS: tl.constexpr = 1,
     DIAGONAL_IN_LOOP: tl.constexpr = False,
-    OFFSETS_FIRST: tl.constexpr = False,
-    TMA_STORE: tl.constexpr = False,
 ):
     enter(PDL)
     q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
@@ -109,14 +106,10 @@ def _extend_kernel(
     # int32 whatever the offsets' type (a graph's are int64): descriptor loads take 32 bits
     qo_start = tl.load(qo_indptr + req).to(tl.int32)
     num_new = tl.load(qo_indptr + req + 1).to(tl.int32) - qo_start
-    if OFFSETS_FIRST:
-        prefix = tl.load(prefix_lens + req)
-        kv_start = tl.load(kv_indptr + req)
     first = q_block_id * BLOCK_M
     if first < num_new:
-        if not OFFSETS_FIRST:
-            prefix = tl.load(prefix_lens + req)
-            kv_start = tl.load(kv_indptr + req)
+        prefix = tl.load(prefix_lens + req)
+        kv_start = tl.load(kv_indptr + req)
         dims = tl.arange(0, HEAD_DIM)
         # a tile row: token first + row // HEADS of the request, q head first_head + row % HEADS
         if HEADS == 1:
@@ -234,20 +227,9 @@ def _extend_kernel(
                 )
         leave(PDL)
         result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        if TMA_STORE and (first + BLOCK_M <= num_new):  # the whole tile is the request's
-            if HEADS == 1:
-                o_desc.store(
-                    [qo_start + first, first_head * HEAD_DIM], result.to(out.dtype.element_ty)
-                )
-            else:
-                o_desc.store(
-                    [qo_start + first, first_head, 0],
-                    result.to(out.dtype.element_ty).reshape(BLOCK_M, HEADS, HEAD_DIM),
-                )
-        else:
-            store_ok = row_ok & (token < out_capacity)
-            out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
-            tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
+        store_ok = row_ok & (token < out_capacity)
+        out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
+        tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
 
 
 def extend_attention(
@@ -291,8 +273,6 @@ def extend_attention(
         k_desc, v_desc = rows_descriptor(k, cfg["BLOCK_N"]), rows_descriptor(v, cfg["BLOCK_N"])
     else:
         q_desc, k_desc, v_desc = q, k, v
-    tma_store = tma and bool(cfg.get("TMA_STORE", False)) and tma_ready(out)
-    o_desc = rows_descriptor(out, cfg["BLOCK_M"], heads) if tma_store else out
     _extend_kernel[grid](
         q,
         k,
@@ -300,7 +280,6 @@ def extend_attention(
         q_desc,
         k_desc,
         v_desc,
-        o_desc,
         k_cache,
         v_cache,
         kv_indices,
@@ -330,8 +309,6 @@ def extend_attention(
         H_AXIS=order.index("h"),
         HEADS=heads,
         DIAGONAL_IN_LOOP=bool(cfg["DIAGONAL_IN_LOOP"]),
-        OFFSETS_FIRST=bool(cfg.get("OFFSETS_FIRST", False)),
-        TMA_STORE=tma_store,
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
