@@ -125,12 +125,12 @@ def choose_verify_config(programs: int, num_sms: int, rows: int) -> dict:
     alone, never of the launch setting: PDL changes when a kernel starts, not what it
     computes (tests/test_pdl.py compares logits bit for bit with and without it), and the
     key block sets the splits' bounds and so the rounding. Measured on an H100
-    (`bench_steps.py --verify-attention`, four machines; docs/benchmarks.md):
+    (`bench_steps.py --verify-attention`, six machines; docs/benchmarks.md):
 
     - up to 8 rows `auto` starts the matrix products after the attention beside it (PDL on
       the products, `pdl.for_pass`, for a small model): what a shorter attention saves, the
       products that wait for it take. The default model's batch-1 8-node pass, 192
-      programs, took 0.95-0.99 of its 32-key blocks' time with 64-key blocks.
+      programs, took 0.95-1.00 of its 32-key blocks' time with 64-key blocks.
     - past it a program's latency is the pass's: the 13-node pass (products without PDL)
       took 0.93-0.94 of its time with 32-key blocks. Llama-3-8B's batch-1 passes (no PDL at
       any rows) read within 0.2% either way."""
