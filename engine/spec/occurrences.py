@@ -255,25 +255,23 @@ class Window:
         """Sort the node's rows that go on by their next token (stably) and rank the groups."""
         end = first + going_on
         order = np.argsort(self.columns[column, first:end], kind="stable")
-        self.columns[column:, first:end] = self.columns[column:, first:end][:, order]
-        self.following[first:end] = self.following[first:end][order]
-        tokens = self.columns[column, first:end]
-        heads = np.flatnonzero(np.concatenate(([True], tokens[1:] != tokens[:-1])))
-        tails = np.append(heads[1:], going_on)  # one past each group's last row
-        counts = tails - heads
-        newest = self.following[first:end][tails - 1]
+        block = self.columns[column:, first:end][:, order]
+        self.columns[column:, first:end] = block
+        following = self.following[first:end][order]
+        self.following[first:end] = following
+        # grouped in Python: a few dozen rows cost less in a loop than in numpy calls per group
+        tokens, positions = block[0].tolist(), following.tolist()
         ranked = []
-        for group in np.lexsort((newest, counts))[::-1][:breadth].tolist():
-            head, count = int(heads[group]), int(counts[group])
-            ranked.append(
-                (
-                    count,
-                    int(newest[group]) - self.match_len,
-                    int(tokens[head]),
-                    (column + 1, first + head, first + head + count, None),
-                )
-            )
-        return ranked
+        head = 0
+        for row in range(1, going_on + 1):
+            if row == going_on or tokens[row] != tokens[head]:
+                # the group's newest occurrence is its last row (positions ascend in a group)
+                stamp = positions[row - 1] - self.match_len
+                child = (column + 1, first + head, first + row, None)
+                ranked.append((row - head, stamp, tokens[head], child))
+                head = row
+        ranked.sort(key=_count_and_stamp, reverse=True)
+        return ranked[:breadth]
 
 
 def _count_and_stamp(continuation: Continuation) -> tuple[int, int]:
