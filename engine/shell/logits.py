@@ -121,6 +121,11 @@ class VerifyLaunched:
     logits: torch.Tensor
     guesses: np.ndarray
     seconds: float = 0.0  # host time of its launch where the device waited for it
+    # whether any root was guessed (derived: a pass launched at a commit guessed none)
+    guessed: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "guessed", bool((self.guesses >= 0).any()))
 
     def select(self, keep: np.ndarray) -> None:
         return None
@@ -133,6 +138,8 @@ class VerifyLaunched:
         """`trees` (their roots known now) as speculation's statistics count them: a tree
         whose root is not its guess, and that had nothing accepted, drafted nothing (its
         drafts were for another token)."""
+        if not self.guessed:  # every root was known at its launch: none missed
+            return trees
         missed = self.missed(trees) & (np.asarray(accepted) == 0)
         if not missed.any():
             return trees

@@ -293,13 +293,14 @@ class SpeculativeSteps(DecodeSteps):
                 return
         elif self.spec.will_draft(running):
             return  # the next step proposes
-        if ahead.prepared is None and not ahead.plan_committed(running):
-            return
-        # the committed tokens: a plan made during the pass holds older ones; the pass so
-        # scheduled takes the plan's slots, and is the one given up if the launch fails
         held = ahead.prepared
-        assert held is not None
-        ahead.rebatch(self.machine.schedule_decode(running, held.batch.out_slots))
+        if held is None:  # planned here, of the committed tokens
+            if not ahead.plan_committed(running):
+                return
+        else:
+            # the committed tokens: a plan made during the pass holds older ones; the pass so
+            # scheduled takes the plan's slots, and is the one given up if the launch fails
+            ahead.rebatch(self.machine.schedule_decode(running, held.batch.out_slots))
         ahead.launch(lambda p: self.passes.launch(p.batch, p))
 
     def _verifies_ahead(self) -> bool:
