@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import pdl
-from engine.backends import decode_policy, triton_decode
+from engine.backends import decode_policy
 from engine.model import LlamaModel
 from engine.ops import gemv_policy
 from engine.shell.engine import Engine
@@ -270,12 +270,13 @@ def verify_attention(name: str) -> Iterator[None]:
     JSON dict of launch settings laid over that choice. The graphs captured in the block
     keep the launch they captured."""
     settings = verify_settings(name)
-    chosen = triton_decode.choose_verify_config
+    chosen = decode_policy.choose_verify_config
 
     def laid_over(programs: int, num_sms: int, rows: int) -> dict:
         return {**chosen(programs, num_sms, rows), **settings}
 
-    with mock.patch.object(triton_decode, "choose_verify_config", laid_over):
+    # `decode_policy.decode_launch`, which every decode_attention call asks, looks it up
+    with mock.patch.object(decode_policy, "choose_verify_config", laid_over):
         yield
 
 

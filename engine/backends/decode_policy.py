@@ -144,3 +144,28 @@ def choose_verify_config(programs: int, num_sms: int, rows: int) -> dict:
             return max((config for config, _ in VERIFY_CONFIGS), key=lambda c: c["BLOCK_N"])
         return VERIFY_CONFIGS[0][0]
     return max(VERIFY_CONFIGS, key=lambda entry: wave_fill(entry[1]))[0]
+
+
+def decode_launch(
+    on_cpu: bool,
+    tree: bool,
+    programs: int,
+    num_sms: int,
+    rows: int,
+    num_splits: int,
+    config: dict | None,
+) -> dict:
+    """The settings of one decode (`tree` False) or verify launch of `programs` split
+    programs and `rows` rows (tokens) on `num_sms` SMs: INTERPRETER_CONFIG under the CPU's
+    interpreter; else DECODE_CONFIG with `choose_decode_warps`' warps, or
+    `choose_verify_config`'s config; the merge fused for decode up to FUSED_MERGE_MAX_SPLITS
+    splits, never for verify; `config` laid over all of it. Of the shape alone: no launch
+    setting (PDL) enters, so a pass computes the same with and without it."""
+    if on_cpu:
+        base = INTERPRETER_CONFIG  # read at the call: tests patch it
+    elif not tree:
+        base = {**DECODE_CONFIG, "num_warps": choose_decode_warps(programs, num_sms)}
+    else:
+        base = choose_verify_config(programs, num_sms, rows)
+    fused = not tree and num_splits <= FUSED_MERGE_MAX_SPLITS
+    return {"FUSED_MERGE": fused, **base, **(config or {})}

@@ -16,12 +16,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.backends import decode_policy
-from engine.backends.decode_policy import (
-    FUSED_MERGE_MAX_SPLITS,
-    choose_decode_warps,
-    choose_verify_config,
-    num_sms,
-)
+from engine.backends.decode_policy import num_sms
 from engine.backends.triton_extend import online_softmax_step
 from engine.backends.triton_merge import (
     check_counters,
@@ -382,17 +377,16 @@ def decode_attention(
     num_kv_heads = k_cache.shape[1]
     num_requests = kv_indptr.shape[0] - 1
     programs = num_requests * num_kv_heads * num_splits  # the split kernel's grid
-    if q.device.type == "cpu":
-        base = decode_policy.INTERPRETER_CONFIG  # read at the call: tests patch it
-    elif tree_bits is None:
-        base = {
-            **decode_policy.DECODE_CONFIG,
-            "num_warps": choose_decode_warps(programs, num_sms(q.device)),
-        }
-    else:
-        base = choose_verify_config(programs, num_sms(q.device), num_tokens)
-    fused_default = tree_bits is None and num_splits <= FUSED_MERGE_MAX_SPLITS
-    cfg = {"FUSED_MERGE": fused_default, **base, **(config or {})}
+    on_cpu = q.device.type == "cpu"
+    cfg = decode_policy.decode_launch(
+        on_cpu,
+        tree_bits is not None,
+        programs,
+        1 if on_cpu else num_sms(q.device),
+        num_tokens,
+        num_splits,
+        config,
+    )
     if num_tokens == 0 or num_requests == 0:
         return out
     direct = num_splits == 1

@@ -3,7 +3,6 @@ functions of the shape."""
 
 from __future__ import annotations
 
-import dis
 import json
 import re
 
@@ -11,6 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine import pdl
+from engine.backends import decode_policy
 from engine.backends.decode_policy import (
     DECODE_CONFIG,
     LONG_BLOCK_MAX_ROWS,
@@ -22,6 +23,7 @@ from engine.backends.decode_policy import (
     choose_decode_warps,
     choose_num_splits,
     choose_verify_config,
+    decode_launch,
 )
 from engine.backends.extend_policy import (
     EXTEND_CONFIG,
@@ -169,28 +171,61 @@ def test_verify_config_by_the_pass_rows(programs: int, wide: int, narrow: int) -
 
 
 def test_bench_steps_lays_verify_settings_over_the_policys_choice(bench_script):
-    """`bench_steps.py --verify-attention`: inside the block the verify launch's config is
-    the policy's with the given settings laid over it (the function `decode_attention` calls
-    by its module's name); 'policy' and the block's end leave the policy's own."""
-    from engine.backends import triton_decode
+    """`bench_steps.py --verify-attention`: inside the block a verify launch's settings
+    (`decode_launch`, which `decode_attention` asks) are the policy's with the given
+    settings laid over them; 'policy' and the block's end leave the policy's own."""
 
-    # the module's global the launch looks up at each call: patching it reaches the launch
-    looked_up = {
-        op.argval
-        for op in dis.get_instructions(triton_decode.decode_attention)
-        if op.opname == "LOAD_GLOBAL"
-    }
-    assert "choose_verify_config" in looked_up
+    def launch() -> dict:
+        return decode_launch(False, True, 192, H200_SMS, 13, 64, None)
+
     bench_steps = bench_script("bench_steps")
-    chosen = triton_decode.choose_verify_config(192, H200_SMS, 13)
+    chosen = launch()
     # the other entry's settings, unlike the policy's own at this grid: laying them shows
-    other = next(config for config, _ in VERIFY_CONFIGS if config != chosen)
+    other = next(c for c, _ in VERIFY_CONFIGS if c["BLOCK_N"] != chosen["BLOCK_N"])
     with bench_steps.verify_attention(json.dumps(other)):
-        laid = triton_decode.choose_verify_config(192, H200_SMS, 13)
-        assert laid == {**chosen, **other}
-    assert triton_decode.choose_verify_config(192, H200_SMS, 13) == chosen
+        assert launch() == {**chosen, **other}
+    assert launch() == chosen
     with bench_steps.verify_attention("policy"):
-        assert triton_decode.choose_verify_config(192, H200_SMS, 13) == chosen
+        assert launch() == chosen
+
+
+@pytest.mark.parametrize("setting", ["top", "late", "exit"])
+def test_decode_and_verify_launches_are_the_same_with_and_without_pdl(monkeypatch, setting):
+    """PDL changes when a kernel starts, never what it computes: a launch's settings (the
+    verify key block sets where the splits fall, so the rounding) come from the shape alone.
+    Chosen by whether the products ran with PDL (d50ba25), a 13-row verify pass took 64-key
+    blocks with PDL and 32-key ones without, and tests/test_pdl.py's logits differed."""
+    monkeypatch.setattr(pdl, "_capable", lambda device: True)  # as on a Hopper GPU
+
+    def launches() -> list[dict]:
+        return [
+            decode_launch(False, tree, programs, H200_SMS, rows, splits, None)
+            for tree in (False, True)
+            for programs, rows, splits in [(192, 1, 64), (192, 8, 64), (192, 13, 64), (512, 16, 4)]
+        ]
+
+    with pdl.using("off"):
+        plain = launches()
+    with pdl.using(setting):
+        assert launches() == plain
+
+
+def test_decode_launch_takes_the_policys_choices() -> None:
+    """The interpreter's config on a CPU; on a GPU decode's warps by the wave and the merge
+    fused up to FUSED_MERGE_MAX_SPLITS splits, verify's config by `choose_verify_config` and
+    never fused; a given config laid over either."""
+    assert decode_launch(True, False, 512, H200_SMS, 16, 4, None) == {
+        "FUSED_MERGE": True,
+        **decode_policy.INTERPRETER_CONFIG,
+    }
+    one_wave = decode_launch(False, False, 512, H200_SMS, 16, 4, None)
+    assert one_wave["num_warps"] == ONE_WAVE_WARPS and one_wave["FUSED_MERGE"]
+    many = decode_launch(False, False, 64 * 132, H200_SMS, 16, 64, None)
+    assert many["num_warps"] == DECODE_CONFIG["num_warps"] and not many["FUSED_MERGE"]
+    verify = decode_launch(False, True, 192, H200_SMS, 13, 4, None)
+    assert verify == {"FUSED_MERGE": False, **choose_verify_config(192, H200_SMS, 13)}
+    laid = decode_launch(False, True, 192, H200_SMS, 13, 4, {"FUSED_MERGE": True, "BLOCK_N": 16})
+    assert laid["FUSED_MERGE"] and laid["BLOCK_N"] == 16
 
 
 @pytest.mark.parametrize(
