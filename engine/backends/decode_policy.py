@@ -125,7 +125,7 @@ def choose_verify_config(programs: int, num_sms: int, rows: int) -> dict:
     alone, never of the launch setting: PDL changes when a kernel starts, not what it
     computes (tests/test_pdl.py compares logits bit for bit with and without it), and the
     key block sets the splits' bounds and so the rounding. Measured on an H100
-    (`bench_steps.py --verify-attention`, six machines; docs/benchmarks.md):
+    (`bench_steps.py --verify-attention`, seven machines; docs/benchmarks.md):
 
     - up to 8 rows `auto` starts the matrix products after the attention beside it (PDL on
       the products, `pdl.for_pass`, for a small model): what a shorter attention saves, the
