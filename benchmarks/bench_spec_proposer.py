@@ -1,13 +1,18 @@
 """The n-gram proposer's cost a draft tree on the host, per kind of token stream: one token
 repeated, an indentation-like pattern, a document repeated, random text, a small-vocabulary
-Zipf stream; beside it (`--trie REV`) the trie-based proposer of git revision REV.
+Zipf stream; beside it (`--trie REV`) the trie-based proposer of git revision REV, or
+(`--baseline REV`) the proposer of git revision REV's whole `engine` package.
 
 Run: .venv/bin/python benchmarks/bench_spec_proposer.py [--tokens 3000] [--steps 200]
-     [--budget 12] [--trie 0bdfc9e]
+     [--budget 12] [--trie 0bdfc9e | --baseline f1d5e26]
 
 Each stream's first `tokens - steps` tokens are the prompt; then each of the last `steps`
 tokens is added (not timed) and a tree proposed from the whole history (timed), as a
-decoding request does. The table shows the median of `--repeats` such runs, us a call.
+decoding request does. The table shows the median of `--repeats` such runs, us a call; the
+proposers' runs alternate in one process (a shared machine's speed moves between processes).
+With `--baseline` the baseline's `engine` is read from git (`git archive`) and imported as
+`engine_base` (as `bench_host_step.py` does), the trees of both are checked equal, and the
+last column is this tree's time over the baseline's, run by run (range).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_host_step import baseline_package  # benchmarks/, beside this script
 
 from engine.spec import NgramProposer, SpecConfig
 
@@ -62,17 +68,34 @@ def trie_proposer(revision: str) -> Any:
     return module.NgramProposer
 
 
-def time_per_call(proposer_class: Any, stream: list[int], steps: int, budget: int) -> float:
-    """Seconds a `propose` call, over the last `steps` tokens of `stream` added one by one."""
-    proposer = proposer_class(SpecConfig(draft_budget=budget))
+def baseline_proposer(revision: str, scratch: Path) -> Any:
+    """The `NgramProposer` class of git `revision`'s `engine` package, with that package's
+    `SpecConfig` (`config_class`)."""
+    spec = importlib.import_module(f"{baseline_package(revision, scratch)}.spec")
+
+    class Baseline(spec.NgramProposer):  # type: ignore[name-defined]
+        config_class = spec.SpecConfig
+
+    return Baseline
+
+
+def time_per_call(
+    proposer_class: Any, stream: list[int], steps: int, budget: int
+) -> tuple[float, list[Any]]:
+    """Seconds a `propose` call, over the last `steps` tokens of `stream` added one by one,
+    and the trees (their tokens and parents)."""
+    config = getattr(proposer_class, "config_class", SpecConfig)
+    proposer = proposer_class(config(draft_budget=budget))
     proposer.add_request(0, stream[: len(stream) - steps])
     spent = 0.0
+    trees = []
     for token in stream[len(stream) - steps :]:
         proposer.extend(0, [token])
         start = time.perf_counter()
-        proposer.propose(0)
+        tree = proposer.propose(0)
         spent += time.perf_counter() - start
-    return spent / steps
+        trees.append((list(tree.tokens), list(tree.parents)))
+    return spent / steps, trees
 
 
 def main() -> None:
@@ -82,21 +105,37 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--trie", metavar="REV", help="also time the trie proposer of REV")
+    parser.add_argument(
+        "--baseline", metavar="REV", help="also time the proposer of REV's engine package"
+    )
     args = parser.parse_args()
     systems = {"index": NgramProposer}
     if args.trie:
         systems[f"trie ({args.trie})"] = trie_proposer(args.trie)
-    print(f"propose, us a call ({args.tokens} tokens, budget {args.budget}, median of runs)")
-    print(f"{'stream':<28}" + "".join(f"{name:>16}" for name in systems))
-    for name, stream in streams(args.tokens).items():
-        cells = []
-        for proposer_class in systems.values():
-            runs = [
-                time_per_call(proposer_class, stream, args.steps, args.budget)
-                for _ in range(args.repeats)
-            ]
-            cells.append(f"{statistics.median(runs) * 1e6:>16.1f}")
-        print(f"{name:<28}" + "".join(cells))
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.baseline:
+            systems[args.baseline] = baseline_proposer(args.baseline, Path(scratch))
+        print(f"propose, us a call ({args.tokens} tokens, budget {args.budget}, median of runs)")
+        ratio = f"index / {args.baseline}" if args.baseline else ""
+        print(f"{'stream':<28}" + "".join(f"{name:>16}" for name in systems) + f"{ratio:>20}")
+        for name, stream in streams(args.tokens).items():
+            runs: dict[str, list[float]] = {system: [] for system in systems}
+            trees: dict[str, list[Any]] = {}
+            for _ in range(args.repeats):  # the proposers alternate, run by run
+                for system, proposer_class in systems.items():
+                    seconds, trees[system] = time_per_call(
+                        proposer_class, stream, args.steps, args.budget
+                    )
+                    runs[system].append(seconds)
+            cells = [f"{statistics.median(times) * 1e6:>16.1f}" for times in runs.values()]
+            if args.baseline:
+                if trees[args.baseline] != trees["index"]:
+                    raise SystemExit(f"{name}: the trees differ from {args.baseline}'s")
+                ratios = [
+                    new / old for new, old in zip(runs["index"], runs[args.baseline], strict=True)
+                ]
+                cells.append(f"{min(ratios):>14.2f}-{max(ratios):.2f}")
+            print(f"{name:<28}" + "".join(cells), flush=True)
 
 
 if __name__ == "__main__":
