@@ -1,9 +1,11 @@
 """A request's tokens and an occurrence index over them: the n-gram source its drafts grow from.
 
 A token costs O(1) to add (append it, register one key); the matching, and the grouping of
-the matched occurrences by the tokens after them, happen when a draft is proposed, with numpy
-over all the occurrences at once. The whole history is kept (no eviction): memory is
-O(tokens), bounded by the request's context, and a match reaches back to its first token.
+the matched occurrences by the tokens after them, happen when a draft is proposed: in Python
+where they are few (up to `ROWS` occurrences, grouped by their distinct runs of tokens after),
+with numpy over all the occurrences at once where they are many. The whole history is kept
+(no eviction): memory is O(tokens), bounded by the request's context, and a match reaches
+back to its first token.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine.spec.grow import Continuation
 
 PAD = 64  # -1 entries before the tokens' numpy copy (and at least as many after them)
 SMALL = 8  # occurrences up to this many are matched and grouped in Python: numpy's calls cost more
+ROWS = 128  # more occurrences than SMALL, up to this many: grouped in Python (`Rows`), by runs
 _TOKEN_LIMIT = 1 << 32
 
 
@@ -120,13 +123,15 @@ class OccurrenceIndex:
             matched = back + 1
         return matched, ends
 
-    def window(self, match_len: int, ends: Any, width: int) -> Few | Window:
+    def window(self, match_len: int, ends: Any, width: int) -> Rows | Few | Window:
         """The occurrences ending at `ends` of a suffix of `match_len` tokens and up to
         `width` tokens after each (fewer past `depth`), as a source of continuations (from
         its `root`)."""
         width = min(width, self.depth - match_len)  # a window holds at most `depth` tokens
         if isinstance(ends, list):
             return Few(self.tokens, [end + 1 for end in ends], width, match_len)
+        if ends.size <= ROWS:
+            return Rows(self.tokens, (ends + 1).tolist(), width, match_len)
         return Window(self._array(), self.tokens, ends + 1, width, match_len)
 
     def _array(self) -> np.ndarray:
@@ -172,6 +177,70 @@ class Few:
         for token, group in groups.items():
             total += len(group)
             ranked.append((len(group), group[-1] - self.match_len, token, (column + 1, group)))
+        ranked.sort(key=_count_and_stamp, reverse=True)
+        return total, ranked[:breadth]
+
+
+class Rows:
+    """The occurrences of a matched suffix as a source of continuations, grouped in Python:
+    the distinct runs of up to `width` tokens after them (shorter where the stream ends), a
+    row each with its occurrences' count and newest position, sorted by their bytes. Rows that
+    share a prefix are then a range, those that end after it first; a node is (column, first
+    row, end row): rows first..end-1 hold its path, and `column` indexes the tokens after it.
+    A node whose rows all go on with one token has one continuation (its first and last rows
+    agree there), found without a scan."""
+
+    __slots__ = ("rows", "lengths", "counts", "newest", "width", "match_len", "root")
+
+    def __init__(
+        self, stream: array[int], following: list[int], width: int, match_len: int
+    ) -> None:
+        """`following`: the position after each occurrence (ascending)."""
+        found: dict[bytes, list[int]] = {}
+        with memoryview(stream) as view:  # (a view held would keep the stream from growing)
+            for position in following:
+                key = view[position : position + width].tobytes()
+                seen = found.get(key)
+                if seen is None:
+                    found[key] = [position, 1, position]
+                else:
+                    seen[1] += 1
+                    seen[2] = position  # ascending: the newest so far
+        keys = sorted(found)
+        firsts = [found[key] for key in keys]
+        self.rows = [stream[first : first + width] for first, _, _ in firsts]
+        self.lengths = [len(key) >> 3 for key in keys]
+        self.counts = [count for _, count, _ in firsts]
+        self.newest = [newest for _, _, newest in firsts]
+        self.width = width
+        self.match_len = match_len
+        self.root = (0, 0, len(keys))
+
+    def ranked(self, node: tuple[int, int, int], breadth: int) -> tuple[int, list[Continuation]]:
+        """`Continuations.ranked`."""
+        column, first, end = node
+        lengths = self.lengths
+        while first < end and lengths[first] <= column:  # rows that ended sort first
+            first += 1
+        if first == end:
+            return 0, []
+        rows, counts, newest = self.rows, self.counts, self.newest
+        token = rows[first][column]
+        if rows[end - 1][column] == token:
+            total = sum(counts[first:end]) if end - first > 1 else counts[first]
+            stamp = max(newest[first:end]) - self.match_len
+            return total, [(total, stamp, token, (column + 1, first, end))]
+        ranked = []
+        total = 0
+        head = first
+        for row in range(first + 1, end + 1):
+            if row == end or rows[row][column] != token:
+                count = sum(counts[head:row])
+                stamp = max(newest[head:row]) - self.match_len
+                ranked.append((count, stamp, token, (column + 1, head, row)))
+                total += count
+                if row < end:
+                    head, token = row, rows[row][column]
         ranked.sort(key=_count_and_stamp, reverse=True)
         return total, ranked[:breadth]
 

@@ -7,6 +7,7 @@ import contextlib
 import heapq
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,14 +71,15 @@ def trie_tree(
 
 
 @contextlib.contextmanager
-def small_below(small: int) -> Iterator[None]:
-    """Occurrences up to `small` matched and grouped in Python, more with numpy."""
-    saved = occurrences.SMALL
-    occurrences.SMALL = small
+def small_below(small: int, rows: int) -> Iterator[None]:
+    """Occurrences up to `small` matched and grouped in Python, more with numpy; of those, up
+    to `rows` grouped in Python by runs (`Rows`)."""
+    saved = occurrences.SMALL, occurrences.ROWS
+    occurrences.SMALL, occurrences.ROWS = small, rows
     try:
         yield
     finally:
-        occurrences.SMALL = saved
+        occurrences.SMALL, occurrences.ROWS = saved
 
 
 @st.composite
@@ -95,7 +97,11 @@ def configs(draw: st.DrawFn) -> SpecConfig:
     )
 
 
-@pytest.mark.parametrize("small", [0, occurrences.SMALL, 1 << 30], ids=["numpy", "both", "python"])
+@pytest.mark.parametrize(
+    ("small", "rows"),
+    [(0, 0), (occurrences.SMALL, occurrences.ROWS), (1 << 30, 0), (0, 1 << 30), (2, 6)],
+    ids=["numpy", "default", "python", "runs", "all three"],
+)
 @settings(max_examples=150, deadline=None)
 @given(
     config=configs(),
@@ -106,9 +112,9 @@ def configs(draw: st.DrawFn) -> SpecConfig:
     budgets=st.lists(st.integers(0, 12), min_size=6, max_size=6),
 )
 def test_trees_equal_those_grown_from_tries(
-    small, config, prompt, chunks, corpus, contexts, budgets
+    small, rows, config, prompt, chunks, corpus, contexts, budgets
 ) -> None:
-    with small_below(small):
+    with small_below(small, rows):
         check_trees(config, prompt, chunks, corpus, contexts, budgets)
 
 
@@ -150,6 +156,30 @@ def test_long_repeats_match_in_numpy_and_equal_the_trie(history: list[int]) -> N
     tree = proposer.propose(0)
     assert tree == trie_tree(history, [], history, config, config.draft_budget)
     assert len(tree.tokens) > 1
+
+
+@pytest.mark.parametrize("period", [12, 60])
+def test_a_pattern_repeated_with_changes_equals_the_trie(period: int) -> None:
+    """A pattern repeated with a token changed here and there (a copying model's text): tens
+    of occurrences of the suffix, more than `SMALL`, grouped by runs (`Rows`) below a branch
+    and along runs of one continuation, as at the default depth and budget the trie's tree."""
+    rng = np.random.default_rng(period)
+    pattern = rng.integers(0, 50, period)
+    stream = np.resize(pattern, 1200)
+    changed = rng.random(stream.size) < 0.05
+    stream[changed] = rng.integers(0, 50, int(changed.sum()))
+    history = stream.tolist()
+    config = SpecConfig()
+    proposer = NgramProposer(config)
+    proposer.add_request(0, history[:900])
+    sizes = []
+    for end in range(901, len(history), 3):
+        proposer.extend(0, history[end - 3 if end > 901 else 900 : end])
+        tree = proposer.propose(0)
+        assert tree == trie_tree(history[:end], [], history[:end], config, config.draft_budget)
+        _, ends = proposer._history(0).match(history[:end], config.max_match, config.min_match)
+        sizes.append(len(ends))
+    assert max(sizes) > occurrences.SMALL
 
 
 def test_a_match_reads_the_newest_occurrences_of_its_key() -> None:
