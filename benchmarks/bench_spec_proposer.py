@@ -9,7 +9,8 @@ Run: .venv/bin/python benchmarks/bench_spec_proposer.py [--tokens 3000] [--steps
 Each stream's first `tokens - steps` tokens are the prompt; then each of the last `steps`
 tokens is added (not timed) and a tree proposed from the whole history (timed), as a
 decoding request does. The table shows the median of `--repeats` such runs, us a call; the
-proposers' runs alternate in one process (a shared machine's speed moves between processes).
+proposers step in lockstep in one process, taking turns at going first (a shared machine's
+speed moves between processes, and within one).
 With `--baseline` the baseline's `engine` is read from git (`git archive`) and imported as
 `engine_base` (as `bench_host_step.py` does), the trees of both are checked equal, and the
 last column is this tree's time over the baseline's, run by run (range).
@@ -80,22 +81,27 @@ def baseline_proposer(revision: str, scratch: Path) -> Any:
 
 
 def time_per_call(
-    proposer_class: Any, stream: list[int], steps: int, budget: int
-) -> tuple[float, list[Any]]:
-    """Seconds a `propose` call, over the last `steps` tokens of `stream` added one by one,
-    and the trees (their tokens and parents)."""
-    config = getattr(proposer_class, "config_class", SpecConfig)
-    proposer = proposer_class(config(draft_budget=budget))
-    proposer.add_request(0, stream[: len(stream) - steps])
-    spent = 0.0
-    trees = []
-    for token in stream[len(stream) - steps :]:
-        proposer.extend(0, [token])
-        start = time.perf_counter()
-        tree = proposer.propose(0)
-        spent += time.perf_counter() - start
-        trees.append((list(tree.tokens), list(tree.parents)))
-    return spent / steps, trees
+    systems: dict[str, Any], stream: list[int], steps: int, budget: int
+) -> dict[str, tuple[float, list[Any]]]:
+    """Per proposer: seconds a `propose` call, over the last `steps` tokens of `stream` added
+    one by one, and the trees (their tokens and parents). The proposers step in lockstep,
+    taking turns at going first, so that a shared machine's load weighs on them alike."""
+    proposers = {}
+    for name, proposer_class in systems.items():
+        config = getattr(proposer_class, "config_class", SpecConfig)
+        proposers[name] = proposer_class(config(draft_budget=budget))
+        proposers[name].add_request(0, stream[: len(stream) - steps])
+    spent = dict.fromkeys(systems, 0.0)
+    trees: dict[str, list[Any]] = {name: [] for name in systems}
+    for step, token in enumerate(stream[len(stream) - steps :]):
+        for name in list(proposers)[:: 1 if step % 2 == 0 else -1]:
+            proposer = proposers[name]
+            proposer.extend(0, [token])
+            start = time.perf_counter()
+            tree = proposer.propose(0)
+            spent[name] += time.perf_counter() - start
+            trees[name].append((list(tree.tokens), list(tree.parents)))
+    return {name: (spent[name] / steps, trees[name]) for name in systems}
 
 
 def main() -> None:
@@ -121,11 +127,9 @@ def main() -> None:
         for name, stream in streams(args.tokens).items():
             runs: dict[str, list[float]] = {system: [] for system in systems}
             trees: dict[str, list[Any]] = {}
-            for _ in range(args.repeats):  # the proposers alternate, run by run
-                for system, proposer_class in systems.items():
-                    seconds, trees[system] = time_per_call(
-                        proposer_class, stream, args.steps, args.budget
-                    )
+            for _ in range(args.repeats):
+                timed = time_per_call(systems, stream, args.steps, args.budget)
+                for system, (seconds, trees[system]) in timed.items():
                     runs[system].append(seconds)
             cells = [f"{statistics.median(times) * 1e6:>16.1f}" for times in runs.values()]
             if args.baseline:
