@@ -167,6 +167,12 @@ class Few:
         if column >= self.width:
             return 0, []
         stream, end = self.stream, len(self.stream) - column
+        if len(following) == 1:  # (most nodes of free text's matches: one occurrence)
+            position = following[0]
+            if position >= end:
+                return 0, []
+            child = (column + 1, following)
+            return 1, [(1, position - self.match_len, stream[position + column], child)]
         groups: dict[int, list[int]] = {}
         for position in following:
             if position >= end:
