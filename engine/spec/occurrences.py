@@ -19,8 +19,10 @@ import numpy as np
 from engine.spec.grow import Continuation
 
 PAD = 64  # -1 entries before the tokens' numpy copy (and at least as many after them)
-SMALL = 8  # occurrences up to this many are matched and grouped in Python: numpy's calls cost more
-ROWS = 128  # more occurrences than SMALL, up to this many: grouped in Python (`Rows`), by runs
+# numpy's calls cost more than Python's loops over a few dozen occurrences:
+SMALL = 8  # occurrences up to this many are grouped in Python by each node's next token (`Few`)
+ROWS = 128  # more than SMALL, up to this many: grouped in Python by their runs (`Rows`)
+MATCH = 64  # (of the newest max_candidates) up to this many are matched in Python
 _TOKEN_LIMIT = 1 << 32
 
 
@@ -87,25 +89,27 @@ class OccurrenceIndex:
         if found is None:
             return 0, []
         suffix = [int(t) for t in context[len(context) - longest :]]
+        found = found[-self.max_candidates :]
         matched: tuple[int, Any] = (
             self._match_few(found, suffix)
-            if len(found) <= SMALL
-            else self._match_many(found[-self.max_candidates :], suffix)
+            if len(found) <= MATCH
+            else self._match_many(found, suffix)
         )
         return matched if matched[0] >= shortest else (0, [])
 
     def _match_few(self, found: array[int], suffix: list[int]) -> tuple[int, list[int]]:
-        stream, longest = self.tokens, len(suffix)
-        best, ends = 0, []
-        for end in found:
-            length = self.key_len
-            while length < longest and length <= end and stream[end - length] == suffix[~length]:
-                length += 1
-            if length > best:
-                best, ends = length, [end]
-            elif length == best:
-                ends.append(end)
-        return best, ends
+        stream = self.tokens
+        ends = found.tolist()
+        matched = self.key_len
+        # Narrow the candidates one token back at a time, while any agrees (as `_match_many`).
+        for back in range(self.key_len, len(suffix)):
+            token = suffix[~back]
+            agree = [end for end in ends if end >= back and stream[end - back] == token]
+            if not agree:
+                break
+            ends = agree
+            matched = back + 1
+        return matched, ends
 
     def _match_many(self, found: array[int], suffix: list[int]) -> tuple[int, np.ndarray]:
         ends = np.array(found, dtype=np.int64)
@@ -128,11 +132,12 @@ class OccurrenceIndex:
         `width` tokens after each (fewer past `depth`), as a source of continuations (from
         its `root`)."""
         width = min(width, self.depth - match_len)  # a window holds at most `depth` tokens
-        if isinstance(ends, list):
+        if len(ends) <= SMALL:
             return Few(self.tokens, [end + 1 for end in ends], width, match_len)
-        if ends.size <= ROWS:
-            return Rows(self.tokens, (ends + 1).tolist(), width, match_len)
-        return Window(self._array(), self.tokens, ends + 1, width, match_len)
+        if len(ends) <= ROWS:
+            ends = ends if isinstance(ends, list) else ends.tolist()
+            return Rows(self.tokens, [end + 1 for end in ends], width, match_len)
+        return Window(self._array(), self.tokens, np.asarray(ends) + 1, width, match_len)
 
     def _array(self) -> np.ndarray:
         """The tokens' numpy copy (padded with -1), brought up to date."""

@@ -71,15 +71,15 @@ def trie_tree(
 
 
 @contextlib.contextmanager
-def small_below(small: int, rows: int) -> Iterator[None]:
-    """Occurrences up to `small` matched and grouped in Python, more with numpy; of those, up
-    to `rows` grouped in Python by runs (`Rows`)."""
-    saved = occurrences.SMALL, occurrences.ROWS
-    occurrences.SMALL, occurrences.ROWS = small, rows
+def small_below(small: int, match: int, rows: int) -> Iterator[None]:
+    """Occurrences up to `small` grouped in Python (`Few`), up to `rows` grouped in Python by
+    runs (`Rows`), more with numpy; up to `match` matched in Python, more with numpy."""
+    saved = occurrences.SMALL, occurrences.MATCH, occurrences.ROWS
+    occurrences.SMALL, occurrences.MATCH, occurrences.ROWS = small, match, rows
     try:
         yield
     finally:
-        occurrences.SMALL, occurrences.ROWS = saved
+        occurrences.SMALL, occurrences.MATCH, occurrences.ROWS = saved
 
 
 @st.composite
@@ -98,9 +98,16 @@ def configs(draw: st.DrawFn) -> SpecConfig:
 
 
 @pytest.mark.parametrize(
-    ("small", "rows"),
-    [(0, 0), (occurrences.SMALL, occurrences.ROWS), (1 << 30, 0), (0, 1 << 30), (2, 6)],
-    ids=["numpy", "default", "python", "runs", "all three"],
+    ("small", "match", "rows"),
+    [
+        (0, 0, 0),
+        (occurrences.SMALL, occurrences.MATCH, occurrences.ROWS),
+        (1 << 30, 1 << 30, 0),
+        (0, 0, 1 << 30),
+        (2, 4, 6),
+        (0, 1 << 30, 0),
+    ],
+    ids=["numpy", "default", "python", "runs", "all three", "matched in python, numpy's groups"],
 )
 @settings(max_examples=150, deadline=None)
 @given(
@@ -112,9 +119,9 @@ def configs(draw: st.DrawFn) -> SpecConfig:
     budgets=st.lists(st.integers(0, 12), min_size=6, max_size=6),
 )
 def test_trees_equal_those_grown_from_tries(
-    small, rows, config, prompt, chunks, corpus, contexts, budgets
+    small, match, rows, config, prompt, chunks, corpus, contexts, budgets
 ) -> None:
-    with small_below(small, rows):
+    with small_below(small, match, rows):
         check_trees(config, prompt, chunks, corpus, contexts, budgets)
 
 
