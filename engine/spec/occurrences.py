@@ -220,7 +220,7 @@ class Rows:
         keys = sorted(found)
         firsts = [found[key] for key in keys]
         self.rows = [stream[first : first + width] for first, _, _ in firsts]
-        self.lengths = [len(key) >> 3 for key in keys]
+        self.lengths = [len(key) // stream.itemsize for key in keys]  # tokens, from bytes
         self.counts = [count for _, count, _ in firsts]
         self.newest = [newest for _, _, newest in firsts]
         self.width = width
