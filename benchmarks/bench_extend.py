@@ -42,11 +42,9 @@ from attention_problems import (  # benchmarks/, beside this script
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},
-    {"LAZY_RESCALE": True},
+    {"DIAGONAL_IN_LOOP": False},
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "LAZY_RESCALE": True, "maxnreg": 168},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "LAZY_RESCALE": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "LAZY_RESCALE": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 
 EXTEND_GRID = [  # --grid: tiles, warps, pipeline depth, tensor-memory loads

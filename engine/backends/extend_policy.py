@@ -27,8 +27,6 @@ EXTEND_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,
-    "LAZY_RESCALE": False,
-    "maxnreg": None,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -39,8 +37,6 @@ INTERPRETER_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,  # as on a GPU
-    "LAZY_RESCALE": False,
-    "maxnreg": None,
 }
 GRID_AXES = "qrh"
 # Many short prompts: 32 x 32 tiles of two q heads. A tile's fixed cost (offsets, q, the

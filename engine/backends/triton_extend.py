@@ -27,8 +27,6 @@ from engine.backends import extend_policy
 from engine.backends.tma import rows_descriptor, tma_ready
 from engine.pdl import enter, leave
 
-LAZY_RESCALE_LOG2: tl.constexpr = tl.constexpr(8.0)  # growth of a row's maximum, log2 units
-
 
 @triton.jit
 def softmax_accumulate(scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED: tl.constexpr):
@@ -47,25 +45,6 @@ def softmax_accumulate(scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED: t
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v_block.dtype), v_block, acc)  # accumulates in place (wgmma's C)
     return m_new, l_i, acc
-
-
-@triton.jit
-def softmax_accumulate_lazy(scores, v_block, m_i, l_i, acc, sm_scale_log2):
-    """`softmax_accumulate` for rows that have all seen a key, rescaling acc and l_i only
-    when some row's maximum grew by more than LAZY_RESCALE_LOG2 (a uniform branch on the
-    tile's largest growth). Until then the rows keep their old maximum, so a weight is at
-    most 2**LAZY_RESCALE_LOG2: the sum and acc grow by as much, far inside float32. The
-    result is the same quotient; only its rounding differs."""
-    m_new = tl.maximum(m_i, tl.max(scores, 1) * sm_scale_log2)
-    if tl.max(m_new - m_i, 0) > LAZY_RESCALE_LOG2:  # a first block: m_i is -inf
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-        m_i = m_new
-    p = tl.math.exp2(scores * sm_scale_log2 - m_i[:, None])
-    l_i = l_i + tl.sum(p, 1)
-    acc = tl.dot(p.to(v_block.dtype), v_block, acc)
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -118,7 +97,6 @@ def _extend_kernel(
     PDL: tl.constexpr,
     HEADS: tl.constexpr = 1,
     DIAGONAL_IN_LOOP: tl.constexpr = False,
-    LAZY_RESCALE: tl.constexpr = False,
 ):
     enter(PDL)
     q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
@@ -166,14 +144,9 @@ def _extend_kernel(
             offs = slots[:, None] * stride_ct + cache_head
             k_block = tl.load(k_cache + offs)
             v_block = tl.load(v_cache + offs)
-            if LAZY_RESCALE:
-                m_i, l_i, acc = softmax_accumulate_lazy(
-                    tl.dot(q_block, tl.trans(k_block)), v_block, m_i, l_i, acc, sm_scale_log2
-                )
-            else:
-                m_i, l_i, acc = online_softmax_step(
-                    q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
-                )
+            m_i, l_i, acc = online_softmax_step(
+                q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
+            )
         if full < prefix:  # the prefix's last, partial block
             keys = full + tl.arange(0, BLOCK_N)
             key_ok = keys < prefix
@@ -210,14 +183,9 @@ def _extend_kernel(
                     visible = (local[None, :] < num_new) & (local[None, :] <= rows[:, None])
                     scores = tl.where(visible, scores, float("-inf"))
                 # every row sees a key by its diagonal block's end (its own): no guard
-                if LAZY_RESCALE:
-                    m_i, l_i, acc = softmax_accumulate_lazy(
-                        scores, v_block, m_i, l_i, acc, sm_scale_log2
-                    )
-                else:
-                    m_i, l_i, acc = softmax_accumulate(
-                        scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED=False
-                    )
+                m_i, l_i, acc = softmax_accumulate(
+                    scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED=False
+                )
         else:
             for start in range(0, first, BLOCK_N):  # stage 2a: below the diagonal block
                 if TMA:
@@ -341,10 +309,8 @@ def extend_attention(
         H_AXIS=order.index("h"),
         HEADS=heads,
         DIAGONAL_IN_LOOP=bool(cfg["DIAGONAL_IN_LOOP"]),
-        LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]),
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
     )
     return out

@@ -307,26 +307,6 @@ def test_extend_diagonal_in_loop_matches_two_stages(
 
 
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("heads", [1, 2])
-@pytest.mark.parametrize("ramp", [0.0, 0.25])
-def test_extend_lazy_rescale_matches_eager(ramp: float, heads: int, tma: bool, monkeypatch) -> None:
-    """Extend with LAZY_RESCALE (acc and the sum rescaled only where a row's maximum grew
-    by more than 2**8, the weights meanwhile against the older maximum) equals the eager
-    rescale and the reference, on ragged requests with and without a prefix; `ramp` grows
-    the new keys' size along the tokens, so that the maxima grow past the threshold block
-    after block (rescaled) where without it they stay within it (not)."""
-    dtype = DTYPES[-1]
-    case = _extend_case([40, 0, 7], [70, 9, 33], 64, 43, tma, monkeypatch)
-    case.k.mul_(1 + ramp * torch.arange(case.k.shape[0], device=case.k.device)[:, None, None])
-    ref, run = _extend_direct(case)
-    config = {"TMA": tma, "HEADS": heads, "BLOCK_M": 32, "BLOCK_N": 32}
-    eager = run(case.q, case.k, case.v, config)
-    lazy = run(case.q, case.k, case.v, {**config, "LAZY_RESCALE": True})
-    assert relative_error(lazy, ref) < TOLERANCE[dtype]
-    torch.testing.assert_close(lazy, eager, rtol=1e-3, atol=1e-3)
-
-
-@pytest.mark.parametrize("tma", [False, True])
 def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool, monkeypatch) -> None:
     """A pass padded to a token count (`TritonBackend.plan(padded_num_tokens=...)`): the
     padding tokens' q/K/V hold whatever the layer before made of them (finite), and the
