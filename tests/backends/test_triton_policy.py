@@ -337,3 +337,28 @@ def test_extend_launch_refuses_settings_the_kernel_cannot_run(
 ) -> None:
     with pytest.raises(ValueError, match=re.escape(named)):
         extend_launch(on_cpu, 2, 512, 4, config)
+
+
+def test_bench_decode_short_times_each_shape_it_is_given(bench_script, monkeypatch, capsys):
+    """`bench_decode_short.py --shapes` runs its table at each BxL pair in order (the table
+    and the ceiling stubbed, a CUDA device pretended); shapes that are not positive BxL pairs
+    are refused, naming what it takes, and so is a machine without a CUDA device."""
+    script = bench_script("bench_decode_short")
+    ran = []
+    monkeypatch.setattr(script, "shape_table", lambda b, n, ceiling, top: ran.append((b, n, top)))
+    monkeypatch.setattr(script, "copy_ceiling_gbs", lambda: 1000.0)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda: "pretended")
+    monkeypatch.setattr("sys.argv", ["x", "--shapes", "16x1024,32x2048", "--top", "3"])
+    script.main()
+    assert ran == [(16, 1024, 3), (32, 2048, 3)]
+    for shapes in ("16", "16x1024x2", "16xL", "0x1024"):
+        monkeypatch.setattr("sys.argv", ["x", "--shapes", shapes])
+        with pytest.raises(SystemExit):
+            script.main()
+        assert "--shapes takes BxL pairs" in capsys.readouterr().err
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["x"])
+    with pytest.raises(SystemExit):
+        script.main()
+    assert "needs a CUDA device" in capsys.readouterr().err
