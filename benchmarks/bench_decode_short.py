@@ -58,7 +58,7 @@ def shape_table(batch: int, length: int, ceiling: float, top: int) -> None:
     print(f"\nB={batch} L={length} ({nbytes / 1e6:.0f} MB; the engine: {engine_splits} splits)")
     print("| launch | us | frac of the ceiling | over the engine's |")
     print("|---|---|---|---|")
-    ranked = sorted(times, key=times.get)
+    ranked = sorted(times, key=lambda name: times[name])
     for name in [*ranked[:top], *(["engine"] if "engine" not in ranked[:top] else [])]:
         us = times[name]
         print(f"| {name} | {us:.1f} | {frac(us):.2f} | {us / engine:.2f} |", flush=True)

@@ -80,18 +80,25 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
         ]
         return tiles + heads + diagonal_apart
     if kind == "decode":
-        return [
+        grid = [
             (f"{n} keys, {w} warps, {st} stages, merge {merge}", c)
             for n in (32, 64, 128)
             for w in (2, 4)
             for st in (2, 3, 4)
             for merge in ("fused", "apart")
             for c in [dict(BLOCK_N=n, num_warps=w, num_stages=st, FUSED_MERGE=merge == "fused")]
-        ] + [  # the whole blocks loaded a block ahead (PREFETCH)
+        ]
+        deeper = [  # bench_decode_short.py's launches beyond the grid
+            (f"{n} keys, {w} warps, {st} stages, merge fused", c)
+            for n, w, st in ((64, 4, 5), (64, 8, 4), (32, 4, 6))
+            for c in [dict(BLOCK_N=n, num_warps=w, num_stages=st, FUSED_MERGE=True)]
+        ]
+        prefetch = [  # the whole blocks loaded a block ahead (PREFETCH)
             (f"{n} keys, {w} warps, 3 stages, merge fused, prefetch", c)
             for n, w in ((32, 2), (64, 2), (64, 4))
             for c in [dict(BLOCK_N=n, num_warps=w, num_stages=3, FUSED_MERGE=True, PREFETCH=True)]
         ]
+        return grid + deeper + prefetch
     return [
         (f"{c['BLOCK_N']} keys, {c['num_warps']} warps, {c['num_stages']} stages", c)
         for c, _ in decode_policy.VERIFY_CONFIGS
