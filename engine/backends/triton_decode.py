@@ -382,7 +382,7 @@ def decode_attention(
         on_cpu,
         tree_bits is not None,
         programs,
-        1 if on_cpu else num_sms(q.device),
+        num_sms(q.device),
         num_tokens,
         num_splits,
         config,

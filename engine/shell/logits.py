@@ -121,11 +121,11 @@ class VerifyLaunched:
     logits: torch.Tensor
     guesses: np.ndarray
     seconds: float = 0.0  # host time of its launch where the device waited for it
-    # whether any root was guessed (derived: a pass launched at a commit guessed none)
-    guessed: bool = attrs.field(init=False)
 
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "guessed", bool((self.guesses >= 0).any()))
+    @property
+    def guessed(self) -> bool:
+        """Whether any root was guessed (a pass launched at a commit guessed none)."""
+        return bool((self.guesses >= 0).any())
 
     def select(self, keep: np.ndarray) -> None:
         return None

@@ -201,7 +201,7 @@ class Rows:
     A node whose rows all go on with one token has one continuation (its first and last rows
     agree there), found without a scan."""
 
-    __slots__ = ("rows", "lengths", "counts", "newest", "width", "match_len", "root")
+    __slots__ = ("rows", "counts", "newest", "width", "match_len", "root")
 
     def __init__(
         self, stream: array[int], following: list[int], width: int, match_len: int
@@ -220,7 +220,6 @@ class Rows:
         keys = sorted(found)
         firsts = [found[key] for key in keys]
         self.rows = [stream[first : first + width] for first, _, _ in firsts]
-        self.lengths = [len(key) // stream.itemsize for key in keys]  # tokens, from bytes
         self.counts = [count for _, count, _ in firsts]
         self.newest = [newest for _, _, newest in firsts]
         self.width = width
@@ -230,12 +229,12 @@ class Rows:
     def ranked(self, node: tuple[int, int, int], breadth: int) -> tuple[int, list[Continuation]]:
         """`Continuations.ranked`."""
         column, first, end = node
-        lengths = self.lengths
-        while first < end and lengths[first] <= column:  # rows that ended sort first
+        rows = self.rows
+        while first < end and len(rows[first]) <= column:  # rows that ended sort first
             first += 1
         if first == end:
             return 0, []
-        rows, counts, newest = self.rows, self.counts, self.newest
+        counts, newest = self.counts, self.newest
         token = rows[first][column]
         if rows[end - 1][column] == token:
             total = sum(counts[first:end]) if end - first > 1 else counts[first]
