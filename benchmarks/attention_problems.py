@@ -38,6 +38,7 @@ COLD_BYTES = 256 << 20
 TREE = 12  # draft nodes a request's tree holds in the verify problems
 # the extend shapes: (requests, cached prefix, new tokens a request)
 EXTEND = [(1, 0, 1024), (1, 0, 4096), (8, 0, 1024), (8, 2048, 512)]
+VERIFY = [(1, 4096), (48, 1024), (64, 2048)]  # (requests, keys before the tree)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,25 +4,23 @@ Shapes: 32 q / 8 kv heads, head_dim 128, bf16. Each time is one problem's share 
 replay that runs enough independent copies of it (>= 256 MB of KV in all) to keep L2 cold;
 median of the replays after warm-up. "eager" is one launch timed by do_bench (L2 flushed).
 Run: python3 benchmarks/bench_attention.py [--quick | --decode | --fused-merge | --pdl |
---short | --extend | --split-grid | --verify-configs]
-(the extend configurations' grid and those timed in turns: benchmarks/bench_extend.py)
+--short | --extend]
+(the extend configurations' grid and those timed in turns: benchmarks/bench_extend.py; the
+decode and verify launch policies' sweeps: benchmarks/bench_decode_launches.py)
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
 import torch
 from attention_problems import (  # benchmarks/, beside this script
-    GROUP,
-    HKV,
     HQ,
+    VERIFY,
     D,
     Problem,
     attention_row,
-    captured,
     copy_ceiling_gbs,
     copy_time_us,
     decode_like_problem,
@@ -30,20 +28,14 @@ from attention_problems import (  # benchmarks/, beside this script
     graph_time_us,
     ours_decode,
     sdpa,
-    turns_time_us,
 )
 
 from engine import pdl
-from engine.backends import decode_policy, triton_decode, triton_extend, triton_index, triton_merge
-from engine.backends.decode_policy import choose_num_splits
+from engine.backends import triton_decode, triton_extend, triton_index, triton_merge
 from engine.backends.torch_backend import build_kv_indices
 from engine.backends.triton_index import launch_kv_indices
 
 DECODE = [(1, 8192), (16, 4096), (64, 2048), (64, 8192), (256, 1024)]
-VERIFY = [(1, 4096), (48, 1024), (64, 2048)]
-# --verify-configs also times these verify shapes: from 64 programs (one request, 8 splits) to
-# several waves
-VERIFY_MORE = [(1, 1024), (1, 8192), (4, 2048), (16, 1024), (32, 1024)]
 # --fused-merge also times these decode shapes, which split 2-16 ways (B x kv heads >= 32)
 FEW_SPLITS = [(4, 8192), (8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048)]
 # --short: decode where B x kv heads >= 128 at short contexts, against SDPA and a copy of as
@@ -183,35 +175,6 @@ def pdl_table(ceiling: float) -> None:
             torch.cuda.empty_cache()
 
 
-def verify_configs_table(ceiling: float) -> None:
-    """Verify at VERIFY's and VERIFY_MORE's shapes with each `VERIFY_CONFIGS` launch, each
-    captured once and timed in turns (`turns_time_us`), beside the one the policy chooses
-    (`choose_verify_config`): us, then the fraction of the copy ceiling."""
-    configs = [config for config, _ in decode_policy.VERIFY_CONFIGS]
-    names = [str(config) for config in configs]
-    print(f"\nverify launches in turns: us (fraction of the copy ceiling, {ceiling:.0f} GB/s)")
-    print("| shape | programs | policy's | " + " | ".join(names) + " | policy / best |")
-    print("|" + "---|" * (len(names) + 4))
-    for batch, length in VERIFY + VERIFY_MORE:
-        p, _, _, nbytes = decode_like_problem("verify", batch, length)
-        programs = batch * HKV * p.metas[0].extra["num_splits"]
-        sms, rows = decode_policy.num_sms(p.q[0].device), p.q[0].shape[0]
-        chosen = decode_policy.choose_verify_config(programs, sms, rows)
-        times = turns_time_us(
-            {n: captured(ours_decode(p, c)) for n, c in zip(names, configs, strict=True)}
-        )
-        frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
-        cells = [f"{times[n]:.1f} ({frac(times[n]):.2f})" for n in names]
-        print(
-            f"| B={batch} L={length} | {programs} | {chosen['BLOCK_N']} keys | "
-            + " | ".join(cells)
-            + f" | {times[str(chosen)] / min(times.values()):.2f} |",
-            flush=True,
-        )
-        del p
-        torch.cuda.empty_cache()
-
-
 def kv_index_rows() -> list:
     rows = []
     for batch, length in KV_INDEX:
@@ -261,79 +224,6 @@ def kv_index_rows() -> list:
         del p
         torch.cuda.empty_cache()
     return rows
-
-
-SPLIT_GRID_BATCHES = (1, 4, 16, 64, 256)
-SPLIT_GRID_LENGTHS = (1024, 2048, 4096, 8192, 16384)
-SPLIT_GRID_HEADS = {
-    8: None,
-    2: ((1, 4, 16, 64), (1024, 4096, 16384)),
-    32: ((1, 4, 16), (1024, 4096, 16384)),
-}
-SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-SPLIT_GRID_MAX_BYTES = 20 << 30
-
-
-def split_grid(ceiling: float) -> None:
-    """Decode at a grid of shapes (group 4, head_dim 128, bf16), timed at every split count
-    in SPLIT_COUNTS: per shape the best count and its fraction of the copy ceiling, against
-    the engine's choice (`choose_num_splits`). One `split-grid` JSON line per shape follows
-    the table (for fitting the policy)."""
-    import json
-
-    sms = decode_policy.num_sms(torch.device("cuda"))
-    print(f"\nsplit grid: {sms} SMs, copy ceiling {ceiling:.0f} GB/s")
-    print(
-        "| B | L | Hkv | " + " | ".join(f"s={s} us" for s in SPLIT_COUNTS) + " | best | "
-        "best frac | policy | policy frac | policy/best time |"
-    )
-    print("|" + "---|" * (len(SPLIT_COUNTS) + 8))
-    records: list[dict[str, Any]] = []
-    for kv_heads, subset in SPLIT_GRID_HEADS.items():
-        batches, lengths = subset or (SPLIT_GRID_BATCHES, SPLIT_GRID_LENGTHS)
-        for batch in batches:
-            for length in lengths:
-                kv_bytes = batch * length * kv_heads * D * 2 * 2
-                if kv_bytes > SPLIT_GRID_MAX_BYTES:
-                    continue
-                q_heads = GROUP * kv_heads
-                p = Problem("decode", batch, length - 1, 1, kv_bytes, kv_heads, D, q_heads)
-                nbytes = kv_bytes + 2 * batch * q_heads * D * 2
-                times = {}
-                for splits in SPLIT_COUNTS:
-                    times[splits] = graph_time_us(ours_decode(p, splits=splits))
-                policy = choose_num_splits(batch, kv_heads, length, sms)
-                if policy not in times:
-                    times[policy] = graph_time_us(ours_decode(p, splits=policy))
-                best = min(times, key=times.__getitem__)
-                frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
-                cells = " | ".join(f"{times[s]:.1f}" for s in SPLIT_COUNTS)
-                print(
-                    f"| {batch} | {length} | {kv_heads} | {cells} | {best} | "
-                    f"{frac(times[best]):.2f} | {policy} | {frac(times[policy]):.2f} | "
-                    f"{times[policy] / times[best]:.2f} |",
-                    flush=True,
-                )
-                records.append(
-                    dict(
-                        batch=batch,
-                        length=length,
-                        kv_heads=kv_heads,
-                        bytes=nbytes,
-                        times={str(k): v for k, v in times.items()},
-                        best=best,
-                        policy=policy,
-                    )
-                )
-                del p
-                torch.cuda.empty_cache()
-    ratios = [r["times"][str(r["policy"])] / r["times"][str(r["best"])] for r in records]
-    print(
-        f"policy/best time over {len(ratios)} shapes: geomean "
-        f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, worst {max(ratios):.2f}"
-    )
-    for record in records:
-        print("split-grid " + json.dumps(record))
 
 
 def print_resources() -> None:
@@ -388,11 +278,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="defaults only, no sweep")
     parser.add_argument(
-        "--split-grid",
-        action="store_true",
-        help="only decode at a grid of shapes, timed at every split count against the policy",
-    )
-    parser.add_argument(
         "--extend",
         action="store_true",
         help="only extend: the default configuration and EXTEND_SWEEP's, against SDPA",
@@ -418,20 +303,9 @@ def main() -> None:
         action="store_true",
         help="only decode at short contexts, against SDPA and a copy of the same bytes",
     )
-    parser.add_argument(
-        "--verify-configs",
-        action="store_true",
-        help="only verify, timed in turns with each VERIFY_CONFIGS launch beside the policy's",
-    )
     args = parser.parse_args()
     torch.manual_seed(0)
     ceiling = copy_ceiling_gbs()
-    if args.split_grid:
-        split_grid(ceiling)
-        return
-    if args.verify_configs:
-        verify_configs_table(ceiling)
-        return
     if args.fused_merge:
         fused_merge_table(ceiling)
         return

@@ -88,7 +88,7 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
             for merge in ("fused", "apart")
             for c in [dict(BLOCK_N=n, num_warps=w, num_stages=st, FUSED_MERGE=merge == "fused")]
         ]
-        deeper = [  # bench_decode_short.py's launches beyond the grid
+        deeper = [  # bench_decode_launches.py --short's launches beyond the grid
             (f"{n} keys, {w} warps, {st} stages, merge fused", c)
             for n, w, st in ((64, 4, 5), (64, 8, 4), (32, 4, 6))
             for c in [dict(BLOCK_N=n, num_warps=w, num_stages=st, FUSED_MERGE=True)]

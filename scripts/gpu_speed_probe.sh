@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU speed probe, one call on the GPU machine (about 7 minutes): decode at a grid of shapes
-# timed at every split count against the engine's split policy (bench_attention --split-grid),
-# then torch.profiler summaries of a decode-heavy run at batch 64 (random llama3_8b) and of
-# speculative decoding at batch 1 (random smollm2_135m: verify against decode steps).
+# timed at every split count against the engine's split policy (bench_decode_launches.py
+# --split-grid), then torch.profiler summaries of a decode-heavy run at batch 64 (random
+# llama3_8b) and of speculative decoding at batch 1 (random smollm2_135m: verify against
+# decode steps).
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
 # PROBE_PARTS="grid decode decode-off spec run load3d extend prefetch pdl-kinds verify
@@ -23,7 +24,7 @@
 # verify-attention times the default model's batch-1 verify passes with the verify attention's
 # launch as the policy chooses it and with the other `VERIFY_CONFIGS` entry's settings
 # (`bench_steps.py --verify-attention`); verify-configs each `VERIFY_CONFIGS` launch alone at
-# verify shapes of 1-64 requests, timed in turns, beside the policy's choice (`bench_attention.py
+# verify shapes of 1-64 requests, timed in turns, beside the policy's choice (`bench_decode_launches.py
 # --verify-configs`). engine runs `bench_engine.py --no-hf --batches 1,64 --max-tokens 256` (the
 # end-to-end targets against the roofline floor); short times decode at short contexts beside a
 # copy of the same bytes (`bench_attention.py --short`).
@@ -41,7 +42,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 rc=0
 for part in ${PROBE_PARTS:-grid decode spec}; do
     case "$part" in
-    grid) cmd=(python3 benchmarks/bench_attention.py --split-grid); limit=${GRID_TIMEOUT:-230} ;;
+    grid) cmd=(python3 benchmarks/bench_decode_launches.py --split-grid); limit=${GRID_TIMEOUT:-230} ;;
     decode) cmd=(python3 benchmarks/profile_steps.py decode); limit=${DECODE_TIMEOUT:-120} ;;
     decode-off)  # the same with the engine's launch_ahead off (it is on by default on CUDA)
         cmd=(python3 benchmarks/profile_steps.py decode --no-launch-ahead)
@@ -89,7 +90,7 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
             'policy;{"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}')
         limit=${VERIFY_ATTENTION_TIMEOUT:-200} ;;
     verify-configs)  # each VERIFY_CONFIGS launch alone at verify shapes, timed in turns
-        cmd=(python3 benchmarks/bench_attention.py --verify-configs)
+        cmd=(python3 benchmarks/bench_decode_launches.py --verify-configs)
         limit=${VERIFY_CONFIGS_TIMEOUT:-200} ;;
     short)  # decode at short contexts against a copy of the same bytes
         cmd=(python3 benchmarks/bench_attention.py --short); limit=${SHORT_TIMEOUT:-120} ;;

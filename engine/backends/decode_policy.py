@@ -15,7 +15,8 @@ from engine.backends.triton_merge import pow2_floor
 from engine.pdl import AUTO_MAX_ROWS
 
 # The split policy's model of the chip (`choose_num_splits`), fitted on an H200
-# (`bench_attention.py --split-grid`: 46 shapes, policy within 1.03x of the best power of two).
+# (`bench_decode_launches.py --split-grid`: 46 shapes, policy within 1.03x of the best power of
+# two).
 PROGRAMS_PER_SM = 4  # programs an SM needs resident to stream at its share of the bandwidth
 MIN_KEYS_PER_SPLIT = 128  # two key blocks; one block only while the programs leave SMs idle
 MAX_SPLITS = 64
@@ -66,7 +67,7 @@ INTERPRETER_CONFIG = {
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits of each request's keys (a power of two), from a model of a memory-bound kernel
-    on `num_sms` SMs (fitted on an H200: `bench_attention.py --split-grid`).
+    on `num_sms` SMs (fitted on an H200: `bench_decode_launches.py --split-grid`).
 
     - Waves: an SM streams at its share of the bandwidth only with PROGRAMS_PER_SM programs
       resident. So split until the programs (requests x kv heads x splits) come nearest

@@ -46,7 +46,7 @@ BLOCK = DECODE_CONFIG["BLOCK_N"]
         (1, 1024, 16),  # 8 x 8 programs at 128 keys leave SMs idle: 64-key splits
         (4, 1024, 8),  # 32 x 8 programs cover the SMs: 128-key splits
         (16, 4096, 4),  # 128 programs per split: one wave of ~4 per SM (H200: 79 us at 4,
-        # 88 at 2, 85 at 8; bench_attention.py --split-grid)
+        # 88 at 2, 85 at 8; bench_decode_launches.py --split-grid)
         (64, 2048, 1),  # 512 programs already: no split, no merge
         (256, 1024, 1),
         (1, 100, 1),  # a short context: the merge would cost more than the split gains
@@ -339,26 +339,58 @@ def test_extend_launch_refuses_settings_the_kernel_cannot_run(
         extend_launch(on_cpu, 2, 512, 4, config)
 
 
-def test_bench_decode_short_times_each_shape_it_is_given(bench_script, monkeypatch, capsys):
-    """`bench_decode_short.py --shapes` runs its table at each BxL pair in order (the table
-    and the ceiling stubbed, a CUDA device pretended); shapes that are not positive BxL pairs
-    are refused, naming what it takes, and so is a machine without a CUDA device."""
-    script = bench_script("bench_decode_short")
+@pytest.mark.parametrize(
+    "flag,study",
+    [
+        ("--split-grid", "split_grid"),
+        ("--verify-configs", "verify_configs_table"),
+        ("--short", "shape_table"),
+    ],
+)
+def test_bench_decode_launches_runs_the_study_its_flag_names(
+    bench_script, monkeypatch, flag, study
+):
+    """`bench_decode_launches.py` runs the one study its flag names (the studies and the
+    ceiling stubbed, a CUDA device pretended); `--short` runs its table at each `--shapes`
+    pair in order."""
+    script = bench_script("bench_decode_launches")
     ran = []
-    monkeypatch.setattr(script, "shape_table", lambda b, n, ceiling, top: ran.append((b, n, top)))
+    for name in ("split_grid", "verify_configs_table"):
+        monkeypatch.setattr(script, name, lambda ceiling, name=name: ran.append((name,)))
+    monkeypatch.setattr(
+        script, "shape_table", lambda b, n, ceiling, top: ran.append(("shape_table", b, n, top))
+    )
     monkeypatch.setattr(script, "copy_ceiling_gbs", lambda: 1000.0)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.get_device_name", lambda: "pretended")
-    monkeypatch.setattr("sys.argv", ["x", "--shapes", "16x1024,32x2048", "--top", "3"])
+    monkeypatch.setattr("sys.argv", ["x", flag, "--shapes", "16x1024,32x2048", "--top", "3"])
     script.main()
-    assert ran == [(16, 1024, 3), (32, 2048, 3)]
-    for shapes in ("16", "16x1024x2", "16xL", "0x1024"):
-        monkeypatch.setattr("sys.argv", ["x", "--shapes", shapes])
-        with pytest.raises(SystemExit):
-            script.main()
-        assert "--shapes takes BxL pairs" in capsys.readouterr().err
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr("sys.argv", ["x"])
+    if study == "shape_table":
+        assert ran == [("shape_table", 16, 1024, 3), ("shape_table", 32, 2048, 3)]
+    else:
+        assert ran == [(study,)]
+
+
+@pytest.mark.parametrize(
+    "argv,cuda,message",
+    [
+        ([], True, "one of the arguments --split-grid --verify-configs --short is required"),
+        (["--short", "--split-grid"], True, "not allowed with argument"),
+        (["--short", "--shapes", "16"], True, "--shapes takes BxL pairs"),
+        (["--short", "--shapes", "16x1024x2"], True, "--shapes takes BxL pairs"),
+        (["--short", "--shapes", "16xL"], True, "--shapes takes BxL pairs"),
+        (["--short", "--shapes", "0x1024"], True, "--shapes takes BxL pairs"),
+        (["--split-grid"], False, "needs a CUDA device"),
+    ],
+)
+def test_bench_decode_launches_refuses_what_it_cannot_run(
+    bench_script, monkeypatch, capsys, argv, cuda, message
+):
+    """No study, two studies, shapes that are not positive BxL pairs and a machine without a
+    CUDA device are each refused before anything is timed, naming what was wrong."""
+    script = bench_script("bench_decode_launches")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+    monkeypatch.setattr("sys.argv", ["x", *argv])
     with pytest.raises(SystemExit):
         script.main()
-    assert "needs a CUDA device" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
