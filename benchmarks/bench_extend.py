@@ -34,22 +34,17 @@ from attention_problems import (  # benchmarks/, beside this script
 
 # --turns: the policy's extend launch ("default": `choose_extend_config` over EXTEND_CONFIG)
 # and these, with SDPA, timed in turns at EXTEND's shapes and EXTEND_MORE's (shorter prompts,
-# more of them). Here the grid in bands of q blocks (`BANDS`: a flat grid, the longest blocks'
-# band first, so that a pass does not end on a long tile started last), over EXTEND_CONFIG
-# and over the short prompts' launch, one band (the flat grid in the 3-d grid's order) among
-# them. Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64 tiles, 128 x 128 tiles, the
-# diagonal blocks in a loop of their own, other HEADS launches) are timed in docs/benchmarks.md.
+# more of them). Here EXTEND_CONFIG alone, with the diagonal blocks in a loop of their own
+# (its earlier default), the short prompts' launch at every shape, and 128 x 128 tiles of 8
+# warps in 3 stages (the fastest at one prompt of 4096 tokens in --grid, before the diagonal
+# joined the loop). Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64 tiles, 128 x 128
+# in 2 stages, other HEADS launches) are timed in docs/benchmarks.md.
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
-_SHORT = {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2}
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},
-    {"BANDS": 1},
-    {"BANDS": 2},
-    {"BANDS": 4},
-    {"BANDS": 4, "GRID_ORDER": "hqr"},
-    _SHORT,
-    {**_SHORT, "BANDS": 2},
-    {**_SHORT, "BANDS": 4},
+    {"DIAGONAL_IN_LOOP": False},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 
 EXTEND_GRID = [  # --grid: tiles, warps, pipeline depth, tensor-memory loads

@@ -18,12 +18,6 @@ from __future__ import annotations
 # so that their K/V loads are pipelined with the blocks before them and a tile waits once
 # fewer. Timed in turns on an H100 (`bench_extend.py --turns`, docs/benchmarks.md):
 # 0.91-0.99 of the two loops' time at each of six shapes, in four runs.
-# BANDS: 0, a 3-d grid in GRID_ORDER; n > 0, a flat grid whose programs find their tiles
-# (`triton_extend._banded_tile`): the q blocks in n bands, the longest blocks' band first,
-# each band's tiles in GRID_ORDER. Causal tiles' work grows with their q block, so a pass
-# ends with its last tiles: with the longest of every band ahead of the band after it, the
-# pass ends on the last band's shorter tiles, while a band's tiles keep GRID_ORDER's reuse
-# of K/V in L2.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -33,7 +27,6 @@ EXTEND_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,
-    "BANDS": 0,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -44,7 +37,6 @@ INTERPRETER_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,  # as on a GPU
-    "BANDS": 0,
 }
 GRID_AXES = "qrh"
 # Many short prompts: 32 x 32 tiles of two q heads. A tile's fixed cost (offsets, q, the
@@ -103,11 +95,6 @@ def extend_launch(
         raise ValueError(
             f"HEADS={heads!r} must be a power of two dividing the q heads a kv head serves "
             f"({group}): a program's heads share their K/V"
-        )
-    bands = cfg["BANDS"]
-    if type(bands) is not int or bands < 0:
-        raise ValueError(
-            f"BANDS={bands!r} must be 0 (a 3-d grid) or a count of q-block bands (an int >= 1)"
         )
     order = cfg["GRID_ORDER"] or grid_order(num_requests)
     if sorted(order) != sorted(GRID_AXES):

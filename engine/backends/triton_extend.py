@@ -60,61 +60,6 @@ def online_softmax_step(
 
 
 @triton.jit
-def _banded_tile(
-    pid,
-    grid_q,
-    grid_r,
-    grid_h,
-    BANDS: tl.constexpr,
-    Q_AXIS: tl.constexpr,
-    R_AXIS: tl.constexpr,
-    H_AXIS: tl.constexpr,
-):
-    """(q index, request, head block) of program `pid` of a flat grid in BANDS bands of q
-    indices (the longest blocks' band first; the last band narrower where BANDS does not
-    divide grid_q), each band's tiles in the axes' order (position 0 the fastest-varying)."""
-    band_q = tl.cdiv(grid_q, BANDS)
-    band_size = band_q * grid_r * grid_h
-    band = pid // band_size
-    local = pid - band * band_size
-    size_q = tl.minimum(band_q, grid_q - band * band_q)
-    if Q_AXIS == 0:
-        size0 = size_q
-    elif R_AXIS == 0:
-        size0 = grid_r
-    else:
-        size0 = grid_h
-    if Q_AXIS == 1:
-        size1 = size_q
-    elif R_AXIS == 1:
-        size1 = grid_r
-    else:
-        size1 = grid_h
-    at0 = local % size0
-    at1 = local // size0 % size1
-    at2 = local // size0 // size1
-    if Q_AXIS == 0:
-        q_index = at0
-    elif Q_AXIS == 1:
-        q_index = at1
-    else:
-        q_index = at2
-    if R_AXIS == 0:
-        req = at0
-    elif R_AXIS == 1:
-        req = at1
-    else:
-        req = at2
-    if H_AXIS == 0:
-        head_block = at0
-    elif H_AXIS == 1:
-        head_block = at1
-    else:
-        head_block = at2
-    return band * band_q + q_index, req, head_block
-
-
-@triton.jit
 def _extend_kernel(
     q,
     k,
@@ -131,9 +76,6 @@ def _extend_kernel(
     out,
     out_capacity,
     sm_scale_log2,
-    grid_q,
-    grid_r,
-    grid_h,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -155,19 +97,11 @@ def _extend_kernel(
     PDL: tl.constexpr,
     HEADS: tl.constexpr = 1,
     DIAGONAL_IN_LOOP: tl.constexpr = False,
-    BANDS: tl.constexpr = 0,
 ):
     enter(PDL)
-    if BANDS == 0:  # a 3-d grid in the axes' order
-        q_index = tl.program_id(Q_AXIS)
-        req = tl.program_id(R_AXIS)
-        head_block = tl.program_id(H_AXIS)
-    else:
-        q_index, req, head_block = _banded_tile(
-            tl.program_id(0), grid_q, grid_r, grid_h, BANDS, Q_AXIS, R_AXIS, H_AXIS
-        )
-    q_block_id = grid_q - 1 - q_index  # longest blocks first
-    first_head = head_block * HEADS
+    q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
+    req = tl.program_id(R_AXIS)
+    first_head = tl.program_id(H_AXIS) * HEADS
     kv_head = first_head // GROUP
     # int32 whatever the offsets' type (a graph's are int64): descriptor loads take 32 bits
     qo_start = tl.load(qo_indptr + req).to(tl.int32)
@@ -332,10 +266,7 @@ def extend_attention(
         "r": num_requests,
         "h": num_q_heads // heads,
     }
-    if cfg["BANDS"]:  # flat: the kernel finds its tile (`_banded_tile`)
-        grid: tuple[int, ...] = (sizes["q"] * sizes["r"] * sizes["h"],)
-    else:
-        grid = tuple(sizes[axis] for axis in order)
+    grid = tuple(sizes[axis] for axis in order)
     tma = bool(cfg["TMA"]) and tma_ready(q, k, v)
     if tma:
         q_desc = rows_descriptor(q, cfg["BLOCK_M"], heads)
@@ -358,9 +289,6 @@ def extend_attention(
         out,
         out.shape[0],
         sm_scale * 1.4426950408889634,
-        sizes["q"],
-        sizes["r"],
-        sizes["h"],
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -381,7 +309,6 @@ def extend_attention(
         H_AXIS=order.index("h"),
         HEADS=heads,
         DIAGONAL_IN_LOOP=bool(cfg["DIAGONAL_IN_LOOP"]),
-        BANDS=cfg["BANDS"],
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -264,35 +264,6 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
             run(case.q[:0], case.k[:0], case.v[:0], {"GRID_ORDER": bad})
 
 
-def test_extend_banded_grids_give_the_same_outputs() -> None:
-    """A flat grid in BANDS bands of q blocks (`_banded_tile`: each program finds its tile)
-    gives the 3-d grid's bits in every axis order and with two heads a program, with bands
-    that divide the q blocks, that do not (the last narrower), one band, and more bands than
-    q blocks: every tile runs (a skipped one would leave its rows NaN; the programs are as
-    many as the tiles, so none runs twice). A BANDS that is not a count is refused, naming
-    what is allowed."""
-    dtype = DTYPES[-1]
-    # the longest request owns 4 q blocks of 32 (BLOCK_M 32 in the interpreter)
-    case = make_case("extend", [40, 0, 7], [100, 9, 33], 2, 4, 64, dtype, seed=31)
-    ref, run = _extend_direct(case)
-    grid3 = {heads: run(case.q, case.k, case.v, {"HEADS": heads}) for heads in (1, 2)}
-    assert relative_error(grid3[1], ref) < TOLERANCE[dtype]
-    for heads, order, bands in (
-        (1, "qrh", 1),
-        (1, "qrh", 3),
-        (1, "hqr", 2),
-        (1, "rhq", 4),
-        (2, "qrh", 2),
-        (2, "hqr", 7),
-    ):
-        config = {"HEADS": heads, "GRID_ORDER": order, "BANDS": bands}
-        out = run(case.q, case.k, case.v, config)
-        torch.testing.assert_close(out, grid3[heads], rtol=0, atol=0, msg=str(config))
-    for bad in (-1, 1.0, "2"):
-        with pytest.raises(ValueError, match=r"BANDS=.* must be 0 \(a 3-d grid\) or a count"):
-            run(case.q, case.k, case.v, {"BANDS": bad})
-
-
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("heads", [2, 4])
 def test_extend_heads_a_program_match_one_head(heads: int, tma: bool, monkeypatch) -> None:
