@@ -42,9 +42,10 @@ from attention_problems import (  # benchmarks/, beside this script
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},
-    {"DIAGONAL_IN_LOOP": False},
+    {"PERSISTENT": 264},
+    {"PERSISTENT": 528},
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "PERSISTENT": 396},
 ]
 
 EXTEND_GRID = [  # --grid: tiles, warps, pipeline depth, tensor-memory loads

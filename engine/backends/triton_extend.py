@@ -76,6 +76,9 @@ def _extend_kernel(
     out,
     out_capacity,
     sm_scale_log2,
+    grid_q,
+    grid_r,
+    grid_h,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -97,139 +100,165 @@ def _extend_kernel(
     PDL: tl.constexpr,
     HEADS: tl.constexpr = 1,
     DIAGONAL_IN_LOOP: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = 0,
+    FLATTEN: tl.constexpr = False,
 ):
     enter(PDL)
-    q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
-    req = tl.program_id(R_AXIS)
-    first_head = tl.program_id(H_AXIS) * HEADS
-    kv_head = first_head // GROUP
-    # int32 whatever the offsets' type (a graph's are int64): descriptor loads take 32 bits
-    qo_start = tl.load(qo_indptr + req).to(tl.int32)
-    num_new = tl.load(qo_indptr + req + 1).to(tl.int32) - qo_start
-    first = q_block_id * BLOCK_M
-    if first < num_new:
-        prefix = tl.load(prefix_lens + req)
-        kv_start = tl.load(kv_indptr + req)
-        dims = tl.arange(0, HEAD_DIM)
-        # a tile row: token first + row // HEADS of the request, q head first_head + row % HEADS
-        if HEADS == 1:
-            rows = first + tl.arange(0, BLOCK_M)
-            head_col = first_head
+    if PERSISTENT == 0:
+        tiles_begin = 0
+        tiles_end = 1
+        tiles_step = 1
+    else:
+        tiles_begin = tl.program_id(0)
+        tiles_end = grid_q * grid_r * grid_h
+        tiles_step = tl.num_programs(0)
+    for tile in tl.range(tiles_begin, tiles_end, tiles_step, flatten=FLATTEN):
+        if PERSISTENT == 0:
+            q_index = tl.program_id(Q_AXIS)
+            req = tl.program_id(R_AXIS)
+            head_block = tl.program_id(H_AXIS)
         else:
-            rows = first + tl.arange(0, BLOCK_M * HEADS) // HEADS
-            head_col = (first_head + tl.arange(0, BLOCK_M * HEADS) % HEADS)[:, None]
-        row_ok = rows < num_new
-        token = (qo_start + rows).to(tl.int64)
-        if TMA:  # rows past the request's own are other requests' (or zeros): never stored
+            q_index = tile % grid_q
+            req = tile // grid_q % grid_r
+            head_block = tile // grid_q // grid_r
+        q_block_id = grid_q - 1 - q_index
+        first_head = head_block * HEADS
+        kv_head = first_head // GROUP
+        # int32 whatever the offsets' type (a graph's are int64): descriptor loads take 32 bits
+        qo_start = tl.load(qo_indptr + req).to(tl.int32)
+        num_new = tl.load(qo_indptr + req + 1).to(tl.int32) - qo_start
+        first = q_block_id * BLOCK_M
+        if first < num_new:
+            prefix = tl.load(prefix_lens + req)
+            kv_start = tl.load(kv_indptr + req)
+            dims = tl.arange(0, HEAD_DIM)
+            # a tile row: token first + row // HEADS of the request, q head first_head + row % HEADS
             if HEADS == 1:
-                q_block = q_desc.load([qo_start + first, first_head * HEAD_DIM])
-            else:  # [tokens, heads, dims] tiles: rows interleaved by token as above
-                q_block = q_desc.load([qo_start + first, first_head, 0]).reshape(
-                    BLOCK_M * HEADS, HEAD_DIM
-                )
-        else:
-            q_block = tl.load(
-                q + token[:, None] * stride_qt + head_col * stride_qh + dims[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-        m_i = tl.full([BLOCK_M * HEADS], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M * HEADS], tl.float32)
-        acc = tl.zeros([BLOCK_M * HEADS, HEAD_DIM], tl.float32)
-        cache_head = kv_head * stride_ch + dims[None, :]
-        full = prefix - prefix % BLOCK_N
-        for start in range(0, full, BLOCK_N):  # stage 1: whole blocks of the cached prefix
-            keys = start + tl.arange(0, BLOCK_N)
-            slots = tl.load(kv_indices + kv_start + keys).to(tl.int64)
-            offs = slots[:, None] * stride_ct + cache_head
-            k_block = tl.load(k_cache + offs)
-            v_block = tl.load(v_cache + offs)
-            m_i, l_i, acc = online_softmax_step(
-                q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
-            )
-        if full < prefix:  # the prefix's last, partial block
-            keys = full + tl.arange(0, BLOCK_N)
-            key_ok = keys < prefix
-            slots = tl.load(kv_indices + kv_start + keys, mask=key_ok, other=0).to(tl.int64)
-            offs = slots[:, None] * stride_ct + cache_head
-            k_block = tl.load(k_cache + offs, mask=key_ok[:, None], other=0.0)
-            v_block = tl.load(v_cache + offs, mask=key_ok[:, None], other=0.0)
-            m_i, l_i, acc = online_softmax_step(
-                q_block,
-                k_block,
-                v_block,
-                key_ok[None, :],
-                m_i,
-                l_i,
-                acc,
-                sm_scale_log2,
-                MASKED=True,
-            )
-        if DIAGONAL_IN_LOOP:  # stage 2 in one loop: the diagonal block's loads pipelined too
-            for start in range(0, tl.minimum(first + BLOCK_M, num_new), BLOCK_N):
-                local = start + tl.arange(0, BLOCK_N)
-                if TMA:  # keys past the request's own are masked below
-                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                else:
-                    keys = (qo_start + local).to(tl.int64)[:, None]
-                    key_in = (local < num_new)[:, None]
-                    k_ptrs = k + keys * stride_kt + kv_head * stride_kh + dims[None, :]
-                    v_ptrs = v + keys * stride_vt + kv_head * stride_vh + dims[None, :]
-                    k_block = tl.load(k_ptrs, mask=key_in, other=0.0)
-                    v_block = tl.load(v_ptrs, mask=key_in, other=0.0)
-                scores = tl.dot(q_block, tl.trans(k_block))
-                if start >= first:  # the diagonal block: a uniform branch, the rest unmasked
-                    visible = (local[None, :] < num_new) & (local[None, :] <= rows[:, None])
-                    scores = tl.where(visible, scores, float("-inf"))
-                # every row sees a key by its diagonal block's end (its own): no guard
-                m_i, l_i, acc = softmax_accumulate(
-                    scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED=False
-                )
-        else:
-            for start in range(0, first, BLOCK_N):  # stage 2a: below the diagonal block
-                if TMA:
-                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                else:
-                    keys = (qo_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
-                    k_block = tl.load(
-                        k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+                rows = first + tl.arange(0, BLOCK_M)
+                head_col = first_head
+            else:
+                rows = first + tl.arange(0, BLOCK_M * HEADS) // HEADS
+                head_col = (first_head + tl.arange(0, BLOCK_M * HEADS) % HEADS)[:, None]
+            row_ok = rows < num_new
+            token = (qo_start + rows).to(tl.int64)
+            if TMA:  # rows past the request's own are other requests' (or zeros): never stored
+                if HEADS == 1:
+                    q_block = q_desc.load([qo_start + first, first_head * HEAD_DIM])
+                else:  # [tokens, heads, dims] tiles: rows interleaved by token as above
+                    q_block = q_desc.load([qo_start + first, first_head, 0]).reshape(
+                        BLOCK_M * HEADS, HEAD_DIM
                     )
-                    v_block = tl.load(
-                        v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
-                    )
+            else:
+                q_block = tl.load(
+                    q + token[:, None] * stride_qt + head_col * stride_qh + dims[None, :],
+                    mask=row_ok[:, None],
+                    other=0.0,
+                )
+            m_i = tl.full([BLOCK_M * HEADS], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M * HEADS], tl.float32)
+            acc = tl.zeros([BLOCK_M * HEADS, HEAD_DIM], tl.float32)
+            cache_head = kv_head * stride_ch + dims[None, :]
+            full = prefix - prefix % BLOCK_N
+            for start in range(0, full, BLOCK_N):  # stage 1: whole blocks of the cached prefix
+                keys = start + tl.arange(0, BLOCK_N)
+                slots = tl.load(kv_indices + kv_start + keys).to(tl.int64)
+                offs = slots[:, None] * stride_ct + cache_head
+                k_block = tl.load(k_cache + offs)
+                v_block = tl.load(v_cache + offs)
                 m_i, l_i, acc = online_softmax_step(
                     q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
                 )
-            last = tl.minimum(first + BLOCK_M, num_new)
-            for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
-                local = start + tl.arange(0, BLOCK_N)
-                key_ok = local < num_new
-                if TMA:  # keys past the request's own are masked below
-                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                else:
-                    keys = (qo_start + local).to(tl.int64)
-                    k_block = tl.load(
-                        k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                        mask=key_ok[:, None],
-                        other=0.0,
-                    )
-                    v_block = tl.load(
-                        v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                        mask=key_ok[:, None],
-                        other=0.0,
-                    )
-                visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
+            if full < prefix:  # the prefix's last, partial block
+                keys = full + tl.arange(0, BLOCK_N)
+                key_ok = keys < prefix
+                slots = tl.load(kv_indices + kv_start + keys, mask=key_ok, other=0).to(tl.int64)
+                offs = slots[:, None] * stride_ct + cache_head
+                k_block = tl.load(k_cache + offs, mask=key_ok[:, None], other=0.0)
+                v_block = tl.load(v_cache + offs, mask=key_ok[:, None], other=0.0)
                 m_i, l_i, acc = online_softmax_step(
-                    q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
+                    q_block,
+                    k_block,
+                    v_block,
+                    key_ok[None, :],
+                    m_i,
+                    l_i,
+                    acc,
+                    sm_scale_log2,
+                    MASKED=True,
                 )
-        leave(PDL)
-        result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        store_ok = row_ok & (token < out_capacity)
-        out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
-        tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
+            if DIAGONAL_IN_LOOP:  # stage 2 in one loop: the diagonal block's loads pipelined too
+                for start in range(0, tl.minimum(first + BLOCK_M, num_new), BLOCK_N):
+                    local = start + tl.arange(0, BLOCK_N)
+                    if TMA:  # keys past the request's own are masked below
+                        k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                        v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                    else:
+                        keys = (qo_start + local).to(tl.int64)[:, None]
+                        key_in = (local < num_new)[:, None]
+                        k_ptrs = k + keys * stride_kt + kv_head * stride_kh + dims[None, :]
+                        v_ptrs = v + keys * stride_vt + kv_head * stride_vh + dims[None, :]
+                        k_block = tl.load(k_ptrs, mask=key_in, other=0.0)
+                        v_block = tl.load(v_ptrs, mask=key_in, other=0.0)
+                    scores = tl.dot(q_block, tl.trans(k_block))
+                    if start >= first:  # the diagonal block: a uniform branch, the rest unmasked
+                        visible = (local[None, :] < num_new) & (local[None, :] <= rows[:, None])
+                        scores = tl.where(visible, scores, float("-inf"))
+                    # every row sees a key by its diagonal block's end (its own): no guard
+                    m_i, l_i, acc = softmax_accumulate(
+                        scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED=False
+                    )
+            else:
+                for start in range(0, first, BLOCK_N):  # stage 2a: below the diagonal block
+                    if TMA:
+                        k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                        v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                    else:
+                        keys = (qo_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+                        k_block = tl.load(
+                            k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+                        )
+                        v_block = tl.load(
+                            v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
+                        )
+                    m_i, l_i, acc = online_softmax_step(
+                        q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
+                    )
+                last = tl.minimum(first + BLOCK_M, num_new)
+                for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
+                    local = start + tl.arange(0, BLOCK_N)
+                    key_ok = local < num_new
+                    if TMA:  # keys past the request's own are masked below
+                        k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                        v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                    else:
+                        keys = (qo_start + local).to(tl.int64)
+                        k_block = tl.load(
+                            k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                            mask=key_ok[:, None],
+                            other=0.0,
+                        )
+                        v_block = tl.load(
+                            v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                            mask=key_ok[:, None],
+                            other=0.0,
+                        )
+                    visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
+                    m_i, l_i, acc = online_softmax_step(
+                        q_block,
+                        k_block,
+                        v_block,
+                        visible,
+                        m_i,
+                        l_i,
+                        acc,
+                        sm_scale_log2,
+                        MASKED=True,
+                    )
+            leave(PDL)
+            result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            store_ok = row_ok & (token < out_capacity)
+            out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
+            tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
 
 
 def extend_attention(
@@ -266,7 +295,10 @@ def extend_attention(
         "r": num_requests,
         "h": num_q_heads // heads,
     }
-    grid = tuple(sizes[axis] for axis in order)
+    if cfg.get("PERSISTENT", 0):
+        grid: tuple[int, ...] = (min(sizes["q"] * sizes["r"] * sizes["h"], cfg["PERSISTENT"]),)
+    else:
+        grid = tuple(sizes[axis] for axis in order)
     tma = bool(cfg["TMA"]) and tma_ready(q, k, v)
     if tma:
         q_desc = rows_descriptor(q, cfg["BLOCK_M"], heads)
@@ -289,6 +321,9 @@ def extend_attention(
         out,
         out.shape[0],
         sm_scale * 1.4426950408889634,
+        sizes["q"],
+        sizes["r"],
+        sizes["h"],
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -309,6 +344,8 @@ def extend_attention(
         H_AXIS=order.index("h"),
         HEADS=heads,
         DIAGONAL_IN_LOOP=bool(cfg["DIAGONAL_IN_LOOP"]),
+        PERSISTENT=cfg.get("PERSISTENT", 0),
+        FLATTEN=cfg.get("FLATTEN", False),
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

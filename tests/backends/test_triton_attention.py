@@ -264,6 +264,23 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
             run(case.q[:0], case.k[:0], case.v[:0], {"GRID_ORDER": bad})
 
 
+def test_extend_persistent_programs_give_the_grids_outputs() -> None:
+    """Extend in PERSISTENT programs, each looping over the tiles (q blocks fastest, then
+    requests, then head blocks) a program count apart, gives the grid's bits with one and
+    two heads a program, with fewer programs than tiles (several tiles each, a ragged last
+    round) and more: every tile runs (a skipped one would leave its rows NaN)."""
+    dtype = DTYPES[-1]
+    case = make_case("extend", [40, 0, 7], [100, 9, 33], 2, 4, 64, dtype, seed=31)
+    ref, run = _extend_direct(case)
+    for heads in (1, 2):
+        grid = run(case.q, case.k, case.v, {"HEADS": heads})
+        assert relative_error(grid, ref) < TOLERANCE[dtype]
+        for programs in (1, 5, 1000):
+            config = {"HEADS": heads, "PERSISTENT": programs}
+            out = run(case.q, case.k, case.v, config)
+            torch.testing.assert_close(out, grid, rtol=0, atol=0, msg=str(config))
+
+
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("heads", [2, 4])
 def test_extend_heads_a_program_match_one_head(heads: int, tma: bool, monkeypatch) -> None:
