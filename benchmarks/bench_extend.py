@@ -34,11 +34,11 @@ from attention_problems import (  # benchmarks/, beside this script
 
 # --turns: the policy's extend launch ("default": `choose_extend_config` over EXTEND_CONFIG)
 # and these, with SDPA, timed in turns at EXTEND's shapes and EXTEND_MORE's (shorter prompts,
-# more of them). Here EXTEND_CONFIG alone, with the diagonal blocks in a loop of their own
-# (its earlier default), the short prompts' launch at every shape, and 128 x 128 tiles of 8
-# warps in 3 stages (the fastest at one prompt of 4096 tokens in --grid, before the diagonal
-# joined the loop). Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64 tiles, 128 x 128
-# in 2 stages, other HEADS launches) are timed in docs/benchmarks.md.
+# more of them). Here persistent programs (`PERSISTENT`: 2 and 4 an SM of an H100's 132 for
+# the default tiles, 3 for the short prompts' tiles, the programs an SM holds of each) beside
+# the grids of one program a tile. Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64
+# tiles, 128 x 128 tiles, the diagonal blocks in a loop of their own, other HEADS launches,
+# the grid in bands of q blocks) are timed in docs/benchmarks.md.
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},

@@ -60,6 +60,35 @@ def online_softmax_step(
 
 
 @triton.jit
+def _tile_at(
+    tile,
+    grid_q,
+    grid_r,
+    grid_h,
+    Q_AXIS: tl.constexpr,
+    R_AXIS: tl.constexpr,
+    H_AXIS: tl.constexpr,
+):
+    """(q index, request, head block) of the `tile`-th tile of a grid of grid_q x grid_r x
+    grid_h tiles laid out in the axes' order (position 0 the fastest-varying), as a 3-d
+    grid in that order numbers its programs."""
+    if Q_AXIS == 0:
+        size0 = grid_q
+    elif R_AXIS == 0:
+        size0 = grid_r
+    else:
+        size0 = grid_h
+    if Q_AXIS == 1:
+        size1 = grid_q
+    elif R_AXIS == 1:
+        size1 = grid_r
+    else:
+        size1 = grid_h
+    at = (tile % size0, tile // size0 % size1, tile // size0 // size1)
+    return at[Q_AXIS], at[R_AXIS], at[H_AXIS]
+
+
+@triton.jit
 def _extend_kernel(
     q,
     k,
@@ -101,10 +130,9 @@ def _extend_kernel(
     HEADS: tl.constexpr = 1,
     DIAGONAL_IN_LOOP: tl.constexpr = False,
     PERSISTENT: tl.constexpr = 0,
-    FLATTEN: tl.constexpr = False,
 ):
     enter(PDL)
-    if PERSISTENT == 0:
+    if PERSISTENT == 0:  # one trip: the program's own tile
         tiles_begin = 0
         tiles_end = 1
         tiles_step = 1
@@ -112,15 +140,15 @@ def _extend_kernel(
         tiles_begin = tl.program_id(0)
         tiles_end = grid_q * grid_r * grid_h
         tiles_step = tl.num_programs(0)
-    for tile in tl.range(tiles_begin, tiles_end, tiles_step, flatten=FLATTEN):
+    for tile in range(tiles_begin, tiles_end, tiles_step):
         if PERSISTENT == 0:
             q_index = tl.program_id(Q_AXIS)
             req = tl.program_id(R_AXIS)
             head_block = tl.program_id(H_AXIS)
         else:
-            q_index = tile % grid_q
-            req = tile // grid_q % grid_r
-            head_block = tile // grid_q // grid_r
+            q_index, req, head_block = _tile_at(
+                tile, grid_q, grid_r, grid_h, Q_AXIS, R_AXIS, H_AXIS
+            )
         q_block_id = grid_q - 1 - q_index
         first_head = head_block * HEADS
         kv_head = first_head // GROUP
@@ -295,7 +323,7 @@ def extend_attention(
         "r": num_requests,
         "h": num_q_heads // heads,
     }
-    if cfg.get("PERSISTENT", 0):
+    if cfg["PERSISTENT"]:  # that many programs, each looping over the tiles
         grid: tuple[int, ...] = (min(sizes["q"] * sizes["r"] * sizes["h"], cfg["PERSISTENT"]),)
     else:
         grid = tuple(sizes[axis] for axis in order)
@@ -344,8 +372,7 @@ def extend_attention(
         H_AXIS=order.index("h"),
         HEADS=heads,
         DIAGONAL_IN_LOOP=bool(cfg["DIAGONAL_IN_LOOP"]),
-        PERSISTENT=cfg.get("PERSISTENT", 0),
-        FLATTEN=cfg.get("FLATTEN", False),
+        PERSISTENT=cfg["PERSISTENT"],
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
