@@ -19,10 +19,10 @@ from __future__ import annotations
 # fewer. Timed in turns on an H100 (`bench_extend.py --turns`, docs/benchmarks.md):
 # 0.91-0.99 of the two loops' time at each of six shapes, in four runs.
 # PERSISTENT: 0, a grid of one program a tile; n > 0, n programs (at most one a tile), each
-# looping over the tiles n apart, q blocks fastest, then requests, then head blocks (the
-# longest q blocks first, as the grid's "qrh"), so that the programs' launches and exits are
-# paid once an SM's place rather than once a tile. Compiled for sm_90 the key loops stay
-# pipelined as in the grid's kernel. Not timed yet: `bench_extend.py --turns` times it.
+# looping over the tiles n apart in GRID_ORDER's order (`triton_extend._tile_at`: as the
+# grid numbers its programs), so that the programs' launches and exits are paid once a
+# program rather than once a tile. Compiled for sm_90 the key loops stay pipelined as in the
+# grid's kernel. Not timed yet: `bench_extend.py --turns` times it.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,

@@ -2,7 +2,7 @@
 
 Each program owns BLOCK_M new tokens of one request and HEADS q heads of one kv head (1 by
 default; with more, the heads share each K/V block loaded, their rows interleaved by token
-in one tile of BLOCK_M x HEADS rows). Stage 1 walks the prefix keys in the pool (whole
+in one tile of BLOCK_M x HEADS rows); with PERSISTENT programs, each loops over such tiles. Stage 1 walks the prefix keys in the pool (whole
 blocks unmasked, the last partial one masked); stage 2 reads the new tokens' K/V straight
 from the k/v inputs, unmasked below the diagonal block and causally masked on it (in one loop
 with `DIAGONAL_IN_LOOP`, else in two). On Hopper, in bf16 and fp16, the new tokens' q, K and
