@@ -2,18 +2,19 @@
 
 Each program owns BLOCK_M new tokens of one request and HEADS q heads of one kv head (1 by
 default; with more, the heads share each K/V block loaded, their rows interleaved by token
-in one tile of BLOCK_M x HEADS rows); with PERSISTENT programs, each loops over such tiles. Stage 1 walks the prefix keys in the pool (whole
-blocks unmasked, the last partial one masked); stage 2 reads the new tokens' K/V straight
-from the k/v inputs, unmasked below the diagonal block and causally masked on it (in one loop
-with `DIAGONAL_IN_LOOP`, else in two). On Hopper, in bf16 and fp16, the new tokens' q, K and
-V tiles come through tensor-memory (TMA) descriptors of [tokens, heads * head_dim] rows (q of
-several heads: of [tokens, heads, head_dim] tiles): a tile that runs past the request's
-tokens reads the next request's or a padding token's (masked, never stored) or zeros past
-the last. Masked keys weigh 0, so their values must be finite (0 x NaN is NaN): padding
-tokens (after the last request's, in a pass padded to a token count) belong to no request,
-and the backend zeroes their output rows, so that their K/V stay finite in every layer.
-Zeroing the masked values in the tile instead moved the values through registers: 1.3-1.6x
-the time (H200). The descriptors and whether a tensor allows them: `backends/tma.py`.
+in one tile of BLOCK_M x HEADS rows); with PERSISTENT programs, each loops over such tiles.
+Stage 1 walks the prefix keys in the pool (whole blocks unmasked, the last partial one
+masked); stage 2 reads the new tokens' K/V straight from the k/v inputs, unmasked below the
+diagonal block and causally masked on it (in one loop with `DIAGONAL_IN_LOOP`, else in two).
+On Hopper, in bf16 and fp16, the new tokens' q, K and V tiles come through tensor-memory
+(TMA) descriptors of [tokens, heads * head_dim] rows (q of several heads: of [tokens, heads,
+head_dim] tiles): a tile that runs past the request's tokens reads the next request's or a
+padding token's (masked, never stored) or zeros past the last. Masked keys weigh 0, so their
+values must be finite (0 x NaN is NaN): padding tokens (after the last request's, in a pass
+padded to a token count) belong to no request, and the backend zeroes their output rows, so
+that their K/V stay finite in every layer. Zeroing the masked values in the tile instead
+moved the values through registers: 1.3-1.6x the time (H200). The descriptors and whether a
+tensor allows them: `backends/tma.py`.
 """
 
 from __future__ import annotations
