@@ -108,6 +108,11 @@ def copy_ceiling_gbs() -> float:
     return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
+def ceiling_fraction(nbytes: float, us: float, ceiling_gbs: float) -> float:
+    """The fraction of the copy ceiling (GB/s) that moving `nbytes` in `us` reaches."""
+    return nbytes / (us * 1e-6) / 1e9 / ceiling_gbs
+
+
 class Problem:
     """`copies` independent batches of one shape over one pool, with random slot order."""
 

@@ -12,6 +12,7 @@ decode and verify launch policies' sweeps: benchmarks/bench_decode_launches.py)
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from attention_problems import (  # benchmarks/, beside this script
     D,
     Problem,
     attention_row,
+    ceiling_fraction,
     copy_ceiling_gbs,
     copy_time_us,
     decode_like_problem,
@@ -111,7 +113,7 @@ def fused_merge_table(ceiling: float) -> None:
                 times[fused] = graph_time_us(fns)
                 fns[0]()
                 outs[fused] = p.out[0].float().clone()
-            frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+            frac = functools.partial(ceiling_fraction, nbytes, ceiling_gbs=ceiling)
             print(
                 f"| {mode} | B={batch} L={length} | {p.metas[0].extra['num_splits']} | "
                 f"{times[False]:.1f} | {times[True]:.1f} | {times[True] / times[False]:.2f} | "
@@ -139,7 +141,7 @@ def short_table(ceiling: float) -> None:
         ours = graph_time_us(ours_decode(p))
         theirs = graph_time_us(sdpa(p, "decode", prefix, new)[0])
         copy = copy_time_us(nbytes)
-        frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+        frac = functools.partial(ceiling_fraction, nbytes, ceiling_gbs=ceiling)
         print(
             f"| B={batch} L={length} | {p.metas[0].extra['num_splits']} | {ours:.1f} | "
             f"{frac(ours):.2f} | {theirs:.1f} | {frac(theirs):.2f} | {copy:.1f} | "
@@ -164,7 +166,7 @@ def pdl_table(ceiling: float) -> None:
             for setting in pdl.MODES:
                 with pdl.using(setting):
                     times.append(graph_time_us(ours_decode(p)))
-            frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+            frac = functools.partial(ceiling_fraction, nbytes, ceiling_gbs=ceiling)
             print(
                 f"| {mode} | B={batch} L={length} | {p.metas[0].extra['num_splits']} | "
                 f"{times[0]:.1f} | "

@@ -26,6 +26,7 @@ independent copies (>= 256 MB of KV in all) to keep L2 cold.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from typing import Any
@@ -38,6 +39,7 @@ from attention_problems import (  # benchmarks/, beside this script
     D,
     Problem,
     captured,
+    ceiling_fraction,
     copy_ceiling_gbs,
     decode_like_problem,
     graph_time_us,
@@ -78,7 +80,7 @@ def shape_table(batch: int, length: int, ceiling: float, top: int) -> None:
         for launch in LAUNCHES:
             runs[f"{splits} splits, {launch}"] = captured(ours_decode(p, launch, splits=splits))
     times = turns_time_us(runs)
-    frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+    frac = functools.partial(ceiling_fraction, nbytes, ceiling_gbs=ceiling)
     engine = times["engine"]
     print(f"\nB={batch} L={length} ({nbytes / 1e6:.0f} MB; the engine: {engine_splits} splits)")
     print("| launch | us | frac of the ceiling | over the engine's |")
@@ -132,7 +134,7 @@ def split_grid(ceiling: float) -> None:
                 if policy not in times:
                     times[policy] = graph_time_us(ours_decode(p, splits=policy))
                 best = min(times, key=times.__getitem__)
-                frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+                frac = functools.partial(ceiling_fraction, nbytes, ceiling_gbs=ceiling)
                 cells = " | ".join(f"{times[s]:.1f}" for s in SPLIT_COUNTS)
                 print(
                     f"| {batch} | {length} | {kv_heads} | {cells} | {best} | "
@@ -179,7 +181,7 @@ def verify_configs_table(ceiling: float) -> None:
         times = turns_time_us(
             {n: captured(ours_decode(p, c)) for n, c in zip(names, configs, strict=True)}
         )
-        frac = lambda us: nbytes / (us * 1e-6) / 1e9 / ceiling  # noqa: E731
+        frac = functools.partial(ceiling_fraction, nbytes, ceiling_gbs=ceiling)
         cells = [f"{times[n]:.1f} ({frac(times[n]):.2f})" for n in names]
         print(
             f"| B={batch} L={length} | {programs} | {chosen['BLOCK_N']} keys | "

@@ -42,6 +42,23 @@ def bench_script(monkeypatch):
     return importlib.import_module
 
 
+@pytest.fixture
+def bench_refusal(bench_script, monkeypatch, capsys):
+    """`bench_refusal(name, argv, cuda)`: what `benchmarks/<name>.py`'s main writes to stderr
+    as it exits on `argv`, with torch seeing a CUDA device or not (`cuda`); the test fails
+    where it does not exit."""
+
+    def refuse(name: str, argv: list[str], cuda: bool) -> str:
+        script = bench_script(name)
+        monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+        monkeypatch.setattr("sys.argv", [f"{name}.py", *argv])
+        with pytest.raises(SystemExit):
+            script.main()
+        return capsys.readouterr().err
+
+    return refuse
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",

@@ -142,15 +142,17 @@ def _extend_kernel(
         tiles_end = grid_q * grid_r * grid_h
         tiles_step = tl.num_programs(0)
     for tile in range(tiles_begin, tiles_end, tiles_step):
-        if PERSISTENT == 0:
+        if PERSISTENT == 0:  # the grid's dimensions are the tiles' (grid_q, r, h unread)
             q_index = tl.program_id(Q_AXIS)
             req = tl.program_id(R_AXIS)
             head_block = tl.program_id(H_AXIS)
+            q_blocks = tl.num_programs(Q_AXIS)
         else:
             q_index, req, head_block = _tile_at(
                 tile, grid_q, grid_r, grid_h, Q_AXIS, R_AXIS, H_AXIS
             )
-        q_block_id = grid_q - 1 - q_index
+            q_blocks = grid_q
+        q_block_id = q_blocks - 1 - q_index  # longest blocks first
         first_head = head_block * HEADS
         kv_head = first_head // GROUP
         # int32 whatever the offsets' type (a graph's are int64): descriptor loads take 32 bits

@@ -295,16 +295,11 @@ def test_bench_extend_runs_the_study_its_flag_names(bench_script, monkeypatch, f
     ],
 )
 def test_bench_extend_refuses_no_study_both_studies_and_no_device(
-    bench_script, monkeypatch, capsys, argv, cuda, message
+    bench_refusal, argv, cuda, message
 ):
     """`bench_extend.py` runs one study a call, and without a CUDA device says so before
     anything runs."""
-    bench_extend = bench_script("bench_extend")
-    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
-    monkeypatch.setattr("sys.argv", ["bench_extend.py", *argv])
-    with pytest.raises(SystemExit):
-        bench_extend.main()
-    assert message in capsys.readouterr().err
+    assert message in bench_refusal("bench_extend", argv, cuda)
 
 
 @given(st.integers(1, 512), st.integers(1, 1 << 17), st.sampled_from([1, 2, 3, 4, 6, 8, 16]))
@@ -385,14 +380,7 @@ def test_bench_decode_launches_runs_the_study_its_flag_names(
         (["--split-grid"], False, "needs a CUDA device"),
     ],
 )
-def test_bench_decode_launches_refuses_what_it_cannot_run(
-    bench_script, monkeypatch, capsys, argv, cuda, message
-):
+def test_bench_decode_launches_refuses_what_it_cannot_run(bench_refusal, argv, cuda, message):
     """No study, two studies, shapes that are not positive BxL pairs and a machine without a
     CUDA device are each refused before anything is timed, naming what was wrong."""
-    script = bench_script("bench_decode_launches")
-    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
-    monkeypatch.setattr("sys.argv", ["x", *argv])
-    with pytest.raises(SystemExit):
-        script.main()
-    assert message in capsys.readouterr().err
+    assert message in bench_refusal("bench_decode_launches", argv, cuda)

@@ -61,18 +61,11 @@ def test_bench_gemv_refuses_options_it_would_ignore(
         (["--sweep"], False, "needs a CUDA device"),
     ],
 )
-def test_bench_gemv_sweeps_refuses_options_it_would_ignore(
-    bench_script, monkeypatch, capsys, argv, cuda, message
-):
+def test_bench_gemv_sweeps_refuses_options_it_would_ignore(bench_refusal, argv, cuda, message):
     """`bench_gemv_sweeps.py` runs one study a call; `--wide` without `--sweep`, `--only`
     with a study that times its own shapes, an unknown shape, bf16 rows for the all-rows
     kernel and a machine without a CUDA device are refused before anything runs."""
-    sweeps = bench_script("bench_gemv_sweeps")
-    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
-    monkeypatch.setattr("sys.argv", ["bench_gemv_sweeps.py", *argv])
-    with pytest.raises(SystemExit):
-        sweeps.main()
-    assert message in capsys.readouterr().err
+    assert message in bench_refusal("bench_gemv_sweeps", argv, cuda)
 
 
 @pytest.mark.parametrize(
