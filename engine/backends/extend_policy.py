@@ -18,11 +18,6 @@ from __future__ import annotations
 # so that their K/V loads are pipelined with the blocks before them and a tile waits once
 # fewer. Timed in turns on an H100 (`bench_extend.py --turns`, docs/benchmarks.md):
 # 0.91-0.99 of the two loops' time at each of six shapes, in four runs.
-# PERSISTENT: 0, a grid of one program a tile; n > 0, n programs (at most one a tile), each
-# looping over the tiles n apart in GRID_ORDER's order (`triton_extend._tile_at`: as the
-# grid numbers its programs), so that the programs' launches and exits are paid once a
-# program rather than once a tile. Compiled for sm_90 the key loops stay pipelined as in the
-# grid's kernel. Not timed yet: `bench_extend.py --turns` times it.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -32,7 +27,6 @@ EXTEND_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,
-    "PERSISTENT": 0,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -43,7 +37,6 @@ INTERPRETER_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,  # as on a GPU
-    "PERSISTENT": 0,
 }
 GRID_AXES = "qrh"
 # Many short prompts: 32 x 32 tiles of two q heads. A tile's fixed cost (offsets, q, the
@@ -102,12 +95,6 @@ def extend_launch(
         raise ValueError(
             f"HEADS={heads!r} must be a power of two dividing the q heads a kv head serves "
             f"({group}): a program's heads share their K/V"
-        )
-    persistent = cfg["PERSISTENT"]
-    if type(persistent) is not int or persistent < 0:
-        raise ValueError(
-            f"PERSISTENT={persistent!r} must be 0 (a program a tile) or a count of programs "
-            "(an int >= 1)"
         )
     order = cfg["GRID_ORDER"] or grid_order(num_requests)
     if sorted(order) != sorted(GRID_AXES):
