@@ -1,0 +1,81 @@
+"""benchmarks/ncu_attention.py without a GPU: its reading of ncu's raw CSV page into a table
+row, and what it refuses before anything runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+HEADER = [
+    "ID",
+    "Kernel Name",
+    "gpu__time_duration.sum",
+    "launch__grid_size",
+    "launch__registers_per_thread",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+]
+UNITS = ["", "", "usecond", "", "register/thread", "%", "ratio", "ratio", "ratio", "%"]
+
+
+def _csv(rows: list[list[str]]) -> str:
+    quoted = [",".join(f'"{cell}"' for cell in row) for row in [HEADER, UNITS, *rows]]
+    return "\n".join(["==PROF== Disconnected from process 1", *quoted]) + "\n"
+
+
+def test_raw_page_reads_into_the_longest_kernels_row(bench_script) -> None:
+    """The profiler's own lines before the header are skipped, units read from the second
+    row, durations summed over the label's kernels (microseconds kept, nanoseconds scaled),
+    the other columns the longest kernel's, stall reasons and tensor pipes by their values."""
+    ncu = bench_script("ncu_attention")
+    text = _csv(
+        [
+            ["0", "merge_kernel", "2.5", "64", "40", "50", "1.0", "0.1", "0.2", "0"],
+            [
+                "1",
+                "_extend_kernel(int)",
+                "180.25",
+                "4096",
+                "174",
+                "22.4",
+                "3.5",
+                "0.25",
+                "1.5",
+                "61.2",
+            ],
+        ]
+    )
+    raw = ncu.read_raw(text)
+    row = ncu.summary("extend-8x1024-ours", raw)
+    assert row["kernel"] == "_extend_kernel(int)"
+    assert row["kernels"] == "2"
+    assert row["us"] == "182.8"  # 2.5 + 180.25
+    assert (row["grid"], row["registers"], row["occupancy %"]) == ("4096", "174", "22.4")
+    assert row["SM %"] == "-"  # not in the page: shown as absent, not as zero
+    assert row["stalls (cycles an issue)"] == "long_scoreboard 3.50, wait 1.50, barrier 0.25"
+    assert row["tensor pipe %"] == "pipe_tensor_op_gmma 61.2"
+    nanoseconds = ncu.read_raw(text.replace('"usecond"', '"nsecond"', 1))
+    assert ncu.summary("x", nanoseconds)["us"] == "0.2"
+    assert ncu.summary("x", ncu.read_raw("==PROF== no kernels\n"))["kernel"] == "no kernel profiled"
+    assert math.isnan(ncu._number("n/a"))
+
+
+@pytest.mark.parametrize(
+    "argv, cuda, message",
+    [
+        (
+            ["--only", "decode-16x1024-ours,extend-3x3-ours"],
+            True,
+            "['extend-3x3-ours'] are not labels",
+        ),
+        ([], False, "needs a CUDA device"),
+    ],
+)
+def test_ncu_attention_refuses_what_it_cannot_run(bench_refusal, argv, cuda, message) -> None:
+    """An unknown label, and a machine without a CUDA device, are refused before anything
+    runs, naming what was wrong."""
+    assert message in bench_refusal("ncu_attention", argv, cuda)
