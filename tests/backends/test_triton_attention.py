@@ -264,6 +264,33 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
             run(case.q[:0], case.k[:0], case.v[:0], {"GRID_ORDER": bad})
 
 
+def test_extend_persistent_programs_give_the_grids_outputs() -> None:
+    """Extend in PERSISTENT programs, each looping over the tiles a program count apart in
+    the grid's order, gives the grid's bits in each order and with one and two heads a
+    program, with fewer programs than tiles (several tiles each, a ragged last round) and
+    more: every tile runs (a skipped one would leave its rows NaN). A PERSISTENT that is not
+    a count is refused, naming what is allowed."""
+    dtype = DTYPES[-1]
+    case = make_case("extend", [40, 0, 7], [100, 9, 33], 2, 4, 64, dtype, seed=31)
+    ref, run = _extend_direct(case)
+    grid = {heads: run(case.q, case.k, case.v, {"HEADS": heads}) for heads in (1, 2)}
+    assert relative_error(grid[1], ref) < TOLERANCE[dtype]
+    for heads, order, programs in (
+        (1, "qrh", 1),
+        (1, "qrh", 5),
+        (1, "hqr", 7),
+        (1, "rhq", 1000),
+        (2, "qrh", 3),
+        (2, "hrq", 4),
+    ):
+        config = {"HEADS": heads, "GRID_ORDER": order, "PERSISTENT": programs}
+        out = run(case.q, case.k, case.v, config)
+        torch.testing.assert_close(out, grid[heads], rtol=0, atol=0, msg=str(config))
+    for bad in (-1, 1.0, "2"):
+        with pytest.raises(ValueError, match=r"PERSISTENT=.* must be 0 \(a program a tile\)"):
+            run(case.q, case.k, case.v, {"PERSISTENT": bad})
+
+
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("heads", [2, 4])
 def test_extend_heads_a_program_match_one_head(heads: int, tma: bool, monkeypatch) -> None:
