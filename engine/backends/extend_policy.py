@@ -24,6 +24,10 @@ from __future__ import annotations
 # rows before the tile's output is stored, so that a tile's start waits only for its first
 # key block. Without those loads ahead, persistent programs took 0.97-1.31x the grid's
 # time on an H100 (docs/benchmarks.md); with them not timed yet: `bench_extend.py --turns`.
+# TILE_COUNTER (with PERSISTENT): the programs take their tiles in GRID_ORDER's order from
+# a counter, each the next free one as it needs one (as the grid's programs start as SMs
+# free up), rather than those n apart; the counters (`triton_extend.tile_counters`) are zero
+# at rest.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -34,6 +38,7 @@ EXTEND_CONFIG = {
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,
     "PERSISTENT": 0,
+    "TILE_COUNTER": False,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -45,6 +50,7 @@ INTERPRETER_CONFIG = {
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,  # as on a GPU
     "PERSISTENT": 0,
+    "TILE_COUNTER": False,
 }
 GRID_AXES = "qrh"
 # Many short prompts: 32 x 32 tiles of two q heads. A tile's fixed cost (offsets, q, the
@@ -109,6 +115,11 @@ def extend_launch(
         raise ValueError(
             f"PERSISTENT={persistent!r} must be 0 (a program a tile) or a count of programs "
             "(an int >= 1)"
+        )
+    if type(cfg["TILE_COUNTER"]) is not bool or (cfg["TILE_COUNTER"] and not persistent):
+        raise ValueError(
+            f"TILE_COUNTER={cfg['TILE_COUNTER']!r} must be False or True, and True only with "
+            f"PERSISTENT programs (PERSISTENT={persistent!r})"
         )
     order = cfg["GRID_ORDER"] or grid_order(num_requests)
     if sorted(order) != sorted(GRID_AXES):

@@ -260,6 +260,7 @@ def _extend_kernel(
     qo_indptr,
     prefix_lens,
     out,
+    counters,
     out_capacity,
     sm_scale_log2,
     grid_q,
@@ -287,6 +288,7 @@ def _extend_kernel(
     HEADS: tl.constexpr = 1,
     DIAGONAL_IN_LOOP: tl.constexpr = False,
     PERSISTENT: tl.constexpr = 0,
+    TILE_COUNTER: tl.constexpr = False,
 ):
     enter(PDL)
     dims = tl.arange(0, HEAD_DIM)
@@ -327,55 +329,176 @@ def _extend_kernel(
             out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
             store_ok = row_ok & (token < out_capacity)
             tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
-    else:  # PERSISTENT programs, each over the tiles that many apart in the grid's order,
-        # the next tile's offsets loaded as a tile starts and its q rows before its output
-        # is stored: only the key loop's own first loads wait as a tile starts
+    else:  # PERSISTENT programs, each over tiles in turn: those that many apart in the
+        # grid's order, or (TILE_COUNTER) the next the counter hands out. A tile's index is
+        # known a tile ahead and its offsets loaded as the tile before starts; without a
+        # counter its q rows also before the tile before's output is stored, so that a tile's
+        # start waits only for its first key block. (Triton 3.6's layout pass fails on a
+        # tensor a while loop carries, so the counter's loop loads q as a tile starts.)
         tiles = grid_q * grid_r * grid_h
-        tile = tl.program_id(0)
+        step = tl.num_programs(0)
+        if TILE_COUNTER:
+            tile = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
+            ahead = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
+        else:
+            tile = tl.program_id(0)
+            ahead = tile + step
         q_index, req, head_block = _tile_at(tile, grid_q, grid_r, grid_h, Q_AXIS, R_AXIS, H_AXIS)
         first = (grid_q - 1 - q_index) * BLOCK_M
         first_head = head_block * HEADS
         qo_start, num_new, prefix, kv_start = _tile_offsets(
             qo_indptr, prefix_lens, kv_indptr, req, tile < tiles
         )
-        rows, head_col, row_ok, token = _tile_rows(
-            first, first_head, qo_start, num_new, BLOCK_M, HEADS
-        )
-        q_block = tl.load(
-            q + token[:, None] * stride_qt + head_col * stride_qh + dims[None, :],
-            mask=row_ok[:, None],
-            other=0.0,
-        )
-        for _ in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            tile += tl.num_programs(0)
-            q_index, next_req, head_block = _tile_at(
-                tile, grid_q, grid_r, grid_h, Q_AXIS, R_AXIS, H_AXIS
-            )
-            next_first = (grid_q - 1 - q_index) * BLOCK_M
-            next_head = head_block * HEADS
-            next_start, next_new, next_prefix, next_kv = _tile_offsets(
-                qo_indptr, prefix_lens, kv_indptr, next_req, tile < tiles
-            )
-            result = _attend_tile(
-                q_block, rows, first, num_new, prefix, kv_start, qo_start,
-                first_head // GROUP, k, v, k_desc, v_desc, k_cache, v_cache, kv_indices,
-                sm_scale_log2, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
-                stride_ch, BLOCK_M, BLOCK_N, HEAD_DIM, HEADS, TMA, DIAGONAL_IN_LOOP, True,
+        if TILE_COUNTER:
+            while tile < tiles:
+                further = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")  # after next
+                q_block = _q_rows(
+                    q, first, first_head, qo_start, num_new, stride_qt, stride_qh,
+                    BLOCK_M, HEAD_DIM, HEADS,
+                )  # fmt: skip
+                first, first_head, qo_start, num_new, prefix, kv_start, _ = _persistent_tile(
+                    q_block, first, first_head, qo_start, num_new, prefix, kv_start, ahead,
+                    tiles, q, k, v, k_desc, v_desc, k_cache, v_cache, kv_indices, kv_indptr,
+                    qo_indptr, prefix_lens, out, out_capacity, sm_scale_log2, grid_q, grid_r,
+                    grid_h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_ct, stride_ch, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, TMA, Q_AXIS, R_AXIS, H_AXIS, HEADS, DIAGONAL_IN_LOOP, False,
+                )  # fmt: skip
+                tile, ahead = ahead, further
+            leave(PDL)
+            # every program has taken its last indices once it counts out here: the last
+            # to count out puts the counters back to 0 for the next launch
+            if tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu") == step - 1:
+                tl.store(counters, 0)
+                tl.store(counters + 1, 0)
+        else:
+            q_block = _q_rows(
+                q, first, first_head, qo_start, num_new, stride_qt, stride_qh,
+                BLOCK_M, HEAD_DIM, HEADS,
             )  # fmt: skip
-            out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
-            store_ok = row_ok & (token < out_capacity)
-            rows, head_col, row_ok, token = _tile_rows(
-                next_first, next_head, next_start, next_new, BLOCK_M, HEADS
-            )
-            q_block = tl.load(  # the next tile's q rows, waited for at its first product
-                q + token[:, None] * stride_qt + head_col * stride_qh + dims[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
-            first, first_head, qo_start, num_new = next_first, next_head, next_start, next_new
-            prefix, kv_start = next_prefix, next_kv
-        leave(PDL)
+            for _ in range(tile, tiles, step):
+                first, first_head, qo_start, num_new, prefix, kv_start, q_block = (
+                    _persistent_tile(
+                        q_block, first, first_head, qo_start, num_new, prefix, kv_start,
+                        ahead, tiles, q, k, v, k_desc, v_desc, k_cache, v_cache, kv_indices,
+                        kv_indptr, qo_indptr, prefix_lens, out, out_capacity, sm_scale_log2,
+                        grid_q, grid_r, grid_h, stride_qt, stride_qh, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_ct, stride_ch, stride_ot, stride_oh,
+                        GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TMA, Q_AXIS, R_AXIS, H_AXIS, HEADS,
+                        DIAGONAL_IN_LOOP, True,
+                    )
+                )  # fmt: skip
+                ahead += step
+            leave(PDL)
+
+
+@triton.jit
+def _q_rows(
+    q,
+    first,
+    first_head,
+    qo_start,
+    num_new,
+    stride_qt,
+    stride_qh,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr,
+):
+    """A tile's q rows through pointers (zeros past the request's tokens)."""
+    _, head_col, row_ok, token = _tile_rows(first, first_head, qo_start, num_new, BLOCK_M, HEADS)
+    dims = tl.arange(0, HEAD_DIM)
+    return tl.load(
+        q + token[:, None] * stride_qt + head_col * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _persistent_tile(
+    q_block,
+    first,
+    first_head,
+    qo_start,
+    num_new,
+    prefix,
+    kv_start,
+    ahead,
+    tiles,
+    q,
+    k,
+    v,
+    k_desc,
+    v_desc,
+    k_cache,
+    v_cache,
+    kv_indices,
+    kv_indptr,
+    qo_indptr,
+    prefix_lens,
+    out,
+    out_capacity,
+    sm_scale_log2,
+    grid_q,
+    grid_r,
+    grid_h,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_ch,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TMA: tl.constexpr,
+    Q_AXIS: tl.constexpr,
+    R_AXIS: tl.constexpr,
+    H_AXIS: tl.constexpr,
+    HEADS: tl.constexpr,
+    DIAGONAL_IN_LOOP: tl.constexpr,
+    Q_AHEAD: tl.constexpr,
+):
+    """A persistent program's tile (its q rows `q_block`, its offsets), attended and stored,
+    with tile `ahead`'s offsets loaded as it starts and (Q_AHEAD) its q rows before the
+    output is stored: the next tile's (first, first head, offsets, q rows; without Q_AHEAD
+    this tile's q rows)."""
+    q_index, req, head_block = _tile_at(ahead, grid_q, grid_r, grid_h, Q_AXIS, R_AXIS, H_AXIS)
+    next_first = (grid_q - 1 - q_index) * BLOCK_M
+    next_head = head_block * HEADS
+    next_start, next_new, next_prefix, next_kv = _tile_offsets(
+        qo_indptr, prefix_lens, kv_indptr, req, ahead < tiles
+    )
+    rows, head_col, row_ok, token = _tile_rows(first, first_head, qo_start, num_new, BLOCK_M, HEADS)
+    result = _attend_tile(
+        q_block, rows, first, num_new, prefix, kv_start, qo_start, first_head // GROUP, k, v,
+        k_desc, v_desc, k_cache, v_cache, kv_indices, sm_scale_log2, stride_kt, stride_kh,
+        stride_vt, stride_vh, stride_ct, stride_ch, BLOCK_M, BLOCK_N, HEAD_DIM, HEADS, TMA,
+        DIAGONAL_IN_LOOP, True,
+    )  # fmt: skip
+    dims = tl.arange(0, HEAD_DIM)
+    out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
+    store_ok = row_ok & (token < out_capacity)
+    if Q_AHEAD:  # waited for at the next tile's first product
+        q_block = _q_rows(
+            q, next_first, next_head, next_start, next_new, stride_qt, stride_qh,
+            BLOCK_M, HEAD_DIM, HEADS,
+        )  # fmt: skip
+    tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
+    return next_first, next_head, next_start, next_new, next_prefix, next_kv, q_block
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed counters of a TILE_COUNTER launch (the next tile, the programs done). A launch
+    leaves them at zero, so one pair serves every launch on a stream (and every replay of a
+    graph that captured it); never two launches running at once."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
 
 
 def extend_attention(
@@ -393,11 +516,14 @@ def extend_attention(
     max_seq_len: int,
     sm_scale: float,
     config: dict | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves, into out.
     k/v are the new tokens' K/V in the cache dtype, [T, Hkv, D]. max_new_len, max_seq_len:
     the most new tokens and keys of a request (a bound: a captured launch serves other
-    passes). `config` replaces the launch `choose_extend_config` would choose (on a GPU)."""
+    passes). `config` replaces the launch `choose_extend_config` would choose (on a GPU).
+    `counters` (`tile_counters`: zero at rest) serve a TILE_COUNTER launch; without them a
+    zeroed pair is made for this call."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests = qo_indptr.shape[0] - 1
     group = num_q_heads // k_cache.shape[1]
@@ -416,6 +542,15 @@ def extend_attention(
         grid: tuple[int, ...] = (min(sizes["q"] * sizes["r"] * sizes["h"], cfg["PERSISTENT"]),)
     else:
         grid = tuple(sizes[axis] for axis in order)
+    if not cfg["TILE_COUNTER"]:
+        counters = qo_indptr  # unused
+    elif counters is None:
+        counters = tile_counters(q.device)
+    elif counters.dtype != torch.int32 or counters.numel() < 2:
+        raise ValueError(
+            f"tile counters must be 2 int32 (see tile_counters); got {counters.numel()} "
+            f"{counters.dtype}"
+        )
     tma = bool(cfg["TMA"]) and tma_ready(q, k, v)
     if tma:
         q_desc = rows_descriptor(q, cfg["BLOCK_M"], heads)
@@ -436,6 +571,7 @@ def extend_attention(
         qo_indptr,
         prefix_lens,
         out,
+        counters,
         out.shape[0],
         sm_scale * 1.4426950408889634,
         sizes["q"],
@@ -462,6 +598,7 @@ def extend_attention(
         HEADS=heads,
         DIAGONAL_IN_LOOP=bool(cfg["DIAGONAL_IN_LOOP"]),
         PERSISTENT=cfg["PERSISTENT"],
+        TILE_COUNTER=bool(cfg["TILE_COUNTER"]),
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
