@@ -21,7 +21,7 @@ from torch.nn.attention.bias import causal_lower_right
 from engine.backends import KVPool
 from engine.backends.triton_backend import TritonBackend
 from engine.backends.triton_decode import decode_attention
-from engine.backends.triton_extend import extend_attention, tile_counters
+from engine.backends.triton_extend import extend_attention
 from engine.state import (
     DraftTrees,
     FinishRules,
@@ -213,8 +213,6 @@ def ours_decode(
 
 
 def ours_extend(p: Problem, config: dict | None = None) -> list:
-    counters = tile_counters(torch.device("cuda"))  # a TILE_COUNTER launch's: run in turn
-
     def make(i: int):
         m = p.metas[i]
         return lambda: extend_attention(
@@ -232,7 +230,6 @@ def ours_extend(p: Problem, config: dict | None = None) -> list:
             m.max_seq_len,
             SCALE,
             config,
-            counters,
         )
 
     return [make(i) for i in range(p.copies)]

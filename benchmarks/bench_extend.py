@@ -34,25 +34,18 @@ from attention_problems import (  # benchmarks/, beside this script
 
 # --turns: the policy's extend launch ("default": `choose_extend_config` over EXTEND_CONFIG)
 # and these, with SDPA, timed in turns at EXTEND's shapes and EXTEND_MORE's (shorter prompts,
-# more of them). Here persistent programs that load the next tile's offsets (and, taking
-# the tiles a program count apart, its q rows) while a tile runs: 264 is 2 an SM of an
-# H100's 132, as many as fit at once of the default tiles and (with the loads ahead) of the
-# short prompts' tiles, in the grid's order and with q blocks slowest (`rhq`: each round
-# takes about one q block's length), and taking the next tile from a counter
-# (`TILE_COUNTER`). Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64 tiles, 128 x 128
-# tiles, the diagonal blocks in a loop of their own, other HEADS launches, the grid in bands
-# of q blocks, persistent programs without the loads ahead) are timed in docs/benchmarks.md.
+# more of them). Here EXTEND_CONFIG alone, with the diagonal blocks in a loop of their own
+# (its earlier default), the short prompts' launch at every shape, and 128 x 128 tiles of 8
+# warps in 3 stages (the fastest at one prompt of 4096 tokens in --grid, before the diagonal
+# joined the loop). Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64 tiles, 128 x 128
+# in 2 stages, other HEADS launches, the grid in bands of q blocks, persistent programs) are
+# timed in docs/benchmarks.md.
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
-SHORT_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2}
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},
-    {"PERSISTENT": 264},
-    {"PERSISTENT": 264, "GRID_ORDER": "rhq"},
-    {"PERSISTENT": 264, "TILE_COUNTER": True},
-    {"PERSISTENT": 264, "GRID_ORDER": "rhq", "TILE_COUNTER": True},
-    SHORT_TILES,
-    {**SHORT_TILES, "PERSISTENT": 264, "GRID_ORDER": "rhq"},
-    {**SHORT_TILES, "PERSISTENT": 264, "GRID_ORDER": "rhq", "TILE_COUNTER": True},
+    {"DIAGONAL_IN_LOOP": False},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 
 EXTEND_GRID = [  # --grid: tiles, warps, pipeline depth, tensor-memory loads

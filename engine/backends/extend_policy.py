@@ -18,16 +18,6 @@ from __future__ import annotations
 # so that their K/V loads are pipelined with the blocks before them and a tile waits once
 # fewer. Timed in turns on an H100 (`bench_extend.py --turns`, docs/benchmarks.md):
 # 0.91-0.99 of the two loops' time at each of six shapes, in four runs.
-# PERSISTENT: 0, a grid of one program a tile; n > 0, n programs (at most one a tile), each
-# looping over the tiles n apart in GRID_ORDER's order (`triton_extend._tile_at`: as the
-# grid numbers its programs), loading the next tile's offsets as a tile starts and its q
-# rows before the tile's output is stored, so that a tile's start waits only for its first
-# key block. Without those loads ahead, persistent programs took 0.97-1.31x the grid's
-# time on an H100 (docs/benchmarks.md); with them not timed yet: `bench_extend.py --turns`.
-# TILE_COUNTER (with PERSISTENT): the programs take their tiles in GRID_ORDER's order from
-# a counter, each the next free one as it needs one (as the grid's programs start as SMs
-# free up), rather than those n apart; the counters (`triton_extend.tile_counters`) are zero
-# at rest.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -37,8 +27,6 @@ EXTEND_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,
-    "PERSISTENT": 0,
-    "TILE_COUNTER": False,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -49,8 +37,6 @@ INTERPRETER_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,  # as on a GPU
-    "PERSISTENT": 0,
-    "TILE_COUNTER": False,
 }
 GRID_AXES = "qrh"
 # Many short prompts: 32 x 32 tiles of two q heads. A tile's fixed cost (offsets, q, the
@@ -109,17 +95,6 @@ def extend_launch(
         raise ValueError(
             f"HEADS={heads!r} must be a power of two dividing the q heads a kv head serves "
             f"({group}): a program's heads share their K/V"
-        )
-    persistent = cfg["PERSISTENT"]
-    if type(persistent) is not int or persistent < 0:
-        raise ValueError(
-            f"PERSISTENT={persistent!r} must be 0 (a program a tile) or a count of programs "
-            "(an int >= 1)"
-        )
-    if type(cfg["TILE_COUNTER"]) is not bool or (cfg["TILE_COUNTER"] and not persistent):
-        raise ValueError(
-            f"TILE_COUNTER={cfg['TILE_COUNTER']!r} must be False or True, and True only with "
-            f"PERSISTENT programs (PERSISTENT={persistent!r})"
         )
     order = cfg["GRID_ORDER"] or grid_order(num_requests)
     if sorted(order) != sorted(GRID_AXES):

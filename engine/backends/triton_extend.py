@@ -1,20 +1,19 @@
 """Triton extend attention: a cached prefix (gathered through kv_indices) plus new tokens.
 
 Each program owns BLOCK_M new tokens of one request and HEADS q heads of one kv head (1 by
-default; with more, the heads share each K/V block loaded, their rows interleaved by token in
-one tile of BLOCK_M x HEADS rows); PERSISTENT programs each loop over such tiles, loading the
-next tile's offsets and q rows while a tile runs. Stage 1 walks the prefix keys in the pool
-(whole blocks unmasked, the last partial one masked); stage 2 reads the new tokens' K/V
-straight from the k/v inputs, unmasked below the diagonal block and causally masked on it (in
-one loop with `DIAGONAL_IN_LOOP`, else in two). On Hopper, in bf16 and fp16, the new tokens' q,
-K and V tiles come through tensor-memory (TMA) descriptors of [tokens, heads * head_dim] rows
-(q of several heads: of [tokens, heads, head_dim] tiles): a tile that runs past the request's
-tokens reads the next request's or a padding token's (masked, never stored) or zeros past the
-last. Masked keys weigh 0, so their values must be finite (0 x NaN is NaN): padding tokens
-(after the last request's, in a pass padded to a token count) belong to no request, and the
-backend zeroes their output rows, so that their K/V stay finite in every layer. Zeroing the
-masked values in the tile instead moved the values through registers: 1.3-1.6x the time (H200).
-The descriptors and whether a tensor allows them: `backends/tma.py`.
+default; with more, the heads share each K/V block loaded, their rows interleaved by token
+in one tile of BLOCK_M x HEADS rows). Stage 1 walks the prefix keys in the pool (whole
+blocks unmasked, the last partial one masked); stage 2 reads the new tokens' K/V straight
+from the k/v inputs, unmasked below the diagonal block and causally masked on it (in one loop
+with `DIAGONAL_IN_LOOP`, else in two). On Hopper, in bf16 and fp16, the new tokens' q, K and
+V tiles come through tensor-memory (TMA) descriptors of [tokens, heads * head_dim] rows (q of
+several heads: of [tokens, heads, head_dim] tiles): a tile that runs past the request's
+tokens reads the next request's or a padding token's (masked, never stored) or zeros past
+the last. Masked keys weigh 0, so their values must be finite (0 x NaN is NaN): padding
+tokens (after the last request's, in a pass padded to a token count) belong to no request,
+and the backend zeroes their output rows, so that their K/V stay finite in every layer.
+Zeroing the masked values in the tile instead moved the values through registers: 1.3-1.6x
+the time (H200). The descriptors and whether a tensor allows them: `backends/tma.py`.
 """
 
 from __future__ import annotations
@@ -61,191 +60,6 @@ def online_softmax_step(
 
 
 @triton.jit
-def _tile_at(
-    tile,
-    grid_q,
-    grid_r,
-    grid_h,
-    Q_AXIS: tl.constexpr,
-    R_AXIS: tl.constexpr,
-    H_AXIS: tl.constexpr,
-):
-    """(q index, request, head block) of the `tile`-th tile of a grid of grid_q x grid_r x
-    grid_h tiles laid out in the axes' order (position 0 the fastest-varying), as a 3-d
-    grid in that order numbers its programs."""
-    if Q_AXIS == 0:
-        size0 = grid_q
-    elif R_AXIS == 0:
-        size0 = grid_r
-    else:
-        size0 = grid_h
-    if Q_AXIS == 1:
-        size1 = grid_q
-    elif R_AXIS == 1:
-        size1 = grid_r
-    else:
-        size1 = grid_h
-    at = (tile % size0, tile // size0 % size1, tile // size0 // size1)
-    return at[Q_AXIS], at[R_AXIS], at[H_AXIS]
-
-
-@triton.jit
-def _tile_offsets(qo_indptr, prefix_lens, kv_indptr, req, in_grid):
-    """(first new token, new tokens, cached keys, first key's index) of request `req`, as
-    int32 whatever the offsets' type (a graph's are int64: descriptor loads take 32 bits);
-    zeros where not `in_grid` (a persistent program's tile past the last)."""
-    qo_start = tl.load(qo_indptr + req, mask=in_grid, other=0).to(tl.int32)
-    num_new = tl.load(qo_indptr + req + 1, mask=in_grid, other=0).to(tl.int32) - qo_start
-    prefix = tl.load(prefix_lens + req, mask=in_grid, other=0)
-    kv_start = tl.load(kv_indptr + req, mask=in_grid, other=0)
-    return qo_start, num_new, prefix, kv_start
-
-
-@triton.jit
-def _tile_rows(first, first_head, qo_start, num_new, BLOCK_M: tl.constexpr, HEADS: tl.constexpr):
-    """A tile's rows: token first + row // HEADS of the request (`rows`), q head first_head +
-    row % HEADS (`head_col`: a column with several heads), whether the request owns the
-    token (`row_ok`) and the token's index in the pass (`token`)."""
-    if HEADS == 1:
-        rows = first + tl.arange(0, BLOCK_M)
-        head_col = first_head
-    else:
-        rows = first + tl.arange(0, BLOCK_M * HEADS) // HEADS
-        head_col = (first_head + tl.arange(0, BLOCK_M * HEADS) % HEADS)[:, None]
-    return rows, head_col, rows < num_new, (qo_start + rows).to(tl.int64)
-
-
-@triton.jit
-def _attend_tile(
-    q_block,
-    rows,
-    first,
-    num_new,
-    prefix,
-    kv_start,
-    qo_start,
-    kv_head,
-    k,
-    v,
-    k_desc,
-    v_desc,
-    k_cache,
-    v_cache,
-    kv_indices,
-    sm_scale_log2,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ct,
-    stride_ch,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS: tl.constexpr,
-    TMA: tl.constexpr,
-    DIAGONAL_IN_LOOP: tl.constexpr,
-    GUARDED: tl.constexpr,
-):
-    """The tile's output rows (float32, normalised): its q rows over the request's `prefix`
-    cached keys (stage 1) and its new keys up to the diagonal (stage 2). GUARDED: the
-    request may not reach the tile (first >= num_new; its rows are never stored), which
-    then walks no keys; else it does."""
-    dims = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_M * HEADS], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * HEADS], tl.float32)
-    acc = tl.zeros([BLOCK_M * HEADS, HEAD_DIM], tl.float32)
-    cache_head = kv_head * stride_ch + dims[None, :]
-    last = tl.minimum(first + BLOCK_M, num_new)  # stage 2's end
-    below = first  # stage 2a's end
-    if GUARDED:
-        reached = first < num_new
-        prefix = tl.where(reached, prefix, 0)
-        last = tl.where(reached, last, 0)
-        below = tl.minimum(first, last)
-    full = prefix - prefix % BLOCK_N
-    for start in range(0, full, BLOCK_N):  # stage 1: whole blocks of the cached prefix
-        keys = start + tl.arange(0, BLOCK_N)
-        slots = tl.load(kv_indices + kv_start + keys).to(tl.int64)
-        offs = slots[:, None] * stride_ct + cache_head
-        k_block = tl.load(k_cache + offs)
-        v_block = tl.load(v_cache + offs)
-        m_i, l_i, acc = online_softmax_step(
-            q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
-        )
-    if full < prefix:  # the prefix's last, partial block
-        keys = full + tl.arange(0, BLOCK_N)
-        key_ok = keys < prefix
-        slots = tl.load(kv_indices + kv_start + keys, mask=key_ok, other=0).to(tl.int64)
-        offs = slots[:, None] * stride_ct + cache_head
-        k_block = tl.load(k_cache + offs, mask=key_ok[:, None], other=0.0)
-        v_block = tl.load(v_cache + offs, mask=key_ok[:, None], other=0.0)
-        m_i, l_i, acc = online_softmax_step(
-            q_block, k_block, v_block, key_ok[None, :], m_i, l_i, acc, sm_scale_log2, MASKED=True
-        )
-    if DIAGONAL_IN_LOOP:  # stage 2 in one loop: the diagonal block's loads pipelined too
-        for start in range(0, last, BLOCK_N):
-            local = start + tl.arange(0, BLOCK_N)
-            if TMA:  # keys past the request's own are masked below
-                k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-            else:
-                keys = (qo_start + local).to(tl.int64)[:, None]
-                key_in = (local < num_new)[:, None]
-                k_ptrs = k + keys * stride_kt + kv_head * stride_kh + dims[None, :]
-                v_ptrs = v + keys * stride_vt + kv_head * stride_vh + dims[None, :]
-                k_block = tl.load(k_ptrs, mask=key_in, other=0.0)
-                v_block = tl.load(v_ptrs, mask=key_in, other=0.0)
-            scores = tl.dot(q_block, tl.trans(k_block))
-            if start >= first:  # the diagonal block: a uniform branch, the rest unmasked
-                visible = (local[None, :] < num_new) & (local[None, :] <= rows[:, None])
-                scores = tl.where(visible, scores, float("-inf"))
-            # every row sees a key by its diagonal block's end (its own): no guard
-            m_i, l_i, acc = softmax_accumulate(
-                scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED=False
-            )
-    else:
-        for start in range(0, below, BLOCK_N):  # stage 2a: below the diagonal block
-            if TMA:
-                k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-            else:
-                keys = (qo_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
-                k_block = tl.load(
-                    k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
-                )
-                v_block = tl.load(
-                    v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
-                )
-            m_i, l_i, acc = online_softmax_step(
-                q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
-            )
-        for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
-            local = start + tl.arange(0, BLOCK_N)
-            key_ok = local < num_new
-            if TMA:  # keys past the request's own are masked below
-                k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
-                v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
-            else:
-                keys = (qo_start + local).to(tl.int64)
-                k_block = tl.load(
-                    k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                    mask=key_ok[:, None],
-                    other=0.0,
-                )
-                v_block = tl.load(
-                    v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                    mask=key_ok[:, None],
-                    other=0.0,
-                )
-            visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
-            m_i, l_i, acc = online_softmax_step(
-                q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
-            )
-    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-
-
-@triton.jit
 def _extend_kernel(
     q,
     k,
@@ -260,12 +74,8 @@ def _extend_kernel(
     qo_indptr,
     prefix_lens,
     out,
-    counters,
     out_capacity,
     sm_scale_log2,
-    grid_q,
-    grid_r,
-    grid_h,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -287,218 +97,139 @@ def _extend_kernel(
     PDL: tl.constexpr,
     HEADS: tl.constexpr = 1,
     DIAGONAL_IN_LOOP: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = 0,
-    TILE_COUNTER: tl.constexpr = False,
 ):
     enter(PDL)
-    dims = tl.arange(0, HEAD_DIM)
-    if PERSISTENT == 0:  # a program a tile, its place in the grid's axes
-        q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest first
-        req = tl.program_id(R_AXIS)
-        first_head = tl.program_id(H_AXIS) * HEADS
-        # int32 whatever the offsets' type (a graph's are int64): descriptor loads take 32 bits
-        qo_start = tl.load(qo_indptr + req).to(tl.int32)
-        num_new = tl.load(qo_indptr + req + 1).to(tl.int32) - qo_start
-        first = q_block_id * BLOCK_M
-        if first < num_new:
-            prefix = tl.load(prefix_lens + req)
-            kv_start = tl.load(kv_indptr + req)
-            rows, head_col, row_ok, token = _tile_rows(
-                first, first_head, qo_start, num_new, BLOCK_M, HEADS
-            )
-            if TMA:  # rows past the request's own are other requests' (or zeros): never stored
-                if HEADS == 1:
-                    q_block = q_desc.load([qo_start + first, first_head * HEAD_DIM])
-                else:  # [tokens, heads, dims] tiles: rows interleaved by token as above
-                    q_block = q_desc.load([qo_start + first, first_head, 0]).reshape(
-                        BLOCK_M * HEADS, HEAD_DIM
-                    )
-            else:
-                q_block = tl.load(
-                    q + token[:, None] * stride_qt + head_col * stride_qh + dims[None, :],
-                    mask=row_ok[:, None],
-                    other=0.0,
+    q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
+    req = tl.program_id(R_AXIS)
+    first_head = tl.program_id(H_AXIS) * HEADS
+    kv_head = first_head // GROUP
+    # int32 whatever the offsets' type (a graph's are int64): descriptor loads take 32 bits
+    qo_start = tl.load(qo_indptr + req).to(tl.int32)
+    num_new = tl.load(qo_indptr + req + 1).to(tl.int32) - qo_start
+    first = q_block_id * BLOCK_M
+    if first < num_new:
+        prefix = tl.load(prefix_lens + req)
+        kv_start = tl.load(kv_indptr + req)
+        dims = tl.arange(0, HEAD_DIM)
+        # a tile row: token first + row // HEADS of the request, q head first_head + row % HEADS
+        if HEADS == 1:
+            rows = first + tl.arange(0, BLOCK_M)
+            head_col = first_head
+        else:
+            rows = first + tl.arange(0, BLOCK_M * HEADS) // HEADS
+            head_col = (first_head + tl.arange(0, BLOCK_M * HEADS) % HEADS)[:, None]
+        row_ok = rows < num_new
+        token = (qo_start + rows).to(tl.int64)
+        if TMA:  # rows past the request's own are other requests' (or zeros): never stored
+            if HEADS == 1:
+                q_block = q_desc.load([qo_start + first, first_head * HEAD_DIM])
+            else:  # [tokens, heads, dims] tiles: rows interleaved by token as above
+                q_block = q_desc.load([qo_start + first, first_head, 0]).reshape(
+                    BLOCK_M * HEADS, HEAD_DIM
                 )
-            result = _attend_tile(
-                q_block, rows, first, num_new, prefix, kv_start, qo_start,
-                first_head // GROUP, k, v, k_desc, v_desc, k_cache, v_cache, kv_indices,
-                sm_scale_log2, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
-                stride_ch, BLOCK_M, BLOCK_N, HEAD_DIM, HEADS, TMA, DIAGONAL_IN_LOOP, False,
-            )  # fmt: skip
-            leave(PDL)
-            out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
-            store_ok = row_ok & (token < out_capacity)
-            tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
-    else:  # PERSISTENT programs, each over tiles in turn: those that many apart in the
-        # grid's order, or (TILE_COUNTER) the next the counter hands out. A tile's index is
-        # known a tile ahead and its offsets loaded as the tile before starts; without a
-        # counter its q rows also before the tile before's output is stored, so that a tile's
-        # start waits only for its first key block. (Triton 3.6's layout pass fails on a
-        # tensor a while loop carries, so the counter's loop loads q as a tile starts.)
-        tiles = grid_q * grid_r * grid_h
-        step = tl.num_programs(0)
-        if TILE_COUNTER:
-            tile = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
-            ahead = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
         else:
-            tile = tl.program_id(0)
-            ahead = tile + step
-        q_index, req, head_block = _tile_at(tile, grid_q, grid_r, grid_h, Q_AXIS, R_AXIS, H_AXIS)
-        first = (grid_q - 1 - q_index) * BLOCK_M
-        first_head = head_block * HEADS
-        qo_start, num_new, prefix, kv_start = _tile_offsets(
-            qo_indptr, prefix_lens, kv_indptr, req, tile < tiles
-        )
-        if TILE_COUNTER:
-            while tile < tiles:
-                further = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")  # after next
-                q_block = _q_rows(
-                    q, first, first_head, qo_start, num_new, stride_qt, stride_qh,
-                    BLOCK_M, HEAD_DIM, HEADS,
-                )  # fmt: skip
-                first, first_head, qo_start, num_new, prefix, kv_start, _ = _persistent_tile(
-                    q_block, first, first_head, qo_start, num_new, prefix, kv_start, ahead,
-                    tiles, q, k, v, k_desc, v_desc, k_cache, v_cache, kv_indices, kv_indptr,
-                    qo_indptr, prefix_lens, out, out_capacity, sm_scale_log2, grid_q, grid_r,
-                    grid_h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_ct, stride_ch, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, TMA, Q_AXIS, R_AXIS, H_AXIS, HEADS, DIAGONAL_IN_LOOP, False,
-                )  # fmt: skip
-                tile, ahead = ahead, further
-            leave(PDL)
-            # every program has taken its last indices once it counts out here: the last
-            # to count out puts the counters back to 0 for the next launch
-            if tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu") == step - 1:
-                tl.store(counters, 0)
-                tl.store(counters + 1, 0)
+            q_block = tl.load(
+                q + token[:, None] * stride_qt + head_col * stride_qh + dims[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+        m_i = tl.full([BLOCK_M * HEADS], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * HEADS], tl.float32)
+        acc = tl.zeros([BLOCK_M * HEADS, HEAD_DIM], tl.float32)
+        cache_head = kv_head * stride_ch + dims[None, :]
+        full = prefix - prefix % BLOCK_N
+        for start in range(0, full, BLOCK_N):  # stage 1: whole blocks of the cached prefix
+            keys = start + tl.arange(0, BLOCK_N)
+            slots = tl.load(kv_indices + kv_start + keys).to(tl.int64)
+            offs = slots[:, None] * stride_ct + cache_head
+            k_block = tl.load(k_cache + offs)
+            v_block = tl.load(v_cache + offs)
+            m_i, l_i, acc = online_softmax_step(
+                q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
+            )
+        if full < prefix:  # the prefix's last, partial block
+            keys = full + tl.arange(0, BLOCK_N)
+            key_ok = keys < prefix
+            slots = tl.load(kv_indices + kv_start + keys, mask=key_ok, other=0).to(tl.int64)
+            offs = slots[:, None] * stride_ct + cache_head
+            k_block = tl.load(k_cache + offs, mask=key_ok[:, None], other=0.0)
+            v_block = tl.load(v_cache + offs, mask=key_ok[:, None], other=0.0)
+            m_i, l_i, acc = online_softmax_step(
+                q_block,
+                k_block,
+                v_block,
+                key_ok[None, :],
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                MASKED=True,
+            )
+        if DIAGONAL_IN_LOOP:  # stage 2 in one loop: the diagonal block's loads pipelined too
+            for start in range(0, tl.minimum(first + BLOCK_M, num_new), BLOCK_N):
+                local = start + tl.arange(0, BLOCK_N)
+                if TMA:  # keys past the request's own are masked below
+                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                else:
+                    keys = (qo_start + local).to(tl.int64)[:, None]
+                    key_in = (local < num_new)[:, None]
+                    k_ptrs = k + keys * stride_kt + kv_head * stride_kh + dims[None, :]
+                    v_ptrs = v + keys * stride_vt + kv_head * stride_vh + dims[None, :]
+                    k_block = tl.load(k_ptrs, mask=key_in, other=0.0)
+                    v_block = tl.load(v_ptrs, mask=key_in, other=0.0)
+                scores = tl.dot(q_block, tl.trans(k_block))
+                if start >= first:  # the diagonal block: a uniform branch, the rest unmasked
+                    visible = (local[None, :] < num_new) & (local[None, :] <= rows[:, None])
+                    scores = tl.where(visible, scores, float("-inf"))
+                # every row sees a key by its diagonal block's end (its own): no guard
+                m_i, l_i, acc = softmax_accumulate(
+                    scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED=False
+                )
         else:
-            q_block = _q_rows(
-                q, first, first_head, qo_start, num_new, stride_qt, stride_qh,
-                BLOCK_M, HEAD_DIM, HEADS,
-            )  # fmt: skip
-            for _ in range(tile, tiles, step):
-                first, first_head, qo_start, num_new, prefix, kv_start, q_block = (
-                    _persistent_tile(
-                        q_block, first, first_head, qo_start, num_new, prefix, kv_start,
-                        ahead, tiles, q, k, v, k_desc, v_desc, k_cache, v_cache, kv_indices,
-                        kv_indptr, qo_indptr, prefix_lens, out, out_capacity, sm_scale_log2,
-                        grid_q, grid_r, grid_h, stride_qt, stride_qh, stride_kt, stride_kh,
-                        stride_vt, stride_vh, stride_ct, stride_ch, stride_ot, stride_oh,
-                        GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, TMA, Q_AXIS, R_AXIS, H_AXIS, HEADS,
-                        DIAGONAL_IN_LOOP, True,
+            for start in range(0, first, BLOCK_N):  # stage 2a: below the diagonal block
+                if TMA:
+                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                else:
+                    keys = (qo_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+                    k_block = tl.load(
+                        k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
                     )
-                )  # fmt: skip
-                ahead += step
-            leave(PDL)
-
-
-@triton.jit
-def _q_rows(
-    q,
-    first,
-    first_head,
-    qo_start,
-    num_new,
-    stride_qt,
-    stride_qh,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS: tl.constexpr,
-):
-    """A tile's q rows through pointers (zeros past the request's tokens)."""
-    _, head_col, row_ok, token = _tile_rows(first, first_head, qo_start, num_new, BLOCK_M, HEADS)
-    dims = tl.arange(0, HEAD_DIM)
-    return tl.load(
-        q + token[:, None] * stride_qt + head_col * stride_qh + dims[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-
-
-@triton.jit
-def _persistent_tile(
-    q_block,
-    first,
-    first_head,
-    qo_start,
-    num_new,
-    prefix,
-    kv_start,
-    ahead,
-    tiles,
-    q,
-    k,
-    v,
-    k_desc,
-    v_desc,
-    k_cache,
-    v_cache,
-    kv_indices,
-    kv_indptr,
-    qo_indptr,
-    prefix_lens,
-    out,
-    out_capacity,
-    sm_scale_log2,
-    grid_q,
-    grid_r,
-    grid_h,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ct,
-    stride_ch,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    TMA: tl.constexpr,
-    Q_AXIS: tl.constexpr,
-    R_AXIS: tl.constexpr,
-    H_AXIS: tl.constexpr,
-    HEADS: tl.constexpr,
-    DIAGONAL_IN_LOOP: tl.constexpr,
-    Q_AHEAD: tl.constexpr,
-):
-    """A persistent program's tile (its q rows `q_block`, its offsets), attended and stored,
-    with tile `ahead`'s offsets loaded as it starts and (Q_AHEAD) its q rows before the
-    output is stored: the next tile's (first, first head, offsets, q rows; without Q_AHEAD
-    this tile's q rows)."""
-    q_index, req, head_block = _tile_at(ahead, grid_q, grid_r, grid_h, Q_AXIS, R_AXIS, H_AXIS)
-    next_first = (grid_q - 1 - q_index) * BLOCK_M
-    next_head = head_block * HEADS
-    next_start, next_new, next_prefix, next_kv = _tile_offsets(
-        qo_indptr, prefix_lens, kv_indptr, req, ahead < tiles
-    )
-    rows, head_col, row_ok, token = _tile_rows(first, first_head, qo_start, num_new, BLOCK_M, HEADS)
-    result = _attend_tile(
-        q_block, rows, first, num_new, prefix, kv_start, qo_start, first_head // GROUP, k, v,
-        k_desc, v_desc, k_cache, v_cache, kv_indices, sm_scale_log2, stride_kt, stride_kh,
-        stride_vt, stride_vh, stride_ct, stride_ch, BLOCK_M, BLOCK_N, HEAD_DIM, HEADS, TMA,
-        DIAGONAL_IN_LOOP, True,
-    )  # fmt: skip
-    dims = tl.arange(0, HEAD_DIM)
-    out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
-    store_ok = row_ok & (token < out_capacity)
-    if Q_AHEAD:  # waited for at the next tile's first product
-        q_block = _q_rows(
-            q, next_first, next_head, next_start, next_new, stride_qt, stride_qh,
-            BLOCK_M, HEAD_DIM, HEADS,
-        )  # fmt: skip
-    tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
-    return next_first, next_head, next_start, next_new, next_prefix, next_kv, q_block
-
-
-def tile_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed counters of a TILE_COUNTER launch (the next tile, the programs done). A launch
-    leaves them at zero, so one pair serves every launch on a stream (and every replay of a
-    graph that captured it); never two launches running at once."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
+                    v_block = tl.load(
+                        v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
+                    )
+                m_i, l_i, acc = online_softmax_step(
+                    q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
+                )
+            last = tl.minimum(first + BLOCK_M, num_new)
+            for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
+                local = start + tl.arange(0, BLOCK_N)
+                key_ok = local < num_new
+                if TMA:  # keys past the request's own are masked below
+                    k_block = k_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                    v_block = v_desc.load([qo_start + start, kv_head * HEAD_DIM])
+                else:
+                    keys = (qo_start + local).to(tl.int64)
+                    k_block = tl.load(
+                        k + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                        mask=key_ok[:, None],
+                        other=0.0,
+                    )
+                    v_block = tl.load(
+                        v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                        mask=key_ok[:, None],
+                        other=0.0,
+                    )
+                visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
+                m_i, l_i, acc = online_softmax_step(
+                    q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
+                )
+        leave(PDL)
+        result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        store_ok = row_ok & (token < out_capacity)
+        out_ptrs = out + token[:, None] * stride_ot + head_col * stride_oh + dims[None, :]
+        tl.store(out_ptrs, result.to(out.dtype.element_ty), mask=store_ok[:, None])
 
 
 def extend_attention(
@@ -516,14 +247,11 @@ def extend_attention(
     max_seq_len: int,
     sm_scale: float,
     config: dict | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves, into out.
     k/v are the new tokens' K/V in the cache dtype, [T, Hkv, D]. max_new_len, max_seq_len:
     the most new tokens and keys of a request (a bound: a captured launch serves other
-    passes). `config` replaces the launch `choose_extend_config` would choose (on a GPU).
-    `counters` (`tile_counters`: zero at rest) serve a TILE_COUNTER launch; without them a
-    zeroed pair is made for this call."""
+    passes). `config` replaces the launch `choose_extend_config` would choose (on a GPU)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_requests = qo_indptr.shape[0] - 1
     group = num_q_heads // k_cache.shape[1]
@@ -538,19 +266,7 @@ def extend_attention(
         "r": num_requests,
         "h": num_q_heads // heads,
     }
-    if cfg["PERSISTENT"]:  # that many programs, each looping over the tiles
-        grid: tuple[int, ...] = (min(sizes["q"] * sizes["r"] * sizes["h"], cfg["PERSISTENT"]),)
-    else:
-        grid = tuple(sizes[axis] for axis in order)
-    if not cfg["TILE_COUNTER"]:
-        counters = qo_indptr  # unused
-    elif counters is None:
-        counters = tile_counters(q.device)
-    elif counters.dtype != torch.int32 or counters.numel() < 2:
-        raise ValueError(
-            f"tile counters must be 2 int32 (see tile_counters); got {counters.numel()} "
-            f"{counters.dtype}"
-        )
+    grid = tuple(sizes[axis] for axis in order)
     tma = bool(cfg["TMA"]) and tma_ready(q, k, v)
     if tma:
         q_desc = rows_descriptor(q, cfg["BLOCK_M"], heads)
@@ -571,12 +287,8 @@ def extend_attention(
         qo_indptr,
         prefix_lens,
         out,
-        counters,
         out.shape[0],
         sm_scale * 1.4426950408889634,
-        sizes["q"],
-        sizes["r"],
-        sizes["h"],
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -597,8 +309,6 @@ def extend_attention(
         H_AXIS=order.index("h"),
         HEADS=heads,
         DIAGONAL_IN_LOOP=bool(cfg["DIAGONAL_IN_LOOP"]),
-        PERSISTENT=cfg["PERSISTENT"],
-        TILE_COUNTER=bool(cfg["TILE_COUNTER"]),
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

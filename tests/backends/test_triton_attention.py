@@ -185,11 +185,8 @@ def _extend_direct(case):
     case.pool.k_cache[0].index_copy_(0, meta.out_slots, case.k)
     case.pool.v_cache[0].index_copy_(0, meta.out_slots, case.v)
 
-    def run(
-        q, k, v, config: dict, offsets: torch.dtype | None = None, counters=None
-    ) -> torch.Tensor:
-        """`offsets`: the requests' offsets in that dtype (a CUDA graph's are int64);
-        `counters`: a TILE_COUNTER launch's."""
+    def run(q, k, v, config: dict, offsets: torch.dtype | None = None) -> torch.Tensor:
+        """`offsets`: the requests' offsets in that dtype (a CUDA graph's are int64)."""
         out = torch.full_like(case.q, float("nan"))
         kv_indptr, qo_indptr, prefix_lens = (
             t if offsets is None else t.to(offsets)
@@ -210,7 +207,6 @@ def _extend_direct(case):
             meta.max_seq_len,
             q.shape[-1] ** -0.5,
             config=config,
-            counters=counters,
         )
         return out
 
@@ -266,49 +262,6 @@ def test_extend_grid_orders_give_the_same_outputs() -> None:
             run(case.q, case.k, case.v, {"GRID_ORDER": bad})
         with pytest.raises(ValueError, match="GRID_ORDER"):  # a pass of no tokens too
             run(case.q[:0], case.k[:0], case.v[:0], {"GRID_ORDER": bad})
-
-
-def test_extend_persistent_programs_give_the_grids_outputs() -> None:
-    """Extend in PERSISTENT programs, each looping over tiles (those a program count apart
-    in the grid's order, or with TILE_COUNTER the next a counter hands out), gives the
-    grid's bits in each order and with one and two heads a program, with fewer programs than
-    tiles (several tiles each, a ragged last round) and more: every tile runs once (a
-    skipped one would leave its rows NaN). The counters are back at zero after each launch,
-    so the same pair serves the next. A PERSISTENT that is not a count, a TILE_COUNTER
-    without persistent programs and counters of the wrong size or type are refused, naming
-    what is allowed."""
-    dtype = DTYPES[-1]
-    case = make_case("extend", [40, 0, 7], [100, 9, 33], 2, 4, 64, dtype, seed=31)
-    ref, run = _extend_direct(case)
-    grid = {heads: run(case.q, case.k, case.v, {"HEADS": heads}) for heads in (1, 2)}
-    assert relative_error(grid[1], ref) < TOLERANCE[dtype]
-    counters = triton_extend.tile_counters(case.q.device)
-    for heads, order, programs, counted in (
-        (1, "qrh", 1, False),
-        (1, "qrh", 5, False),
-        (1, "hqr", 7, False),
-        (1, "rhq", 1000, False),
-        (2, "qrh", 3, False),
-        (2, "hrq", 4, False),
-        (1, "rhq", 1, True),
-        (1, "qrh", 6, True),
-        (2, "hqr", 1000, True),
-    ):
-        config = {"HEADS": heads, "GRID_ORDER": order, "PERSISTENT": programs}
-        config["TILE_COUNTER"] = counted
-        out = run(case.q, case.k, case.v, config, counters=counters)
-        torch.testing.assert_close(out, grid[heads], rtol=0, atol=0, msg=str(config))
-        assert counters.tolist() == [0, 0], config
-    for bad in (-1, 1.0, "2"):
-        with pytest.raises(ValueError, match=r"PERSISTENT=.* must be 0 \(a program a tile\)"):
-            run(case.q, case.k, case.v, {"PERSISTENT": bad})
-    for bad in ({"TILE_COUNTER": True}, {"TILE_COUNTER": 1, "PERSISTENT": 2}):
-        with pytest.raises(ValueError, match=r"TILE_COUNTER=.* only with PERSISTENT programs"):
-            run(case.q, case.k, case.v, bad)
-    counted = {"PERSISTENT": 2, "TILE_COUNTER": True}
-    for bad_counters in (torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)):
-        with pytest.raises(ValueError, match="tile counters must be 2 int32"):
-            run(case.q, case.k, case.v, counted, counters=bad_counters)
 
 
 @pytest.mark.parametrize("tma", [False, True])

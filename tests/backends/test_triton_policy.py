@@ -324,10 +324,6 @@ def test_extend_config_is_one_the_kernel_accepts(requests: int, keys: int, group
         ({"HEADS": 3}, "HEADS=3 must be a power of two dividing"),
         ({"HEADS": 8}, "HEADS=8 must be a power of two dividing the q heads a kv head serves (4)"),
         ({"GRID_ORDER": "qqh"}, "GRID_ORDER='qqh' must order the letters of 'qrh'"),
-        ({"PERSISTENT": -1}, "PERSISTENT=-1 must be 0 (a program a tile) or a count of programs"),
-        ({"PERSISTENT": 2.0}, "PERSISTENT=2.0 must be 0"),
-        ({"TILE_COUNTER": True}, "TILE_COUNTER=True must be False or True, and True only with"),
-        ({"TILE_COUNTER": 1, "PERSISTENT": 4}, "TILE_COUNTER=1 must be False or True"),
     ],
 )
 @pytest.mark.parametrize("on_cpu", [False, True])
