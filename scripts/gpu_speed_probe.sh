@@ -7,11 +7,11 @@
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
 # PROBE_PARTS="grid decode decode-off spec run load3d extend prefetch pdl-kinds verify
-# timeline sweep-verify verify-attention verify-configs engine short"
+# timeline sweep-verify verify-attention verify-configs engine short ncu"
 # picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT /
 # LOAD3D_TIMEOUT / EXTEND_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT /
 # TIMELINE_TIMEOUT / SWEEP_VERIFY_TIMEOUT / VERIFY_ATTENTION_TIMEOUT / VERIFY_CONFIGS_TIMEOUT
-# / ENGINE_TIMEOUT / SHORT_TIMEOUT (s). extend times extend configurations in turns with SDPA
+# / ENGINE_TIMEOUT / SHORT_TIMEOUT / NCU_TIMEOUT (s). extend times extend configurations in turns with SDPA
 # (`bench_extend.py --turns`). load3d and prefetch time the opt-in kernel variants
 # against the defaults: PROBE_PARTS="load3d prefetch". pdl-kinds times the default model's batch-1
 # passes with PDL `top` kept to one kind of launch at a time (`pdl.KINDS`): which launches'
@@ -27,7 +27,9 @@
 # verify shapes of 1-64 requests, timed in turns, beside the policy's choice (`bench_decode_launches.py
 # --verify-configs`). engine runs `bench_engine.py --no-hf --batches 1,64 --max-tokens 256` (the
 # end-to-end targets against the roofline floor); short times decode at short contexts beside a
-# copy of the same bytes (`bench_attention.py --short`).
+# copy of the same bytes (`bench_attention.py --short`). ncu reads Nsight Compute's counters of
+# the extend and decode kernels beside SDPA's and a copy's (`ncu_attention.py`; its reports and
+# raw CSVs in $OUT/ncu; NCU_LABELS=<labels separated by commas> picks some).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -94,13 +96,17 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         limit=${VERIFY_CONFIGS_TIMEOUT:-200} ;;
     short)  # decode at short contexts against a copy of the same bytes
         cmd=(python3 benchmarks/bench_attention.py --short); limit=${SHORT_TIMEOUT:-120} ;;
+    ncu)  # hardware counters: each label in its own ncu run
+        cmd=(python3 benchmarks/ncu_attention.py --out "$OUT_DIR/ncu")
+        [ -n "${NCU_LABELS:-}" ] && cmd+=(--only "$NCU_LABELS")
+        limit=${NCU_TIMEOUT:-300} ;;
     engine)  # end to end against the roofline floor at batch 1 and 64 (random Llama-3-8B)
         cmd=(python3 benchmarks/bench_engine.py --no-hf --batches 1,64 --max-tokens 256
             --device cuda)
         limit=${ENGINE_TIMEOUT:-250} ;;
     *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, extend,"\
         "prefetch, pdl-kinds, verify, timeline, sweep-verify, verify-attention,"\
-            "verify-configs, engine, short)"
+            "verify-configs, engine, short, ncu)"
         exit 2 ;;
     esac
     start=$(date +%s)
