@@ -4,7 +4,8 @@ row, and what it refuses before anything runs."""
 from __future__ import annotations
 
 import math
-import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -82,34 +83,28 @@ def test_ncu_attention_refuses_what_it_cannot_run(bench_refusal, argv, cuda, mes
     assert message in bench_refusal("ncu_attention", argv, cuda)
 
 
-FAKE_NCU = """#!/bin/sh
-# a stand-in for Nsight Compute: records each call; --import prints a raw page; a profiling
-# call for the copy label fails, the others write their report
-echo "$@" >> "$(dirname "$0")/calls"
-case "$*" in
-*--import*) printf '%s' "$FAKE_PAGE" ;;
-*decode-16x1024-copy*) echo "profiling failed" >&2; exit 3 ;;
-*) while [ "$1" != "-o" ]; do shift; done; touch "$2.ncu-rep" ;;
-esac
-"""
-
-
 def test_ncu_attention_profiles_each_label_in_its_own_ncu_run(
     bench_script, monkeypatch, capsys, tmp_path
 ) -> None:
     """Each label is recorded by one ncu run of this script's `--profile-one` process with
     the device's clocks left alone and profiling off until the script starts it, then read
     back as a raw CSV page into its table row; a label whose run fails gets a row naming its
-    log, and the others still run."""
+    log, and the others still run. ncu here is a stand-in for its command line."""
     ncu_main = bench_script("ncu_attention")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "ncu"
-    fake.write_text(FAKE_NCU)
-    fake.chmod(0o755)
     page = _csv([["0", "_extend_kernel", "184.0", "4096", "174", "22", "3", "0.2", "1", "60"]])
-    monkeypatch.setenv("FAKE_PAGE", page)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    calls: list[list[str]] = []
+
+    def fake_ncu(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+        calls.append(args)
+        if "--import" in args:
+            return subprocess.CompletedProcess(args, 0, page, "")
+        if args[-1] == "decode-16x1024-copy":
+            return subprocess.CompletedProcess(args, 3, "", "profiling failed")
+        Path(args[args.index("-o") + 1] + ".ncu-rep").touch()
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(ncu_main, "find_ncu", lambda: "ncu")
+    monkeypatch.setattr(ncu_main.subprocess, "run", fake_ncu)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     out = tmp_path / "out"
     labels = "extend-8x1024-ours,decode-16x1024-copy"
@@ -119,10 +114,10 @@ def test_ncu_attention_profiles_each_label_in_its_own_ncu_run(
     assert "| extend-8x1024-ours | _extend_kernel | 1 | 184.0 | 4096 | 174 | 22 |" in table
     assert "| decode-16x1024-copy | ncu exit 3 (decode-16x1024-copy.log) |" in table
     assert "profiling failed" in (out / "decode-16x1024-copy.log").read_text()
-    calls = (bin_dir / "calls").read_text().splitlines()
     assert len(calls) == 3  # two recordings, one import (the failed one has no report)
-    record, imported = calls[0], calls[1]
-    assert "--clock-control none --profile-from-start off --section SpeedOfLight" in record
+    record, imported = " ".join(calls[0]), calls[1]
+    assert record.startswith("ncu --clock-control none --profile-from-start off --section ")
     assert record.endswith("--profile-one extend-8x1024-ours")
-    assert f"-o {out / 'extend-8x1024-ours'} " in record
-    assert imported == f"--import {out / 'extend-8x1024-ours'}.ncu-rep --csv --page raw"
+    assert f" -o {out / 'extend-8x1024-ours'} " in record
+    report = f"{out / 'extend-8x1024-ours'}.ncu-rep"
+    assert imported == ["ncu", "--import", report, "--csv", "--page", "raw"]
