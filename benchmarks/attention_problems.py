@@ -287,14 +287,24 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def decode_like_problem(mode: str, batch: int, length: int) -> tuple[Problem, int, int, int]:
-    """(the problem, its prefix and new tokens a request, the bytes it moves: K/V read once
-    plus q and the output) of a decode or verify pass at `length` keys a request."""
+def kv_bytes(batch: int, prefix: int, new: int, kv_heads: int = HKV, head_dim: int = D) -> int:
+    """The bf16 K and V bytes of `batch` requests of prefix + new keys each."""
+    return batch * (prefix + new) * kv_heads * head_dim * 2 * 2
+
+
+def decode_like_shape(mode: str, batch: int, length: int) -> tuple[int, int, int]:
+    """(prefix and new tokens a request, the bytes the pass moves: K/V read once plus q and
+    the output) of a decode or verify pass at `length` keys a request."""
     new = 1 if mode == "decode" else TREE
     prefix = length - 1 if mode == "decode" else length
-    kv_bytes = batch * (prefix + new) * HKV * D * 2 * 2
-    p = Problem(mode, batch, prefix, new, kv_bytes)
-    return p, prefix, new, kv_bytes + 2 * batch * new * HQ * D * 2
+    return prefix, new, kv_bytes(batch, prefix, new) + 2 * batch * new * HQ * D * 2
+
+
+def decode_like_problem(mode: str, batch: int, length: int) -> tuple[Problem, int, int, int]:
+    """(the problem, then `decode_like_shape`'s figures) of a decode or verify pass at
+    `length` keys a request."""
+    prefix, new, nbytes = decode_like_shape(mode, batch, length)
+    return Problem(mode, batch, prefix, new, kv_bytes(batch, prefix, new)), prefix, new, nbytes
 
 
 def copy_time_us(nbytes: int) -> float:
@@ -353,12 +363,11 @@ def extend_rows(sweep: list[dict[str, Any]]) -> list:
     of `sweep`."""
     rows = []
     for batch, prefix, new in EXTEND:
-        kv_bytes = batch * (prefix + new) * HKV * D * 2 * 2
-        p = Problem("extend", batch, prefix, new, kv_bytes)
+        p = Problem("extend", batch, prefix, new, kv_bytes(batch, prefix, new))
         variants = {"default": ours_extend(p)}
         variants.update({str(c): ours_extend(p, c) for c in sweep})
         visible = batch * (new * prefix + new * (new + 1) / 2)
-        nbytes = kv_bytes + 2 * batch * new * HQ * D * 2
+        nbytes = kv_bytes(batch, prefix, new) + 2 * batch * new * HQ * D * 2
         rows.append(
             attention_row(
                 "extend",

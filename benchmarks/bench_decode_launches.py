@@ -43,6 +43,7 @@ from attention_problems import (  # benchmarks/, beside this script
     copy_ceiling_gbs,
     decode_like_problem,
     graph_time_us,
+    kv_bytes,
     ours_decode,
     turns_time_us,
 )
@@ -121,12 +122,12 @@ def split_grid(ceiling: float) -> None:
         batches, lengths = subset or (SPLIT_GRID_BATCHES, SPLIT_GRID_LENGTHS)
         for batch in batches:
             for length in lengths:
-                kv_bytes = batch * length * kv_heads * D * 2 * 2
-                if kv_bytes > SPLIT_GRID_MAX_BYTES:
+                kv = kv_bytes(batch, length - 1, 1, kv_heads)
+                if kv > SPLIT_GRID_MAX_BYTES:
                     continue
                 q_heads = GROUP * kv_heads
-                p = Problem("decode", batch, length - 1, 1, kv_bytes, kv_heads, D, q_heads)
-                nbytes = kv_bytes + 2 * batch * q_heads * D * 2
+                p = Problem("decode", batch, length - 1, 1, kv, kv_heads, D, q_heads)
+                nbytes = kv + 2 * batch * q_heads * D * 2
                 times = {}
                 for splits in SPLIT_COUNTS:
                     times[splits] = graph_time_us(ours_decode(p, splits=splits))

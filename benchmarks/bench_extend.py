@@ -22,11 +22,10 @@ from typing import Any
 import torch
 from attention_problems import (  # benchmarks/, beside this script
     EXTEND,
-    HKV,
-    D,
     Problem,
     captured,
     extend_rows,
+    kv_bytes,
     ours_extend,
     sdpa,
     turns_time_us,
@@ -89,7 +88,7 @@ def extend_turns_table() -> None:
     print("| shape | SDPA us | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 2))
     for batch, prefix, new in EXTEND + EXTEND_MORE:
-        p = Problem("extend", batch, prefix, new, batch * (prefix + new) * HKV * D * 2 * 2)
+        p = Problem("extend", batch, prefix, new, kv_bytes(batch, prefix, new))
         runs = {"SDPA": captured(sdpa(p, "extend", prefix, new)[0])}
         runs["default"] = captured(ours_extend(p))
         runs.update({str(c): captured(ours_extend(p, c)) for c in EXTEND_TURNS})

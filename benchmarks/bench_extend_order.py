@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_problems import HKV, D, Problem, graph_time_us, ours_extend  # noqa: E402
+from attention_problems import Problem, graph_time_us, kv_bytes, ours_extend  # noqa: E402
 
 from engine.backends import extend_policy  # noqa: E402
 
@@ -48,7 +48,7 @@ def main() -> None:
     print("\n| shape | " + " | ".join(ORDERS) + " | chosen | chosen / qrh |")
     print("|---|" + "---|" * (len(ORDERS) + 2))
     for batch, prefix, new in SHAPES:
-        problem = Problem("extend", batch, prefix, new, batch * (prefix + new) * HKV * D * 2 * 2)
+        problem = Problem("extend", batch, prefix, new, kv_bytes(batch, prefix, new))
         times = {o: graph_time_us(ours_extend(problem, {"GRID_ORDER": o})) for o in ORDERS}
         cells = [f"{times[o]:.1f} ({times[o] / times[BEFORE]:.2f})" for o in ORDERS]
         chosen = extend_policy.grid_order(batch)

@@ -73,17 +73,26 @@ UNIT_TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
 
 def launches(label: str) -> Callable[[int], object]:
     """`run(copy)`: the label's launches on one copy of its problem."""
-    from attention_problems import Problem, ours_decode, ours_extend, sdpa  # needs CUDA
+    from attention_problems import (  # needs CUDA
+        Problem,
+        decode_like_shape,
+        kv_bytes,
+        ours_decode,
+        ours_extend,
+        sdpa,
+    )
 
     kind, batch, keys, whose = LAUNCHES[label]
-    new, prefix = (keys, 0) if kind == "extend" else (1, keys - 1)
-    kv_bytes = batch * keys * 8 * 128 * 2 * 2
+    if kind == "extend":
+        prefix, new = 0, keys
+    else:
+        prefix, new, nbytes = decode_like_shape(kind, batch, keys)
     fns: list[Callable[[], object]]
-    if whose == "copy":  # the decode problem's K/V bytes moved, half read and half written
-        srcs = [torch.empty(kv_bytes // 2, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    if whose == "copy":  # the decode pass's bytes moved, half read and half written
+        srcs = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(2)]
         fns = [_copier(s) for s in srcs]
     else:
-        p = Problem(kind, batch, prefix, new, kv_bytes)
+        p = Problem(kind, batch, prefix, new, kv_bytes(batch, prefix, new))
         if whose == "ours":
             fns = ours_extend(p) if kind == "extend" else ours_decode(p)
         else:
