@@ -1,5 +1,6 @@
-"""Hardware counters of the attention kernels beside SDPA's flash kernel and a plain copy, read
-by Nsight Compute (`ncu`) where the timed benchmarks leave a gap.
+"""Hardware counters of the attention kernels beside SDPA's flash kernel (cuDNN's on an H100)
+and a kernel moving the decode pass's bytes, read by Nsight Compute (`ncu`) where the timed
+benchmarks leave a gap.
 
     python3 benchmarks/ncu_attention.py                      # every label of LAUNCHES
     python3 benchmarks/ncu_attention.py --only decode-16x1024-ours,decode-16x1024-copy
@@ -62,7 +63,7 @@ NAMED = {  # table column: the ncu metric
     "registers": "launch__registers_per_thread",
     "occupancy %": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "SM %": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "DRAM %": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "DRAM %": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
     "issued %": "smsp__issue_active.avg.pct_of_peak_sustained_active",
 }
 STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
@@ -88,7 +89,8 @@ def launches(label: str) -> Callable[[int], object]:
     else:
         prefix, new, nbytes = decode_like_shape(kind, batch, keys)
     fns: list[Callable[[], object]]
-    if whose == "copy":  # the decode pass's bytes moved, half read and half written
+    if whose == "copy":  # the decode pass's bytes moved, half read and half written (a
+        # kernel: the timed benchmarks' copy, a memcpy, is none for ncu)
         srcs = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(2)]
         fns = [_copier(s) for s in srcs]
     else:
@@ -102,9 +104,11 @@ def launches(label: str) -> Callable[[int], object]:
     return lambda i: fns[i]()
 
 
-def _copier(src: torch.Tensor) -> Callable[[], object]:
+def _copier(src: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`src`'s bytes read and as many written by an elementwise kernel (their complement):
+    `copy_` of a contiguous tensor is a memcpy, which ncu does not profile."""
     dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
+    return lambda: torch.bitwise_not(src, out=dst)
 
 
 def profile_one(label: str) -> None:

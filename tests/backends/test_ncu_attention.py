@@ -121,3 +121,39 @@ def test_ncu_attention_profiles_each_label_in_its_own_ncu_run(
     assert f" -o {out / 'extend-8x1024-ours'} " in record
     report = f"{out / 'extend-8x1024-ours'}.ncu-rep"
     assert imported == ["ncu", "--import", report, "--csv", "--page", "raw"]
+
+
+# Metric names of the raw page ncu printed for the decode kernel on an H100 (Nsight Compute
+# in the GPU image, sections as ncu_attention asks), of those the table reads.
+SEEN_ON_H100 = {
+    "gpu__time_duration.sum",
+    "launch__grid_size",
+    "launch__registers_per_thread",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",
+}
+
+
+def test_table_columns_read_metrics_ncu_prints(bench_script) -> None:
+    """Every named column reads a metric the profiler's raw page has (a name it does not
+    print leaves the column empty on every row)."""
+    ncu = bench_script("ncu_attention")
+    assert set(ncu.NAMED.values()) <= SEEN_ON_H100 | {ncu.DURATION}
+
+
+def test_copy_label_moves_its_bytes_in_a_kernel(bench_script, monkeypatch) -> None:
+    """The copy label's launch is an elementwise kernel that reads and writes its bytes:
+    `copy_` of a contiguous tensor is a memcpy, which ncu does not profile."""
+    import torch
+
+    ncu = bench_script("ncu_attention")
+
+    def memcpy(*args, **kwargs):
+        raise AssertionError("a memcpy: ncu profiles no kernel")
+
+    monkeypatch.setattr(torch.Tensor, "copy_", memcpy)
+    src = torch.arange(256, dtype=torch.uint8)
+    dst = ncu._copier(src)()
+    assert torch.equal(dst, ~src)  # every byte read and one written for it
