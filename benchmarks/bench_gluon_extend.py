@@ -1,0 +1,353 @@
+"""Causal prefill written in Gluon (Triton's lower-level language) on Hopper, beside SDPA's
+flash kernel and the package's extend kernel: whether what Triton's pipeliner does not do
+closes the extend gap (docs/benchmarks.md, "ncu_attention.py").
+
+    python3 benchmarks/bench_gluon_extend.py                  # check, then time in turns
+    python3 benchmarks/bench_gluon_extend.py --check          # against float32 SDPA only
+    python3 benchmarks/bench_gluon_extend.py --shapes 4x2048,8x1024
+
+One kernel, new tokens only (no cached prefix), bf16, head_dim 128, a program a tile of
+BLOCK_M rows of one q head, keys in blocks of BLOCK_N through a ring of STAGES K/V slots
+filled by TMA. Each key block's step issues the next block's scores and this block's
+values' product (wgmma, asynchronous) and then runs the next block's softmax while they
+multiply (FlashAttention-3's overlap within a warpgroup, which Triton 3.6 cannot express:
+ptxas serializes its products). Without `WS` the compute warps issue the ring's loads
+themselves, a CTA-wide barrier a step before each; with `WS` (warp specialization) one
+more warp issues them as the compute warps free slots (mbarriers), and the compute loop
+has no CTA-wide barrier (the package's loop has four a key block around its TMA loads).
+`maxnreg` caps a thread's registers at launch so that two programs fit an SM; the
+partitions' registers are then redistributed (`setmaxnreg`), the compute warps taking what
+the load warp does not need.
+
+Shapes and timing as bench_extend.py's `--turns` (`attention_problems.py`): SDPA, the
+package's policy launch and each variant captured once and timed in turns; each cell is
+us (SDPA's time over it; the variant's relative error against SDPA's output).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = 1.4426950408889634
+# name: (BLOCK_M, BLOCK_N, STAGES, num_warps, WS, maxnreg)
+VARIANTS: dict[str, tuple[int, int, int, int, bool, int | None]] = {
+    "64 x 64, 3 slots": (64, 64, 3, 4, False, None),
+    "64 x 64, 3 slots, WS": (64, 64, 3, 4, True, 128),
+    "64 x 64, 2 slots, WS": (64, 64, 2, 4, True, 128),
+    "128 x 64, 2 slots, 8 warps, WS": (128, 64, 2, 8, True, 168),
+}
+SHAPES = [(4, 2048), (8, 1024), (16, 512), (1, 4096), (1, 1024)]  # (requests, new tokens)
+CHECK_LENGTHS = ([1024], [130, 257, 64, 1], [700, 2048], [63, 65, 129, 200])
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, block, qo_start, kv_col, pred,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Key block `block`'s K and V rows into its ring slot (where `pred`)."""
+    slot = block % STAGES
+    bar = ready.index(slot)
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+    row = qo_start + block * BLOCK_N
+    tma.async_copy_global_to_shared(k_desc, [row, kv_col], bar, k_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [row, kv_col], bar, v_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, qo_start, m0,
+            head, kv_col, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            STAGES: gl.constexpr):  # fmt: skip
+    """The load warp (WS): q, then each key block into its slot once the compute warps have
+    freed it (`empty`; a slot's first fill waits for nothing)."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [qo_start + m0, head * HEAD_DIM], q_bar, q_smem)
+    for block in range(n_blocks):
+        slot = block % STAGES
+        mbarrier.wait(empty.index(slot), ((block // STAGES) & 1) ^ 1)
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, block, qo_start, kv_col, True,
+                  BLOCK_N, STAGES)  # fmt: skip
+
+
+@gluon.jit
+def _step(j, q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, s_zero, acc, p, m_i, l_i,
+          alpha, rows, cols, seqlen, sm_scale_log2, n_blocks, qo_start, kv_col,
+          o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+          STAGES: gl.constexpr, MASKED: gl.constexpr, WS: gl.constexpr):  # fmt: skip
+    """Block j's values' product and block j+1's softmax: block j+1's scores and block j's
+    product are issued first and multiply while the softmax runs. p is block j's weights
+    (float32: a register copy of them would be read while its product is in flight), alpha
+    the factor by which the output shrinks before it. MASKED: block j+1 reaches the
+    diagonal or the request's end."""
+    nxt = j + 1
+    nslot = nxt % STAGES
+    mbarrier.wait(ready.index(nslot), (nxt // STAGES) & 1)
+    s = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)  # fmt: skip
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    slot = j % STAGES
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))  # the scores (issued first); the product in flight
+    if MASKED:
+        keys = nxt * BLOCK_N + cols
+        visible = (keys[None, :] <= rows[:, None]) & (keys[None, :] < seqlen)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
+    p = gl.exp2(s * sm_scale_log2 - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    if WS:  # block j's slot is free: the load warp may fill it
+        mbarrier.arrive(empty.index(slot))
+    else:  # every warp is past block j's product: its slot takes the block STAGES ahead
+        gl.thread_barrier()
+        ahead = j + STAGES
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, ahead, qo_start, kv_col,
+                  ahead < n_blocks, BLOCK_N, STAGES)  # fmt: skip
+    return acc, p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _compute(q_smem, k_smem, v_smem, q_bar, ready, empty, k_desc, v_desc, out, qo_start, seqlen,
+             m0, head, kv_col, n_blocks, sm_scale_log2, stride_ot, stride_oh,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             STAGES: gl.constexpr, WS: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
+    """The tile's rows over its keys, block by block (`_step`), the blocks below the diagonal
+    in one loop and those on it in another (no branch in a loop), then its output stored."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)  # fmt: skip
+    s = warpgroup_mma_wait(0, deps=(s,))
+    if BLOCK_N > m0:  # block 0 on the diagonal
+        visible = (cols[None, :] <= rows[:, None]) & (cols[None, :] < seqlen)
+        s = gl.where(visible, s, float("-inf"))
+    m_i = gl.max(s, 1) * sm_scale_log2
+    p = gl.exp2(s * sm_scale_log2 - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    alpha = gl.full([BLOCK_M], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
+    below = gl.minimum(m0 // BLOCK_N, n_blocks)  # blocks wholly below the diagonal
+    for j in range(0, below - 1):
+        acc, p, m_i, l_i, alpha = _step(
+            j, q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, s_zero, acc, p, m_i, l_i,
+            alpha, rows, cols, seqlen, sm_scale_log2, n_blocks, qo_start, kv_col,
+            o_layout, p_layout, BLOCK_N, STAGES, False, WS,
+        )  # fmt: skip
+    for j in range(gl.maximum(below - 1, 0), n_blocks - 1):
+        acc, p, m_i, l_i, alpha = _step(
+            j, q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, s_zero, acc, p, m_i, l_i,
+            alpha, rows, cols, seqlen, sm_scale_log2, n_blocks, qo_start, kv_col,
+            o_layout, p_layout, BLOCK_N, STAGES, True, WS,
+        )  # fmt: skip
+    last = n_blocks - 1
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    result = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = (out + (qo_start + o_rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh
+            + o_cols[None, :])  # fmt: skip
+    gl.store(ptrs, result.to(out.dtype.element_ty), mask=(o_rows < seqlen)[:, None])
+
+
+@gluon.jit
+def prefill_kernel(
+    q_desc, k_desc, v_desc, out, qo_indptr, sm_scale_log2, stride_ot, stride_oh,
+    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Program (q block from the longest, request, q head): the tile's causal attention over
+    the request's new tokens (qo_indptr: int32 offsets)."""
+    q_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    req = gl.program_id(1)
+    head = gl.program_id(2)
+    qo_start = gl.load(qo_indptr + req)
+    seqlen = gl.load(qo_indptr + req + 1) - qo_start
+    m0 = q_block * BLOCK_M
+    if m0 < seqlen:
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        n_blocks = gl.cdiv(gl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N)
+        kv_col = head // GROUP * HEAD_DIM
+        if WS:
+            gl.warp_specialize(
+                [
+                    (_compute, (q_smem, k_smem, v_smem, q_bar, ready, empty, k_desc, v_desc, out,
+                                qo_start, seqlen, m0, head, kv_col, n_blocks, sm_scale_log2,
+                                stride_ot, stride_oh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, WS,
+                                num_warps)),
+                    (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready,
+                               empty, qo_start, m0, head, kv_col, n_blocks, BLOCK_N, HEAD_DIM,
+                               STAGES)),
+                ],
+                [1],
+                [24],
+            )  # fmt: skip
+        else:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [qo_start + m0, head * HEAD_DIM], q_bar, q_smem)
+            for i in gl.static_range(STAGES):
+                _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, i, qo_start, kv_col,
+                          i < n_blocks, BLOCK_N, STAGES)  # fmt: skip
+            _compute(q_smem, k_smem, v_smem, q_bar, ready, empty, k_desc, v_desc, out, qo_start,
+                     seqlen, m0, head, kv_col, n_blocks, sm_scale_log2, stride_ot, stride_oh,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, WS, num_warps)  # fmt: skip
+
+
+def shared_layout(block: list[int]):
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+
+
+def prefill(q, k, v, out, qo_indptr, max_len, scale, variant):
+    """q [T, Hq, D], k and v [T, Hkv, D] (bf16, contiguous), qo_indptr int32 [B + 1]:
+    causal attention of each request's new tokens into out [T, Hq, D]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block_m, block_n, stages, warps, ws, maxnreg = variant
+    tokens, hq, d = q.shape
+    hkv = k.shape[1]
+
+    def desc(t, rows):
+        flat = t.view(tokens, -1)
+        block = [rows, d]
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block,
+                                shared_layout(block))  # fmt: skip
+
+    grid = (triton.cdiv(max_len, block_m), qo_indptr.numel() - 1, hq)
+    prefill_kernel[grid](
+        desc(q, block_m), desc(k, block_n), desc(v, block_n), out, qo_indptr, scale * LOG2E,
+        out.stride(0), out.stride(1), hq // hkv, block_m, block_n, d, stages, ws,
+        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+    )  # fmt: skip
+
+
+def check(variants: dict) -> list[str]:
+    """Each variant against float32 SDPA on ragged requests (32 q / 8 kv heads): lines of
+    the relative error, `WRONG` past 1e-2."""
+    torch.manual_seed(0)
+    hq, hkv, d = 32, 8, 128
+    lines = []
+    for lens in CHECK_LENGTHS:
+        offsets = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
+        tokens = int(offsets[-1])
+        q = torch.randn(tokens, hq, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(tokens, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        ref = torch.empty(tokens, hq, d, device="cuda")
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
+            qh, kh, vh = (t[a:b].float().transpose(0, 1) for t in (q, k, v))
+            ref[a:b] = F.scaled_dot_product_attention(
+                qh, kh.repeat_interleave(hq // hkv, 0), vh.repeat_interleave(hq // hkv, 0),
+                is_causal=True,
+            ).transpose(0, 1)  # fmt: skip
+        for name, variant in variants.items():
+            out = torch.full_like(q, float("nan"))
+            prefill(q, k, v, out, offsets, max(lens), d**-0.5, variant)
+            err = float((out.float() - ref).norm() / ref.norm())
+            lines.append(f"{lens} {name}: {err:.2e}{'' if err < 1e-2 else ' WRONG'}")
+    return lines
+
+
+def timing(variants: dict, shapes: list[tuple[int, int]]) -> None:
+    from attention_problems import (  # benchmarks/, beside this script
+        SCALE,
+        Problem,
+        captured,
+        kv_bytes,
+        ours_extend,
+        rel_err,
+        sdpa,
+        turns_time_us,
+    )
+
+    print("| shape | SDPA us | package | " + " | ".join(variants) + " |")
+    print("|" + "---|" * (len(variants) + 3))
+    for batch, new in shapes:
+        p = Problem("extend", batch, 0, new, kv_bytes(batch, 0, new))
+        fns, ref = sdpa(p, "extend", 0, new)
+        runs = {"SDPA": captured(fns), "package": captured(ours_extend(p))}
+        errs = {}
+        for name, variant in variants.items():
+            copies = [
+                lambda i=i, cu=p.metas[i].qo_indptr.to(torch.int32): prefill(
+                    p.q[i], p.k[i], p.v[i], p.out[i], cu, new, SCALE, variant
+                )
+                for i in range(p.copies)
+            ]
+            copies[0]()
+            errs[name] = rel_err(p.out[0], ref)
+            runs[name] = captured(copies)
+        times = turns_time_us(runs)
+        cells = [f"{times['package']:.1f} ({times['SDPA'] / times['package']:.2f})"] + [
+            f"{times[n]:.1f} ({times['SDPA'] / times[n]:.2f}; {errs[n]:.0e})" for n in variants
+        ]
+        print(f"| B={batch} new={new} | {times['SDPA']:.1f} | " + " | ".join(cells) + " |",
+              flush=True)  # fmt: skip
+        del p, runs
+        torch.cuda.empty_cache()
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'4x2048,8x1024' -> [(4, 2048), (8, 1024)]; ValueError naming a malformed one."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.split("x")
+        if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"--shapes: {item!r} is not REQUESTSxTOKENS (e.g. 4x2048)")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return shapes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only the check against SDPA")
+    parser.add_argument("--shapes", help=f"REQUESTSxTOKENS,... (default: {SHAPES})")
+    args = parser.parse_args()
+    try:
+        shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        parser.error("needs a Hopper GPU (sm_90: wgmma, TMA); torch sees none")
+    lines = check(VARIANTS)
+    print("\n".join(lines), flush=True)
+    if any(line.endswith("WRONG") for line in lines):
+        raise SystemExit("a variant's output is wrong; not timed")
+    if not args.check:
+        timing(VARIANTS, shapes)
+
+
+if __name__ == "__main__":
+    main()
