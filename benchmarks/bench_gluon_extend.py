@@ -340,7 +340,8 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        parser.error("needs a Hopper GPU (sm_90: wgmma, TMA); torch sees none")
+        seen = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+        parser.error(f"needs a Hopper GPU (sm_90: wgmma, TMA); torch sees {seen}")
     lines = check(VARIANTS)
     print("\n".join(lines), flush=True)
     if any(line.endswith("WRONG") for line in lines):
