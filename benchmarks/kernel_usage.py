@@ -65,7 +65,7 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
                 f"{m} x {n}, {h} heads, {w} warps, {st} stages",
                 dict(extend_policy.EXTEND_CONFIG, **c),
             )
-            for m, n, h in ((64, 64, 2), (32, 32, 2), (32, 32, 4))
+            for m, n, h in ((64, 64, 2), (32, 32, 2), (32, 32, 4), (32, 64, 2), (16, 64, 4))
             for w in (4, 8)
             for st in (2, 3)
             for c in [dict(BLOCK_M=m, BLOCK_N=n, HEADS=h, num_warps=w, num_stages=st, TMA=True)]

@@ -17,7 +17,9 @@ from __future__ import annotations
 # DIAGONAL_IN_LOOP: the new keys in one loop, the diagonal blocks masked by a uniform branch,
 # so that their K/V loads are pipelined with the blocks before them and a tile waits once
 # fewer. Timed in turns on an H100 (`bench_extend.py --turns`, docs/benchmarks.md):
-# 0.91-0.99 of the two loops' time at each of six shapes, in four runs.
+# 0.91-0.99 of the two loops' time at each of six shapes, in four runs. With it BLOCK_N may
+# also be a multiple of BLOCK_M (a tile's diagonal block then starts before its first token);
+# without it BLOCK_M must be a multiple of BLOCK_N.
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -85,10 +87,12 @@ def extend_launch(
         cfg = {**EXTEND_CONFIG, **choose_extend_config(num_requests, max_seq_len, group)}
     else:
         cfg = {**EXTEND_CONFIG, **config}
-    if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if block_m % block_n and not (cfg["DIAGONAL_IN_LOOP"] and block_n % block_m == 0):
         raise ValueError(
-            f"BLOCK_M={cfg['BLOCK_M']} must be a multiple of "
-            f"BLOCK_N={cfg['BLOCK_N']} (stage 2a reads whole key blocks)"
+            f"BLOCK_M={block_m} must be a multiple of BLOCK_N={block_n} (stage 2a reads "
+            "whole key blocks), or divide it with DIAGONAL_IN_LOOP (a tile's diagonal block "
+            "then starts before its first token)"
         )
     heads = cfg["HEADS"]
     if type(heads) is not int or heads < 1 or heads & (heads - 1) or group % heads:

@@ -179,7 +179,9 @@ def _extend_kernel(
                     k_block = tl.load(k_ptrs, mask=key_in, other=0.0)
                     v_block = tl.load(v_ptrs, mask=key_in, other=0.0)
                 scores = tl.dot(q_block, tl.trans(k_block))
-                if start >= first:  # the diagonal block: a uniform branch, the rest unmasked
+                # the diagonal blocks (a uniform branch, the rest unmasked): those ending past
+                # the tile's first token, which start before it where BLOCK_N > BLOCK_M
+                if start + BLOCK_N > first:
                     visible = (local[None, :] < num_new) & (local[None, :] <= rows[:, None])
                     scores = tl.where(visible, scores, float("-inf"))
                 # every row sees a key by its diagonal block's end (its own): no guard

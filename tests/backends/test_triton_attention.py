@@ -307,6 +307,26 @@ def test_extend_diagonal_in_loop_matches_two_stages(
 
 
 @pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_extend_key_blocks_longer_than_tiles(heads: int, tma: bool, monkeypatch) -> None:
+    """Key blocks longer than a tile's tokens (BLOCK_N = 2 x BLOCK_M, with the diagonal in
+    the loop): a tile's diagonal block starts before its first token and is masked from the
+    tile's first row on. Equals the reference and tiles as long as the key blocks, on ragged
+    requests with and without a prefix; without the diagonal in the loop it is refused
+    (stage 2a reads whole key blocks below the tile)."""
+    dtype = DTYPES[-1]
+    case = _extend_case([40, 0, 7], [70, 9, 33], 64, 43, tma, monkeypatch)
+    ref, run = _extend_direct(case)
+    config = {"TMA": tma, "HEADS": heads, "BLOCK_N": 32, "DIAGONAL_IN_LOOP": True}
+    short = run(case.q, case.k, case.v, {**config, "BLOCK_M": 16})
+    even = run(case.q, case.k, case.v, {**config, "BLOCK_M": 32})
+    assert relative_error(short, ref) < TOLERANCE[dtype]
+    torch.testing.assert_close(short, even, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="BLOCK_M=16 must be a multiple of BLOCK_N=32"):
+        run(case.q, case.k, case.v, {**config, "BLOCK_M": 16, "DIAGONAL_IN_LOOP": False})
+
+
+@pytest.mark.parametrize("tma", [False, True])
 def test_extend_padded_pass_ignores_its_padding_tokens(tma: bool, monkeypatch) -> None:
     """A pass padded to a token count (`TritonBackend.plan(padded_num_tokens=...)`): the
     padding tokens' q/K/V hold whatever the layer before made of them (finite), and the

@@ -320,7 +320,11 @@ def test_extend_config_is_one_the_kernel_accepts(requests: int, keys: int, group
 @pytest.mark.parametrize(
     "config,named",
     [
-        ({"BLOCK_M": 32, "BLOCK_N": 64}, "BLOCK_M=32 must be a multiple of BLOCK_N=64"),
+        (
+            {"BLOCK_M": 32, "BLOCK_N": 64, "DIAGONAL_IN_LOOP": False},
+            "BLOCK_M=32 must be a multiple of BLOCK_N=64",
+        ),
+        ({"BLOCK_M": 48, "BLOCK_N": 64}, "or divide it with DIAGONAL_IN_LOOP"),
         ({"HEADS": 3}, "HEADS=3 must be a power of two dividing"),
         ({"HEADS": 8}, "HEADS=8 must be a power of two dividing the q heads a kv head serves (4)"),
         ({"GRID_ORDER": "qqh"}, "GRID_ORDER='qqh' must order the letters of 'qrh'"),
