@@ -292,12 +292,22 @@ def kv_bytes(batch: int, prefix: int, new: int, kv_heads: int = HKV, head_dim: i
     return batch * (prefix + new) * kv_heads * head_dim * 2 * 2
 
 
+def pass_bytes(
+    batch: int, prefix: int, new: int, kv_heads: int = HKV, q_heads: int = HQ, head_dim: int = D
+) -> int:
+    """The bytes an attention pass moves: its K/V (`kv_bytes`) read once, plus q read and the
+    output written for the `new` tokens of each of `batch` requests (bf16)."""
+    return (
+        kv_bytes(batch, prefix, new, kv_heads, head_dim) + 2 * batch * new * q_heads * head_dim * 2
+    )
+
+
 def decode_like_shape(mode: str, batch: int, length: int) -> tuple[int, int, int]:
     """(prefix and new tokens a request, the bytes the pass moves: K/V read once plus q and
     the output) of a decode or verify pass at `length` keys a request."""
     new = 1 if mode == "decode" else TREE
     prefix = length - 1 if mode == "decode" else length
-    return prefix, new, kv_bytes(batch, prefix, new) + 2 * batch * new * HQ * D * 2
+    return prefix, new, pass_bytes(batch, prefix, new)
 
 
 def decode_like_problem(mode: str, batch: int, length: int) -> tuple[Problem, int, int, int]:
@@ -367,7 +377,7 @@ def extend_rows(sweep: list[dict[str, Any]]) -> list:
         variants = {"default": ours_extend(p)}
         variants.update({str(c): ours_extend(p, c) for c in sweep})
         visible = batch * (new * prefix + new * (new + 1) / 2)
-        nbytes = kv_bytes(batch, prefix, new) + 2 * batch * new * HQ * D * 2
+        nbytes = pass_bytes(batch, prefix, new)
         rows.append(
             attention_row(
                 "extend",

@@ -45,6 +45,7 @@ from attention_problems import (  # benchmarks/, beside this script
     graph_time_us,
     kv_bytes,
     ours_decode,
+    pass_bytes,
     turns_time_us,
 )
 
@@ -127,7 +128,7 @@ def split_grid(ceiling: float) -> None:
                     continue
                 q_heads = GROUP * kv_heads
                 p = Problem("decode", batch, length - 1, 1, kv, kv_heads, D, q_heads)
-                nbytes = kv + 2 * batch * q_heads * D * 2
+                nbytes = pass_bytes(batch, length - 1, 1, kv_heads, q_heads)
                 times = {}
                 for splits in SPLIT_COUNTS:
                     times[splits] = graph_time_us(ours_decode(p, splits=splits))
