@@ -7,11 +7,11 @@
 # Logs go to $OUT when set (the device tool brings that folder back); the summary is printed.
 #   bash scripts/gpu_speed_probe.sh          # carry .carry (scripts/gpu_env.sh's wheels)
 # PROBE_PARTS="grid decode decode-off spec run load3d extend prefetch pdl-kinds verify
-# timeline sweep-verify verify-attention verify-configs engine short ncu gluon"
+# timeline sweep-verify verify-attention verify-configs engine short ncu gluon pdl"
 # picks parts (default: grid decode spec); GRID_TIMEOUT / DECODE_TIMEOUT / SPEC_TIMEOUT /
 # LOAD3D_TIMEOUT / EXTEND_TIMEOUT / PREFETCH_TIMEOUT / PDL_KINDS_TIMEOUT / VERIFY_TIMEOUT /
 # TIMELINE_TIMEOUT / SWEEP_VERIFY_TIMEOUT / VERIFY_ATTENTION_TIMEOUT / VERIFY_CONFIGS_TIMEOUT
-# / ENGINE_TIMEOUT / SHORT_TIMEOUT / NCU_TIMEOUT / GLUON_TIMEOUT (s). extend times extend configurations in turns with SDPA
+# / ENGINE_TIMEOUT / SHORT_TIMEOUT / NCU_TIMEOUT / GLUON_TIMEOUT / PDL_TIMEOUT (s). extend times extend configurations in turns with SDPA
 # (`bench_extend.py --turns`). load3d and prefetch time the opt-in kernel variants
 # against the defaults: PROBE_PARTS="load3d prefetch". pdl-kinds times the default model's batch-1
 # passes with PDL `top` kept to one kind of launch at a time (`pdl.KINDS`): which launches'
@@ -31,7 +31,9 @@
 # the extend and decode kernels beside SDPA's and a copy's (`ncu_attention.py`; its reports and
 # raw CSVs in $OUT/ncu; NCU_LABELS=<labels separated by commas> picks some). gluon checks the
 # Gluon prefill kernel's variants against SDPA, then times them beside SDPA's flash kernel and
-# the package's extend kernel (`bench_gluon_extend.py`).
+# the package's extend kernel (`bench_gluon_extend.py`). pdl times decode and verify with PDL
+# off, in each mode, and in `top` with each split program's first keys asked of L2 before its
+# wait (`bench_attention.py --pdl`).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -104,13 +106,15 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         limit=${NCU_TIMEOUT:-300} ;;
     gluon)  # the Gluon prefill kernel's variants checked, then timed beside SDPA and ours
         cmd=(python3 benchmarks/bench_gluon_extend.py); limit=${GLUON_TIMEOUT:-200} ;;
+    pdl)  # decode and verify with PDL off, in each mode, and with keys asked of L2 first
+        cmd=(python3 benchmarks/bench_attention.py --pdl); limit=${PDL_TIMEOUT:-200} ;;
     engine)  # end to end against the roofline floor at batch 1 and 64 (random Llama-3-8B)
         cmd=(python3 benchmarks/bench_engine.py --no-hf --batches 1,64 --max-tokens 256
             --device cuda)
         limit=${ENGINE_TIMEOUT:-250} ;;
     *) echo "unknown part $part (grid, decode, decode-off, spec, run, load3d, extend,"\
         "prefetch, pdl-kinds, verify, timeline, sweep-verify, verify-attention,"\
-            "verify-configs, engine, short, ncu, gluon)"
+            "verify-configs, engine, short, ncu, gluon, pdl)"
         exit 2 ;;
     esac
     start=$(date +%s)
