@@ -153,27 +153,19 @@ def short_table(ceiling: float) -> None:
         torch.cuda.empty_cache()
 
 
-# --pdl: besides each mode, `top` with each split program's first keys asked of L2 before
-# its wait (`decode_policy.PREWAIT_KEYS`)
-PREWAIT = {"PREWAIT_KEYS": 128}
-
-
 def pdl_table(ceiling: float) -> None:
-    """Decode and verify at each of their shapes with PDL off and in each mode, and `top`
-    with PREWAIT, at the plan's split count: consecutive copies overlap as consecutive
-    kernels of a pass would."""
+    """Decode and verify at each of their shapes with PDL off and in each mode, at the plan's
+    split count: consecutive copies overlap as consecutive kernels of a pass would."""
     print(f"\nPDL modes (fraction of the copy ceiling, {ceiling:.0f} GB/s)")
-    settings = [(name, None) for name in pdl.MODES] + [("top", PREWAIT)]
-    labels = [*pdl.MODES, f"top, {PREWAIT['PREWAIT_KEYS']} keys before the wait"]
-    print("| kind | shape | splits | off us | " + " | ".join(labels) + " | best / off |")
-    print("|" + "---|" * (len(labels) + 5))
+    print("| kind | shape | splits | off us | " + " | ".join(pdl.MODES) + " | best / off |")
+    print("|" + "---|" * (len(pdl.MODES) + 5))
     for mode, shapes in (("decode", DECODE + FEW_SPLITS), ("verify", VERIFY)):
         for batch, length in shapes:
             p, _, _, nbytes = decode_like_problem(mode, batch, length)
             times = []
-            for setting, config in settings:
+            for setting in pdl.MODES:
                 with pdl.using(setting):
-                    times.append(graph_time_us(ours_decode(p, config)))
+                    times.append(graph_time_us(ours_decode(p)))
             frac = functools.partial(ceiling_fraction, nbytes, ceiling_gbs=ceiling)
             print(
                 f"| {mode} | B={batch} L={length} | {p.metas[0].extra['num_splits']} | "

@@ -32,8 +32,7 @@
 # raw CSVs in $OUT/ncu; NCU_LABELS=<labels separated by commas> picks some). gluon checks the
 # Gluon prefill kernel's variants against SDPA, then times them beside SDPA's flash kernel and
 # the package's extend kernel (`bench_gluon_extend.py`). pdl times decode and verify with PDL
-# off, in each mode, and in `top` with each split program's first keys asked of L2 before its
-# wait (`bench_attention.py --pdl`).
+# off and in each mode (`bench_attention.py --pdl`).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT_DIR=${OUT:-$(mktemp -d)}
@@ -106,7 +105,7 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         limit=${NCU_TIMEOUT:-300} ;;
     gluon)  # the Gluon prefill kernel's variants checked, then timed beside SDPA and ours
         cmd=(python3 benchmarks/bench_gluon_extend.py); limit=${GLUON_TIMEOUT:-200} ;;
-    pdl)  # decode and verify with PDL off, in each mode, and with keys asked of L2 first
+    pdl)  # decode and verify with PDL off and in each mode
         cmd=(python3 benchmarks/bench_attention.py --pdl); limit=${PDL_TIMEOUT:-200} ;;
     engine)  # end to end against the roofline floor at batch 1 and 64 (random Llama-3-8B)
         cmd=(python3 benchmarks/bench_engine.py --no-hf --batches 1,64 --max-tokens 256

@@ -57,13 +57,6 @@ LONG_BLOCK_MAX_ROWS = AUTO_MAX_ROWS
 # MAX_Q rows, which one program merges a block at a time where the merge kernel spreads them
 # over the grid.
 FUSED_MERGE_MAX_SPLITS = 16
-# With PDL, a split program may ask L2 for its first PREWAIT_KEYS keys' K/V rows before its
-# wait (`triton_decode._prefetch_split_start`: the offsets and slots are older than the
-# kernel before, which writes only q and the new keys' K/V), so that the chain offsets ->
-# slots -> K/V of the pipeline's fill runs beside the kernel before rather than after it.
-# 0 (off) by default: not yet timed on a device (`bench_attention.py --pdl` times it beside
-# each mode: `config={"PREWAIT_KEYS": ...}`). A power of two.
-PREWAIT_KEYS = 0
 INTERPRETER_CONFIG = {
     "BLOCK_N": 16,
     "num_warps": 4,
@@ -167,7 +160,7 @@ def decode_launch(
     programs and `rows` rows (tokens) on `num_sms` SMs: INTERPRETER_CONFIG under the CPU's
     interpreter; else DECODE_CONFIG with `choose_decode_warps`' warps, or
     `choose_verify_config`'s config; the merge fused for decode up to FUSED_MERGE_MAX_SPLITS
-    splits, never for verify; PREWAIT_KEYS on a GPU; `config` laid over all of it. Of the shape alone: no launch
+    splits, never for verify; `config` laid over all of it. Of the shape alone: no launch
     setting (PDL) enters, so a pass computes the same with and without it."""
     if on_cpu:
         base = INTERPRETER_CONFIG  # read at the call: tests patch it
@@ -176,5 +169,4 @@ def decode_launch(
     else:
         base = choose_verify_config(programs, num_sms, rows)
     fused = not tree and num_splits <= FUSED_MERGE_MAX_SPLITS
-    prewait = {} if on_cpu else {"PREWAIT_KEYS": PREWAIT_KEYS}
-    return {"FUSED_MERGE": fused, **base, **prewait, **(config or {})}
+    return {"FUSED_MERGE": fused, **base, **(config or {})}

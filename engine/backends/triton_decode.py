@@ -26,7 +26,7 @@ from engine.backends.triton_merge import (
     merge_splits,
     merge_tiles,
 )
-from engine.pdl import enter, leave, prefetch_l2
+from engine.pdl import enter, leave
 
 
 @triton.jit
@@ -86,43 +86,6 @@ def _attend_keys(
 
 
 @triton.jit
-def _prefetch_split_start(
-    k_cache,
-    v_cache,
-    kv_indices,
-    kv_indptr,
-    req,
-    kv_head,
-    split,
-    num_splits,
-    stride_ct,
-    stride_ch,
-    KEYS: tl.constexpr,
-    LINES: tl.constexpr,
-    LINE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Ask L2 for the K and V rows of the split's first KEYS keys (LINES lines of LINE
-    elements a row). Runs before `enter`, beside the kernel before, which writes q and the
-    new keys' K/V: the offsets and slots read here are older (loaded past L1, `.cg`, so that
-    no line cached here is read after the wait), and a prefetch is a hint, so a line that
-    kernel writes after it is still read fresh."""
-    kv_start = tl.load(kv_indptr + req, cache_modifier=".cg")
-    seq_len = tl.load(kv_indptr + req + 1, cache_modifier=".cg") - kv_start
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    keys = lo + tl.arange(0, KEYS)
-    key_ok = keys < tl.minimum(lo + split_len, seq_len)
-    slots = tl.load(kv_indices + kv_start + keys, mask=key_ok, other=0, cache_modifier=".cg")
-    lines = tl.arange(0, LINES) * LINE
-    offs = slots.to(tl.int64)[:, None] * stride_ct + kv_head * stride_ch + lines[None, :]
-    # keys past the split ask for the head's first row (one line a program, not one shared)
-    offs = tl.where(key_ok[:, None], offs, kv_head * stride_ch)
-    prefetch_l2(k_cache + offs)
-    prefetch_l2(v_cache + offs)
-
-
-@triton.jit
 def _decode_split_kernel(
     q,
     k_cache,
@@ -163,31 +126,11 @@ def _decode_split_kernel(
     SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,
-    PREWAIT_KEYS: tl.constexpr = 0,
-    PREWAIT_LINES: tl.constexpr = 1,
-    PREWAIT_LINE: tl.constexpr = 1,
 ):
+    enter(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL and PREWAIT_KEYS > 0:  # the first keys' rows on their way to L2 during the wait
-        _prefetch_split_start(
-            k_cache,
-            v_cache,
-            kv_indices,
-            kv_indptr,
-            req,
-            kv_head,
-            split,
-            num_splits,
-            stride_ct,
-            stride_ch,
-            PREWAIT_KEYS,
-            PREWAIT_LINES,
-            PREWAIT_LINE,
-            BLOCK_N,
-        )
-    enter(PDL)
     kv_start = tl.load(kv_indptr + req)
     seq_len = tl.load(kv_indptr + req + 1) - kv_start
     qo_start = tl.load(qo_indptr + req)
@@ -405,19 +348,6 @@ def _zero_padding(
             )
 
 
-def _prewait(cfg: dict, k_cache: torch.Tensor) -> dict:
-    """The launch's PREWAIT_* constexprs: cfg's PREWAIT_KEYS (0: none), and a K/V row's
-    128-byte lines (at least one, of LINE elements)."""
-    keys = cfg.get("PREWAIT_KEYS", 0)
-    if not isinstance(keys, int) or keys < 0 or keys & (keys - 1):
-        raise ValueError(f"PREWAIT_KEYS must be 0 or a power of two; got {keys!r}")
-    if keys == 0:
-        return {}
-    head_dim = k_cache.shape[-1]
-    lines = max(1, head_dim * k_cache.element_size() // 128)
-    return {"PREWAIT_KEYS": keys, "PREWAIT_LINES": lines, "PREWAIT_LINE": head_dim // lines}
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -527,7 +457,6 @@ def decode_attention(
         ROW_BLOCK=row_block,
         SPLIT_CHUNK=split_chunk,
         PREFETCH=bool(cfg.get("PREFETCH", False)),
-        **_prewait(cfg, k_cache),
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

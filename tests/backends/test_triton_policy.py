@@ -223,11 +223,7 @@ def test_decode_launch_takes_the_policys_choices() -> None:
     many = decode_launch(False, False, 64 * 132, H200_SMS, 16, 64, None)
     assert many["num_warps"] == DECODE_CONFIG["num_warps"] and not many["FUSED_MERGE"]
     verify = decode_launch(False, True, 192, H200_SMS, 13, 4, None)
-    assert verify == {
-        "FUSED_MERGE": False,
-        **choose_verify_config(192, H200_SMS, 13),
-        "PREWAIT_KEYS": decode_policy.PREWAIT_KEYS,
-    }
+    assert verify == {"FUSED_MERGE": False, **choose_verify_config(192, H200_SMS, 13)}
     laid = decode_launch(False, True, 192, H200_SMS, 13, 4, {"FUSED_MERGE": True, "BLOCK_N": 16})
     assert laid["FUSED_MERGE"] and laid["BLOCK_N"] == 16
 

@@ -3,7 +3,6 @@ machine, and a launch the compiler refuses is reported with its kernel and the r
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -243,86 +242,3 @@ def test_sass_mix_counts_instructions_by_opcode():
     assert (mix["FFMA"], mix["SHFL"], mix["DEPBAR"], mix["LDGSTS"]) == (2, 1, 2, 1)
     assert (mix["BRA"], mix["EXIT"], mix["LDC"]) == (1, 1, 1)
     assert mix["wait all"] == 1
-
-
-# Each recorded launch of the decode split kernel compiled for sm_90 (without the
-# interpreter): where its PTX first asks L2 for a line and first waits for the kernel before.
-DECODE_PTX = """
-import json, sys
-from pathlib import Path
-import kernel_launches, triton
-from triton.compiler import ASTSource
-found = []
-for launch in kernel_launches.load(Path(sys.argv[1])):
-    if launch.name != "_decode_split_kernel":
-        continue
-    names = [name for name, _ in launch.signature]
-    constexprs = {names[p[0]]: v for p, v in launch.constexprs}
-    source = ASTSource(kernel_launches._kernel(launch), dict(launch.signature),
-                       dict(launch.constexprs), dict(launch.attrs))
-    ptx = triton.compile(source, target=kernel_launches._target(),
-                         options=dict(launch.options)).asm["ptx"]
-    found.append({"keys": constexprs.get("PREWAIT_KEYS", 0), "tree": constexprs["TREE"],
-                  "prefetch": ptx.find("prefetch.global.L2"),
-                  "wait": ptx.find("griddepcontrol.wait")})
-print(json.dumps(found))
-"""
-
-
-def test_decode_asks_l2_for_its_first_keys_before_its_wait(tmp_path, monkeypatch):
-    """With PDL and PREWAIT_KEYS, the decode and verify split kernels' L2 prefetches of
-    their first keys' rows come before the wait for the kernel before (so they run beside
-    it), compiled for sm_90; with PREWAIT_KEYS 0 there are none. The interpreter runs
-    neither (no PDL): recorded without running, as a Hopper GPU would launch them."""
-    from engine.backends.triton_decode import decode_attention
-
-    monkeypatch.setattr(pdl, "_capable", lambda device: True)
-    gen = torch.Generator().manual_seed(0)
-    cache = (200, 2, 128)
-    inputs = dict(
-        q=torch.randn(4, 8, 128, generator=gen),
-        k_cache=torch.randn(*cache, generator=gen),
-        v_cache=torch.randn(*cache, generator=gen),
-        kv_indices=torch.randperm(200, generator=gen).to(torch.int32),
-        kv_indptr=torch.tensor([0, 100, 190]),
-        prefix_lens=torch.tensor([98, 188]),
-    )
-    launches = {  # (tree, PREWAIT_KEYS)
-        (tree, keys): dict(
-            qo_indptr=torch.tensor([0, 2, 4]) if tree else torch.tensor([0, 1, 2]),
-            tree_bits=torch.tensor([1, 3, 1, 3]) if tree else None,
-            max_q=2 if tree else 1,
-            config={"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PREWAIT_KEYS": keys},
-        )
-        for tree in (False, True)
-        for keys in (0, 128)
-    }
-    with Recorder(execute=False) as recorder, pdl.using("top"):
-        for args in launches.values():
-            q = inputs["q"][: 4 if args["max_q"] == 2 else 2]
-            decode_attention(
-                **dict(inputs, q=q, **{k: v for k, v in args.items() if k != "max_q"}),
-                out=torch.empty_like(q),
-                num_splits=2,
-                max_q=args["max_q"],
-                sm_scale=0.1,
-            )
-    recorder.save(tmp_path / "main.pickle")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", DECODE_PTX, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = {(entry["tree"], entry["keys"]): entry for entry in json.loads(done.stdout)}
-    assert set(found) == set(launches)
-    for (tree, keys), entry in found.items():
-        assert entry["wait"] >= 0, entry
-        if keys:
-            assert 0 <= entry["prefetch"] < entry["wait"], entry
-        else:
-            assert entry["prefetch"] == -1, entry
