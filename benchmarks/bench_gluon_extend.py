@@ -5,6 +5,7 @@ closes the extend gap (docs/benchmarks.md, "ncu_attention.py").
     python3 benchmarks/bench_gluon_extend.py                  # check, then time in turns
     python3 benchmarks/bench_gluon_extend.py --check          # against float32 SDPA only
     python3 benchmarks/bench_gluon_extend.py --shapes 4x2048,8x1024
+    python3 benchmarks/bench_gluon_extend.py --only "64 x 64, 3 slots;64 x 64, 3 slots, WS"
 
 One kernel, new tokens only (no cached prefix), bf16, head_dim 128, a program a tile of
 BLOCK_M rows of one q head, keys in blocks of BLOCK_N through a ring of STAGES K/V slots
@@ -15,9 +16,12 @@ ptxas serializes its products). Without `WS` the compute warps issue the ring's 
 themselves, a CTA-wide barrier a step before each; with `WS` (warp specialization) one
 more warp issues them as the compute warps free slots (mbarriers), and the compute loop
 has no CTA-wide barrier (the package's loop has four a key block around its TMA loads).
-`maxnreg` caps a thread's registers at launch so that two programs fit an SM; the
-partitions' registers are then redistributed (`setmaxnreg`), the compute warps taking what
-the load warp does not need.
+With two warpgroups in turn (FlashAttention-3's ping-pong) a tile's rows are two compute
+warpgroups' halves over the same K/V ring, and each issues its products only after the
+other has issued its own (an mbarrier each way), so that one's softmax runs while the
+other's products multiply. `maxnreg` caps a thread's registers at launch so that two
+programs fit an SM (one, with two warpgroups in turn); the partitions' registers are then
+redistributed (`setmaxnreg`), the compute warps taking what the load warp does not need.
 
 Shapes and timing as bench_extend.py's `--turns` (`attention_problems.py`): SDPA, the
 package's policy launch and each variant captured once and timed in turns; each cell is
@@ -41,16 +45,36 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LOG2E = 1.4426950408889634
-# name: (BLOCK_M, BLOCK_N, STAGES, num_warps, WS, maxnreg)
-VARIANTS: dict[str, tuple[int, int, int, int, bool, int | None]] = {
-    "64 x 64, 3 slots": (64, 64, 3, 4, False, None),
-    "64 x 64, 3 slots, WS": (64, 64, 3, 4, True, 128),
-    "64 x 64, 2 slots, WS": (64, 64, 2, 4, True, 128),
-    "128 x 64, 2 slots, 8 warps, WS": (128, 64, 2, 8, True, 168),
+# name: (BLOCK_M, BLOCK_N, STAGES, num_warps, WS, maxnreg). WS: 0 the compute warps load
+# too; 1 one load warp; 2 one load warp and two compute warpgroups of BLOCK_M // 2 rows
+# each that issue their products in turn (num_warps: each warpgroup's, 4).
+VARIANTS: dict[str, tuple[int, int, int, int, int, int | None]] = {
+    "64 x 64, 3 slots": (64, 64, 3, 4, 0, None),
+    "64 x 64, 3 slots, WS": (64, 64, 3, 4, 1, 128),
+    "64 x 64, 2 slots, WS": (64, 64, 2, 4, 1, 128),
+    "128 x 64, 2 slots, 8 warps, WS": (128, 64, 2, 8, 1, 168),
+    "128 x 64, 3 slots, 2 warpgroups in turn": (128, 64, 3, 4, 2, 168),
+    "128 x 64, 4 slots, 2 warpgroups in turn": (128, 64, 4, 4, 2, 168),
 }
 SHAPES = [(4, 2048), (8, 1024), (16, 512), (1, 4096), (1, 1024)]  # (requests, new tokens)
 MAX_ERR = 1e-2  # relative error against float32 SDPA past which a variant is wrong
 CHECK_LENGTHS = ([1024], [130, 257, 64, 1], [700, 2048], [63, 65, 129, 200])
+
+
+def warpgroups(ws: int) -> int:
+    """Compute warpgroups a program (WS 2: two, in turn)."""
+    return 2 if ws == 2 else 1
+
+
+def turn_regs(ws: int, maxnreg: int | None) -> int:
+    """WS 2: the registers a thread of the second compute warpgroup takes (`setmaxnreg`),
+    the first taking as many: the CTA's 12 warps (the load warp's group padded to four) hold
+    maxnreg each at launch, the load group gives all but 24 back. Else 0 (unused)."""
+    if ws != 2:
+        return 0
+    if not maxnreg:
+        raise ValueError("two warpgroups in turn need maxnreg (the CTA's registers)")
+    return min(256, (maxnreg * 12 * 32 - 24 * 4 * 32) // (2 * 4 * 32) // 8 * 8)
 
 
 @gluon.jit
@@ -66,13 +90,22 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, block, qo_start, kv_col, pr
 
 
 @gluon.jit
+def _issue_q(q_desc, q_smem, q_bar, row, col, GROUPS: gl.constexpr):
+    """The tile's q rows, a warpgroup's share into each of q_smem's GROUPS slots."""
+    mbarrier.expect(q_bar, GROUPS * q_desc.block_type.nbytes)
+    for g in gl.static_range(GROUPS):
+        rows = row + g * q_desc.block_type.shape[0]
+        tma.async_copy_global_to_shared(q_desc, [rows, col], q_bar, q_smem.index(g))
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, qo_start, m0,
             head, kv_col, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            STAGES: gl.constexpr):  # fmt: skip
+            STAGES: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """The load warp (WS): q, then each key block into its slot once the compute warps have
-    freed it (`empty`; a slot's first fill waits for nothing)."""
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [qo_start + m0, head * HEAD_DIM], q_bar, q_smem)
+    freed it (`empty`, which every compute warpgroup arrives at; a slot's first fill waits
+    for nothing)."""
+    _issue_q(q_desc, q_smem, q_bar, qo_start + m0, head * HEAD_DIM, GROUPS)
     for block in range(n_blocks):
         slot = block % STAGES
         mbarrier.wait(empty.index(slot), ((block // STAGES) & 1) ^ 1)
@@ -81,24 +114,42 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty,
 
 
 @gluon.jit
-def _step(j, q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, s_zero, acc, p, m_i, l_i,
-          alpha, rows, cols, seqlen, sm_scale_log2, n_blocks, qo_start, kv_col,
+def _turn_wait(turns, g, HALF: gl.constexpr, TURNS: gl.constexpr):
+    """With TURNS, wait until the other warpgroup has issued its products of turn g - 1
+    (warpgroup 0's first turn waits for nothing: a fresh barrier's previous phase)."""
+    if TURNS:
+        mbarrier.wait(turns.index(HALF), (g + 1 + HALF) & 1)
+
+
+@gluon.jit
+def _turn_pass(turns, HALF: gl.constexpr, TURNS: gl.constexpr):
+    """With TURNS, let the other warpgroup issue its products (ours are issued)."""
+    if TURNS:
+        mbarrier.arrive(turns.index(1 - HALF))
+
+
+@gluon.jit
+def _step(j, q_smem, k_smem, v_smem, ready, empty, turns, k_desc, v_desc, s_zero, acc, p, m_i,
+          l_i, alpha, rows, cols, seqlen, sm_scale_log2, n_blocks, qo_start, kv_col,
           o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, MASKED: gl.constexpr, WS: gl.constexpr):  # fmt: skip
+          STAGES: gl.constexpr, MASKED: gl.constexpr, WS: gl.constexpr,
+          HALF: gl.constexpr):  # fmt: skip
     """Block j's values' product and block j+1's softmax: block j+1's scores and block j's
     product are issued first and multiply while the softmax runs. p is block j's weights
     (float32: a register copy of them would be read while its product is in flight), alpha
     the factor by which the output shrinks before it. MASKED: block j+1 reaches the
-    diagonal or the request's end."""
+    diagonal or the request's end. WS 2: the products issued in this warpgroup's turn."""
     nxt = j + 1
     nslot = nxt % STAGES
     mbarrier.wait(ready.index(nslot), (nxt // STAGES) & 1)
+    _turn_wait(turns, nxt, HALF, WS == 2)
     s = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), s_zero, use_acc=False,
                       is_async=True)  # fmt: skip
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     slot = j % STAGES
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+    _turn_pass(turns, HALF, WS == 2)
     s = warpgroup_mma_wait(1, deps=(s,))  # the scores (issued first); the product in flight
     if MASKED:
         keys = nxt * BLOCK_N + cols
@@ -109,7 +160,7 @@ def _step(j, q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, s_zero, acc, 
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    if WS:  # block j's slot is free: the load warp may fill it
+    if WS:  # block j's slot is free of this warpgroup: the load warp may fill it
         mbarrier.arrive(empty.index(slot))
     else:  # every warp is past block j's product: its slot takes the block STAGES ahead
         gl.thread_barrier()
@@ -120,12 +171,16 @@ def _step(j, q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, s_zero, acc, 
 
 
 @gluon.jit
-def _compute(q_smem, k_smem, v_smem, q_bar, ready, empty, k_desc, v_desc, out, qo_start, seqlen,
-             m0, head, kv_col, n_blocks, sm_scale_log2, stride_ot, stride_oh,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-             STAGES: gl.constexpr, WS: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
-    """The tile's rows over its keys, block by block (`_step`), the blocks below the diagonal
-    in one loop and those on it in another (no branch in a loop), then its output stored."""
+def _compute(q_smem, k_smem, v_smem, q_bar, ready, empty, turns, k_desc, v_desc, out,
+             qo_start, seqlen, m0, head, kv_col, n_blocks, sm_scale_log2, stride_ot,
+             stride_oh, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             STAGES: gl.constexpr, WS: gl.constexpr, NUM_WARPS: gl.constexpr,
+             HALF: gl.constexpr):  # fmt: skip
+    """A warpgroup's BLOCK_M rows from m0 over the tile's n_blocks key blocks, block by
+    block (`_step`), the blocks below its diagonal in one loop and the rest in another (no
+    branch in a loop), then its output stored. WS 2: warpgroup HALF of two, each issuing
+    its products in turn (the same count of turns: the prologue's, n_blocks - 1 steps'
+    and the last product's)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -140,8 +195,10 @@ def _compute(q_smem, k_smem, v_smem, q_bar, ready, empty, k_desc, v_desc, out, q
 
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready.index(0), 0)
+    _turn_wait(turns, 0, HALF, WS == 2)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                       is_async=True)  # fmt: skip
+    _turn_pass(turns, HALF, WS == 2)
     s = warpgroup_mma_wait(0, deps=(s,))
     if BLOCK_N > m0:  # block 0 on the diagonal
         visible = (cols[None, :] <= rows[:, None]) & (cols[None, :] < seqlen)
@@ -153,20 +210,22 @@ def _compute(q_smem, k_smem, v_smem, q_bar, ready, empty, k_desc, v_desc, out, q
     below = gl.minimum(m0 // BLOCK_N, n_blocks)  # blocks wholly below the diagonal
     for j in range(0, below - 1):
         acc, p, m_i, l_i, alpha = _step(
-            j, q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, s_zero, acc, p, m_i, l_i,
-            alpha, rows, cols, seqlen, sm_scale_log2, n_blocks, qo_start, kv_col,
-            o_layout, p_layout, BLOCK_N, STAGES, False, WS,
+            j, q_smem, k_smem, v_smem, ready, empty, turns, k_desc, v_desc, s_zero, acc, p,
+            m_i, l_i, alpha, rows, cols, seqlen, sm_scale_log2, n_blocks, qo_start, kv_col,
+            o_layout, p_layout, BLOCK_N, STAGES, False, WS, HALF,
         )  # fmt: skip
     for j in range(gl.maximum(below - 1, 0), n_blocks - 1):
         acc, p, m_i, l_i, alpha = _step(
-            j, q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, s_zero, acc, p, m_i, l_i,
-            alpha, rows, cols, seqlen, sm_scale_log2, n_blocks, qo_start, kv_col,
-            o_layout, p_layout, BLOCK_N, STAGES, True, WS,
+            j, q_smem, k_smem, v_smem, ready, empty, turns, k_desc, v_desc, s_zero, acc, p,
+            m_i, l_i, alpha, rows, cols, seqlen, sm_scale_log2, n_blocks, qo_start, kv_col,
+            o_layout, p_layout, BLOCK_N, STAGES, True, WS, HALF,
         )  # fmt: skip
     last = n_blocks - 1
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    _turn_wait(turns, n_blocks, HALF, WS == 2)
     acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+    _turn_pass(turns, HALF, WS == 2)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     result = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
@@ -180,10 +239,15 @@ def _compute(q_smem, k_smem, v_smem, q_bar, ready, empty, k_desc, v_desc, out, q
 def prefill_kernel(
     q_desc, k_desc, v_desc, out, qo_indptr, sm_scale_log2, stride_ot, stride_oh,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr, REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """Program (q block from the longest, request, q head): the tile's causal attention over
-    the request's new tokens (qo_indptr: int32 offsets)."""
+    the request's new tokens (qo_indptr: int32 offsets). WS 2: BLOCK_M rows in two
+    warpgroups' halves (q_desc's block is a half), the second warpgroup's threads taking
+    REGS registers (`turn_regs`)."""
+    GROUPS: gl.constexpr = 2 if WS == 2 else 1
+    ROWS: gl.constexpr = BLOCK_M // GROUPS  # a warpgroup's
     q_block = gl.num_programs(0) - 1 - gl.program_id(0)
     req = gl.program_id(1)
     head = gl.program_id(2)
@@ -191,41 +255,62 @@ def prefill_kernel(
     seqlen = gl.load(qo_indptr + req + 1) - qo_start
     m0 = q_block * BLOCK_M
     if m0 < seqlen:
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [GROUPS, ROWS, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=GROUPS)
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
         n_blocks = gl.cdiv(gl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N)
         kv_col = head // GROUP * HEAD_DIM
-        if WS:
+        if WS == 2:
             gl.warp_specialize(
                 [
-                    (_compute, (q_smem, k_smem, v_smem, q_bar, ready, empty, k_desc, v_desc, out,
-                                qo_start, seqlen, m0, head, kv_col, n_blocks, sm_scale_log2,
-                                stride_ot, stride_oh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, WS,
-                                num_warps)),
+                    (_compute, (q_smem.index(0), k_smem, v_smem, q_bar, ready, empty, turns,
+                                k_desc, v_desc, out, qo_start, seqlen, m0, head, kv_col,
+                                n_blocks, sm_scale_log2, stride_ot, stride_oh, ROWS, BLOCK_N,
+                                HEAD_DIM, STAGES, WS, num_warps, 0)),
+                    (_compute, (q_smem.index(1), k_smem, v_smem, q_bar, ready, empty, turns,
+                                k_desc, v_desc, out, qo_start, seqlen, m0 + ROWS, head, kv_col,
+                                n_blocks, sm_scale_log2, stride_ot, stride_oh, ROWS, BLOCK_N,
+                                HEAD_DIM, STAGES, WS, num_warps, 1)),
                     (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready,
                                empty, qo_start, m0, head, kv_col, n_blocks, BLOCK_N, HEAD_DIM,
-                               STAGES)),
+                               STAGES, GROUPS)),
+                ],
+                [num_warps, 1],
+                [REGS, 24],
+            )  # fmt: skip
+        elif WS:
+            gl.warp_specialize(
+                [
+                    (_compute, (q_smem.index(0), k_smem, v_smem, q_bar, ready, empty, turns,
+                                k_desc, v_desc, out, qo_start, seqlen, m0, head, kv_col,
+                                n_blocks, sm_scale_log2, stride_ot, stride_oh, BLOCK_M,
+                                BLOCK_N, HEAD_DIM, STAGES, WS, num_warps, 0)),
+                    (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready,
+                               empty, qo_start, m0, head, kv_col, n_blocks, BLOCK_N, HEAD_DIM,
+                               STAGES, GROUPS)),
                 ],
                 [1],
                 [24],
             )  # fmt: skip
         else:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [qo_start + m0, head * HEAD_DIM], q_bar, q_smem)
+            _issue_q(q_desc, q_smem, q_bar, qo_start + m0, head * HEAD_DIM, GROUPS)
             for i in gl.static_range(STAGES):
                 _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, i, qo_start, kv_col,
                           i < n_blocks, BLOCK_N, STAGES)  # fmt: skip
-            _compute(q_smem, k_smem, v_smem, q_bar, ready, empty, k_desc, v_desc, out, qo_start,
-                     seqlen, m0, head, kv_col, n_blocks, sm_scale_log2, stride_ot, stride_oh,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, WS, num_warps)  # fmt: skip
+            _compute(q_smem.index(0), k_smem, v_smem, q_bar, ready, empty, turns, k_desc,
+                     v_desc, out, qo_start, seqlen, m0, head, kv_col, n_blocks, sm_scale_log2,
+                     stride_ot, stride_oh, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, WS, num_warps,
+                     0)  # fmt: skip
 
 
 def shared_layout(block: list[int]):
@@ -249,9 +334,9 @@ def prefill(q, k, v, out, qo_indptr, max_len, scale, variant):
 
     grid = (triton.cdiv(max_len, block_m), qo_indptr.numel() - 1, hq)
     prefill_kernel[grid](
-        desc(q, block_m), desc(k, block_n), desc(v, block_n), out, qo_indptr, scale * LOG2E,
-        out.stride(0), out.stride(1), hq // hkv, block_m, block_n, d, stages, ws,
-        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        desc(q, block_m // warpgroups(ws)), desc(k, block_n), desc(v, block_n), out, qo_indptr,
+        scale * LOG2E, out.stride(0), out.stride(1), hq // hkv, block_m, block_n, d, stages, ws,
+        turn_regs(ws, maxnreg), num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -333,25 +418,36 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def pick_variants(text: str) -> dict:
+    """'a;b' -> VARIANTS' entries a and b; ValueError naming an unknown one."""
+    names = [name.strip() for name in text.split(";") if name.strip()]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown or not names:
+        raise ValueError(f"--only: unknown variant(s) {unknown}; known: {list(VARIANTS)}")
+    return {name: VARIANTS[name] for name in names}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only the check against SDPA")
     parser.add_argument("--shapes", help=f"REQUESTSxTOKENS,... (default: {SHAPES})")
+    parser.add_argument("--only", help="variants by name, separated by ';' (default: all)")
     args = parser.parse_args()
     try:
         shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
+        variants = pick_variants(args.only) if args.only else VARIANTS
     except ValueError as exc:
         parser.error(str(exc))
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         seen = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
         parser.error(f"needs a Hopper GPU (sm_90: wgmma, TMA); torch sees {seen}")
-    results = check(VARIANTS)
+    results = check(variants)
     for lens, name, err in results:
         print(f"{lens} {name}: {err:.2e}{'' if err < MAX_ERR else ' WRONG'}", flush=True)
     wrong = {name for _, name, err in results if not err < MAX_ERR}
     if wrong:
         print(f"not timed (wrong output): {', '.join(sorted(wrong))}", flush=True)
-    right = {name: v for name, v in VARIANTS.items() if name not in wrong}
+    right = {name: v for name, v in variants.items() if name not in wrong}
     if not args.check and right:
         timing(right, shapes)
     if wrong:

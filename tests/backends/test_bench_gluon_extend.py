@@ -36,10 +36,12 @@ def desc(rows):
     return f"tensordesc<bf16[{rows}, 128],{bench.shared_layout([rows, 128])}>"
 
 names = ["q_desc", "k_desc", "v_desc", "out", "qo_indptr", "sm_scale_log2", "stride_ot",
-         "stride_oh", "GROUP", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "WS", "num_warps"]
-types = [desc(block_m), desc(block_n), desc(block_n), "*bf16", "*i32", "fp32", "i32", "i32"]
-signature = dict(zip(names, types + ["constexpr"] * 7))
-values = (4, block_m, block_n, 128, stages, ws, warps)
+         "stride_oh", "GROUP", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "WS", "REGS",
+         "num_warps"]
+q_rows = block_m // bench.warpgroups(ws)
+types = [desc(q_rows), desc(block_n), desc(block_n), "*bf16", "*i32", "fp32", "i32", "i32"]
+signature = dict(zip(names, types + ["constexpr"] * 8))
+values = (4, block_m, block_n, 128, stages, ws, bench.turn_regs(ws, maxnreg), warps)
 constexprs = {(8 + i,): value for i, value in enumerate(values)}
 options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
 kernel = triton.compile(GluonASTSource(bench.prefill_kernel, signature, constexprs, {}),
@@ -66,7 +68,8 @@ def _compile(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", ["64 x 64, 3 slots", "64 x 64, 3 slots, WS",
-                                  "128 x 64, 2 slots, 8 warps, WS"])  # fmt: skip
+                                  "128 x 64, 2 slots, 8 warps, WS",
+                                  "128 x 64, 3 slots, 2 warpgroups in turn"])  # fmt: skip
 def test_variant_compiles_for_sm90_with_products_in_flight(name) -> None:
     """Each variant compiles for sm_90 without spills, within an SM's shared memory, and
     ptxas does not serialize its wgmma products (which it does where a register copy reads a
@@ -86,6 +89,30 @@ def test_shapes_are_refused_by_name(bench_script) -> None:
     for bad in ("4x", "4x2048x2", "0x512", "ax1"):
         with pytest.raises(ValueError, match=f"{bad!r} is not REQUESTSxTOKENS"):
             gluon_bench.parse_shapes(bad)
+
+
+def test_variants_are_picked_by_name(bench_script) -> None:
+    gluon_bench = bench_script("bench_gluon_extend")
+    first, second = list(gluon_bench.VARIANTS)[:2]
+    assert list(gluon_bench.pick_variants(f"{second}; {first}")) == [second, first]
+    for bad in ("64 x 64", ";", f"{first};nope"):
+        with pytest.raises(ValueError, match="--only: unknown variant"):
+            gluon_bench.pick_variants(bad)
+
+
+def test_two_warpgroups_in_turn_share_the_ctas_registers(bench_script) -> None:
+    """Two compute warpgroups and the load warp's group (12 warps at maxnreg each at launch):
+    the load group keeps 24 registers a thread and the compute groups split the rest, no
+    more than the 256 a thread may have; the variants without turns take none."""
+    gluon_bench = bench_script("bench_gluon_extend")
+    assert gluon_bench.turn_regs(2, 168) == 240  # 168 x 384 = 2 x 240 x 128 + 24 x 128
+    assert gluon_bench.turn_regs(2, 224) == 256
+    assert gluon_bench.turn_regs(1, 128) == gluon_bench.turn_regs(0, None) == 0
+    with pytest.raises(ValueError, match="need maxnreg"):
+        gluon_bench.turn_regs(2, None)
+    for name, (_, _, _, _, ws, maxnreg) in gluon_bench.VARIANTS.items():
+        if ws == 2:
+            assert 12 * 32 * maxnreg <= 65536, name  # one CTA an SM can launch
 
 
 def test_needs_a_hopper_gpu(bench_refusal) -> None:
