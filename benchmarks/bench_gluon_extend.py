@@ -19,7 +19,8 @@ has no CTA-wide barrier (the package's loop has four a key block around its TMA 
 With two warpgroups in turn (FlashAttention-3's ping-pong) a tile's rows are two compute
 warpgroups' halves over the same K/V ring, and each issues its products only after the
 other has issued its own (an mbarrier each way), so that one's softmax runs while the
-other's products multiply. `maxnreg` caps a thread's registers at launch so that two
+other's products multiply (without the turns, the same two warpgroups run as their
+warps are scheduled). `maxnreg` caps a thread's registers at launch so that two
 programs fit an SM (one, with two warpgroups in turn); the partitions' registers are then
 redistributed (`setmaxnreg`), the compute warps taking what the load warp does not need.
 
@@ -47,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 LOG2E = 1.4426950408889634
 # name: (BLOCK_M, BLOCK_N, STAGES, num_warps, WS, maxnreg). WS: 0 the compute warps load
 # too; 1 one load warp; 2 one load warp and two compute warpgroups of BLOCK_M // 2 rows
-# each that issue their products in turn (num_warps: each warpgroup's, 4).
+# each that issue their products in turn (num_warps: each warpgroup's, 4); 3 the same
+# without the turns.
 VARIANTS: dict[str, tuple[int, int, int, int, int, int | None]] = {
     "64 x 64, 3 slots": (64, 64, 3, 4, 0, None),
     "64 x 64, 3 slots, WS": (64, 64, 3, 4, 1, 128),
@@ -55,6 +57,7 @@ VARIANTS: dict[str, tuple[int, int, int, int, int, int | None]] = {
     "128 x 64, 2 slots, 8 warps, WS": (128, 64, 2, 8, 1, 168),
     "128 x 64, 3 slots, 2 warpgroups in turn": (128, 64, 3, 4, 2, 168),
     "128 x 64, 4 slots, 2 warpgroups in turn": (128, 64, 4, 4, 2, 168),
+    "128 x 64, 3 slots, 2 warpgroups": (128, 64, 3, 4, 3, 168),
 }
 SHAPES = [(4, 2048), (8, 1024), (16, 512), (1, 4096), (1, 1024)]  # (requests, new tokens)
 MAX_ERR = 1e-2  # relative error against float32 SDPA past which a variant is wrong
@@ -62,15 +65,16 @@ CHECK_LENGTHS = ([1024], [130, 257, 64, 1], [700, 2048], [63, 65, 129, 200])
 
 
 def warpgroups(ws: int) -> int:
-    """Compute warpgroups a program (WS 2: two, in turn)."""
-    return 2 if ws == 2 else 1
+    """Compute warpgroups a program (WS 2: two, in turn; 3: two)."""
+    return 2 if ws >= 2 else 1
 
 
 def turn_regs(ws: int, maxnreg: int | None) -> int:
-    """WS 2: the registers a thread of the second compute warpgroup takes (`setmaxnreg`),
-    the first taking as many: the CTA's 12 warps (the load warp's group padded to four) hold
-    maxnreg each at launch, the load group gives all but 24 back. Else 0 (unused)."""
-    if ws != 2:
+    """WS 2 and 3: the registers a thread of the second compute warpgroup takes
+    (`setmaxnreg`), the first taking as many: the CTA's 12 warps (the load warp's group
+    padded to four) hold maxnreg each at launch, the load group gives all but 24 back. Else
+    0 (unused)."""
+    if ws < 2:
         return 0
     if not maxnreg:
         raise ValueError("two warpgroups in turn need maxnreg (the CTA's registers)")
@@ -243,10 +247,10 @@ def prefill_kernel(
     num_warps: gl.constexpr,
 ):  # fmt: skip
     """Program (q block from the longest, request, q head): the tile's causal attention over
-    the request's new tokens (qo_indptr: int32 offsets). WS 2: BLOCK_M rows in two
+    the request's new tokens (qo_indptr: int32 offsets). WS 2 and 3: BLOCK_M rows in two
     warpgroups' halves (q_desc's block is a half), the second warpgroup's threads taking
     REGS registers (`turn_regs`)."""
-    GROUPS: gl.constexpr = 2 if WS == 2 else 1
+    GROUPS: gl.constexpr = 2 if WS >= 2 else 1
     ROWS: gl.constexpr = BLOCK_M // GROUPS  # a warpgroup's
     q_block = gl.num_programs(0) - 1 - gl.program_id(0)
     req = gl.program_id(1)
@@ -270,7 +274,7 @@ def prefill_kernel(
             mbarrier.init(turns.index(i), count=1)
         n_blocks = gl.cdiv(gl.minimum(m0 + BLOCK_M, seqlen), BLOCK_N)
         kv_col = head // GROUP * HEAD_DIM
-        if WS == 2:
+        if WS >= 2:
             gl.warp_specialize(
                 [
                     (_compute, (q_smem.index(0), k_smem, v_smem, q_bar, ready, empty, turns,
