@@ -77,7 +77,7 @@ def turn_regs(ws: int, maxnreg: int | None) -> int:
     if ws < 2:
         return 0
     if not maxnreg:
-        raise ValueError("two warpgroups in turn need maxnreg (the CTA's registers)")
+        raise ValueError("two compute warpgroups need maxnreg (the CTA's registers)")
     return min(256, (maxnreg * 12 * 32 - 24 * 4 * 32) // (2 * 4 * 32) // 8 * 8)
 
 
@@ -182,9 +182,9 @@ def _compute(q_smem, k_smem, v_smem, q_bar, ready, empty, turns, k_desc, v_desc,
              HALF: gl.constexpr):  # fmt: skip
     """A warpgroup's BLOCK_M rows from m0 over the tile's n_blocks key blocks, block by
     block (`_step`), the blocks below its diagonal in one loop and the rest in another (no
-    branch in a loop), then its output stored. WS 2: warpgroup HALF of two, each issuing
-    its products in turn (the same count of turns: the prologue's, n_blocks - 1 steps'
-    and the last product's)."""
+    branch in a loop), then its output stored. WS 2 and 3: warpgroup HALF of two; WS 2
+    issues its products in turn with the other (the same count of turns: the prologue's,
+    n_blocks - 1 steps' and the last product's)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -351,7 +351,7 @@ def check(variants: dict) -> list[tuple[list[int], str, float]]:
 
     torch.manual_seed(0)
     hq, hkv, d = 32, 8, 128
-    lines = []
+    results = []
     for lens in CHECK_LENGTHS:
         offsets = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
         tokens = int(offsets[-1])
@@ -368,8 +368,8 @@ def check(variants: dict) -> list[tuple[list[int], str, float]]:
             out = torch.full_like(q, float("nan"))
             prefill(q, k, v, out, offsets, max(lens), d**-0.5, variant)
             err = rel_err(out, ref)
-            lines.append((lens, name, err))
-    return lines
+            results.append((lens, name, err))
+    return results
 
 
 def timing(variants: dict, shapes: list[tuple[int, int]]) -> None:
@@ -427,7 +427,8 @@ def pick_variants(text: str) -> dict:
     names = [name.strip() for name in text.split(";") if name.strip()]
     unknown = [name for name in names if name not in VARIANTS]
     if unknown or not names:
-        raise ValueError(f"--only: unknown variant(s) {unknown}; known: {list(VARIANTS)}")
+        what = f"unknown variant(s) {unknown}" if unknown else "no variant named"
+        raise ValueError(f"--only: {what}; known: {list(VARIANTS)}")
     return {name: VARIANTS[name] for name in names}
 
 
