@@ -6,6 +6,7 @@ closes the extend gap (docs/benchmarks.md, "ncu_attention.py").
     python3 benchmarks/bench_gluon_extend.py --check          # against float32 SDPA only
     python3 benchmarks/bench_gluon_extend.py --shapes 4x2048,8x1024
     python3 benchmarks/bench_gluon_extend.py --only "64 x 64, 3 slots;64 x 64, 3 slots, WS"
+    python3 benchmarks/bench_gluon_extend.py --sass  # compiled for sm_90, no GPU needed
 
 One kernel, new tokens only (no cached prefix), bf16, head_dim 128, a program a tile of
 BLOCK_M rows of one q head, keys in blocks of BLOCK_N through a ring of STAGES K/V slots
@@ -26,12 +27,22 @@ redistributed (`setmaxnreg`), the compute warps taking what the load warp does n
 
 Shapes and timing as bench_extend.py's `--turns` (`attention_problems.py`): SDPA, the
 package's policy launch and each variant captured once and timed in turns; each cell is
-us (SDPA's time over it; the variant's relative error against SDPA's output).
+us (SDPA's time over it; the variant's relative error against SDPA's output). `--sass`
+compiles each variant for sm_90 on any machine (run without TRITON_INTERPRET) and prints its
+registers, spills and shared memory, whether ptxas serializes its products, and how many of
+a block's exponentials the SASS places between the wait for its scores and the wait for its
+values' product (the softmax that overlaps the product; `product_waits`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -45,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 LOG2E = 1.4426950408889634
 # name: (BLOCK_M, BLOCK_N, STAGES, num_warps, WS, maxnreg). WS: 0 the compute warps load
 # too; 1 one load warp; 2 one load warp and two compute warpgroups of BLOCK_M // 2 rows
@@ -250,8 +262,8 @@ def prefill_kernel(
     the request's new tokens (qo_indptr: int32 offsets). WS 2 and 3: BLOCK_M rows in two
     warpgroups' halves (q_desc's block is a half), the second warpgroup's threads taking
     REGS registers (`turn_regs`)."""
-    GROUPS: gl.constexpr = 2 if WS >= 2 else 1
-    ROWS: gl.constexpr = BLOCK_M // GROUPS  # a warpgroup's
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]  # a compute warpgroup's (`warpgroups`)
+    GROUPS: gl.constexpr = BLOCK_M // ROWS
     q_block = gl.num_programs(0) - 1 - gl.program_id(0)
     req = gl.program_id(1)
     head = gl.program_id(2)
@@ -342,6 +354,86 @@ def prefill(q, k, v, out, qo_indptr, max_len, scale, variant):
         scale * LOG2E, out.stride(0), out.stride(1), hq // hkv, block_m, block_n, d, stages, ws,
         turn_regs(ws, maxnreg), num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
+
+
+def sm90_report(variant: tuple) -> dict:
+    """`variant`'s launch at 32 q / 8 kv heads compiled for sm_90 without a GPU (in a process
+    without TRITON_INTERPRET, under which a Gluon kernel is interpreted): its registers and
+    spilled bytes a thread, shared memory, ptxas's report of its PTX (`-v`: C7514 where it
+    serializes the products) and `product_waits` of its SASS."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import kernel_launches
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    block_m, block_n, stages, warps, ws, maxnreg = variant
+
+    def desc(rows: int) -> str:
+        return f"tensordesc<bf16[{rows}, 128],{shared_layout([rows, 128])}>"
+
+    names = ["q_desc", "k_desc", "v_desc", "out", "qo_indptr", "sm_scale_log2", "stride_ot",
+             "stride_oh", "GROUP", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "WS", "REGS",
+             "num_warps"]  # fmt: skip
+    types = [desc(block_m // warpgroups(ws)), desc(block_n), desc(block_n), "*bf16", "*i32"]
+    types += ["fp32", "i32", "i32"] + ["constexpr"] * 8
+    values = (4, block_m, block_n, 128, stages, ws, turn_regs(ws, maxnreg), warps)
+    constexprs = {(8 + i,): value for i, value in enumerate(values)}
+    source = GluonASTSource(prefill_kernel, dict(zip(names, types, strict=True)), constexprs, {})
+    options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    kernel = triton.compile(source, target=kernel_launches._target(), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        done = subprocess.run(
+            [get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+    sass = kernel_launches._cuobjdump(kernel.asm["cubin"], "-sass")
+    return {
+        **kernel_launches._usage(kernel.asm["cubin"]),
+        "shared": kernel.metadata.shared,
+        "ptxas": done.stdout + done.stderr,
+        "waits": product_waits(sass),
+    }
+
+
+def product_waits(sass: str) -> list[int]:
+    """For each wait for a block's scores in `sass` (`WARPGROUP.DEPBAR.LE gsb0, 0x1`: the
+    values' product still in flight), the exponentials (`MUFU.EX2`) before the wait for that
+    product (`WARPGROUP.DEPBAR.LE gsb0, 0x0`): the softmax that runs beside the product."""
+    counts: list[int] = []
+    between = None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            between = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and between is not None:
+            counts.append(between)
+            between = None
+        elif "MUFU.EX2" in line and between is not None:
+            between += 1
+    return counts
+
+
+def sass_table(variants: dict) -> None:
+    """`sm90_report` of each variant, a row each, each compiled in a process without
+    TRITON_INTERPRET (under it this module's kernel is an interpreted function)."""
+    print("| variant | registers | spilled bytes | shared KB | products serialized | "
+          "exponentials a block | between the two waits |")  # fmt: skip
+    print("|" + "---|" * 7)
+    for name, (block_m, block_n, _, warps, ws, _) in variants.items():
+        done = subprocess.run(
+            [sys.executable, __file__, "--sass-one", name], capture_output=True, text=True,
+            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, check=True,
+        )  # fmt: skip
+        found = json.loads(done.stdout.splitlines()[-1])
+        # a compute thread's, of a block: a warpgroup's rows (all, without two) by the block
+        per_block = block_m // warpgroups(ws) * block_n // (32 * warps)
+        print(
+            f"| {name} | {found['registers']} | {found['spilled']} | "
+            f"{found['shared'] / 1024:.0f} | {'C7514' in found['ptxas']} | {per_block} | "
+            f"{', '.join(map(str, found['waits']))} |",
+            flush=True,
+        )
 
 
 def check(variants: dict) -> list[tuple[list[int], str, float]]:
@@ -437,12 +529,20 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="only the check against SDPA")
     parser.add_argument("--shapes", help=f"REQUESTSxTOKENS,... (default: {SHAPES})")
     parser.add_argument("--only", help="variants by name, separated by ';' (default: all)")
+    parser.add_argument("--sass", action="store_true", help="compiled for sm_90: no GPU needed")
+    parser.add_argument("--sass-one", help=argparse.SUPPRESS)  # a variant's report, as JSON
     args = parser.parse_args()
     try:
         shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
         variants = pick_variants(args.only) if args.only else VARIANTS
     except ValueError as exc:
         parser.error(str(exc))
+    if args.sass_one:
+        print(json.dumps(sm90_report(VARIANTS[args.sass_one])))
+        return
+    if args.sass:
+        sass_table(variants)
+        return
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         seen = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
         parser.error(f"needs a Hopper GPU (sm_90: wgmma, TMA); torch sees {seen}")

@@ -16,51 +16,13 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 
-# Run without the CPU interpreter (the suite's processes have it on, which turns a Gluon
-# kernel into an interpreted function): the variant's launch at 32 q / 8 kv heads compiled
-# for sm_90, printed as JSON (its resources and ptxas's report of its PTX).
-COMPILE = """
-import json, subprocess, sys, tempfile
-from pathlib import Path
-root = Path(sys.argv[1])
-sys.path[:0] = [str(root / "benchmarks"), str(root / "tests")]
-import bench_gluon_extend as bench
-import kernel_launches
-import triton
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.experimental.gluon._runtime import GluonASTSource
-
-block_m, block_n, stages, warps, ws, maxnreg = bench.VARIANTS[sys.argv[2]]
-
-def desc(rows):
-    return f"tensordesc<bf16[{rows}, 128],{bench.shared_layout([rows, 128])}>"
-
-names = ["q_desc", "k_desc", "v_desc", "out", "qo_indptr", "sm_scale_log2", "stride_ot",
-         "stride_oh", "GROUP", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "WS", "REGS",
-         "num_warps"]
-q_rows = block_m // bench.warpgroups(ws)
-types = [desc(q_rows), desc(block_n), desc(block_n), "*bf16", "*i32", "fp32", "i32", "i32"]
-signature = dict(zip(names, types + ["constexpr"] * 8))
-values = (4, block_m, block_n, 128, stages, ws, bench.turn_regs(ws, maxnreg), warps)
-constexprs = {(8 + i,): value for i, value in enumerate(values)}
-options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-kernel = triton.compile(GluonASTSource(bench.prefill_kernel, signature, constexprs, {}),
-                        target=kernel_launches._target(), options=options)
-with tempfile.TemporaryDirectory() as tmp:
-    ptx = Path(tmp) / "kernel.ptx"
-    ptx.write_text(kernel.asm["ptx"])
-    done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o",
-                           str(Path(tmp) / "kernel.o")], capture_output=True, text=True)
-print(json.dumps({**kernel_launches._usage(kernel.asm["cubin"]),
-                  "shared": kernel.metadata.shared, "ptxas": done.stdout + done.stderr}))
-"""
-
-
 def _compile(name: str) -> dict:
+    """The script's `--sass-one` (`sm90_report`), run without the CPU interpreter (the
+    suite's processes have it on, which turns a Gluon kernel into an interpreted function)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gluon_extend.py"
     done = subprocess.run(
-        [sys.executable, "-c", COMPILE, str(root), name],
+        [sys.executable, str(script), "--sass-one", name],
         capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -82,6 +44,29 @@ def test_variant_compiles_for_sm90_with_products_in_flight(name) -> None:
     assert found["shared"] <= kernel_launches.MAX_SHARED
     assert "ptxas info" in found["ptxas"]
     assert "serialized" not in found["ptxas"], found["ptxas"]
+    assert found["waits"], "no key step with its product in flight past the scores' wait"
+
+
+SASS = """
+        /*1200*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR12], RZ, !UPT ;
+        /*1210*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*1220*/                   MUFU.EX2 R23, R16 ;
+        /*1230*/                   FFMA R93, R93, UR45, -R158 ;
+        /*1240*/                   MUFU.EX2 R10, R10 ;
+        /*1250*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*1260*/                   MUFU.EX2 R12, R12 ;
+        /*1270*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*1280*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*1290*/                   MUFU.EX2 R14, R14 ;
+        /*12a0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+"""
+
+
+def test_product_waits_count_the_softmax_between_the_two_waits(bench_script) -> None:
+    """Exponentials after a scores' wait and before the product's wait that follows, a count
+    per scores' wait; those after the product's wait, and a product's wait with no scores'
+    wait before it, count for none."""
+    assert bench_script("bench_gluon_extend").product_waits(SASS) == [2, 0]
 
 
 def test_shapes_are_refused_by_name(bench_script) -> None:
