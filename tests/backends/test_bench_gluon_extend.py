@@ -1,6 +1,7 @@
-"""benchmarks/bench_gluon_extend.py: its Gluon prefill kernel compiled for sm_90 without a GPU
-(every variant: no spills, and ptxas keeps its matrix products asynchronous), its refusals,
-and on a Hopper GPU its output against SDPA's."""
+"""benchmarks/bench_gluon_extend.py and its Gluon prefill kernel (benchmarks/gluon_prefill.py):
+each variant compiled for sm_90 without a GPU (no spills, and ptxas keeps its matrix products
+asynchronous), the script's refusals and its SASS reading, and on a Hopper GPU each variant's
+output against SDPA's."""
 
 from __future__ import annotations
 
@@ -92,14 +93,14 @@ def test_two_warpgroups_in_turn_share_the_ctas_registers(bench_script) -> None:
     """Two compute warpgroups and the load warp's group (12 warps at maxnreg each at launch):
     the load group keeps 24 registers a thread and the compute groups split the rest, no
     more than the 256 a thread may have; the variants without turns take none."""
-    gluon_bench = bench_script("bench_gluon_extend")
-    assert gluon_bench.turn_regs(2, 168) == gluon_bench.turn_regs(3, 168) == 240
+    gluon_prefill = bench_script("gluon_prefill")
+    assert gluon_prefill.turn_regs(2, 168) == gluon_prefill.turn_regs(3, 168) == 240
     # 168 x 384 = 2 x 240 x 128 + 24 x 128
-    assert gluon_bench.turn_regs(2, 224) == 256
-    assert gluon_bench.turn_regs(1, 128) == gluon_bench.turn_regs(0, None) == 0
+    assert gluon_prefill.turn_regs(2, 224) == 256
+    assert gluon_prefill.turn_regs(1, 128) == gluon_prefill.turn_regs(0, None) == 0
     with pytest.raises(ValueError, match="need maxnreg"):
-        gluon_bench.turn_regs(2, None)
-    for name, (_, _, _, _, ws, maxnreg) in gluon_bench.VARIANTS.items():
+        gluon_prefill.turn_regs(2, None)
+    for name, (_, _, _, _, ws, maxnreg) in gluon_prefill.VARIANTS.items():
         if ws >= 2:
             assert 12 * 32 * maxnreg <= 65536, name  # one CTA an SM can launch
 
