@@ -33,20 +33,18 @@ from attention_problems import (  # benchmarks/, beside this script
 
 # --turns: the policy's extend launch ("default": `choose_extend_config` over EXTEND_CONFIG)
 # and these, with SDPA, timed in turns at EXTEND's shapes and EXTEND_MORE's (shorter prompts,
-# more of them). Here EXTEND_CONFIG alone and the short prompts' launch at every shape, each
-# with one in 2 or 4 of its exponentials on the FMA pipes (`SHARED_EXP2`) and without.
-# Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64 tiles, 128 x 128 tiles in 2 and 3
-# stages, the diagonal blocks in a loop of their own, other HEADS launches, tiles shorter
-# than their key blocks, the grid in bands of q blocks, persistent programs) are timed in
-# docs/benchmarks.md.
+# more of them). Here EXTEND_CONFIG alone, with the diagonal blocks in a loop of their own
+# (its earlier default), the short prompts' launch at every shape, and 128 x 128 tiles of 8
+# warps in 3 stages (the fastest at one prompt of 4096 tokens in --grid, before the diagonal
+# joined the loop). Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64 tiles, 128 x 128
+# in 2 stages, other HEADS launches, tiles shorter than their key blocks, the grid in bands
+# of q blocks, persistent programs) are timed in docs/benchmarks.md.
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},
-    {"SHARED_EXP2": 2},
-    {"SHARED_EXP2": 4},
+    {"DIAGONAL_IN_LOOP": False},
     {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "SHARED_EXP2": 2},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2, "SHARED_EXP2": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 
 EXTEND_GRID = [  # --grid: tiles, warps, pipeline depth, tensor-memory loads

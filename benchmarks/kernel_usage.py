@@ -78,19 +78,7 @@ def attention_launches(kind: str) -> list[tuple[str, dict]]:
             )
             for c in [dict(c, DIAGONAL_IN_LOOP=False, TMA=True)]
         ]
-        shared_exp2 = [  # one exponential in 2 or 4 by a cubic on the FMA pipes
-            (
-                f"{label}, 1 in {one_in} exponentials by a cubic",
-                dict(extend_policy.EXTEND_CONFIG, **c),
-            )
-            for label, c in (
-                ("64 x 64, 4 warps, 3 stages", {}),
-                ("32 x 32, 2 heads, 4 warps, 3 stages", {"BLOCK_M": 32, "BLOCK_N": 32, "HEADS": 2}),
-            )
-            for one_in in (2, 4)
-            for c in [dict(c, SHARED_EXP2=one_in, TMA=True)]
-        ]
-        return tiles + heads + diagonal_apart + shared_exp2
+        return tiles + heads + diagonal_apart
     if kind == "decode":
         grid = [
             (f"{n} keys, {w} warps, {st} stages, merge {merge}", c)

@@ -20,9 +20,6 @@ from __future__ import annotations
 # 0.91-0.99 of the two loops' time at each of six shapes, in four runs. With it BLOCK_N may
 # also be a multiple of BLOCK_M (a tile's diagonal block then starts before its first token);
 # without it BLOCK_M must be a multiple of BLOCK_N.
-# SHARED_EXP2: one exponential in 2 or 4 by a cubic on the FMA pipes, the rest on the special
-# function unit (`triton_extend.exp2_shared`), so that the two pipes share the softmax's
-# exponentials; 0: none. A 16-bit P only (the cubic's error is under its rounding).
 EXTEND_CONFIG = {
     "BLOCK_M": 64,
     "BLOCK_N": 64,
@@ -32,7 +29,6 @@ EXTEND_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,
-    "SHARED_EXP2": 0,
 }
 INTERPRETER_CONFIG = {
     "BLOCK_M": 32,
@@ -43,7 +39,6 @@ INTERPRETER_CONFIG = {
     "GRID_ORDER": None,
     "HEADS": 1,
     "DIAGONAL_IN_LOOP": True,  # as on a GPU
-    "SHARED_EXP2": 0,
 }
 GRID_AXES = "qrh"
 # Many short prompts: 32 x 32 tiles of two q heads. A tile's fixed cost (offsets, q, the
@@ -104,13 +99,6 @@ def extend_launch(
         raise ValueError(
             f"HEADS={heads!r} must be a power of two dividing the q heads a kv head serves "
             f"({group}): a program's heads share their K/V"
-        )
-    shared = cfg["SHARED_EXP2"]
-    if type(shared) is not int or shared not in (0, 2, 4) or shared * 4 > block_n:
-        raise ValueError(
-            f"SHARED_EXP2={shared!r} must be 0 (every exponential on the special function "
-            f"unit), 2 or 4 (one in that many by a cubic; 4 with BLOCK_N >= 16, here "
-            f"{block_n})"
         )
     order = cfg["GRID_ORDER"] or grid_order(num_requests)
     if sorted(order) != sorted(GRID_AXES):

@@ -29,73 +29,17 @@ from engine.pdl import enter, leave
 
 
 @triton.jit
-def exp2_cubic(x):
-    """2**x for x <= 0 (0 below -125, -inf included) in adds, multiply-adds and integer
-    ops, none on the special function unit: round(x) by the 1.5 * 2**23 addend (it lands in
-    the sum's low mantissa bits), 2**f of the rest f in [-0.5, 0.5] by a cubic fitted to the
-    relative error (at most 7.5e-5, under the rounding of a 16-bit P: 2**-9 in bf16, 2**-11
-    in fp16), and round(x) added to the result's exponent."""
-    x_or_floor = tl.maximum(x, -126.0)  # no NaN from -inf below (the result is 0 there)
-    shifted = x_or_floor + 12582912.0
-    f = x_or_floor - (shifted - 12582912.0)
-    p = f * 0.0551716531365721 + 0.24261116150080375
-    p = p * f + 0.6932609919253159
-    p = p * f + 0.9999280713051489
-    # shifted's bits are 0x4B400000 + round(x): shifted left by 23, only round(x)'s remain
-    exponent = shifted.to(tl.int32, bitcast=True) << 23
-    value = (p.to(tl.int32, bitcast=True) + exponent).to(tl.float32, bitcast=True)
-    return tl.where(x < -125.0, 0.0, value)  # below, the exponent would wrap
-
-
-@triton.jit
-def exp2_shared(x, ROWS: tl.constexpr, COLS: tl.constexpr, ONE_IN: tl.constexpr):
-    """2**x ([ROWS, COLS], x <= 0), one in ONE_IN (2 or 4) by `exp2_cubic` on the FMA pipes
-    and the rest on the special function unit, so that the two run side by side. In the
-    products' layout a column's lowest bit and its bits from the fourth up lie in a thread's
-    registers (pairs of neighbours, groups of 8 columns), the middle two in its lane: ONE_IN 2
-    takes the odd columns, 4 the odd columns of the odd groups, each without moving data."""
-    if ONE_IN == 2:
-        even, odd = tl.split(tl.reshape(x, [ROWS, COLS // 2, 2]))
-        return tl.reshape(tl.join(tl.math.exp2(even), exp2_cubic(odd)), [ROWS, COLS])
-    else:
-        tl.static_assert(ONE_IN == 4, "one in 2 or 4 exponentials by the cubic")
-        # column 16a + 8b + r as [a, r, b]: the groups' parity b last
-        groups = tl.permute(tl.reshape(x, [ROWS, COLS // 16, 2, 8]), (0, 1, 3, 2))
-        even_groups, odd_groups = tl.split(groups)
-        even, odd = tl.split(tl.reshape(odd_groups, [ROWS, COLS // 16, 4, 2]))
-        mixed = tl.join(tl.math.exp2(even), exp2_cubic(odd))
-        odd_groups = tl.reshape(mixed, [ROWS, COLS // 16, 8])
-        groups = tl.join(tl.math.exp2(even_groups), odd_groups)
-        return tl.reshape(tl.permute(groups, (0, 1, 3, 2)), [ROWS, COLS])
-
-
-@triton.jit
-def softmax_accumulate(
-    scores,
-    v_block,
-    m_i,
-    l_i,
-    acc,
-    sm_scale_log2,
-    GUARDED: tl.constexpr,
-    SHARED_EXP2: tl.constexpr = 0,
-):
+def softmax_accumulate(scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED: tl.constexpr):
     """One key block's scores (masked keys at -inf) into the running maximum m_i (log2
     units), sum l_i and output acc. GUARDED: a row may have seen no key yet (its maximum
-    -inf); else every row's maximum is finite. SHARED_EXP2 (0, 2 or 4): one exponential in
-    that many by `exp2_shared`'s cubic, none with 0 (a 16-bit P only: the cubic's error is
-    under its rounding)."""
+    -inf); else every row's maximum is finite."""
     # the scale joins the subtraction (one multiply-add an element)
     m_new = tl.maximum(m_i, tl.max(scores, 1) * sm_scale_log2)
     if GUARDED:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_safe = m_new
-    exponents = scores * sm_scale_log2 - m_safe[:, None]
-    if SHARED_EXP2:
-        p = exp2_shared(exponents, scores.shape[0], scores.shape[1], SHARED_EXP2)
-    else:
-        p = tl.math.exp2(exponents)
+    p = tl.math.exp2(scores * sm_scale_log2 - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -105,23 +49,14 @@ def softmax_accumulate(
 
 @triton.jit
 def online_softmax_step(
-    q_block,
-    k_block,
-    v_block,
-    visible,
-    m_i,
-    l_i,
-    acc,
-    sm_scale_log2,
-    MASKED: tl.constexpr,
-    SHARED_EXP2: tl.constexpr = 0,
+    q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED: tl.constexpr
 ):
     """A key block attended: its keys where `visible` with MASKED (a row may then have seen
-    none yet), all of them without (`visible` unused). SHARED_EXP2: `softmax_accumulate`'s."""
+    none yet), all of them without (`visible` unused)."""
     scores = tl.dot(q_block, tl.trans(k_block))
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
-    return softmax_accumulate(scores, v_block, m_i, l_i, acc, sm_scale_log2, MASKED, SHARED_EXP2)
+    return softmax_accumulate(scores, v_block, m_i, l_i, acc, sm_scale_log2, MASKED)
 
 
 @triton.jit
@@ -162,7 +97,6 @@ def _extend_kernel(
     PDL: tl.constexpr,
     HEADS: tl.constexpr = 1,
     DIAGONAL_IN_LOOP: tl.constexpr = False,
-    SHARED_EXP2: tl.constexpr = 0,
 ):
     enter(PDL)
     q_block_id = tl.num_programs(Q_AXIS) - 1 - tl.program_id(Q_AXIS)  # longest blocks first
@@ -211,16 +145,7 @@ def _extend_kernel(
             k_block = tl.load(k_cache + offs)
             v_block = tl.load(v_cache + offs)
             m_i, l_i, acc = online_softmax_step(
-                q_block,
-                k_block,
-                v_block,
-                None,
-                m_i,
-                l_i,
-                acc,
-                sm_scale_log2,
-                MASKED=False,
-                SHARED_EXP2=SHARED_EXP2,
+                q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
             )
         if full < prefix:  # the prefix's last, partial block
             keys = full + tl.arange(0, BLOCK_N)
@@ -239,7 +164,6 @@ def _extend_kernel(
                 acc,
                 sm_scale_log2,
                 MASKED=True,
-                SHARED_EXP2=SHARED_EXP2,
             )
         if DIAGONAL_IN_LOOP:  # stage 2 in one loop: the diagonal block's loads pipelined too
             for start in range(0, tl.minimum(first + BLOCK_M, num_new), BLOCK_N):
@@ -262,14 +186,7 @@ def _extend_kernel(
                     scores = tl.where(visible, scores, float("-inf"))
                 # every row sees a key by its diagonal block's end (its own): no guard
                 m_i, l_i, acc = softmax_accumulate(
-                    scores,
-                    v_block,
-                    m_i,
-                    l_i,
-                    acc,
-                    sm_scale_log2,
-                    GUARDED=False,
-                    SHARED_EXP2=SHARED_EXP2,
+                    scores, v_block, m_i, l_i, acc, sm_scale_log2, GUARDED=False
                 )
         else:
             for start in range(0, first, BLOCK_N):  # stage 2a: below the diagonal block
@@ -285,16 +202,7 @@ def _extend_kernel(
                         v + keys[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
                     )
                 m_i, l_i, acc = online_softmax_step(
-                    q_block,
-                    k_block,
-                    v_block,
-                    None,
-                    m_i,
-                    l_i,
-                    acc,
-                    sm_scale_log2,
-                    MASKED=False,
-                    SHARED_EXP2=SHARED_EXP2,
+                    q_block, k_block, v_block, None, m_i, l_i, acc, sm_scale_log2, MASKED=False
                 )
             last = tl.minimum(first + BLOCK_M, num_new)
             for start in range(first, last, BLOCK_N):  # stage 2b: the diagonal block, causal
@@ -317,16 +225,7 @@ def _extend_kernel(
                     )
                 visible = key_ok[None, :] & (local[None, :] <= rows[:, None])
                 m_i, l_i, acc = online_softmax_step(
-                    q_block,
-                    k_block,
-                    v_block,
-                    visible,
-                    m_i,
-                    l_i,
-                    acc,
-                    sm_scale_log2,
-                    MASKED=True,
-                    SHARED_EXP2=SHARED_EXP2,
+                    q_block, k_block, v_block, visible, m_i, l_i, acc, sm_scale_log2, MASKED=True
                 )
         leave(PDL)
         result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -362,12 +261,6 @@ def extend_attention(
         q.device.type == "cpu", num_requests, max_seq_len, group, config
     )
     order, heads = cfg["GRID_ORDER"], cfg["HEADS"]
-    shared_exp2 = cfg["SHARED_EXP2"]
-    if shared_exp2 and v.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"SHARED_EXP2 takes bfloat16 or float16 K/V (its cubic's error is under their "
-            f"P's rounding), not {v.dtype}"
-        )
     if num_tokens == 0 or num_requests == 0:  # refused settings above even so
         return out
     sizes = {
@@ -418,7 +311,6 @@ def extend_attention(
         H_AXIS=order.index("h"),
         HEADS=heads,
         DIAGONAL_IN_LOOP=bool(cfg["DIAGONAL_IN_LOOP"]),
-        SHARED_EXP2=shared_exp2,
         **pdl.launch(q.device, "attention"),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import triton
-import triton.language as tl
 from backend_cases import (
-    DEVICE,
     DTYPES,
     EXAMPLES,
     MAX_BATCH,
@@ -329,57 +324,6 @@ def test_extend_key_blocks_longer_than_tiles(heads: int, tma: bool, monkeypatch)
     torch.testing.assert_close(short, even, rtol=1e-3, atol=1e-3)
     with pytest.raises(ValueError, match="BLOCK_M=16 must be a multiple of BLOCK_N=32"):
         run(case.q, case.k, case.v, {**config, "BLOCK_M": 16, "DIAGONAL_IN_LOOP": False})
-
-
-@triton.jit
-def _exp2_cubic_kernel(x, out, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(out + offs, triton_extend.exp2_cubic(tl.load(x + offs)))
-
-
-def test_exp2_cubic_within_its_error() -> None:
-    """`exp2_cubic` (2**x without the special function unit) is within 7.5e-5 of 2**x for x
-    in [-125, 0] (whole numbers, halves and between them), and 0 below -125 and at -inf (a
-    masked key's weight)."""
-    inside = torch.cat([torch.linspace(-125.0, 0.0, 4089), torch.tensor([-0.5, -2.5, -124.5])])
-    below = torch.tensor([-125.01, -126.0, -1e4, -math.inf])
-    x = torch.cat([inside, below]).to(DEVICE)
-    out = torch.full_like(x, float("nan"))
-    _exp2_cubic_kernel[(1,)](x, out, N=x.numel())
-    got, want = out[: inside.numel()].double(), torch.exp2(x[: inside.numel()].double())
-    assert ((got - want).abs() / want).max() < 7.5e-5
-    assert not out[inside.numel() :].any()
-
-
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("heads, one_in", [(1, 2), (1, 4), (2, 4)])
-def test_extend_shared_exp2_matches_the_special_function_unit(
-    heads: int, one_in: int, tma: bool, monkeypatch
-) -> None:
-    """Extend with one in 2 or 4 of each key block's exponentials by `exp2_cubic`
-    (`SHARED_EXP2`) equals every one on the special function unit, and the reference, with
-    pointer loads and through tensor-memory descriptors, on ragged requests with and without
-    a prefix (the prefix's partial block masked). Float32 K/V are refused (the cubic's error
-    is under a 16-bit P's rounding only), and a share other than 0, 2 or 4 (4 with 16-key
-    blocks or longer), a pass of no tokens too."""
-    dtype = DTYPES[-1]
-    case = _extend_case([40, 0, 7], [70, 9, 33], 64, 47, tma, monkeypatch)
-    ref, run = _extend_direct(case)
-    config = {"TMA": tma, "HEADS": heads}
-    unit = run(case.q, case.k, case.v, config)
-    shared = run(case.q, case.k, case.v, {**config, "SHARED_EXP2": one_in})
-    assert relative_error(shared, ref) < TOLERANCE[dtype]
-    torch.testing.assert_close(shared, unit, rtol=1e-3, atol=1e-3)
-    wide = [t.float() for t in (case.q, case.k, case.v)]
-    for q, k, v in (wide, [t[:0] for t in wide]):
-        with pytest.raises(ValueError, match="SHARED_EXP2 takes bfloat16 or float16 .*float32"):
-            run(q, k, v, {**config, "TMA": False, "SHARED_EXP2": one_in})
-    bad = [{"SHARED_EXP2": n} for n in (1, 3, 8, True)]
-    bad.append({"SHARED_EXP2": 4, "BLOCK_M": 16, "BLOCK_N": 8})
-    for settings_ in bad:
-        for q, k, v in ((case.q, case.k, case.v), (case.q[:0], case.k[:0], case.v[:0])):
-            with pytest.raises(ValueError, match=r"SHARED_EXP2=.* must be 0 .*, 2 or 4"):
-                run(q, k, v, {**config, **settings_})
 
 
 @pytest.mark.parametrize("tma", [False, True])
