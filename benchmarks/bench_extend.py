@@ -38,7 +38,8 @@ from attention_problems import (  # benchmarks/, beside this script
 # warps in 3 stages (the fastest at one prompt of 4096 tokens in --grid, before the diagonal
 # joined the loop). Earlier lists (2 and 4 stages, 64 x 32 tiles, 128 x 64 tiles, 128 x 128
 # in 2 stages, other HEADS launches, tiles shorter than their key blocks, the grid in bands
-# of q blocks, persistent programs) are timed in docs/benchmarks.md.
+# of q blocks, persistent programs, exponentials shared with the FMA pipes) are timed in
+# docs/benchmarks.md.
 EXTEND_MORE = [(4, 0, 2048), (16, 0, 512)]
 EXTEND_TURNS: list[dict[str, Any]] = [
     {},
