@@ -57,9 +57,11 @@ for part in ${PROBE_PARTS:-grid decode spec}; do
         cmd=(python3 benchmarks/profile_steps.py decode --prefill --steps 300 --max-tokens 256)
         limit=${DECODE_TIMEOUT:-120} ;;
     load3d)  # the all-rows products flat against in 3-d blocks (ENGINE_ROWS_LOAD_3D): each
-        # verify launch alone, then the default model's passes (random weights) both ways
+        # verify launch alone, then the default model's passes (random weights) flat and
+        # with the launches without SiLU*mul in 3-d blocks, twice in turn
         cmd=(bash -c 'python3 benchmarks/bench_gemv.py --load-3d --shapes smollm2_135m \
-            --dtype float32 --rows 8,13 && for v in 0 1; do echo "ENGINE_ROWS_LOAD_3D=$v"
+            --dtype float32 --rows 8,13 && for v in 0 plain 0 plain; do
+            echo "ENGINE_ROWS_LOAD_3D=$v"
             ENGINE_ROWS_LOAD_3D=$v python3 benchmarks/bench_steps.py --preset smollm2_135m \
             --dtype float32 --batches 1 --context 512 --max-context 8192 --tree-nodes 8,13
             done')

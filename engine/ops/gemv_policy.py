@@ -59,22 +59,28 @@ ROWS_WIDE_CONFIG: dict | None = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, LOOP_S
 ROWS_WIDE_MAX_WEIGHT_ELEMENTS = 32 * 2**20  # the widest weight timed so is 28M elements
 
 
-def _switch(name: str) -> bool:
-    """An on/off environment variable: unset, "" or "0" off, "1" on; anything else refused."""
+LOAD_3D_MODES = {"": "off", "0": "off", "1": "all", "plain": "plain"}
+
+
+def _load_3d_mode(name: str) -> str:
+    """The environment variable `name` as a LOAD_3D_MODES mode: unset, "" or "0" off, "1" all,
+    "plain"; anything else refused."""
     value = os.environ.get(name, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name} must be 0 or 1 (or unset); got {value!r}")
-    return value == "1"
+    if value not in LOAD_3D_MODES:
+        raise ValueError(f"{name} must be 0, 1 or plain (or unset); got {value!r}")
+    return LOAD_3D_MODES[value]
 
 
-# ENGINE_ROWS_LOAD_3D=1: the all-rows launches load x's rows and the weight tiles as 3-d
-# blocks (`gemv_rows_kernel`'s LOAD_3D), whose accumulator holds a few keys a thread. Compiled
-# for sm_90 at a verify pass's 13 rows, the sum over the keys after the loop shrinks from 322
+# ENGINE_ROWS_LOAD_3D: the all-rows launches load x's rows and the weight tiles as 3-d
+# blocks (`gemv_rows_kernel`'s LOAD_3D), whose accumulator holds a few keys a thread: "1"
+# every launch, "plain" those without SiLU*mul (qkv, o_proj, down), else none. Compiled for
+# sm_90 at a verify pass's 13 rows, the sum over the keys after the loop shrinks from 322
 # shuffles a thread to 64 (o_proj; its code 1224 instructions long against 608), for 115
 # registers against 96 (one program an SM either way). Off: timed on an H100, the narrow
 # products shorten (0.75-0.92x), gate_up lengthens (1.11-1.29x) and a verify pass of the default
-# model's shapes runs 1.04-1.14x slower (docs/benchmarks.md, "The opt-in variants timed").
-ROWS_LOAD_3D = _switch("ENGINE_ROWS_LOAD_3D")
+# model's shapes runs 1.04-1.14x slower with every launch so (docs/benchmarks.md, "The opt-in
+# variants timed").
+ROWS_LOAD_3D = _load_3d_mode("ENGINE_ROWS_LOAD_3D")
 
 
 # The NORM prologue needs no pass over the row before the products: RMSNorm(x) . w =
@@ -126,7 +132,7 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
     `silu_mul`: columns of SiLU*mul's output, each reading a gate and an up row) on `num_sms`
     SMs: ROWS_BLOCK_N columns a program (ROWS_SILU_BLOCK_N with `silu_mul`), ROWS_PRODUCTS
     products a row per key step, ROWS_LOOP_STAGES key steps in flight (none from
-    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on), loads in 3-d blocks with ROWS_LOAD_3D."""
+    PIPELINE_MAX_PROGRAMS_PER_SM programs an SM on), loads in 3-d blocks where ROWS_LOAD_3D says."""
     block_n = ROWS_SILU_BLOCK_N if silu_mul else ROWS_BLOCK_N
     return dict(
         BLOCK_N=block_n,
@@ -134,7 +140,7 @@ def rows_config(columns: int, num_sms: int, silu_mul: bool = False) -> dict:
         num_warps=4,
         num_stages=3,
         LOOP_STAGES=_loop_stages(ROWS_LOOP_STAGES, triton.cdiv(columns, block_n), num_sms),
-        LOAD_3D=ROWS_LOAD_3D,
+        LOAD_3D=ROWS_LOAD_3D == "all" or (ROWS_LOAD_3D == "plain" and not silu_mul),
         all_rows=True,
     )
 

@@ -159,23 +159,24 @@ def test_rows_config_takes_the_measured_tiles():
 
 
 def test_rows_config_loads_3d_blocks_where_asked(monkeypatch):
-    """ENGINE_ROWS_LOAD_3D (read into ROWS_LOAD_3D) gives every all-rows launch the 3-d
-    loads; off by default."""
-    assert gemv_policy.rows_config(960, 132)["LOAD_3D"] is gemv_policy.ROWS_LOAD_3D
-    monkeypatch.setattr(gemv_policy, "ROWS_LOAD_3D", True)
-    assert gemv_policy.rows_config(960, 132)["LOAD_3D"] is True
-    assert gemv_policy.rows_config(1536, 132, silu_mul=True)["LOAD_3D"] is True
+    """ENGINE_ROWS_LOAD_3D (read into ROWS_LOAD_3D) gives the all-rows launches the 3-d
+    loads: "all" every launch, "plain" those without SiLU*mul; off by default."""
+    assert gemv_policy.ROWS_LOAD_3D == "off"
+    for mode, plain, silu in (("off", False, False), ("all", True, True), ("plain", True, False)):
+        monkeypatch.setattr(gemv_policy, "ROWS_LOAD_3D", mode)
+        assert gemv_policy.rows_config(960, 132)["LOAD_3D"] is plain
+        assert gemv_policy.rows_config(1536, 132, silu_mul=True)["LOAD_3D"] is silu
 
 
-def test_an_on_off_variable_refuses_other_values(monkeypatch):
-    for value, on in (("", False), ("0", False), ("1", True)):
+def test_the_load_3d_variable_refuses_other_values(monkeypatch):
+    for value, mode in (("", "off"), ("0", "off"), ("1", "all"), ("plain", "plain")):
         monkeypatch.setenv("ENGINE_ROWS_LOAD_3D", value)
-        assert gemv_policy._switch("ENGINE_ROWS_LOAD_3D") is on
+        assert gemv_policy._load_3d_mode("ENGINE_ROWS_LOAD_3D") == mode
     monkeypatch.delenv("ENGINE_ROWS_LOAD_3D")
-    assert gemv_policy._switch("ENGINE_ROWS_LOAD_3D") is False
+    assert gemv_policy._load_3d_mode("ENGINE_ROWS_LOAD_3D") == "off"
     monkeypatch.setenv("ENGINE_ROWS_LOAD_3D", "yes")
-    with pytest.raises(ValueError, match="ENGINE_ROWS_LOAD_3D must be 0 or 1"):
-        gemv_policy._switch("ENGINE_ROWS_LOAD_3D")
+    with pytest.raises(ValueError, match="ENGINE_ROWS_LOAD_3D must be 0, 1 or plain"):
+        gemv_policy._load_3d_mode("ENGINE_ROWS_LOAD_3D")
 
 
 def test_the_model_runs_silu_after_gate_up_with_the_silu_launch(monkeypatch):
@@ -503,7 +504,7 @@ class _NormInAllRows(TorchOps):
         return gemv.norm_gemv_silu(x, residual, norm_weight, eps, weight.contiguous(), config)
 
 
-@pytest.mark.parametrize("load_3d", [False, True])
+@pytest.mark.parametrize("load_3d", ["off", "all", "plain"])
 def test_forward_with_norms_in_the_all_rows_products_equals_torch_path(
     two_passes, monkeypatch, load_3d
 ):
