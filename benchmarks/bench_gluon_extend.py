@@ -61,13 +61,20 @@ def sm90_report(variant: tuple) -> dict:
     def desc(rows: int) -> str:
         return f"tensordesc<bf16[{rows}, 128],{shared_layout([rows, 128])}>"
 
-    names = ["q_desc", "k_desc", "v_desc", "out", "qo_indptr", "sm_scale_log2", "stride_ot",
-             "stride_oh", "GROUP", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "WS", "REGS",
-             "num_warps"]  # fmt: skip
+    names = prefill_kernel.arg_names  # the kernel's parameters, in order
+    values = {
+        "GROUP": 4,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "HEAD_DIM": 128,
+        "STAGES": stages,
+        "WS": ws,
+        "REGS": turn_regs(ws, maxnreg),
+        "num_warps": warps,
+    }
     types = [desc(block_m // warpgroups(ws)), desc(block_n), desc(block_n), "*bf16", "*i32"]
-    types += ["fp32", "i32", "i32"] + ["constexpr"] * 8
-    values = (4, block_m, block_n, 128, stages, ws, turn_regs(ws, maxnreg), warps)
-    constexprs = {(8 + i,): value for i, value in enumerate(values)}
+    types += ["fp32", "i32", "i32"] + ["constexpr"] * len(values)
+    constexprs = {(names.index(name),): value for name, value in values.items()}
     source = GluonASTSource(prefill_kernel, dict(zip(names, types, strict=True)), constexprs, {})
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     kernel = triton.compile(source, target=kernel_launches._target(), options=options)
